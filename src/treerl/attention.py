@@ -1,0 +1,146 @@
+"""Tree attention for Hugging Face models.
+
+One model call runs a *segment*: a contiguous range of tree tokens (the queries), after
+an optional prefix of ancestor keys/values computed by earlier calls. Every key and query
+carries its global tree index, and one rule decides visibility everywhere (DESIGN.md):
+
+    query q sees key k  iff  k <= q < subtree_end[k]
+
+The function registered with ``transformers.AttentionInterface`` reads a
+:class:`TreeAttention` from the keyword ``tree_attention`` (HF forwards it to every
+attention call); it refuses to run without one, because a custom attention function
+receives ``attention_mask=None`` and would otherwise silently attend everything.
+It also records each layer's keys/values (post-RoPE, one per KV head) when asked, so
+later segments can use them as their prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN_NAME = "treerl"
+KWARG = "tree_attention"
+BACKENDS = ("sdpa", "flex")
+
+KV = tuple[torch.Tensor, torch.Tensor]  # ([1, kv_heads, n, head_dim], same)
+
+
+@dataclass
+class TreeAttention:
+    """Everything one model call needs to attend over a tree segment.
+
+    ``q_index`` [Nq] and ``k_index`` [Nk] are global tree indices (keys = prefix tokens
+    then the queries themselves), ``k_end`` [Nk] the keys' subtree ends. ``prefix[l]`` is
+    the list of (K, V) pieces of layer ``l`` that precede this call's own keys.
+    """
+
+    backend: str
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    k_end: torch.Tensor
+    prefix: list[list[KV]] | None = None
+    capture: bool = False
+    captured: dict[int, KV] = field(default_factory=dict)
+    _mask: object = None
+
+    def mask(self) -> object:
+        """The visibility mask, built once per call and shared by all layers."""
+        if self._mask is None:
+            if self.backend == "sdpa":
+                self._mask = dense_tree_mask(self.q_index, self.k_index, self.k_end)[None, None]
+            else:
+                self._mask = flex_block_mask(self.q_index, self.k_index, self.k_end)
+        return self._mask
+
+
+def dense_tree_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor) -> torch.Tensor:
+    """[Nq, Nk] boolean visibility. O(Nq * Nk): for the SDPA backend and small segments."""
+    q = q_index[:, None]
+    return (k_index[None, :] <= q) & (q < k_end[None, :])
+
+
+# ----------------------------------------------------------------------------- flex
+_flex_compiled = None
+
+
+def _flex_attention():
+    global _flex_compiled
+    if _flex_compiled is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex_compiled = torch.compile(flex_attention, dynamic=True)
+    return _flex_compiled
+
+
+def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor):
+    """Block-sparse mask (128 x 128 blocks) for compiled flex attention (CUDA)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def tree_mask_mod(b, h, q, kv):
+        qi = q_index[q]
+        return (k_index[kv] <= qi) & (qi < k_end[kv])
+
+    return create_block_mask(
+        tree_mask_mod, B=None, H=None, Q_LEN=len(q_index), KV_LEN=len(k_index), device=q_index.device
+    )
+
+
+# ------------------------------------------------------------------- the HF function
+def tree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [1, H, Nq, D], key/value [1, H_kv, Nq, D] -> ([1, Nq, H, D], None)."""
+    ctx: TreeAttention | None = kwargs.get(KWARG)
+    if ctx is None:
+        raise RuntimeError(
+            "treerl attention was called without a tree mask: run the model through "
+            "treerl.TreeEngine (it passes tree_attention=...), or switch the model back "
+            "to its own attention implementation"
+        )
+    if attention_mask is not None:
+        raise RuntimeError("treerl attention got an HF attention_mask too; pass only the tree mask")
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError("sliding-window attention is not supported by treerl")
+    layer = module.layer_idx
+    if ctx.capture:
+        ctx.captured[layer] = (key, value)
+    if ctx.prefix:
+        pieces = ctx.prefix[layer]
+        key = torch.cat([k for k, _ in pieces] + [key], dim=2)
+        value = torch.cat([v for _, v in pieces] + [value], dim=2)
+    gqa = query.shape[1] != key.shape[1]
+    if ctx.backend == "sdpa":
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=ctx.mask(), scale=scaling, enable_gqa=gqa
+        )
+    else:
+        out = _flex_attention()(query, key, value, block_mask=ctx.mask(), scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, tree_attention_forward)
+
+
+@contextlib.contextmanager
+def tree_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
+    """Route the model's attention through treerl for the duration of the block."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTN_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

@@ -1,0 +1,423 @@
+"""TreeEngine: exact forward and backward of a Hugging Face causal LM over a prefix tree.
+
+Every mode is a :mod:`plan <treerl.plan>` of segments run by the one executor below:
+
+- a *single-level* plan (``flat``, ``packed``, or ``auto``/``dfs`` when every tree fits)
+  runs each segment's forward and backward once; a loss that is not ``separable`` across
+  segments goes through the two-phase path instead, unless there is one segment;
+- otherwise, two phases (DESIGN.md, "Loss semantics"): a no-grad forward over the
+  segments in depth-first order gives every tree token's logprob (and entropy); the loss
+  runs on leaf copies of the per-sequence tensors, giving dL/dlogp per sequence token;
+  these are summed per tree token and injected into a backward that recomputes each
+  segment with its ancestors' keys/values as detached leaves. A chain segment's backward
+  runs after all its descendants, with the key/value gradients they accumulated.
+
+Gradients equal those of running every sequence alone, shared tokens computed once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .attention import BACKENDS, KV, TreeAttention, tree_attention_enabled
+from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
+from .plan import MODES, Plan, make_plan
+from .tree import PrefixTree, TokenSequence
+
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass
+class TreeOutputs:
+    """Per tree token: the logprob of the token given its path, and the entropy of the
+    distribution it was drawn from (no grad). Root tokens hold 0."""
+
+    tree: PrefixTree
+    logprob: torch.Tensor  # [N]
+    entropy: torch.Tensor | None  # [N] or None
+
+    def per_sequence(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Split a [N] tree-token tensor into per-sequence tensors for tokens 1..L-1."""
+        index = _seq_targets(self.tree).to(values.device)
+        return list(values[index].split((self.tree.seq_lengths - 1).tolist()))
+
+
+@dataclass
+class StepStats:
+    """What the last engine call did: model calls, tokens, plan, seconds."""
+
+    mode: str = ""
+    plan: str = ""
+    model_calls: int = 0
+    tokens_run: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def _seq_targets(tree: PrefixTree) -> torch.Tensor:
+    """Tree tokens of positions 1..L-1 of every sequence, concatenated in input order."""
+    keep = torch.ones(tree.num_flat_tokens, dtype=torch.bool)
+    keep[tree.seq_offsets[:-1]] = False
+    return tree.seq_index[keep]
+
+
+@dataclass
+class _Batch:
+    """A tree laid out for one mode, its plan, and its index tensors on the device."""
+
+    tree: PrefixTree
+    plan: Plan
+    token_ids: torch.Tensor
+    position: torch.Tensor
+    parent: torch.Tensor
+    subtree_end: torch.Tensor
+    targets: list[torch.Tensor]
+    seq_targets: torch.Tensor
+    seq_lengths: list[int]  # L - 1 per sequence
+
+
+class TreeEngine:
+    """Forward/backward of ``model`` over prefix trees.
+
+    Args:
+        model: a Hugging Face causal LM (Qwen2, Qwen3, Llama families and alike).
+        mode: ``"auto"`` (default), ``"packed"``, ``"dfs"`` or ``"flat"`` (no sharing).
+        max_tokens: most tree tokens in one model call (the micro-batch budget).
+        chunk_tokens: largest piece of a node in one call when nodes are split; also
+            the batch budget of ``dfs``.
+        attention: ``"auto"`` (flex on CUDA, SDPA elsewhere), ``"sdpa"`` or ``"flex"``.
+        temperature: logits are divided by it before the softmax (match the sampler's).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mode: str = "auto",
+        *,
+        max_tokens: int = 8192,
+        chunk_tokens: int = 2048,
+        attention: str = "auto",
+        temperature: float = 1.0,
+        logits_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a whole number of at least 1 token, got {max_tokens!r}")
+        if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be a whole number of at least 1 token, got {chunk_tokens!r}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        self.model = model
+        self.base = model.base_model
+        self.head = model.get_output_embeddings()
+        _check_supported(model, self.head)
+        self.device = self.head.weight.device
+        if attention == "auto":
+            attention = "flex" if self.device.type == "cuda" else "sdpa"
+        if attention not in BACKENDS:
+            raise ValueError(f"unknown attention backend {attention!r}: choose auto, {', '.join(BACKENDS)}")
+        if attention == "flex" and self.device.type != "cuda":
+            raise ValueError("the flex attention backend needs a CUDA model here (CPU flex has no backward)")
+        self.mode, self.attention = mode, attention
+        self.max_tokens, self.chunk_tokens = max_tokens, chunk_tokens
+        self.temperature, self.logits_chunk_elements = temperature, logits_chunk_elements
+        self.num_layers = model.config.num_hidden_layers
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.stats = StepStats()
+
+    # ------------------------------------------------------------------ public API
+    def plan(self, tree: PrefixTree | Sequence[TokenSequence]) -> Plan:
+        """The segments this engine would run for ``tree``."""
+        return make_plan(self._layout(tree), self.mode, self.max_tokens, self.chunk_tokens)
+
+    @torch.no_grad()
+    def forward(self, tree: PrefixTree | Sequence[TokenSequence], entropy: bool = False) -> TreeOutputs:
+        """No-grad forward: logprob (and entropy) of every tree token."""
+        batch = self._prepare(tree)
+        t0 = time.perf_counter()
+        lp, ent = self._forward_all(batch, entropy)
+        self._finish_stats(batch, t0)
+        return TreeOutputs(batch.tree, lp, ent)
+
+    def logprobs(
+        self, tree: PrefixTree | Sequence[TokenSequence], entropy: bool = False
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per input sequence (input order): log p(token t | tokens < t) for t = 1..L-1.
+
+        With ``entropy=True`` also returns the entropies of those distributions.
+        """
+        out = self.forward(tree, entropy)
+        lps = out.per_sequence(out.logprob)
+        return (lps, out.per_sequence(out.entropy)) if entropy else lps
+
+    def forward_backward(
+        self,
+        tree: PrefixTree | Sequence[TokenSequence],
+        loss_fn: LossFn,
+        *,
+        entropy: bool = False,
+        separable: bool = False,
+    ) -> float:
+        """Accumulate d loss / d parameters into ``.grad`` and return the loss.
+
+        ``loss_fn(logprobs)`` (or ``loss_fn(logprobs, entropies)`` with ``entropy=True``)
+        gets the per-sequence tensors of :meth:`logprobs`, with grad, and returns a scalar.
+        ``separable=True`` promises the loss is a sum of per-sequence terms (global
+        normalisers fixed in advance); it is then called once per micro-batch with the
+        sequences of that micro-batch and ``index=`` their input indices, which saves the
+        no-grad forward when the plan is single-level.
+        """
+        batch = self._prepare(tree)
+        t0 = time.perf_counter()
+        if batch.plan.single_level and (separable or len(batch.plan.segments) == 1):
+            loss = self._forward_backward_segments(batch, loss_fn, entropy, separable)
+        else:
+            loss = self._forward_backward_two_phase(batch, loss_fn, entropy, separable)
+        self._finish_stats(batch, t0)
+        return loss
+
+    # ------------------------------------------------------------------- preparing
+    def _layout(self, tree: PrefixTree | Sequence[TokenSequence]) -> PrefixTree:
+        if not isinstance(tree, PrefixTree):
+            return PrefixTree.from_sequences(tree, share_prefixes=self.mode != "flat")
+        return tree.unshared() if self.mode == "flat" else tree
+
+    def _prepare(self, tree: PrefixTree | Sequence[TokenSequence]) -> _Batch:
+        layout = self._layout(tree)
+        self._check_inputs(layout)
+        plan = make_plan(layout, self.mode, self.max_tokens, self.chunk_tokens)
+        dev = self.device
+        self.stats = StepStats(mode=self.mode, plan=plan.describe())
+        return _Batch(
+            tree=layout,
+            plan=plan,
+            token_ids=layout.token_ids.to(dev),
+            position=layout.position.to(dev),
+            parent=layout.parent.to(dev),
+            subtree_end=layout.subtree_end.to(dev),
+            targets=[t.to(dev) for t in plan.targets],
+            seq_targets=_seq_targets(layout).to(dev),
+            seq_lengths=(layout.seq_lengths - 1).tolist(),
+        )
+
+    def _check_inputs(self, tree: PrefixTree) -> None:
+        bad = tree.token_ids[tree.seq_index] >= self.vocab_size
+        if bad.any():
+            pos = int(bad.nonzero()[0, 0])
+            seq = int(torch.searchsorted(tree.seq_offsets, pos, right=True)) - 1
+            token = int(tree.token_ids[tree.seq_index[pos]])
+            raise ValueError(
+                f"sequence {seq}: token id {token} at position {pos - int(tree.seq_offsets[seq])} is "
+                f"outside the model's vocabulary (size {self.vocab_size})"
+            )
+        if self.max_positions is not None:
+            too_long = (tree.seq_lengths > self.max_positions).nonzero()
+            if len(too_long):
+                seq = int(too_long[0, 0])
+                raise ValueError(
+                    f"sequence {seq} has {int(tree.seq_lengths[seq])} tokens, more than the model's "
+                    f"context of {self.max_positions} positions (max_position_embeddings): shorten it"
+                )
+
+    def _finish_stats(self, batch: _Batch, t0: float) -> None:
+        self.stats.seconds = time.perf_counter() - t0
+
+    # ------------------------------------------------------------ one model call
+    def _call(
+        self, b: _Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, list[KV] | None]:
+        """Run segment ``i`` after ``prefix`` (per ancestor, per layer K/V).
+
+        Returns the logprobs (and entropies) of the segment's targets, and its own
+        per-layer K/V if ``capture``.
+        """
+        seg = b.plan.segments[i]
+        q_index = torch.arange(seg.start, seg.end, device=self.device)
+        if prefix:
+            ancestors = b.plan.ancestors(i)
+            k_index = torch.cat(
+                [torch.arange(b.plan.segments[a].start, b.plan.segments[a].end, device=self.device) for a in ancestors]
+                + [q_index]
+            )
+            per_layer = [[piece[layer] for piece in prefix] for layer in range(self.num_layers)]
+        else:
+            k_index, per_layer = q_index, None
+        ctx = TreeAttention(
+            self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture
+        )
+        self.stats.model_calls += 1
+        self.stats.tokens_run += seg.size
+        with torch.set_grad_enabled(grad), tree_attention_enabled(self.model):
+            hidden = self.base(
+                input_ids=b.token_ids[seg.start : seg.end][None],
+                position_ids=b.position[seg.start : seg.end][None],
+                use_cache=False,
+                tree_attention=ctx,
+            ).last_hidden_state[0]
+            targets = b.targets[i]
+            lp, ent = token_logprobs(
+                hidden[b.parent[targets] - seg.start],
+                self.head.weight,
+                b.token_ids[targets],
+                temperature=self.temperature,
+                with_entropy=entropy,
+                chunk_elements=self.logits_chunk_elements,
+            )
+        kv = [ctx.captured[layer] for layer in range(self.num_layers)] if capture else None
+        return lp, ent, kv
+
+    def _buffers(self, b: _Batch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        dtype = compute_dtype(self.head.weight.dtype)
+        n = b.tree.num_tree_tokens
+        lp = torch.zeros(n, dtype=dtype, device=self.device)
+        return lp, (torch.zeros(n, dtype=dtype, device=self.device) if entropy else None)
+
+    # ------------------------------------------------------- phase 1: no-grad forward
+    def _forward_all(self, b: _Batch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Depth-first over segments, keeping only the current path's K/V."""
+        lp_all, ent_all = self._buffers(b, entropy)
+        path: list[tuple[int, list[KV]]] = []
+        for i, seg in enumerate(b.plan.segments):
+            while path and path[-1][0] != seg.parent:
+                path.pop()
+            has_children = bool(b.plan.children[i])
+            if not has_children and len(b.targets[i]) == 0:
+                continue  # nothing predicted from here and nobody attends it
+            lp, ent, kv = self._call(
+                b, i, [kv for _, kv in path], capture=has_children, grad=False, entropy=entropy
+            )
+            lp_all[b.targets[i]] = lp
+            if entropy:
+                ent_all[b.targets[i]] = ent
+            if has_children:
+                path.append((i, kv))
+        return lp_all, ent_all
+
+    # ------------------------------------------------- single-level: one pass each
+    def _forward_backward_segments(self, b: _Batch, loss_fn: LossFn, entropy: bool, separable: bool) -> float:
+        tree = b.tree
+        roots = tree.seq_index[tree.seq_offsets[:-1]]
+        starts = torch.tensor([s.start for s in b.plan.segments])
+        seg_of_seq = torch.searchsorted(starts, roots, right=True) - 1
+        lengths = torch.tensor(b.seq_lengths)
+        seq_starts = torch.cumsum(lengths, 0) - lengths
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, seg in enumerate(b.plan.segments):
+            seqs = (seg_of_seq == i).nonzero()[:, 0]
+            if len(seqs) == 0:
+                continue
+            lp, ent, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy)
+            # Segment-local gather: per-sequence tensors as views of one gathered tensor.
+            spans = [torch.arange(int(seq_starts[s]), int(seq_starts[s] + lengths[s])) for s in seqs.tolist()]
+            flat_index = b.seq_targets[torch.cat(spans).to(self.device)] - seg.start
+            local_index = b.targets[i] - seg.start
+            sizes = lengths[seqs].tolist()
+            outs = [self._scatter_gather(lp, local_index, seg.size, flat_index, sizes)]
+            if entropy:
+                outs.append(self._scatter_gather(ent, local_index, seg.size, flat_index, sizes))
+            loss = loss_fn(*outs, index=seqs) if separable else loss_fn(*outs)
+            _check_loss(loss)
+            loss.backward()
+            total += loss.detach().to(torch.float64)
+        return float(total)
+
+    @staticmethod
+    def _scatter_gather(values, local_index, size, flat_index, sizes) -> list[torch.Tensor]:
+        local = values.new_zeros(size).index_copy(0, local_index, values)
+        return list(local[flat_index].split(sizes))
+
+    # ------------------------------------------------------------------ two phases
+    def _forward_backward_two_phase(self, b: _Batch, loss_fn: LossFn, entropy: bool, separable: bool) -> float:
+        with torch.no_grad():
+            lp_all, ent_all = self._forward_all(b, entropy)
+        leaves = [lp_all[b.seq_targets].requires_grad_()]
+        if entropy:
+            leaves.append(ent_all[b.seq_targets].requires_grad_())
+        outs = [list(leaf.split(b.seq_lengths)) for leaf in leaves]
+        if separable:
+            loss = loss_fn(*outs, index=torch.arange(b.tree.num_sequences))
+        else:
+            loss = loss_fn(*outs)
+        _check_loss(loss)
+        loss.backward()
+        grads = []
+        for leaf, buf in zip(leaves, (lp_all, ent_all)):
+            g = torch.zeros_like(buf)
+            if leaf.grad is not None:
+                g.index_add_(0, b.seq_targets, leaf.grad)
+            grads.append(g)
+        self._backward_all(b, grads[0], grads[1] if entropy else None)
+        return float(loss.detach())
+
+    def _backward_all(self, b: _Batch, g_lp: torch.Tensor, g_ent: torch.Tensor | None) -> None:
+        """Phase 2: recompute each segment with grad and inject the loss gradients."""
+        entropy = g_ent is not None
+        plan = b.plan
+        # Stack of open chain segments on the current path: (index, K/V leaves, graph).
+        path: list[tuple[int, list[KV], tuple | None]] = []
+
+        def outputs_and_grads(i, lp, ent):
+            outs, grads = [lp], [g_lp[b.targets[i]]]
+            if entropy:
+                outs.append(ent)
+                grads.append(g_ent[b.targets[i]])
+            return outs, grads
+
+        def close(entry) -> None:
+            i, leaves, graph = entry
+            if graph is None:  # recompute: ancestors' leaves are the rest of the path
+                graph = self._call(b, i, [lv for _, lv, _ in path], capture=True, grad=True, entropy=entropy)
+            lp, ent, kv = graph
+            outs, grads = outputs_and_grads(i, lp, ent)
+            for (k, v), (leaf_k, leaf_v) in zip(kv, leaves):
+                for out, leaf in ((k, leaf_k), (v, leaf_v)):
+                    if leaf.grad is not None:
+                        outs.append(out)
+                        grads.append(leaf.grad)
+            torch.autograd.backward(outs, grads)
+
+        for i, seg in enumerate(plan.segments):
+            while path and path[-1][0] != seg.parent:
+                close(path.pop())
+            prefix = [lv for _, lv, _ in path]
+            if plan.children[i]:
+                if seg.retain:
+                    graph = self._call(b, i, prefix, capture=True, grad=True, entropy=entropy)
+                    kv = graph[2]
+                else:
+                    graph = None
+                    with torch.no_grad():
+                        kv = self._call(b, i, prefix, capture=True, grad=False, entropy=False)[2]
+                leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
+                path.append((i, leaves, graph))
+            elif len(b.targets[i]):
+                lp, ent, _ = self._call(b, i, prefix, capture=False, grad=True, entropy=entropy)
+                torch.autograd.backward(*outputs_and_grads(i, lp, ent))
+        while path:
+            close(path.pop())
+
+
+def _check_loss(loss: torch.Tensor) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    if not loss.requires_grad:
+        raise ValueError("loss_fn returned a tensor that does not depend on the logprobs it was given")
+
+
+def _check_supported(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
+    config = model.config
+    if head is None or not hasattr(head, "weight"):
+        raise TypeError(f"{type(model).__name__} has no output embedding (LM head): pass a causal LM")
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError("LM heads with a bias are not supported")
+    for name in ("final_logit_softcapping", "logit_scale", "attn_logit_softcapping"):
+        if getattr(config, name, None) not in (None, 0, 1, 1.0):
+            raise NotImplementedError(f"models with {name}={getattr(config, name)} are not supported yet")
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise NotImplementedError("models with sliding-window attention layers are not supported yet")

@@ -1,0 +1,106 @@
+"""Building and loading Hugging Face causal LMs for treerl (no downloads: configs or
+local directories only), named model shapes, and the float64 RMSNorm fix."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+FAMILIES = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+}
+
+# Named shapes (random weights): what the benchmarks use.
+SHAPES: dict[str, dict] = {
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
+    ),
+    "small": dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32, vocab_size=4096, max_position_embeddings=16384,
+    ),
+    "qwen3-0.6b": dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        tie_word_embeddings=True, rope_theta=1_000_000.0,
+    ),
+    "qwen3-1.7b": dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        tie_word_embeddings=True, rope_theta=1_000_000.0,
+    ),
+}
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def make_config(family: str = "qwen3", shape: str | None = "tiny", **overrides):
+    """A config of ``family`` with a named ``shape`` and any overrides."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}: choose one of {', '.join(FAMILIES)}")
+    if shape is not None and shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}: choose one of {', '.join(SHAPES)}")
+    kwargs = dict(SHAPES[shape]) if shape else {}
+    kwargs.update(overrides)
+    return FAMILIES[family][0](**kwargs)
+
+
+def build_model(
+    family: str = "qwen3",
+    shape: str | None = "tiny",
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    **overrides,
+) -> torch.nn.Module:
+    """A randomly initialised causal LM (deterministic for a seed)."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    config = make_config(family, shape, **overrides)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = FAMILIES[family][1](config)
+    return model.to(dtype=dtype)
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype | str = "bfloat16", device: str = "cpu") -> torch.nn.Module:
+    """Load a causal LM saved with ``save_pretrained`` from a local directory."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+
+
+def rmsnorm_in_input_precision(model: torch.nn.Module) -> torch.nn.Module:
+    """Make HF's RMSNorm compute in the input's precision when that is above float32.
+
+    HF's RMSNorm always normalises in float32, even in a float64 model, which rounds
+    every hidden state to float32 and hides float64 exactness. For float32/bf16 inputs
+    the result is unchanged. Returns ``model`` (patched in place).
+    """
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_rmsnorm_forward, module)
+    return model
+
+
+def _rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    x = hidden_states.to(torch.promote_types(input_dtype, torch.float32))
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * x.to(input_dtype)

@@ -1,0 +1,208 @@
+"""Planning: which tree tokens run together in one model call.
+
+A plan is a forest of *segments*. A segment is a contiguous range of tree tokens (in the
+DFS layout) run in one call, after the keys/values of its ancestor segments. Only
+*chains* (a node, or a chunk of a long node) have child segments, so a segment's prefix
+is exactly the tokens of its ancestor segments, all of which it may attend.
+
+Every engine mode is a plan; the executor is shared:
+- ``packed``: whole trees, several per call up to ``max_tokens``; no prefixes.
+- ``flat``: ``packed`` over the unshared layout (one chain per sequence).
+- ``dfs``: depth-first (AReaL-DTA): a node per call (split into ``chunk_tokens`` pieces),
+  consecutive small sibling subtrees batched into one call up to ``chunk_tokens``.
+- ``auto``: whole subtrees packed up to ``max_tokens``; nodes of a tree too large for the
+  budget run as chains, with the subtrees below them packed again.
+
+A chain segment either *retains* its autograd graph while its descendants run (one
+forward) or *recomputes* it afterwards (a second, no-grad forward first); it retains
+when its tokens plus the largest live set below it fit the budget, which keeps the live
+activations of a step within the budget (DESIGN.md: memory of one root-to-leaf path).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .tree import PrefixTree
+
+log = logging.getLogger("treerl")
+
+MODES = ("flat", "packed", "dfs", "auto")
+
+
+class TreeTooLargeError(ValueError):
+    """A whole tree does not fit the token budget of a mode that cannot split it."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int  # first tree token
+    end: int  # exclusive end
+    parent: int  # index of the parent segment, -1 if none (no prefix)
+    retain: bool = False  # chain segments: keep the graph while children run
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Plan:
+    """Segments in execution (preorder) order, with per-segment loss-head targets."""
+
+    mode: str
+    segments: list[Segment]
+    children: list[list[int]]
+    targets: list[torch.Tensor]  # tree tokens whose logit is produced inside the segment
+    budget: int
+
+    @property
+    def single_level(self) -> bool:
+        """No segment has a prefix: every call is independent (packed / flat)."""
+        return all(s.parent < 0 for s in self.segments)
+
+    def ancestors(self, i: int) -> list[int]:
+        """Ancestor segments of ``i``, root first."""
+        chain = []
+        p = self.segments[i].parent
+        while p >= 0:
+            chain.append(p)
+            p = self.segments[p].parent
+        return chain[::-1]
+
+    def prefix_tokens(self, i: int) -> int:
+        return sum(self.segments[a].size for a in self.ancestors(i))
+
+    @property
+    def num_calls(self) -> int:
+        """Model calls of one forward+backward (a recomputed chain runs twice)."""
+        return len(self.segments) + sum(
+            1 for i, s in enumerate(self.segments) if self.children[i] and not s.retain
+        )
+
+    def peak_live_tokens(self) -> int:
+        """Largest number of tokens whose activations are alive at once in the backward."""
+        need = [0] * len(self.segments)
+        for i in reversed(range(len(self.segments))):
+            below = max((need[c] for c in self.children[i]), default=0)
+            s = self.segments[i]
+            need[i] = s.size + below if s.retain else max(s.size, below)
+        return max((need[i] for i, s in enumerate(self.segments) if s.parent < 0), default=0)
+
+    def describe(self) -> str:
+        chains = sum(1 for c in self.children if c)
+        recomputed = sum(1 for i, s in enumerate(self.segments) if self.children[i] and not s.retain)
+        return (
+            f"{self.mode}: {len(self.segments)} segments ({chains} chains, {recomputed} recomputed), "
+            f"{self.num_calls} calls, budget {self.budget} tokens, peak live {self.peak_live_tokens()} tokens"
+        )
+
+
+def make_plan(tree: PrefixTree, mode: str, max_tokens: int, chunk_tokens: int) -> Plan:
+    """Plan ``tree`` for ``mode`` (for ``flat``, pass the unshared tree)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1 token, got {max_tokens}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1 token, got {chunk_tokens}")
+    planner = _Planner(tree)
+    if mode in ("flat", "packed"):
+        planner.whole_trees(mode, max_tokens)
+        budget = max_tokens
+    else:
+        budget = chunk_tokens if mode == "dfs" else max_tokens
+        planner.split(group_budget=budget, chunk=min(chunk_tokens, budget))
+    segments = planner.finish(budget)
+    plan = Plan(mode, segments, planner.children, _targets(tree, segments), budget)
+    log.debug("plan %s", plan.describe())
+    return plan
+
+
+class _Planner:
+    def __init__(self, tree: PrefixTree):
+        self.tree = tree
+        self.start = tree.node_start.tolist()
+        self.end = tree.node_end.tolist()
+        self.sub_end = tree.subtree_end[tree.node_start].tolist()
+        self.kids: list[list[int]] = [[] for _ in self.start]
+        self.roots: list[int] = []
+        for node, parent in enumerate(tree.node_parent.tolist()):
+            (self.kids[parent] if parent >= 0 else self.roots).append(node)
+        self.raw: list[tuple[int, int, int]] = []  # (start, end, parent segment)
+
+    def _add(self, start: int, end: int, parent: int) -> int:
+        self.raw.append((start, end, parent))
+        return len(self.raw) - 1
+
+    def whole_trees(self, mode: str, budget: int) -> None:
+        sizes = [self.sub_end[r] - self.start[r] for r in self.roots]
+        for tree_no, (root, size) in enumerate(zip(self.roots, sizes)):
+            if size > budget:
+                what = "sequence" if mode == "flat" else "tree"
+                raise TreeTooLargeError(
+                    f"{what} {tree_no} has {size} tokens, more than max_tokens={budget}: raise "
+                    f"max_tokens, or use mode='auto' or 'dfs', which split large trees"
+                )
+        self._group(self.roots, parent=-1, budget=budget, oversized=None)
+
+    def split(self, group_budget: int, chunk: int) -> None:
+        def chain(node: int, parent: int) -> None:
+            for a in range(self.start[node], self.end[node], chunk):
+                parent = self._add(a, min(a + chunk, self.end[node]), parent)
+            self._group(self.kids[node], parent, group_budget, oversized=chain)
+
+        self._group(self.roots, -1, group_budget, oversized=chain)
+
+    def _group(self, nodes: list[int], parent: int, budget: int, oversized) -> None:
+        """Batch consecutive sibling subtrees into segments of at most ``budget`` tokens."""
+        first = last = None
+        for node in nodes:
+            size = self.sub_end[node] - self.start[node]
+            if size > budget:
+                if first is not None:
+                    self._add(self.start[first], self.sub_end[last], parent)
+                    first = None
+                oversized(node, parent)
+                continue
+            if first is not None and self.sub_end[node] - self.start[first] > budget:
+                self._add(self.start[first], self.sub_end[last], parent)
+                first = None
+            if first is None:
+                first = node
+            last = node
+        if first is not None:
+            self._add(self.start[first], self.sub_end[last], parent)
+
+    def finish(self, budget: int) -> list[Segment]:
+        n = len(self.raw)
+        self.children = [[] for _ in range(n)]
+        for i, (_, _, p) in enumerate(self.raw):
+            if p >= 0:
+                self.children[p].append(i)
+        # Bottom-up: retain a chain's graph only if it and the live set below it fit.
+        need = [0] * n
+        retain = [False] * n
+        for i in reversed(range(n)):
+            size = self.raw[i][1] - self.raw[i][0]
+            below = max((need[c] for c in self.children[i]), default=0)
+            retain[i] = bool(self.children[i]) and size + below <= budget
+            need[i] = size + below if retain[i] else max(size, below)
+        return [Segment(s, e, p, retain[i]) for i, (s, e, p) in enumerate(self.raw)]
+
+
+def _targets(tree: PrefixTree, segments: list[Segment]) -> list[torch.Tensor]:
+    """Per segment: the tree tokens predicted from a token inside it (parent in range)."""
+    starts = np.array([s.start for s in segments], dtype=np.int64)
+    assert np.all(np.diff(starts) > 0), "segments must be in layout order"
+    seg_of_token = np.searchsorted(starts, np.arange(tree.num_tree_tokens), side="right") - 1
+    parent = tree.parent.numpy()
+    child = np.flatnonzero(parent >= 0)
+    owner = seg_of_token[parent[child]]
+    by_owner = np.argsort(owner, kind="stable")
+    counts = np.bincount(owner, minlength=len(segments))
+    return list(torch.from_numpy(child[by_owner]).split(counts.tolist()))
