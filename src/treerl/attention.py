@@ -78,16 +78,63 @@ def _flex_attention():
     return _flex_compiled
 
 
-def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor):
-    """Block-sparse mask (128 x 128 blocks) for compiled flex attention (CUDA)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+FLEX_BLOCK = 128
+
+
+def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor, block: int = FLEX_BLOCK):
+    """Block-sparse tree mask for flex attention, built in O(N + blocks), never N x N.
+
+    A segment's queries are one contiguous range of tree indices, so the queries that key
+    ``k`` is visible to form one interval of rows ``[k - q0, k_end - q0)``. A (query
+    block, key block) tile is skipped when no key's interval meets its rows, runs without
+    the mask function when every key's interval covers all of them, and is masked
+    elementwise otherwise.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = q_index.device
+    nq_tok, nk_tok = len(q_index), len(k_index)
+    nq, nk = -(-nq_tok // block), -(-nk_tok // block)
+    q0 = q_index[0]
+    lo = (k_index - q0).clamp(0, nq_tok)  # first query row that sees key k
+    hi = (k_end - q0).clamp(0, nq_tok)  # one past the last
+    seen = hi > lo
+    key_block = torch.arange(nk_tok, device=device) // block
+    # Tiles touched by some key: +1/-1 at each key's first/past-last query block, cumsum.
+    touch = torch.zeros(nq + 1, nk, dtype=torch.int32, device=device)
+    ones = seen.to(torch.int32)
+    touch.index_put_((lo // block, key_block), ones, accumulate=True)
+    touch.index_put_((-(-hi // block), key_block), -ones, accumulate=True)
+    touched = touch.cumsum(0)[:nq] > 0
+    # Tiles where every key sees every row (partial edge tiles never count as full).
+    pad = nk * block - nk_tok
+    lo_p = F.pad(torch.where(seen, lo, nq_tok), (0, pad), value=nq_tok).view(nk, block)
+    hi_p = F.pad(torch.where(seen, hi, 0), (0, pad), value=0).view(nk, block)
+    row_start = torch.arange(nq, device=device) * block
+    row_end = row_start + block
+    full = (lo_p.amax(1)[None, :] <= row_start[:, None]) & (hi_p.amin(1)[None, :] >= row_end[:, None])
+    partial = touched & ~full
+
+    def blocks(which: torch.Tensor):
+        count = which.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~which).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return count[None, None], order[None, None]
+
+    # Index tensors padded to whole blocks so the mask function never reads past them:
+    # padded queries see nothing, padded keys are seen by nobody.
+    q_pad = F.pad(q_index, (0, nq * block - nq_tok), value=-1)
+    k_pad = F.pad(k_index, (0, pad), value=torch.iinfo(k_index.dtype).max)
+    end_pad = F.pad(k_end, (0, pad), value=0)
 
     def tree_mask_mod(b, h, q, kv):
-        qi = q_index[q]
-        return (k_index[kv] <= qi) & (qi < k_end[kv])
+        qi = q_pad[q]
+        return (k_pad[kv] <= qi) & (qi < end_pad[kv])
 
-    return create_block_mask(
-        tree_mask_mod, B=None, H=None, Q_LEN=len(q_index), KV_LEN=len(k_index), device=q_index.device
+    kv_num, kv_idx = blocks(partial)
+    full_num, full_idx = blocks(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=tree_mask_mod,
+        seq_lengths=(nq_tok, nk_tok),
     )
 
 
