@@ -79,6 +79,9 @@ def _flex_attention():
 
 
 FLEX_BLOCK = 128
+# The main Triton kernel always: with dynamic shapes, segments under 128 queries would
+# otherwise be routed to the decoding kernel, which has no valid config for them.
+FLEX_KERNEL = {"BACKEND": "TRITON"}
 
 
 def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor, block: int = FLEX_BLOCK):
@@ -174,7 +177,9 @@ def tree_attention_forward(
             query, key, value, attn_mask=ctx.mask(), scale=scaling, enable_gqa=gqa
         )
     else:
-        out = _flex_attention()(query, key, value, block_mask=ctx.mask(), scale=scaling, enable_gqa=gqa)
+        out = _flex_attention()(
+            query, key, value, block_mask=ctx.mask(), scale=scaling, enable_gqa=gqa, kernel_options=FLEX_KERNEL
+        )
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -41,6 +41,7 @@ class BenchConfig:
     repeats: int = 3
     warmup: int = 1
     seed: int = 0
+    longest: bool = False  # also time flat on the single longest sequence (memory reference)
 
 
 @dataclass
@@ -125,14 +126,17 @@ def run(cfg: BenchConfig, model: torch.nn.Module | None = None, progress: bool =
     vocab = model.get_input_embeddings().num_embeddings
     peak_tflops = next((v for k, v in PEAK_BF16_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
     rows: list[BenchRow] = []
-    jobs = [(w, m) for w in cfg.workloads for m in cfg.modes]
+    jobs = [(w, m) for w in cfg.workloads for m in cfg.modes + (("longest",) if cfg.longest else ())]
     bar = _progress(jobs, progress)
     for workload, mode in bar:
         seqs = make_workload(workload, spec, vocab, seed=cfg.seed)
+        if mode == "longest":  # flat on the longest sequence alone: the memory reference
+            seqs = [max(seqs, key=len)]
         tree = PrefixTree.from_sequences(seqs)
         loss_fn = weighted_logprob_loss(tree, cfg.seed)
         engine = TreeEngine(
-            model, mode, max_tokens=cfg.max_tokens, chunk_tokens=cfg.chunk_tokens, attention=cfg.attention
+            model, "flat" if mode == "longest" else mode, max_tokens=cfg.max_tokens,
+            chunk_tokens=cfg.chunk_tokens, attention=cfg.attention,
         )
         row = BenchRow(workload, mode, tree.num_sequences, tree.num_flat_tokens, tree.num_tree_tokens,
                        tree.ideal_ratio, calls=0, seconds=float("nan"))
@@ -149,7 +153,7 @@ def run(cfg: BenchConfig, model: torch.nn.Module | None = None, progress: bool =
             bar.set_postfix(workload=workload, mode=mode, s=f"{row.seconds:.3f}")
     for row in rows:
         flat = next((r for r in rows if r.workload == row.workload and r.mode == "flat"), None)
-        if flat is not None and not row.error and not flat.error:
+        if flat is not None and row.mode != "longest" and not row.error and not flat.error:
             row.speedup = flat.seconds / row.seconds
             row.fraction_of_ideal = row.speedup / row.ideal_ratio
     if peak_tflops:
@@ -199,6 +203,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=d.repeats)
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--longest", action="store_true", help="also run flat on the longest sequence alone")
     p.add_argument("--json", type=Path, help="also write the rows here")
     return p
 
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
         family=args.family, shape=args.shape, dtype=args.dtype, device=args.device, scale=args.scale,
         workloads=tuple(args.workloads.split(",")), modes=tuple(args.modes.split(",")),
         max_tokens=args.max_tokens, chunk_tokens=args.chunk_tokens, attention=args.attention,
-        repeats=args.repeats, warmup=args.warmup, seed=args.seed,
+        repeats=args.repeats, warmup=args.warmup, seed=args.seed, longest=args.longest,
     )
     if "flat" not in cfg.modes:
         cfg.modes = ("flat",) + cfg.modes  # the baseline is always measured in the same run
