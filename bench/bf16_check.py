@@ -36,7 +36,7 @@ def main():
     model32 = copy.deepcopy(model16).float()
     vocab = model16.config.vocab_size
     print(f"{args.shape} bf16 vs float32 on {args.device}")
-    print(f"{'workload':8} {'mode':6} {'|g-g32|/|g32|':>14} {'|g-gflat16|/|g32|':>18} {'ratio':>6}  verdict")
+    print(f"{'workload':8} {'mode':11} {'|g-g32|/|g32|':>14} {'|g-gflat16|/|g32|':>18} {'ratio':>6}  verdict")
     for workload in ("grpo", "agentic"):
         seqs = make_workload(workload, spec, vocab, seed=1)
         tree = treerl.PrefixTree.from_sequences(seqs)
@@ -53,13 +53,14 @@ def main():
         g32 = grads_of(treerl.TreeEngine(model32, "flat", **kw), tree, loss_fn)
         gflat = grads_of(treerl.TreeEngine(model16, "flat", **kw), tree, loss_fn)
         base = (gflat - g32).norm() / g32.norm()
-        print(f"{workload:8} {'flat':6} {base:14.3e} {0.0:18.3e} {'':>6}")
-        for mode in args.modes.split(","):
-            g = grads_of(treerl.TreeEngine(model16, mode, **kw), tree, loss_fn)
+        print(f"{workload:8} {'flat':11} {base:14.3e} {0.0:18.3e} {'':>6}")
+        for mode in args.modes.split(","):  # "packed:sdpa" picks an attention backend too
+            name, _, attention = mode.partition(":")
+            g = grads_of(treerl.TreeEngine(model16, name, attention=attention or "auto", **kw), tree, loss_fn)
             to32 = (g - g32).norm() / g32.norm()
             toflat = (g - gflat).norm() / g32.norm()
             ratio = toflat / base
-            print(f"{workload:8} {mode:6} {to32:14.3e} {toflat:18.3e} {ratio:6.2f}  {'ok' if ratio <= 1.5 else 'FAIL'}")
+            print(f"{workload:8} {mode:11} {to32:14.3e} {toflat:18.3e} {ratio:6.2f}  {'ok' if ratio <= 1.5 else 'FAIL'}")
 
 
 if __name__ == "__main__":

@@ -46,3 +46,35 @@ def test_flex_float32_matches_per_sequence(mode, kw, workload):
     for n, p in model.named_parameters():
         err = (p.grad - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)
         assert err < 1e-5, (n, float(err))
+
+
+@pytest.mark.parametrize("mode", ["packed", "dfs"])
+def test_no_host_sync_per_segment(mode):
+    """Host synchronisations of a step must not grow with the number of segments: count
+    them (torch's sync debug mode warns on each) for a plan of 2 and of ~20 segments."""
+    import warnings
+
+    model = build_model("qwen3", "tiny", dtype=torch.float32, device="cuda", seed=1)
+    seqs = [torch.as_tensor(s) for s in make_workload("grpo", SCALES["small"], 512, seed=3)]
+    weights = torch.randn(sum(len(s) - 1 for s in seqs), device="cuda")
+
+    def loss_fn(lps, index=None):
+        return (torch.cat(lps) * weights[: sum(len(lp) for lp in lps)]).sum()
+
+    def syncs(max_tokens, chunk_tokens):
+        engine = treerl.TreeEngine(model, mode, max_tokens=max_tokens, chunk_tokens=chunk_tokens, attention="flex")
+        engine.forward_backward(seqs, loss_fn, separable=True)  # warm-up: compile
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.forward_backward(seqs, loss_fn, separable=True)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        calls = engine.stats.model_calls
+        return sum("synchroniz" in str(w.message) for w in caught), calls
+
+    few, few_calls = syncs(4096, 4096)
+    many, many_calls = syncs(128, 64)
+    assert many_calls >= 5 * few_calls
+    assert many <= few + 2, (few, many)

@@ -82,9 +82,15 @@ def weighted_logprob_loss(tree: PrefixTree, seed: int = 0):
     weights = list(weights.split((tree.seq_lengths - 1).tolist()))
     total = float(tree.num_flat_tokens - tree.num_sequences)
 
+    on_device: dict = {}  # per device, copied once: a per-call copy would sync the host
+
     def loss_fn(logprobs, index=None):
         ids = range(len(logprobs)) if index is None else index.tolist()
-        return -sum((lp * weights[i].to(lp)).sum() for lp, i in zip(logprobs, ids)) / total
+        dev = logprobs[0].device
+        if dev not in on_device:
+            on_device[dev] = torch.cat(weights).to(dev).split([len(w) for w in weights])
+        w = on_device[dev]
+        return -sum((lp * w[i].to(lp.dtype)).sum() for lp, i in zip(logprobs, ids)) / total
 
     return loss_fn
 

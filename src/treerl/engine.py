@@ -194,6 +194,8 @@ class TreeEngine:
         plan = make_plan(layout, self.mode, self.max_tokens, self.chunk_tokens)
         dev = self.device
         self.stats = StepStats(mode=self.mode, plan=plan.describe())
+        # One host-to-device copy per array (a pageable copy synchronises the host).
+        targets = list(torch.cat(plan.targets).to(dev).split([len(t) for t in plan.targets]))
         return _Batch(
             tree=layout,
             plan=plan,
@@ -201,7 +203,7 @@ class TreeEngine:
             position=layout.position.to(dev),
             parent=layout.parent.to(dev),
             subtree_end=layout.subtree_end.to(dev),
-            targets=[t.to(dev) for t in plan.targets],
+            targets=targets,
             seq_targets=_seq_targets(layout).to(dev),
             seq_lengths=(layout.seq_lengths - 1).tolist(),
         )
@@ -301,23 +303,13 @@ class TreeEngine:
 
     # ------------------------------------------------- single-level: one pass each
     def _forward_backward_segments(self, b: _Batch, loss_fn: LossFn, entropy: bool, separable: bool) -> float:
-        tree = b.tree
-        roots = tree.seq_index[tree.seq_offsets[:-1]]
-        starts = torch.tensor([s.start for s in b.plan.segments])
-        seg_of_seq = torch.searchsorted(starts, roots, right=True) - 1
-        lengths = torch.tensor(b.seq_lengths)
-        seq_starts = torch.cumsum(lengths, 0) - lengths
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, seg in enumerate(b.plan.segments):
-            seqs = (seg_of_seq == i).nonzero()[:, 0]
+        for i, (seqs, flat_index, sizes) in enumerate(self._sequences_by_segment(b)):
             if len(seqs) == 0:
                 continue
+            seg = b.plan.segments[i]
             lp, ent, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy)
-            # Segment-local gather: per-sequence tensors as views of one gathered tensor.
-            spans = [torch.arange(int(seq_starts[s]), int(seq_starts[s] + lengths[s])) for s in seqs.tolist()]
-            flat_index = b.seq_targets[torch.cat(spans).to(self.device)] - seg.start
             local_index = b.targets[i] - seg.start
-            sizes = lengths[seqs].tolist()
             outs = [self._scatter_gather(lp, local_index, seg.size, flat_index, sizes)]
             if entropy:
                 outs.append(self._scatter_gather(ent, local_index, seg.size, flat_index, sizes))
@@ -326,6 +318,24 @@ class TreeEngine:
             loss.backward()
             total += loss.detach().to(torch.float64)
         return float(total)
+
+    def _sequences_by_segment(self, b: _Batch) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+        """Single-level plans: per segment, its sequences (input indices, CPU), the
+        segment-local tree positions of their tokens 1..L-1 (device) and their lengths."""
+        tree = b.tree
+        starts = torch.tensor([s.start for s in b.plan.segments])
+        seg_of_seq = torch.searchsorted(starts, tree.seq_index[tree.seq_offsets[:-1]], right=True) - 1
+        lengths = torch.tensor(b.seq_lengths)
+        seq_start = torch.cumsum(lengths, 0) - lengths
+        seq_targets = _seq_targets(tree)
+        groups, pieces = [], []
+        for i, seg in enumerate(b.plan.segments):
+            seqs = (seg_of_seq == i).nonzero()[:, 0]
+            groups.append(seqs)
+            pieces += [seq_targets[seq_start[s] : seq_start[s] + lengths[s]] - seg.start for s in seqs.tolist()]
+        flat = torch.cat(pieces).to(self.device) if pieces else torch.zeros(0, dtype=torch.int64, device=self.device)
+        per_segment = flat.split([int(lengths[g].sum()) for g in groups])
+        return [(g, idx, lengths[g].tolist()) for g, idx in zip(groups, per_segment)]
 
     @staticmethod
     def _scatter_gather(values, local_index, size, flat_index, sizes) -> list[torch.Tensor]:
