@@ -91,6 +91,9 @@ class TreeEngine:
             the batch budget of ``dfs``.
         attention: ``"auto"`` (flex on CUDA, SDPA elsewhere), ``"sdpa"`` or ``"flex"``.
         temperature: logits are divided by it before the softmax (match the sampler's).
+        value_head: make this a critic engine: a module mapping hidden states [T, H] to
+            values [T, 1]; every method then yields values where it would yield logprobs
+            (the value at element t is read at token t: the state before token t + 1).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class TreeEngine:
         attention: str = "auto",
         temperature: float = 1.0,
         logits_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+        value_head: torch.nn.Module | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -115,6 +119,7 @@ class TreeEngine:
         self.model = model
         self.base = model.base_model
         self.head = model.get_output_embeddings()
+        self.value_head = value_head
         _check_supported(model, self.head)
         self.device = self.head.weight.device
         if attention == "auto":
@@ -155,6 +160,12 @@ class TreeEngine:
         out = self.forward(tree, entropy)
         lps = out.per_sequence(out.logprob)
         return (lps, out.per_sequence(out.entropy)) if entropy else lps
+
+    def values(self, tree: PrefixTree | Sequence[TokenSequence]) -> list[torch.Tensor]:
+        """Critic engines: per input sequence, the values at tokens 0..L-2 (no grad)."""
+        if self.value_head is None:
+            raise ValueError("values() needs an engine built with value_head=...")
+        return self.logprobs(tree)
 
     def forward_backward(
         self,
@@ -263,14 +274,20 @@ class TreeEngine:
                 tree_attention=ctx,
             ).last_hidden_state[0]
             targets = b.targets[i]
-            lp, ent = token_logprobs(
-                hidden[b.parent[targets] - seg.start],
-                self.head.weight,
-                b.token_ids[targets],
-                temperature=self.temperature,
-                with_entropy=entropy,
-                chunk_elements=self.logits_chunk_elements,
-            )
+            rows = hidden[b.parent[targets] - seg.start]
+            if self.value_head is not None:
+                if entropy:
+                    raise ValueError("a critic engine (value_head) has no entropies")
+                lp, ent = self.value_head(rows)[:, 0].to(compute_dtype(rows.dtype)), None
+            else:
+                lp, ent = token_logprobs(
+                    rows,
+                    self.head.weight,
+                    b.token_ids[targets],
+                    temperature=self.temperature,
+                    with_entropy=entropy,
+                    chunk_elements=self.logits_chunk_elements,
+                )
         kv = [ctx.captured[layer] for layer in range(self.num_layers)] if capture else None
         return lp, ent, kv
 
