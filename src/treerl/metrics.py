@@ -1,0 +1,127 @@
+"""Per-step metrics: a JSONL file always, TensorBoard and Weights & Biases when installed
+and enabled, PNG plots and a one-screen summary at the end of a run."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+PLOTS = {
+    "reward.png": [("reward/mean", "train reward"), ("eval/accuracy", "held-out accuracy")],
+    "tree_ratio.png": [("tree/ideal_ratio", "flat / tree tokens")],
+    "throughput.png": [("perf/train_tokens_per_s", "train flat tokens/s"), ("perf/rollout_tokens_per_s", "rollout tokens/s")],
+}
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, wandb: bool = False, config: dict | None = None,
+                 resume: bool = False):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / "metrics.jsonl"
+        if not resume and self.path.exists():
+            self.path.unlink()
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+            except Exception:  # tensorboard not installed: JSONL only
+                self._tb = None
+        self._wandb = None
+        if wandb:
+            try:
+                import wandb as wb
+
+                self._wandb = wb.init(project="treerl", dir=str(self.out_dir), config=config or {})
+            except Exception:
+                self._wandb = None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        for key, value in row.items():
+            if key in ("step", "time") or not isinstance(value, (int, float)):
+                continue
+            if self._tb is not None:
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(row, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
+    """PNG plots of reward/accuracy, tree ratio and throughput over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    out_dir = Path(out_dir)
+    written = []
+    for name, series in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        drawn = False
+        for key, label in series:
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=label)
+                drawn = True
+        if not drawn:
+            plt.close(fig)
+            continue
+        ax.set_xlabel("step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        written.append(out_dir / name)
+    return written
+
+
+def summary(rows: list[dict], wall_s: float, extra: dict | None = None) -> str:
+    """A one-screen run summary."""
+
+    def first_last(key):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return (vals[0], vals[-1]) if vals else (None, None)
+
+    lines = ["", "=" * 64, "treerl run summary", "=" * 64]
+    for key, label in [("eval/accuracy", "held-out accuracy"), ("reward/mean", "train reward"),
+                       ("tree/ideal_ratio", "tree ratio (flat/unique)"), ("perf/train_tokens_per_s", "train tokens/s")]:
+        a, b = first_last(key)
+        if a is not None:
+            lines.append(f"{label:28} start {a:10.4f}   end {b:10.4f}")
+    lines.append(f"{'steps':28} {rows[-1]['step'] if rows else 0}")
+    lines.append(f"{'wall time':28} {wall_s / 60:.1f} min")
+    for k, v in (extra or {}).items():
+        lines.append(f"{k:28} {v}")
+    lines.append("=" * 64)
+    return "\n".join(lines)
