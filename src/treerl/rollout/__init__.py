@@ -1,0 +1,28 @@
+"""treerl.rollout: the embedded rollout (generation) engine.
+
+Batched sampling with a shared-prefix KV cache from a Hugging Face causal LM: each
+prompt is prefilled once and its KV shared by its G samples; temperature/top-k/top-p,
+stop tokens and strings, max new tokens; tree rollouts (forks at chosen completion
+lengths); per-token behaviour logprobs and weight versions; in-process weight updates.
+"""
+
+from .engine import Completion, Group, RolloutEngine, RolloutStats
+from .kv import SlotCache, rollout_attention
+from .params import SamplingParams
+from .sampling import apply_top_k, apply_top_p, sample, sampling_distribution
+from .stops import StopChecker
+
+__all__ = [
+    "RolloutEngine",
+    "SamplingParams",
+    "Completion",
+    "Group",
+    "RolloutStats",
+    "SlotCache",
+    "StopChecker",
+    "apply_top_k",
+    "apply_top_p",
+    "sample",
+    "sampling_distribution",
+    "rollout_attention",
+]

@@ -1,0 +1,187 @@
+"""The rollout engine's KV cache and attention.
+
+``SlotCache`` is a ``transformers`` ``Cache`` with preallocated per-layer buffers
+``[rows, kv_heads, capacity, head_dim]``: a forward writes its new keys/values at slots
+``[length, length + q)`` in place (no concatenation per step) and attends to the slice
+``[:length + q]``; or, in *static* mode (fixed shapes, for CUDA graphs), writes one token
+at a slot given by a device tensor and attends to the whole masked buffer. All rows share
+the slot index; rows of different prompt lengths are left-padded and the padding is
+hidden by the engine's additive attention mask.
+Rows are selected/repeated with :meth:`SlotCache.select` (sharing a prefilled prompt
+with its samples, forking tree branches, dropping finished rows).
+
+The engine always passes a ready 4-D additive mask ``[rows, 1, q, length + q]``, so the
+model's own mask building is skipped, and routes attention through
+:func:`rollout_attention` (registered as ``"treerl_rollout"``): SDPA, where a one-token
+decode step folds the query heads of each KV head into the query-length axis
+(``[B, Hkv, groups, D]``), so grouped-query attention never materialises repeated K/V.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+ATTN_NAME = "treerl_rollout"
+
+# SDPA kernels the rollout may use. cuDNN attention is left out: it builds a plan per new
+# shape (~1 ms of CPU per call), and eager decoding changes the key length every step.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Fixed-shape (static) steps also allow cuDNN attention, first: its plan is built once
+# per shape, and in a CUDA graph it is the fastest here (H200, decode of 64 x 1-2k tokens).
+SDPA_BACKENDS_STATIC = [SDPBackend.CUDNN_ATTENTION] + SDPA_BACKENDS
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's preallocated keys/values ``[B, Hkv, capacity, D]`` and its fill length."""
+
+    is_sliding = False
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        # zeros: unwritten slots are masked, and 0 x (masked weight 0) must not be NaN
+        self.keys = key_states.new_zeros(b, h, self.capacity, d)
+        self.values = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        end = self.length + q
+        if end > self.capacity:
+            raise RuntimeError(f"rollout KV cache overflow: {end} slots needed, capacity {self.capacity}")
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def update_static(self, key_states: torch.Tensor, value_states: torch.Tensor, index: torch.Tensor):
+        """Write one token per row at slot ``index`` (a device tensor ``[1]``) and return the
+        whole buffers: fixed shapes and no host values, so the step can be graph-captured.
+        ``length`` is advanced by the caller."""
+        self.keys.index_copy_(2, index, key_states)
+        self.values.index_copy_(2, index, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def select(self, index: torch.Tensor, capacity: int) -> None:
+        if not self.is_initialized:
+            self.capacity = capacity
+            return
+        keys = self.keys.new_zeros(len(index), self.keys.shape[1], capacity, self.keys.shape[3])
+        values = self.values.new_zeros(len(index), self.values.shape[1], capacity, self.values.shape[3])
+        keys[:, :, : self.length] = self.keys[index, :, : self.length]
+        values[:, :, : self.length] = self.values[index, :, : self.length]
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+
+class SlotCache(Cache):
+    """Preallocated KV cache of ``num_layers`` layers, ``capacity`` slots per row."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        super().__init__(layers=[_SlotLayer(capacity) for _ in range(num_layers)])
+        self.capacity = capacity
+        # set (a device tensor [1]) for one-token steps over the whole buffer: see _SlotLayer.update_static
+        self.static_index: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Slots filled (same for every layer between forwards)."""
+        return self.layers[0].length
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.static_index is not None:
+            return self.layers[layer_idx].update_static(key_states, value_states, self.static_index)
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def advance(self, n: int = 1) -> None:
+        """Count ``n`` slots written by static updates."""
+        for layer in self.layers:
+            layer.length += n
+
+    def select(self, index: torch.Tensor, capacity: int | None = None) -> "SlotCache":
+        """Keep rows ``index`` (repeats allowed: a row may be copied to several) with
+        ``capacity`` slots (default: unchanged). Copies only the filled slots."""
+        capacity = self.capacity if capacity is None else capacity
+        if capacity < self.length:
+            raise ValueError(f"capacity {capacity} below the {self.length} filled slots")
+        for layer in self.layers:
+            layer.select(index, capacity)
+        self.capacity = capacity
+        return self
+
+
+def rollout_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """SDPA with the engine's additive mask. ``query [B, Hq, q, D]``, ``key/value
+    [B, Hkv, L, D]``, mask ``[B, 1, q, L]``; returns ``[B, q, Hq, D]``. The engine's
+    fixed-shape steps pass ``rollout_static=True`` (through the model's kwargs)."""
+    if attention_mask is None:
+        raise RuntimeError("treerl rollout attention called without the engine's attention mask")
+    b, hq, q, d = query.shape
+    hkv = key.shape[1]
+    static = kwargs.get("rollout_static", False)
+    with sdpa_kernel(SDPA_BACKENDS_STATIC if static else SDPA_BACKENDS, set_priority=static):
+        if q == 1 and hq != hkv:
+            groups = hq // hkv
+            out = F.scaled_dot_product_attention(
+                query.reshape(b, hkv, groups, d), key, value, attn_mask=attention_mask, scale=scaling
+            )
+            return out.reshape(b, hq, 1, -1).transpose(1, 2).contiguous(), None
+        if hq != hkv:
+            key = key.repeat_interleave(hq // hkv, dim=1)
+            value = value.repeat_interleave(hq // hkv, dim=1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, rollout_attention)
+
+
+@contextlib.contextmanager
+def rollout_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
+    """Route every attention module of ``model`` through :func:`rollout_attention`."""
+    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()] if c is not None}
+    previous = {k: c._attn_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._attn_implementation = ATTN_NAME
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation = previous[k]

@@ -1,0 +1,152 @@
+"""Sampling pieces of treerl.rollout on handmade distributions: top-k, top-p, the
+sampler's frequencies and logprobs, parameter validation, stop detection."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from treerl.rollout import SamplingParams, StopChecker, apply_top_k, apply_top_p, sample, sampling_distribution
+
+NEG = float("-inf")
+
+
+def kept(logits: torch.Tensor) -> list[list[int]]:
+    return [torch.nonzero(torch.isfinite(row)).flatten().tolist() for row in logits]
+
+
+def test_top_k_keeps_the_k_largest_and_ties():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0], [0.0, 5.0, 5.0, 1.0, 4.0]], dtype=torch.float64)
+    assert kept(apply_top_k(logits, 2)) == [[0, 4], [1, 2]]
+    assert kept(apply_top_k(logits, 3)) == [[0, 1, 4], [1, 2, 4]]
+    # ties with the k-th largest are kept
+    assert kept(apply_top_k(torch.tensor([[1.0, 2.0, 2.0, 0.0]]), 2)) == [[1, 2]]
+    assert kept(apply_top_k(torch.tensor([[3.0, 2.0, 2.0, 0.0]]), 2)) == [[0, 1, 2]]
+    out = apply_top_k(logits, 2)
+    assert torch.equal(out[torch.isfinite(out)], logits[torch.isfinite(out)])  # kept values untouched
+    assert torch.equal(apply_top_k(logits, 0), logits) and torch.equal(apply_top_k(logits, 5), logits)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3], dtype=torch.float64)  # ranks: 1, 3, 0, 2
+    logits = probs.log()[None].repeat(6, 1)
+    ps = [0.3, 0.5, 0.6, 0.79, 0.81, 0.96]
+    got = [kept(apply_top_p(logits[i : i + 1], p))[0] for i, p in enumerate(ps)]
+    assert got == [[1], [1], [1, 3], [1, 3], [0, 1, 3], [0, 1, 2, 3]]
+    assert torch.equal(apply_top_p(logits, 1.0), logits)
+    # rows are independent; the top token survives any p
+    two = torch.stack([probs.log(), torch.tensor([0.97, 0.01, 0.01, 0.01], dtype=torch.float64).log()])
+    assert kept(apply_top_p(two, 0.9)) == [[0, 1, 3], [0]]
+    assert kept(apply_top_p(two, 1e-9)) == [[1], [0]]
+
+
+def test_sampling_distribution_by_hand():
+    logits = torch.tensor([[1.0, 2.0, 0.5, -1.0, 1.5]], dtype=torch.float64)
+    params = SamplingParams(temperature=0.5, top_k=3, top_p=0.8)
+    # by hand: scaled = [2, 4, 1, -2, 3]; top-3 -> {1, 4, 0}; softmax over them:
+    e = np.exp([2.0, 4.0, 3.0])
+    p = e / e.sum()  # tokens 0, 1, 4 -> 0.090, 0.665, 0.245
+    # top-p 0.8: 1 (0.665) then 4 (mass before 0.665 < 0.8) then 0 (mass before 0.91 >= 0.8) dropped
+    expected = np.zeros(5)
+    expected[[1, 4]] = p[[1, 2]] / (p[1] + p[2])
+    assert np.allclose(sampling_distribution(logits, params).numpy()[0], expected, atol=1e-12)
+
+
+def test_sample_frequencies_match_the_distribution():
+    logits = torch.tensor([1.0, 2.0, 0.5, -1.0, 1.5, 0.0], dtype=torch.float32)
+    params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
+    expected = sampling_distribution(logits[None].double(), params)[0].numpy()
+    n = 40000
+    gen = torch.Generator().manual_seed(0)
+    tokens, logp = sample(logits[None].repeat(n, 1), params, gen)
+    freq = np.bincount(tokens.numpy(), minlength=6) / n
+    sigma = np.sqrt(expected * (1 - expected) / n) + 1e-12
+    assert np.all(np.abs(freq - expected) <= 5 * sigma), (freq, expected)
+    assert freq[expected == 0].sum() == 0
+    # behaviour logprob = log-softmax of the temperature-scaled logits, before truncation
+    full = torch.log_softmax(logits / 0.7, -1)
+    assert torch.allclose(logp, full[tokens])
+
+
+def test_greedy_and_seeded_sampling():
+    logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    tok, lp = sample(logits, SamplingParams(temperature=0))
+    assert torch.equal(tok, logits.argmax(-1))
+    assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0], rtol=0, atol=1e-15)
+    p = SamplingParams(temperature=1.0)
+    a = sample(logits, p, torch.Generator().manual_seed(5))[0]
+    b = sample(logits, p, torch.Generator().manual_seed(5))[0]
+    c = sample(logits, p, torch.Generator().manual_seed(6))[0]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(n=0), "n "),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(stop_token_ids=[600]), "stop token"),
+        (dict(stop_strings=["x"]), "decode"),
+        (dict(stop_strings="x", decode=str), "sequence of strings"),
+        (dict(branch_points=[0]), "branch point"),
+        (dict(branch_points=[8], max_new_tokens=8), "branch point"),
+        (dict(branch_points=[2, 3], branch_factor=[2]), "branch_factor"),
+        (dict(branch_points=[2, 2]), "distinct"),
+    ],
+)
+def test_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs).validate(vocab_size=512)
+
+
+def test_branch_schedule_and_leaves():
+    p = SamplingParams(n=3, max_new_tokens=10, branch_points=[6, 2], branch_factor=[3, 2]).validate()
+    assert p.branch_schedule() == {2: 2, 6: 3} and p.max_leaves == 18
+    q = SamplingParams(n=2, max_new_tokens=10, branch_every=4, branch_factor=2).validate()
+    assert q.branch_schedule() == {4: 2, 8: 2} and q.max_leaves == 8
+
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def decode(ids):
+    # token t -> one letter, except tokens >= 100 which decode to two letters
+    return "".join(LETTERS[t % 26] + (LETTERS[(t + 1) % 26] if t >= 100 else "") for t in ids)
+
+
+def test_stop_checker_tokens_and_strings():
+    toks = np.array([0, 1, 2, 3, 4, 5, 6, 7])  # "abcdefgh"
+    assert StopChecker([5], [], None).find(toks, 0) == (6, 5)
+    assert StopChecker([5, 2], [], None).find(toks, 0) == (3, 2)
+    assert StopChecker([5], [], None).find(toks, 6) is None  # stops before `start` were seen already
+    sc = StopChecker([], ["def"], decode)
+    assert sc.find(toks, 0) == (6, "def")
+    assert sc.find(toks, 5) == (6, "def")  # string straddles the checked boundary
+    assert sc.find(toks[:5], 0) is None
+    # the earlier of a token and a string stop wins
+    assert StopChecker([6], ["cd"], decode).find(toks, 0) == (4, "cd")
+    assert StopChecker([2], ["cd"], decode).find(toks, 0) == (3, 2)
+    # a stop string completed inside a two-letter token: that token ends the completion
+    two = np.array([0, 106, 5])  # "a" "cd" "f"
+    assert StopChecker([], ["ac"], decode).find(two, 0) == (2, "ac")
+    # the string completed first is reported; at the same token, the one starting first
+    assert StopChecker([], ["gh", "bc"], decode).find(toks, 0) == (3, "bc")
+    assert StopChecker([], ["c", "bc"], decode).find(toks, 0) == (3, "bc")
+    # a string completed by the first unchecked token
+    assert StopChecker([], ["bcd"], decode).find(toks, 3) == (4, "bcd")
+
+
+def test_stop_checker_long_completion_windowed():
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 20, size=3000)  # letters a..t only
+    toks[2500:2503] = [23, 24, 25]  # "xyz"
+    sc = StopChecker([], ["xyz"], decode)
+    for start in (0, 2400, 2501, 2502):
+        assert sc.find(toks, start) == (2503, "xyz")
+    assert sc.find(toks[:2502], 2400) is None
+    assert math.isclose(len(decode(toks[:2503].tolist())), 2503)
