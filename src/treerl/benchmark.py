@@ -194,7 +194,8 @@ def format_table(rows: list[BenchRow]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="treerl bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="treerl bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = BenchConfig()
     p.add_argument("--family", default=d.family, choices=["qwen3", "qwen2", "llama"])
     p.add_argument("--shape", default=d.shape, choices=list(SHAPES))

@@ -1,25 +1,121 @@
-"""The `treerl` command line."""
+"""The `treerl` command line: train, eval, bench, tree-stats."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .tasks.base import RewardError
+    from .tasks.math import DatasetError
+    from .tree_stats import RolloutsError
+
+    return (ConfigError, CheckpointError, DatasetError, RewardError, RolloutsError, FileNotFoundError)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .config import Config
+    from .run import train
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).exists():
+        overrides.insert(0, config)
+        config = None
+    cfg = Config.from_yaml(config, overrides)
+    train(cfg, resume=args.resume)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import load_state, resolve_checkpoint
+    from .config import Config
+    from .models import load_model
+    from .tasks.tokenizer import CharTokenizer
+    from .trainer import Trainer
+
+    path = resolve_checkpoint(args.checkpoint)
+    state = load_state(path)
+    cfg = Config.from_dict(state["config"])
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        cfg.set(key, __import__("yaml").safe_load(value))
+    cfg.train.device = args.device
+    model = load_model(path / "model", dtype=cfg.model.dtype, device=args.device)
+    tokenizer = CharTokenizer.from_pretrained(path / "tokenizer") if (path / "tokenizer").exists() else None
+    trainer = Trainer(cfg, model=model, tokenizer=tokenizer)
+    torch.manual_seed(cfg.train.seed)
+    result = trainer.evaluate(args.n)
+    print(f"{path}: task {cfg.task.name}, {args.n or cfg.train.eval_problems} held-out problems: "
+          f"accuracy {result['eval/accuracy']:.3f}, mean reward {result['eval/reward']:.3f}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .benchmark import main as bench_main, parser as bench_parser
+
+    if "-h" in args.rest or "--help" in args.rest:
+        bench_parser().print_help()
+        raise SystemExit(0)
+    bench_main(args.rest)
+    return 0
+
+
+def cmd_tree_stats(args: argparse.Namespace) -> int:
+    from .tree_stats import main as stats_main
+
+    return stats_main(args.rollouts, plot=args.plot)
+
+
+def parser() -> argparse.ArgumentParser:
+    from .config import describe_sections
+
+    p = argparse.ArgumentParser(prog="treerl", description="RL post-training over prefix trees: every shared token computed once.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    t = sub.add_parser(
+        "train", help="train from a YAML config with key=value overrides",
+        description="Train a model with RL (optionally after SFT) from a YAML config.",
+        epilog="config sections and keys (override any as section.key=value):\n" + describe_sections(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    t.add_argument("config", nargs="?", help="YAML config file (optional: defaults otherwise)")
+    t.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=100")
+    t.add_argument("--resume", metavar="CHECKPOINT", help="a checkpoint, or a run directory (its newest checkpoint)")
+    t.set_defaults(func=cmd_train)
+    e = sub.add_parser("eval", help="held-out accuracy of a checkpoint",
+                       description="Greedy accuracy of a checkpoint on its task's held-out problems.")
+    e.add_argument("checkpoint", help="a checkpoint directory, or a run directory")
+    e.add_argument("overrides", nargs="*", help="section.key=value overrides (e.g. task.kwargs=...)")
+    e.add_argument("-n", type=int, default=None, help="number of held-out problems")
+    e.add_argument("--device", default="cpu")
+    e.set_defaults(func=cmd_eval)
+    b = sub.add_parser("bench", help="tree-vs-flat engine benchmark", add_help=False,
+                       description="Tree-vs-flat engine benchmark (see `treerl bench --help`).")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+    s = sub.add_parser("tree-stats", help="prefix-sharing statistics of a rollouts JSONL file",
+                       description="Sharing statistics of rollouts (one JSON object per line with token_ids; "
+                                   "lines with the same 'step' form one batch).")
+    s.add_argument("rollouts", type=Path)
+    s.add_argument("--plot", type=Path, help="also write depth and fan-out histograms as a PNG")
+    s.set_defaults(func=cmd_tree_stats)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"bench": "tree-vs-flat engine benchmark"}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        p = argparse.ArgumentParser(prog="treerl", description="RL post-training over prefix trees.")
-        p.add_argument("command", choices=list(commands), help="; ".join(f"{k}: {v}" for k, v in commands.items()))
-        p.parse_args(argv[:1])
+    if argv[:1] == ["bench"]:  # its own parser: `treerl bench --help` lists its options
+        return cmd_bench(argparse.Namespace(rest=argv[1:]))
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except _user_errors() as exc:
+        print(f"treerl {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    command, rest = argv[0], argv[1:]
-    if command == "bench":
-        from .benchmark import main as bench_main
-
-        bench_main(rest)
-    return 0
 
 
 if __name__ == "__main__":

@@ -117,6 +117,7 @@ class Trainer:
             raise ConfigError(f"task {self.task.name!r} has no training problems (empty dataset)")
         self.step_count = 0
         self.sft_count = 0
+        self.last_samples: list[Sample] = []
         self.cursor = 0  # position in the shuffled training problems
         self.epoch = 0
         self._order = self._shuffled(0)
@@ -255,6 +256,7 @@ class Trainer:
         t0 = time.perf_counter()
         problems = self.next_problems(cfg.rollout.prompts_per_step)
         samples = self.generate_samples(problems, cfg.rollout.group_size)
+        self.last_samples = samples
         timings["rollout"] = time.perf_counter() - t0
         rollout_tokens = sum(sum(s.loss_mask) for s in samples)
 
