@@ -250,14 +250,18 @@ class Trainer:
 
     # --------------------------------------------------------------------- step
     def step(self) -> dict[str, float]:
-        """One RL step; returns its metrics."""
-        cfg, alg = self.cfg, self.cfg.algorithm
-        timings = {}
+        """One synchronous RL step (rollout, then training on it); returns its metrics."""
         t0 = time.perf_counter()
-        problems = self.next_problems(cfg.rollout.prompts_per_step)
-        samples = self.generate_samples(problems, cfg.rollout.group_size)
+        problems = self.next_problems(self.cfg.rollout.prompts_per_step)
+        samples = self.generate_samples(problems, self.cfg.rollout.group_size)
+        return self.train_on(samples, rollout_seconds=time.perf_counter() - t0)
+
+    def train_on(self, samples: list[Sample], rollout_seconds: float = 0.0) -> dict[str, float]:
+        """Train on a batch of scored samples (from this trainer's rollout or from
+        asynchronous workers: behaviour logprobs and versions come with the samples)."""
+        cfg, alg = self.cfg, self.cfg.algorithm
         self.last_samples = samples
-        timings["rollout"] = time.perf_counter() - t0
+        timings = {"rollout": rollout_seconds}
         rollout_tokens = sum(sum(s.loss_mask) for s in samples)
 
         t1 = time.perf_counter()
@@ -268,8 +272,9 @@ class Trainer:
             "behaviour_logprobs": [torch.tensor(s.behaviour_logprobs, dtype=dtype) for s in samples],
         }
         updates = alg.ppo_epochs * alg.minibatches
+        stale = any(v < self.rollout.version for s in samples for v in s.versions)
         with self._autocast():
-            if updates > 1 or alg.behaviour_weight_cap is not None or alg.advantage == "reinforce_pp":
+            if updates > 1 or stale or alg.behaviour_weight_cap is not None or alg.advantage == "reinforce_pp":
                 fields["proximal_logprobs"] = [lp.cpu().to(dtype) for lp in self.engine.logprobs(tree)]
             if self.reference is not None:
                 fields["reference_logprobs"] = [lp.cpu().to(dtype) for lp in self.reference.logprobs(tree)]
@@ -306,7 +311,10 @@ class Trainer:
         self.step_count += 1
 
         rewards = torch.tensor([s.reward for s in samples])
+        versions = torch.tensor([min(s.versions) if s.versions else self.rollout.version for s in samples])
         out = {
+            "staleness/max": float(self.rollout.version - 1 - versions.min()),
+            "staleness/mean": float((self.rollout.version - 1 - versions).float().mean()),
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "tree/flat_tokens": tree.num_flat_tokens, "tree/tree_tokens": tree.num_tree_tokens,
             "tree/ideal_ratio": tree.ideal_ratio, "tree/sequences": tree.num_sequences,
