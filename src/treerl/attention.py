@@ -17,7 +17,6 @@ later segments can use them as their prefix.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -31,23 +30,24 @@ BACKENDS = ("sdpa", "flex")
 KV = tuple[torch.Tensor, torch.Tensor]  # ([1, kv_heads, n, head_dim], same)
 
 
-@dataclass
 class TreeAttention:
     """Everything one model call needs to attend over a tree segment.
 
     ``q_index`` [Nq] and ``k_index`` [Nk] are global tree indices (keys = prefix tokens
     then the queries themselves), ``k_end`` [Nk] the keys' subtree ends. ``prefix[l]`` is
-    the list of (K, V) pieces of layer ``l`` that precede this call's own keys.
+    the list of (K, V) pieces of layer ``l`` that precede this call's own keys. With
+    ``capture``, each layer's own (K, V) lands in ``captured[layer]``.
+
+    A plain class, not a dataclass: module wrappers (FSDP) copy dataclass arguments,
+    and the engine must read ``captured`` from this very object.
     """
 
-    backend: str
-    q_index: torch.Tensor
-    k_index: torch.Tensor
-    k_end: torch.Tensor
-    prefix: list[list[KV]] | None = None
-    capture: bool = False
-    captured: dict[int, KV] = field(default_factory=dict)
-    _mask: object = None
+    def __init__(self, backend: str, q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor,
+                 prefix: list[list[KV]] | None = None, capture: bool = False):
+        self.backend, self.q_index, self.k_index, self.k_end = backend, q_index, k_index, k_end
+        self.prefix, self.capture = prefix, capture
+        self.captured: dict[int, KV] = {}
+        self._mask = None
 
     def mask(self) -> object:
         """The visibility mask, built once per call and shared by all layers."""

@@ -80,6 +80,36 @@ class _Batch:
     seq_lengths: list[int]  # L - 1 per sequence
 
 
+class SegmentRunner(torch.nn.Module):
+    """One model call as one module forward: the base model over a segment, then the
+    loss head (chunked logprobs/entropies) or a value head on the rows that predict the
+    segment's targets. Being a module lets FSDP wrap it as the root, so the LM head's
+    weight is unsharded exactly while the head uses it."""
+
+    def __init__(self, model: torch.nn.Module, value_head: torch.nn.Module | None, temperature: float,
+                 chunk_elements: int):
+        super().__init__()
+        self.model = model
+        self.value_head = value_head
+        self.temperature, self.chunk_elements = temperature, chunk_elements
+
+    def forward(self, input_ids, position_ids, rows, targets, *, tree_attention: TreeAttention, entropy: bool):
+        """input_ids/position_ids [1, n]; rows [T] hidden rows to read; targets [T] token ids.
+        Returns (logprobs or values [T], entropies [T] or None)."""
+        hidden = self.model.base_model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, tree_attention=tree_attention
+        ).last_hidden_state[0]
+        picked = hidden[rows]
+        if self.value_head is not None:
+            if entropy:
+                raise ValueError("a critic engine (value_head) has no entropies")
+            return self.value_head(picked)[:, 0].to(compute_dtype(picked.dtype)), None
+        return token_logprobs(
+            picked, self.model.get_output_embeddings().weight, targets, temperature=self.temperature,
+            with_entropy=entropy, chunk_elements=self.chunk_elements,
+        )
+
+
 class TreeEngine:
     """Forward/backward of ``model`` over prefix trees.
 
@@ -132,6 +162,7 @@ class TreeEngine:
         self.max_tokens, self.chunk_tokens = max_tokens, chunk_tokens
         self.temperature, self.logits_chunk_elements = temperature, logits_chunk_elements
         self.num_layers = model.config.num_hidden_layers
+        self.runner = SegmentRunner(model, value_head, temperature, logits_chunk_elements)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.stats = StepStats()
@@ -267,27 +298,11 @@ class TreeEngine:
         self.stats.model_calls += 1
         self.stats.tokens_run += seg.size
         with torch.set_grad_enabled(grad), tree_attention_enabled(self.model):
-            hidden = self.base(
-                input_ids=b.token_ids[seg.start : seg.end][None],
-                position_ids=b.position[seg.start : seg.end][None],
-                use_cache=False,
-                tree_attention=ctx,
-            ).last_hidden_state[0]
             targets = b.targets[i]
-            rows = hidden[b.parent[targets] - seg.start]
-            if self.value_head is not None:
-                if entropy:
-                    raise ValueError("a critic engine (value_head) has no entropies")
-                lp, ent = self.value_head(rows)[:, 0].to(compute_dtype(rows.dtype)), None
-            else:
-                lp, ent = token_logprobs(
-                    rows,
-                    self.head.weight,
-                    b.token_ids[targets],
-                    temperature=self.temperature,
-                    with_entropy=entropy,
-                    chunk_elements=self.logits_chunk_elements,
-                )
+            lp, ent = self.runner(
+                b.token_ids[seg.start : seg.end][None], b.position[seg.start : seg.end][None],
+                b.parent[targets] - seg.start, b.token_ids[targets], tree_attention=ctx, entropy=entropy,
+            )
         kv = [ctx.captured[layer] for layer in range(self.num_layers)] if capture else None
         return lp, ent, kv
 

@@ -1,0 +1,132 @@
+"""Data-parallel training of a TreeEngine with FSDP2 (``fully_shard``), launched by torchrun.
+
+Ranks hold different trees, so their engines make different numbers of model calls per
+step (more segments, depth-first chains, two-phase recomputes). FSDP's per-call
+all-gathers and reduce-scatters would then pair up wrongly across ranks. A step therefore
+runs inside :func:`gradient_step`: parameters are all-gathered once when it opens,
+every call of the step accumulates unsharded gradients locally (no collectives), and
+when it closes one zero-loss call — identical on every rank — reduce-scatters the
+accumulated gradients once (then scaled from FSDP's mean to the sum). Parameters stay sharded between steps (and the optimizer
+state is sharded), gradients are summed over ranks (the loss is normalised over the
+global batch, see ``treerl.rl.Normalisers.all_reduce``), so the result does not depend
+on the number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..engine import TreeEngine
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(backend: str | None = None, timeout_s: float = 600.0) -> DistContext:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*):
+    NCCL with one GPU per process when CUDA is there, gloo on CPU otherwise."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared hosts)
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _fsdp_modules(engine: TreeEngine) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in engine.runner.modules() if isinstance(m, FSDPModule)]
+
+
+def shard(engine: TreeEngine, *, param_dtype: torch.dtype | None = None,
+          reduce_dtype: torch.dtype | None = None) -> None:
+    """Shard ``engine``'s model with FSDP2: one unit per decoder layer, the engine's
+    segment runner (embeddings, final norm, LM or value head) as the root unit.
+
+    ``param_dtype=torch.bfloat16`` computes in bf16 from float32 shards (mixed precision);
+    gradients are reduced in ``reduce_dtype`` (default: the parameters' dtype; pass float32
+    with bf16 compute). Gradients are summed over ranks.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in engine.model.base_model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(engine.runner, mp_policy=policy)
+
+
+@contextlib.contextmanager
+def gradient_step(engine: TreeEngine) -> Iterator[None]:
+    """Run any number of engine calls (forward, forward_backward, any mode) whose
+    gradients are summed over all ranks when the block ends."""
+    modules = _fsdp_modules(engine)
+    if not modules:
+        raise RuntimeError("gradient_step needs an engine sharded with treerl.distributed.shard(engine)")
+    for m in modules:
+        m.set_reshard_after_forward(False)
+        m.set_reshard_after_backward(False)
+        m.set_requires_gradient_sync(False, recurse=False)
+    for m in modules:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+            m.set_reshard_after_backward(True)
+            m.set_reshard_after_forward(True)
+        _reduce_call(engine)
+        # FSDP averages over ranks; the loss is already normalised over the global batch,
+        # so the gradient is the sum. (A divide factor of 1 needs PREMUL_SUM, which gloo lacks.)
+        world = dist.get_world_size()
+        with torch.no_grad():
+            for p in engine.runner.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(world)
+
+
+def _reduce_call(engine: TreeEngine) -> None:
+    """One call, the same on every rank, whose zero loss carries the accumulated
+    gradients into FSDP's reduce-scatter."""
+    from .. import PrefixTree
+
+    tree = PrefixTree.from_sequences([[0, 0]])
+    engine.forward_backward(tree, lambda outs, *rest: 0.0 * outs[0].sum())
+
+
+def all_reduce_sum(value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(value, dtype=torch.float64, device=device).clone()
+    dist.all_reduce(t)
+    return t
+
+
+def full_gradients(engine: TreeEngine) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient (gathered from its shards), for checks."""
+    out = {}
+    for name, p in engine.model.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            out[name] = g.full_tensor() if hasattr(g, "full_tensor") else g
+    return out
