@@ -1,0 +1,262 @@
+"""A rollout worker: its own model copy and :class:`~treerl.rollout.RolloutEngine`
+(through a rollout-only :class:`~treerl.trainer.Trainer`, so samples are built and scored
+exactly as in synchronous training), a weight-listener thread and a heartbeat thread.
+
+Protocol (one task queue and one result queue per worker incarnation):
+
+- trainer -> worker: a list of :class:`~treerl.async_rl.ledger.WorkUnit` (generated in one
+  ``generate`` call), or ``None`` to stop.
+- worker -> trainer: :class:`Ready` once the model is built, :class:`Result` per call,
+  :class:`Heartbeat` every ``heartbeat_s`` seconds while generation makes progress (a
+  forward hook counts model calls: a worker stuck inside a call stops beating),
+  :class:`WorkerFailed` with the traceback if anything raises.
+
+The listener thread applies every new weight version with
+``RolloutEngine.update_weights``, which interrupts an in-flight ``generate``: unfinished
+rows recompute their KV under the new weights and each token keeps the version that
+produced it. Before generating a unit, the worker waits until its weights are at least
+the unit's ``min_version`` (the trainer's version when it launched the unit).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .ledger import WorkUnit
+from .weights import WeightSource
+
+FAULT_KINDS = ("exit", "hang")
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """Fault injection for tests and drills: after ``after_decode_steps`` model calls of
+    generation, the worker's first incarnation exits abruptly (``exit``: ``os._exit``, no
+    message) or hangs inside the model call (``hang``). Restarted incarnations are healthy."""
+
+    kind: str
+    after_model_calls: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {self.kind!r}")
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker process needs (picklable).
+
+    ``config``: the run's ``Config.to_dict()``; ``device``: where this worker's model lives;
+    ``threads``: torch intra-op threads (CPU); ``setup``: optional ``"module:function"``
+    called first (e.g. to register a custom task); ``weights_timeout_s``: how long to wait
+    for weights of a unit's ``min_version`` before failing.
+    """
+
+    index: int
+    incarnation: int
+    config: dict
+    device: str
+    weights: WeightSource
+    threads: int = 1
+    heartbeat_s: float = 0.5
+    weights_timeout_s: float = 300.0
+    fault: FaultPlan | None = None
+    setup: str | None = None
+
+
+@dataclass
+class Ready:
+    worker: int
+    incarnation: int
+    pid: int
+
+
+@dataclass
+class Heartbeat:
+    worker: int
+    incarnation: int
+    version: int
+    model_calls: int
+
+
+@dataclass
+class Result:
+    """One generate call's output: per unit ``(uid, attempt, samples)``; ``seconds`` of
+    generation, ``tokens`` generated, versions of the weights seen during the call."""
+
+    worker: int
+    incarnation: int
+    units: list[tuple[int, int, list]]
+    seconds: float
+    tokens: int
+    first_version: int
+    last_version: int
+    recomputes: int = 0
+
+
+@dataclass
+class WorkerFailed:
+    worker: int
+    incarnation: int
+    error: str
+
+
+@dataclass
+class _State:
+    model_calls: int = 0
+    busy: bool = False
+    stop: bool = False
+    weights: threading.Condition = field(default_factory=threading.Condition)
+
+
+def rollout_only_config(config: dict, device: str):
+    """The run's config for a worker's rollout-only Trainer: same model/task/rollout
+    settings, on ``device``, without the reference model or critic (never used there)."""
+    from ..config import Config
+
+    cfg = Config.from_dict(config)
+    cfg.train.device = device
+    cfg.algorithm.kl_coef = 0.0
+    cfg.algorithm.advantage = "grpo"
+    cfg.train.tensorboard = cfg.train.wandb = cfg.train.progress = False
+    return cfg
+
+
+def run_setup(setup: str | None) -> None:
+    """Call ``"module:function"`` (or just import ``"module"``)."""
+    if not setup:
+        return
+    module, _, func = setup.partition(":")
+    mod = importlib.import_module(module)
+    if func:
+        getattr(mod, func)()
+
+
+def worker_main(spec: WorkerSpec, tasks: Any, results: Any) -> None:
+    """Process entry point (``torch.multiprocessing`` spawn target, or a Ray actor call)."""
+    try:
+        RolloutWorker(spec, results).serve(tasks)
+    except BaseException:  # noqa: BLE001 - report everything, then die
+        results.put(WorkerFailed(spec.index, spec.incarnation, traceback.format_exc()))
+        time.sleep(0.2)  # let the queue's feeder thread flush
+        raise
+
+
+class RolloutWorker:
+    """The worker's state: a rollout-only Trainer, the weight receiver and threads."""
+
+    def __init__(self, spec: WorkerSpec, results: Any):
+        self.spec, self.results = spec, results
+        torch.set_num_threads(max(1, spec.threads))
+        run_setup(spec.setup)
+        device = torch.device(spec.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        from ..trainer import Trainer
+
+        self.trainer = Trainer(rollout_only_config(spec.config, spec.device))
+        self.engine = self.trainer.rollout
+        self.engine.version = -1  # no published weights yet
+        self.state = _State()
+        self.trainer.model.register_forward_hook(self._on_model_call)
+        self.receiver = spec.weights.open(device, self.trainer.model)
+        self._threads = [threading.Thread(target=self._listen, name="weights", daemon=True),
+                         threading.Thread(target=self._beat, name="heartbeat", daemon=True)]
+
+    # ------------------------------------------------------------------ threads
+    def _on_model_call(self, module, args, output) -> None:
+        self.state.model_calls += 1
+        fault = self.spec.fault
+        if fault is not None and self.spec.incarnation == 0 and self.state.model_calls >= fault.after_model_calls:
+            if fault.kind == "exit":
+                os._exit(17)
+            while True:  # hang: the model call never returns
+                time.sleep(3600)
+
+    def _listen(self) -> None:
+        while not self.state.stop:
+            got = self.receiver.receive(timeout=0.1)
+            if got is None:
+                continue
+            version, weights = got
+            self.engine.update_weights(weights, version=version)
+            with self.state.weights:
+                self.state.weights.notify_all()
+
+    def _beat(self) -> None:
+        last = -1
+        while not self.state.stop:
+            calls = self.state.model_calls
+            if not self.state.busy or calls != last:
+                self.results.put(Heartbeat(self.spec.index, self.spec.incarnation, self.engine.version, calls))
+                last = calls
+            time.sleep(self.spec.heartbeat_s)
+
+    # ------------------------------------------------------------------ serving
+    def serve(self, tasks: Any) -> None:
+        for t in self._threads:
+            t.start()
+        self.results.put(Ready(self.spec.index, self.spec.incarnation, os.getpid()))
+        try:
+            while True:
+                try:
+                    units = tasks.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if units is None:
+                    break
+                self.results.put(self.generate(units))
+        finally:
+            self.state.stop = True
+            self.receiver.close()
+
+    def _wait_for_version(self, version: int) -> None:
+        deadline = time.monotonic() + self.spec.weights_timeout_s
+        with self.state.weights:
+            while self.engine.version < version:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"worker {self.spec.index}: no weights of version >= {version} "
+                                       f"after {self.spec.weights_timeout_s} s (has {self.engine.version})")
+                self.state.weights.wait(min(left, 0.1))
+
+    def generate(self, units: list[WorkUnit]) -> Result:
+        """Generate and score every unit of the list in one call."""
+        self._wait_for_version(max(max(u.min_version for u in units), 0))
+        if units[0].rng_state:
+            torch.set_rng_state(torch.from_numpy(np.frombuffer(units[0].rng_state, dtype=np.uint8).copy()))
+        if self.trainer.multi_turn:  # several generate calls per episode: a stream of their own
+            torch.manual_seed(int(torch.randint(0, 2**62, ())) ^ 0x5EED)
+        problems = [p for u in units for p in u.problems]
+        first_version = self.engine.version
+        self.state.busy = True
+        t0 = time.perf_counter()
+        try:
+            samples = self.trainer.generate_samples(problems, units[0].group_size)
+        finally:
+            self.state.busy = False
+        seconds = time.perf_counter() - t0
+        if self.trainer.multi_turn:
+            # Trainer._episodes stamps every token with the version at the end of the
+            # episode; the oldest version seen is the safe (never too fresh) stamp.
+            for s in samples:
+                s.versions = [first_version] * len(s.versions)
+        out, start = [], 0
+        for u in units:
+            end = start + len(u.problems)
+            mine = [s for s in samples if start <= s.group < end]
+            out.append((u.uid, u.attempt, mine))
+            start = end
+        tokens = sum(sum(s.loss_mask) for s in samples)
+        return Result(self.spec.index, self.spec.incarnation, out, seconds, tokens, first_version,
+                      self.engine.version, self.engine.stats.recomputes)
