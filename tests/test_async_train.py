@@ -80,12 +80,14 @@ def test_dead_and_stuck_workers_lose_and_duplicate_nothing(tmp_path):
 
 def test_resume_keeps_versions_and_regenerates_pending_prompts(tmp_path):
     run = tmp_path / "run"
-    first = train_async(config(run, "train.steps=2", "async.max_staleness=2"), options=AsyncOptions(deadline_s=240))
+    # first run: broadcast transport (the NCCL code path, over Gloo); second: files
+    first = train_async(config(run, "train.steps=2", "async.max_staleness=2", "async.weight_transfer=gloo"),
+                        options=AsyncOptions(deadline_s=240))
     state = load_state(first["checkpoint"])
     assert state["version"] == 2
     pending = [u["uid"] for u in state["async"]["pending"]]
     assert pending, "eta = 2 keeps units in flight or buffered at the end"
-    second = train_async(config(run, "train.steps=5", "async.max_staleness=2"), resume=run,
+    second = train_async(config(run, "train.steps=5", "async.max_staleness=2", "async.weight_transfer=files"), resume=run,
                           options=AsyncOptions(deadline_s=240))
     assert second["version"] == 5
     steps = [r["step"] for r in rows(run / "metrics.jsonl") if "version" in r]

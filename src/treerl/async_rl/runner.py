@@ -137,15 +137,16 @@ class AsyncRunner:
         version = self.trainer.rollout.version
         if self.transfer == "shared":
             return SharedMemoryPublisher(self.trainer.model, version, mp.get_context("spawn"))
-        if self.transfer == "nccl":
-            from .nccl import NcclPublisher
+        if self.transfer in ("nccl", "gloo"):
+            from .nccl import CollectivePublisher
 
-            return NcclPublisher(self.trainer.model, version)
+            return CollectivePublisher(self.trainer.model, version, backend=self.transfer,
+                                       timeout_s=self.cfg.async_.worker_timeout_s)
         return FilePublisher(self.options.weights_dir or self.out_dir / "weights")
 
     def start(self) -> None:
         """Publish the current weights and start every worker."""
-        if self.transfer != "nccl":
+        if self.transfer not in ("nccl", "gloo"):  # push transports send on each worker's Ready
             self.publisher.publish(self.trainer.model, self.trainer.rollout.version)
         for i in self.workers:
             self._start_worker(i)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-TRANSFERS = ("auto", "shared", "files", "nccl")
+TRANSFERS = ("auto", "shared", "files", "nccl", "gloo")  # gloo: the broadcast path on CPU
 _FILE = re.compile(r"weights-(\d{8})\.safetensors$")
 
 
@@ -51,8 +51,8 @@ def choose_transfer(requested: str, trainer_device: str, worker_devices: list[st
     if requested not in TRANSFERS:
         raise ValueError(f"async.weight_transfer: unknown {requested!r}; choose one of {', '.join(TRANSFERS)}")
     if requested != "auto":
-        if launcher == "ray" and requested == "shared":
-            raise ValueError("async.weight_transfer=shared needs the process launcher (Ray workers may be remote)")
+        if launcher == "ray" and requested in ("shared", "nccl", "gloo"):
+            raise ValueError(f"async.weight_transfer={requested} needs the process launcher (Ray workers may be remote)")
         return requested
     if launcher == "ray":
         return "files"

@@ -1,0 +1,167 @@
+"""Asynchronous vs synchronous RL: wall-clock time to train the same number of samples on
+a workload with long-tailed generation lengths (``treerl.async_rl.longtail``: Pareto
+lengths, most completions short, a few up to ``--max-tokens``), same model, task and
+hardware.
+
+    python bench/bench_async.py                      # CPU processes (tiny model)
+    python bench/bench_async.py --device cuda        # trainer on cuda:0, worker on cuda:1,
+                                                     # NCCL weight broadcast, qwen3-0.6b bf16
+
+Synchronous: ``Trainer.step()`` (generate, then train) in one process (CPU: with all the
+threads the async run uses in total). Asynchronous: ``AsyncRunner`` with worker
+processes, for each ``--etas`` value. The clock starts once the workers have built their
+models (start-up excluded on both sides) and stops when the trainer has taken ``--steps``
+steps. The table also shows where the time went: the trainer's busy fraction (training
++ publishing) and the workers' generation fraction; the one near 1.0 is the limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from treerl.async_rl import AsyncOptions, AsyncRunner
+from treerl.async_rl.longtail import register
+from treerl.config import Config
+from treerl.trainer import Trainer
+
+DEFAULTS = {
+    "cpu": dict(shape="tiny", dtype="float32", prompts=16, group=8, max_tokens=256, min_tokens=8, steps=12, vocab=4096),
+    "cuda": dict(shape="qwen3-0.6b", dtype="bfloat16", prompts=16, group=8, max_tokens=512, min_tokens=16, steps=10,
+                 vocab=None),
+}
+
+
+def make_config(args, device: str, eta: int = 0) -> Config:
+    overrides = {} if args.vocab is None else {"vocab_size": args.vocab}
+    task = {"max_tokens": args.max_tokens, "min_tokens": args.min_tokens, "alpha": args.alpha}
+    return Config.from_yaml(None, [
+        "task.name=longtail", f"task.kwargs={json.dumps(task)}", f"model.shape={args.shape}",
+        f"model.dtype={args.dtype}", f"model.overrides={json.dumps(overrides)}",
+        f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
+        "optim.lr=1e-7", "optim.schedule=constant", f"train.steps={args.steps}", f"train.device={device}",
+        "train.eval_every=0", "train.tensorboard=false", "train.progress=false", f"train.seed={args.seed}",
+        f"async.max_staleness={eta}", f"async.workers={args.workers}", f"async.weight_transfer={args.transfer}",
+        "async.worker_timeout_s=600",
+    ])
+
+
+def run_sync(args) -> dict:
+    torch.set_num_threads(args.threads)
+    cfg = make_config(args, args.trainer_device)
+    trainer = Trainer(cfg)
+    t0 = time.perf_counter()
+    gen = train = 0.0
+    lengths = []
+    for _ in range(args.steps):
+        m = trainer.step()
+        gen += m["time/rollout_s"]
+        train += m["time/forward_s"] + m["time/update_s"]
+        lengths += [sum(s.loss_mask) for s in trainer.last_samples]
+    wall = time.perf_counter() - t0
+    return dict(mode="sync", eta="-", wall=wall, trainer_busy=train / wall, gen_busy=gen / wall, staleness=0.0,
+                lengths=lengths)
+
+
+def run_async(args, eta: int) -> dict:
+    torch.set_num_threads(1 if args.trainer_device == "cpu" else args.threads)
+    cfg = make_config(args, args.trainer_device, eta)
+    trainer = Trainer(cfg)
+    options = AsyncOptions(worker_devices=args.worker_devices, worker_threads=1,
+                           setup="treerl.async_rl.longtail:register", deadline_s=args.deadline)
+    runner = AsyncRunner(cfg, trainer, options, out_dir=args.out)
+    stale, train_s, lengths = [], [0.0], []
+
+    def on_step(metrics, samples):
+        stale.append(metrics["staleness/mean"])
+        train_s[0] += metrics["time/forward_s"] + metrics["time/update_s"] + metrics["async/publish_s"]
+        lengths.extend(sum(s.loss_mask) for s in samples)
+
+    try:
+        runner.start()
+        deadline = time.monotonic() + 900
+        while not all(w.ready for w in runner.workers.values()):  # start-up is not timed
+            runner.pump()
+            if time.monotonic() > deadline:
+                raise TimeoutError("workers did not start")
+            time.sleep(0.01)
+        runner.counters["gen_seconds"] = 0.0
+        t0 = time.perf_counter()
+        runner._last_step_end = t0
+        runner.run(args.steps, on_step)
+        wall = time.perf_counter() - t0
+    finally:
+        runner.close()
+    gen = runner.counters["gen_seconds"] / args.workers
+    return dict(mode="async", eta=eta, wall=wall, trainer_busy=train_s[0] / wall, gen_busy=gen / wall,
+                staleness=statistics.mean(stale), lengths=lengths)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--etas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--steps", type=int)
+    p.add_argument("--shape")
+    p.add_argument("--dtype")
+    p.add_argument("--prompts", type=int, help="prompt groups per step")
+    p.add_argument("--group", type=int, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, help="longest completion (the tail's cap)")
+    p.add_argument("--min-tokens", type=int, help="Pareto scale: shortest typical completion")
+    p.add_argument("--alpha", type=float, default=1.0, help="Pareto tail index (smaller: heavier tail)")
+    p.add_argument("--vocab", type=int, help="model vocabulary (CPU default 4096; CUDA: the shape's)")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--threads", type=int, help="CPU threads of the sync run (default: 1 + workers)")
+    p.add_argument("--transfer", default="auto", help="weight transfer: auto, shared, files, nccl")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deadline", type=float, default=600.0, help="seconds before an async run is abandoned")
+    p.add_argument("--out", default="runs/bench_async", help="scratch directory (file weight transfer)")
+    p.add_argument("--json", help="also write the results here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(argv)
+    for k, v in DEFAULTS[args.device].items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    args.threads = args.threads or 1 + args.workers
+    register()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if args.device == "cuda":
+        n = torch.cuda.device_count()
+        if n < 1 + args.workers:
+            raise SystemExit(f"--device cuda needs {1 + args.workers} GPUs (trainer + workers), found {n}")
+        args.trainer_device, args.worker_devices = "cuda:0", [f"cuda:{1 + i}" for i in range(args.workers)]
+    else:
+        args.trainer_device, args.worker_devices = "cpu", ["cpu"] * args.workers
+    print(f"workload: {args.shape} {args.dtype}, {args.prompts} prompts x {args.group} samples per step, "
+          f"{args.steps} steps, lengths Pareto(min {args.min_tokens}, alpha {args.alpha}) capped at {args.max_tokens}; "
+          f"trainer {args.trainer_device}, workers {args.worker_devices}", file=sys.stderr)
+    results = [run_sync(args)]
+    for eta in args.etas:
+        results.append(run_async(args, eta))
+    base = results[0]["wall"]
+    samples = args.steps * args.prompts * args.group
+    lengths = results[0]["lengths"]
+    print(f"\ncompletion lengths (sync run): mean {statistics.mean(lengths):.1f}, median {statistics.median(lengths):.0f}, "
+          f"max {max(lengths)} tokens; {samples} trained samples per run")
+    print(f"{'mode':6} {'eta':>3} {'wall s':>8} {'samples/s':>10} {'speedup':>8} {'staleness':>9} "
+          f"{'trainer busy':>12} {'gen busy':>8}")
+    for r in results:
+        print(f"{r['mode']:6} {r['eta']!s:>3} {r['wall']:8.2f} {samples / r['wall']:10.1f} {base / r['wall']:7.2f}x "
+              f"{r['staleness']:9.2f} {r['trainer_busy']:12.2f} {r['gen_busy']:8.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: v for k, v in r.items() if k != "lengths"} | {"samples": samples} for r in results], f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
