@@ -97,8 +97,9 @@ class CollectiveReceiver(WeightReceiver):
     def __init__(self, source: CollectiveSource, device: torch.device):
         self.source, self.device = source, device
         timeout = datetime.timedelta(seconds=source.timeout_s)
+        self.timeout = timeout
         self.store = dist.TCPStore(source.host, source.port, is_master=False, timeout=timeout)
-        self.group = _group(source.backend, dist.PrefixStore(source.prefix + "/pg", self.store), 1, timeout)
+        self.group = None  # made at the first push: the trainer makes its side on the worker's Ready
         self.flats = _flat_buffers(source.layout, device)
         self.views = _views(source.layout, self.flats)
         self.pushes = 0
@@ -111,6 +112,9 @@ class CollectiveReceiver(WeightReceiver):
                 return None
             time.sleep(0.002)
         version = int(self.store.get(key))
+        if self.group is None:
+            self.group = _group(self.source.backend, dist.PrefixStore(self.source.prefix + "/pg", self.store), 1,
+                                self.timeout)
         _broadcast(self.group, self.flats)
         self.pushes += 1
         return version, self.views
@@ -151,10 +155,11 @@ class CollectivePublisher(WeightPublisher):
 
     def worker_ready(self, worker: int, model: torch.nn.Module, version: int) -> None:
         prefix = self._prefix(worker)
-        group = _group(self.backend, dist.PrefixStore(prefix + "/pg", self.store), 0, self.timeout)
-        self.groups[worker] = (prefix, group, 0)
         self._fill(model)
-        self._push(worker, version)
+        self.store.set(f"{prefix}/push0", str(int(version)))  # the worker joins the group on this key
+        group = _group(self.backend, dist.PrefixStore(prefix + "/pg", self.store), 0, self.timeout)
+        _broadcast(group, self.flats)
+        self.groups[worker] = (prefix, group, 1)
 
     def worker_gone(self, worker: int) -> None:
         self.groups.pop(worker, None)
