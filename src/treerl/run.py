@@ -16,7 +16,12 @@ from .trainer import Trainer
 
 
 def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None = None) -> dict:
-    """Run ``cfg`` to completion; returns the final metrics (and paths)."""
+    """Run ``cfg`` to completion; returns the final metrics (and paths).
+    With ``async.enabled=true`` the run goes to :func:`treerl.async_rl.train_async`."""
+    if cfg.async_.enabled:
+        from .async_rl import train_async
+
+        return train_async(cfg, resume=resume, trainer=trainer)
     out = Path(cfg.train.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(cfg.to_yaml())
