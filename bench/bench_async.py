@@ -7,8 +7,8 @@ hardware.
     python bench/bench_async.py --device cuda        # trainer on cuda:0, worker on cuda:1,
                                                      # NCCL weight broadcast, qwen3-0.6b bf16
 
-Synchronous: ``Trainer.step()`` (generate, then train) in one process (CPU: with all the
-threads the async run uses in total). Asynchronous: ``AsyncRunner`` with worker
+Synchronous: ``Trainer.step()`` (generate, then train) in one process (CPU: with 1 thread
+and with as many threads as the async run has processes; the faster is the baseline). Asynchronous: ``AsyncRunner`` with worker
 processes, for each ``--etas`` value. The clock starts once the workers have built their
 models (start-up excluded on both sides) and stops when the trainer has taken ``--steps``
 steps. The table also shows where the time went: the trainer's busy fraction (training
@@ -29,12 +29,13 @@ import torch
 from treerl.async_rl import AsyncOptions, AsyncRunner
 from treerl.async_rl.longtail import register
 from treerl.config import Config
+from treerl.models import SHAPES
 from treerl.trainer import Trainer
 
 DEFAULTS = {
     "cpu": dict(shape="tiny", dtype="float32", prompts=16, group=8, max_tokens=256, min_tokens=8, steps=12, vocab=4096),
     "cuda": dict(shape="qwen3-0.6b", dtype="bfloat16", prompts=16, group=8, max_tokens=512, min_tokens=16, steps=10,
-                 vocab=None),
+                 vocab=None),  # None: the shape's own vocabulary (151936 for qwen3-0.6b)
 }
 
 
@@ -52,8 +53,8 @@ def make_config(args, device: str, eta: int = 0) -> Config:
     ])
 
 
-def run_sync(args) -> dict:
-    torch.set_num_threads(args.threads)
+def run_sync(args, threads: int) -> dict:
+    torch.set_num_threads(threads)
     cfg = make_config(args, args.trainer_device)
     trainer = Trainer(cfg)
     t0 = time.perf_counter()
@@ -65,15 +66,15 @@ def run_sync(args) -> dict:
         train += m["time/forward_s"] + m["time/update_s"]
         lengths += [sum(s.loss_mask) for s in trainer.last_samples]
     wall = time.perf_counter() - t0
-    return dict(mode="sync", eta="-", wall=wall, trainer_busy=train / wall, gen_busy=gen / wall, staleness=0.0,
+    return dict(mode=f"sync/{threads}t" if args.device == "cpu" else "sync", eta="-", wall=wall, trainer_busy=train / wall, gen_busy=gen / wall, staleness=0.0,
                 lengths=lengths)
 
 
 def run_async(args, eta: int) -> dict:
-    torch.set_num_threads(1 if args.trainer_device == "cpu" else args.threads)
+    torch.set_num_threads(1 if args.trainer_device == "cpu" else args.threads[-1])
     cfg = make_config(args, args.trainer_device, eta)
     trainer = Trainer(cfg)
-    options = AsyncOptions(worker_devices=args.worker_devices, worker_threads=1,
+    options = AsyncOptions(worker_devices=args.worker_devices, worker_threads=1, proximal=args.proximal,
                            setup="treerl.async_rl.longtail:register", deadline_s=args.deadline)
     runner = AsyncRunner(cfg, trainer, options, out_dir=args.out)
     stale, train_s, lengths = [], [0.0], []
@@ -117,8 +118,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=1.0, help="Pareto tail index (smaller: heavier tail)")
     p.add_argument("--vocab", type=int, help="model vocabulary (CPU default 4096; CUDA: the shape's)")
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--threads", type=int, help="CPU threads of the sync run (default: 1 + workers)")
+    p.add_argument("--threads", type=int, nargs="+",
+                   help="CPU threads of the sync runs; the fastest is the baseline (default: 1 and 1 + workers)")
     p.add_argument("--transfer", default="auto", help="weight transfer: auto, shared, files, nccl")
+    p.add_argument("--proximal", default="recompute", choices=["recompute", "loglinear"],
+                   help="proximal logprobs of stale samples: tree forward, or AReaL's log-linear approximation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline", type=float, default=600.0, help="seconds before an async run is abandoned")
     p.add_argument("--out", default="runs/bench_async", help="scratch directory (file weight transfer)")
@@ -131,7 +135,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for k, v in DEFAULTS[args.device].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
-    args.threads = args.threads or 1 + args.workers
+    args.threads = args.threads or sorted({1, 1 + args.workers})
+    if args.vocab is None:  # the Trainer sizes the model to the tokenizer unless told otherwise
+        args.vocab = SHAPES[args.shape]["vocab_size"]
     register()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if args.device == "cuda":
@@ -144,18 +150,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"workload: {args.shape} {args.dtype}, {args.prompts} prompts x {args.group} samples per step, "
           f"{args.steps} steps, lengths Pareto(min {args.min_tokens}, alpha {args.alpha}) capped at {args.max_tokens}; "
           f"trainer {args.trainer_device}, workers {args.worker_devices}", file=sys.stderr)
-    results = [run_sync(args)]
+    results = [run_sync(args, t) for t in (args.threads if args.device == "cpu" else args.threads[-1:])]
     for eta in args.etas:
         results.append(run_async(args, eta))
-    base = results[0]["wall"]
+    base = min(r["wall"] for r in results if r["mode"].startswith("sync"))
     samples = args.steps * args.prompts * args.group
     lengths = results[0]["lengths"]
     print(f"\ncompletion lengths (sync run): mean {statistics.mean(lengths):.1f}, median {statistics.median(lengths):.0f}, "
           f"max {max(lengths)} tokens; {samples} trained samples per run")
-    print(f"{'mode':6} {'eta':>3} {'wall s':>8} {'samples/s':>10} {'speedup':>8} {'staleness':>9} "
+    print(f"{'mode':8} {'eta':>3} {'wall s':>8} {'samples/s':>10} {'speedup':>8} {'staleness':>9} "
           f"{'trainer busy':>12} {'gen busy':>8}")
     for r in results:
-        print(f"{r['mode']:6} {r['eta']!s:>3} {r['wall']:8.2f} {samples / r['wall']:10.1f} {base / r['wall']:7.2f}x "
+        print(f"{r['mode']:8} {r['eta']!s:>3} {r['wall']:8.2f} {samples / r['wall']:10.1f} {base / r['wall']:7.2f}x "
               f"{r['staleness']:9.2f} {r['trainer_busy']:12.2f} {r['gen_busy']:8.2f}")
     if args.json:
         with open(args.json, "w") as f:

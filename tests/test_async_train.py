@@ -64,7 +64,7 @@ def test_dead_and_stuck_workers_lose_and_duplicate_nothing(tmp_path):
     cfg = config(tmp_path / "run", "train.steps=6", "async.max_staleness=1", "async.workers=2",
                  "async.worker_timeout_s=4")
     faults = {0: FaultPlan("exit", after_model_calls=6), 1: FaultPlan("hang", after_model_calls=9)}
-    out = train_async(cfg, options=AsyncOptions(faults=faults, heartbeat_s=0.2, deadline_s=240))
+    out = train_async(cfg, options=AsyncOptions(faults=faults, heartbeat_s=0.2, deadline_s=240, proximal="loglinear"))
     assert out["async/restarts"] == 2
     assert out["async/requeued"] >= 2 and out["version"] == 6
     state = load_state(out["checkpoint"])["async"]
@@ -76,6 +76,9 @@ def test_dead_and_stuck_workers_lose_and_duplicate_nothing(tmp_path):
     assert len(logged) == 6 * 3 * 4
     for step in range(1, 7):
         assert sorted({r["group"] for r in logged if r["step"] == step}) == [0, 1, 2]
+    # stale batches went through the log-linear proximal (behaviour weights reported)
+    metrics = [r for r in rows(tmp_path / "run/metrics.jsonl") if "version" in r]
+    assert any(r["staleness/max"] >= 1 and "loss/behaviour_weight_mean" in r for r in metrics)
 
 
 def test_resume_keeps_versions_and_regenerates_pending_prompts(tmp_path):

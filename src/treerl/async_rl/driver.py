@@ -83,7 +83,7 @@ def train_async(cfg: Config, resume: str | Path | None = None, options: AsyncOpt
                 metrics.update(trainer.evaluate())
             log.log(trainer.sft_count, metrics)
         if trainer.step_count < cfg.train.steps:
-            runner = AsyncRunner(cfg, trainer, options, ledger, out_dir=out)
+            runner = AsyncRunner(cfg, trainer, options or AsyncOptions.from_config(cfg), ledger, out_dir=out)
             try:
                 runner.run(cfg.train.steps, on_step)
             finally:

@@ -19,6 +19,7 @@ distribution stays put while it measures wall-clock time.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import zlib
@@ -34,7 +35,8 @@ FILLER = 0x4E00  # decoded text of ids beyond the alphabet: CJK code points, nev
 
 def target_length(ids: list[int], min_tokens: int, alpha: float, cap: int) -> int:
     """Pareto length keyed by the first two completion tokens (>= 2, <= cap)."""
-    u = (zlib.crc32(bytes(str(ids[:2]), "ascii")) + 1) / 2**32
+    digest = hashlib.blake2b(bytes(str(ids[:2]), "ascii"), digest_size=8).digest()
+    u = (int.from_bytes(digest, "big") + 1) / 2**64  # uniform in (0, 1]
     return max(2, min(cap, math.ceil(min_tokens / u ** (1.0 / alpha))))
 
 

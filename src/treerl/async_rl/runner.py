@@ -76,6 +76,16 @@ class AsyncOptions:
     deadline_s: float | None = None
 
 
+    @classmethod
+    def from_config(cls, cfg: Config, **overrides: Any) -> "AsyncOptions":
+        """Options from ``cfg.async_``: every field of this class that the config section
+        has (so new ``AsyncConfig`` fields of the same names take effect), then ``overrides``."""
+        names = {f for f in cls.__dataclass_fields__ if f not in ("faults",)}
+        values = {k: getattr(cfg.async_, k) for k in names if hasattr(cfg.async_, k)}
+        values.update(overrides)
+        return cls(**values)
+
+
 @dataclass
 class WorkerInfo:
     index: int
@@ -115,6 +125,9 @@ class AsyncRunner:
             raise ConfigError("async.workers must be at least 1")
         if o.proximal not in PROXIMAL:
             raise ConfigError(f"proximal: unknown {o.proximal!r}; choose one of {', '.join(PROXIMAL)}")
+        if o.proximal == "loglinear" and cfg.algorithm.advantage == "reinforce_pp":
+            raise ConfigError("proximal=loglinear cannot be used with advantage=reinforce_pp (its KL term needs "
+                              "recomputed proximal logprobs)")
         devices = list(o.worker_devices or [cfg.train.device] * a.workers)
         if len(devices) != a.workers:
             raise ConfigError(f"{len(devices)} worker devices given for async.workers={a.workers}")

@@ -1,0 +1,96 @@
+"""The same rollout workers as Ray actors, so a Ray cluster places them across machines.
+
+Each worker is an actor running :func:`~treerl.async_rl.worker.worker_main` with two
+``ray.util.queue.Queue`` s (tasks in, messages out) instead of process queues; liveness is
+the state of the actor's ``serve`` call, a kill is ``ray.kill``. Weights travel as
+safetensors files (``async.weight_transfer`` resolves to ``files`` under Ray), so workers on
+other machines need the weights directory on a shared filesystem.
+
+Placement: ``num_cpus`` / ``num_gpus`` per actor. Ray sets ``CUDA_VISIBLE_DEVICES`` inside a
+GPU actor, so its device is ``cuda:0`` there. Connects to a running cluster when
+``ray.init`` was called (or ``address`` is given), else starts a local instance.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Any
+
+from .pool import WorkerPool
+from .worker import WorkerSpec, worker_main
+
+
+def _actor_class(ray):
+    @ray.remote
+    class RolloutActor:
+        """Hosts one worker incarnation; ``serve`` returns when the worker stops."""
+
+        def serve(self, spec: WorkerSpec, tasks: Any, results: Any) -> None:
+            worker_main(spec, tasks, results)
+
+    return RolloutActor
+
+
+@dataclass
+class _RaySlot:
+    actor: Any
+    ref: Any
+    tasks: Any
+    results: Any
+
+
+class RayPool(WorkerPool):
+    def __init__(self, address: str | None = None, num_cpus: float = 1, num_gpus: float = 0):
+        import ray
+        from ray.util.queue import Queue
+
+        if not ray.is_initialized():
+            ray.init(address=address, include_dashboard=False)
+        self.ray, self.Queue = ray, Queue
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self.Actor = _actor_class(ray)
+        self.slots: dict[int, _RaySlot] = {}
+
+    def start(self, spec: WorkerSpec) -> None:
+        if spec.index in self.slots:
+            self.kill(spec.index)
+        opts = {"num_cpus": 0}
+        tasks, results = self.Queue(actor_options=opts), self.Queue(actor_options=opts)
+        actor = self.Actor.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus,
+                                   name=f"treerl-rollout-{spec.index}.{spec.incarnation}").remote()
+        self.slots[spec.index] = _RaySlot(actor, actor.serve.remote(spec, tasks, results), tasks, results)
+
+    def send(self, worker: int, units: list) -> None:
+        self.slots[worker].tasks.put(units)
+
+    def poll(self) -> list:
+        out = []
+        for slot in list(self.slots.values()):
+            while True:
+                try:
+                    out.append(slot.results.get_nowait())
+                except queue.Empty:
+                    break
+        return out
+
+    def alive(self, worker: int) -> bool:
+        ready, _ = self.ray.wait([self.slots[worker].ref], timeout=0)
+        return not ready
+
+    def kill(self, worker: int) -> None:
+        slot = self.slots.pop(worker, None)
+        if slot is None:
+            return
+        self.ray.kill(slot.actor, no_restart=True)
+        for q in (slot.tasks, slot.results):
+            q.shutdown(force=True)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for slot in self.slots.values():
+            slot.tasks.put(None)
+        refs = [s.ref for s in self.slots.values()]
+        if refs:
+            self.ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        for worker in list(self.slots):
+            self.kill(worker)
