@@ -118,10 +118,20 @@ class TrainConfig:
 @dataclass
 class AsyncConfig:
     enabled: bool = False
-    max_staleness: int = 1
-    workers: int = 1
-    weight_transfer: str = "auto"  # auto, shared, files
-    worker_timeout_s: float = 300.0
+    max_staleness: int = 1  # eta: trainer version - oldest token version <= eta (0: synchronous)
+    workers: int = 1  # rollout worker processes
+    weight_transfer: str = "auto"  # auto, shared, files, nccl, gloo
+    worker_timeout_s: float = 300.0  # no progress for this long: the worker is stuck, restart it
+    prompts_per_unit: int = 1  # prompt groups per unit of work handed to a worker
+    proximal: str = "recompute"  # recompute (tree forward) or loglinear (AReaL's approximation)
+    launcher: str = "process"  # process or ray
+    worker_devices: list = field(default_factory=list)  # e.g. [cuda:1]; default: the trainer's
+    worker_threads: int = 1  # torch threads per CPU worker
+    linger_ratio: float = 0.5
+    max_units_per_call: int | None = None
+    heartbeat_s: float = 0.5
+    max_restarts: int = 3
+    start_timeout_s: float = 600.0
 
 
 @dataclass
@@ -270,6 +280,10 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if hint is list or origin is list:
+        if isinstance(value, list):
+            return value
+        raise ConfigError(f"{where}: expected a list, got {value!r}")
     if hint is dict or origin is dict:
         if isinstance(value, dict):
             return value
