@@ -109,19 +109,24 @@ def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
 def summary(rows: list[dict], wall_s: float, extra: dict | None = None) -> str:
     """A one-screen run summary."""
 
-    def first_last(key):
+    def first_last(key, window):
+        """Means of the first and last ``window`` values (noisy per-step series)."""
         vals = [r[key] for r in rows if r.get(key) is not None]
-        return (vals[0], vals[-1]) if vals else (None, None)
+        if not vals:
+            return None, None
+        w = max(1, min(window, len(vals) // 2))
+        return sum(vals[:w]) / w, sum(vals[-w:]) / w
 
     lines = ["", "=" * 64, "treerl run summary", "=" * 64]
-    for key, label in [("eval/accuracy", "held-out accuracy"), ("reward/mean", "train reward"),
-                       ("tree/ideal_ratio", "tree ratio (flat/unique)"), ("perf/train_tokens_per_s", "train tokens/s")]:
-        a, b = first_last(key)
+    for key, label, window in [("eval/accuracy", "held-out accuracy", 1), ("reward/mean", "train reward (5-step mean)", 5),
+                               ("tree/ideal_ratio", "tree ratio (flat/unique)", 5),
+                               ("perf/train_tokens_per_s", "train tokens/s (5-step mean)", 5)]:
+        a, b = first_last(key, window)
         if a is not None:
-            lines.append(f"{label:28} start {a:10.4f}   end {b:10.4f}")
-    lines.append(f"{'steps':28} {rows[-1]['step'] if rows else 0}")
-    lines.append(f"{'wall time':28} {wall_s / 60:.1f} min")
+            lines.append(f"{label:30} start {a:10.4g}   end {b:10.4g}")
+    lines.append(f"{'steps':30} {rows[-1]['step'] if rows else 0}")
+    lines.append(f"{'wall time':30} {wall_s / 60:.1f} min")
     for k, v in (extra or {}).items():
-        lines.append(f"{k:28} {v}")
+        lines.append(f"{k:30} {v}")
     lines.append("=" * 64)
     return "\n".join(lines)
