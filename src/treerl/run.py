@@ -75,8 +75,12 @@ def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None
     plots = plot_metrics(log.path, out)
     rows = read_metrics(log.path)
     wall = time.perf_counter() - t_start
-    print(summary(rows, wall, {"checkpoint": str(checkpoint), "plots": ", ".join(p.name for p in plots),
-                               "metrics": str(log.path)}))
+    extra = {}
+    after_sft = [r["eval/accuracy"] for r in rows if r["step"] == cfg.sft.steps and "eval/accuracy" in r]
+    if cfg.sft.steps and after_sft:
+        extra["accuracy after SFT warm-up"] = f"{after_sft[-1]:.4f}  (the rest is GRPO's)"
+    extra.update({"checkpoint": str(checkpoint), "plots": ", ".join(p.name for p in plots), "metrics": str(log.path)})
+    print(summary(rows, wall, extra))
     final = rows[-1] if rows else {}
     return {**final, "checkpoint": str(checkpoint), "wall_s": wall}
 
