@@ -63,7 +63,7 @@ def test_dead_and_stuck_workers_lose_and_duplicate_nothing(tmp_path):
     incarnations are never used."""
     cfg = config(tmp_path / "run", "train.steps=6", "async.max_staleness=1", "async.workers=2",
                  "async.worker_timeout_s=4")
-    faults = {0: FaultPlan("exit", after_model_calls=6), 1: FaultPlan("hang", after_model_calls=9)}
+    faults = {0: FaultPlan("exit", after_model_calls=6), 1: FaultPlan("hang", after_model_calls=3)}  # within its first unit
     out = train_async(cfg, options=AsyncOptions(faults=faults, heartbeat_s=0.2, deadline_s=240, proximal="loglinear"))
     assert out["async/restarts"] == 2
     assert out["async/requeued"] >= 2 and out["version"] == 6

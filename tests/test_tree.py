@@ -302,19 +302,16 @@ def test_bad_input_raises_naming_the_sequence(seqs, exc, parts, share):
         assert part in msg, f"{part!r} not in {msg!r}"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: np.asarray([1, True]) is an int array, the bool passes as token 1")
 def test_bool_mixed_with_ints_is_rejected():
     with pytest.raises(TypeError, match="sequence 1"):
         PrefixTree.from_sequences([[1, 2], [3, True]])
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a ragged nested list raises numpy's error, naming no sequence")
 def test_ragged_nested_sequence_names_the_sequence():
     with pytest.raises(ValueError, match="sequence 2"):
         PrefixTree.from_sequences([[1, 2], [3], [[1], [2, 3]]])
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the message quotes the first element (1.0), not the float 2.5")
 def test_float_message_quotes_the_offending_value():
     with pytest.raises(TypeError, match="2.5"):
         PrefixTree.from_sequences([[1], [1, 2.5]])

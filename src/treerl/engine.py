@@ -348,7 +348,7 @@ class TreeEngine:
             loss = loss_fn(*outs, index=seqs) if separable else loss_fn(*outs)
             _check_loss(loss)
             loss.backward()
-            total += loss.detach().to(torch.float64)
+            total += loss.detach().reshape(()).to(torch.float64)
         return float(total)
 
     def _sequences_by_segment(self, b: _Batch) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:

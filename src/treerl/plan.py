@@ -141,11 +141,15 @@ class _Planner:
 
     def whole_trees(self, mode: str, budget: int) -> None:
         sizes = [self.sub_end[r] - self.start[r] for r in self.roots]
-        for tree_no, (root, size) in enumerate(zip(self.roots, sizes)):
+        for root, size in zip(self.roots, sizes):
             if size > budget:
-                what = "sequence" if mode == "flat" else "tree"
+                # Name the input sequences of this tree (the layout order is not the input order).
+                first = self.tree.seq_index[self.tree.seq_offsets[:-1]]
+                seqs = ((first >= self.start[root]) & (first < self.sub_end[root])).nonzero()[:, 0].tolist()
+                shown = ", ".join(map(str, seqs[:5])) + (", ..." if len(seqs) > 5 else "")
+                what = f"sequence {shown}" if len(seqs) == 1 else f"the tree of sequences {shown}"
                 raise TreeTooLargeError(
-                    f"{what} {tree_no} has {size} tokens, more than max_tokens={budget}: raise "
+                    f"{what} has {size} tokens, more than max_tokens={budget}: raise "
                     f"max_tokens, or use mode='auto' or 'dfs', which split large trees"
                 )
         self._group(self.roots, parent=-1, budget=budget, oversized=None)

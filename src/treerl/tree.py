@@ -159,12 +159,27 @@ def _validated_arrays(seqs: Sequence[TokenSequence]) -> list[np.ndarray]:
         else:
             if isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__"):
                 raise TypeError(f"sequence {i}: expected a list of token ids, got {type(seq).__name__}")
-            arr = np.asarray(seq)
-            if arr.size and arr.dtype.kind not in "iu":
-                bad = next((x for x in np.ravel(arr) if not isinstance(x, (int, np.integer)) or isinstance(x, bool)), arr.dtype)
+            ok = object()  # sentinel: None may be the offending element
+            if isinstance(seq, np.ndarray):
+                arr = seq
+                bad = ok if arr.dtype.kind in "iu" else arr.dtype
+            else:  # a list: every element must be an int (not a bool, float, str, None or list)
+                bad = next((x for x in seq if isinstance(x, (bool, np.bool_))
+                            or not isinstance(x, (int, np.integer))), ok)
+                if bad is ok:
+                    arr = np.asarray(seq) if len(seq) else np.zeros(0, dtype=np.int64)
+            if isinstance(bad, (list, tuple, np.ndarray)):
+                try:
+                    shape = f" of shape {np.asarray(seq).shape}"
+                except ValueError:
+                    shape = " (ragged)"
+                raise ValueError(f"sequence {i}: expected a flat list of token ids, got a nested list{shape}")
+            if bad is not ok:
                 raise TypeError(f"sequence {i}: token ids must be integers, found {bad!r} ({type(bad).__name__})")
             if arr.ndim != 1:
                 raise ValueError(f"sequence {i}: expected a flat list of token ids, got shape {arr.shape}")
+            if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+                raise ValueError(f"sequence {i}: token id {int(arr.max())} is too large")
             arr = arr.astype(np.int64, copy=False)
         if arr.size == 0:
             raise ValueError(f"sequence {i} is empty: every sequence needs at least one token")
