@@ -43,7 +43,7 @@ from .rl import (
 from .rollout import RolloutEngine, SamplingParams
 from .tasks import get_task
 from .tasks.base import Problem, Task, score_problems
-from .tasks.env import ChatFormat, run_episodes
+from .tasks.env import ChatFormat, run_episode, run_episodes, scripted_policy
 from .tree import PrefixTree
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
@@ -82,7 +82,7 @@ class Trainer:
         random.seed(config.train.seed)
         np.random.seed(config.train.seed)
         self.task = task if task is not None else get_task(config.task.name, **config.task.kwargs)
-        self.tokenizer = tokenizer if tokenizer is not None else self.task.tokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else self._default_tokenizer()
         self.device = torch.device(config.train.device)
         self.model = (model if model is not None else self._build_model()).to(self.device)
         self.format = ChatFormat.for_tokenizer(self.tokenizer)
@@ -124,6 +124,19 @@ class Trainer:
         self.max_new_tokens = config.rollout.max_new_tokens or self.task.max_new_tokens
 
     # ------------------------------------------------------------------ setup
+    def _default_tokenizer(self):
+        """The model directory's tokenizer, else the task's character tokenizer, else a
+        character tokenizer over printable ASCII (tasks of free text, e.g. JSONL math)."""
+        if self.cfg.model.path:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(self.cfg.model.path, local_files_only=True)
+        if self.task.alphabet:
+            return self.task.tokenizer()
+        from .tasks.tokenizer import CharTokenizer
+
+        return CharTokenizer()
+
     def _build_model(self) -> torch.nn.Module:
         m = self.cfg.model
         if m.path:
@@ -369,6 +382,15 @@ class Trainer:
         problems = problems or self.next_problems(self.cfg.sft.batch_size)
         seqs, masks = [], []
         for p in problems:
+            if self.multi_turn and hasattr(self.task, "expert_actions"):
+                # a whole expert episode; its actions (not the observations) are trained
+                episode = run_episode(self.task.make_env(), p, scripted_policy(self.task.expert_actions(p), self.tokenizer),
+                                      self.tokenizer, max_turns=self.cfg.task.max_turns,
+                                      max_total_tokens=self.cfg.task.max_episode_tokens)
+                full = episode.full_sequence()
+                seqs.append(torch.tensor(full.token_ids))
+                masks.append(torch.tensor(full.loss_mask))
+                continue
             prompt = self.format.prompt_ids(self.tokenizer, p.prompt)
             target = self.tokenizer.encode(self.task.target(p)) + [self.tokenizer.eos_token_id]
             seqs.append(torch.tensor(prompt + target))
