@@ -119,7 +119,8 @@ def make_plan(tree: PrefixTree, mode: str, max_tokens: int, chunk_tokens: int) -
         planner.split(group_budget=budget, chunk=min(chunk_tokens, budget))
     segments = planner.finish(budget)
     plan = Plan(mode, segments, planner.children, _targets(tree, segments), budget)
-    log.debug("plan %s", plan.describe())
+    # auto's choice per tree (packed subtrees vs depth-first chains) is worth seeing
+    (log.info if mode == "auto" and any(planner.children) else log.debug)("plan %s", plan.describe())
     return plan
 
 
