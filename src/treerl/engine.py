@@ -18,7 +18,7 @@ Gradients equal those of running every sequence alone, shared tokens computed on
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -55,7 +55,6 @@ class StepStats:
     model_calls: int = 0
     tokens_run: int = 0
     seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 def _seq_targets(tree: PrefixTree) -> torch.Tensor:
@@ -149,7 +148,6 @@ class TreeEngine:
         self.model = model
         self.base = model.base_model
         self.head = model.get_output_embeddings()
-        self.value_head = value_head
         _check_supported(model, self.head)
         self.device = self.head.weight.device
         if attention == "auto":
@@ -160,7 +158,6 @@ class TreeEngine:
             raise ValueError("the flex attention backend needs a CUDA model here (CPU flex has no backward)")
         self.mode, self.attention = mode, attention
         self.max_tokens, self.chunk_tokens = max_tokens, chunk_tokens
-        self.temperature, self.logits_chunk_elements = temperature, logits_chunk_elements
         self.num_layers = model.config.num_hidden_layers
         self.runner = SegmentRunner(model, value_head, temperature, logits_chunk_elements)
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -178,7 +175,7 @@ class TreeEngine:
         batch = self._prepare(tree)
         t0 = time.perf_counter()
         lp, ent = self._forward_all(batch, entropy)
-        self._finish_stats(batch, t0)
+        self.stats.seconds = time.perf_counter() - t0
         return TreeOutputs(batch.tree, lp, ent)
 
     def logprobs(
@@ -194,7 +191,7 @@ class TreeEngine:
 
     def values(self, tree: PrefixTree | Sequence[TokenSequence]) -> list[torch.Tensor]:
         """Critic engines: per input sequence, the values at tokens 0..L-2 (no grad)."""
-        if self.value_head is None:
+        if self.runner.value_head is None:
             raise ValueError("values() needs an engine built with value_head=...")
         return self.logprobs(tree)
 
@@ -221,7 +218,7 @@ class TreeEngine:
             loss = self._forward_backward_segments(batch, loss_fn, entropy, separable)
         else:
             loss = self._forward_backward_two_phase(batch, loss_fn, entropy, separable)
-        self._finish_stats(batch, t0)
+        self.stats.seconds = time.perf_counter() - t0
         return loss
 
     # ------------------------------------------------------------------- preparing
@@ -268,9 +265,6 @@ class TreeEngine:
                     f"sequence {seq} has {int(tree.seq_lengths[seq])} tokens, more than the model's "
                     f"context of {self.max_positions} positions (max_position_embeddings): shorten it"
                 )
-
-    def _finish_stats(self, batch: _Batch, t0: float) -> None:
-        self.stats.seconds = time.perf_counter() - t0
 
     # ------------------------------------------------------------ one model call
     def _call(
@@ -358,16 +352,19 @@ class TreeEngine:
         starts = torch.tensor([s.start for s in b.plan.segments])
         seg_of_seq = torch.searchsorted(starts, tree.seq_index[tree.seq_offsets[:-1]], right=True) - 1
         lengths = torch.tensor(b.seq_lengths)
+        # Sequences grouped by segment (stable: input order within a segment); the flat
+        # positions of their tokens 1..L-1 gathered in one vectorised step.
+        order = torch.argsort(seg_of_seq, stable=True)
         seq_start = torch.cumsum(lengths, 0) - lengths
-        seq_targets = _seq_targets(tree)
-        groups, pieces = [], []
-        for i, seg in enumerate(b.plan.segments):
-            seqs = (seg_of_seq == i).nonzero()[:, 0]
-            groups.append(seqs)
-            pieces += [seq_targets[seq_start[s] : seq_start[s] + lengths[s]] - seg.start for s in seqs.tolist()]
-        flat = torch.cat(pieces).to(self.device) if pieces else torch.zeros(0, dtype=torch.int64, device=self.device)
-        per_segment = flat.split([int(lengths[g].sum()) for g in groups])
-        return [(g, idx, lengths[g].tolist()) for g, idx in zip(groups, per_segment)]
+        sizes = lengths[order]
+        within = torch.arange(int(sizes.sum())) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+        flat_pos = torch.repeat_interleave(seq_start[order], sizes) + within
+        local = _seq_targets(tree)[flat_pos] - torch.repeat_interleave(starts[seg_of_seq[order]], sizes)
+        local = local.to(self.device).split(
+            torch.bincount(seg_of_seq, weights=lengths.double(), minlength=len(starts)).long().tolist())
+        counts = torch.bincount(seg_of_seq, minlength=len(starts)).tolist()
+        groups = order.split(counts)
+        return [(g, idx, lengths[g].tolist()) for g, idx in zip(groups, local)]
 
     @staticmethod
     def _scatter_gather(values, local_index, size, flat_index, sizes) -> list[torch.Tensor]:
