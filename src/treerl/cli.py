@@ -25,7 +25,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.insert(0, config)
         config = None
     cfg = Config.from_yaml(config, overrides)
-    train(cfg, resume=args.resume)
+    try:
+        # under torchrun (WORLD_SIZE > 1) every rank runs this; the trainer joins the group
+        train(cfg, resume=args.resume)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

@@ -25,6 +25,15 @@ class RunLog:
     def __init__(self, cfg: Config, trainer: Trainer, resumed: bool):
         self.cfg, self.trainer = cfg, trainer
         self.out = Path(cfg.train.out_dir)
+        # Data parallel: every rank drives the same loop (evaluation and checkpoints are
+        # collectives), only rank 0 writes.
+        self.main = getattr(trainer, "is_main", True)
+        self.t_start = time.perf_counter()
+        self.bar = _bar(cfg.sft.steps + cfg.train.steps, trainer.sft_count + trainer.step_count,
+                        cfg.train.progress and self.main)
+        self.log = self.rollouts = None
+        if not self.main:
+            return
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(cfg.to_yaml())
         if resumed:  # rows logged after the checkpoint (before a crash) will be produced again
@@ -34,21 +43,19 @@ class RunLog:
         self.log = MetricsLogger(self.out, tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb,
                                  config=cfg.to_dict(), resume=resumed)
         self.rollouts = (self.out / "rollouts.jsonl").open("a" if resumed else "w")
-        self.t_start = time.perf_counter()
-        self.bar = _bar(cfg.sft.steps + cfg.train.steps, trainer.sft_count + trainer.step_count, cfg.train.progress)
 
     def warm_up(self) -> None:
         """The first evaluation (fresh runs) and the SFT steps not yet done."""
         trainer, cfg = self.trainer, self.cfg
         if trainer.step_count == 0 and trainer.sft_count == 0:
-            self.log.log(0, trainer.evaluate())
+            self._log(0, trainer.evaluate())
         while trainer.sft_count < cfg.sft.steps:
             metrics = trainer.sft_step()
             self.bar.update(1)
             self.bar.set_postfix(phase="sft", loss=f"{metrics['sft/loss']:.3f}")
             if trainer.sft_count == cfg.sft.steps:
                 metrics.update(trainer.evaluate())
-            self.log.log(trainer.sft_count, metrics)
+            self._log(trainer.sft_count, metrics)
 
     def rl_step(self, metrics: dict, samples: list[Sample], **postfix) -> None:
         """Log one RL step (evaluating when due) and its rollouts."""
@@ -56,24 +63,34 @@ class RunLog:
         step = cfg.sft.steps + trainer.step_count
         if cfg.train.eval_every and trainer.step_count % cfg.train.eval_every == 0 or trainer.step_count == cfg.train.steps:
             metrics.update(trainer.evaluate())
-        self.log.log(step, metrics)
-        for s in samples:
-            self.rollouts.write(json.dumps({"step": step, "group": s.group, "episode": s.episode,
-                                            "reward": s.reward, "token_ids": s.token_ids}) + "\n")
-        self.rollouts.flush()
+        self._log(step, metrics)
+        if self.rollouts is not None:
+            for s in samples:
+                self.rollouts.write(json.dumps({"step": step, "group": s.group, "episode": s.episode,
+                                                "reward": s.reward, "token_ids": s.token_ids}) + "\n")
+            self.rollouts.flush()
         self.bar.update(1)
         self.bar.set_postfix(step=trainer.step_count, reward=f"{metrics['reward/mean']:.3f}",
                              acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}",
                              tok_s=f"{metrics['perf/train_tokens_per_s']:.0f}",
                              tree=f"{metrics['tree/ideal_ratio']:.2f}x", **postfix)
 
+    def _log(self, step: int, metrics: dict) -> None:
+        if self.log is not None:
+            self.log.log(step, metrics)
+
     def close(self) -> None:
         self.bar.close()
-        self.rollouts.close()
-        self.log.close()
+        if self.rollouts is not None:
+            self.rollouts.close()
+        if self.log is not None:
+            self.log.close()
 
     def finish(self, checkpoint: Path) -> dict:
-        """Plots and the summary; returns the final metrics with ``checkpoint`` and ``wall_s``."""
+        """Plots and the summary; returns the final metrics with ``checkpoint`` and ``wall_s``
+        (ranks other than 0 return only those two)."""
+        if not self.main:
+            return {"checkpoint": str(checkpoint), "wall_s": time.perf_counter() - self.t_start}
         plots = plot_metrics(self.log.path, self.out)
         rows = read_metrics(self.log.path)
         wall = time.perf_counter() - self.t_start
@@ -89,7 +106,11 @@ class RunLog:
 
 def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None = None) -> dict:
     """Run ``cfg`` to completion; returns the final metrics (and paths).
-    With ``async.enabled=true`` the run goes to :func:`treerl.async_rl.train_async`."""
+    With ``async.enabled=true`` the run goes to :func:`treerl.async_rl.train_async`.
+
+    Under torchrun (WORLD_SIZE > 1) every rank runs this: the Trainer joins the process
+    group and shards the policy, each rank rolls out its share of the prompts, and rank 0
+    alone writes logs, metrics and checkpoints (README, "Multi-GPU")."""
     if cfg.async_.enabled:
         from .async_rl import train_async
 
@@ -97,7 +118,8 @@ def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None
     trainer = trainer or Trainer(cfg)
     if resume:
         path = trainer.load(resolve_checkpoint(resume))
-        print(f"resumed from {path} (step {trainer.step_count}, version {trainer.rollout.version})", file=sys.stderr)
+        if trainer.is_main:
+            print(f"resumed from {path} (step {trainer.step_count}, version {trainer.rollout.version})", file=sys.stderr)
     run = RunLog(cfg, trainer, resumed=bool(resume))
     try:
         run.warm_up()

@@ -29,6 +29,7 @@ from .config import Config, ConfigError
 from .engine import TreeEngine
 from .models import DTYPES, build_model, load_model
 from .rl import (
+    Normalisers,
     PolicyLoss,
     PolicyLossConfig,
     TokenBatch,
@@ -83,7 +84,8 @@ class Trainer:
         np.random.seed(config.train.seed)
         self.task = task if task is not None else get_task(config.task.name, **config.task.kwargs)
         self.tokenizer = tokenizer if tokenizer is not None else self._default_tokenizer()
-        self.device = torch.device(config.train.device)
+        self.dist = self._setup_distributed(config)
+        self.device = self.dist.device if self.dist else torch.device(config.train.device)
         self.model = (model if model is not None else self._build_model()).to(self.device)
         self.format = ChatFormat.for_tokenizer(self.tokenizer)
         self.multi_turn = self.task.max_turns > 1
@@ -91,7 +93,11 @@ class Trainer:
         engine_kw = dict(mode=eng.mode, max_tokens=eng.max_tokens, chunk_tokens=eng.chunk_tokens,
                          attention=eng.attention, temperature=max(config.rollout.temperature, 1e-6))
         self.engine = TreeEngine(self.model, **engine_kw)
-        self.rollout = RolloutEngine(self.model, version=0)
+        # One process: the rollout engine shares the policy's parameters. Data parallel: the
+        # policy is sharded, so each rank's rollout engine holds a whole copy, refreshed
+        # from the gathered weights after every optimizer step.
+        rollout_model = copy.deepcopy(self.model) if self.dist else self.model
+        self.rollout = RolloutEngine(rollout_model, version=0)
         self.reference = None
         if alg.kl_coef > 0:
             ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -106,6 +112,11 @@ class Trainer:
             self.critic = TreeEngine(critic_model, value_head=head, **engine_kw)
             self.critic_opt = torch.optim.AdamW(critic_model.parameters(), lr=alg.critic_lr,
                                                 weight_decay=config.optim.weight_decay)
+        if self.dist:
+            self._shard()
+            if self.critic is not None:
+                self.critic_opt = torch.optim.AdamW(self.critic.model.parameters(), lr=alg.critic_lr,
+                                                    weight_decay=config.optim.weight_decay)
         o = config.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
                                            weight_decay=o.weight_decay)
@@ -122,6 +133,86 @@ class Trainer:
         self.epoch = 0
         self._order = self._shuffled(0)
         self.max_new_tokens = config.rollout.max_new_tokens or self.task.max_new_tokens
+        if self.dist and self.dist.rank:  # ranks sample their own prompts with their own streams
+            torch.manual_seed(config.train.seed + 7919 * self.dist.rank)
+
+    # ------------------------------------------------------------ distributed
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 (or the only process): the one that writes logs and checkpoints."""
+        return self.dist is None or self.dist.is_main
+
+    @staticmethod
+    def _setup_distributed(config: Config):
+        """Under torchrun (WORLD_SIZE > 1): join the process group, one rank per GPU
+        (NCCL) when ``train.device`` is CUDA, gloo on CPU otherwise."""
+        from .distributed import data_parallel as dp
+
+        if not dp.launched():
+            return None
+        if config.async_.enabled:
+            raise ConfigError("async.enabled=true does not run under torchrun yet: launch it as one process")
+        cuda = torch.device(config.train.device).type == "cuda"
+        if cuda and not torch.cuda.is_available():
+            raise ConfigError(f"train.device={config.train.device} but CUDA is not available")
+        return dp.setup("nccl" if cuda else "gloo")
+
+    def _shard(self) -> None:
+        """FSDP2 on the policy (and critic): bf16 compute from float32 shards with float32
+        gradient reduction on CUDA when ``train.autocast_bf16``; the model's dtype otherwise.
+        The frozen reference stays whole on every rank (forward only)."""
+        from .distributed.data_parallel import shard
+
+        dtype = next(self.model.parameters()).dtype
+        param_dtype = reduce_dtype = None
+        if self.device.type == "cuda" and dtype != torch.float64:
+            reduce_dtype = torch.float32
+            if self.cfg.train.autocast_bf16 and dtype == torch.float32:
+                param_dtype = torch.bfloat16
+        shard(self.engine, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        if self.critic is not None:
+            shard(self.critic, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+    def _share(self, seqs: list) -> list[int]:
+        """This rank's sequences of a batch every rank holds: the tree-aware partition
+        (:func:`treerl.distributed.partition`, equal predicted time per rank), computed on
+        rank 0 and broadcast (every rank must use the same one)."""
+        from .distributed import partition
+        from .distributed.data_parallel import broadcast_object
+
+        ranks = partition(PrefixTree.from_sequences(seqs), self.dist.world_size).ranks if self.dist.is_main and seqs else None
+        ranks = broadcast_object(ranks)
+        return ranks[self.dist.rank] if ranks else []
+
+    def _my_problems(self, problems: list[Problem]) -> tuple[list[Problem], int]:
+        """This rank's contiguous slice of a step's prompts (and where it starts)."""
+        if not self.dist:
+            return problems, 0
+        w, r, n = self.dist.world_size, self.dist.rank, len(problems)
+        start, end = r * n // w, (r + 1) * n // w
+        return problems[start:end], start
+
+    def _gather_samples(self, samples: list[Sample]) -> list[Sample]:
+        """Every rank's samples, in rank order (= the order of the step's prompts), with
+        group and episode ids renumbered to be global."""
+        from .distributed.data_parallel import all_gather_objects
+
+        out, groups, episodes = [], {}, {}
+        for rank, part in enumerate(all_gather_objects(samples)):
+            for s in part:
+                s.group = groups.setdefault((rank, s.group), len(groups))
+                s.episode = episodes.setdefault((rank, s.episode), len(episodes))
+                out.append(s)
+        return out
+
+    def _sync_rollout_weights(self) -> None:
+        """After an optimizer step: the rollout engine gets the new weights (version += 1)."""
+        if self.dist:
+            from .distributed.data_parallel import full_state_dict
+
+            self.rollout.update_weights(full_state_dict(self.model))
+        else:
+            self.rollout.update_weights(self.model)  # shares the parameters: bumps the version
 
     # ------------------------------------------------------------------ setup
     def _default_tokenizer(self):
@@ -266,12 +357,20 @@ class Trainer:
         """One synchronous RL step (rollout, then training on it); returns its metrics."""
         t0 = time.perf_counter()
         problems = self.next_problems(self.cfg.rollout.prompts_per_step)
-        samples = self.generate_samples(problems, self.cfg.rollout.group_size)
+        mine, _ = self._my_problems(problems)  # data parallel: each rank rolls out its share
+        samples = self.generate_samples(mine, self.cfg.rollout.group_size) if mine else []
+        if self.dist:
+            samples = self._gather_samples(samples)
         return self.train_on(samples, rollout_seconds=time.perf_counter() - t0)
 
     def train_on(self, samples: list[Sample], rollout_seconds: float = 0.0) -> dict[str, float]:
         """Train on a batch of scored samples (from this trainer's rollout or from
-        asynchronous workers: behaviour logprobs and versions come with the samples)."""
+        asynchronous workers: behaviour logprobs and versions come with the samples).
+
+        Data parallel: every rank passes the same global batch; the forwards and the
+        minibatch updates are split over the ranks (tree-aware), the loss is normalised over
+        the global minibatch and gradients are summed, so the update equals the one-process
+        update of the same batch."""
         cfg, alg = self.cfg, self.cfg.algorithm
         self.last_samples = samples
         timings = {"rollout": rollout_seconds}
@@ -286,13 +385,14 @@ class Trainer:
         }
         updates = alg.ppo_epochs * alg.minibatches
         stale = any(v < self.rollout.version for s in samples for v in s.versions)
-        with self._autocast():
-            if updates > 1 or stale or alg.behaviour_weight_cap is not None or alg.advantage == "reinforce_pp":
-                fields["proximal_logprobs"] = [lp.cpu().to(dtype) for lp in self.engine.logprobs(tree)]
-            if self.reference is not None:
-                fields["reference_logprobs"] = [lp.cpu().to(dtype) for lp in self.reference.logprobs(tree)]
-            if self.critic is not None:
-                fields["values"] = [v.cpu().to(dtype) for v in self.critic.values(tree)]
+        forwards = {}
+        if updates > 1 or stale or alg.behaviour_weight_cap is not None or alg.advantage == "reinforce_pp":
+            forwards["proximal_logprobs"] = self.engine
+        if self.reference is not None:
+            forwards["reference_logprobs"] = self.reference
+        if self.critic is not None:
+            forwards["values"] = self.critic
+        fields.update(self._forwards(forwards, seqs, tree, dtype))
         timings["forward"] = time.perf_counter() - t1
         advantages = self.advantages(samples, fields)
 
@@ -304,23 +404,26 @@ class Trainer:
                 take = lambda xs: [xs[i] for i in idx]  # noqa: E731
                 adv = advantages[idx] if isinstance(advantages, torch.Tensor) else take(advantages)
                 batch = TokenBatch.from_sequences(take(masks), adv, **{k: take(v) for k, v in fields.items()})
-                sub_tree = PrefixTree.from_sequences(take(seqs))
-                loss = PolicyLoss(batch.to(self.device), self._loss_config())
-                with self._autocast():
-                    self.engine.forward_backward(sub_tree, loss, separable=True, entropy=self._need_entropy())
-                for k, v in loss.metrics().items():
+                # data parallel: this rank's sequences of the minibatch (positions in idx)
+                local = self._share(take(seqs)) if self.dist else list(range(len(idx)))
+                policy_metrics = self._update(self.engine, batch, local, take(seqs), lambda b, n: PolicyLoss(
+                    b, self._loss_config(), normalisers=n), entropy=self._need_entropy())
+                for k, v in policy_metrics.items():
                     metrics_acc.setdefault(k, []).append(v)
                 metrics_acc.setdefault("grad_norm", []).append(self._optimizer_step(self.optimizer, self.model))
                 if self.critic is not None:
-                    vloss = ValueLoss(batch.to(self.device), ValueLossConfig(clip=alg.value_clip))
-                    with self._autocast():
-                        self.critic.forward_backward(sub_tree, vloss, separable=True)
-                    for k, v in vloss.metrics().items():
+                    value_metrics = self._update(self.critic, batch, local, take(seqs), lambda b, n: ValueLoss(
+                        b, ValueLossConfig(clip=alg.value_clip), normalisers=n))
+                    for k, v in value_metrics.items():
                         metrics_acc.setdefault("critic/" + k, []).append(v)
                     self._optimizer_step(self.critic_opt, self.critic.model)
         self.scheduler.step()
-        self.rollout.update_weights(self.model)  # shares the parameters: bumps the version
+        self._sync_rollout_weights()
         timings["update"] = time.perf_counter() - t2
+        if self.dist:  # the slowest rank's times
+            from .distributed.data_parallel import all_gather_objects
+
+            timings = {k: max(t[k] for t in all_gather_objects(timings)) for k in timings}
         self.step_count += 1
 
         rewards = torch.tensor([s.reward for s in samples])
@@ -340,6 +443,68 @@ class Trainer:
         }
         out.update({("loss/" + k if "/" not in k else k): float(np.mean(v)) for k, v in metrics_acc.items()})
         return out
+
+    def _forwards(self, engines: dict[str, TreeEngine], seqs: list[torch.Tensor], tree: PrefixTree,
+                  dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
+        """No-grad per-sequence forwards (proximal / reference logprobs, critic values) of
+        the whole batch. Data parallel: each rank runs its share, then every rank gets all."""
+        if not engines:
+            return {}
+        if not self.dist:
+            with self._autocast():
+                return {name: [t.cpu().to(dtype) for t in engine.logprobs(tree)] for name, engine in engines.items()}
+        from .distributed.data_parallel import all_gather_objects, gathered
+
+        local = self._share(seqs)
+        sub = PrefixTree.from_sequences([seqs[i] for i in local]) if local else None
+        mine = {}
+        for name, engine in engines.items():
+            with gathered(engine), self._autocast():
+                mine[name] = [t.cpu().to(dtype) for t in engine.logprobs(sub)] if local else []
+        out = {name: [None] * len(seqs) for name in engines}
+        for rank_local, rank_out in all_gather_objects((local, mine)):
+            for name, values in rank_out.items():
+                for i, v in zip(rank_local, values):
+                    out[name][i] = v
+        return out
+
+    def _update(self, engine: TreeEngine, batch: TokenBatch, local: list[int], seqs: list[torch.Tensor],
+                make_loss, entropy: bool = False) -> dict[str, float]:
+        """Forward and backward of a separable loss over (this rank's share of) ``batch``;
+        returns the loss's metrics (over the whole batch). Leaves the gradients in place."""
+        if not self.dist:
+            loss = make_loss(batch.to(self.device), None)
+            with self._autocast():
+                engine.forward_backward(PrefixTree.from_sequences(seqs), loss, separable=True, entropy=entropy)
+            return loss.metrics()
+        from .distributed.data_parallel import all_gather_objects, gradient_step
+
+        norms = Normalisers.of(batch)  # the global minibatch's counts (every rank has it)
+        raw = {}
+        with gradient_step(engine):
+            if local:
+                mine = _select_batch(batch, local)
+                loss = make_loss(mine.to(self.device), norms)
+                with self._autocast():
+                    engine.forward_backward(PrefixTree.from_sequences([seqs[i] for i in local]), loss,
+                                            separable=True, entropy=entropy)
+                raw = loss._read()
+        # metrics of the whole minibatch: per-rank sums (max / min) combined, then read
+        # through a loss object of the global batch (its batch-wide statistics included)
+        merged: dict[str, float] = {}
+        for part in all_gather_objects(raw):
+            for k, v in part.items():
+                if k not in merged:
+                    merged[k] = v
+                elif k.endswith("_max"):
+                    merged[k] = max(merged[k], v)
+                elif k.endswith("_min"):
+                    merged[k] = min(merged[k], v)
+                else:
+                    merged[k] += v
+        whole = make_loss(batch, norms)
+        whole._acc = {k: torch.tensor(v, dtype=torch.float64) for k, v in merged.items()}
+        return whole.metrics()
 
     def _minibatches(self, samples: list[Sample], epoch: int) -> list[list[int]]:
         """Sequence indices per minibatch; a group stays together (so it shares its tree)."""
@@ -366,7 +531,10 @@ class Trainer:
 
     def _optimizer_step(self, optimizer, model) -> float:
         clip = self.cfg.optim.grad_clip
+        # Sharded (DTensor) gradients: clip_grad_norm_ reduces the norm over all ranks.
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(norm)
@@ -402,42 +570,88 @@ class Trainer:
 
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.sft.lr
-        with self._autocast():
-            loss = self.engine.forward_backward(seqs, nll, separable=True)
+        if self.dist:  # every rank built the same batch: each runs its share
+            from .distributed.data_parallel import all_reduce_sum, gradient_step
+
+            local = self._share(seqs)
+            loss = 0.0
+            with gradient_step(self.engine):
+                if local:
+                    where = torch.tensor(local)
+                    with self._autocast():
+                        loss = self.engine.forward_backward([seqs[i] for i in local],
+                                                            lambda lps, index: nll(lps, where[index]), separable=True)
+            loss = float(all_reduce_sum(loss, self.device))
+        else:
+            with self._autocast():
+                loss = self.engine.forward_backward(seqs, nll, separable=True)
         norm = self._optimizer_step(self.optimizer, self.model)
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         self.sft_count += 1
-        self.rollout.update_weights(self.model)
+        self._sync_rollout_weights()
         return {"sft/loss": loss, "sft/grad_norm": norm}
 
     # ------------------------------------------------------------------- eval
     def evaluate(self, n: int | None = None) -> dict[str, float]:
         """Greedy accuracy and mean reward on the task's held-out problems."""
         problems = self.task.eval_problems(n or self.cfg.train.eval_problems, seed=self.cfg.train.seed)
-        samples = self.generate_samples(problems, 1, greedy=True)
+        mine, _ = self._my_problems(problems)  # data parallel: each rank scores its slice
+        samples = self.generate_samples(mine, 1, greedy=True) if mine else []
         last = {}
         for s in samples:  # multi-turn: one reward per episode
             last[s.episode] = s
         rewards = [s.reward for s in last.values()]
+        if self.dist:
+            from .distributed.data_parallel import all_gather_objects
+
+            rewards = [r for part in all_gather_objects(rewards) for r in part]
         correct = [r >= 1.0 - 1e-9 for r in rewards]
         return {"eval/accuracy": float(np.mean(correct)), "eval/reward": float(np.mean(rewards))}
 
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
+        """The trainer state of a checkpoint. Data parallel: a collective (every rank calls
+        it); sharded optimizer and critic state are gathered whole, so a checkpoint has the
+        same layout as a one-process one, plus every rank's RNG state (``rng_ranks``)."""
+        if not self.dist:
+            return {
+                "step": self.step_count, "sft_steps": self.sft_count, "cursor": self.cursor, "epoch": self.epoch,
+                "version": self.rollout.version, "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "config": self.cfg.to_dict(),
+                "critic": None if self.critic is None else self.critic.model.state_dict(),
+                "critic_opt": None if self.critic_opt is None else self.critic_opt.state_dict(),
+                "reference": None if self.reference is None else self.reference.model.state_dict(),
+            }
+        from .distributed.data_parallel import all_gather_objects, full_optimizer_state, full_state_dict
+
+        rngs = all_gather_objects(rng_state())
         return {
             "step": self.step_count, "sft_steps": self.sft_count, "cursor": self.cursor, "epoch": self.epoch,
-            "version": self.rollout.version, "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "config": self.cfg.to_dict(),
-            "critic": None if self.critic is None else self.critic.model.state_dict(),
-            "critic_opt": None if self.critic_opt is None else self.critic_opt.state_dict(),
+            "version": self.rollout.version, "optimizer": full_optimizer_state(self.optimizer),
+            "scheduler": self.scheduler.state_dict(), "rng": rngs[0], "rng_ranks": rngs,
+            "config": self.cfg.to_dict(),
+            "critic": None if self.critic is None else full_state_dict(self.critic.model),
+            "critic_opt": None if self.critic_opt is None else full_optimizer_state(self.critic_opt),
             "reference": None if self.reference is None else self.reference.model.state_dict(),
         }
 
     def save(self, out_dir: str | Path | None = None) -> Path:
+        """Write a checkpoint (data parallel: every rank calls it, rank 0 writes: the
+        rollout engine's whole copy of the weights, which is the policy's)."""
         root = Path(out_dir or self.cfg.train.out_dir) / "checkpoints"
-        return save_checkpoint(root, self.step_count, self.model, self.tokenizer, self.state_dict(),
-                               keep_last=self.cfg.train.keep_last)
+        if not self.dist:
+            return save_checkpoint(root, self.step_count, self.model, self.tokenizer, self.state_dict(),
+                                   keep_last=self.cfg.train.keep_last)
+        import torch.distributed as dist
+
+        state = self.state_dict()
+        path = root / f"step-{self.step_count:06d}"
+        if self.is_main:
+            path = save_checkpoint(root, self.step_count, self.rollout.model, self.tokenizer, state,
+                                   keep_last=self.cfg.train.keep_last)
+        dist.barrier()
+        return path
 
     def load(self, checkpoint: str | Path) -> Path:
         """Restore model, optimizer, scheduler, RNG, data cursor and version."""
@@ -448,23 +662,42 @@ class Trainer:
         weights = {}
         for f in sorted((path / "model").glob("*.safetensors")):
             weights.update(load_file(f))
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        # data parallel: the whole weights go to the rollout copy, each rank's shards to the policy
+        whole = self.rollout.model if self.dist else self.model
+        missing, unexpected = whole.load_state_dict(weights, strict=False)
         if unexpected or [k for k in missing if "lm_head" not in k]:
             raise ConfigError(f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-        if self.model.config.tie_word_embeddings:
-            self.model.tie_weights()
-        self.optimizer.load_state_dict(state["optimizer"])
+        if whole.config.tie_word_embeddings:
+            whole.tie_weights()
+        if self.dist:
+            from .distributed.data_parallel import load_full_optimizer_state, load_full_state_dict
+
+            load_full_state_dict(self.model, whole.state_dict())
+            load_full_optimizer_state(self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None and state.get("critic") is not None:
-            self.critic.model.load_state_dict(state["critic"])
-            self.critic_opt.load_state_dict(state["critic_opt"])
+            if self.dist:
+                load_full_state_dict(self.critic.model, state["critic"])
+                load_full_optimizer_state(self.critic_opt, state["critic_opt"])
+            else:
+                self.critic.model.load_state_dict(state["critic"])
+                self.critic_opt.load_state_dict(state["critic_opt"])
         if self.reference is not None and state.get("reference") is not None:
             self.reference.model.load_state_dict(state["reference"])
         self.step_count, self.sft_count = state["step"], state["sft_steps"]
         self.epoch, self.cursor = state["epoch"], state["cursor"]
         self._order = self._shuffled(self.epoch)
         self.rollout.version = state["version"]
-        set_rng_state(state["rng"])
+        rngs = state.get("rng_ranks")
+        rank, world = (self.dist.rank, self.dist.world_size) if self.dist else (0, 1)
+        if rngs is not None and len(rngs) == world:
+            set_rng_state(rngs[rank])
+        else:  # saved with another number of processes
+            set_rng_state(state["rng"])
+            if rank:
+                torch.manual_seed(self.cfg.train.seed + 7919 * rank + 104729 * self.step_count)
         return path
 
 
@@ -481,3 +714,14 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("algorithm.advantage=rloo needs rollout.group_size >= 2")
     if a.ppo_epochs < 1 or a.minibatches < 1:
         raise ConfigError("algorithm.ppo_epochs and algorithm.minibatches must be at least 1")
+
+
+def _select_batch(batch: TokenBatch, index: list[int]) -> TokenBatch:
+    """The sequences ``index`` of ``batch`` (in that order) as a batch of their own."""
+    from .rl.batch import TOKEN_FIELDS
+
+    tokens, _ = batch.token_index(index)
+    if tokens is None:
+        return batch
+    fields = {n: getattr(batch, n)[tokens.to(batch.device)] for n in TOKEN_FIELDS if getattr(batch, n) is not None}
+    return TokenBatch(seq_lengths=batch.seq_lengths[torch.as_tensor(index, dtype=torch.int64)], **fields)

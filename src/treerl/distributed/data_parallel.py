@@ -54,6 +54,14 @@ def setup(backend: str | None = None, timeout_s: float = 600.0) -> DistContext:
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
+def launched() -> bool:
+    """True when this process is one of several data-parallel ranks: torchrun set
+    WORLD_SIZE > 1, or a process group of more than one rank is already initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def _fsdp_modules(engine: TreeEngine) -> list:
     from torch.distributed.fsdp import FSDPModule
 
@@ -107,6 +115,25 @@ def gradient_step(engine: TreeEngine) -> Iterator[None]:
                     p.grad.mul_(world)
 
 
+@contextlib.contextmanager
+def gathered(engine: TreeEngine) -> Iterator[None]:
+    """Run any number of no-grad engine calls (``forward``, ``logprobs``, ``values``) on
+    a sharded engine: parameters are all-gathered once when the block opens and resharded
+    when it closes, so ranks may make different numbers of calls (none at all included).
+    An engine that is not sharded runs as is."""
+    modules = _fsdp_modules(engine)
+    for m in modules:
+        m.set_reshard_after_forward(False)
+    for m in modules:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+            m.set_reshard_after_forward(True)
+
+
 def _reduce_call(engine: TreeEngine) -> None:
     """One call, the same on every rank, whose zero loss carries the accumulated
     gradients into FSDP's reduce-scatter."""
@@ -130,3 +157,75 @@ def full_gradients(engine: TreeEngine) -> dict[str, torch.Tensor]:
             g = p.grad
             out[name] = g.full_tensor() if hasattr(g, "full_tensor") else g
     return out
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with every sharded (DTensor) entry gathered to the whole
+    tensor. A collective: every rank calls it (same order). Tied entries are gathered once."""
+    out, seen = {}, {}
+    for name, t in module.state_dict().items():
+        if hasattr(t, "full_tensor"):
+            if id(t) not in seen:
+                seen[id(t)] = t.full_tensor()
+            t = seen[id(t)]
+        out[name] = t.detach()
+    return out
+
+
+def _local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` cut like the DTensor ``like`` (no communication: every rank has ``full``)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    full = full.to(device=like.device, dtype=like.dtype)
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+@torch.no_grad()
+def load_full_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy whole tensors (every rank holds them) into a possibly sharded ``module``;
+    each rank keeps its own shard. Keys missing from ``state`` are left as they are."""
+    for name, t in module.state_dict().items():
+        if name not in state:
+            continue
+        src = state[name]
+        if hasattr(t, "full_tensor"):
+            t.to_local().copy_(_local_shard(src, t).to_local())
+        else:
+            t.copy_(src)
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with sharded state gathered: the same layout as the
+    state dict of the optimizer of an unsharded model (checkpoints move between one
+    process and many). A collective: every rank calls it."""
+    sd = optimizer.state_dict()
+    state = {}
+    for key in sorted(sd["state"]):
+        state[key] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd["state"][key].items()}
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, full: dict) -> None:
+    """Load a state dict written by :func:`full_optimizer_state` (or by the optimizer of an
+    unsharded model) into the optimizer of a sharded model: each rank keeps its shards."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for key, entry in full["state"].items():
+        p = params[int(key)]
+        state[key] = {k: (_local_shard(v, p) if hasattr(p, "device_mesh") and torch.is_tensor(v) and v.dim() > 0
+                          and v.shape == p.shape else v) for k, v in entry.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
+
+
+def all_gather_objects(obj):
+    """Every rank's ``obj``, in rank order (pickled; for small, infrequent data)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    """``obj`` of rank ``src`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
