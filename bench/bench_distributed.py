@@ -27,20 +27,37 @@ from treerl.workloads import SCALES, make_workload
 
 
 def timed_step(engine, seqs, mine, loss_fn, device):
-    """(this rank's compute seconds, the whole step's seconds incl. the gradient reduce)."""
+    """This rank's seconds: (compute incl. the parameter all-gather, the whole step incl. the
+    gradient reduce, the all-gather alone)."""
     global_index = torch.tensor(mine, dtype=torch.long)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     dist.barrier()
     t0 = time.perf_counter()
     with gradient_step(engine):
+        sync()
+        gathered = time.perf_counter() - t0
         if mine:
             engine.forward_backward([seqs[i] for i in mine],
                                     lambda lps, index: loss_fn(lps, index=global_index[index]), separable=True)
         sync()
         compute = time.perf_counter() - t0
     sync()
-    return compute, time.perf_counter() - t0
+    return compute, time.perf_counter() - t0, gathered
+
+
+def profile_step(engine, seqs, mine, loss_fn, device, path):
+    """One step under torch.profiler: the top operators by device time, written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        timed_step(engine, seqs, mine, loss_fn, device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by=key, row_limit=40))
+        f.write("\n\nby CPU time\n")
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
 
 
 def main():
@@ -53,6 +70,7 @@ def main():
     p.add_argument("--max-tokens", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json")
+    p.add_argument("--profile", help="rank 0 writes a torch.profiler table of one step here")
     args = p.parse_args()
     ctx = setup()
     torch.manual_seed(0)
@@ -72,6 +90,11 @@ def main():
             times = [timed_step(engine, seqs, mine, loss_fn, ctx.device) for _ in range(args.repeats)]
             compute = statistics.median(t[0] for t in times)
             step = statistics.median(t[1] for t in times)
+            gather = statistics.median(t[2] for t in times)
+            if args.profile and ctx.is_main and name == "tree-aware":
+                profile_step(engine, seqs, mine, loss_fn, ctx.device, f"{args.profile}.{workload}.txt")
+            elif args.profile and name == "tree-aware":
+                timed_step(engine, seqs, mine, loss_fn, ctx.device)
             mine_t = torch.tensor([compute], dtype=torch.float64, device=ctx.device)
             all_t = [torch.zeros_like(mine_t) for _ in range(ctx.world_size)]
             dist.all_gather(all_t, mine_t)
@@ -81,14 +104,17 @@ def main():
             dist.all_gather(all_tok, mine_tokens)
             rows.append({"workload": workload, "assignment": name, "ranks": ctx.world_size,
                          "rank_seconds": per_rank, "step_seconds": step,
+                         "rank0_gather_seconds": gather, "rank0_reduce_seconds": step - compute,
                          "imbalance": max(per_rank) / statistics.mean(per_rank),
                          "rank_flat_tokens": [int(t) for t in all_tok]})
     if ctx.is_main:
         device = torch.cuda.get_device_name() if ctx.device.type == "cuda" else "CPU (gloo)"
         print(f"\n{args.shape} {args.dtype}, mode {args.mode}, {ctx.world_size} rank(s) on {device}")
-        print(f"{'workload':8} {'assignment':12} {'step s':>7} {'imbalance':>9}  per-rank compute seconds")
+        print(f"{'workload':8} {'assignment':12} {'step s':>7} {'gather s':>8} {'reduce s':>8} {'imbalance':>9}"
+              "  per-rank compute seconds")
         for r in rows:
-            print(f"{r['workload']:8} {r['assignment']:12} {r['step_seconds']:7.3f} {r['imbalance']:9.3f}  "
+            print(f"{r['workload']:8} {r['assignment']:12} {r['step_seconds']:7.3f} {r['rank0_gather_seconds']:8.3f} "
+                  f"{r['rank0_reduce_seconds']:8.3f} {r['imbalance']:9.3f}  "
                   + " ".join(f"{t:.3f}" for t in r["rank_seconds"]))
         if args.json:
             with open(args.json, "w") as f:
