@@ -3,12 +3,15 @@
 Batched sampling with a shared-prefix KV cache from a Hugging Face causal LM: each
 prompt is prefilled once and its KV shared by its G samples; temperature/top-k/top-p,
 stop tokens and strings, max new tokens; tree rollouts (forks at chosen completion
-lengths); per-token behaviour logprobs and weight versions; in-process weight updates.
+lengths); per-token behaviour logprobs and weight versions; in-process weight updates;
+continuous batching (``RolloutEngine.generate_stream`` with a ``PromptQueue``): groups
+come out as they finish while new prompts take the freed slots.
 """
 
 from .engine import Completion, Group, RolloutEngine, RolloutStats
 from .kv import SlotCache, rollout_attention
 from .params import SamplingParams
+from .stream import PromptQueue
 from .sampling import apply_top_k, apply_top_p, sample, sampling_distribution
 from .stops import StopChecker
 
@@ -18,6 +21,7 @@ __all__ = [
     "Completion",
     "Group",
     "RolloutStats",
+    "PromptQueue",
     "SlotCache",
     "StopChecker",
     "apply_top_k",

@@ -1,6 +1,15 @@
 """RolloutEngine: batched sampling from a Hugging Face causal LM with a shared-prefix KV cache.
 
-One :meth:`RolloutEngine.generate` call:
+Two paths:
+
+- **continuous batching** (:meth:`RolloutEngine.generate_stream`, and ``generate`` for
+  plain groups without tree branching): a running batch of fixed-shape slots; finished
+  rows free their slots and waiting prompt groups are admitted into them; each group is
+  yielded as soon as all its samples finish. See :mod:`treerl.rollout.stream`.
+- **waves** (``generate`` with branch points, i.e. tree rollouts, or with
+  ``continuous=False``), described below.
+
+One wave-path :meth:`RolloutEngine.generate` call:
 
 1. Validates the prompts and packs the groups (prompt x G samples, or tree leaves) into
    *waves* whose KV cache fits ``max_batch_tokens`` slots (longest prompts first).
@@ -35,7 +44,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +53,9 @@ from .kv import SlotCache, rollout_attention_enabled
 from .params import SamplingParams
 from .sampling import sample
 from .stops import StopChecker
+
+if TYPE_CHECKING:
+    from .stream import PromptQueue
 
 PromptLike = Sequence[int] | torch.Tensor | np.ndarray
 
@@ -104,11 +116,12 @@ class Group:
 class RolloutStats:
     """What the last ``generate`` call did."""
 
-    waves: int = 0
+    waves: int = 0  # waves (wave path) or admission rounds (continuous batching)
     prefill_calls: int = 0
     prefill_tokens: int = 0  # real (unpadded) tokens prefilled, recomputes included
     decode_steps: int = 0  # batched one-token forwards
     decode_rows: int = 0  # sum of the batch sizes of those forwards
+    live_rows: int = 0  # continuous batching: sum of the unfinished rows of those forwards
     generated_tokens: int = 0  # tokens in the returned completions
     recomputes: int = 0  # KV recomputations after a weight update
     seconds: float = 0.0
@@ -161,6 +174,10 @@ class RolloutEngine:
     ``static_kv`` (default: same as ``cuda_graphs``): decode steps attend to the whole
     preallocated cache under the mask, with the write slot in a device tensor, so every
     step has the same shapes.
+
+    ``continuous`` (default True): ``generate`` of plain groups (no branch points) runs on
+    the continuous-batching path (:meth:`generate_stream`); False: waves, as tree
+    rollouts always do.
     """
 
     def __init__(
@@ -174,6 +191,7 @@ class RolloutEngine:
         sync_every: int = 8,
         cuda_graphs: bool | None = None,
         static_kv: bool | None = None,
+        continuous: bool = True,
     ):
         if device is not None:
             model = model.to(device)
@@ -202,6 +220,7 @@ class RolloutEngine:
         self.static_kv = self.cuda_graphs if static_kv is None else bool(static_kv)
         if self.cuda_graphs and not self.static_kv:
             raise ValueError("cuda_graphs needs static_kv")
+        self.continuous = bool(continuous)
         self.stats = RolloutStats()
         self._lock = threading.RLock()
         self._pending_updates = 0  # update_weights calls waiting for the lock (other threads)
@@ -251,6 +270,8 @@ class RolloutEngine:
         params.validate(self.vocab_size)
         prompts = self._check_prompts(prompts, params)
         schedule = params.branch_schedule()
+        if self.continuous and not schedule:
+            return self._generate_continuous(prompts, params)
         stopper = StopChecker(params.stop_token_ids, params.stop_strings, params.decoder())
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -278,21 +299,79 @@ class RolloutEngine:
             len(prompts) and isinstance(prompts[0], (int, np.integer))
         ):
             raise ValueError("prompts must be a list of token-id sequences (got a single sequence)")
+        return [self._check_prompt(i, p, params) for i, p in enumerate(prompts)]
+
+    def _check_prompt(self, i, p: PromptLike, params: SamplingParams) -> list[int]:
+        """Prompt ``i`` (its index or key, for messages) as a list of token ids."""
+        if isinstance(p, (int, np.integer)):
+            raise ValueError(f"prompt {i} must be a sequence of token ids, got the single id {p!r}")
+        ids = [int(t) for t in (p.tolist() if isinstance(p, (torch.Tensor, np.ndarray)) else p)]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size})")
         limit = None if self.max_positions is None else self.max_positions - params.max_new_tokens
-        out = []
-        for i, p in enumerate(prompts):
-            ids = [int(t) for t in (p.tolist() if isinstance(p, (torch.Tensor, np.ndarray)) else p)]
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            if min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size})")
-            if limit is not None and len(ids) > limit:
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; with max_new_tokens={params.max_new_tokens} the model's "
-                    f"context of {self.max_positions} tokens (max_position_embeddings) allows at most {limit}"
-                )
-            out.append(ids)
-        return out
+        if limit is not None and len(ids) > limit:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; with max_new_tokens={params.max_new_tokens} the model's "
+                f"context of {self.max_positions} tokens (max_position_embeddings) allows at most {limit}"
+            )
+        return ids
+
+    # ------------------------------------------------------- continuous batching
+    def generate_stream(
+        self,
+        prompts: "PromptQueue | Iterable[PromptLike]",
+        params: SamplingParams | None = None,
+        *,
+        max_rows: int | None = None,
+    ) -> Iterator[Group]:
+        """Continuous batching: yield each prompt's :class:`Group` as soon as all of its
+        ``params.n`` samples have finished, admitting waiting prompts into the slots that
+        finished rows free (see :mod:`treerl.rollout.stream`).
+
+        ``prompts``: a :class:`~treerl.rollout.stream.PromptQueue` (other threads may add
+        prompts while the stream runs; a group's ``prompt_index`` is its key) or a finite
+        iterable of token-id sequences (keys 0, 1, ...). ``max_rows``: slots of the running
+        batch (rounded down to a multiple of ``n``); default: as many as
+        ``max_batch_tokens`` allows (rows x (longest prompt + max_new_tokens)), and no more
+        than a finite input needs. Branch points (tree rollouts) are not supported here:
+        use :meth:`generate`. ``self.stats`` describes the stream so far.
+        """
+        from .stream import PromptQueue, RunningBatch
+
+        params = SamplingParams() if params is None else params
+        params.validate(self.vocab_size)
+        if params.branch_schedule():
+            raise ValueError("generate_stream does not do tree rollouts (branch points): use generate")
+        queue = prompts if isinstance(prompts, PromptQueue) else PromptQueue(prompts, close=True)
+        waiting = [len(self._check_prompt(k, p, params)) for k, p in queue.items()]
+        G, max_new = params.n, params.max_new_tokens
+        capacity = _round_up(max(waiting, default=1) + max_new - 1)
+        rows = max_rows if max_rows is not None else max(G, self.max_batch_tokens // capacity)
+        if queue.closed:
+            rows = min(rows, G * len(waiting))
+        rows = max(G, rows // G * G)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.stats = RolloutStats()
+        start = time.perf_counter()
+        batch = RunningBatch(self, queue, params, generator, rows, capacity)
+        with rollout_attention_enabled(self.model):
+            for group in batch.run():
+                self.stats.seconds = time.perf_counter() - start
+                yield group
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats.seconds = time.perf_counter() - start
+
+    def _generate_continuous(self, prompts: list[list[int]], params: SamplingParams) -> list[Group]:
+        groups: dict[int, Group] = {}
+        for g in self.generate_stream(prompts, params):
+            groups[g.prompt_index] = g
+        if sorted(groups) != list(range(len(prompts))):  # pragma: no cover - a bug, never an input error
+            raise RuntimeError(f"generate_stream returned groups {sorted(groups)} for {len(prompts)} prompts")
+        return [groups[i] for i in range(len(prompts))]
 
     def _waves(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[int]]:
         """Groups (prompt indices) per wave, longest prompts first, each wave's KV slots
