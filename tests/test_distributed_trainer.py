@@ -2,8 +2,9 @@
 
 (a) One ``Trainer.train_on`` step on a fixed global batch gives the same parameters and
     metrics under 2 ranks as in one process (float64, <= 1e-9 relative to the update):
-    GRPO with 2 minibatches and a KL reference (gradient clipping at 1), and GSPO with
-    seq-mean-token-mean, 2 PPO epochs and gradient clipping that is active.
+    GRPO with 2 minibatches and a KL reference (gradient clipping at 1); GSPO with
+    seq-mean-token-mean, 2 PPO epochs and gradient clipping that is active; GAE with a
+    (sharded) critic and value clipping; REINFORCE++ with KL and an entropy bonus.
 (c) A batch that is one chain (the partition leaves a rank with nothing) still works.
 (b) ``treerl train`` under torchrun (2 gloo processes): rank 0 writes metrics and a
     checkpoint, and the run resumes from it.
@@ -34,6 +35,8 @@ CONFIGS = {
     "gspo-seqmean-2ep": ["algorithm.advantage=grpo", "algorithm.ratio=sequence", "algorithm.eps_low=0.0003",
                          "algorithm.eps_high=0.0004", "algorithm.aggregation=seq-mean-token-mean",
                          "algorithm.ppo_epochs=2", "optim.grad_clip=0.01"],
+    "gae": ["algorithm.advantage=gae", "algorithm.minibatches=2", "algorithm.value_clip=0.5"],
+    "rpp": ["algorithm.advantage=reinforce_pp", "algorithm.kl_coef=0.05", "algorithm.entropy_coef=0.01"],
 }
 CHAIN = "grpo-kl-2mb"  # config of the one-chain batch (c)
 
@@ -93,8 +96,10 @@ def worker(rank, world, init_file, out_dir):
         assert trainer.dist is not None and trainer.dist.world_size == world
         share = len(trainer._share([torch.tensor(s.token_ids) for s in samples(trainer.tokenizer.vocab_size, chain)]))
         params = full_state_dict(trainer.model)
+        if trainer.critic is not None:
+            params.update({"critic." + k: v for k, v in full_state_dict(trainer.critic.model).items()})
         rollout = trainer.rollout.model.state_dict()
-        assert all(torch.equal(params[k], rollout[k]) for k in params), "rollout copy is not the new policy"
+        assert all(torch.equal(params[k], rollout[k]) for k in rollout), "rollout copy is not the new policy"
         if rank == 0:
             torch.save({"params": params, "metrics": metrics}, os.path.join(out_dir, f"{name}-{chain}.pt"))
         torch.save(share, os.path.join(out_dir, f"share-{name}-{chain}-{rank}.pt"))
@@ -109,9 +114,16 @@ def test_two_ranks_train_on_matches_one_process(tmp_path):
         got = torch.load(tmp_path / f"{name}-{chain}.pt")
         init = model(config(name)).state_dict()
         trainer, metrics = train_once(name, chain)
+        params = dict(trainer.model.state_dict())
+        if trainer.critic is not None:
+            init.update({"critic." + k: v for k, v in init.items()})
+            init["critic.value_head.weight"] = torch.zeros_like(trainer.critic.model.value_head.weight)
+            init["critic.value_head.bias"] = torch.zeros_like(trainer.critic.model.value_head.bias)
+            params.update({"critic." + k: v for k, v in trainer.critic.model.state_dict().items()})
+        assert set(params) == set(got["params"])
         if name == "gspo-seqmean-2ep" and not chain:
             assert metrics["loss/grad_norm"] > 0.01  # the clip is active: the global norm matters
-        for k, p in trainer.model.state_dict().items():
+        for k, p in params.items():
             update = p - init[k]
             err = (got["params"][k] - p).norm() / max(update.norm(), 1e-300)
             assert update.norm() > 0 or err == 0, (name, k)
