@@ -156,7 +156,7 @@ class RunningBatch:
         self.live_d = torch.zeros(S, dtype=torch.int64, device=dev)
         self.last = torch.zeros(S, dtype=torch.int64, device=dev)  # last sampled token (fed next)
         self.logits = torch.zeros(S, engine.vocab_size, dtype=engine.logit_dtype, device=dev)
-        K = engine.sync_every
+        K = engine.sync_every + 2  # a sync window logs <= sync_every + 1 sample calls
         self.log_tok = torch.zeros(K, S, dtype=torch.int64, device=dev)
         self.log_lp = torch.zeros(K, S, dtype=engine.logit_dtype, device=dev)
         self.log_rows: list[tuple[np.ndarray, np.ndarray]] = []
@@ -183,34 +183,32 @@ class RunningBatch:
         e, q = self.e, self.q
         waited = None  # when the batch became idle (for idle_timeout)
         while True:
+            if self.log_rows and (len(self.log_rows) >= e.sync_every or (self.steps[self.live] >= self.max_new).any()):
+                self._sync()
+            yield from self._flush()
             free = np.flatnonzero(~self.live)
-            groups_free = len(free) // self.G
-            idle = not self.live.any()
-            if groups_free:
+            if len(free) >= self.G:  # admit waiting prompts into free slots
                 timeout = 0.0
-                if idle:
+                if not self.live.any():
                     waited = time.monotonic() if waited is None else waited
-                    timeout = 0.1 if q.idle_timeout is None else max(0.0, min(0.1, q.idle_timeout - (time.monotonic() - waited)))
-                items = q.take(groups_free, timeout)
+                    left = 0.1 if q.idle_timeout is None else q.idle_timeout - (time.monotonic() - waited)
+                    timeout = max(0.0, min(0.1, left))
+                items = q.take(len(free) // self.G, timeout)
                 if items:
                     waited = None
                     e._yield_to_updates()
                     with e._lock, torch.no_grad():
                         self._admit(items, free)
+                        self._sample(free[: len(items) * self.G], prefix=False)
             if not self.live.any():
-                yield from self._flush()
                 if q.closed and not len(q):
                     return
                 if q.idle_timeout is not None and waited is not None and time.monotonic() - waited >= q.idle_timeout:
                     if q.end_if_empty():
                         return
                 continue
-            self._sample()
-            if len(self.log_rows) >= e.sync_every or (self.steps[self.live] >= self.max_new).any():
-                self._sync()
-            yield from self._flush()
-            if not self.live.any():
-                continue
+            if (self.steps[self.live] >= self.max_new).any():
+                continue  # finish those rows (sync) before the next step
             e._yield_to_updates()
             with e._lock, torch.no_grad():
                 stale = self.live & (self.row_version != e.version)
@@ -222,22 +220,30 @@ class RunningBatch:
                 if self.live.any():
                     self._compact()
                     self._decode()
-            yield from self._flush()
+                    self._sample(np.flatnonzero(self.live), prefix=True)
 
     def _flush(self) -> Iterator:
         out, self.out = self.out, []
         yield from out
 
     # ----------------------------------------------------------------- sampling
-    @torch.no_grad()
-    def _sample(self) -> None:
-        rows = np.flatnonzero(self.live)
-        hi = self.hi
-        tokens, logp = sample(self.logits[:hi], self.p, self.gen)
-        self.last[:hi] = tokens
+    def _sample(self, rows: np.ndarray, prefix: bool) -> None:
+        """Sample the next token of ``rows`` (live) from their pending logits and log it:
+        after a decode step, every row of the step (``prefix``: rows ``[:hi]``, fixed
+        shapes); after an admission, the admitted rows."""
         k = len(self.log_rows)
-        self.log_tok[k, :hi] = tokens
-        self.log_lp[k, :hi] = logp
+        if prefix:
+            hi = self.hi
+            tokens, logp = sample(self.logits[:hi], self.p, self.gen)
+            self.last[:hi] = tokens
+            self.log_tok[k, :hi] = tokens
+            self.log_lp[k, :hi] = logp
+        else:
+            idx = torch.as_tensor(rows, device=self.e.device)
+            tokens, logp = sample(self.logits[idx], self.p, self.gen)
+            self.last[idx] = tokens
+            self.log_tok[k, idx] = tokens
+            self.log_lp[k, idx] = logp
         self.log_rows.append((rows, self.steps[rows].copy()))
         self.host_ver[rows, self.steps[rows]] = self.logit_version[rows]
         self.steps[rows] += 1

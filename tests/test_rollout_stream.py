@@ -1,0 +1,298 @@
+"""Continuous batching (RolloutEngine.generate_stream) on tiny random Qwen3 models (CPU):
+greedy streams equal per-prompt greedy decoding by plain full forwards, token by token and
+logprob by logprob; freed slots take new prompts (fewer decode steps than waves); groups
+come out as they finish; versions and KV after a mid-stream weight update; prompts added
+from another thread are each generated exactly once; fixed-shape (CUDA-graph) steps,
+compaction and capacity growth."""
+
+import copy
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from treerl.models import build_model, rmsnorm_in_input_precision
+from treerl.rollout import PromptQueue, RolloutEngine, SamplingParams
+
+VOCAB = 512
+MAX_NEW = 24
+STOP = "#" * 10  # long enough that the stop-string search always decodes the whole completion
+
+
+def tiny(dtype=torch.float64, seed=0):
+    model = build_model("qwen3", "tiny", dtype=dtype, seed=seed)
+    return rmsnorm_in_input_precision(model) if dtype == torch.float64 else model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+def target_length(ids):
+    """Completion length set by its first token: 2..18 (a stop string appears there)."""
+    return 2 + (int(ids[0]) * 7) % 17
+
+
+def decode(ids):
+    ids = list(ids)
+    return "x" * len(ids) + (STOP if ids and len(ids) >= target_length(ids) else "")
+
+
+def params(**kw):
+    base = dict(n=2, temperature=0, max_new_tokens=MAX_NEW, stop_strings=[STOP], decode=decode)
+    base.update(kw)
+    return SamplingParams(**base)
+
+
+def random_prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy_reference(model, prompt, max_new=MAX_NEW):
+    """Greedy continuation by full forwards (no cache, no padding) until the length rule."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            if len(ids) - len(prompt) >= target_length(ids[len(prompt):]):
+                break
+    return ids[len(prompt):]
+
+
+def reference_logprobs(model, prompt, completion, temperature=1.0):
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].double()
+    logp = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1 : -1]
+    return logp.gather(-1, torch.as_tensor(completion)[:, None]).squeeze(-1)
+
+
+def check_greedy(model, groups, prompts, n, rtol=1e-9, atol=1e-12):
+    assert sorted(g.prompt_index for g in groups) == list(range(len(prompts)))
+    for g in groups:
+        p = prompts[g.prompt_index]
+        ref = greedy_reference(model, p)
+        assert g.prompt_ids.tolist() == p
+        assert [c.branch for c in g] == [(j,) for j in range(n)]
+        for c in g:
+            assert c.completion_ids.tolist() == ref, g.prompt_index
+            assert c.finish_reason == ("stop" if len(ref) < MAX_NEW or target_length(ref) <= MAX_NEW else "length")
+            lp = reference_logprobs(model, p, ref)
+            assert torch.allclose(c.logprobs.double(), lp, rtol=rtol, atol=atol), (c.logprobs - lp).abs().max()
+
+
+@pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_stream_greedy_equals_per_prompt_reference(model, static_kv, sync_every):
+    prompts = random_prompts([7, 1, 13, 4, 10, 3, 9, 5, 12, 2], seed=1)
+    engine = RolloutEngine(model, static_kv=static_kv, sync_every=sync_every, prefill_chunk_tokens=16)
+    groups = list(engine.generate_stream(prompts, params(), max_rows=4))  # 2 groups at a time
+    lengths = {g.prompt_index: len(g[0]) for g in groups}
+    assert len(set(lengths.values())) > 3, "the length rule should give varied lengths"
+    check_greedy(model, groups, prompts, 2)
+    assert engine.stats.waves > 2  # admissions into freed slots
+    assert engine.stats.generated_tokens == 2 * sum(lengths.values())
+
+
+def test_float32_stream_matches_reference():
+    model = tiny(torch.float32, seed=3)
+    prompts = random_prompts([5, 17, 2, 8, 11, 6], seed=4)
+    groups = list(RolloutEngine(model, sync_every=2).generate_stream(prompts, params(n=1), max_rows=3))
+    check_greedy(model, groups, prompts, 1, rtol=1e-5, atol=1e-5)
+
+
+def test_freed_slots_take_new_prompts_fewer_steps_than_waves(model):
+    prompts = random_prompts([6] * 12, seed=2)
+    G, rows = 2, 6  # 3 groups at a time
+    engine = RolloutEngine(model, sync_every=1)
+    groups = list(engine.generate_stream(prompts, params(n=G), max_rows=rows))
+    check_greedy(model, groups, prompts, G)
+    lengths = [max(len(c) for c in g) for g in sorted(groups, key=lambda g: g.prompt_index)]
+    # waves of 3 groups, in order: each wave decodes until its longest row is done
+    waves = sum(max(lengths[i : i + 3]) - 1 for i in range(0, 12, 3))
+    assert engine.stats.decode_steps < waves, (engine.stats.decode_steps, waves, lengths)
+    # the wave path on the same prompts, for comparison: same completions, more steps
+    wave_engine = RolloutEngine(model, continuous=False, max_batch_tokens=rows * (6 + MAX_NEW))
+    wave_groups = wave_engine.generate(prompts, params(n=G))
+    assert [[c.completion_ids.tolist() for c in g] for g in wave_groups] == \
+        [[c.completion_ids.tolist() for c in g] for g in sorted(groups, key=lambda g: g.prompt_index)]
+    assert wave_engine.stats.waves == 4 and wave_engine.stats.decode_steps >= waves > engine.stats.decode_steps
+
+
+def test_groups_come_out_as_they_finish(model):
+    prompts = random_prompts([5, 8, 3, 9, 4, 7, 6, 2], seed=6)
+    length = [len(greedy_reference(model, p)) for p in prompts]
+    engine = RolloutEngine(model, sync_every=1)
+    seen = []
+    for g in engine.generate_stream(prompts, params(n=2), max_rows=4):
+        seen.append((engine.stats.decode_steps, g.prompt_index))
+    # expected: two groups run at a time; a group admitted after decode step a (its first
+    # token from the prefill) finishes at step a + length - 1, is yielded then, and the
+    # next waiting prompt takes its slots at once
+    expected, running, waiting = [], {0: length[0] - 1, 1: length[1] - 1}, list(range(2, len(prompts)))
+    while running:
+        step = min(running.values())
+        done = sorted(k for k, s in running.items() if s == step)
+        for k in done:
+            expected.append((step, k))
+            del running[k]
+        for _ in done:
+            if waiting:
+                k = waiting.pop(0)
+                running[k] = step + length[k] - 1
+    assert len(set(length)) > 3
+    assert sorted(seen) == sorted(expected)
+    assert [s for s, _ in seen] == sorted(s for s, _ in seen)  # yielded as they finished
+    assert seen[-1][0] == engine.stats.decode_steps
+
+
+@pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
+def test_versions_and_kv_after_mid_stream_weight_update(static_kv):
+    a, b = tiny(seed=0), tiny(seed=1)
+    prompts = random_prompts([5, 9, 3, 7, 6, 4, 8], seed=3)
+    engine = RolloutEngine(copy.deepcopy(a), version=0, sync_every=4, static_kv=static_kv)
+    decode_calls = []
+    updater = threading.Thread(target=lambda: engine.update_weights(b, version=1))
+
+    def hook(module, args, kwargs, output):
+        if kwargs["input_ids"].shape[1] == 1:
+            decode_calls.append(1)
+            if len(decode_calls) == 6:  # another thread pushes weights during decode step 6
+                updater.start()
+                deadline = time.monotonic() + 10
+                while not engine._pending_updates and time.monotonic() < deadline:
+                    time.sleep(1e-4)
+
+    handle = engine.model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        groups = list(engine.generate_stream(prompts, params(n=2, max_new_tokens=MAX_NEW), max_rows=4))
+    finally:
+        handle.remove()
+        updater.join()
+    assert engine.stats.recomputes >= 1 and engine.version == 1
+    both = 0
+    for g in groups:
+        p = prompts[g.prompt_index]
+        for c in g:
+            ids, versions = c.completion_ids.tolist(), c.versions.tolist()
+            cut = versions.count(0)
+            assert versions == [0] * cut + [1] * (len(ids) - cut)
+            both += 0 < cut < len(ids)
+            lp_a, lp_b = reference_logprobs(a, p, ids), reference_logprobs(b, p, ids)
+            for t, v in enumerate(versions):
+                m = a if v == 0 else b
+                with torch.no_grad():
+                    assert int(m(torch.tensor([p + ids[:t]])).logits[0, -1].argmax()) == ids[t]
+                ref = lp_a[t] if v == 0 else lp_b[t]
+                assert torch.allclose(c.logprobs[t], ref, rtol=1e-9, atol=1e-12)
+            assert len(ids) == min(target_length(ids), MAX_NEW)
+    assert both, "no completion outlived the update"
+    assert any(min(g[0].versions.tolist()) == 1 for g in groups)  # admitted after the update
+
+
+def test_prompts_from_another_thread_none_lost_or_duplicated(model):
+    prompts = random_prompts([random.Random(7).randint(1, 12) for _ in range(14)], seed=7)
+    queue = PromptQueue()
+    engine = RolloutEngine(model, sync_every=2)
+    keys = [100 + i for i in range(len(prompts))]
+
+    def producer():
+        rng = random.Random(0)
+        for k, p in zip(keys, prompts):
+            time.sleep(rng.random() * 0.02)
+            assert queue.put(p, key=k)
+        queue.close()
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    try:
+        groups = list(engine.generate_stream(queue, params(n=3), max_rows=9))
+    finally:
+        thread.join()
+    assert sorted(g.prompt_index for g in groups) == keys
+    for g in groups:
+        p = prompts[keys.index(g.prompt_index)]
+        ref = greedy_reference(model, p)
+        assert len(g) == 3 and [c.branch for c in g] == [(0,), (1,), (2,)]
+        assert all(c.prompt_ids.tolist() == p and c.completion_ids.tolist() == ref for c in g)
+    assert not queue.put([1, 2])  # closed
+
+
+def test_idle_timeout_ends_the_stream_atomically(model):
+    queue = PromptQueue(idle_timeout=0)
+    assert queue.put([1, 2, 3])
+    groups = list(RolloutEngine(model).generate_stream(queue, params(n=1)))
+    assert [g.prompt_index for g in groups] == [0]
+    assert not queue.put([4, 5])  # refused: that stream has ended, a new one must take it
+    # a waiting stream takes prompts put later, then ends once idle for idle_timeout
+    queue = PromptQueue(idle_timeout=0.5)
+    assert queue.put([1, 2, 3], key="a")
+    out = []
+    stream = RolloutEngine(model).generate_stream(queue, params(n=1))
+    out.append(next(stream).prompt_index)
+    assert queue.put([6, 7], key="b")
+    out += [g.prompt_index for g in stream]
+    assert out == ["a", "b"]
+
+
+def test_sampled_stream_logprobs_and_compaction(model):
+    """Temperature/top-k/top-p sampling with stop tokens: behaviour logprobs equal a full
+    forward; rows of a long tail are compacted into smaller decode steps."""
+    prompts = random_prompts([9, 3, 14, 6, 2, 11, 5, 8], seed=5)
+    p = SamplingParams(n=4, temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=30, seed=3,
+                       stop_token_ids=list(range(0, VOCAB, 13)))
+    engine = RolloutEngine(model, sync_every=2)
+    groups = list(engine.generate_stream(prompts, p, max_rows=32))
+    assert sorted(g.prompt_index for g in groups) == list(range(len(prompts)))
+    lengths = []
+    for g in groups:
+        assert len(g) == 4
+        for c in g:
+            ids = c.completion_ids.tolist()
+            lengths.append(len(ids))
+            ref = reference_logprobs(model, prompts[g.prompt_index], ids, 0.8)
+            assert torch.allclose(c.logprobs, ref, rtol=1e-9, atol=1e-12)
+            if c.finish_reason == "stop":
+                assert ids[-1] % 13 == 0 and all(t % 13 for t in ids[:-1])
+            else:
+                assert len(ids) == 30 and all(t % 13 for t in ids)
+    assert len(set(lengths)) > 3
+    s = engine.stats
+    assert s.decode_rows < s.decode_steps * 32, "the tail should decode fewer rows than the batch has"
+    assert s.live_rows <= s.decode_rows
+    # same seed, same stream
+    again = list(RolloutEngine(model, sync_every=2).generate_stream(prompts, p, max_rows=32))
+    key = lambda gs: sorted((g.prompt_index, [c.completion_ids.tolist() for c in g]) for g in gs)  # noqa: E731
+    assert key(again) == key(groups)
+
+
+def test_capacity_grows_for_a_longer_prompt(model):
+    queue = PromptQueue()
+    short, long = random_prompts([3, 40], seed=9)
+    queue.put(short)
+    engine = RolloutEngine(model, sync_every=1)
+    stream = engine.generate_stream(queue, params(n=2), max_rows=4)
+    first = next(stream)
+    queue.put(long)
+    queue.close()
+    rest = list(stream)
+    check_greedy(model, [first] + rest, [short, long], 2)
+
+
+def test_stream_input_errors(model):
+    engine = RolloutEngine(model)
+    with pytest.raises(ValueError, match="tree rollouts"):
+        list(engine.generate_stream([[1, 2]], SamplingParams(branch_points=[2], max_new_tokens=4)))
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        list(engine.generate_stream([[1], []], params()))
+    queue = PromptQueue()
+    queue.put([1, 2], key="x")
+    queue.put([VOCAB], key="bad")
+    queue.close()
+    with pytest.raises(ValueError, match="prompt bad has token ids outside"):
+        list(engine.generate_stream(queue, params()))
+    assert model.config._attn_implementation == "sdpa"
