@@ -92,6 +92,7 @@ class WorkerInfo:
     device: str
     incarnation: int = 0
     ready: bool = False
+    streaming: bool = False  # takes new units while generating (continuous batching)
     last_heard: float = 0.0
     restarts: int = 0
 
@@ -224,6 +225,7 @@ class AsyncRunner:
         info.last_heard = time.monotonic()
         if isinstance(msg, Ready):
             info.ready = True
+            info.streaming = msg.streaming
             self.publisher.worker_ready(msg.worker, self.trainer.model, self.trainer.rollout.version)
         elif isinstance(msg, Result):
             self._collect(msg)
@@ -268,17 +270,24 @@ class AsyncRunner:
     # --------------------------------------------------------------- launching
     def _launch_first(self) -> bool:
         """With a full batch buffered: launch before training if a worker would otherwise
-        idle through a training step that is long compared to a generation call."""
-        if self.controller.capacity() <= 0 or not self._idle_workers():
+        idle through a training step that is long compared to a generation call (a
+        streaming worker takes new units into its running batch: always launch first)."""
+        workers = self._idle_workers()
+        if self.controller.capacity() <= 0 or not workers:
             return False
+        if any(self.workers[i].streaming for i in workers):
+            return True
         t, c = self.train_time.value, self.call_time.value
         return t is None or c is None or t > self.options.linger_ratio * c
 
     def _idle_workers(self) -> list[int]:
-        return [i for i, info in self.workers.items() if info.ready and not self.ledger.in_flight_on(i)]
+        """Workers that take units now: idle ones, and streaming ones (fewest in flight first)."""
+        ready = [(len(self.ledger.in_flight_on(i)), i) for i, info in self.workers.items() if info.ready]
+        return [i for n, i in sorted(ready) if n == 0 or self.workers[i].streaming]
 
     def launch(self) -> bool:
-        """Give idle workers as many units as the staleness bound allows (split evenly)."""
+        """Give idle (or streaming) workers as many units as the staleness bound allows
+        (split evenly)."""
         idle = self._idle_workers()
         capacity = self.controller.capacity()
         launched = False

@@ -4,9 +4,9 @@ exactly as in synchronous training), a weight-listener thread and a heartbeat th
 
 Protocol (one task queue and one result queue per worker incarnation):
 
-- trainer -> worker: a list of :class:`~treerl.async_rl.ledger.WorkUnit` (generated in one
-  ``generate`` call), or ``None`` to stop.
-- worker -> trainer: :class:`Ready` once the model is built, :class:`Result` per call,
+- trainer -> worker: a list of :class:`~treerl.async_rl.ledger.WorkUnit`, or ``None`` to stop.
+- worker -> trainer: :class:`Ready` once the model is built (``streaming``: whether it
+  takes new units while generating), :class:`Result` per unit (streaming) or per list,
   :class:`Heartbeat` every ``heartbeat_s`` seconds while generation makes progress (a
   forward hook counts model calls: a worker stuck inside a call stops beating),
   :class:`WorkerFailed` with the traceback if anything raises.
@@ -16,6 +16,18 @@ The listener thread applies every new weight version with
 rows recompute their KV under the new weights and each token keeps the version that
 produced it. Before generating a unit, the worker waits until its weights are at least
 the unit's ``min_version`` (the trainer's version when it launched the unit).
+
+Streaming (single-turn tasks without tree rollouts): the worker generates with continuous
+batching (:meth:`RolloutEngine.generate_stream <treerl.rollout.RolloutEngine.generate_stream>`).
+A feeder thread takes unit lists from the task queue as the trainer sends them (the
+trainer launches only what the staleness controller allows), waits for the unit's
+``min_version`` and adds its prompts to the running stream, where they take the slots of
+finished rows; each unit's :class:`Result` is sent as soon as all of its groups are done.
+A *session* (one stream, one random generator seeded from its first unit's ``rng_state``
+as the synchronous ``generate`` would be) ends when nothing is left to generate; units
+arriving after that start a new one. So with ``eta = 0`` (one batch at a time) every step
+is one session over exactly the prompts a synchronous step generates, with the same random
+numbers: asynchronous training reproduces synchronous training.
 """
 
 from __future__ import annotations
@@ -28,6 +40,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..rollout.stream import PromptQueue
 
 import numpy as np
 import torch
@@ -79,6 +93,7 @@ class Ready:
     worker: int
     incarnation: int
     pid: int
+    streaming: bool = False  # takes new units while generating (continuous batching)
 
 
 @dataclass
@@ -157,6 +172,8 @@ class RolloutWorker:
 
     def __init__(self, spec: WorkerSpec, results: Any):
         self.spec, self.results = spec, results
+        self._session: _Session | None = None
+        self._session_lock = threading.Lock()
         torch.set_num_threads(max(1, spec.threads))
         run_setup(spec.setup)
         device = torch.device(spec.device)
@@ -172,6 +189,12 @@ class RolloutWorker:
         self.receiver = spec.weights.open(device, self.trainer.model)
         self._threads = [threading.Thread(target=self._listen, name="weights", daemon=True),
                          threading.Thread(target=self._beat, name="heartbeat", daemon=True)]
+        params = self.trainer.sampling_params(1)
+        self.streaming = (not self.trainer.multi_turn and not params.branch_schedule()
+                          and getattr(self.engine, "continuous", False))
+        cfg = self.trainer.cfg
+        # the most prompt groups ever in flight: (eta + 1) batches
+        self.max_rows = (cfg.async_.max_staleness + 1) * cfg.rollout.prompts_per_step * cfg.rollout.group_size
 
     # ------------------------------------------------------------------ threads
     def _on_model_call(self, module, args, output) -> None:
@@ -206,8 +229,11 @@ class RolloutWorker:
     def serve(self, tasks: Any) -> None:
         for t in self._threads:
             t.start()
-        self.results.put(Ready(self.spec.index, self.spec.incarnation, os.getpid()))
+        self.results.put(Ready(self.spec.index, self.spec.incarnation, os.getpid(), self.streaming))
         try:
+            if self.streaming:
+                self._serve_streaming(tasks)
+                return
             while True:
                 try:
                     units = tasks.get(timeout=0.2)
@@ -219,6 +245,110 @@ class RolloutWorker:
         finally:
             self.state.stop = True
             self.receiver.close()
+
+    # ------------------------------------------------------------ streaming
+    def _serve_streaming(self, tasks: Any) -> None:
+        """Main thread: run sessions; the feeder thread hands units over (see module doc)."""
+        inbox: queue.Queue = queue.Queue()
+        feeder = threading.Thread(target=self._feed, args=(tasks, inbox), name="feeder", daemon=True)
+        feeder.start()
+        stop = False
+        while not stop:
+            try:
+                item = inbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            session = _Session(self, item[0].group_size)
+            session.add(item)
+            with self._session_lock:  # units already waiting join this session
+                while True:
+                    try:
+                        more = inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None or isinstance(more, BaseException):
+                        stop = more is None
+                        if isinstance(more, BaseException):
+                            raise more
+                        break
+                    if not session.add(more):
+                        inbox.put(more)
+                        break
+                self._session = session
+            try:
+                self._run_session(session, item[0])
+            finally:
+                with self._session_lock:
+                    self._session = None
+
+    def _feed(self, tasks: Any, inbox: queue.Queue) -> None:
+        """Feeder thread: units from the trainer go into the running session (once the
+        weights are recent enough), else to the main thread for a new session."""
+        try:
+            while not self.state.stop:
+                try:
+                    units = tasks.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if units is None:
+                    inbox.put(None)
+                    return
+                self._wait_for_version(max(max(u.min_version for u in units), 0))
+                with self._session_lock:
+                    if self._session is None or not self._session.add(units):
+                        inbox.put(units)
+        except BaseException as err:  # noqa: BLE001 - re-raised by the main thread
+            err.add_note(traceback.format_exc())
+            inbox.put(err)
+
+    def _run_session(self, session: "_Session", first: WorkUnit) -> None:
+        if first.rng_state:
+            torch.set_rng_state(torch.from_numpy(np.frombuffer(first.rng_state, dtype=np.uint8).copy()))
+        params = self.trainer.sampling_params(session.group_size)
+        self.trainer.model.eval()
+        self.state.busy = True
+        mark, recomputes = time.perf_counter(), 0
+        try:
+            for group in self.engine.generate_stream(session.queue, params, max_rows=self.max_rows):
+                done = session.complete(group)
+                if done is None:
+                    continue
+                unit, samples, first_version = done
+                now = time.perf_counter()
+                tokens = sum(sum(s.loss_mask) for s in samples)
+                self.results.put(Result(self.spec.index, self.spec.incarnation, [(unit.uid, unit.attempt, samples)],
+                                        now - mark, tokens, first_version, self.engine.version,
+                                        self.engine.stats.recomputes - recomputes))
+                mark, recomputes = now, self.engine.stats.recomputes
+        finally:
+            self.state.busy = False
+        if session.pending:
+            raise RuntimeError(f"worker {self.spec.index}: the stream ended with units {sorted(session.pending)} unfinished")
+
+    def score_groups(self, problems: list, groups: list, version: int) -> list:
+        """Samples of one unit's groups (one per problem, in order), exactly as
+        ``Trainer.generate_samples`` builds them for a synchronous step."""
+        from ..tasks.base import score_problems
+        from ..trainer import Sample
+
+        flat = [(i, c) for i, g in enumerate(groups) for c in g.completions]
+        tok = self.trainer.tokenizer
+        texts = [tok.decode(c.completion_ids.tolist(), skip_special_tokens=True) for _, c in flat]
+        rewards = score_problems(self.trainer.task.reward, [problems[i] for i, _ in flat], texts)
+        samples = []
+        for k, ((i, c), text, reward) in enumerate(zip(flat, texts, rewards)):
+            p, t = len(c.prompt_ids), len(c.completion_ids)
+            samples.append(Sample(
+                token_ids=c.token_ids.tolist(), loss_mask=[False] * (p - 1) + [True] * t,
+                behaviour_logprobs=[0.0] * (p - 1) + c.logprobs.tolist(),
+                versions=[version] * (p - 1) + c.versions.tolist(),
+                reward=reward, group=i, episode=k, completion=text,
+            ))
+        return samples
 
     def _wait_for_version(self, version: int) -> None:
         deadline = time.monotonic() + self.spec.weights_timeout_s
@@ -260,3 +390,66 @@ class RolloutWorker:
         tokens = sum(sum(s.loss_mask) for s in samples)
         return Result(self.spec.index, self.spec.incarnation, out, seconds, tokens, first_version,
                       self.engine.version, self.engine.stats.recomputes)
+
+
+@dataclass
+class _UnitState:
+    unit: WorkUnit
+    first_version: int
+    groups: dict = field(default_factory=dict)
+
+
+class _Session:
+    """One stream's bookkeeping: which prompt key belongs to which unit, and the groups of
+    each unit done so far. ``add`` runs in the feeder thread, the rest in the main one."""
+
+    def __init__(self, worker: RolloutWorker, group_size: int):
+        self.worker, self.group_size = worker, group_size
+        self.queue = PromptQueue(idle_timeout=0)  # the stream ends as soon as it is idle
+        self.keys: dict[int, tuple[int, int]] = {}
+        self.units: dict[int, _UnitState] = {}
+        self.next_key = 0
+        self.lock = threading.Lock()
+
+    @property
+    def pending(self) -> list[int]:
+        with self.lock:
+            return list(self.units)
+
+    def add(self, units: list[WorkUnit]) -> bool:
+        """Queue every prompt of ``units`` (all or none); False if this session's stream
+        has ended (or the group size differs): they go to a new session."""
+        if any(u.group_size != self.group_size for u in units):
+            return False
+        trainer = self.worker.trainer
+        items = []
+        with self.lock:
+            for u in units:
+                if u.uid in self.units:
+                    raise RuntimeError(f"unit {u.uid} sent twice to the same worker")
+                for j, problem in enumerate(u.problems):
+                    items.append((self.next_key + len(items), trainer.format.prompt_ids(trainer.tokenizer, problem.prompt)))
+            if not self.queue.put_many(items):
+                return False
+            version = self.worker.engine.version
+            k = self.next_key
+            for u in units:
+                self.units[u.uid] = _UnitState(u, version)
+                for j in range(len(u.problems)):
+                    self.keys[k] = (u.uid, j)
+                    k += 1
+            self.next_key = k
+        return True
+
+    def complete(self, group) -> tuple[WorkUnit, list, int] | None:
+        """Record a finished group; ``(unit, samples, first version)`` once its unit is done."""
+        with self.lock:
+            uid, j = self.keys.pop(group.prompt_index)
+            st = self.units[uid]
+            st.groups[j] = group
+            if len(st.groups) < len(st.unit.problems):
+                return None
+            del self.units[uid]
+        groups = [st.groups[i] for i in range(len(st.unit.problems))]
+        samples = self.worker.score_groups(st.unit.problems, groups, self.worker.engine.version)
+        return st.unit, samples, st.first_version

@@ -332,10 +332,10 @@ class RolloutEngine:
 
         ``prompts``: a :class:`~treerl.rollout.stream.PromptQueue` (other threads may add
         prompts while the stream runs; a group's ``prompt_index`` is its key) or a finite
-        iterable of token-id sequences (keys 0, 1, ...). ``max_rows``: slots of the running
-        batch (rounded down to a multiple of ``n``); default: as many as
-        ``max_batch_tokens`` allows (rows x (longest prompt + max_new_tokens)), and no more
-        than a finite input needs. Branch points (tree rollouts) are not supported here:
+        iterable of token-id sequences (keys 0, 1, ...). Slots of the running batch: as
+        many as ``max_batch_tokens`` allows (rows x (longest prompt waiting at the start +
+        max_new_tokens)), at most ``max_rows``, no more than a finite input needs, rounded
+        down to a multiple of ``n`` (at least ``n``). Branch points (tree rollouts) are not supported here:
         use :meth:`generate`. ``self.stats`` describes the stream so far.
         """
         from .stream import PromptQueue, RunningBatch
@@ -348,7 +348,9 @@ class RolloutEngine:
         waiting = [len(self._check_prompt(k, p, params)) for k, p in queue.items()]
         G, max_new = params.n, params.max_new_tokens
         capacity = _round_up(max(waiting, default=1) + max_new - 1)
-        rows = max_rows if max_rows is not None else max(G, self.max_batch_tokens // capacity)
+        rows = max(G, self.max_batch_tokens // capacity)
+        if max_rows is not None:
+            rows = min(rows, max_rows)
         if queue.closed:
             rows = min(rows, G * len(waiting))
         rows = max(G, rows // G * G)

@@ -86,6 +86,19 @@ class PromptQueue:
             self._cond.notify_all()
             return True
 
+    def put_many(self, items: Iterable[tuple[Hashable, Any]]) -> bool:
+        """Queue ``(key, prompt)`` pairs all together or none (False: closed or ended)."""
+        items = list(items)
+        with self._cond:
+            if self._closed or self._ended:
+                return False
+            for key, prompt in items:
+                if isinstance(key, int):
+                    self._next_key = max(self._next_key, key + 1)
+                self._items.append((key, prompt))
+            self._cond.notify_all()
+            return True
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
