@@ -105,14 +105,38 @@ def gradient_step(engine: TreeEngine) -> Iterator[None]:
             m.set_requires_gradient_sync(True, recurse=False)
             m.set_reshard_after_backward(True)
             m.set_reshard_after_forward(True)
-        _reduce_call(engine)
+        if not _reduce_now(engine):
+            _reduce_call(engine)
         # FSDP averages over ranks; the loss is already normalised over the global batch,
         # so the gradient is the sum. (A divide factor of 1 needs PREMUL_SUM, which gloo lacks.)
-        world = dist.get_world_size()
-        with torch.no_grad():
-            for p in engine.runner.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(world)
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in engine.runner.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, float(dist.get_world_size()))
+
+
+def _reduce_now(engine: TreeEngine) -> bool:
+    """Reduce-scatter the step's accumulated gradients without a model call: run FSDP2's
+    own end-of-backward callback (which reduces every parameter group that did not reduce
+    during backward) on the root. A model call for this costs ~0.2 s of host time on a
+    1.7B model (launches for 28 layers forward and backward); this costs the collectives.
+
+    Every unsharded parameter first gets a gradient (zeros where this rank's calls made
+    none, e.g. a rank with no work), so every rank reduce-scatters the same tensors.
+    Returns False where this torch's FSDP2 lacks the private hooks used (then the caller
+    falls back to a zero-loss model call)."""
+    state = getattr(engine.runner, "_get_fsdp_state", lambda: None)()
+    final = getattr(state, "_root_post_backward_final_callback", None)
+    if final is None or not hasattr(state, "_lazy_init") or not hasattr(state, "_state_ctx"):
+        return False
+    with torch.no_grad():
+        for p in engine.runner.parameters():  # the unsharded parameters while unsharded
+            if p.requires_grad and p.grad is None and not hasattr(p, "to_local"):
+                p.grad = torch.zeros_like(p)
+    state._lazy_init()
+    state._state_ctx.is_last_backward = True
+    final()
+    return True
 
 
 @contextlib.contextmanager
