@@ -13,6 +13,15 @@ processes, for each ``--etas`` value. The clock starts once the workers have bui
 models (start-up excluded on both sides) and stops when the trainer has taken ``--steps``
 steps. The table also shows where the time went: the trainer's busy fraction (training
 + publishing) and the workers' generation fraction; the one near 1.0 is the limit.
+
+    python bench/bench_async.py --rollout-only       # generation side only, one process
+
+``--rollout-only`` measures what continuous batching does for the rollout worker, without
+training (fits a CPU): the same ``--steps`` x ``--prompts`` groups generated (a) in waves,
+one ``generate`` per step (``RolloutEngine(continuous=False)``: each step waits for its
+longest row), (b) one ``generate`` per step on the continuous path, (c) one stream that
+always has ``(eta + 1) x --prompts`` groups admitted or waiting, as a streaming async
+worker does (eta = the first ``--etas`` value). Weights stay fixed.
 """
 
 from __future__ import annotations
@@ -104,6 +113,70 @@ def run_async(args, eta: int) -> dict:
                 staleness=statistics.mean(stale), lengths=lengths)
 
 
+def run_rollout(args) -> list[dict]:
+    from treerl.rollout import PromptQueue, RolloutEngine
+
+    torch.set_num_threads(args.threads[-1])
+    trainer = Trainer(make_config(args, args.trainer_device))
+    params = trainer.sampling_params(args.group)
+    prompts = [trainer.format.prompt_ids(trainer.tokenizer, p.prompt)
+               for p in trainer.next_problems(args.steps * args.prompts)]
+    steps = [prompts[i * args.prompts:(i + 1) * args.prompts] for i in range(args.steps)]
+    rows = []
+
+    def record(mode, engine, wall, groups, stats):
+        tokens = sum(len(c) for g in groups for c in g)
+        rows.append(dict(mode=mode, wall=wall, tokens=tokens, decode_steps=stats["decode_steps"],
+                         rows_per_step=stats["decode_rows"] / max(stats["decode_steps"], 1),
+                         live=stats["live_rows"] / max(stats["decode_rows"], 1) if stats["live_rows"] else None,
+                         lengths=[len(c) for g in groups for c in g]))
+
+    def totals(acc, stats):
+        for k in ("decode_steps", "decode_rows", "live_rows"):
+            acc[k] = acc.get(k, 0) + getattr(stats, k)
+
+    for mode, continuous in (("waves", False), ("continuous", True)):
+        engine = RolloutEngine(trainer.model, continuous=continuous)
+        engine.generate(steps[0][:1], params)  # warm-up
+        acc, groups = {}, []
+        t0 = time.perf_counter()
+        for i, batch in enumerate(steps):
+            params.seed = args.seed + i
+            groups += engine.generate(batch, params)
+            totals(acc, engine.stats)
+        record(f"{mode}/step", engine, time.perf_counter() - t0, groups, acc)
+    eta = args.etas[0]
+    engine = RolloutEngine(trainer.model)
+    queue, waiting = PromptQueue(), list(prompts)
+    ahead = (eta + 1) * args.prompts
+    for _ in range(min(ahead, len(waiting))):
+        queue.put(waiting.pop(0))
+    if not waiting:
+        queue.close()
+    params.seed = args.seed
+    groups = []
+    t0 = time.perf_counter()
+    for g in engine.generate_stream(queue, params, max_rows=ahead * args.group):
+        groups.append(g)
+        if waiting:
+            queue.put(waiting.pop(0))
+            if not waiting:
+                queue.close()
+    acc = {}
+    totals(acc, engine.stats)
+    record(f"stream/eta{eta}", engine, time.perf_counter() - t0, groups, acc)
+    lengths = rows[0]["lengths"]
+    print(f"\ncompletion lengths (waves run): mean {statistics.mean(lengths):.1f}, median "
+          f"{statistics.median(lengths):.0f}, max {max(lengths)} tokens; {len(lengths)} completions per run")
+    base = rows[0]["wall"]
+    print(f"{'mode':16} {'wall s':>8} {'tok/s':>8} {'speedup':>8} {'decode steps':>12} {'rows/step':>9} {'live':>5}")
+    for r in rows:
+        live = "-" if r["live"] is None else f"{r['live']:.2f}"
+        print(f"{r['mode']:16} {r['wall']:8.2f} {r['tokens'] / r['wall']:8.1f} {base / r['wall']:7.2f}x "
+              f"{r['decode_steps']:12d} {r['rows_per_step']:9.1f} {live:>5}")
+    return rows
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -127,6 +200,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=600.0, help="seconds before an async run is abandoned")
     p.add_argument("--out", default="runs/bench_async", help="scratch directory (file weight transfer)")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--rollout-only", action="store_true",
+                   help="measure generation only (waves vs continuous batching vs a stream), one process")
     return p
 
 
@@ -150,6 +225,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"workload: {args.shape} {args.dtype}, {args.prompts} prompts x {args.group} samples per step, "
           f"{args.steps} steps, lengths Pareto(min {args.min_tokens}, alpha {args.alpha}) capped at {args.max_tokens}; "
           f"trainer {args.trainer_device}, workers {args.worker_devices}", file=sys.stderr)
+    if args.rollout_only:
+        rows = run_rollout(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([{k: v for k, v in r.items() if k != "lengths"} for r in rows], f, indent=1)
+        return rows
     results = [run_sync(args, t) for t in (args.threads if args.device == "cpu" else args.threads[-1:])]
     for eta in args.etas:
         results.append(run_async(args, eta))
