@@ -136,7 +136,8 @@ def test_two_ranks_train_on_matches_one_process(tmp_path):
 
 def test_torchrun_train_writes_and_resumes(tmp_path):
     """`treerl train` under torchrun (2 gloo ranks): a short sorting run with an SFT step,
-    3 prompts per step (an uneven split), a checkpoint every step; then resumed."""
+    3 prompts per step (an uneven split), a checkpoint every step; then resumed for a step
+    with 1 prompt (rank 1 generates nothing)."""
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
@@ -153,10 +154,12 @@ def test_torchrun_train_writes_and_resumes(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # eval, SFT, 2 RL steps: each once (rank 0 only)
     assert all(r["tree/sequences"] == 6 for r in rows[2:])  # the global batch: 3 prompts x 2
     assert (out / "checkpoints" / "step-000002").is_dir()
-    second = subprocess.run(base + ["train.steps=3", "--resume", str(out)], env=env, capture_output=True,
-                            text=True, timeout=300)
+    # resumed with 1 prompt per step: rank 1 rolls out nothing (c) and trains on its share
+    second = subprocess.run(base + ["train.steps=3", "rollout.prompts_per_step=1", "--resume", str(out)], env=env,
+                            capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in second.stderr and "step 2" in second.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and rows[-1]["version"] == 4
+    assert rows[-1]["tree/sequences"] == 2 and "eval/accuracy" in rows[-1]
     assert (out / "checkpoints" / "step-000003").is_dir()
