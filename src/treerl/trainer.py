@@ -9,6 +9,12 @@
 Also supervised fine-tuning (SFT) on prompt + target through the same engine, held-out
 evaluation, checkpoints with exact resume, and per-step metrics.
 ``Trainer(config, model=None, tokenizer=None, task=None).train()``.
+
+Under torchrun (WORLD_SIZE > 1) the same loop is data parallel (README, "Multi-GPU"): the
+policy is FSDP2-sharded, each rank rolls out its share of the prompts with a whole copy of
+the weights, the samples are all-gathered (advantages on the global batch), and forwards
+and minibatch updates run on tree-aware shares with globally normalised losses, so an
+update equals the one-process update of the same batch.
 """
 
 from __future__ import annotations
