@@ -25,7 +25,9 @@ in a smaller bucket, so the tail of a stream decodes only what it needs.
 Host syncs: sampled tokens and logprobs are logged on the device and copied to the host
 every ``sync_every`` steps (and when a row reaches ``max_new_tokens``), where stops are
 found exactly (tokens a row sampled after its stop are discarded). Admissions need no
-sync: free slots are known on the host.
+sync (free slots are known on the host): a slot freed at a sync is refilled right away,
+before the next decode step; the admitted rows' first tokens are sampled from the
+prefill's logits, and they join the next decode step.
 
 Weights: ``update_weights`` from another thread takes effect between decode steps; rows
 whose KV was computed under older weights are recomputed (prompt + tokens fed so far) before
