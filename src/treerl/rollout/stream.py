@@ -18,7 +18,7 @@ position id ``P + tokens so far``. The additive mask ``[rows, capacity]`` hides 
 unwritten slots and whatever a previous occupant left there. Free rows are computed along
 (their outputs are ignored) so that every decode step has the same shapes: on CUDA each
 step of a given row count is a replayed CUDA graph. The step runs over the first ``hi``
-rows only (``hi`` a power of two >= 8, or all rows, covering every live row); admissions
+rows only (covering every live row: with fixed shapes a power of two >= 8, or all rows); admissions
 take the lowest free slots, and live rows are moved down (compaction) when they would fit
 in a smaller bucket, so the tail of a stream decodes only what it needs.
 
@@ -135,8 +135,11 @@ class PromptQueue:
             return True
 
 
-def _bucket(n: int, rows: int) -> int:
-    """Rows a decode step computes for ``n`` live-row slots: a power of two >= 8, or all."""
+def _bucket(n: int, rows: int, exact: bool = False) -> int:
+    """Rows a decode step computes for ``n`` live-row slots: a power of two >= 8, or all
+    (fixed shapes: few CUDA graphs); ``exact``: ``n`` (no graphs, e.g. CPU)."""
+    if exact:
+        return min(n, rows)
     b = 8
     while b < n:
         b *= 2
@@ -160,6 +163,7 @@ class RunningBatch:
         self.e, self.q, self.p, self.gen = engine, queue, params, generator
         self.S, self.C = rows, capacity
         self.G, self.max_new = params.n, params.max_new_tokens
+        self.exact = not engine.static_kv  # rows computed per step: exactly the live span
         self.stopper = StopChecker(params.stop_token_ids, params.stop_strings, params.decoder())
         dev, S = engine.device, rows
         self.dtype = next(engine.model.parameters()).dtype
@@ -342,7 +346,7 @@ class RunningBatch:
         self.row_version[dst] = version
         self.logit_version[dst] = version
         self.live_d.copy_(torch.from_numpy(self.live.astype(np.int64)))
-        self.hi = max(self.hi, _bucket(int(dst.max()) + 1, self.S))
+        self.hi = max(self.hi, _bucket(int(dst.max()) + 1, self.S, self.exact))
         e.stats.waves += 1
 
     def _load(self, dst: np.ndarray, seqs: list[list[int]], src: list[int]) -> torch.Tensor:
@@ -390,9 +394,9 @@ class RunningBatch:
         """Move live rows down into free slots when they would fit a smaller bucket
         (only at a sync point: no logged tokens refer to the rows moved)."""
         live = np.flatnonzero(self.live)
-        target = _bucket(len(live), self.S)
-        if self.log_rows or _bucket(int(live.max()) + 1, self.S) <= target:
-            self.hi = _bucket(int(live.max()) + 1, self.S)
+        target = _bucket(len(live), self.S, self.exact)
+        if self.log_rows or _bucket(int(live.max()) + 1, self.S, self.exact) <= target:
+            self.hi = _bucket(int(live.max()) + 1, self.S, self.exact)
             return
         src = live[live >= target]
         dst = np.flatnonzero(~self.live[:target])[: len(src)]
@@ -413,7 +417,7 @@ class RunningBatch:
     def _decode(self) -> None:
         """Feed every live row its last sampled token; logits of rows ``[:hi]``."""
         e = self.e
-        hi = self.hi = _bucket(int(np.flatnonzero(self.live).max()) + 1, self.S)
+        hi = self.hi = _bucket(int(np.flatnonzero(self.live).max()) + 1, self.S, self.exact)
         version = e.version
         self.mask[:hi].scatter_(1, self.fill[:hi, None], 0.0)
         if not e.static_kv:
