@@ -233,17 +233,20 @@ class TreeEngine:
         plan = make_plan(layout, self.mode, self.max_tokens, self.chunk_tokens)
         dev = self.device
         self.stats = StepStats(mode=self.mode, plan=plan.describe())
-        # One host-to-device copy per array (a pageable copy synchronises the host).
-        targets = list(torch.cat(plan.targets).to(dev).split([len(t) for t in plan.targets]))
+        # All index arrays in one host-to-device copy (each pageable copy synchronises the host).
+        arrays = [layout.token_ids, layout.position, layout.parent, layout.subtree_end, _seq_targets(layout),
+                  *plan.targets]
+        on_device = torch.cat(arrays).to(dev).split([len(a) for a in arrays])
+        token_ids, position, parent, subtree_end, seq_targets, *targets = on_device
         return _Batch(
             tree=layout,
             plan=plan,
-            token_ids=layout.token_ids.to(dev),
-            position=layout.position.to(dev),
-            parent=layout.parent.to(dev),
-            subtree_end=layout.subtree_end.to(dev),
-            targets=targets,
-            seq_targets=_seq_targets(layout).to(dev),
+            token_ids=token_ids,
+            position=position,
+            parent=parent,
+            subtree_end=subtree_end,
+            targets=list(targets),
+            seq_targets=seq_targets,
             seq_lengths=(layout.seq_lengths - 1).tolist(),
         )
 

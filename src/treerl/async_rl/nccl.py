@@ -115,7 +115,8 @@ class CollectiveReceiver(WeightReceiver):
         if self.group is None:
             self.group = _group(self.source.backend, dist.PrefixStore(self.source.prefix + "/pg", self.store), 1,
                                 self.timeout)
-        _broadcast(self.group, self.flats)
+        with self.device_lock:
+            _broadcast(self.group, self.flats)
         self.pushes += 1
         return version, self.views
 

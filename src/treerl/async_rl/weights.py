@@ -18,6 +18,7 @@ worker opens the picklable :class:`WeightSource` it was given and polls a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -65,7 +66,11 @@ def choose_transfer(requested: str, trainer_device: str, worker_devices: list[st
 
 
 class WeightReceiver(ABC):
-    """Worker side: new weights as they are published."""
+    """Worker side: new weights as they are published. Device work (copies, loads,
+    collectives into device buffers) runs under ``device_lock``, which the worker sets to
+    its rollout engine's (so a transfer never overlaps a CUDA-graph capture)."""
+
+    device_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
 
     @abstractmethod
     def receive(self, timeout: float) -> tuple[int, dict[str, torch.Tensor]] | None:
@@ -153,7 +158,7 @@ class SharedMemoryReceiver(WeightReceiver):
         deadline = time.monotonic() + timeout
         while True:
             if int(self.source.version[0]) != self.last:
-                with self.source.lock:
+                with self.source.lock, self.device_lock:
                     version = int(self.source.version[0])
                     state = {k: b.to(self.device, copy=True) for k, b in self.source.buffers.items()}
                 self.last = version
@@ -224,7 +229,8 @@ class FileReceiver(WeightReceiver):
             if files and files[-1][0] > self.last:
                 version, path = files[-1]
                 try:
-                    state = load_file(str(path), device=str(self.device))
+                    with self.device_lock:
+                        state = load_file(str(path), device=str(self.device))
                 except (FileNotFoundError, OSError):  # pruned between listing and loading
                     continue
                 self.last = version

@@ -187,6 +187,7 @@ class RolloutWorker:
         self.state = _State()
         self.trainer.model.register_forward_hook(self._on_model_call)
         self.receiver = spec.weights.open(device, self.trainer.model)
+        self.receiver.device_lock = self.engine.device_lock
         self._threads = [threading.Thread(target=self._listen, name="weights", daemon=True),
                          threading.Thread(target=self._beat, name="heartbeat", daemon=True)]
         params = self.trainer.sampling_params(1)

@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from .graphs import capture_decode_step
 from .kv import SlotCache, rollout_attention_enabled
 from .params import SamplingParams
 from .sampling import sample
@@ -225,6 +225,15 @@ class RolloutEngine:
         self._lock = threading.RLock()
         self._pending_updates = 0  # update_weights calls waiting for the lock (other threads)
         self._pending_lock = threading.Lock()
+        self._device_lock = _PriorityLock(self)
+
+    @property
+    def device_lock(self) -> "_PriorityLock":
+        """Held while the engine changes its weights or captures a CUDA graph. Another
+        thread doing device work on the engine's device (e.g. receiving weights) holds it
+        too, so that work never overlaps a capture; a running ``generate`` yields it to
+        such a thread between decode steps."""
+        return self._device_lock
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, source: torch.nn.Module | Mapping[str, torch.Tensor], version: int | None = None) -> int:
@@ -232,13 +241,8 @@ class RolloutEngine:
         device are converted) into the engine's model and set the weight version
         (default: current + 1). Safe to call from another thread during ``generate``.
         Returns the new version."""
-        with self._pending_lock:
-            self._pending_updates += 1
-        try:
+        with self._device_lock:
             return self._update_weights(source, version)
-        finally:
-            with self._pending_lock:
-                self._pending_updates -= 1
 
     def _update_weights(self, source, version: int | None) -> int:
         with self._lock, torch.no_grad():
@@ -588,6 +592,27 @@ class RolloutEngine:
         self.stats.recomputes += 1
 
 
+class _PriorityLock:
+    """The engine's (re-entrant) lock, taken with priority over the generating thread:
+    while a thread waits for it or holds it, ``generate`` pauses between decode steps."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+
+    def __enter__(self) -> "_PriorityLock":
+        e = self.engine
+        with e._pending_lock:
+            e._pending_updates += 1
+        e._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        e = self.engine
+        e._lock.release()
+        with e._pending_lock:
+            e._pending_updates -= 1
+
+
 def _round_up(n: int, multiple: int = 16) -> int:
     """Cache capacities are multiples of 16 (aligned rows for SDPA's masked kernels)."""
     return -(-n // multiple) * multiple
@@ -628,19 +653,9 @@ class _StaticStep:
         if not self.use_graph:
             return self._forward()
         if self.graph is None:
-            stream, current = torch.cuda.Stream(self.ids.device), torch.cuda.current_stream(self.ids.device)
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                self._forward()  # warm-up: writes this step's K/V, which the replay rewrites identically
-            current.wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    self.logits = self._forward()
-            except RuntimeError as err:  # a model that cannot be captured: run its steps eagerly
-                warnings.warn(f"CUDA graph capture failed ({err}); decoding without CUDA graphs")
-                self.engine.cuda_graphs = self.use_graph = False
-                return self._forward()
-            self.graph = graph
+            self.graph, self.logits = capture_decode_step(self.engine, self._forward)
+            if self.graph is None:
+                self.use_graph = False
+                return self.logits
         self.graph.replay()
         return self.logits

@@ -46,6 +46,7 @@ from typing import Any, Hashable, Iterable, Iterator
 import numpy as np
 import torch
 
+from .graphs import capture_decode_step
 from .kv import RowCache
 from .params import SamplingParams
 from .sampling import sample
@@ -476,22 +477,9 @@ class _RowStep:
         if not self.use_graph:
             return self._forward()
         if self.graph is None:
-            dev = self.ids.device
-            stream, current = torch.cuda.Stream(dev), torch.cuda.current_stream(dev)
-            stream.wait_stream(current)
-            with torch.cuda.stream(stream):
-                self._forward()  # warm-up: writes this step's K/V, which the replay rewrites identically
-            current.wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    self.logits = self._forward()
-            except RuntimeError as err:  # a model that cannot be captured: run its steps eagerly
-                import warnings
-
-                warnings.warn(f"CUDA graph capture failed ({err}); decoding without CUDA graphs")
-                self.engine.cuda_graphs = self.use_graph = False
-                return self._forward()
-            self.graph = graph
+            self.graph, self.logits = capture_decode_step(self.engine, self._forward)
+            if self.graph is None:
+                self.use_graph = False
+                return self.logits
         self.graph.replay()
         return self.logits
