@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from treerl import PrefixTree
-from treerl.async_rl.proximal import (LogLinearPolicyLoss, loglinear_alpha, loglinear_proximal,
-                                      loglinear_proximal_logprobs)
+from treerl.rl import LogLinearPolicyLoss, loglinear_alpha, loglinear_proximal_logprobs
 from treerl.config import Config
 from treerl.models import rmsnorm_in_input_precision
 from treerl.rl import PolicyLossConfig, TokenBatch
@@ -63,17 +62,12 @@ def test_fresh_training_step_equals_the_recompute_step():
     samples = a.generate_samples(a.next_problems(3), 4)
     before = torch.cat([p.detach().flatten() for p in a.model.parameters()]).clone()
     m_rec = a.train_on(copy.deepcopy(samples))
-    with loglinear_proximal(b, copy.deepcopy(samples)):
-        m_log = b.train_on(copy.deepcopy(samples))
+    m_log = b.train_on(copy.deepcopy(samples), proximal="loglinear")
     pa = torch.cat([p.detach().flatten() for p in a.model.parameters()])
     pb = torch.cat([p.detach().flatten() for p in b.model.parameters()])
     assert (pa - before).norm() > 0
     assert (pa - pb).norm() <= 1e-9 * (pa - before).norm()
     assert abs(m_rec["loss/loss"] - m_log["loss/loss"]) < 1e-9
-    # the patch is undone
-    import treerl.trainer as tm
-    from treerl.rl import PolicyLoss
-    assert tm.PolicyLoss is PolicyLoss and "logprobs" not in vars(b.engine)
 
 
 def test_stale_tokens_get_interpolated_behaviour_weights():
@@ -99,3 +93,15 @@ def test_stale_tokens_get_interpolated_behaviour_weights():
     assert m["behaviour_weight_max"] == pytest.approx(float(w.max()), rel=1e-12)
     assert m["behaviour_weight_capped_fraction"] == pytest.approx(float((w > 1.5).double().mean()), rel=1e-12)
     assert all(c.grad is not None for c in current)
+
+
+def test_train_on_refuses_unknown_or_unusable_proximal_methods():
+    from treerl.config import ConfigError
+
+    t = trainer()
+    samples = t.generate_samples(t.next_problems(2), 2)
+    with pytest.raises(ConfigError, match="unknown 'forward'"):
+        t.train_on(samples, proximal="forward")
+    t.cfg.algorithm.advantage = "reinforce_pp"
+    with pytest.raises(ConfigError, match="reinforce_pp"):
+        t.train_on(samples, proximal="loglinear")

@@ -37,6 +37,7 @@ from .models import DTYPES, build_model, load_model
 from .rl import (
     Normalisers,
     PolicyLoss,
+    LogLinearPolicyLoss,
     PolicyLossConfig,
     TokenBatch,
     ValueLoss,
@@ -44,6 +45,7 @@ from .rl import (
     dr_grpo_advantages,
     gae,
     grpo_advantages,
+    loglinear_alpha,
     reinforce_pp_advantages,
     rloo_advantages,
 )
@@ -54,6 +56,16 @@ from .tasks.env import ChatFormat, run_episode, run_episodes, scripted_policy
 from .tree import PrefixTree
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
+PROXIMAL = ("recompute", "loglinear")
+
+
+def check_proximal(method: str, advantage: str) -> None:
+    """Refuse a proximal-logprob method that does not exist or cannot serve ``advantage``."""
+    if method not in PROXIMAL:
+        raise ConfigError(f"proximal: unknown {method!r}; choose one of {', '.join(PROXIMAL)}")
+    if method == "loglinear" and advantage == "reinforce_pp":
+        raise ConfigError("proximal=loglinear cannot be used with advantage=reinforce_pp (its KL term needs "
+                          "recomputed proximal logprobs)")
 
 
 @dataclass
@@ -369,15 +381,23 @@ class Trainer:
             samples = self._gather_samples(samples)
         return self.train_on(samples, rollout_seconds=time.perf_counter() - t0)
 
-    def train_on(self, samples: list[Sample], rollout_seconds: float = 0.0) -> dict[str, float]:
+    def train_on(self, samples: list[Sample], rollout_seconds: float = 0.0,
+                 proximal: str = "recompute") -> dict[str, float]:
         """Train on a batch of scored samples (from this trainer's rollout or from
         asynchronous workers: behaviour logprobs and versions come with the samples).
+
+        ``proximal``: how decoupled PPO gets the proximal logprobs when it needs them (stale
+        samples, several updates, a behaviour-weight cap): ``"recompute"`` (a tree forward of
+        the current weights, exact) or ``"loglinear"`` (AReaL's per-token interpolation
+        between behaviour and current logprobs by version, no forward;
+        :mod:`treerl.rl.proximal`).
 
         Data parallel: every rank passes the same global batch; the forwards and the
         minibatch updates are split over the ranks (tree-aware), the loss is normalised over
         the global minibatch and gradients are summed, so the update equals the one-process
         update of the same batch."""
         cfg, alg = self.cfg, self.cfg.algorithm
+        check_proximal(proximal, alg.advantage)
         self.last_samples = samples
         timings = {"rollout": rollout_seconds}
         rollout_tokens = sum(sum(s.loss_mask) for s in samples)
@@ -394,6 +414,11 @@ class Trainer:
         forwards = {}
         if updates > 1 or stale or alg.behaviour_weight_cap is not None or alg.advantage == "reinforce_pp":
             forwards["proximal_logprobs"] = self.engine
+        loglinear = proximal == "loglinear" and forwards.pop("proximal_logprobs", None) is not None
+        if loglinear:  # the per-token interpolation weights stand in the proximal field
+            version = self.rollout.version
+            fields["proximal_logprobs"] = [loglinear_alpha(torch.tensor(s.versions, dtype=torch.int64), version).to(dtype)
+                                           for s in samples]
         if self.reference is not None:
             forwards["reference_logprobs"] = self.reference
         if self.critic is not None:
@@ -412,8 +437,9 @@ class Trainer:
                 batch = TokenBatch.from_sequences(take(masks), adv, **{k: take(v) for k, v in fields.items()})
                 # data parallel: this rank's sequences of the minibatch (positions in idx)
                 local = self._share(take(seqs)) if self.dist else list(range(len(idx)))
-                policy_metrics = self._update(self.engine, batch, local, take(seqs), lambda b, n: PolicyLoss(
-                    b, self._loss_config(), normalisers=n), entropy=self._need_entropy())
+                policy_metrics = self._update(self.engine, batch, local, take(seqs), lambda b, n: (
+                    LogLinearPolicyLoss(b, self._loss_config(), alpha=b.proximal_logprobs, normalisers=n) if loglinear
+                    else PolicyLoss(b, self._loss_config(), normalisers=n)), entropy=self._need_entropy())
                 for k, v in policy_metrics.items():
                     metrics_acc.setdefault(k, []).append(v)
                 metrics_acc.setdefault("grad_norm", []).append(self._optimizer_step(self.optimizer, self.model))

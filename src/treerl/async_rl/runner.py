@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..config import Config, ConfigError
-from ..trainer import Sample, Trainer
+from ..trainer import Sample, Trainer, check_proximal
 from .buffer import SampleBuffer
 from .controller import StalenessController
 from .ledger import WorkLedger, WorkUnit
@@ -28,7 +28,6 @@ from .pool import WorkerPool, make_pool
 from .weights import FilePublisher, SharedMemoryPublisher, WeightPublisher, choose_transfer
 from .worker import FaultPlan, Heartbeat, Ready, Result, WorkerFailed, WorkerSpec
 
-PROXIMAL = ("recompute", "loglinear")
 
 
 class AsyncWorkerError(RuntimeError):
@@ -124,11 +123,7 @@ class AsyncRunner:
             raise ConfigError(f"prompts_per_unit={o.prompts_per_unit} must divide rollout.prompts_per_step={P}")
         if a.workers < 1:
             raise ConfigError("async.workers must be at least 1")
-        if o.proximal not in PROXIMAL:
-            raise ConfigError(f"proximal: unknown {o.proximal!r}; choose one of {', '.join(PROXIMAL)}")
-        if o.proximal == "loglinear" and cfg.algorithm.advantage == "reinforce_pp":
-            raise ConfigError("proximal=loglinear cannot be used with advantage=reinforce_pp (its KL term needs "
-                              "recomputed proximal logprobs)")
+        check_proximal(o.proximal, cfg.algorithm.advantage)
         devices = list(o.worker_devices or [cfg.train.device] * a.workers)
         if len(devices) != a.workers:
             raise ConfigError(f"{len(devices)} worker devices given for async.workers={a.workers}")
@@ -325,13 +320,7 @@ class AsyncRunner:
         samples = batch_samples([f.payload[1] for f in batch])
         waited = time.perf_counter() - self._last_step_end
         t0 = time.perf_counter()
-        if self.options.proximal == "loglinear":
-            from .proximal import loglinear_proximal
-
-            with loglinear_proximal(self.trainer, samples):
-                metrics = self.trainer.train_on(samples, rollout_seconds=waited)
-        else:
-            metrics = self.trainer.train_on(samples, rollout_seconds=waited)
+        metrics = self.trainer.train_on(samples, rollout_seconds=waited, proximal=self.options.proximal)
         version = self.controller.step()
         if version != self.trainer.rollout.version:
             raise RuntimeError(f"controller version {version} != trainer version {self.trainer.rollout.version}")

@@ -7,6 +7,7 @@ from .aggregation import AGGREGATIONS, Normalisers, token_weights
 from .batch import TokenBatch, broadcast_to_tokens, sequence_ids
 from .kl import KL_ESTIMATORS, kl_estimate
 from .losses import PolicyLoss, PolicyLossConfig, ValueLoss, ValueLossConfig
+from .proximal import LogLinearPolicyLoss, loglinear_alpha, loglinear_proximal_logprobs
 
 __all__ = [
     "TokenBatch",
@@ -26,4 +27,7 @@ __all__ = [
     "PolicyLossConfig",
     "ValueLoss",
     "ValueLossConfig",
+    "LogLinearPolicyLoss",
+    "loglinear_alpha",
+    "loglinear_proximal_logprobs",
 ]

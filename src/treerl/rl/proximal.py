@@ -16,20 +16,19 @@ the policy being optimised)::
 needed. It is exact for fresh tokens (``v_b = V``: ``alpha = 0`` and the behaviour policy
 *is* the proximal one) and approximate for stale ones.
 
-Until ``Trainer.train_on`` takes the proximal method as an argument,
-:func:`loglinear_proximal` installs it for one call (see its docstring).
+``Trainer.train_on(samples, proximal="loglinear")`` uses it for stale samples.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from ..rl import PolicyLoss, PolicyLossConfig, TokenBatch
+from .batch import TokenBatch
+from .losses import PolicyLoss, PolicyLossConfig
 
 
 def loglinear_alpha(versions: Tensor, trainer_version: int) -> Tensor:
@@ -107,35 +106,3 @@ class LogLinearPolicyLoss(PolicyLoss):
         for k in ("bw_sum", "bw_tokens", "bw_capped", "bw_max", "bw_min"):
             out.pop(k, None)
         return out
-
-
-@contextlib.contextmanager
-def loglinear_proximal(trainer, samples) -> Iterator[None]:
-    """For one ``trainer.train_on(samples)`` call: proximal logprobs by the log-linear
-    approximation instead of a tree forward.
-
-    A stop-gap until ``Trainer.train_on`` accepts the method: the policy engine's
-    ``logprobs`` (which ``train_on`` calls only for the proximal forward) returns each
-    sample's per-token ``alpha`` instead of running the model, and ``PolicyLoss`` (looked
-    up in ``treerl.trainer`` at call time) becomes :class:`LogLinearPolicyLoss` reading
-    ``alpha`` from the batch's proximal field. Both are restored on exit.
-    """
-    import treerl.trainer as trainer_module
-
-    version = trainer.rollout.version
-    alphas = [loglinear_alpha(torch.tensor(s.versions, dtype=torch.int64), version) for s in samples]
-    original_loss = trainer_module.PolicyLoss
-
-    def make_loss(batch: TokenBatch, config: PolicyLossConfig, **kw) -> PolicyLoss:
-        if batch.proximal_logprobs is None:  # fresh samples, one update: plain PPO is exact
-            return original_loss(batch, config, **kw)
-        return LogLinearPolicyLoss(batch, config, alpha=batch.proximal_logprobs, **kw)
-
-    engine = trainer.engine
-    engine.logprobs = lambda tree, entropy=False: [a.clone() for a in alphas]  # noqa: E731
-    trainer_module.PolicyLoss = make_loss
-    try:
-        yield
-    finally:
-        trainer_module.PolicyLoss = original_loss
-        del engine.logprobs  # the instance attribute: back to the class method
