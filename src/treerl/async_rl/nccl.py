@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .weights import WeightPublisher, WeightReceiver, WeightSource, model_state
+from .weights import WeightPublisher, WeightReceiver, WeightSource, _poll, model_state
 
 Layout = list[tuple[str, list[tuple[str, tuple[int, ...]]]]]  # per dtype name: [(param, shape)]
 
@@ -104,19 +104,18 @@ class CollectiveReceiver(WeightReceiver):
         self.views = _views(source.layout, self.flats)
         self.pushes = 0
 
-    def receive(self, timeout: float) -> tuple[int, dict[str, torch.Tensor]] | None:
-        key = f"{self.source.prefix}/push{self.pushes}"
-        deadline = time.monotonic() + timeout
-        while not self.store.check([key]):
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.002)
-        version = int(self.store.get(key))
+    def _key(self) -> str:
+        return f"{self.source.prefix}/push{self.pushes}"
+
+    def wait(self, timeout: float) -> bool:
+        return _poll(lambda: self.store.check([self._key()]), timeout, 0.002)
+
+    def fetch(self) -> tuple[int, dict[str, torch.Tensor]]:
+        version = int(self.store.get(self._key()))
         if self.group is None:
             self.group = _group(self.source.backend, dist.PrefixStore(self.source.prefix + "/pg", self.store), 1,
                                 self.timeout)
-        with self.device_lock:
-            _broadcast(self.group, self.flats)
+        _broadcast(self.group, self.flats)
         self.pushes += 1
         return version, self.views
 

@@ -18,7 +18,6 @@ worker opens the picklable :class:`WeightSource` it was given and polls a
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import time
@@ -66,19 +65,42 @@ def choose_transfer(requested: str, trainer_device: str, worker_devices: list[st
 
 
 class WeightReceiver(ABC):
-    """Worker side: new weights as they are published. Device work (copies, loads,
-    collectives into device buffers) runs under ``device_lock``, which the worker sets to
-    its rollout engine's (so a transfer never overlaps a CUDA-graph capture)."""
-
-    device_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
+    """Worker side: new weights as they are published. ``wait`` polls (no device work);
+    ``fetch`` moves the newest weights onto the worker's device — the worker calls it
+    under its rollout engine's device lock, so a transfer never overlaps a CUDA-graph
+    capture or a decode step."""
 
     @abstractmethod
+    def wait(self, timeout: float) -> bool:
+        """Up to ``timeout`` seconds: True once a version newer than the last fetched one is published."""
+
+    @abstractmethod
+    def fetch(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """``(version, state)`` of the newest published weights on the worker's device, or
+        None if nothing newer can be read right now."""
+
     def receive(self, timeout: float) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """Wait up to ``timeout`` seconds for a version newer than the last one returned;
-        returns ``(version, state)`` (tensors on the worker's device) or None."""
+        """``wait`` then ``fetch``: the newest weights within ``timeout`` seconds, or None."""
+        deadline = time.monotonic() + timeout
+        while self.wait(max(0.0, deadline - time.monotonic())):
+            got = self.fetch()
+            if got is not None:
+                return got
+            if time.monotonic() >= deadline:
+                break
+        return None
 
     def close(self) -> None:
         pass
+
+
+def _poll(ready, timeout: float, poll_s: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 class WeightSource(ABC):
@@ -154,18 +176,15 @@ class SharedMemoryReceiver(WeightReceiver):
         self.source, self.device, self.poll_s = source, device, poll_s
         self.last = None
 
-    def receive(self, timeout: float) -> tuple[int, dict[str, torch.Tensor]] | None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if int(self.source.version[0]) != self.last:
-                with self.source.lock, self.device_lock:
-                    version = int(self.source.version[0])
-                    state = {k: b.to(self.device, copy=True) for k, b in self.source.buffers.items()}
-                self.last = version
-                return version, state
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(self.poll_s)
+    def wait(self, timeout: float) -> bool:
+        return _poll(lambda: int(self.source.version[0]) != self.last, timeout, self.poll_s)
+
+    def fetch(self) -> tuple[int, dict[str, torch.Tensor]]:
+        with self.source.lock:
+            version = int(self.source.version[0])
+            state = {k: b.to(self.device, copy=True) for k, b in self.source.buffers.items()}
+        self.last = version
+        return version, state
 
 
 # ------------------------------------------------------------------------------ files
@@ -220,21 +239,23 @@ class FileReceiver(WeightReceiver):
         self.directory, self.device, self.poll_s = directory, device, poll_s
         self.last = -1
 
-    def receive(self, timeout: float) -> tuple[int, dict[str, torch.Tensor]] | None:
+    def _newest(self) -> tuple[int, Path] | None:
+        files = list_weight_files(self.directory)
+        return files[-1] if files and files[-1][0] > self.last else None
+
+    def wait(self, timeout: float) -> bool:
+        return _poll(lambda: self._newest() is not None, timeout, self.poll_s)
+
+    def fetch(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         from safetensors.torch import load_file
 
-        deadline = time.monotonic() + timeout
-        while True:
-            files = list_weight_files(self.directory)
-            if files and files[-1][0] > self.last:
-                version, path = files[-1]
-                try:
-                    with self.device_lock:
-                        state = load_file(str(path), device=str(self.device))
-                except (FileNotFoundError, OSError):  # pruned between listing and loading
-                    continue
-                self.last = version
-                return version, state
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(self.poll_s)
+        newest = self._newest()
+        if newest is None:
+            return None
+        version, path = newest
+        try:
+            state = load_file(str(path), device=str(self.device))
+        except (FileNotFoundError, OSError):  # pruned between listing and loading
+            return None
+        self.last = version
+        return version, state

@@ -187,7 +187,6 @@ class RolloutWorker:
         self.state = _State()
         self.trainer.model.register_forward_hook(self._on_model_call)
         self.receiver = spec.weights.open(device, self.trainer.model)
-        self.receiver.device_lock = self.engine.device_lock
         self._threads = [threading.Thread(target=self._listen, name="weights", daemon=True),
                          threading.Thread(target=self._beat, name="heartbeat", daemon=True)]
         params = self.trainer.sampling_params(1)
@@ -209,11 +208,14 @@ class RolloutWorker:
 
     def _listen(self) -> None:
         while not self.state.stop:
-            got = self.receiver.receive(timeout=0.1)
-            if got is None:
+            if not self.receiver.wait(timeout=0.1):
                 continue
-            version, weights = got
-            self.engine.update_weights(weights, version=version)
+            with self.engine.device_lock:  # the transfer and the update, between decode steps
+                got = self.receiver.fetch()
+                if got is None:
+                    continue
+                version, weights = got
+                self.engine.update_weights(weights, version=version)
             with self.state.weights:
                 self.state.weights.notify_all()
 
