@@ -7,7 +7,8 @@ system").
 - :class:`WorkLedger`, :class:`WorkUnit` — exactly-once accounting of prompt groups.
 - :class:`AsyncRunner`, :class:`AsyncOptions` — the trainer-side loop and its options.
 - weight transfer: :mod:`.weights` (shared memory, files), :mod:`.nccl` (GPU broadcast).
-- :mod:`.proximal` — the log-linear proximal-logprob approximation (AReaL).
+- the log-linear proximal-logprob approximation (AReaL) lives in :mod:`treerl.rl.proximal`
+  (`Trainer.train_on(..., proximal="loglinear")`).
 """
 
 from .buffer import Finished, SampleBuffer
