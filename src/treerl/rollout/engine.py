@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from .graphs import capture_decode_step
+from .graphs import DecodeStep
 from .kv import SlotCache, rollout_attention_enabled
 from .params import SamplingParams
 from .sampling import sample
@@ -631,10 +631,7 @@ class _StaticStep:
         self.index = torch.zeros(1, dtype=torch.int64, device=dev)
         self.mask = b.mask[:, None, None, :]
         self.cache = b.cache
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
-        self.use_graph = engine.cuda_graphs
-        self.engine = engine
+        self.step = DecodeStep(engine, self._forward)
 
     def _forward(self) -> torch.Tensor:
         self.cache.static_index = self.index
@@ -650,12 +647,4 @@ class _StaticStep:
         self.ids.copy_(b.tokens[:, step - 1 : step])
         self.pos.copy_(b.pos[:, None])
         self.index.fill_(n)
-        if not self.use_graph:
-            return self._forward()
-        if self.graph is None:
-            self.graph, self.logits = capture_decode_step(self.engine, self._forward)
-            if self.graph is None:
-                self.use_graph = False
-                return self.logits
-        self.graph.replay()
-        return self.logits
+        return self.step()

@@ -1,8 +1,10 @@
-"""CUDA-graph capture of one decode step, shared by the wave and the streaming decoders."""
+"""One decode step with static inputs, run eagerly or as a CUDA graph captured at its
+first use; shared by the wave and the streaming decoders."""
 
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 
@@ -31,3 +33,25 @@ def capture_decode_step(engine, forward) -> tuple[torch.cuda.CUDAGraph | None, t
             engine.cuda_graphs = False
             return None, forward()
         return graph, out
+
+
+class DecodeStep:
+    """``forward`` (a decode step whose inputs live in fixed tensors) run eagerly, or on
+    CUDA (``engine.cuda_graphs``) captured at the first call and replayed after."""
+
+    def __init__(self, engine, forward: Callable[[], torch.Tensor]):
+        self.engine, self.forward = engine, forward
+        self.use_graph = engine.cuda_graphs
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        if not self.use_graph:
+            return self.forward()
+        if self.graph is None:
+            self.graph, self.logits = capture_decode_step(self.engine, self.forward)
+            if self.graph is None:
+                self.use_graph = False
+                return self.logits
+        self.graph.replay()
+        return self.logits

@@ -46,7 +46,7 @@ from typing import Any, Hashable, Iterable, Iterator
 import numpy as np
 import torch
 
-from .graphs import capture_decode_step
+from .graphs import DecodeStep
 from .kv import RowCache
 from .params import SamplingParams
 from .sampling import sample
@@ -458,9 +458,7 @@ class _RowStep:
         self.pos = batch.pos[:hi, None]
         self.index = batch.fill[:hi]
         self.mask = batch.mask[:hi, None, None, :]
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
-        self.use_graph = engine.cuda_graphs
+        self.step = DecodeStep(engine, self._forward)
 
     def _forward(self) -> torch.Tensor:
         cache = self.batch.cache
@@ -474,12 +472,4 @@ class _RowStep:
             cache.write_index = None
 
     def run(self) -> torch.Tensor:
-        if not self.use_graph:
-            return self._forward()
-        if self.graph is None:
-            self.graph, self.logits = capture_decode_step(self.engine, self._forward)
-            if self.graph is None:
-                self.use_graph = False
-                return self.logits
-        self.graph.replay()
-        return self.logits
+        return self.step()
