@@ -1,7 +1,8 @@
 """Data parallelism (FSDP2, 2 gloo processes on the CPU): after one step, the gradients of
 a globally normalised loss equal the single-process gradients of the same global batch
 (float64, <= 1e-9 relative) for every engine mode — although the ranks hold different
-trees and so make different numbers of model calls."""
+trees and so make different numbers of model calls — with the gradient reduce run by FSDP2's
+end-of-backward hook (which must be found on this torch) and by the fallback model call."""
 
 import os
 
@@ -50,13 +51,19 @@ def worker(rank, world, init_file, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from treerl.distributed import data_parallel
     from treerl.distributed.data_parallel import full_gradients, gradient_step, shard
 
+    fast_reduce = data_parallel._reduce_now
+    used_fast = []
     seqs, loss_fn = batch()
     for skewed in (False, True):
         mine = shares(seqs, world, skewed)[rank]
-        for mode in MODES:
-            engine = engine_for(model(), mode)
+        for mode in MODES + ("auto-reduce-call",):
+            # the last: the fallback reduce (a zero-loss model call) instead of FSDP2's hook
+            data_parallel._reduce_now = ((lambda engine: False) if mode.endswith("call")
+                                         else (lambda engine: used_fast.append(fast_reduce(engine)) or used_fast[-1]))
+            engine = engine_for(model(), mode.split("-")[0])
             shard(engine)
             global_index = torch.tensor(mine, dtype=torch.long)
             with gradient_step(engine):
@@ -66,6 +73,7 @@ def worker(rank, world, init_file, out_dir):
             grads = full_gradients(engine)
             if rank == 0:
                 torch.save({n: g.clone() for n, g in grads.items()}, os.path.join(out_dir, f"{mode}-{skewed}.pt"))
+    assert all(used_fast), "FSDP2's end-of-backward hook was not found: gradient_step fell back to a model call"
     dist.destroy_process_group()
 
 
@@ -77,7 +85,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     reference = model()
     engine_for(reference, "packed").forward_backward(seqs, loss_fn, separable=True)
     for skewed in (False, True):
-        for mode in MODES:
+        for mode in MODES + ("auto-reduce-call",):
             grads = torch.load(tmp_path / f"{mode}-{skewed}.pt")
             for name, p in reference.named_parameters():
                 if p.grad is None:
