@@ -4,8 +4,9 @@ Same model (random weights, a named shape), same prompts, same sampling (tempera
 top-p, top-k), same ``max_new_tokens`` and group size (``num_return_sequences=G`` for
 ``generate``); no stop tokens, so both produce prompts x G x new-tokens tokens. Each engine
 runs once untimed (warm-up, a few tokens), then ``--repeats`` timed runs (best kept).
-On CUDA the table has four rows: RolloutEngine with CUDA graphs (its default there) and
-without, ``model.generate`` as is, and ``model.generate`` with cuDNN SDPA disabled (torch
+On CUDA the table has five rows: RolloutEngine with CUDA graphs (its default there; the
+continuous-batching path ``generate`` takes by default, and the wave path,
+``continuous=False``) and without, ``model.generate`` as is, and ``model.generate`` with cuDNN SDPA disabled (torch
 2.11 picks cuDNN attention, which re-plans at every new key length); the ratio column
 compares with the faster ``model.generate`` row.
 
@@ -90,8 +91,8 @@ def main(argv=None) -> dict:
     ids = prompts.to(device)
     mask = torch.ones_like(ids)
 
-    def engine_runner(cuda_graphs):
-        engine = RolloutEngine(model, sync_every=args.sync_every, cuda_graphs=cuda_graphs)
+    def engine_runner(cuda_graphs, continuous=True):
+        engine = RolloutEngine(model, sync_every=args.sync_every, cuda_graphs=cuda_graphs, continuous=continuous)
 
         def run(new_tokens):
             params = SamplingParams(
@@ -125,8 +126,11 @@ def main(argv=None) -> dict:
     runners = []
     if cuda and not args.no_cuda_graphs:
         runners.append(("RolloutEngine", engine_runner(True)))
+        runners.append(("RolloutEngine (waves)", engine_runner(True, continuous=False)))
     if not cuda or not args.no_eager:
         runners.append(("RolloutEngine (eager)" if cuda else "RolloutEngine", engine_runner(False)))
+        if not cuda:
+            runners.append(("RolloutEngine (waves)", engine_runner(False, continuous=False)))
     if not args.skip_generate:
         runners.append(("model.generate", generate_runner(True)))
         if cuda and not args.no_generate_variants:
