@@ -23,11 +23,27 @@ class _Slot:
 
 
 class WorkerPool:
-    """Interface of a worker pool (process or Ray)."""
+    """A worker pool (process or Ray): ``slots`` maps each worker to its slot, which
+    holds a task queue and a result queue (``.tasks``, ``.results``)."""
+
+    slots: dict[int, Any]
 
     def start(self, spec: WorkerSpec) -> None: ...
-    def send(self, worker: int, units: list) -> None: ...
-    def poll(self) -> list: ...
+
+    def send(self, worker: int, units: list) -> None:
+        self.slots[worker].tasks.put(units)
+
+    def poll(self) -> list:
+        """Every message waiting in any result queue (non-blocking)."""
+        out = []
+        for slot in list(self.slots.values()):
+            while True:
+                try:
+                    out.append(slot.results.get_nowait())
+                except (queue.Empty, EOFError, OSError):  # empty, or a dead process's broken queue
+                    break
+        return out
+
     def alive(self, worker: int) -> bool: ...
     def kill(self, worker: int) -> None: ...
     def stop(self, timeout: float = 10.0) -> None: ...
@@ -49,20 +65,6 @@ class ProcessPool(WorkerPool):
                                    name=f"treerl-rollout-{spec.index}.{spec.incarnation}")
         process.start()
         self.slots[spec.index] = _Slot(spec, process, tasks, results)
-
-    def send(self, worker: int, units: list) -> None:
-        self.slots[worker].tasks.put(units)
-
-    def poll(self) -> list:
-        """Every message waiting in any result queue (non-blocking)."""
-        out = []
-        for slot in list(self.slots.values()):
-            while True:
-                try:
-                    out.append(slot.results.get_nowait())
-                except (queue.Empty, EOFError, OSError):
-                    break
-        return out
 
     def alive(self, worker: int) -> bool:
         return self.slots[worker].process.is_alive()

@@ -13,7 +13,6 @@ GPU actor, so its device is ``cuda:0`` there. Connects to a running cluster when
 
 from __future__ import annotations
 
-import queue
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,19 +59,6 @@ class RayPool(WorkerPool):
         actor = self.Actor.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus,
                                    name=f"treerl-rollout-{spec.index}.{spec.incarnation}").remote()
         self.slots[spec.index] = _RaySlot(actor, actor.serve.remote(spec, tasks, results), tasks, results)
-
-    def send(self, worker: int, units: list) -> None:
-        self.slots[worker].tasks.put(units)
-
-    def poll(self) -> list:
-        out = []
-        for slot in list(self.slots.values()):
-            while True:
-                try:
-                    out.append(slot.results.get_nowait())
-                except queue.Empty:
-                    break
-        return out
 
     def alive(self, worker: int) -> bool:
         ready, _ = self.ray.wait([self.slots[worker].ref], timeout=0)
