@@ -139,6 +139,14 @@ def reference_logprobs(model, seqs, *, temperature: float = 1.0):
     return lps, ents
 
 
+def completion_logprobs(model, prompt, completion, temperature: float = 1.0) -> torch.Tensor:
+    """log p of each completion token given all before it: one plain forward of prompt +
+    completion (:func:`reference_logprobs`), float64."""
+    with torch.no_grad():
+        lps, _ = reference_logprobs(model, [list(prompt) + list(completion)], temperature=temperature)
+    return lps[0][len(prompt) - 1:]
+
+
 def reference_step(model, seqs, loss_fn, *, entropy: bool = False, temperature: float = 1.0):
     """(loss, grads, logprobs, entropies) of training on every sequence independently."""
     zero_grads(model)

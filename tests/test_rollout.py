@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from conftest import completion_logprobs
 from treerl import PrefixTree
 from treerl.models import build_model, rmsnorm_in_input_precision
 from treerl.rollout import RolloutEngine, SamplingParams
@@ -27,15 +28,6 @@ def model():
 def random_prompts(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def reference_logprobs(model, prompt, completion, temperature=1.0):
-    """log-softmax(logits / T) of each completion token from one full forward."""
-    ids = torch.tensor([list(prompt) + list(completion)])
-    with torch.no_grad():
-        logits = model(ids).logits[0].double()
-    logp = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1 : -1]
-    return logp.gather(-1, torch.as_tensor(completion)[:, None]).squeeze(-1)
 
 
 def greedy_reference(model, prompt, max_new):
@@ -95,7 +87,7 @@ def test_behaviour_logprobs_equal_full_forward(model, params, static_kv):
     count = 0
     for g, p in zip(groups, prompts):
         for c in g:
-            ref = reference_logprobs(model, p, c.completion_ids.tolist(), temperature)
+            ref = completion_logprobs(model, p, c.completion_ids.tolist(), temperature)
             assert c.logprobs.dtype == torch.float64
             assert torch.allclose(c.logprobs, ref, rtol=1e-9, atol=1e-12), (c.logprobs - ref).abs().max()
             count += 1
@@ -245,7 +237,7 @@ def test_tree_rollout_logprobs_and_early_stops(model):
         # a completion that stopped before a fork was not copied at that fork
         forks_passed = sum(1 for point in (4, 8) if len(c) > point)
         assert len(c.branch) == 1 + forks_passed
-        assert torch.allclose(c.logprobs, reference_logprobs(model, prompts[0], c.completion_ids.tolist()), rtol=1e-9)
+        assert torch.allclose(c.logprobs, completion_logprobs(model, prompts[0], c.completion_ids.tolist()), rtol=1e-9)
     assert len({c.branch for c in g}) == len(g)
 
 
@@ -298,8 +290,8 @@ def test_weight_update_during_generation_recomputes_kv():
             assert c.versions.tolist() == [0] * 5 + [1] * 5
             assert ids[:5] == greedy_reference(a, p, 5)
             assert ids[5:] == greedy_reference(b, p + ids[:5], 5)
-            assert torch.allclose(c.logprobs[:5], reference_logprobs(a, p, ids)[:5], rtol=1e-9)
-            assert torch.allclose(c.logprobs[5:], reference_logprobs(b, p, ids)[5:], rtol=1e-9)
+            assert torch.allclose(c.logprobs[:5], completion_logprobs(a, p, ids)[:5], rtol=1e-9)
+            assert torch.allclose(c.logprobs[5:], completion_logprobs(b, p, ids)[5:], rtol=1e-9)
 
 
 def test_bad_inputs(model):
@@ -384,5 +376,5 @@ def test_cuda_graph_decode_matches_full_forward():
     assert graphed.stats.decode_steps > 0 and sum(len(g) for g in groups) > len(prompts) * 3
     for g, p in zip(groups, prompts):
         for c in g:
-            ref = reference_logprobs(reference, p, c.completion_ids.tolist(), 0.8)
+            ref = completion_logprobs(reference, p, c.completion_ids.tolist(), 0.8)
             assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()

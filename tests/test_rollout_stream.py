@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from conftest import completion_logprobs
 from treerl.models import build_model, rmsnorm_in_input_precision
 from treerl.rollout import PromptQueue, RolloutEngine, SamplingParams
 
@@ -63,14 +64,6 @@ def greedy_reference(model, prompt, max_new=MAX_NEW):
     return ids[len(prompt):]
 
 
-def reference_logprobs(model, prompt, completion, temperature=1.0):
-    ids = torch.tensor([list(prompt) + list(completion)])
-    with torch.no_grad():
-        logits = model(ids).logits[0].double()
-    logp = torch.log_softmax(logits / temperature, -1)[len(prompt) - 1 : -1]
-    return logp.gather(-1, torch.as_tensor(completion)[:, None]).squeeze(-1)
-
-
 def check_greedy(model, groups, prompts, n, rtol=1e-9, atol=1e-12):
     assert sorted(g.prompt_index for g in groups) == list(range(len(prompts)))
     for g in groups:
@@ -81,7 +74,7 @@ def check_greedy(model, groups, prompts, n, rtol=1e-9, atol=1e-12):
         for c in g:
             assert c.completion_ids.tolist() == ref, g.prompt_index
             assert c.finish_reason == ("stop" if len(ref) < MAX_NEW or target_length(ref) <= MAX_NEW else "length")
-            lp = reference_logprobs(model, p, ref)
+            lp = completion_logprobs(model, p, ref)
             assert torch.allclose(c.logprobs.double(), lp, rtol=rtol, atol=atol), (c.logprobs - lp).abs().max()
 
 
@@ -182,7 +175,7 @@ def test_versions_and_kv_after_mid_stream_weight_update(static_kv):
             cut = versions.count(0)
             assert versions == [0] * cut + [1] * (len(ids) - cut)
             both += 0 < cut < len(ids)
-            lp_a, lp_b = reference_logprobs(a, p, ids), reference_logprobs(b, p, ids)
+            lp_a, lp_b = completion_logprobs(a, p, ids), completion_logprobs(b, p, ids)
             for t, v in enumerate(versions):
                 m = a if v == 0 else b
                 with torch.no_grad():
@@ -254,7 +247,7 @@ def test_sampled_stream_logprobs_and_compaction(model):
         for c in g:
             ids = c.completion_ids.tolist()
             lengths.append(len(ids))
-            ref = reference_logprobs(model, prompts[g.prompt_index], ids, 0.8)
+            ref = completion_logprobs(model, prompts[g.prompt_index], ids, 0.8)
             assert torch.allclose(c.logprobs, ref, rtol=1e-9, atol=1e-12)
             if c.finish_reason == "stop":
                 assert ids[-1] % 13 == 0 and all(t % 13 for t in ids[:-1])
@@ -319,5 +312,5 @@ def test_cuda_graph_stream_matches_eager_and_full_forward():
     reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
     for g in groups:
         for c in g:
-            ref = reference_logprobs(reference, prompts[g.prompt_index], c.completion_ids.tolist(), 0.8)
+            ref = completion_logprobs(reference, prompts[g.prompt_index], c.completion_ids.tolist(), 0.8)
             assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()
