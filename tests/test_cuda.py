@@ -78,3 +78,31 @@ def test_no_host_sync_per_segment(mode, workload, many):
     many, many_calls = syncs(*many)
     assert many_calls >= 5 * few_calls
     assert many <= few + 2, (few, many)
+
+
+@pytest.mark.parametrize("mode", ["packed", "auto", "flat"])
+@pytest.mark.parametrize("compile", [True, False])
+def test_compiled_and_recomputed_blocks_float32(mode, compile):
+    """Compiled decoder blocks, recomputed in the backward under a small memory budget
+    (the budget is set from the engine's own measured memory model)."""
+    model = build_model("qwen3", "tiny", dtype=torch.float32, device="cuda", seed=2)
+    seqs = [torch.as_tensor(s) for s in make_workload("agentic", SCALES["tiny"], 512, seed=5)]
+    weights = [torch.randn(len(s) - 1, device="cuda", dtype=torch.float64) for s in seqs]
+
+    def loss_fn(lps):
+        return sum((lp.double() * w).sum() for lp, w in zip(lps, weights))
+
+    model.zero_grad()
+    loss_fn(reference_logprobs(model, seqs)).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    engine = treerl.TreeEngine(model, mode, attention="flex", compile=compile)
+    m = engine.memory_model
+    assert m.measured and m.recompute_per_token < m.per_token
+    engine.memory_budget = int(m.fixed + 8 * m.per_token)  # calls over ~8 tokens recompute
+    assert engine.recomputes(64)
+    model.zero_grad()
+    engine.forward_backward(seqs, loss_fn)
+    assert engine.stats.recomputed_calls >= 1
+    for n, p in model.named_parameters():
+        err = (p.grad - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)
+        assert err < 1e-5, (n, float(err))

@@ -75,8 +75,10 @@ def check_engine(
     temperature=1.0,
     tree_input="list",
     logits_chunk_elements=None,
+    memory_budget=None,
 ):
-    """Engine logprobs/entropies/loss/gradients vs the per-sequence reference."""
+    """Engine logprobs/entropies/loss/gradients vs the per-sequence reference.
+    With ``memory_budget``, the engine plans by it (``max_tokens`` unused)."""
     dtype = next(model.parameters()).dtype
     tol, floor = TOL[dtype], FLOOR[dtype]
     loss_dtype = getattr(loss, "dtype", None)
@@ -88,6 +90,9 @@ def check_engine(
     if loss_dtype is not None:
         loss.dtype = loss_dtype  # the engine: float32, or float64 for a float64 model
     extra = {} if logits_chunk_elements is None else dict(logits_chunk_elements=logits_chunk_elements)
+    if memory_budget is not None:
+        extra.update(memory_budget=memory_budget)
+        max_tokens = None
     engine = TreeEngine(model, mode, max_tokens=max_tokens, chunk_tokens=chunk_tokens, temperature=temperature, **extra)
     given_tree = {
         "list": lambda: seqs,

@@ -12,11 +12,17 @@ attention call); it refuses to run without one, because a custom attention funct
 receives ``attention_mask=None`` and would otherwise silently attend everything.
 It also records each layer's keys/values (post-RoPE, one per KV head) when asked, so
 later segments can use them as their prefix.
+
+The engine hands the :class:`TreeAttention` over through :func:`tree_attention_enabled`
+(a thread-local, not a keyword argument) so that compiled decoder blocks
+(:mod:`treerl.decoder`) never see it as an input to guard on; the attention call itself is
+excluded from compilation (it runs its own compiled flex kernel).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
@@ -57,6 +63,15 @@ class TreeAttention:
             else:
                 self._mask = flex_block_mask(self.q_index, self.k_index, self.k_end)
         return self._mask
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The SDPA mask as 0 / -inf of ``dtype``, built once per call. SDPA would convert
+        a boolean mask itself, in every layer, and differently when a block is recomputed
+        in the backward than in its forward (which activation checkpointing refuses)."""
+        if getattr(self, "_additive", None) is None or self._additive.dtype != dtype:
+            mask = self.mask()
+            self._additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return self._additive
 
 
 def dense_tree_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor) -> torch.Tensor:
@@ -142,6 +157,10 @@ def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.T
 
 
 # ------------------------------------------------------------------- the HF function
+_active = threading.local()  # .ctx: the TreeAttention of the model call in progress
+
+
+@torch.compiler.disable
 def tree_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -153,7 +172,7 @@ def tree_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query [1, H, Nq, D], key/value [1, H_kv, Nq, D] -> ([1, Nq, H, D], None)."""
-    ctx: TreeAttention | None = kwargs.get(KWARG)
+    ctx: TreeAttention | None = kwargs.get(KWARG) or getattr(_active, "ctx", None)
     if ctx is None:
         raise RuntimeError(
             "treerl attention was called without a tree mask: run the model through "
@@ -174,7 +193,7 @@ def tree_attention_forward(
     gqa = query.shape[1] != key.shape[1]
     if ctx.backend == "sdpa":
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=ctx.mask(), scale=scaling, enable_gqa=gqa
+            query, key, value, attn_mask=ctx.additive_mask(query.dtype), scale=scaling, enable_gqa=gqa
         )
     else:
         out = _flex_attention()(
@@ -186,13 +205,22 @@ def tree_attention_forward(
 AttentionInterface.register(ATTN_NAME, tree_attention_forward)
 
 
+def active_tree_attention() -> TreeAttention | None:
+    """The tree attention set by the innermost :func:`tree_attention_enabled` of this thread."""
+    return getattr(_active, "ctx", None)
+
+
 @contextlib.contextmanager
-def tree_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
-    """Route the model's attention through treerl for the duration of the block."""
+def tree_attention_enabled(model: torch.nn.Module, ctx: TreeAttention | None = None) -> Iterator[None]:
+    """Route the model's attention through treerl for the duration of the block, with
+    ``ctx`` as the tree attention of every call in it (or pass ``tree_attention=ctx`` to
+    the model)."""
     config = model.config
-    previous = config._attn_implementation
+    previous, previous_ctx = config._attn_implementation, getattr(_active, "ctx", None)
     config._attn_implementation = ATTN_NAME
+    _active.ctx = ctx
     try:
         yield
     finally:
         config._attn_implementation = previous
+        _active.ctx = previous_ctx

@@ -24,7 +24,9 @@ from typing import Callable, Sequence
 import torch
 
 from .attention import BACKENDS, KV, TreeAttention, tree_attention_enabled
+from .decoder import DecoderStack
 from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
+from .memory import MemoryModel, resolve_budget
 from .plan import MODES, Plan, make_plan
 from .tree import PrefixTree, TokenSequence
 
@@ -54,6 +56,7 @@ class StepStats:
     plan: str = ""
     model_calls: int = 0
     tokens_run: int = 0
+    recomputed_calls: int = 0  # calls whose decoder blocks are recomputed in the backward
     seconds: float = 0.0
 
 
@@ -86,18 +89,19 @@ class SegmentRunner(torch.nn.Module):
     weight is unsharded exactly while the head uses it."""
 
     def __init__(self, model: torch.nn.Module, value_head: torch.nn.Module | None, temperature: float,
-                 chunk_elements: int):
+                 chunk_elements: int, compile: bool):
         super().__init__()
         self.model = model
         self.value_head = value_head
         self.temperature, self.chunk_elements = temperature, chunk_elements
+        self.stack = DecoderStack(model.base_model, compile)
 
-    def forward(self, input_ids, position_ids, rows, targets, *, tree_attention: TreeAttention, entropy: bool):
+    def forward(self, input_ids, position_ids, rows, targets, *, entropy: bool, recompute: bool = False):
         """input_ids/position_ids [1, n]; rows [T] hidden rows to read; targets [T] token ids.
+        The tree attention of the call is set by the caller (``tree_attention_enabled``).
+        ``recompute``: keep only each decoder block's input for the backward.
         Returns (logprobs or values [T], entropies [T] or None)."""
-        hidden = self.model.base_model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, tree_attention=tree_attention
-        ).last_hidden_state[0]
+        hidden = self.stack(input_ids, position_ids, checkpoint_blocks=recompute)[0]
         picked = hidden[rows]
         if self.value_head is not None:
             if entropy:
@@ -115,9 +119,17 @@ class TreeEngine:
     Args:
         model: a Hugging Face causal LM (Qwen2, Qwen3, Llama families and alike).
         mode: ``"auto"`` (default), ``"packed"``, ``"dfs"`` or ``"flat"`` (no sharing).
-        max_tokens: most tree tokens in one model call (the micro-batch budget).
+        memory_budget: bytes of activations one step may hold (beside weights, gradients
+            and optimizer state): an int, a fraction of the device's total memory (a float
+            in (0, 1]), or None for the default (:func:`treerl.memory.resolve_budget`).
+            The planner turns it into tokens per call with a memory model of this model
+            (measured on CUDA, estimated elsewhere) and recomputes the decoder blocks of a
+            call in its backward where that lets a whole tree run in one call.
+        max_tokens: advanced override of the budget: most tree tokens in one model call,
+            no block recompute (``None``: from ``memory_budget``).
         chunk_tokens: largest piece of a node in one call when nodes are split; also
             the batch budget of ``dfs``.
+        compile: compile each decoder block (``None``: on CUDA; Qwen2/Qwen3/Llama).
         attention: ``"auto"`` (flex on CUDA, SDPA elsewhere), ``"sdpa"`` or ``"flex"``.
         temperature: logits are divided by it before the softmax (match the sampler's).
         value_head: make this a critic engine: a module mapping hidden states [T, H] to
@@ -130,8 +142,10 @@ class TreeEngine:
         model: torch.nn.Module,
         mode: str = "auto",
         *,
-        max_tokens: int = 8192,
+        memory_budget: int | float | None = None,
+        max_tokens: int | None = None,
         chunk_tokens: int = 2048,
+        compile: bool | None = None,
         attention: str = "auto",
         temperature: float = 1.0,
         logits_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
@@ -139,7 +153,7 @@ class TreeEngine:
     ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens must be a whole number of at least 1 token, got {max_tokens!r}")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be a whole number of at least 1 token, got {chunk_tokens!r}")
@@ -157,12 +171,44 @@ class TreeEngine:
         if attention == "flex" and self.device.type != "cuda":
             raise ValueError("the flex attention backend needs a CUDA model here (CPU flex has no backward)")
         self.mode, self.attention = mode, attention
-        self.max_tokens, self.chunk_tokens = max_tokens, chunk_tokens
+        self.chunk_tokens = chunk_tokens
         self.num_layers = model.config.num_hidden_layers
-        self.runner = SegmentRunner(model, value_head, temperature, logits_chunk_elements)
+        if compile is None:
+            compile = self.device.type == "cuda"
+        self.runner = SegmentRunner(model, value_head, temperature, logits_chunk_elements, compile)
+        self.memory_budget = None if max_tokens is not None else resolve_budget(memory_budget, self.device)
+        self._fixed_tokens = max_tokens
+        self._memory_model: MemoryModel | None = None
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.stats = StepStats()
+
+    # ------------------------------------------------------------------ budgets
+    @property
+    def memory_model(self) -> MemoryModel:
+        """Activation bytes per token of one call, with and without block recompute."""
+        if self._memory_model is None:
+            self._memory_model = MemoryModel.for_engine(self)
+        return self._memory_model
+
+    @property
+    def can_recompute(self) -> bool:
+        return self.runner.stack.can_checkpoint
+
+    @property
+    def max_tokens(self) -> int:
+        """Most tree tokens in one call: the override, or what the memory budget allows
+        (with block recompute where the model supports it)."""
+        if self._fixed_tokens is not None:
+            return self._fixed_tokens
+        return self.memory_model.tokens(self.memory_budget, recompute=self.can_recompute)
+
+    def recomputes(self, size: int) -> bool:
+        """Whether a call of ``size`` tokens recomputes its decoder blocks in the backward:
+        only under a memory budget, and only when the call would not fit it otherwise."""
+        if self._fixed_tokens is not None or not self.can_recompute:
+            return False
+        return size > self.memory_model.tokens(self.memory_budget, recompute=False)
 
     # ------------------------------------------------------------------ public API
     def plan(self, tree: PrefixTree | Sequence[TokenSequence]) -> Plan:
@@ -292,13 +338,18 @@ class TreeEngine:
         ctx = TreeAttention(
             self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture
         )
+        recompute = grad and self.recomputes(seg.size)
+        ctx.mask()  # built once, before the blocks (not inside a block that is recomputed)
+        if self.attention == "sdpa":
+            ctx.additive_mask(self.head.weight.dtype)
         self.stats.model_calls += 1
         self.stats.tokens_run += seg.size
-        with torch.set_grad_enabled(grad), tree_attention_enabled(self.model):
+        self.stats.recomputed_calls += int(recompute)
+        with torch.set_grad_enabled(grad), tree_attention_enabled(self.model, ctx):
             targets = b.targets[i]
             lp, ent = self.runner(
                 b.token_ids[seg.start : seg.end][None], b.position[seg.start : seg.end][None],
-                b.parent[targets] - seg.start, b.token_ids[targets], tree_attention=ctx, entropy=entropy,
+                b.parent[targets] - seg.start, b.token_ids[targets], entropy=entropy, recompute=recompute,
             )
         kv = [ctx.captured[layer] for layer in range(self.num_layers)] if capture else None
         return lp, ent, kv

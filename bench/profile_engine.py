@@ -1,0 +1,238 @@
+"""Where one trainer step's time goes, and what each speed/memory option buys (issue 11).
+
+One process, one model (random weights), the same batches through several engine
+configurations; per row: seconds per forward+backward (median after a warm-up), peak
+memory, unique-token TFLOP/s and % of the measured bf16 matmul peak; then a torch-profiler
+breakdown of one step of the default engine by kernel kind (matmul, flex attention,
+compiled fused kernels, eager elementwise, copies) against the wall time (host gaps).
+
+    python bench/profile_engine.py --device cuda --shape qwen3-1.7b --dtype bfloat16 --out results/
+
+Configurations: ``auto-8192-eager`` (the previous defaults: max_tokens 8192, no compile),
+``auto-8192`` (+ compiled blocks), ``auto`` (today's defaults: compiled blocks, memory
+budget, recompute where needed), ``dfs`` (chunk 2048), ``flat`` (defaults) and ``naive``
+(one sequence per call through the model's own SDPA attention, the same loss head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from treerl import PrefixTree, TreeEngine
+from treerl.benchmark import time_forward_backward, useful_flops, weighted_logprob_loss
+from treerl.loss_head import token_logprobs
+from treerl.models import build_model
+from treerl.workloads import SCALES, make_workload
+
+CONFIGS = {
+    "auto-8192-eager": dict(mode="auto", max_tokens=8192, compile=False),
+    "auto-8192": dict(mode="auto", max_tokens=8192),
+    "auto": dict(mode="auto"),
+    "dfs": dict(mode="dfs"),
+    "flat": dict(mode="flat"),
+}
+
+
+def long_context(vocab: int, seed: int = 0, prefix: int = 12_000, responses: int = 6, groups: int = 2):
+    """2 groups: one 12,000-token prefix + 6 responses of 200-800 tokens each."""
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for _ in range(groups):
+        p = rng.integers(0, vocab, prefix)
+        seqs += [np.concatenate([p, rng.integers(0, vocab, int(rng.integers(200, 801)))]) for _ in range(responses)]
+    return seqs
+
+
+def workload(name: str, vocab: int, scale: str):
+    if name == "long":
+        try:
+            return make_workload("long", SCALES[scale], vocab)
+        except ValueError:
+            return long_context(vocab)
+    return make_workload(name, SCALES[scale], vocab)
+
+
+def matmul_peak(device) -> float:
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 2 * 8192**3 / statistics.median(times) / 1e12
+
+
+def naive_step(model, seqs, weights, device):
+    """One sequence per call, the model's own SDPA causal attention, the same loss head."""
+    head = model.get_output_embeddings().weight
+    for s, w in zip(seqs, weights):
+        ids = torch.as_tensor(s, device=device)[None]
+        hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        lp, _ = token_logprobs(hidden, head, ids[0, 1:])
+        (-(lp * w).sum()).backward()
+
+
+def time_naive(model, tree, seqs, device, repeats: int):
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(len(s) - 1, generator=gen).to(device) for s in seqs]
+    model.config._attn_implementation = "sdpa"
+    naive_step(model, seqs, weights, device)
+    torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        naive_step(model, seqs, weights, device)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=False)
+    return statistics.median(times), torch.cuda.max_memory_allocated(device)
+
+
+KINDS = [
+    ("attention (flex)", ("flex", "tem_fused")),
+    ("attention (sdpa/flash)", ("flash", "fmha", "attention", "cudnn")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "sm90", "cublas", "splitk")),
+    ("compiled fused", ("triton_poi", "triton_red", "triton_per")),
+    ("copies", ("memcpy", "memset", "copy")),
+    ("eager elementwise/reduce", ("elementwise", "reduce", "vectorized", "index", "scatter", "gather", "softmax",
+                                  "cat", "where", "fill")),
+]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def profile_step(engine, tree, loss_fn, out: Path | None) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.forward_backward(tree, loss_fn, separable=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.forward_backward(tree, loss_fn, separable=True)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    engine.model.zero_grad(set_to_none=False)
+    by_kind: dict[str, float] = {}
+    kernels = 0
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if evt.device_type == torch.autograd.DeviceType.CUDA and t > 0:
+            by_kind[kind_of(evt.key)] = by_kind.get(kind_of(evt.key), 0.0) + t / 1e6
+            kernels += evt.count
+    busy = sum(by_kind.values())
+    if out is not None:
+        (out / "profile_top_kernels.txt").write_text(
+            prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
+    return dict(wall_s=wall, gpu_busy_s=busy, host_gap_s=wall - busy, kernels=kernels,
+                by_kind={k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])})
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", default="qwen3-1.7b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--scale", default="paper")
+    ap.add_argument("--workloads", default="grpo,agentic,long")
+    ap.add_argument("--configs", default=",".join(CONFIGS) + ",naive")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile", default="agentic", help="workload to profile with the default engine ('' = none)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    peak = matmul_peak(device)
+    print(f"{torch.cuda.get_device_name(device)}: measured bf16 matmul peak {peak:.0f} TFLOP/s", flush=True)
+    model = build_model("qwen3", args.shape, dtype=args.dtype, device=device)
+    model.train()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    vocab = model.get_input_embeddings().num_embeddings
+    results = dict(device=torch.cuda.get_device_name(device), peak_tflops=peak, shape=args.shape, rows=[])
+    for wl in args.workloads.split(","):
+        seqs = workload(wl, vocab, args.scale)
+        tree = PrefixTree.from_sequences(seqs)
+        loss_fn = weighted_logprob_loss(tree)
+        flops = useful_flops(model, tree)
+        print(f"\n{wl}: {tree.num_sequences} seqs, {tree.num_flat_tokens} flat / {tree.num_tree_tokens} tree tokens, "
+              f"ideal {tree.ideal_ratio:.2f}", flush=True)
+        for name in args.configs.split(","):
+            row = dict(workload=wl, config=name, flat_tokens=tree.num_flat_tokens, tree_tokens=tree.num_tree_tokens,
+                       ideal=tree.ideal_ratio)
+            t0 = time.perf_counter()
+            try:
+                if name == "naive":
+                    seconds, peak_bytes = time_naive(model, tree, seqs, device, 1)
+                    row.update(seconds=seconds, peak_gib=peak_bytes / 2**30)
+                else:
+                    engine = TreeEngine(model, **CONFIGS[name])
+                    seconds, times, peak_bytes = time_forward_backward(engine, tree, loss_fn, args.repeats, 1)
+                    row.update(seconds=seconds, times=times, peak_gib=peak_bytes / 2**30, calls=engine.stats.model_calls,
+                               recomputed_calls=engine.stats.recomputed_calls, plan=engine.stats.plan,
+                               max_tokens=engine.max_tokens)
+                    if engine.memory_budget is not None:
+                        m = engine.memory_model
+                        row.update(budget_gib=engine.memory_budget / 2**30, bytes_per_token=m.per_token,
+                                   recompute_bytes_per_token=m.recompute_per_token, fixed_bytes=m.fixed)
+                row.update(tflops=flops / row["seconds"] / 1e12)
+                row["pct_peak"] = 100 * row["tflops"] / peak
+            except Exception as exc:  # a result, not a crash
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                traceback.print_exc()
+                torch.cuda.empty_cache()
+            row["wall_incl_warmup_s"] = time.perf_counter() - t0
+            results["rows"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "times"}), flush=True)
+            if out:
+                (out / "profile_engine.json").write_text(json.dumps(results, indent=1))
+            model.zero_grad(set_to_none=False)
+    if args.profile:
+        seqs = workload(args.profile, vocab, args.scale)
+        tree = PrefixTree.from_sequences(seqs)
+        results["profile"] = profile_step(TreeEngine(model), tree, weighted_logprob_loss(tree), out)
+        print(json.dumps(results["profile"], indent=1))
+    try:
+        import torch._dynamo.utils as du
+        results["dynamo"] = {k: dict(v) for k, v in du.counters.items() if k in ("stats", "graph_break", "recompiles")}
+    except Exception:
+        pass
+    if out:
+        (out / "profile_engine.json").write_text(json.dumps(results, indent=1))
+    print("\n| workload | config | s | TFLOP/s | % peak | peak GiB | vs flat | calls | recomputed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results["rows"]:
+        flat = next((x for x in results["rows"] if x["workload"] == r["workload"] and x["config"] == "flat"
+                     and "seconds" in x), None)
+        if "seconds" not in r:
+            print(f"| {r['workload']} | {r['config']} | {r.get('error')} |")
+            continue
+        vs = f"{flat['seconds'] / r['seconds']:.2f}" if flat else "-"
+        print(f"| {r['workload']} | {r['config']} | {r['seconds']:.3f} | {r['tflops']:.0f} | {r['pct_peak']:.1f} | "
+              f"{r['peak_gib']:.1f} | {vs} | {r.get('calls', '-')} | {r.get('recomputed_calls', '-')} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Memory budget -> tokens per call: the engine's memory model.
+
+One engine call (a segment of ``n`` tree tokens) holds, for its backward, activations that
+grow linearly in ``n``: ``fixed + n * per_token`` (plus ``n^2 * per_pair`` with the dense
+SDPA mask of the CPU backend, whose math kernel materialises the attention scores). With block recompute (activation
+checkpointing, :mod:`treerl.decoder`) only each decoder block's input is held, plus one
+block's full activations while that block's backward runs. On CUDA both lines are
+*measured* on the engine's own model (two forward calls with grad, no backward, no
+gradient touched); elsewhere they are estimated from the config (bf16/float32 HF blocks).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_BUDGET_FRACTION = 0.1  # of the device's total memory, for activations
+BACKWARD_MARGIN = 1.25  # a call's backward peaks above its forward's held activations
+
+
+def resolve_budget(budget: int | float | None, device: torch.device) -> int:
+    """Activation bytes for one step.
+
+    ``None``: :data:`DEFAULT_BUDGET_FRACTION` of the device's total memory (8 GB on an
+    80 GB H100): at this size whole trees of tens of thousands of tokens run in one call
+    with block recompute, and a larger budget buys little speed (bench/RESULTS.md, the
+    budget sweep), while weights, gradients and optimizer state keep the rest. A float in
+    (0, 1] is a fraction of the total memory; an int is bytes.
+    """
+    if budget is None:
+        budget = DEFAULT_BUDGET_FRACTION
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+        raise ValueError(
+            f"memory_budget must be a positive number of bytes (int) or a fraction of the device's "
+            f"memory (float in (0, 1]), got {budget!r}"
+        )
+    if isinstance(budget, float):
+        if budget > 1:
+            raise ValueError(f"memory_budget {budget} is a float above 1: give bytes as an int, or a fraction <= 1")
+        return int(budget * device_memory(device))
+    return int(budget)
+
+
+def device_memory(device: torch.device) -> int:
+    """Total bytes of the device (host RAM for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Activation bytes of one call of ``n`` tokens: ``fixed + n * per_token`` (held for
+    the backward) or ``fixed + n * recompute_per_token`` with block recompute."""
+
+    fixed: float
+    per_token: float
+    recompute_per_token: float
+    per_pair: float = 0.0
+    measured: bool = False
+
+    def tokens(self, budget: int, recompute: bool) -> int:
+        """Largest call that fits ``budget`` bytes (at least 1 token)."""
+        a = self.recompute_per_token if recompute else self.per_token
+        room = budget - self.fixed
+        if room <= 0:
+            return 1
+        if self.per_pair > 0:  # largest n with n*a + n^2*b <= room
+            b = self.per_pair
+            return max(1, int((-a + (a * a + 4 * b * room) ** 0.5) / (2 * b)))
+        return max(1, int(room // a))
+
+    @classmethod
+    def estimate(cls, config, dtype: torch.dtype, dense_mask: bool = False) -> "MemoryModel":
+        """From the shapes: what an eager HF decoder block saves per token (norms in
+        float32, q/k/v, RoPE, attention, the SwiGLU intermediates)."""
+        size = torch.finfo(dtype).bits // 8
+        h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+        head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+        q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        block = size * (7 * h + 5 * q + 6 * kv + 4 * inter)
+        fixed = 3 * (1 << 27) * 4  # the loss head's float32 logits chunk, ~3 alive
+        # dense mask: the bool mask, and scores + probabilities of every head (one layer at a time)
+        per_pair = (1 + 2 * size * config.num_attention_heads) if dense_mask else 0.0
+        return cls(fixed=fixed, per_token=block * layers * BACKWARD_MARGIN,
+                   recompute_per_token=size * h * layers + 2 * block, per_pair=per_pair)
+
+    @classmethod
+    def for_engine(cls, engine) -> "MemoryModel":
+        """Measured on CUDA (see the module docstring), estimated elsewhere."""
+        model = engine.model
+        estimate = cls.estimate(model.config, engine.head.weight.dtype, dense_mask=engine.attention == "sdpa")
+        if engine.device.type != "cuda" or engine.attention == "sdpa":
+            return estimate
+        small, large = 512, 1536
+        full = [_forward_peak(engine, n, recompute=False) for n in (small, large)]
+        # a frozen model (reference engine) holds nothing: still count a call's transients
+        floor = 2 * (model.config.hidden_size + model.config.intermediate_size) * engine.head.weight.element_size()
+        per_token = max(floor, (full[1] - full[0]) / (large - small))
+        fixed = max(0.0, full[0] - small * per_token)
+        recompute_per_token = estimate.recompute_per_token
+        if engine.can_recompute:
+            ckpt = [_forward_peak(engine, n, recompute=True) for n in (small, large)]
+            layers = model.config.num_hidden_layers
+            # held block inputs + one block's activations and their gradients while it recomputes
+            recompute_per_token = max(floor, (ckpt[1] - ckpt[0]) / (large - small)) + 2 * per_token / layers
+        return cls(fixed=fixed, per_token=per_token * BACKWARD_MARGIN,
+                   recompute_per_token=recompute_per_token * BACKWARD_MARGIN, measured=True)
+
+
+def _forward_peak(engine, n: int, recompute: bool) -> float:
+    """Peak CUDA bytes above the start of one forward with grad of ``n`` random tokens
+    (one chain), until its outputs are freed. No backward: no gradient is touched."""
+    from .attention import TreeAttention, tree_attention_enabled
+
+    device = engine.device
+    gen = torch.Generator(device="cpu").manual_seed(n)
+    ids = torch.randint(0, engine.vocab_size, (1, n), generator=gen).to(device)
+    index = torch.arange(n, device=device)
+    ctx = TreeAttention(engine.attention, index, index, torch.full((n,), n, device=device))
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.enable_grad(), tree_attention_enabled(engine.model, ctx):
+        lp, _ = engine.runner(ids, index[None], index[:-1], ids[0, 1:], entropy=False, recompute=recompute)
+        lp.sum()  # outputs alive at the peak as in a real call
+    peak = torch.cuda.max_memory_allocated(device) - start
+    del lp
+    torch.cuda.synchronize(device)
+    return float(peak)

@@ -1,0 +1,89 @@
+"""Planning by a memory budget, and decoder blocks recomputed in the backward.
+
+Every mode under a budget small enough that calls recompute their blocks (and, for
+``auto``/``dfs``, that trees split into chains) stays exact against the per-sequence
+reference: float64 to 1e-9, float32 to 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import VARIANTS, RandomLoss, get_model, shaped_forest
+from test_engine_exact import MODES, SPEC, check_engine
+from treerl import PrefixTree, TreeEngine
+from treerl.memory import MemoryModel, resolve_budget
+
+
+def budget_for(model, full_tokens: int) -> int:
+    """A budget in which a call of ``full_tokens`` tokens just fits without recompute."""
+    m = MemoryModel.estimate(model.config, next(model.parameters()).dtype, dense_mask=True)
+    return int(m.fixed + full_tokens * m.per_token + full_tokens**2 * m.per_pair) + 1
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_recomputed_blocks_are_exact(mode, variant, dtype, gen):
+    seqs = shaped_forest(gen, SPEC)
+    # 16 layers: recomputing blocks holds ~8x fewer bytes per token than not
+    model = get_model(variant, dtype, num_hidden_layers=16)
+    budget = budget_for(model, 6)  # calls over 6 tokens recompute their blocks
+    chunk = 12 if mode == "dfs" else 4  # dfs batches up to chunk_tokens: calls over 6 tokens
+    engine = TreeEngine(model, mode, memory_budget=budget, chunk_tokens=chunk)
+    assert engine.recomputes(7) and not engine.recomputes(6)
+    assert engine.max_tokens >= 39  # every tree (and sequence) fits one call with recompute
+    loss = RandomLoss.make(seqs, gen, coupled=True, one_sign=dtype == torch.float32)
+    engine = check_engine(model, seqs, mode, loss, entropy=True, chunk_tokens=chunk, memory_budget=budget)
+    assert engine.stats.recomputed_calls >= 1, engine.stats
+
+
+@pytest.mark.parametrize("separable", [False, True])
+def test_budget_splits_trees_with_recomputed_chains(separable, gen):
+    seqs = shaped_forest(gen, SPEC)
+    tree = PrefixTree.from_sequences(seqs)
+    model = get_model("qwen3")
+    m = MemoryModel.estimate(model.config, torch.float64, dense_mask=True)
+    # with recompute, calls of up to 13 tokens fit: the 39-token tree splits into chains
+    budget = int(m.fixed + 13 * m.recompute_per_token + 13**2 * m.per_pair) + 1
+    engine = TreeEngine(model, "auto", memory_budget=budget, chunk_tokens=4)
+    assert engine.max_tokens == 13
+    plan = engine.plan(tree)
+    assert any(plan.children) and max(s.size for s in plan.segments) <= 13
+    loss = RandomLoss.make(seqs, gen)
+    engine = check_engine(model, seqs, "auto", loss, chunk_tokens=4, memory_budget=budget, separable=separable)
+    assert engine.stats.recomputed_calls >= 1
+
+
+def test_memory_model_tokens():
+    m = MemoryModel(fixed=100.0, per_token=10.0, recompute_per_token=2.0)
+    assert m.tokens(1100, recompute=False) == 100
+    assert m.tokens(1100, recompute=True) == 500
+    assert m.tokens(50, recompute=False) == 1  # never below one token
+    q = MemoryModel(fixed=0.0, per_token=10.0, recompute_per_token=2.0, per_pair=1.0)
+    n = q.tokens(10_000, recompute=False)
+    assert n * 10 + n * n <= 10_000 < (n + 1) * 10 + (n + 1) ** 2
+
+
+def test_estimate_grows_with_the_model_and_recompute_is_cheaper():
+    small = MemoryModel.estimate(get_model("qwen3").config, torch.float32)
+    assert small.recompute_per_token < small.per_token
+    bigger = get_model("qwen3", num_hidden_layers=4).config
+    assert MemoryModel.estimate(bigger, torch.float32).per_token > small.per_token
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, "8GB", True])
+def test_bad_budgets_are_refused(bad):
+    with pytest.raises(ValueError, match="memory_budget"):
+        resolve_budget(bad, torch.device("cpu"))
+
+
+def test_budget_forms():
+    cpu = torch.device("cpu")
+    assert resolve_budget(123456, cpu) == 123456
+    assert resolve_budget(0.5, cpu) > resolve_budget(0.1, cpu) > 0
+    assert resolve_budget(None, cpu) == resolve_budget(0.1, cpu)
+    model = get_model("qwen3")
+    assert TreeEngine(model, max_tokens=77).max_tokens == 77  # the override: no budget
+    assert not TreeEngine(model, max_tokens=77).recomputes(10**6)
