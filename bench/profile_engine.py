@@ -42,6 +42,15 @@ CONFIGS = {
 }
 
 
+def engine_config(name: str) -> dict:
+    """A named configuration, or ``MODE-bFRACTION`` (e.g. ``auto-b0.3``: a memory budget
+    of 30% of the device)."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    mode, _, budget = name.partition("-b")
+    return dict(mode=mode, memory_budget=float(budget))
+
+
 def long_context(vocab: int, seed: int = 0, prefix: int = 12_000, responses: int = 6, groups: int = 2):
     """2 groups: one 12,000-token prefix + 6 responses of 200-800 tokens each."""
     rng = np.random.default_rng(seed)
@@ -122,7 +131,7 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profile_step(engine, tree, loss_fn, out: Path | None) -> dict:
+def profile_step(engine, tree, loss_fn, out: Path | None, label: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     engine.forward_backward(tree, loss_fn, separable=True)
@@ -142,7 +151,7 @@ def profile_step(engine, tree, loss_fn, out: Path | None) -> dict:
             kernels += evt.count
     busy = sum(by_kind.values())
     if out is not None:
-        (out / "profile_top_kernels.txt").write_text(
+        (out / f"kernels_{label.replace(':', '_')}.txt").write_text(
             prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
     return dict(wall_s=wall, gpu_busy_s=busy, host_gap_s=wall - busy, kernels=kernels,
                 by_kind={k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])})
@@ -157,7 +166,8 @@ def main(argv=None):
     ap.add_argument("--workloads", default="grpo,agentic,long")
     ap.add_argument("--configs", default=",".join(CONFIGS) + ",naive")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--profile", default="agentic", help="workload to profile with the default engine ('' = none)")
+    ap.add_argument("--profile", default="grpo:auto-8192,agentic:auto",
+                    help="WORKLOAD:CONFIG pairs to profile, comma-separated ('' = none)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -188,7 +198,7 @@ def main(argv=None):
                     seconds, peak_bytes = time_naive(model, tree, seqs, device, 1)
                     row.update(seconds=seconds, peak_gib=peak_bytes / 2**30)
                 else:
-                    engine = TreeEngine(model, **CONFIGS[name])
+                    engine = TreeEngine(model, **engine_config(name))
                     seconds, times, peak_bytes = time_forward_backward(engine, tree, loss_fn, args.repeats, 1)
                     row.update(seconds=seconds, times=times, peak_gib=peak_bytes / 2**30, calls=engine.stats.model_calls,
                                recomputed_calls=engine.stats.recomputed_calls, plan=engine.stats.plan,
@@ -209,11 +219,16 @@ def main(argv=None):
             if out:
                 (out / "profile_engine.json").write_text(json.dumps(results, indent=1))
             model.zero_grad(set_to_none=False)
-    if args.profile:
-        seqs = workload(args.profile, vocab, args.scale)
-        tree = PrefixTree.from_sequences(seqs)
-        results["profile"] = profile_step(TreeEngine(model), tree, weighted_logprob_loss(tree), out)
-        print(json.dumps(results["profile"], indent=1))
+    results["profile"] = {}
+    for pair in filter(None, args.profile.split(",")):
+        wl, name = pair.split(":")
+        tree = PrefixTree.from_sequences(workload(wl, vocab, args.scale))
+        prof = profile_step(TreeEngine(model, **engine_config(name)), tree, weighted_logprob_loss(tree), out, pair)
+        prof["tflops"] = useful_flops(model, tree) / prof["wall_s"] / 1e12
+        results["profile"][pair] = prof
+        print(pair, json.dumps(prof, indent=1), flush=True)
+        if out:
+            (out / "profile_engine.json").write_text(json.dumps(results, indent=1))
     try:
         import torch._dynamo.utils as du
         results["dynamo"] = {k: dict(v) for k, v in du.counters.items() if k in ("stats", "graph_break", "recompiles")}

@@ -109,7 +109,7 @@ class SegmentRunner(torch.nn.Module):
             return self.value_head(picked)[:, 0].to(compute_dtype(picked.dtype)), None
         return token_logprobs(
             picked, self.model.get_output_embeddings().weight, targets, temperature=self.temperature,
-            with_entropy=entropy, chunk_elements=self.chunk_elements,
+            with_entropy=entropy, chunk_elements=self.chunk_elements, compiled=self.stack.compile,
         )
 
 

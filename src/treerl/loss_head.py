@@ -22,50 +22,81 @@ def _chunks(n: int, rows: int):
         yield slice(start, min(n, start + rows))
 
 
+def _chunk_forward(hidden, weight, targets, inv_temperature: float, with_entropy: bool):
+    """One chunk of rows: (lse, logprob, entropy or None), reduced in float32/64."""
+    logits = (hidden @ weight.t()).to(compute_dtype(weight.dtype)) * inv_temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logprob = logits.gather(1, targets[:, None])[:, 0] - lse
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(logits, dim=-1)
+        entropy = lse - (probs * logits).sum(-1)
+    return lse, logprob, entropy
+
+
+def _chunk_grad_logits(hidden, weight, targets, lse, grad_logprob, grad_entropy, inv_temperature: float):
+    """d loss / d (hidden @ weight.t()) of one chunk, in the weight's dtype."""
+    logits = (hidden @ weight.t()).to(lse.dtype) * inv_temperature
+    logp = logits - lse[:, None]
+    probs = logp.exp()
+    # d logprob / d logits = onehot - p
+    grad_logits = probs * (-grad_logprob[:, None])
+    grad_logits = grad_logits.scatter_add(1, targets[:, None], grad_logprob[:, None])
+    if grad_entropy is not None:
+        # d H / d logits = -p * (log p + H)
+        ent = -(probs * logp).sum(-1, keepdim=True)
+        grad_logits = grad_logits - grad_entropy[:, None] * probs * (logp + ent)
+    return (grad_logits * inv_temperature).to(weight.dtype)
+
+
+_compiled: dict = {}
+
+
+def _kernels(compiled: bool):
+    """The chunk functions, eager or compiled (CUDA: one fused pass over the logits
+    instead of ~6 eager ones)."""
+    if not compiled:
+        return _chunk_forward, _chunk_grad_logits
+    if not _compiled:
+        _compiled["fwd"] = torch.compile(_chunk_forward, dynamic=True)
+        _compiled["grad"] = torch.compile(_chunk_grad_logits, dynamic=True)
+    return _compiled["fwd"], _compiled["grad"]
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temperature: float, rows: int, with_entropy: bool):
+    def forward(ctx, hidden, weight, targets, inv_temperature: float, rows: int, with_entropy: bool,
+                compiled: bool):
         dtype = compute_dtype(weight.dtype)
         n = hidden.shape[0]
         logprob = torch.empty(n, dtype=dtype, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=dtype, device=hidden.device)
         lse = torch.empty(n, dtype=dtype, device=hidden.device)
+        forward_chunk, _ = _kernels(compiled)
         for c in _chunks(n, rows):
-            logits = (hidden[c] @ weight.t()).to(dtype) * inv_temperature
-            lse[c] = torch.logsumexp(logits, dim=-1)
-            logprob[c] = logits.gather(1, targets[c, None])[:, 0] - lse[c]
+            lse[c], logprob[c], ent = forward_chunk(hidden[c], weight, targets[c], inv_temperature, with_entropy)
             if with_entropy:
-                probs = torch.softmax(logits, dim=-1)
-                entropy[c] = lse[c] - (probs * logits).sum(-1)
+                entropy[c] = ent
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.inv_temperature, ctx.rows = inv_temperature, rows
+        ctx.inv_temperature, ctx.rows, ctx.compiled = inv_temperature, rows, compiled
         ctx.mark_non_differentiable(lse)
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
         hidden, weight, targets, lse = ctx.saved_tensors
-        t = ctx.inv_temperature
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         with_entropy = grad_entropy is not None and grad_entropy.numel() > 0
+        _, grad_chunk = _kernels(ctx.compiled)
         for c in _chunks(hidden.shape[0], ctx.rows):
-            logits = (hidden[c] @ weight.t()).to(lse.dtype) * t
-            logp = logits - lse[c, None]
-            probs = logp.exp()
-            # d logprob / d logits = onehot - p
-            grad_logits = probs * (-grad_logprob[c, None])
-            grad_logits.scatter_add_(1, targets[c, None], grad_logprob[c, None])
-            if with_entropy:
-                # d H / d logits = -p * (log p + H)
-                ent = -(probs * logp).sum(-1, keepdim=True)
-                grad_logits -= grad_entropy[c, None] * probs * (logp + ent)
-            grad_logits = (grad_logits * t).to(weight.dtype)
+            grad_logits = grad_chunk(hidden[c], weight, targets[c], lse[c], grad_logprob[c],
+                                     grad_entropy[c] if with_entropy else None, ctx.inv_temperature)
             if grad_hidden is not None:
                 grad_hidden[c] = grad_logits @ weight
             if grad_weight is not None:
                 grad_weight += grad_logits.t() @ hidden[c]
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def token_logprobs(
@@ -76,11 +107,13 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log p(target | hidden) and the entropy of p(. | hidden), per row.
 
     hidden [T, H] (model dtype), weight [V, H] (the LM head), targets [T] int64.
     Returns (logprob [T], entropy [T] or empty) in float32 (float64 for a float64 model).
+    ``compiled``: run each chunk's elementwise work as compiled kernels (CUDA).
     """
     rows = max(1, chunk_elements // weight.shape[0])
-    return _TokenLogprobs.apply(hidden, weight, targets, 1.0 / temperature, rows, with_entropy)
+    return _TokenLogprobs.apply(hidden, weight, targets, 1.0 / temperature, rows, with_entropy, compiled)

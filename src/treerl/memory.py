@@ -89,30 +89,38 @@ class MemoryModel:
 
     @classmethod
     def for_engine(cls, engine) -> "MemoryModel":
-        """Measured on CUDA (see the module docstring), estimated elsewhere."""
+        """Measured on CUDA (see the module docstring), estimated elsewhere. The decoder
+        stack is measured alone; the loss head adds its logits chunks (fixed) and the
+        hidden rows it keeps (per token)."""
         model = engine.model
-        estimate = cls.estimate(model.config, engine.head.weight.dtype, dense_mask=engine.attention == "sdpa")
+        dtype = engine.head.weight.dtype
+        estimate = cls.estimate(model.config, dtype, dense_mask=engine.attention == "sdpa")
         if engine.device.type != "cuda" or engine.attention == "sdpa":
             return estimate
-        small, large = 512, 1536
-        full = [_forward_peak(engine, n, recompute=False) for n in (small, large)]
+        small, large = 1024, 3072
+        h, inter = model.config.hidden_size, model.config.intermediate_size
+        size = engine.head.weight.element_size()
+        head_fixed = 3 * engine.runner.chunk_elements * 4  # float32 logits, probabilities, gradients
+        head_per_token = h * size
+        full = [_stack_forward_peak(engine, n, recompute=False) for n in (small, large)]
         # a frozen model (reference engine) holds nothing: still count a call's transients
-        floor = 2 * (model.config.hidden_size + model.config.intermediate_size) * engine.head.weight.element_size()
+        floor = 2 * (h + inter) * size
         per_token = max(floor, (full[1] - full[0]) / (large - small))
-        fixed = max(0.0, full[0] - small * per_token)
+        fixed = max(0.0, full[0] - small * per_token) + head_fixed
         recompute_per_token = estimate.recompute_per_token
         if engine.can_recompute:
-            ckpt = [_forward_peak(engine, n, recompute=True) for n in (small, large)]
+            ckpt = [_stack_forward_peak(engine, n, recompute=True) for n in (small, large)]
             layers = model.config.num_hidden_layers
             # held block inputs + one block's activations and their gradients while it recomputes
             recompute_per_token = max(floor, (ckpt[1] - ckpt[0]) / (large - small)) + 2 * per_token / layers
-        return cls(fixed=fixed, per_token=per_token * BACKWARD_MARGIN,
-                   recompute_per_token=recompute_per_token * BACKWARD_MARGIN, measured=True)
+        return cls(fixed=fixed, per_token=(per_token + head_per_token) * BACKWARD_MARGIN,
+                   recompute_per_token=(recompute_per_token + head_per_token) * BACKWARD_MARGIN, measured=True)
 
 
-def _forward_peak(engine, n: int, recompute: bool) -> float:
-    """Peak CUDA bytes above the start of one forward with grad of ``n`` random tokens
-    (one chain), until its outputs are freed. No backward: no gradient is touched."""
+def _stack_forward_peak(engine, n: int, recompute: bool) -> float:
+    """Peak CUDA bytes above the start of the decoder stack's forward with grad over ``n``
+    random tokens (one chain), until its output is freed. No backward: no gradient is
+    touched."""
     from .attention import TreeAttention, tree_attention_enabled
 
     device = engine.device
@@ -120,13 +128,13 @@ def _forward_peak(engine, n: int, recompute: bool) -> float:
     ids = torch.randint(0, engine.vocab_size, (1, n), generator=gen).to(device)
     index = torch.arange(n, device=device)
     ctx = TreeAttention(engine.attention, index, index, torch.full((n,), n, device=device))
+    ctx.mask()
     torch.cuda.synchronize(device)
     start = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     with torch.enable_grad(), tree_attention_enabled(engine.model, ctx):
-        lp, _ = engine.runner(ids, index[None], index[:-1], ids[0, 1:], entropy=False, recompute=recompute)
-        lp.sum()  # outputs alive at the peak as in a real call
+        hidden = engine.runner.stack(ids, index[None], checkpoint_blocks=recompute)
     peak = torch.cuda.max_memory_allocated(device) - start
-    del lp
+    del hidden
     torch.cuda.synchronize(device)
     return float(peak)
