@@ -87,3 +87,24 @@ def test_budget_forms():
     model = get_model("qwen3")
     assert TreeEngine(model, max_tokens=77).max_tokens == 77  # the override: no budget
     assert not TreeEngine(model, max_tokens=77).recomputes(10**6)
+
+
+def test_single_chain_segments_run_plain_causal_attention(gen, monkeypatch):
+    """A segment that is one chain without prefix (flat's long sequences, a lone path)
+    runs SDPA's causal kernel with no mask tensor, exactly."""
+    import treerl.attention as attention
+
+    seen = []
+    sdpa = attention.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("is_causal", False), kwargs.get("attn_mask") is None))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    model = get_model("qwen3")
+    seqs = [[1] + torch.randint(2, 60, (20,), generator=gen).tolist(), [2, 3, 4, 5], [6, 7, 8]]
+    loss = RandomLoss.make(seqs, gen)
+    check_engine(model, seqs, "flat", loss, max_tokens=21)  # the long sequence alone, the two short ones packed
+    assert (True, True) in seen and (False, False) in seen  # causal calls, and masked ones
+

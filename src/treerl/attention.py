@@ -40,7 +40,9 @@ class TreeAttention:
     """Everything one model call needs to attend over a tree segment.
 
     ``q_index`` [Nq] and ``k_index`` [Nk] are global tree indices (keys = prefix tokens
-    then the queries themselves), ``k_end`` [Nk] the keys' subtree ends. ``prefix[l]`` is
+    then the queries themselves), ``k_end`` [Nk] the keys' subtree ends. ``causal``: the
+    caller knows the segment is one chain without prefix (every key visible to every later
+    query), so plain causal attention is exact. ``prefix[l]`` is
     the list of (K, V) pieces of layer ``l`` that precede this call's own keys. With
     ``capture``, each layer's own (K, V) lands in ``captured[layer]``.
 
@@ -49,9 +51,12 @@ class TreeAttention:
     """
 
     def __init__(self, backend: str, q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor,
-                 prefix: list[list[KV]] | None = None, capture: bool = False):
+                 prefix: list[list[KV]] | None = None, capture: bool = False, causal: bool = False):
         self.backend, self.q_index, self.k_index, self.k_end = backend, q_index, k_index, k_end
         self.prefix, self.capture = prefix, capture
+        # one chain, no prefix: the tree mask is the causal mask, and SDPA's causal kernels
+        # (flash attention on CUDA) run it without any mask tensor
+        self.causal = causal and not prefix
         self.captured: dict[int, KV] = {}
         self._mask = None
 
@@ -191,7 +196,9 @@ def tree_attention_forward(
         key = torch.cat([k for k, _ in pieces] + [key], dim=2)
         value = torch.cat([v for _, v in pieces] + [value], dim=2)
     gqa = query.shape[1] != key.shape[1]
-    if ctx.backend == "sdpa":
+    if ctx.causal:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    elif ctx.backend == "sdpa":
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=ctx.additive_mask(query.dtype), scale=scaling, enable_gqa=gqa
         )

@@ -335,13 +335,14 @@ class TreeEngine:
             per_layer = [[piece[layer] for piece in prefix] for layer in range(self.num_layers)]
         else:
             k_index, per_layer = q_index, None
+        # one chain (every token's subtree reaches the segment's end) and no prefix: causal
+        chain = not prefix and int(b.tree.subtree_end[seg.start : seg.end].min()) >= seg.end
         ctx = TreeAttention(
-            self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture
+            self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture, causal=chain
         )
         recompute = grad and self.recomputes(seg.size)
-        ctx.mask()  # built once, before the blocks (not inside a block that is recomputed)
-        if self.attention == "sdpa":
-            ctx.additive_mask(self.head.weight.dtype)
+        if not ctx.causal:  # built once, before the blocks (not inside a block that is recomputed)
+            ctx.additive_mask(self.head.weight.dtype) if self.attention == "sdpa" else ctx.mask()
         self.stats.model_calls += 1
         self.stats.tokens_run += seg.size
         self.stats.recomputed_calls += int(recompute)
