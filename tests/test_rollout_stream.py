@@ -314,3 +314,98 @@ def test_cuda_graph_stream_matches_eager_and_full_forward():
         for c in g:
             ref = completion_logprobs(reference, prompts[g.prompt_index], c.completion_ids.tolist(), 0.8)
             assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()
+
+
+# ------------------------------------------------------------------ shared prompt K/V
+def test_two_level_attention_equals_attention_over_the_whole_sequence():
+    """Prefix part (group queries folded together) + own part merged by LSE == softmax
+    over prefix and own keys together, per row, with GQA and masked (stale) slots."""
+    from treerl.rollout.shared import two_level_attention
+
+    g = torch.Generator().manual_seed(0)
+    NG, G, Hkv, gq, D, P, L = 3, 4, 2, 3, 8, 11, 7
+    B, Hq = NG * G, Hkv * gq
+    dt = torch.float64
+    q = torch.randn(B, Hq, 1, D, generator=g, dtype=dt)
+    pk, pv = torch.randn(NG, Hkv, P, D, generator=g, dtype=dt), torch.randn(NG, Hkv, P, D, generator=g, dtype=dt)
+    ok, ov = torch.randn(B, Hkv, L, D, generator=g, dtype=dt), torch.randn(B, Hkv, L, D, generator=g, dtype=dt)
+    plen = torch.tensor([11, 5, 1])
+    olen = torch.randint(1, L + 1, (B,), generator=g)
+    zero, neg = torch.zeros((), dtype=dt), torch.tensor(torch.finfo(dt).min, dtype=dt)
+    pmask = torch.where(torch.arange(P)[None] < plen[:, None], zero, neg)[:, None, None]
+    omask = torch.where(torch.arange(L)[None] < olen[:, None], zero, neg)[:, None, None]
+    out = two_level_attention(q, ok, ov, omask, pk, pv, pmask, 0.3, G)
+    assert out.shape == (B, 1, Hq, D)
+    for r in range(B):
+        grp = r // G
+        k = torch.cat([pk[grp, :, : plen[grp]], ok[r, :, : olen[r]]], dim=1).repeat_interleave(gq, 0)
+        v = torch.cat([pv[grp, :, : plen[grp]], ov[r, :, : olen[r]]], dim=1).repeat_interleave(gq, 0)
+        ref = torch.softmax(q[r] @ k.transpose(-1, -2) * 0.3, dim=-1) @ v  # [Hq, 1, D]
+        assert torch.allclose(out[r, 0], ref[:, 0], rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
+def test_prompt_stored_once_and_prefilled_once_per_group(model, static_kv):
+    """Groups of different prompt lengths (none a multiple of 16; two prompts share a
+    prefix): each prompt is prefilled once for its G rows, the cache holds it once (rows
+    hold only generated tokens), and greedy outputs equal a per-prompt full forward."""
+    base = random_prompts([21], seed=11)[0]
+    prompts = random_prompts([5, 33, 1, 18], seed=12) + [base, base[:13] + [7, 8, 9]]
+    G = 3
+    engine = RolloutEngine(model, static_kv=static_kv, sync_every=2)
+    groups = list(engine.generate_stream(prompts, params(n=G), max_rows=3 * G))
+    check_greedy(model, groups, prompts, G)
+    s = engine.stats
+    assert s.prefill_tokens == sum(len(p) for p in prompts)
+    assert s.kv_slots == 3 * (48 + G * 32)  # 3 group slots x (prompt store 48 + 3 rows x 32 own slots)
+    assert s.decode_rows <= s.decode_steps * 3 * G
+
+
+def test_small_capacity_defers_longer_prompts_never_loses_a_sample(model):
+    """A budget too small to grow the prompt store while groups run: the longer prompt
+    (and the ones after it) wait until the batch drains, which is rebuilt with fewer,
+    larger group slots; a prompt larger than the whole budget runs alone. Every group
+    comes out once, equal to a per-prompt full forward."""
+    G = 2  # own slots per group: 2 x 32; budget 200 -> 2 groups of 16-slot prompts
+    short = random_prompts([3, 5, 4, 6], seed=13)
+    later = random_prompts([40, 2, 150, 7], seed=14)
+    queue = PromptQueue()
+    for p in short:
+        queue.put(p)
+    engine = RolloutEngine(model, sync_every=2, max_batch_tokens=200)
+    stream = engine.generate_stream(queue, params(n=G))
+    first = next(stream)
+    for p in later:
+        queue.put(p)
+    queue.close()
+    groups = [first] + list(stream)
+    check_greedy(model, groups, short + later, G)
+    assert engine.stats.reallocations == 2
+    assert engine.stats.kv_slots == 160 + G * 32  # the 150-token prompt alone: over the budget, never more
+
+
+def test_weight_update_recomputes_shared_prompt_and_own_tokens(model):
+    """Weights updated while the stream is paused at its first group (same thread, no
+    timing): the running groups (different prompt lengths) recompute their prompt store
+    and each row's own tokens; every logprob equals a full forward of the weights that
+    produced it, on the same prefix."""
+    b = tiny(seed=7)
+    prompts = random_prompts([9, 4, 17, 6], seed=15)
+    engine = RolloutEngine(copy.deepcopy(model), version=0, sync_every=1)
+    stream = engine.generate_stream(prompts, params(n=2), max_rows=8)
+    groups = [next(stream)]
+    engine.update_weights(b)
+    groups += list(stream)
+    assert engine.stats.recomputes >= 1
+    switched = 0
+    for g in groups:
+        p = prompts[g.prompt_index]
+        for c in g:
+            ids = c.completion_ids.tolist()
+            k = int((c.versions == 0).sum())
+            assert c.versions.tolist() == [0] * k + [1] * (len(ids) - k)
+            switched += 0 < k < len(ids)
+            assert torch.allclose(c.logprobs[:k].double(), completion_logprobs(model, p, ids[:k]), rtol=1e-9, atol=1e-12)
+            assert torch.allclose(c.logprobs[k:].double(), completion_logprobs(b, p + ids[:k], ids[k:]),
+                                  rtol=1e-9, atol=1e-12)
+    assert switched >= 2

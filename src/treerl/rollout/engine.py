@@ -124,6 +124,8 @@ class RolloutStats:
     live_rows: int = 0  # continuous batching: sum of the unfinished rows of those forwards
     generated_tokens: int = 0  # tokens in the returned completions
     recomputes: int = 0  # KV recomputations after a weight update
+    reallocations: int = 0  # continuous batching: running batch rebuilt for a longer prompt
+    kv_slots: int = 0  # continuous batching: most K/V token slots held (prompt stores + row stores)
     seconds: float = 0.0
 
     @property
@@ -336,10 +338,13 @@ class RolloutEngine:
 
         ``prompts``: a :class:`~treerl.rollout.stream.PromptQueue` (other threads may add
         prompts while the stream runs; a group's ``prompt_index`` is its key) or a finite
-        iterable of token-id sequences (keys 0, 1, ...). Slots of the running batch: as
-        many as ``max_batch_tokens`` allows (rows x (longest prompt waiting at the start +
-        max_new_tokens)), at most ``max_rows``, no more than a finite input needs, rounded
-        down to a multiple of ``n`` (at least ``n``). Branch points (tree rollouts) are not supported here:
+        iterable of token-id sequences (keys 0, 1, ...). The running batch has group
+        slots of ``n`` rows; each group's prompt K/V is stored once and each row stores
+        only its own tokens, so a group slot costs ``P + n x max_new_tokens`` K/V slots
+        (``P``: the longest prompt waiting at the start, rounded up to 16). Group slots: as
+        many as ``max_batch_tokens`` allows, at most ``max_rows // n``, no more than a
+        finite input needs, at least one. A longer prompt arriving later grows the prompt
+        store while ``max_batch_tokens`` allows, else waits until the batch drains. Branch points (tree rollouts) are not supported here:
         use :meth:`generate`. ``self.stats`` describes the stream so far.
         """
         from .stream import PromptQueue, RunningBatch
@@ -351,18 +356,19 @@ class RolloutEngine:
         queue = prompts if isinstance(prompts, PromptQueue) else PromptQueue(prompts, close=True)
         waiting = [len(self._check_prompt(k, p, params)) for k, p in queue.items()]
         G, max_new = params.n, params.max_new_tokens
-        capacity = _round_up(max(waiting, default=1) + max_new - 1)
-        rows = max(G, self.max_batch_tokens // capacity)
+        prefix_capacity = _round_up(max(waiting, default=1))
+        own_capacity = _round_up(max_new)
+        groups = max(1, self.max_batch_tokens // (prefix_capacity + G * own_capacity))
         if max_rows is not None:
-            rows = min(rows, max_rows)
+            groups = min(groups, max(1, max_rows // G))
         if queue.closed:
-            rows = min(rows, G * len(waiting))
-        rows = max(G, rows // G * G)
+            groups = min(groups, max(1, len(waiting)))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
         generator = torch.Generator(device=self.device).manual_seed(seed)
         self.stats = RolloutStats()
         start = time.perf_counter()
-        batch = RunningBatch(self, queue, params, generator, rows, capacity)
+        batch = RunningBatch(self, queue, params, generator, groups, prefix_capacity, own_capacity,
+                             self.max_batch_tokens)
         with rollout_attention_enabled(self.model):
             for group in batch.run():
                 self.stats.seconds = time.perf_counter() - start

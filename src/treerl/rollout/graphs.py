@@ -25,8 +25,12 @@ def capture_decode_step(engine, forward) -> tuple[torch.cuda.CUDAGraph | None, t
             forward()
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        if getattr(engine, "_graph_pool", None) is None:
+            engine._graph_pool = torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.graph(graph):
+            # one memory pool for all the engine's decode graphs: they replay one at a time and
+            # each keeps its output tensor alive, so their temporaries may share memory
+            with torch.cuda.graph(graph, pool=engine._graph_pool):
                 out = forward()
         except RuntimeError as err:  # a model that cannot be captured: run its steps eagerly
             warnings.warn(f"CUDA graph capture failed ({err}); decoding without CUDA graphs")

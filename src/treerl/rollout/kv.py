@@ -10,8 +10,10 @@ hidden by the engine's additive attention mask.
 Rows are selected/repeated with :meth:`SlotCache.select` (sharing a prefilled prompt
 with its samples, forking tree branches, dropping finished rows).
 
-``RowCache`` is the cache of the engine's *continuous batching* (streaming) path: a fixed
-number of rows, each filled to its own length, new prompts loaded into free rows.
+The continuous-batching (streaming) path stores each group's prompt once and each row's
+own tokens apart (:class:`~treerl.rollout.shared.SharedPrefixCache`); its decode steps
+pass ``rollout_prefix=<that cache>`` through the model's kwargs, and
+:func:`rollout_attention` then runs :func:`~treerl.rollout.shared.two_level_attention`.
 
 The engine always passes a ready 4-D additive mask ``[rows, 1, q, length + q]``, so the
 model's own mask building is skipped, and routes attention through
@@ -30,6 +32,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .shared import two_level_attention
 
 ATTN_NAME = "treerl_rollout"
 
@@ -141,105 +145,6 @@ class SlotCache(Cache):
         return self
 
 
-class _RowLayer(CacheLayerMixin):
-    """One layer of a :class:`RowCache`: keys/values ``[S, Hkv, capacity, D]``."""
-
-    is_sliding = False
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
-        self.keys, self.values = keys, values
-        self.dtype, self.device = keys.dtype, keys.device
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover
-        raise RuntimeError("RowCache layers are allocated up front")
-
-    def update(self, *args, **kwargs):  # pragma: no cover - RowCache.update writes the layers
-        raise RuntimeError("RowCache layers are written through RowCache.update")
-
-    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return self.keys.shape[2], 0
-
-    def get_seq_length(self) -> int:
-        return self.keys.shape[2]
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
-
-
-class RowCache(Cache):
-    """The KV cache of a *running batch* (continuous batching): ``rows`` slots of
-    ``capacity`` positions per layer, each row filled to its own length.
-
-    A row's prompt K/V sit at slots ``[0, P)`` (written by :meth:`load_rows` from a
-    left-padded prefill cache, padding removed); its generated tokens follow one slot per
-    step. A one-token decode step over the first ``s`` rows writes each row's new K/V at
-    its own slot, ``write_index`` (a device tensor ``[s]``), and attends to the first
-    ``attend`` slots (``None``: the whole buffer, fixed shapes for CUDA graphs); the
-    engine's additive mask hides unwritten and stale slots. Rows are reused: admitting a
-    new prompt into a free row overwrites its slots from 0.
-    """
-
-    def __init__(self, num_layers: int, rows: int, capacity: int, kv_heads: int, head_dim: int, value_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        layers = [
-            _RowLayer(torch.zeros(rows, kv_heads, capacity, head_dim, dtype=dtype, device=device),
-                      torch.zeros(rows, kv_heads, capacity, value_dim, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
-        super().__init__(layers=layers)
-        self.rows, self.capacity = rows, capacity
-        self.write_index: torch.Tensor | None = None  # [s] slot of each row's new token
-        self.attend: int | None = None  # slots attended (None: all)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.capacity if self.attend is None else self.attend - 1
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return (self.capacity if self.attend is None else self.attend), 0
-
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        layer = self.layers[layer_idx]
-        s, h, q, d = key_states.shape
-        if q != 1 or self.write_index is None:
-            raise RuntimeError("RowCache takes one-token decode steps only (prefill goes through SlotCache)")
-        index = self.write_index.view(s, 1, 1, 1)
-        layer.keys[:s].scatter_(2, index.expand(s, h, 1, d), key_states)
-        layer.values[:s].scatter_(2, index.expand(s, h, 1, value_states.shape[-1]), value_states)
-        end = self.capacity if self.attend is None else self.attend
-        return layer.keys[:s, :, :end], layer.values[:s, :, :end]
-
-    def load_rows(self, dst: torch.Tensor, src_cache: "SlotCache", src: torch.Tensor, pad: torch.Tensor) -> None:
-        """Copy prefilled K/V into rows ``dst``: row ``dst[i]`` gets row ``src[i]`` of the
-        left-padded ``src_cache`` (``L`` slots) shifted left by ``pad[i]`` (its padding), so
-        its real tokens land at slots ``[0, L - pad[i])``. Slots after them hold copies of
-        the last token (masked by the engine)."""
-        L = src_cache.length
-        idx = (torch.arange(L, device=pad.device)[None, :] + pad[:, None]).clamp(max=L - 1)  # [R, L]
-        for mine, theirs in zip(self.layers, src_cache.layers):
-            for name in ("keys", "values"):
-                x = getattr(theirs, name)[src, :, :L]
-                x = x.gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
-                getattr(mine, name)[dst, :, :L] = x
-
-    def grow(self, capacity: int) -> None:
-        """More slots per row (keeps the contents)."""
-        for layer in self.layers:
-            for name in ("keys", "values"):
-                old = getattr(layer, name)
-                new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
-                new[:, :, : old.shape[2]] = old
-                setattr(layer, name, new)
-        self.capacity = capacity
-
-    def move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy rows ``src`` to rows ``dst`` (compaction)."""
-        for layer in self.layers:
-            layer.keys[dst] = layer.keys[src]
-            layer.values[dst] = layer.values[src]
-
-
 def rollout_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -255,6 +160,11 @@ def rollout_attention(
     fixed-shape steps pass ``rollout_static=True`` (through the model's kwargs)."""
     if attention_mask is None:
         raise RuntimeError("treerl rollout attention called without the engine's attention mask")
+    shared = kwargs.get("rollout_prefix")
+    if shared is not None:
+        pk, pv = shared.prefix(module.layer_idx, query.shape[0] // shared.G)
+        return two_level_attention(query, key, value, attention_mask, pk, pv, shared.prefix_mask,
+                                   scaling if scaling is not None else query.shape[-1] ** -0.5, shared.G), None
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     static = kwargs.get("rollout_static", False)

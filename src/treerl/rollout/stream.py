@@ -1,26 +1,35 @@
 """Continuous batching: the rollout engine's streaming path.
 
 :meth:`RolloutEngine.generate_stream <treerl.rollout.RolloutEngine.generate_stream>` keeps
-a *running batch* of ``rows`` slots. Whenever rows finish (stop token, stop string or
-``max_new_tokens``) their slots are freed, and prompt groups waiting in the
-:class:`PromptQueue` are admitted into free slots (``n`` slots per group: the group's
-prompt is prefilled once, deduplicated with the other prompts admitted with it, and its KV
-copied to its ``n`` rows). A group is yielded as soon as all of its samples have finished.
-Compared with waves (every group of a wave waits for the wave's longest row), no slot idles
-through the long tail of generation lengths while prompts are waiting.
+a *running batch* of group slots, ``G = params.n`` rows each. Whenever every sample of a
+group has finished (stop token, stop string or ``max_new_tokens``) the group is yielded and
+its slot freed, and prompt groups waiting in the :class:`PromptQueue` are admitted into free
+slots: each prompt is prefilled once (deduplicated with the other prompts admitted with it)
+and its K/V stored once, in the slot's prefix store, for all ``G`` rows. Compared with waves
+(every group of a wave waits for the wave's longest row), no slot idles through the long
+tail of generation lengths while prompts are waiting.
 
-The slot KV cache (:class:`~treerl.rollout.kv.RowCache`) has a fixed shape
-``[rows, kv_heads, capacity, head_dim]``. Each row is filled to its own length: an admitted
-prompt's K/V are loaded at slots ``[0, P)`` (left padding of the prefill removed; K/V are
-post-RoPE, computed at position ids ``0..P-1``), and each decode step writes every row's
-new K/V at that row's own next slot (a device tensor of write indices) and feeds it the
-position id ``P + tokens so far``. The additive mask ``[rows, capacity]`` hides each row's
-unwritten slots and whatever a previous occupant left there. Free rows are computed along
-(their outputs are ignored) so that every decode step has the same shapes: on CUDA each
-step of a given row count is a replayed CUDA graph. The step runs over the first ``hi``
-rows only (covering every live row: with fixed shapes a power of two >= 8, or all rows); admissions
-take the lowest free slots, and live rows are moved down (compaction) when they would fit
-in a smaller bucket, so the tail of a stream decodes only what it needs.
+The K/V cache (:class:`~treerl.rollout.shared.SharedPrefixCache`) has a prefix store
+``[groups, kv_heads, P, head_dim]`` (prompt K/V, post-RoPE, position ids ``0..P_g-1``) and a
+row store ``[rows, kv_heads, N, head_dim]`` of each row's generated tokens only
+(``N = max_new_tokens`` rounded up). Each decode step writes every row's new K/V at that
+row's own next slot (a device tensor of write indices), feeds it position ``P_g + tokens
+so far``, and attends in two parts merged by their log-sum-exp: the group's queries
+against the prompt (read once per group, not once per row) and each row against its own
+slots (:func:`~treerl.rollout.shared.two_level_attention`). Additive masks (device tensors)
+hide each row's unwritten slots and what a previous occupant left. Rows of finished
+samples in a group still running are computed along (outputs ignored) so that steps have
+fixed shapes: on CUDA each step of a given (group slots, own slots) bucket is a replayed
+CUDA graph. The step runs over the first ``hg`` group slots only (covering every live
+group: with fixed shapes a power of two, or all) and attends to the own slots written so
+far rounded up to 64; admissions take the lowest free slots, and live groups are moved
+down (compaction) when they would fit in a smaller bucket.
+
+Capacity: the batch holds ``groups x (P + G x N)`` K/V slots, within the engine's
+``max_batch_tokens``; every admitted row has its ``N`` slots, so a running batch never
+runs out. A prompt longer than ``P`` grows the prefix store while the budget allows;
+otherwise it (and the prompts after it) wait until the batch drains, which is then
+rebuilt with fewer, larger group slots: no crash, no lost sample.
 
 Host syncs: sampled tokens and logprobs are logged on the device and copied to the host
 every ``sync_every`` steps (and when a row reaches ``max_new_tokens``), where stops are
@@ -47,7 +56,7 @@ import numpy as np
 import torch
 
 from .graphs import DecodeStep
-from .kv import RowCache
+from .shared import SharedPrefixCache
 from .params import SamplingParams
 from .sampling import sample
 from .stops import StopChecker
@@ -136,15 +145,21 @@ class PromptQueue:
             return True
 
 
-def _bucket(n: int, rows: int, exact: bool = False) -> int:
-    """Rows a decode step computes for ``n`` live-row slots: a power of two >= 8, or all
-    (fixed shapes: few CUDA graphs); ``exact``: ``n`` (no graphs, e.g. CPU)."""
+def _group_bucket(n: int, groups: int, G: int, exact: bool = False) -> int:
+    """Group slots a decode step computes to cover slots ``[:n]``: a power of two with at
+    least 8 rows, or all (fixed shapes: few CUDA graphs); ``exact``: ``n`` (no graphs)."""
     if exact:
-        return min(n, rows)
-    b = 8
-    while b < n:
+        return min(max(n, 1), groups)
+    b = 1
+    while b < n or b * G < 8:
         b *= 2
-    return min(b, rows)
+    return min(b, groups)
+
+
+def _own_bucket(n: int, capacity: int, exact: bool = False, step: int = 64) -> int:
+    """Own slots a decode step attends to cover ``[:n]``: ``n`` rounded up to ``step``
+    (fixed shapes), at most ``capacity``; ``exact``: ``n``."""
+    return min(n if exact else -(-n // step) * step, capacity)
 
 
 @dataclass
@@ -155,32 +170,48 @@ class _GroupState:
 
 class RunningBatch:
     """State of one ``generate_stream`` call (see the module docstring). Not thread-safe:
-    it runs in the consumer's thread; only ``engine.update_weights`` comes from others."""
+    it runs in the consumer's thread; only ``engine.update_weights`` comes from others.
+
+    ``groups`` group slots of ``G = params.n`` rows; ``prefix_capacity`` prompt slots per
+    group, ``own_capacity`` generated-token slots per row; ``budget``: K/V token slots
+    (prefix + own) the batch may hold (``groups x (prefix_capacity + G x own_capacity)``
+    stays within it unless a single group needs more: it then runs alone)."""
 
     def __init__(self, engine, queue: PromptQueue, params: SamplingParams, generator: torch.Generator,
-                 rows: int, capacity: int):
+                 groups: int, prefix_capacity: int, own_capacity: int, budget: int):
         from .engine import Completion, Group, _round_up  # noqa: F401 (circular import)
 
         self.e, self.q, self.p, self.gen = engine, queue, params, generator
-        self.S, self.C = rows, capacity
         self.G, self.max_new = params.n, params.max_new_tokens
+        self.N, self.budget = own_capacity, budget
         self.exact = not engine.static_kv  # rows computed per step: exactly the live span
         self.stopper = StopChecker(params.stop_token_ids, params.stop_strings, params.decoder())
-        dev, S = engine.device, rows
         self.dtype = next(engine.model.parameters()).dtype
         self.neg = torch.finfo(self.dtype).min
-        self.cache: RowCache | None = None  # allocated at the first admission (shapes from the prefill)
-        self.mask = torch.full((S, capacity), self.neg, dtype=self.dtype, device=dev)
-        self.fill = torch.zeros(S, dtype=torch.int64, device=dev)  # next slot of each row
+        self.groups: dict[Hashable, _GroupState] = {}
+        self.deferred: deque = deque()  # prompts taken from the queue that did not fit yet
+        self.out: list = []
+        self.log_rows: list[tuple[np.ndarray, np.ndarray]] = []
+        self._Completion, self._Group, self._round_up = Completion, Group, _round_up
+        self._allocate(groups, prefix_capacity)
+
+    def _allocate(self, groups: int, prefix_capacity: int) -> None:
+        """(Re)build the batch's state for ``groups`` group slots (nothing may be live)."""
+        e, dev, G = self.e, self.e.device, self.G
+        S = groups * G
+        self.NG, self.S, self.P = groups, S, prefix_capacity
+        self.cache = None  # SharedPrefixCache, allocated at the first load (shapes from the prefill)
+        self.prefix_mask = torch.full((groups, prefix_capacity), self.neg, dtype=self.dtype, device=dev)
+        self.own_mask = torch.full((S, self.N), self.neg, dtype=self.dtype, device=dev)
+        self.fill = torch.zeros(S, dtype=torch.int64, device=dev)  # next own slot of each row
         self.pos = torch.zeros(S, dtype=torch.int64, device=dev)  # next position id
         self.live_d = torch.zeros(S, dtype=torch.int64, device=dev)
         self.last = torch.zeros(S, dtype=torch.int64, device=dev)  # last sampled token (fed next)
-        self.logits = torch.zeros(S, engine.vocab_size, dtype=engine.logit_dtype, device=dev)
-        K = engine.sync_every + 2  # a sync window logs <= sync_every + 1 sample calls
+        self.logits = torch.zeros(S, e.vocab_size, dtype=e.logit_dtype, device=dev)
+        K = e.sync_every + 2  # a sync window logs <= sync_every + 1 sample calls
         self.log_tok = torch.zeros(K, S, dtype=torch.int64, device=dev)
-        self.log_lp = torch.zeros(K, S, dtype=engine.logit_dtype, device=dev)
-        self.log_rows: list[tuple[np.ndarray, np.ndarray]] = []
-        # host state per slot
+        self.log_lp = torch.zeros(K, S, dtype=e.logit_dtype, device=dev)
+        # host state per row
         self.live = np.zeros(S, dtype=bool)
         self.steps = np.zeros(S, dtype=np.int64)  # tokens sampled
         self.checked = np.zeros(S, dtype=np.int64)  # tokens synced and checked for stops
@@ -191,12 +222,23 @@ class RunningBatch:
         self.host_lp = np.zeros((S, self.max_new), dtype=np.float64)
         self.host_ver = np.zeros((S, self.max_new), dtype=np.int64)
         self.key: list[Hashable | None] = [None] * S
-        self.sample_idx = np.zeros(S, dtype=np.int64)
-        self.groups: dict[Hashable, _GroupState] = {}
-        self.out: list = []
-        self.graphs: dict[int, _RowStep] = {}
-        self.hi = 0  # rows computed by the last decode / covered by the pending logits
-        self._Completion, self._Group, self._round_up = Completion, Group, _round_up
+        # host state per group slot
+        self.gkey: list[Hashable | None] = [None] * groups
+        self.plen = np.zeros(groups, dtype=np.int64)
+        self.steps_cache: dict[tuple[int, int], _TwoLevelStep] = {}
+        self._count_slots()
+        self.hg = 0  # group slots computed by the last decode / covered by the pending logits
+
+    @property
+    def hi(self) -> int:
+        return self.hg * self.G
+
+    def _count_slots(self) -> None:
+        stats = self.e.stats
+        stats.kv_slots = max(stats.kv_slots, self._tokens_needed(self.NG, self.P))
+
+    def _tokens_needed(self, groups: int, prefix_capacity: int) -> int:
+        return groups * (prefix_capacity + self.G * self.N)
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> Iterator:
@@ -206,24 +248,28 @@ class RunningBatch:
             if self.log_rows and (len(self.log_rows) >= e.sync_every or (self.steps[self.live] >= self.max_new).any()):
                 self._sync()
             yield from self._flush()
-            free = np.flatnonzero(~self.live)
-            if len(free) >= self.G:  # admit waiting prompts into free slots
+            free = [g for g in range(self.NG) if self.gkey[g] is None]
+            if free:  # admit waiting prompts into free group slots
                 timeout = 0.0
                 if not self.live.any():
                     waited = time.monotonic() if waited is None else waited
                     left = 0.1 if q.idle_timeout is None else q.idle_timeout - (time.monotonic() - waited)
                     timeout = max(0.0, min(0.1, left))
-                items = q.take(len(free) // self.G, timeout)
+                items = self._take(len(free), timeout)
                 if items:
                     waited = None
                     e._yield_to_updates()
                     with e._lock, torch.no_grad():
-                        self._admit(items, free)
-                        self._sample(free[: len(items) * self.G], prefix=False)
+                        items = self._fit(items)
+                        if items:
+                            free = [g for g in range(self.NG) if self.gkey[g] is None]
+                            rows = self._admit(items, np.asarray(free[: len(items)]))
+                            self._sample(rows, prefix=False)
             if not self.live.any():
-                if q.closed and not len(q):
+                if not self.deferred and q.closed and not len(q):
                     return
-                if q.idle_timeout is not None and waited is not None and time.monotonic() - waited >= q.idle_timeout:
+                if (not self.deferred and q.idle_timeout is not None and waited is not None
+                        and time.monotonic() - waited >= q.idle_timeout):
                     if q.end_if_empty():
                         return
                 continue
@@ -245,6 +291,41 @@ class RunningBatch:
     def _flush(self) -> Iterator:
         out, self.out = self.out, []
         yield from out
+
+    def _take(self, n: int, timeout: float) -> list:
+        """Up to ``n`` prompts: deferred ones first, then from the queue."""
+        items = [self.deferred.popleft() for _ in range(min(n, len(self.deferred)))]
+        if len(items) < n and not self.deferred:
+            items += self.q.take(n - len(items), 0.0 if items else timeout)
+        return items
+
+    def _fit(self, items: list) -> list:
+        """Admission by capacity: the prompts of ``items`` that fit the prefix store now.
+        A longer prompt grows it in place while the budget allows; otherwise it waits
+        (with every prompt after it, in order) until the batch has drained, and the batch
+        is then rebuilt with fewer, larger group slots. Never over budget unless a single
+        group needs more (then it runs alone)."""
+        longest = 0
+        for i, (key, prompt) in enumerate(items):
+            ids = self.e._check_prompt(key, prompt, self.p)
+            need = self._round_up(len(ids))
+            if need <= self.P:
+                continue
+            if self._tokens_needed(self.NG, need) <= self.budget:
+                longest = max(longest, need)
+                continue
+            if self.live.any():
+                self.deferred.extendleft(reversed(items[i:]))
+                items = items[:i]
+                break
+            groups = max(1, min(self.NG, self.budget // (need + self.G * self.N)))
+            self._allocate(groups, need)
+            self.e.stats.reallocations += 1
+            self.deferred.extendleft(reversed(items[groups:]))
+            return self._fit(items[:groups])
+        if longest > self.P:
+            self._grow_prefix(longest)
+        return items
 
     # ----------------------------------------------------------------- sampling
     def _sample(self, rows: np.ndarray, prefix: bool) -> None:
@@ -304,138 +385,171 @@ class RunningBatch:
             versions=torch.from_numpy(self.host_ver[r, :length].copy()),
             finish_reason=reason,
             stop=stop,
-            branch=(int(self.sample_idx[r]),),
+            branch=(int(r % self.G),),
         ))
         self.e.stats.generated_tokens += length
         self.live[r] = False
         self.key[r] = None
-        if len(g.completions) == self.G:
+        if len(g.completions) == self.G:  # the group's slot is free
             del self.groups[key]
+            self.gkey[r // self.G] = None
             g.completions.sort(key=lambda c: c.branch)
             self.out.append(self._Group(key, g.prompt_ids, g.completions))
 
     # ---------------------------------------------------------------- admission
-    def _admit(self, items: list, free: np.ndarray) -> None:
+    def _admit(self, items: list, slots: np.ndarray) -> np.ndarray:
+        """Prefill each distinct prompt of ``items`` once into the prefix store of its group
+        slot; returns the rows admitted (whose logits are pending)."""
         e, G = self.e, self.G
         prompts = []
         for key, prompt in items:
             if key in self.groups:
                 raise ValueError(f"prompt key {key!r} is already being generated")
             prompts.append(e._check_prompt(key, prompt, self.p))
-        need = self._round_up(max(len(p) for p in prompts) + self.max_new - 1)
-        if need > self.C:
-            self._grow(need)
-        dst = free[: len(items) * G]
         distinct: dict[tuple[int, ...], int] = {}
-        src = []
-        for p in prompts:
-            s = distinct.setdefault(tuple(p), len(distinct))
-            src += [s] * G
-        logits = self._load(dst, [list(t) for t in distinct], src)
+        src = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        rows = (slots[:, None] * G + np.arange(G)).reshape(-1)
+        logits = self._load(slots, [list(t) for t in distinct], src, rows, [s for s in src for _ in range(G)],
+                            [len(p) for p in prompts])
         version = e.version
-        dst_t = torch.as_tensor(dst, device=e.device)
-        self.logits[dst_t] = logits
+        self.logits[torch.as_tensor(rows, device=e.device)] = logits.repeat_interleave(G, dim=0)
         for i, (key, _) in enumerate(items):
             self.groups[key] = _GroupState(torch.tensor(prompts[i], dtype=torch.int64))
-            for j in range(G):
-                r = dst[i * G + j]
+            self.gkey[slots[i]] = key
+            for r in rows[i * G : (i + 1) * G]:
                 self.key[r] = key
-                self.sample_idx[r] = j
-        self.live[dst] = True
-        self.steps[dst] = 0
-        self.checked[dst] = 0
-        self.row_version[dst] = version
-        self.logit_version[dst] = version
+        self.live[rows] = True
+        self.steps[rows] = 0
+        self.checked[rows] = 0
+        self.row_version[rows] = version
+        self.logit_version[rows] = version
         self.live_d.copy_(torch.from_numpy(self.live.astype(np.int64)))
-        self.hi = max(self.hi, _bucket(int(dst.max()) + 1, self.S, self.exact))
+        self.hg = max(self.hg, _group_bucket(int(slots.max()) + 1, self.NG, G, self.exact))
         e.stats.waves += 1
+        return rows
 
-    def _load(self, dst: np.ndarray, seqs: list[list[int]], src: list[int]) -> torch.Tensor:
-        """Prefill ``seqs`` and load row ``dst[i]`` with ``seqs[src[i]]`` (KV, mask, fill,
-        position); returns the logits after each row's last token ``[len(dst), V]``."""
-        e = self.e
+    def _load(self, slots: np.ndarray, seqs: list[list[int]], group_src: list[int], rows: np.ndarray,
+              row_src: list[int], plen: list[int]) -> torch.Tensor:
+        """Prefill ``seqs`` (each a prompt followed by tokens a row fed); group slot
+        ``slots[i]`` gets the prompt (its first ``plen[i]`` tokens) of ``seqs[group_src[i]]``,
+        row ``rows[j]`` the rest of ``seqs[row_src[j]]`` as its own tokens (K/V, masks,
+        fill, positions). Returns the logits after the last token of each group's sequence
+        ``[len(slots), V]``."""
+        e, dev, G = self.e, self.e.device, self.G
         tmp, _, lens, logits = e._prefill(seqs, capacity=max(len(s) for s in seqs))
         if self.cache is None:
             k, v = tmp.layers[0].keys, tmp.layers[0].values
-            self.cache = RowCache(e.num_layers, self.S, self.C, k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
+            self.cache = SharedPrefixCache(e.num_layers, self.NG, G, self.P, self.N, k.shape[1], k.shape[3],
+                                           v.shape[3], k.dtype, k.device)
         L = tmp.length
-        src_t = torch.as_tensor(src, device=e.device)
-        dst_t = torch.as_tensor(dst, device=e.device)
-        P = lens[src_t]
-        self.cache.load_rows(dst_t, tmp, src_t, L - P)
-        slot = torch.arange(L, device=e.device)
-        rows = torch.full((len(dst), self.C), self.neg, dtype=self.dtype, device=e.device)
-        rows[:, :L].masked_fill_(slot[None, :] < P[:, None], 0.0)
-        self.mask[dst_t] = rows
-        self.fill[dst_t] = P
-        self.pos[dst_t] = P
-        self.fill_h[dst] = [len(seqs[s]) for s in src]
-        return logits[src_t]
+        slots_t = torch.as_tensor(slots, device=dev)
+        gsrc_t = torch.as_tensor(group_src, device=dev)
+        plen_t = torch.as_tensor(plen, dtype=torch.int64, device=dev)
+        rows_t = torch.as_tensor(rows, device=dev)
+        rsrc_t = torch.as_tensor(row_src, device=dev)
+        row_plen = plen_t.repeat_interleave(G)
+        own = lens[rsrc_t] - row_plen  # [R] own tokens of each row
+        own_max = max(len(seqs[s]) - plen[i // G] for i, s in enumerate(row_src))
+        self.cache.load(tmp, slots_t, gsrc_t, L - lens[gsrc_t], max(plen), rows_t, rsrc_t, L - own, max(own_max, 0))
+        zero = torch.zeros((), dtype=self.dtype, device=dev)
+        hide = torch.full((), self.neg, dtype=self.dtype, device=dev)
+        slot = torch.arange(self.P, device=dev)
+        self.prefix_mask[slots_t] = torch.where(slot[None, :] < plen_t[:, None], zero, hide)
+        slot = torch.arange(self.N, device=dev)
+        self.own_mask[rows_t] = torch.where(slot[None, :] < own[:, None], zero, hide)
+        self.fill[rows_t] = own
+        self.pos[rows_t] = lens[rsrc_t]
+        self.fill_h[rows] = [len(seqs[s]) - plen[i // G] for i, s in enumerate(row_src)]
+        self.plen[slots] = plen
+        return logits[gsrc_t]
 
     def _recompute(self, rows: np.ndarray) -> None:
-        """After a weight update: rebuild the KV of ``rows`` (prompt + tokens fed so far)."""
+        """After a weight update: rebuild the prompt K/V of the groups of ``rows`` and the
+        own K/V of their live rows (tokens fed so far)."""
+        G = self.G
+        slots = np.unique(rows // G)
         distinct: dict[tuple[int, ...], int] = {}
-        src = []
-        for r in rows:
-            seq = self.groups[self.key[r]].prompt_ids.tolist() + self.host_tok[r, : self.steps[r] - 1].tolist()
-            src.append(distinct.setdefault(tuple(seq), len(distinct)))
-        self._load(rows, [list(t) for t in distinct], src)
-        self.row_version[rows] = self.e.version
+        live_rows, row_src, group_src, plen = [], [], [], []
+        for g in slots:
+            prompt = self.groups[self.gkey[g]].prompt_ids.tolist()
+            plen.append(len(prompt))
+            first = None
+            for r in range(g * G, (g + 1) * G):
+                if not self.live[r]:
+                    continue
+                seq = prompt + self.host_tok[r, : self.steps[r] - 1].tolist()
+                s = distinct.setdefault(tuple(seq), len(distinct))
+                first = s if first is None else first
+                live_rows.append(r)
+                row_src.append(s)
+            group_src.append(first)
+        # rows of a group slot are loaded together: dead rows copy a live one's (ignored)
+        all_rows = (slots[:, None] * G + np.arange(G)).reshape(-1)
+        by_row = dict(zip(live_rows, row_src))
+        src_all = [by_row.get(r, group_src[i // G]) for i, r in enumerate(all_rows)]
+        self._load(slots, [list(t) for t in distinct], group_src, all_rows, src_all, plen)
+        self.row_version[all_rows] = self.e.version
         self.e.stats.recomputes += 1
 
-    def _grow(self, capacity: int) -> None:
-        extra = torch.full((self.S, capacity - self.C), self.neg, dtype=self.dtype, device=self.e.device)
-        self.mask = torch.cat([self.mask, extra], dim=1)
+    def _grow_prefix(self, capacity: int) -> None:
+        extra = torch.full((self.NG, capacity - self.P), self.neg, dtype=self.dtype, device=self.e.device)
+        self.prefix_mask = torch.cat([self.prefix_mask, extra], dim=1)
         if self.cache is not None:
-            self.cache.grow(capacity)
-        self.C = capacity
-        self.graphs.clear()
+            self.cache.grow_prefix(capacity)
+        self.P = capacity
+        self.steps_cache.clear()
+        self._count_slots()
 
     def _compact(self) -> None:
-        """Move live rows down into free slots when they would fit a smaller bucket
+        """Move live groups down into free group slots when they would fit a smaller bucket
         (only at a sync point: no logged tokens refer to the rows moved)."""
-        live = np.flatnonzero(self.live)
-        target = _bucket(len(live), self.S, self.exact)
-        if self.log_rows or _bucket(int(live.max()) + 1, self.S, self.exact) <= target:
-            self.hi = _bucket(int(live.max()) + 1, self.S, self.exact)
+        G = self.G
+        used = np.asarray([g for g in range(self.NG) if self.gkey[g] is not None])
+        top = _group_bucket(int(used.max()) + 1, self.NG, G, self.exact)
+        target = _group_bucket(len(used), self.NG, G, self.exact)
+        if self.log_rows or top <= target:
+            self.hg = top
             return
-        src = live[live >= target]
-        dst = np.flatnonzero(~self.live[:target])[: len(src)]
-        s_t, d_t = torch.as_tensor(src, device=self.e.device), torch.as_tensor(dst, device=self.e.device)
-        self.cache.move_rows(d_t, s_t)
-        for t in (self.mask, self.fill, self.pos, self.last, self.logits):
-            t[d_t] = t[s_t]
+        src = used[used >= target]
+        dst = np.asarray([g for g in range(target) if self.gkey[g] is None][: len(src)])
+        dev = self.e.device
+        s_t, d_t = torch.as_tensor(src, device=dev), torch.as_tensor(dst, device=dev)
+        self.cache.move_groups(d_t, s_t)
+        self.prefix_mask[d_t] = self.prefix_mask[s_t]
+        rsrc = (src[:, None] * G + np.arange(G)).reshape(-1)
+        rdst = (dst[:, None] * G + np.arange(G)).reshape(-1)
+        rs_t, rd_t = torch.as_tensor(rsrc, device=dev), torch.as_tensor(rdst, device=dev)
+        for t in (self.own_mask, self.fill, self.pos, self.last, self.logits):
+            t[rd_t] = t[rs_t]
         for a in (self.live, self.steps, self.checked, self.fill_h, self.row_version, self.logit_version,
-                  self.host_tok, self.host_lp, self.host_ver, self.sample_idx):
-            a[dst] = a[src]
-        for d, s in zip(dst, src):
+                  self.host_tok, self.host_lp, self.host_ver):
+            a[rdst] = a[rsrc]
+        for d, s in zip(rdst, rsrc):
             self.key[d], self.key[s] = self.key[s], None
-        self.live[src] = False
+        self.live[rsrc] = False
+        self.plen[dst] = self.plen[src]
+        for d, s in zip(dst, src):
+            self.gkey[d], self.gkey[s] = self.gkey[s], None
         self.live_d.copy_(torch.from_numpy(self.live.astype(np.int64)))
-        self.hi = target
+        self.hg = target
 
     # ------------------------------------------------------------------- decode
     def _decode(self) -> None:
         """Feed every live row its last sampled token; logits of rows ``[:hi]``."""
-        e = self.e
-        hi = self.hi = _bucket(int(np.flatnonzero(self.live).max()) + 1, self.S, self.exact)
+        e, G = self.e, self.G
+        used = [g for g in range(self.NG) if self.gkey[g] is not None]
+        hg = self.hg = _group_bucket(max(used) + 1, self.NG, G, self.exact)
+        hi = hg * G
         version = e.version
-        self.mask[:hi].scatter_(1, self.fill[:hi, None], 0.0)
-        if not e.static_kv:
-            n = int(self.fill_h[:hi].max()) + 1
-            self.cache.write_index, self.cache.attend = self.fill[:hi], n
-            try:
-                logits = e.model(
-                    input_ids=self.last[:hi, None], position_ids=self.pos[:hi, None],
-                    attention_mask=self.mask[:hi, None, None, :n], past_key_values=self.cache, use_cache=True,
-                ).logits
-            finally:
-                self.cache.write_index = self.cache.attend = None
-        else:
-            step = self.graphs.get(hi)
-            if step is None or step.mask_base is not self.mask:
-                step = self.graphs[hi] = _RowStep(e, self, hi)
-            logits = step.run()
+        self.own_mask[:hi].scatter_(1, self.fill[:hi, None], 0.0)
+        own_len = _own_bucket(int(self.fill_h[:hi].max()) + 1, self.N, self.exact)
+        pre_len = int(self.plen[:hg].max()) if self.exact else self.P
+        step = self.steps_cache.get((hg, own_len))
+        if step is None or step.cache is not self.cache:
+            step = self.steps_cache[(hg, own_len)] = _TwoLevelStep(e, self, hg, own_len, pre_len)
+        elif self.exact:
+            step.prefix_mask = self.prefix_mask[:hg, None, None, :pre_len]
+        logits = step()
         self.logits[:hi] = logits[:, -1].to(e.logit_dtype)
         self.fill += self.live_d
         self.pos += self.live_d
@@ -446,30 +560,32 @@ class RunningBatch:
         e.stats.live_rows += int(self.live.sum())
 
 
-class _RowStep:
-    """One-token decode step over rows ``[:hi]`` of a running batch with fixed shapes
-    (whole-buffer attention, per-row write slots in a device tensor); on CUDA
-    (``engine.cuda_graphs``) captured as a graph at its first use and replayed after."""
+class _TwoLevelStep:
+    """One-token decode step over group slots ``[:hg]`` (rows ``[:hg*G]``) attending to
+    ``own_len`` own slots per row and the prefix store: inputs are views of the batch's
+    persistent tensors, so with ``engine.cuda_graphs`` it is captured as a graph at its
+    first use and replayed after (:class:`~treerl.rollout.graphs.DecodeStep`)."""
 
-    def __init__(self, engine, batch: RunningBatch, hi: int):
-        self.engine, self.batch, self.hi = engine, batch, hi
-        self.mask_base = batch.mask
+    def __init__(self, engine, batch: RunningBatch, hg: int, own_len: int, pre_len: int):
+        hi = hg * batch.G
+        self.engine, self.cache, self.own_len = engine, batch.cache, own_len
         self.ids = batch.last[:hi, None]
         self.pos = batch.pos[:hi, None]
         self.index = batch.fill[:hi]
-        self.mask = batch.mask[:hi, None, None, :]
+        self.own_mask = batch.own_mask[:hi, None, None, :own_len]
+        self.prefix_mask = batch.prefix_mask[:hg, None, None, :pre_len]
         self.step = DecodeStep(engine, self._forward)
 
     def _forward(self) -> torch.Tensor:
-        cache = self.batch.cache
-        cache.write_index, cache.attend = self.index, None
+        cache = self.cache
+        cache.write_index, cache.own_len, cache.prefix_mask = self.index, self.own_len, self.prefix_mask
         try:
             return self.engine.model(
-                input_ids=self.ids, position_ids=self.pos, attention_mask=self.mask,
-                past_key_values=cache, use_cache=True, rollout_static=True,
+                input_ids=self.ids, position_ids=self.pos, attention_mask=self.own_mask,
+                past_key_values=cache, use_cache=True, rollout_static=True, rollout_prefix=cache,
             ).logits
         finally:
-            cache.write_index = None
+            cache.write_index = cache.prefix_mask = None
 
-    def run(self) -> torch.Tensor:
+    def __call__(self) -> torch.Tensor:
         return self.step()

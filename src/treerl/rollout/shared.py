@@ -1,0 +1,220 @@
+"""Shared-prefix KV cache and two-level decode attention (continuous-batching path).
+
+A running batch of ``S = NG x G`` rows is organised in ``NG`` *group slots* of ``G`` rows:
+rows ``[g*G, (g+1)*G)`` are the samples of the prompt held by group slot ``g``. Per layer:
+
+- the **prefix store** ``[NG, Hkv, Pcap, D]`` holds each group's prompt K/V once (slots
+  ``[0, P_g)``; post-RoPE, position ids ``0..P_g-1``);
+- the **row store** ``[S, Hkv, N, D]`` holds only the tokens each row generated: own slot
+  ``j`` is the token at position ``P_g + j``.
+
+A one-token decode step of rows ``[:hg*G]`` (``hg`` group slots) writes each row's new K/V
+at its own slot ``write_index[r]`` and attends in two parts merged by their log-sum-exp
+(:func:`two_level_attention`): the ``G x (Hq/Hkv)`` queries of a group that share a KV head
+against the group's prefix, in one pass (so the prefix is read once per step, not once per
+row), and each row's queries against its own slots ``[:own_len]``. Masks are additive
+device tensors (``0`` visible, dtype minimum hidden), so shapes are fixed per
+``(hg, own_len)`` bucket and the step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class _TwoLevelLayer(CacheLayerMixin):
+    """One layer: prefix keys/values ``[NG, Hkv, Pcap, D]``, own keys/values ``[S, Hkv, N, D]``."""
+
+    is_sliding = False
+
+    def __init__(self, pk: torch.Tensor, pv: torch.Tensor, ok: torch.Tensor, ov: torch.Tensor):
+        super().__init__()
+        self.pk, self.pv, self.ok, self.ov = pk, pv, ok, ov
+        self.dtype, self.device = ok.dtype, ok.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, *args) -> None:  # pragma: no cover
+        raise RuntimeError("SharedPrefixCache layers are allocated up front")
+
+    def update(self, *args, **kwargs):  # pragma: no cover - written through SharedPrefixCache.update
+        raise RuntimeError("SharedPrefixCache layers are written through SharedPrefixCache.update")
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.ok.shape[2], 0
+
+    def get_seq_length(self) -> int:
+        return self.ok.shape[2]
+
+    def get_max_length(self) -> int:
+        return self.ok.shape[2]
+
+
+class SharedPrefixCache(Cache):
+    """Prefix store + row store of a running batch (see the module docstring).
+
+    Set for one decode step (views of the batch's persistent device tensors):
+    ``write_index [s]`` (own slot of each row's new token), ``own_len`` (own slots
+    attended), ``prefix_mask [hg, 1, 1, Pa]`` (additive; ``Pa`` prefix slots attended)."""
+
+    def __init__(self, num_layers: int, groups: int, G: int, prefix_capacity: int, own_capacity: int,
+                 kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device):
+        S = groups * G
+
+        def z(n, c, d):
+            return torch.zeros(n, kv_heads, c, d, dtype=dtype, device=device)
+
+        layers = [_TwoLevelLayer(z(groups, prefix_capacity, head_dim), z(groups, prefix_capacity, value_dim),
+                                 z(S, own_capacity, head_dim), z(S, own_capacity, value_dim))
+                  for _ in range(num_layers)]
+        super().__init__(layers=layers)
+        self.groups, self.G, self.rows = groups, G, S
+        self.prefix_capacity, self.own_capacity = prefix_capacity, own_capacity
+        self.write_index: torch.Tensor | None = None
+        self.own_len: int = own_capacity
+        self.prefix_mask: torch.Tensor | None = None
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, value_dim: int, itemsize: int) -> int:
+        """Bytes of one token's K/V over all layers."""
+        return num_layers * kv_heads * (head_dim + value_dim) * itemsize
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.own_len - 1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.own_len, 0
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Write one token per row (``[s, Hkv, 1, D]``) at ``write_index``; return the
+        rows' own keys/values ``[s, Hkv, own_len, D]``."""
+        layer = self.layers[layer_idx]
+        s, h, q, d = key_states.shape
+        if q != 1 or self.write_index is None:
+            raise RuntimeError("SharedPrefixCache takes one-token decode steps only (prefill goes through SlotCache)")
+        index = self.write_index.view(s, 1, 1, 1)
+        layer.ok[:s].scatter_(2, index.expand(s, h, 1, d), key_states)
+        layer.ov[:s].scatter_(2, index.expand(s, h, 1, value_states.shape[-1]), value_states)
+        return layer.ok[:s, :, : self.own_len], layer.ov[:s, :, : self.own_len]
+
+    def prefix(self, layer_idx: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefix keys/values of group slots ``[:groups]`` over the attended slots."""
+        layer = self.layers[layer_idx]
+        pa = self.prefix_mask.shape[-1]
+        return layer.pk[:groups, :, :pa], layer.pv[:groups, :, :pa]
+
+    # ------------------------------------------------------------ loading / moving
+    def load(self, src_cache, groups: torch.Tensor, group_src: torch.Tensor, group_pad: torch.Tensor,
+             prompt_len: int, rows: torch.Tensor, row_src: torch.Tensor, row_start: torch.Tensor, own_len: int) -> None:
+        """Copy from a left-padded prefill ``src_cache`` (a ``SlotCache`` of ``L`` filled slots):
+        group slot ``groups[i]`` gets ``prompt_len`` slots of row ``group_src[i]`` from slot
+        ``group_pad[i]`` on; row ``rows[j]`` gets ``own_len`` slots of row ``row_src[j]`` from
+        slot ``row_start[j]`` on (clamped at the end: copies of the last slot, masked)."""
+        L = src_cache.length
+        for mine, theirs in zip(self.layers, src_cache.layers):
+            for store, name, dst, src, start, n in (("pk", "keys", groups, group_src, group_pad, prompt_len),
+                                                    ("pv", "values", groups, group_src, group_pad, prompt_len),
+                                                    ("ok", "keys", rows, row_src, row_start, own_len),
+                                                    ("ov", "values", rows, row_src, row_start, own_len)):
+                if len(dst) == 0 or n == 0:
+                    continue
+                idx = (torch.arange(n, device=start.device)[None, :] + start[:, None]).clamp(max=L - 1)
+                x = getattr(theirs, name)[src, :, :L]
+                x = x.gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+                getattr(mine, store)[dst, :, :n] = x
+
+    def move_groups(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy group slots ``src`` (prefix and their ``G`` rows) to group slots ``dst``."""
+        G = self.G
+        rdst = (dst[:, None] * G + torch.arange(G, device=dst.device)).reshape(-1)
+        rsrc = (src[:, None] * G + torch.arange(G, device=src.device)).reshape(-1)
+        for layer in self.layers:
+            layer.pk[dst], layer.pv[dst] = layer.pk[src], layer.pv[src]
+            layer.ok[rdst], layer.ov[rdst] = layer.ok[rsrc], layer.ov[rsrc]
+
+    def grow_prefix(self, capacity: int) -> None:
+        """More prefix slots per group (keeps the contents)."""
+        for layer in self.layers:
+            for name in ("pk", "pv"):
+                old = getattr(layer, name)
+                new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+                new[:, :, : old.shape[2]] = old
+                setattr(layer, name, new)
+        self.prefix_capacity = capacity
+
+
+# ---------------------------------------------------------------------- attention
+def _attend_math(q, k, v, mask, scale):
+    """Reference attention with LSE: ``q [B, H, M, D]``, ``k/v [B, H, N, D]``, additive
+    ``mask`` broadcastable to ``[B, H, M, N]``; scores in float32 (float64 for float64).
+    Returns ``out [B, H, M, Dv]`` (float32/64) and ``lse [B, H, M]``."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale + mask.to(acc)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    return torch.matmul(p, v.to(acc)), lse
+
+
+def _attend_efficient(q, k, v, mask, scale):
+    """CUDA memory-efficient attention kernel with its LSE (fp32 accumulation)."""
+    B, H, M, _ = q.shape
+    bias = mask.expand(B, H, M, k.shape[2])
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q.contiguous(), k, v, bias, True, 0.0, False, scale=scale)[:2]
+    return out, lse[..., :M]
+
+
+@functools.lru_cache(maxsize=None)
+def _efficient_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int) -> bool:
+    """Whether the CUDA kernel runs here and agrees with the reference (probed once per
+    device, dtype and head sizes; unaligned views are probed too)."""
+    if not device.startswith("cuda") or dtype == torch.float64:
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(3, 2, 32, head_dim, device=device, dtype=dtype, generator=g)
+        k = torch.randn(3, 2, 48, head_dim, device=device, dtype=dtype, generator=g)
+        v = torch.randn(3, 2, 48, value_dim, device=device, dtype=dtype, generator=g)
+        mask = torch.zeros(3, 1, 1, 48, device=device, dtype=dtype)
+        mask[1, ..., 20:] = torch.finfo(dtype).min
+        for n in (48, 37):  # aligned, and views of 37 of the 48 slots (eager steps)
+            o1, l1 = _attend_efficient(q, k[:, :, :n], v[:, :, :n], mask[..., :n], 0.125)
+            o2, l2 = _attend_math(q, k[:, :, :n], v[:, :, :n], mask[..., :n], 0.125)
+            if not (torch.allclose(o1.float(), o2, atol=2e-2) and torch.allclose(l1, l2, atol=1e-3)):
+                return False
+        return True
+    except Exception:  # noqa: BLE001 - any failure: use the reference
+        return False
+
+
+def attend_with_lse(q, k, v, mask, scale):
+    """Attention of ``q [B, H, M, D]`` to ``k/v [B, H, N, D]`` under an additive ``mask``
+    (``[B, 1, 1, N]``); returns ``out`` and ``lse [B, H, M]`` (float32 or float64)."""
+    if q.is_cuda and _efficient_ok(str(q.device), q.dtype, q.shape[-1], v.shape[-1]):
+        return _attend_efficient(q, k, v, mask, scale)
+    return _attend_math(q, k, v, mask, scale)
+
+
+def two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefix_mask, scale, G):
+    """Decode attention of ``B = NGb x G`` rows, one query token each.
+
+    ``query [B, Hq, 1, D]``; ``own_k/v [B, Hkv, L, D]``, ``own_mask [B, 1, 1, L]``;
+    ``prefix_k/v [NGb, Hkv, P, D]``, ``prefix_mask [NGb, 1, 1, P]`` (group slot ``g`` is
+    the prefix of rows ``[g*G, (g+1)*G)``). Returns ``[B, 1, Hq, Dv]`` in the query dtype:
+    softmax over the union of prefix and own keys, from the two parts' LSEs."""
+    B, Hq, _, D = query.shape
+    Hkv = own_k.shape[1]
+    gq, NGb = Hq // Hkv, B // G
+    q_own = query.reshape(B, Hkv, gq, D)
+    q_pre = q_own.reshape(NGb, G, Hkv, gq, D).transpose(1, 2).reshape(NGb, Hkv, G * gq, D)
+    o_pre, l_pre = attend_with_lse(q_pre, prefix_k, prefix_v, prefix_mask, scale)
+    o_own, l_own = attend_with_lse(q_own, own_k, own_v, own_mask, scale)
+    Dv = o_own.shape[-1]
+    o_pre = o_pre.reshape(NGb, Hkv, G, gq, Dv).transpose(1, 2).reshape(B, Hkv, gq, Dv)
+    l_pre = l_pre.reshape(NGb, Hkv, G, gq).transpose(1, 2).reshape(B, Hkv, gq)
+    acc = l_own.dtype
+    w = torch.sigmoid(l_pre - l_own)[..., None]  # weight of the prefix part
+    out = o_pre.to(acc) * w + o_own.to(acc) * (1 - w)
+    return out.to(query.dtype).reshape(B, 1, Hq, Dv)
