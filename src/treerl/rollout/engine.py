@@ -180,6 +180,14 @@ class RolloutEngine:
     ``continuous`` (default True): ``generate`` of plain groups (no branch points) runs on
     the continuous-batching path (:meth:`generate_stream`); False: waves, as tree
     rollouts always do.
+
+    ``compile_decode`` (default False): run the streaming path's decode step through
+    ``torch.compile`` (then captured as a CUDA graph); fewer kernels per step. Falls back
+    to eager if compilation fails.
+
+    ``keep_stream_buffers`` (default False): keep a finished stream's device buffers, K/V
+    cache and captured CUDA graphs, and reuse them in the next stream of the same shapes
+    (no new captures); the memory stays held until :meth:`release_stream_buffers`.
     """
 
     def __init__(
@@ -194,6 +202,8 @@ class RolloutEngine:
         cuda_graphs: bool | None = None,
         static_kv: bool | None = None,
         continuous: bool = True,
+        keep_stream_buffers: bool = False,
+        compile_decode: bool = False,
     ):
         if device is not None:
             model = model.to(device)
@@ -223,11 +233,18 @@ class RolloutEngine:
         if self.cuda_graphs and not self.static_kv:
             raise ValueError("cuda_graphs needs static_kv")
         self.continuous = bool(continuous)
+        self.keep_stream_buffers = bool(keep_stream_buffers)
+        self.compile_decode = bool(compile_decode)
+        self._stream_arena = None  # (shapes, device state) of the last stream, kept for the next
         self.stats = RolloutStats()
         self._lock = threading.RLock()
         self._pending_updates = 0  # update_weights calls waiting for the lock (other threads)
         self._pending_lock = threading.Lock()
         self._device_lock = _PriorityLock(self)
+
+    def release_stream_buffers(self) -> None:
+        """Free the buffers kept by ``keep_stream_buffers``."""
+        self._stream_arena = None
 
     @property
     def device_lock(self) -> "_PriorityLock":
@@ -373,6 +390,8 @@ class RolloutEngine:
             for group in batch.run():
                 self.stats.seconds = time.perf_counter() - start
                 yield group
+        if self.keep_stream_buffers:
+            self._stream_arena = batch.arena()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.seconds = time.perf_counter() - start

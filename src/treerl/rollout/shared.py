@@ -72,6 +72,8 @@ class SharedPrefixCache(Cache):
         super().__init__(layers=layers)
         self.groups, self.G, self.rows = groups, G, S
         self.prefix_capacity, self.own_capacity = prefix_capacity, own_capacity
+        # the CUDA kernel with LSE, if it runs here (probed now: never inside a capture or a compile)
+        self.efficient = device.type == "cuda" and _efficient_ok(str(device), dtype, head_dim, value_dim)
         self.write_index: torch.Tensor | None = None
         self.own_len: int = own_capacity
         self.prefix_mask: torch.Tensor | None = None
@@ -189,15 +191,17 @@ def _efficient_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int
         return False
 
 
-def attend_with_lse(q, k, v, mask, scale):
+def attend_with_lse(q, k, v, mask, scale, efficient: bool = False):
     """Attention of ``q [B, H, M, D]`` to ``k/v [B, H, N, D]`` under an additive ``mask``
-    (``[B, 1, 1, N]``); returns ``out`` and ``lse [B, H, M]`` (float32 or float64)."""
-    if q.is_cuda and _efficient_ok(str(q.device), q.dtype, q.shape[-1], v.shape[-1]):
+    (``[B, 1, 1, N]``); returns ``out`` and ``lse [B, H, M]`` (float32 or float64).
+    ``efficient``: CUDA's memory-efficient kernel (see :func:`_efficient_ok`), else exact math."""
+    if efficient:
         return _attend_efficient(q, k, v, mask, scale)
     return _attend_math(q, k, v, mask, scale)
 
 
-def two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefix_mask, scale, G):
+def two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefix_mask, scale, G,
+                        efficient: bool = False):
     """Decode attention of ``B = NGb x G`` rows, one query token each.
 
     ``query [B, Hq, 1, D]``; ``own_k/v [B, Hkv, L, D]``, ``own_mask [B, 1, 1, L]``;
@@ -209,8 +213,8 @@ def two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefi
     gq, NGb = Hq // Hkv, B // G
     q_own = query.reshape(B, Hkv, gq, D)
     q_pre = q_own.reshape(NGb, G, Hkv, gq, D).transpose(1, 2).reshape(NGb, Hkv, G * gq, D)
-    o_pre, l_pre = attend_with_lse(q_pre, prefix_k, prefix_v, prefix_mask, scale)
-    o_own, l_own = attend_with_lse(q_own, own_k, own_v, own_mask, scale)
+    o_pre, l_pre = attend_with_lse(q_pre, prefix_k, prefix_v, prefix_mask, scale, efficient)
+    o_own, l_own = attend_with_lse(q_own, own_k, own_v, own_mask, scale, efficient)
     Dv = o_own.shape[-1]
     o_pre = o_pre.reshape(NGb, Hkv, G, gq, Dv).transpose(1, 2).reshape(B, Hkv, gq, Dv)
     l_pre = l_pre.reshape(NGb, Hkv, G, gq).transpose(1, 2).reshape(B, Hkv, gq)

@@ -195,22 +195,48 @@ class RunningBatch:
         self._Completion, self._Group, self._round_up = Completion, Group, _round_up
         self._allocate(groups, prefix_capacity)
 
+    _DEVICE_STATE = ("cache", "prefix_mask", "own_mask", "fill", "pos", "live_d", "last", "logits", "log_tok",
+                     "log_lp", "steps_cache")
+
+    def _arena_key(self, groups: int, prefix_capacity: int) -> tuple:
+        e = self.e
+        return (groups, self.G, prefix_capacity, self.N, e.sync_every, self.dtype, e.logit_dtype, e.vocab_size)
+
+    def arena(self) -> tuple:
+        """The device state (buffers, cache, captured decode steps) for reuse by the
+        engine's next stream of the same shapes (``RolloutEngine(keep_stream_buffers=True)``)."""
+        return self._arena_key(self.NG, self.P), {k: getattr(self, k) for k in self._DEVICE_STATE}
+
     def _allocate(self, groups: int, prefix_capacity: int) -> None:
-        """(Re)build the batch's state for ``groups`` group slots (nothing may be live)."""
+        """(Re)build the batch's state for ``groups`` group slots (nothing may be live).
+        Device buffers (and CUDA graphs) kept by the engine from an earlier stream of the
+        same shapes are reused."""
         e, dev, G = self.e, self.e.device, self.G
         S = groups * G
         self.NG, self.S, self.P = groups, S, prefix_capacity
-        self.cache = None  # SharedPrefixCache, allocated at the first load (shapes from the prefill)
-        self.prefix_mask = torch.full((groups, prefix_capacity), self.neg, dtype=self.dtype, device=dev)
-        self.own_mask = torch.full((S, self.N), self.neg, dtype=self.dtype, device=dev)
-        self.fill = torch.zeros(S, dtype=torch.int64, device=dev)  # next own slot of each row
-        self.pos = torch.zeros(S, dtype=torch.int64, device=dev)  # next position id
-        self.live_d = torch.zeros(S, dtype=torch.int64, device=dev)
-        self.last = torch.zeros(S, dtype=torch.int64, device=dev)  # last sampled token (fed next)
-        self.logits = torch.zeros(S, e.vocab_size, dtype=e.logit_dtype, device=dev)
-        K = e.sync_every + 2  # a sync window logs <= sync_every + 1 sample calls
-        self.log_tok = torch.zeros(K, S, dtype=torch.int64, device=dev)
-        self.log_lp = torch.zeros(K, S, dtype=e.logit_dtype, device=dev)
+        kept = getattr(e, "_stream_arena", None)
+        e._stream_arena = None
+        if kept is not None and kept[0] == self._arena_key(groups, prefix_capacity):
+            for k, v in kept[1].items():
+                setattr(self, k, v)
+            self.prefix_mask.fill_(self.neg)
+            self.own_mask.fill_(self.neg)
+            for t in (self.fill, self.pos, self.live_d, self.last):
+                t.zero_()
+        else:
+            del kept
+            self.cache = None  # SharedPrefixCache, allocated at the first load (shapes from the prefill)
+            self.steps_cache: dict[tuple[int, int], _TwoLevelStep] = {}
+            self.prefix_mask = torch.full((groups, prefix_capacity), self.neg, dtype=self.dtype, device=dev)
+            self.own_mask = torch.full((S, self.N), self.neg, dtype=self.dtype, device=dev)
+            self.fill = torch.zeros(S, dtype=torch.int64, device=dev)  # next own slot of each row
+            self.pos = torch.zeros(S, dtype=torch.int64, device=dev)  # next position id
+            self.live_d = torch.zeros(S, dtype=torch.int64, device=dev)
+            self.last = torch.zeros(S, dtype=torch.int64, device=dev)  # last sampled token (fed next)
+            self.logits = torch.zeros(S, e.vocab_size, dtype=e.logit_dtype, device=dev)
+            K = e.sync_every + 2  # a sync window logs <= sync_every + 1 sample calls
+            self.log_tok = torch.zeros(K, S, dtype=torch.int64, device=dev)
+            self.log_lp = torch.zeros(K, S, dtype=e.logit_dtype, device=dev)
         # host state per row
         self.live = np.zeros(S, dtype=bool)
         self.steps = np.zeros(S, dtype=np.int64)  # tokens sampled
@@ -225,7 +251,6 @@ class RunningBatch:
         # host state per group slot
         self.gkey: list[Hashable | None] = [None] * groups
         self.plen = np.zeros(groups, dtype=np.int64)
-        self.steps_cache: dict[tuple[int, int], _TwoLevelStep] = {}
         self._count_slots()
         self.hg = 0  # group slots computed by the last decode / covered by the pending logits
 
@@ -578,7 +603,8 @@ class _TwoLevelStep:
 
     def _forward(self) -> torch.Tensor:
         cache = self.cache
-        cache.write_index, cache.own_len, cache.prefix_mask = self.index, self.own_len, self.prefix_mask
+        # own_len from a shape (not a Python int attribute): compiled steps stay shape-generic
+        cache.write_index, cache.own_len, cache.prefix_mask = self.index, self.own_mask.shape[-1], self.prefix_mask
         try:
             return self.engine.model(
                 input_ids=self.ids, position_ids=self.pos, attention_mask=self.own_mask,
