@@ -43,12 +43,13 @@ def test_recomputed_blocks_are_exact(mode, variant, dtype, gen):
 def test_budget_splits_trees_with_recomputed_chains(separable, gen):
     seqs = shaped_forest(gen, SPEC)
     tree = PrefixTree.from_sequences(seqs)
-    model = get_model("qwen3")
+    model = get_model("qwen3", num_hidden_layers=16)
     m = MemoryModel.estimate(model.config, torch.float64, dense_mask=True)
-    # with recompute, calls of up to 13 tokens fit: the 39-token tree splits into chains
+    # with recompute, calls of up to 13 tokens fit (the 39-token tree splits into chains);
+    # without, only ~2 (so every call over that recomputes)
     budget = int(m.fixed + 13 * m.recompute_per_token + 13**2 * m.per_pair) + 1
     engine = TreeEngine(model, "auto", memory_budget=budget, chunk_tokens=4)
-    assert engine.max_tokens == 13
+    assert engine.max_tokens == 13 and engine.recomputes(4)
     plan = engine.plan(tree)
     assert any(plan.children) and max(s.size for s in plan.segments) <= 13
     loss = RandomLoss.make(seqs, gen)
@@ -73,7 +74,7 @@ def test_estimate_grows_with_the_model_and_recompute_is_cheaper():
     assert MemoryModel.estimate(bigger, torch.float32).per_token > small.per_token
 
 
-@pytest.mark.parametrize("bad", [0, -5, 1.5, "8GB", True])
+@pytest.mark.parametrize("bad", [0, -5, 1.5, 4096, float("nan"), "8GB", True])
 def test_bad_budgets_are_refused(bad):
     with pytest.raises(ValueError, match="memory_budget"):
         resolve_budget(bad, torch.device("cpu"))
@@ -81,7 +82,8 @@ def test_bad_budgets_are_refused(bad):
 
 def test_budget_forms():
     cpu = torch.device("cpu")
-    assert resolve_budget(123456, cpu) == 123456
+    assert resolve_budget(8 << 30, cpu) == 8 << 30
+    assert resolve_budget(float(8 << 30), cpu) == 8 << 30  # YAML/CLI floats: bytes above 1
     assert resolve_budget(0.5, cpu) > resolve_budget(0.1, cpu) > 0
     assert resolve_budget(None, cpu) == resolve_budget(0.1, cpu)
     model = get_model("qwen3")

@@ -76,8 +76,15 @@ class DecoderStack:
         self.compile = compile and self.own_loop
 
     @property
+    def sharded(self) -> bool:
+        """Blocks wrapped by FSDP2 (applied after the engine is built)."""
+        return any(_is_sharded(layer) for layer in self.base.layers) if self.own_loop else False
+
+    @property
     def can_checkpoint(self) -> bool:
-        return self.own_loop
+        """Block recompute: treerl's own loop, and no FSDP2 blocks (their all-gather hooks
+        would run again inside the recompute)."""
+        return self.own_loop and not self.sharded
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *, checkpoint_blocks: bool = False
                  ) -> torch.Tensor:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_BUDGET_FRACTION = 0.1  # of the device's total memory, for activations
+MIN_BUDGET_BYTES = 1 << 20
 BACKWARD_MARGIN = 1.25  # a call's backward peaks above its forward's held activations
 
 
@@ -26,20 +27,23 @@ def resolve_budget(budget: int | float | None, device: torch.device) -> int:
     ``None``: :data:`DEFAULT_BUDGET_FRACTION` of the device's total memory (8 GB on an
     80 GB H100): at this size whole trees of tens of thousands of tokens run in one call
     with block recompute, and a larger budget buys little speed (bench/RESULTS.md, the
-    budget sweep), while weights, gradients and optimizer state keep the rest. A float in
-    (0, 1] is a fraction of the total memory; an int is bytes.
+    budget sweep), while weights, gradients and optimizer state keep the rest. A value in
+    (0, 1] is a fraction of the device's total memory, a larger one is bytes.
     """
     if budget is None:
         budget = DEFAULT_BUDGET_FRACTION
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
         raise ValueError(
-            f"memory_budget must be a positive number of bytes (int) or a fraction of the device's "
-            f"memory (float in (0, 1]), got {budget!r}"
+            f"memory_budget must be a fraction of the device's memory in (0, 1] or a number of bytes, "
+            f"got {budget!r}"
         )
-    if isinstance(budget, float):
-        if budget > 1:
-            raise ValueError(f"memory_budget {budget} is a float above 1: give bytes as an int, or a fraction <= 1")
+    if budget <= 1:
         return int(budget * device_memory(device))
+    if budget < MIN_BUDGET_BYTES:
+        raise ValueError(
+            f"memory_budget={budget!r} bytes is too small to hold one call; give a fraction in (0, 1] "
+            f"(e.g. 0.1) or bytes (e.g. {8 << 30} for 8 GiB)"
+        )
     return int(budget)
 
 
@@ -95,8 +99,8 @@ class MemoryModel:
         model = engine.model
         dtype = engine.head.weight.dtype
         estimate = cls.estimate(model.config, dtype, dense_mask=engine.attention == "sdpa")
-        if engine.device.type != "cuda" or engine.attention == "sdpa":
-            return estimate
+        if engine.device.type != "cuda" or engine.attention == "sdpa" or engine.runner.stack.sharded:
+            return estimate  # (sharded blocks: a probe forward would run FSDP's collectives)
         small, large = 1024, 3072
         h, inter = model.config.hidden_size, model.config.intermediate_size
         size = engine.head.weight.element_size()

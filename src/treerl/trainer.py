@@ -108,8 +108,9 @@ class Trainer:
         self.format = ChatFormat.for_tokenizer(self.tokenizer)
         self.multi_turn = self.task.max_turns > 1
         alg, eng = config.algorithm, config.engine
-        engine_kw = dict(mode=eng.mode, max_tokens=eng.max_tokens, chunk_tokens=eng.chunk_tokens,
-                         attention=eng.attention, temperature=max(config.rollout.temperature, 1e-6))
+        engine_kw = dict(mode=eng.mode, memory_budget=eng.memory_budget, max_tokens=eng.max_tokens,
+                         chunk_tokens=eng.chunk_tokens, compile=eng.compile, attention=eng.attention,
+                         temperature=max(config.rollout.temperature, 1e-6))
         self.engine = TreeEngine(self.model, **engine_kw)
         # One process: the rollout engine shares the policy's parameters. Data parallel: the
         # policy is sharded, so each rank's rollout engine holds a whole copy, refreshed
