@@ -15,6 +15,11 @@ from treerl.models import build_model
 from treerl.workloads import WorkloadSpec, make_workload
 
 
+# "auto-default": TreeEngine(model) as a user gets it; "auto-lean": a 2.5 GB budget, so
+# nearly every call recomputes its blocks in the backward
+DEFAULTS = {"auto-default": {}, "auto-lean": {"memory_budget": 2.5e9}}
+
+
 def grads_of(engine, seqs, loss_fn):
     engine.model.zero_grad(set_to_none=True)
     engine.forward_backward(seqs, loss_fn, separable=True)
@@ -25,7 +30,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", default="qwen3-1.7b")
-    p.add_argument("--modes", default="packed,dfs,auto")
+    p.add_argument("--modes", default="packed,dfs,auto,auto-default,auto-lean")
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--chunk-tokens", type=int, default=256)
     args = p.parse_args()
@@ -56,7 +61,11 @@ def main():
         print(f"{workload:8} {'flat':11} {base:14.3e} {0.0:18.3e} {'':>6}")
         for mode in args.modes.split(","):  # "packed:sdpa" picks an attention backend too
             name, _, attention = mode.partition(":")
-            g = grads_of(treerl.TreeEngine(model16, name, attention=attention or "auto", **kw), tree, loss_fn)
+            if name in DEFAULTS:  # the default engine (memory budget, compiled blocks, recompute)
+                engine = treerl.TreeEngine(model16, "auto", **DEFAULTS[name])
+            else:
+                engine = treerl.TreeEngine(model16, name, attention=attention or "auto", **kw)
+            g = grads_of(engine, tree, loss_fn)
             to32 = (g - g32).norm() / g32.norm()
             toflat = (g - gflat).norm() / g32.norm()
             ratio = toflat / base
