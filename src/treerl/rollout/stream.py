@@ -431,13 +431,22 @@ class RunningBatch:
             if key in self.groups:
                 raise ValueError(f"prompt key {key!r} is already being generated")
             prompts.append(e._check_prompt(key, prompt, self.p))
-        distinct: dict[tuple[int, ...], int] = {}
-        src = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
         rows = (slots[:, None] * G + np.arange(G)).reshape(-1)
-        logits = self._load(slots, [list(t) for t in distinct], src, rows, [s for s in src for _ in range(G)],
-                            [len(p) for p in prompts])
+        # prefill in pieces of about prefill_chunk_tokens prompt tokens (bounded temporary K/V)
+        start = 0
+        while start < len(prompts):
+            end, tokens = start + 1, len(prompts[start])
+            while end < len(prompts) and tokens + len(prompts[end]) <= e.prefill_chunk_tokens:
+                tokens += len(prompts[end])
+                end += 1
+            distinct: dict[tuple[int, ...], int] = {}
+            src = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts[start:end]]
+            part = rows[start * G : end * G]
+            logits = self._load(slots[start:end], [list(t) for t in distinct], src, part,
+                                [s for s in src for _ in range(G)], [len(p) for p in prompts[start:end]])
+            self.logits[torch.as_tensor(part, device=e.device)] = logits.repeat_interleave(G, dim=0)
+            start = end
         version = e.version
-        self.logits[torch.as_tensor(rows, device=e.device)] = logits.repeat_interleave(G, dim=0)
         for i, (key, _) in enumerate(items):
             self.groups[key] = _GroupState(torch.tensor(prompts[i], dtype=torch.int64))
             self.gkey[slots[i]] = key
