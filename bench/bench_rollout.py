@@ -57,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sync-every", type=int, default=16)
     p.add_argument("--bandwidth", type=float, default=3.0e12, help="HBM bytes/s for the floor (H100 3.0e12)")
-    p.add_argument("--memory-fraction", type=float, default=0.92,
+    p.add_argument("--memory-fraction", type=float, default=0.97,
                    help="of free GPU memory the K/V may take, after logits and prefill reserves")
     p.add_argument("--out", type=Path, default=None, help="write the results (JSON) here, updated after each row")
     return p.parse_args(argv)
@@ -102,7 +102,9 @@ def kv_budget(model, device, rows: int, groups: int, prompt_len: int, new_tokens
     bpt = kv_bytes_per_token(model)
     free, _ = torch.cuda.mem_get_info(device)
     vocab = model.config.vocab_size
-    reserve = rows * vocab * 20 + 2 * prefill_tokens * bpt + (2 << 30)
+    # logits: the model's [rows, V] (bf16) + the engine's float32 copy + ~2 sampling temporaries;
+    # a prefill piece's K/V and its copy; 1 GiB for activations and the allocator's slack
+    reserve = rows * vocab * (2 + 4 * 3) + 2 * prefill_tokens * bpt + (1 << 30)
     fit = int((free * fraction - reserve) // bpt)
     return max(1, min(need, fit))
 

@@ -437,3 +437,52 @@ def test_compiled_decode_step_matches_full_forward_float32():
     groups = list(engine.generate_stream(prompts, params(n=2), max_rows=4))
     assert engine.compile_decode, "compilation fell back to eager"
     check_greedy(model, groups, prompts, 2, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ prefix cache across calls
+def test_prefix_cache_next_turn_prefills_only_its_new_tokens(model):
+    """Multi-turn: turn 2's prompt extends turn 1's prompt (+ its completion + new tokens);
+    with the prefix cache it prefills only the tokens after turn 1's prompt, and its greedy
+    output equals a full forward. After a weight update the cache is not used."""
+    engine = RolloutEngine(model, sync_every=2, prefix_cache_tokens=1000)
+    p1 = random_prompts([13], seed=19)[0]
+    [g1] = engine.generate_stream([p1], params(n=2))
+    check_greedy(model, [g1], [p1], 2)
+    assert engine.stats.prefill_tokens == 13 and engine.stats.prefix_cache_hit_tokens == 0
+    p2 = p1 + g1[0].completion_ids.tolist() + [5, 6, 7]
+    other = random_prompts([9], seed=20)[0]
+    groups = list(engine.generate_stream([p2, other, p1], params(n=2)))
+    check_greedy(model, groups, [p2, other, p1], 2)
+    s = engine.stats
+    assert s.prefix_cache_hit_tokens == 13 + 13  # p2 reuses p1; p1 again: all of it
+    assert s.prefill_tokens == (len(p2) - 13) + 9
+    # turn 3 extends turn 2: turn 2's entry superseded turn 1's... and p1 was stored again
+    p3 = p2 + [1, 2]
+    [g3] = engine.generate_stream([p3], params(n=2))
+    check_greedy(model, [g3], [p3], 2)
+    assert engine.stats.prefill_tokens == 2 and engine.stats.prefix_cache_hit_tokens == len(p2)
+    engine.update_weights(model)  # new version: cached K/V are stale
+    [g4] = engine.generate_stream([p3], params(n=2))
+    assert engine.stats.prefill_tokens == len(p3) and engine.stats.prefix_cache_hit_tokens == 0
+    check_greedy(model, [g4], [p3], 2)
+
+
+def test_prefix_cache_lru_and_superseding():
+    from treerl.rollout.prefix_cache import PrefixCache, PrefixEntry
+
+    def entry(tokens, version=0):
+        n = len(tokens)
+        return PrefixEntry(tuple(tokens), [torch.zeros(1, n, 2)], [torch.zeros(1, n, 2)], torch.zeros(3), version)
+
+    c = PrefixCache(max_tokens=10)
+    c.insert(entry([1, 2, 3]))
+    c.insert(entry([1, 2, 3, 4, 5]))  # extends [1, 2, 3]: supersedes it
+    assert len(c) == 1 and c.tokens == 5
+    c.insert(entry([7, 8, 9]))
+    assert c.lookup([1, 2, 3, 4, 5, 6], 0).tokens == (1, 2, 3, 4, 5)  # now most recently used
+    assert c.lookup([1, 2], 0) is None and c.lookup([7, 8], 0) is None
+    c.insert(entry([4, 4, 4]))  # 11 tokens: evicts the least recently used, [7, 8, 9]
+    assert c.tokens == 8 and c.lookup([7, 8, 9], 0) is None and c.lookup([4, 4, 4, 1], 0) is not None
+    assert c.lookup([4, 4, 4], 1) is None and len(c) == 0 and c.tokens == 0  # other weights: all dropped
+    c.insert(entry(list(range(11)), 1))  # larger than the cache: not stored
+    assert len(c) == 0

@@ -51,6 +51,7 @@ import torch
 from .graphs import DecodeStep
 from .kv import SlotCache, rollout_attention_enabled
 from .params import SamplingParams
+from .prefix_cache import PrefixCache, PrefixEntry
 from .sampling import sample
 from .stops import StopChecker
 
@@ -124,6 +125,7 @@ class RolloutStats:
     live_rows: int = 0  # continuous batching: sum of the unfinished rows of those forwards
     generated_tokens: int = 0  # tokens in the returned completions
     recomputes: int = 0  # KV recomputations after a weight update
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     reallocations: int = 0  # continuous batching: running batch rebuilt for a longer prompt
     kv_slots: int = 0  # continuous batching: most K/V token slots held (prompt stores + row stores)
     seconds: float = 0.0
@@ -185,6 +187,10 @@ class RolloutEngine:
     ``torch.compile`` (then captured as a CUDA graph); fewer kernels per step. Falls back
     to eager if compilation fails.
 
+    ``prefix_cache_tokens`` (default 0: off): the streaming path keeps the K/V of prompts it
+    prefilled, up to this many tokens (LRU, :mod:`~treerl.rollout.prefix_cache`); a prompt
+    that extends a kept one (the next turn of a conversation) prefills only its new tokens.
+
     ``keep_stream_buffers`` (default False): keep a finished stream's device buffers, K/V
     cache and captured CUDA graphs, and reuse them in the next stream of the same shapes
     (no new captures); the memory stays held until :meth:`release_stream_buffers`.
@@ -204,6 +210,7 @@ class RolloutEngine:
         continuous: bool = True,
         keep_stream_buffers: bool = False,
         compile_decode: bool = False,
+        prefix_cache_tokens: int = 0,
     ):
         if device is not None:
             model = model.to(device)
@@ -235,6 +242,7 @@ class RolloutEngine:
         self.continuous = bool(continuous)
         self.keep_stream_buffers = bool(keep_stream_buffers)
         self.compile_decode = bool(compile_decode)
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self._stream_arena = None  # (shapes, device state) of the last stream, kept for the next
         self.stats = RolloutStats()
         self._lock = threading.RLock()
@@ -462,6 +470,38 @@ class RolloutEngine:
             self.stats.prefill_calls += 1
         self.stats.prefill_tokens += int(lens.sum())
         return cache, mask, lens.clone(), logits.to(self.logit_dtype)
+
+    def _extend(self, seq: list[int], entry: PrefixEntry) -> tuple[SlotCache, torch.Tensor, torch.Tensor]:
+        """Prefill ``seq`` whose first ``len(entry)`` tokens are ``entry``'s (their K/V and
+        logits reused): only the rest is computed. Returns ``cache`` (``len(seq)`` slots, no
+        padding), lengths ``[1]`` and the logits after the last token ``[1, V]``."""
+        dev, m = self.device, len(entry)
+        dtype = next(self.model.parameters()).dtype
+        neg = torch.finfo(dtype).min
+        cache = SlotCache(self.num_layers, len(seq))
+        for layer, k, v in zip(cache.layers, entry.keys, entry.values):
+            layer.lazy_initialization(k[None], v[None])
+            layer.keys[0, :, :m] = k
+            layer.values[0, :, :m] = v
+            layer.length = m
+        logits = entry.logits[None]
+        new = seq[m:]
+        for c0 in range(0, len(new), self.prefill_chunk_tokens):
+            c1 = min(len(new), c0 + self.prefill_chunk_tokens)
+            start = m + c0
+            position = torch.arange(start, m + c1, device=dev)
+            allowed = torch.arange(m + c1, device=dev)[None, :] <= position[:, None]  # [q, m + c1]
+            mask4 = torch.where(allowed, torch.zeros((), dtype=dtype, device=dev),
+                                torch.full((), neg, dtype=dtype, device=dev))[None, None]
+            out = self.model(
+                input_ids=torch.tensor([new[c0:c1]], dtype=torch.int64, device=dev), position_ids=position[None],
+                attention_mask=mask4, past_key_values=cache, use_cache=True, logits_to_keep=1,
+            )
+            logits = out.logits[:, -1].to(self.logit_dtype)
+            self.stats.prefill_calls += 1
+        self.stats.prefill_tokens += len(new)
+        self.stats.prefix_cache_hit_tokens += m
+        return cache, torch.tensor([len(seq)], device=dev), logits
 
     def _decode(self, b: _Batch, step: int) -> torch.Tensor:
         """Feed every row's token ``step - 1``; returns the next logits ``[R, V]``."""

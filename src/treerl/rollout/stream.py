@@ -58,6 +58,7 @@ import torch
 from .graphs import DecodeStep
 from .shared import SharedPrefixCache
 from .params import SamplingParams
+from .prefix_cache import PrefixEntry
 from .sampling import sample
 from .stops import StopChecker
 
@@ -439,14 +440,23 @@ class RunningBatch:
             while end < len(prompts) and tokens + len(prompts[end]) <= e.prefill_chunk_tokens:
                 tokens += len(prompts[end])
                 end += 1
-            distinct: dict[tuple[int, ...], int] = {}
-            src = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts[start:end]]
-            part = rows[start * G : end * G]
-            logits = self._load(slots[start:end], [list(t) for t in distinct], src, part,
-                                [s for s in src for _ in range(G)], [len(p) for p in prompts[start:end]])
-            self.logits[torch.as_tensor(part, device=e.device)] = logits.repeat_interleave(G, dim=0)
+            todo = list(range(start, end))
+            if e.prefix_cache is not None:  # prompts extending a cached one: their new tokens only
+                hits = [(i, e.prefix_cache.lookup(prompts[i], e.version)) for i in todo]
+                for i, entry in hits:
+                    if entry is not None:
+                        self._load_rows_of([i], slots, prompts, rows, prefilled=e._extend(prompts[i], entry))
+                todo = [i for i, entry in hits if entry is None]
+            if todo:
+                self._load_rows_of(todo, slots, prompts, rows)
             start = end
         version = e.version
+        if e.prefix_cache is not None:
+            for i, p in enumerate(prompts):
+                e.prefix_cache.insert(PrefixEntry(
+                    tuple(p), [layer.pk[slots[i], :, : len(p)].clone() for layer in self.cache.layers],
+                    [layer.pv[slots[i], :, : len(p)].clone() for layer in self.cache.layers],
+                    self.logits[rows[i * G]].clone(), version))
         for i, (key, _) in enumerate(items):
             self.groups[key] = _GroupState(torch.tensor(prompts[i], dtype=torch.int64))
             self.gkey[slots[i]] = key
@@ -462,15 +472,31 @@ class RunningBatch:
         e.stats.waves += 1
         return rows
 
+    def _load_rows_of(self, items: list[int], slots: np.ndarray, prompts: list[list[int]], rows: np.ndarray,
+                      prefilled=None) -> None:
+        """Load prompts ``items`` (indices into the admission) into their group slots and
+        set their rows' pending logits."""
+        G = self.G
+        distinct: dict[tuple[int, ...], int] = {}
+        src = [distinct.setdefault(tuple(prompts[i]), len(distinct)) for i in items]
+        part = np.concatenate([rows[i * G : (i + 1) * G] for i in items])
+        logits = self._load(slots[items], [list(t) for t in distinct], src, part, [s for s in src for _ in range(G)],
+                            [len(prompts[i]) for i in items], prefilled)
+        self.logits[torch.as_tensor(part, device=self.e.device)] = logits.repeat_interleave(G, dim=0)
+
     def _load(self, slots: np.ndarray, seqs: list[list[int]], group_src: list[int], rows: np.ndarray,
-              row_src: list[int], plen: list[int]) -> torch.Tensor:
+              row_src: list[int], plen: list[int], prefilled=None) -> torch.Tensor:
         """Prefill ``seqs`` (each a prompt followed by tokens a row fed); group slot
         ``slots[i]`` gets the prompt (its first ``plen[i]`` tokens) of ``seqs[group_src[i]]``,
         row ``rows[j]`` the rest of ``seqs[row_src[j]]`` as its own tokens (K/V, masks,
         fill, positions). Returns the logits after the last token of each group's sequence
-        ``[len(slots), V]``."""
+        ``[len(slots), V]``. ``prefilled``: ``(cache, lengths, logits)`` of ``seqs`` already
+        computed (a prefix-cache hit), instead of a prefill."""
         e, dev, G = self.e, self.e.device, self.G
-        tmp, _, lens, logits = e._prefill(seqs, capacity=max(len(s) for s in seqs))
+        if prefilled is None:
+            tmp, _, lens, logits = e._prefill(seqs, capacity=max(len(s) for s in seqs))
+        else:
+            tmp, lens, logits = prefilled
         if self.cache is None:
             k, v = tmp.layers[0].keys, tmp.layers[0].values
             self.cache = SharedPrefixCache(e.num_layers, self.NG, G, self.P, self.N, k.shape[1], k.shape[3],
