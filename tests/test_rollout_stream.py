@@ -486,3 +486,92 @@ def test_prefix_cache_lru_and_superseding():
     assert c.lookup([4, 4, 4], 1) is None and len(c) == 0 and c.tokens == 0  # other weights: all dropped
     c.insert(entry(list(range(11)), 1))  # larger than the cache: not stored
     assert len(c) == 0
+
+
+# ------------------------------------------------------------------ CUDA (skipped without a GPU)
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float32, 16), (torch.float16, 64)])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_two_level_attention_kernel(dtype, D):
+    """The CUDA memory-efficient kernel (with LSE) is usable here, and two-level attention
+    through it agrees with the exact float64 reference to the dtype's rounding."""
+    from treerl.rollout.shared import _efficient_ok, two_level_attention
+
+    dev = "cuda"
+    assert _efficient_ok(str(torch.device(dev, torch.cuda.current_device())), dtype, D, D), "fast path not usable"
+    g = torch.Generator(device=dev).manual_seed(0)
+    NG, G, Hkv, gq, P, L = 4, 8, 2, 2, 1040, 96
+    B, Hq = NG * G, Hkv * gq
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float64)
+
+    q, pk, pv, ok, ov = rnd(B, Hq, 1, D), rnd(NG, Hkv, P, D), rnd(NG, Hkv, P, D), rnd(B, Hkv, L, D), rnd(B, Hkv, L, D)
+    plen = torch.tensor([1040, 500, 1, 77], device=dev)
+    olen = torch.randint(1, L + 1, (B,), generator=g, device=dev)
+
+    def masks(dt):
+        zero, neg = torch.zeros((), dtype=dt, device=dev), torch.tensor(torch.finfo(dt).min, dtype=dt, device=dev)
+        pm = torch.where(torch.arange(P, device=dev)[None] < plen[:, None], zero, neg)[:, None, None]
+        om = torch.where(torch.arange(L, device=dev)[None] < olen[:, None], zero, neg)[:, None, None]
+        return om, pm
+
+    ref = two_level_attention(q, ok, ov, *masks(torch.float64)[:1], pk, pv, masks(torch.float64)[1], D ** -0.5, G)
+    om, pm = masks(dtype)
+    c = [t.to(dtype) for t in (q, ok, ov, pk, pv)]
+    out = two_level_attention(c[0], c[1], c[2], om, c[3], c[4], pm, D ** -0.5, G, efficient=True)
+    slow = two_level_attention(c[0], c[1], c[2], om, c[3], c[4], pm, D ** -0.5, G, efficient=False)
+    tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}[dtype]
+    assert (out.double() - ref).abs().max() <= tol
+    assert (out.double() - slow.double()).abs().max() <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
+def test_cuda_graph_stream_kept_buffers_prefix_cache(compile_decode):
+    """CUDA graphs per (group slots, own slots) bucket, reused by a second stream through
+    keep_stream_buffers, prefix-cache hits, compaction; optionally compiled: greedy equals
+    the eager stream and float32 logprobs equal a float64 full forward to 2e-4 (TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny(torch.float32, seed=2).cuda()
+    prompts = random_prompts([9, 30, 3, 17, 5, 12, 21, 2, 8, 14], seed=6)
+    graphed = RolloutEngine(model, sync_every=4, keep_stream_buffers=True, compile_decode=compile_decode,
+                            prefix_cache_tokens=4096)
+    eager = RolloutEngine(model, cuda_graphs=False)
+    key = lambda gs: [[c.completion_ids.tolist() for c in g] for g in sorted(gs, key=lambda g: g.prompt_index)]  # noqa: E731
+    a = list(graphed.generate_stream(prompts, params(n=2), max_rows=8))
+    b = list(eager.generate_stream(prompts, params(n=2), max_rows=8))
+    assert key(a) == key(b)
+    turn2 = [p + [1, 2, 3] for p in prompts]
+    c = list(graphed.generate_stream(turn2, params(n=2), max_rows=8))  # same shapes: buffers, graphs reused
+    assert graphed.stats.prefix_cache_hit_tokens == sum(len(p) for p in prompts)
+    assert key(c) == key(eager.generate_stream(turn2, params(n=2), max_rows=8))
+    if compile_decode:
+        assert graphed.compile_decode, "compilation fell back to eager"
+    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
+    for g in c:
+        for comp in g:
+            ref = completion_logprobs(reference, turn2[g.prompt_index], comp.completion_ids.tolist())
+            assert torch.allclose(comp.logprobs.double(), ref, atol=2e-4), (comp.logprobs - ref).abs().max()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_prompt_kv_memory_is_stored_once():
+    """4 prompts of 1000 tokens x G=16 (64 rows): the running batch's K/V slots are one prompt
+    store per group + the rows' own tokens (not rows x (prompt + new)), and peak memory
+    follows: far below what per-row prompt copies would need."""
+    model = build_model("qwen3", "small", dtype=torch.bfloat16, seed=1).cuda()
+    prompts = random_prompts([1000] * 4, seed=3)
+    engine = RolloutEngine(model, sync_every=8)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    groups = list(engine.generate_stream(prompts, SamplingParams(n=16, temperature=1.0, max_new_tokens=32, seed=0)))
+    assert len(groups) == 4 and all(len(c) == 32 for g in groups for c in g)
+    assert engine.stats.kv_slots == 4 * (1008 + 16 * 32)
+    per_token = model.config.num_hidden_layers * model.config.num_key_value_heads * 2 * 32 * 2
+    copies = 64 * (1000 + 32) * per_token  # what per-row prompt copies alone would take (~135 MB)
+    assert torch.cuda.max_memory_allocated() - base < copies / 2

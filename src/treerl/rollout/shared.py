@@ -219,6 +219,6 @@ def two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefi
     o_pre = o_pre.reshape(NGb, Hkv, G, gq, Dv).transpose(1, 2).reshape(B, Hkv, gq, Dv)
     l_pre = l_pre.reshape(NGb, Hkv, G, gq).transpose(1, 2).reshape(B, Hkv, gq)
     acc = l_own.dtype
-    w = torch.sigmoid(l_pre - l_own)[..., None]  # weight of the prefix part
-    out = o_pre.to(acc) * w + o_own.to(acc) * (1 - w)
+    w = torch.sigmoid(l_pre - l_own)[..., None]  # weight of the prefix part: Z_pre / (Z_pre + Z_own)
+    out = torch.lerp(o_own.to(acc), o_pre.to(acc), w)
     return out.to(query.dtype).reshape(B, 1, Hq, Dv)
