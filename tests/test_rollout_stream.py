@@ -518,9 +518,11 @@ def test_cuda_two_level_attention_kernel(dtype, D):
         om = torch.where(torch.arange(L, device=dev)[None] < olen[:, None], zero, neg)[:, None, None]
         return om, pm
 
-    ref = two_level_attention(q, ok, ov, *masks(torch.float64)[:1], pk, pv, masks(torch.float64)[1], D ** -0.5, G)
     om, pm = masks(dtype)
     c = [t.to(dtype) for t in (q, ok, ov, pk, pv)]
+    r = [t.double() for t in c]  # float64 reference on the same (rounded) inputs
+    om64, pm64 = masks(torch.float64)
+    ref = two_level_attention(r[0], r[1], r[2], om64, r[3], r[4], pm64, D ** -0.5, G)
     out = two_level_attention(c[0], c[1], c[2], om, c[3], c[4], pm, D ** -0.5, G, efficient=True)
     slow = two_level_attention(c[0], c[1], c[2], om, c[3], c[4], pm, D ** -0.5, G, efficient=False)
     tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}[dtype]
