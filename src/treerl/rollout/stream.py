@@ -609,8 +609,7 @@ class RunningBatch:
             step = self.steps_cache[(hg, own_len)] = _TwoLevelStep(e, self, hg, own_len, pre_len)
         elif self.exact:
             step.prefix_mask = self.prefix_mask[:hg, None, None, :pre_len]
-        logits = step()
-        self.logits[:hi] = logits[:, -1].to(e.logit_dtype)
+        step()  # writes the logits of rows [:hi] into self.logits
         self.fill += self.live_d
         self.pos += self.live_d
         self.fill_h[self.live] += 1
@@ -622,7 +621,8 @@ class RunningBatch:
 
 class _TwoLevelStep:
     """One-token decode step over group slots ``[:hg]`` (rows ``[:hg*G]``) attending to
-    ``own_len`` own slots per row and the prefix store: inputs are views of the batch's
+    ``own_len`` own slots per row and the prefix store, writing the next-token logits into
+    the batch's ``logits[:hi]``: inputs and output are views of the batch's
     persistent tensors, so with ``engine.cuda_graphs`` it is captured as a graph at its
     first use and replayed after (:class:`~treerl.rollout.graphs.DecodeStep`)."""
 
@@ -634,6 +634,7 @@ class _TwoLevelStep:
         self.index = batch.fill[:hi]
         self.own_mask = batch.own_mask[:hi, None, None, :own_len]
         self.prefix_mask = batch.prefix_mask[:hg, None, None, :pre_len]
+        self.out = batch.logits[:hi]
         self.step = DecodeStep(engine, self._forward)
 
     def _forward(self) -> torch.Tensor:
@@ -641,10 +642,13 @@ class _TwoLevelStep:
         # own_len from a shape (not a Python int attribute): compiled steps stay shape-generic
         cache.write_index, cache.own_len, cache.prefix_mask = self.index, self.own_mask.shape[-1], self.prefix_mask
         try:
-            return self.engine.model(
+            logits = self.engine.model(
                 input_ids=self.ids, position_ids=self.pos, attention_mask=self.own_mask,
                 past_key_values=cache, use_cache=True, rollout_static=True, rollout_prefix=cache,
             ).logits
+            # into the batch's logits buffer (in the graph: the model's logits are a temporary
+            # of the shared pool, not an output kept alive per graph)
+            return self.out.copy_(logits[:, -1])
         finally:
             cache.write_index = cache.prefix_mask = None
 
