@@ -426,6 +426,7 @@ class Trainer:
             forwards["values"] = self.critic
         fields.update(self._forwards(forwards, seqs, tree, dtype))
         timings["forward"] = time.perf_counter() - t1
+        mismatch = self._rollout_mismatch(samples, fields) if "proximal_logprobs" in forwards else {}
         advantages = self.advantages(samples, fields)
 
         t2 = time.perf_counter()
@@ -475,7 +476,18 @@ class Trainer:
             "completion/mean_tokens": rollout_tokens / max(1, len(samples)),
         }
         out.update({("loss/" + k if "/" not in k else k): float(np.mean(v)) for k, v in metrics_acc.items()})
+        out.update(mismatch)
         return out
+
+    def _rollout_mismatch(self, samples: list[Sample], fields: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+        """Rollout/trainer agreement: ``|logp_rollout - logp_train|`` (mean, max) over trained
+        tokens sampled with the current weights, the trainer's from its proximal forward."""
+        diffs = [(prox - behav).abs()[torch.tensor(s.loss_mask) & (torch.tensor(s.versions) == self.rollout.version)]
+                 for s, behav, prox in zip(samples, fields["behaviour_logprobs"], fields["proximal_logprobs"])]
+        d = torch.cat(diffs) if diffs else torch.zeros(0)
+        if not len(d):
+            return {}
+        return {"rollout/logp_mismatch_mean": float(d.double().mean()), "rollout/logp_mismatch_max": float(d.max())}
 
     def _forwards(self, engines: dict[str, TreeEngine], seqs: list[torch.Tensor], tree: PrefixTree,
                   dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
@@ -555,6 +567,8 @@ class Trainer:
         return PolicyLossConfig(
             ratio=a.ratio, eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip,
             behaviour_weight_cap=a.behaviour_weight_cap, aggregation=a.aggregation, norm_constant=a.norm_constant,
+            # TIS (truncate at the cap instead of masking): an AlgorithmConfig field once config.py has it
+            behaviour_weight_truncate=bool(getattr(a, "behaviour_weight_truncate", False)),
             kl_coef=a.kl_coef if self.reference is not None and a.advantage != "reinforce_pp" else 0.0,
             kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
         )

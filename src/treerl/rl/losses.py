@@ -37,6 +37,9 @@ class PolicyLossConfig:
     behaviour_weight_cap: decoupled PPO; tokens whose behaviour weight
         ``exp(logp_prox - logp_behav)`` exceeds it are *masked* from the policy-gradient
         term (they still count in the normaliser, like AReaL). None = no cap.
+    behaviour_weight_truncate: with a cap, *truncate* the weight at it instead of masking
+        (truncated importance sampling, TIS: ``w = min(exp(prox - behav), cap)``), the
+        correction for rollout/trainer logprob mismatch (bf16 generation vs training).
     aggregation, norm_constant: see :mod:`treerl.rl.aggregation`.
     kl_coef, kl_estimator: ``+ kl_coef * aggregated KL(pi || pi_ref)`` (k1, k2 or k3).
     entropy_coef: ``- entropy_coef * aggregated entropy`` (needs entropies).
@@ -47,6 +50,7 @@ class PolicyLossConfig:
     eps_high: float = 0.2
     dual_clip: float | None = None
     behaviour_weight_cap: float | None = None
+    behaviour_weight_truncate: bool = False
     aggregation: str = "token-mean"
     norm_constant: float | None = None
     kl_coef: float = 0.0
@@ -175,6 +179,8 @@ class PolicyLoss(_SeparableLoss):
         log_w = torch.where(b.loss_mask, b.proximal_logprobs - b.behaviour_logprobs, 0.0)
         raw = torch.exp(log_w)
         cap = self.config.behaviour_weight_cap
+        if cap is not None and self.config.behaviour_weight_truncate:
+            return torch.where(b.loss_mask, raw.clamp(max=cap), torch.zeros_like(raw)), raw
         keep = b.loss_mask if cap is None else b.loss_mask & (raw <= cap)
         return torch.where(keep, raw, torch.zeros_like(raw)), raw
 
@@ -189,7 +195,7 @@ class PolicyLoss(_SeparableLoss):
                 "behaviour_weight_mean": torch.where(m, raw, 0.0).sum().double() / m.sum().clamp(min=1),
                 "behaviour_weight_max": torch.where(m, raw, -torch.inf).max(),
                 "behaviour_weight_min": torch.where(m, raw, torch.inf).min(),
-                "behaviour_weight_capped_fraction": (m & (w == 0)).sum().double() / m.sum().clamp(min=1),
+                "behaviour_weight_capped_fraction": (m & (w < raw)).sum().double() / m.sum().clamp(min=1),
             }
 
     def __call__(
