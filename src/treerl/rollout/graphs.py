@@ -40,17 +40,17 @@ def capture_decode_step(engine, forward) -> tuple[torch.cuda.CUDAGraph | None, t
 
 
 def compiled(engine, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """``forward`` through ``torch.compile`` (fused kernels: fewer launches per step). Ints
-    that change between buckets are read from tensor shapes, so dynamo's automatic
-    dynamic shapes compile a bucket-independent graph after the second shape. If the
-    compilation fails, warns and runs ``forward`` eagerly (and the engine stops compiling)."""
+    """``forward`` through ``torch.compile`` (fused kernels: fewer launches per step), with
+    dynamic shapes: one compilation serves every (rows, attended slots) bucket (sizes that
+    change between buckets are read from tensor shapes). If the compilation fails, warns
+    and runs ``forward`` eagerly (and the engine stops compiling)."""
     import torch._dynamo
 
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), 64 if "accumulated" not in name else 512))
-    fn = torch.compile(forward)
+    fn = torch.compile(forward, dynamic=True)
     state = {"fn": fn, "tried": False}
 
     def run() -> torch.Tensor:
