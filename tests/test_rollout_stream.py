@@ -501,6 +501,9 @@ def test_cuda_two_level_attention_kernel(dtype, D):
 
     dev = "cuda"
     assert _efficient_ok(str(torch.device(dev, torch.cuda.current_device())), dtype, D, D), "fast path not usable"
+    # views of unaligned lengths (eager steps) may or may not run on the kernel: reported, not required
+    print("unaligned lengths on the kernel:", _efficient_ok(str(torch.device(dev, torch.cuda.current_device())),
+                                                            dtype, D, D, True))
     g = torch.Generator(device=dev).manual_seed(0)
     NG, G, Hkv, gq, P, L = 4, 8, 2, 2, 1040, 96
     B, Hq = NG * G, Hkv * gq

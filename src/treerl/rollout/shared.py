@@ -74,6 +74,7 @@ class SharedPrefixCache(Cache):
         self.prefix_capacity, self.own_capacity = prefix_capacity, own_capacity
         # the CUDA kernel with LSE, if it runs here (probed now: never inside a capture or a compile)
         self.efficient = device.type == "cuda" and _efficient_ok(str(device), dtype, head_dim, value_dim)
+        self.efficient_unaligned = self.efficient and _efficient_ok(str(device), dtype, head_dim, value_dim, True)
         self.write_index: torch.Tensor | None = None
         self.own_len: int = own_capacity
         self.prefix_mask: torch.Tensor | None = None
@@ -100,6 +101,10 @@ class SharedPrefixCache(Cache):
         layer.ok[:s].scatter_(2, index.expand(s, h, 1, d), key_states)
         layer.ov[:s].scatter_(2, index.expand(s, h, 1, value_states.shape[-1]), value_states)
         return layer.ok[:s, :, : self.own_len], layer.ov[:s, :, : self.own_len]
+
+    def use_efficient(self, own_len: int, prefix_len: int) -> bool:
+        """Whether this step's attention runs on the CUDA kernel (else exact math)."""
+        return self.efficient and (self.efficient_unaligned or (own_len % 16 == 0 and prefix_len % 16 == 0))
 
     def prefix(self, layer_idx: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefix keys/values of group slots ``[:groups]`` over the attended slots."""
@@ -169,9 +174,10 @@ def _attend_efficient(q, k, v, mask, scale):
 
 
 @functools.lru_cache(maxsize=None)
-def _efficient_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int) -> bool:
+def _efficient_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int, unaligned: bool = False) -> bool:
     """Whether the CUDA kernel runs here and agrees with the reference (probed once per
-    device, dtype and head sizes; unaligned views are probed too)."""
+    device, dtype and head sizes) on key lengths that are multiples of 16 (the
+    fixed-shape steps), or with ``unaligned`` also on views of other lengths (eager steps)."""
     if not device.startswith("cuda") or dtype == torch.float64:
         return False
     try:
@@ -181,7 +187,7 @@ def _efficient_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int
         v = torch.randn(3, 2, 48, value_dim, device=device, dtype=dtype, generator=g)
         mask = torch.zeros(3, 1, 1, 48, device=device, dtype=dtype)
         mask[1, ..., 20:] = torch.finfo(dtype).min
-        for n in (48, 37):  # aligned, and views of 37 of the 48 slots (eager steps)
+        for n in (48, 37) if unaligned else (48,):  # views of 37 of the 48 slots: eager steps
             o1, l1 = _attend_efficient(q, k[:, :, :n], v[:, :, :n], mask[..., :n], 0.125)
             o2, l2 = _attend_math(q, k[:, :, :n], v[:, :, :n], mask[..., :n], 0.125)
             if not (torch.allclose(o1.float(), o2, atol=2e-2) and torch.allclose(l1, l2, atol=1e-3)):
