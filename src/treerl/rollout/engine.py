@@ -169,7 +169,8 @@ class RolloutEngine:
     layers, on CPU or GPU), embedded in the trainer's process.
 
     ``max_batch_tokens`` bounds the KV-cache slots of one wave (rows x (longest prompt +
-    max_new_tokens)); a single group larger than it runs alone. ``prefill_chunk_tokens``
+    max_new_tokens)) or of the continuous-batching running batch (group slots x (prompt
+    + n x max_new_tokens): prompts are stored once); a single group larger than it runs alone. ``prefill_chunk_tokens``
     bounds the (padded) tokens of one prefill forward. ``sync_every``: decode steps between
     host syncs (stop checks); stops are exact whatever its value.
 
