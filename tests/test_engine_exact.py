@@ -134,8 +134,9 @@ def engine_setups(draw, mode, alphabets=None):
     seqs = draw(forests(max_seqs=6, max_len=14, alphabets=alphabets))
     tree = PrefixTree.from_sequences(seqs)
     longest_seq = max(map(len, seqs))
-    if mode == "flat":
-        max_tokens = draw(st.integers(longest_seq, sum(map(len, seqs)) + 2))
+    if mode == "flat":  # half the time below the longest sequence: it runs as a chain of pieces
+        short = st.integers(1, max(1, longest_seq - 1))
+        max_tokens = draw(st.one_of(short, st.integers(longest_seq, sum(map(len, seqs)) + 2)))
     elif mode == "packed":
         max_tokens = draw(st.integers(max(tree_sizes(tree)), tree.num_tree_tokens + 2))
     else:
@@ -252,6 +253,45 @@ def test_packed_and_flat_several_micro_batches(gen):
             check_engine(model, seqs, mode, loss, max_tokens=max_tokens, separable=separable)
             if separable:  # one loss call per micro-batch, each with its own sequences
                 assert len(loss.calls) == len(plan.segments)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4, 10, 14])
+@pytest.mark.parametrize("loss_kind", ["separable", "coupled", "gspo"])
+def test_flat_sequences_longer_than_max_tokens(max_tokens, loss_kind, gen):
+    """flat runs a sequence longer than max_tokens as a chain of pieces (each after the
+    earlier pieces' K/V); sequences that fit are still packed several per call. Both the
+    two-phase path (non-separable loss) and separable losses, with entropies."""
+    seqs = sorted(shaped_forest(gen, SPEC), key=len)  # flat keeps the input order: short ones adjacent
+    lengths = list(map(len, seqs))
+    assert lengths[-1] == 15 and lengths[:4] == [5, 8, 8, 8]
+    model = get_model("qwen3")
+    plan = TreeEngine(model, "flat", max_tokens=max_tokens).plan(seqs)
+    f = plan_features(plan)
+    long = [n for n in lengths if n > max_tokens]
+    assert f["chains"] == sum(-(-n // max_tokens) - 1 for n in long) >= 1, f
+    assert f["recomputed"] == f["chains"] and f["with_prefix"] == f["chains"], f
+    assert max(s.size for s in plan.segments) <= max_tokens
+    assert plan.peak_live_tokens() <= max_tokens
+    whole = [i for i, s in enumerate(plan.segments) if s.parent < 0 and not plan.children[i]]
+    if max_tokens >= 13:  # sequences that fit still share calls (5 + 8 tokens)
+        assert len(whole) < sum(1 for n in lengths if n <= max_tokens), plan.describe()
+    if loss_kind == "gspo":
+        lps, _ = reference_logprobs(model, seqs)
+        old = [lp.detach() + 0.05 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype) for lp in lps]
+        loss, entropy = GSPO(seqs, gen, old), False
+    else:
+        loss, entropy = RandomLoss.make(seqs, gen, coupled=loss_kind == "coupled"), True
+    for separable in (False, True) if loss_kind != "coupled" else (False,):
+        check_engine(model, seqs, "flat", loss, max_tokens=max_tokens, separable=separable, entropy=entropy)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_flat_chained_every_family(variant, dtype, gen):
+    seqs = shaped_forest(gen, SPEC)
+    model = get_model(variant, dtype)
+    loss = RandomLoss.make(seqs, gen, coupled=True, one_sign=dtype == torch.float32)
+    check_engine(model, seqs, "flat", loss, max_tokens=6, entropy=True, logits_chunk_elements=VOCAB)
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5, 11, 12, 40])
@@ -433,7 +473,7 @@ def test_single_token_sequences_only():
 )
 def test_plan_invariants(seqs, mode, max_tokens, chunk):
     tree = PrefixTree.from_sequences(seqs, share_prefixes=mode != "flat")
-    if mode in ("flat", "packed"):
+    if mode == "packed":
         max_tokens = max(max_tokens, max(tree_sizes(tree)))
     plan = make_plan(tree, mode, max_tokens, chunk)
     n = tree.num_tree_tokens
@@ -443,10 +483,13 @@ def test_plan_invariants(seqs, mode, max_tokens, chunk):
     assert sorted(t for s in segs for t in range(s.start, s.end)) == list(range(n))
     budget = chunk if mode == "dfs" else max_tokens
     assert all(0 < s.size <= budget for s in segs)
-    if mode in ("flat", "packed"):
+    if mode == "packed":
         assert plan.single_level
     else:
         assert plan.peak_live_tokens() <= budget
+    if mode == "flat":  # chains exactly for the sequences longer than the budget
+        assert plan.single_level == (max(tree_sizes(tree)) <= max_tokens)
+        assert sum(map(bool, plan.children)) == sum(max(0, -(-size // max_tokens) - 1) for size in tree_sizes(tree))
     parent = tree.parent.tolist()
     for i, s in enumerate(segs):
         assert plan.children[i] == [j for j, c in enumerate(segs) if c.parent == i]

@@ -129,12 +129,22 @@ def test_tree_too_large_names_an_input_sequence():
         TreeEngine(model, "packed", max_tokens=5).logprobs(seqs)
 
 
-def test_sequence_larger_than_max_tokens_flat(gen):
+def test_sequence_larger_than_max_tokens_flat_runs_chained(gen):
+    """flat accepts any length: a sequence over max_tokens runs as a chain of pieces
+    (exactness of such plans: test_engine_exact.py); packed still refuses the tree."""
     model = get_model("qwen2")
     shared = random_seq(gen, 6)
     seqs = [shared, shared + random_seq(gen, 3), random_seq(gen, 2, exclude=(shared[0],))]  # flat: 9 tokens
-    assert_refused(model, "flat", seqs, TreeTooLargeError, ["sequence 1", "9 tokens", "max_tokens=8"], max_tokens=8)
-    TreeEngine(model, "flat", max_tokens=9).logprobs(seqs)
+    ref, _ = reference_logprobs(model, seqs)
+    for max_tokens in (1, 4, 8, 9):
+        engine = TreeEngine(model, "flat", max_tokens=max_tokens)
+        plan = engine.plan(seqs)
+        assert max(s.size for s in plan.segments) <= max_tokens
+        assert plan.single_level == (max_tokens >= 9)
+        for got, want in zip(engine.logprobs(seqs), ref):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-9, atol=1e-9)
+    assert_refused(model, "packed", seqs, TreeTooLargeError, ["sequences 0, 1", "9 tokens", "max_tokens=8", "whole"],
+                   max_tokens=8)
     TreeEngine(model, "packed", max_tokens=9).logprobs(seqs)  # shared: the tree has 9 tokens too
 
 

@@ -7,7 +7,9 @@ is exactly the tokens of its ancestor segments, all of which it may attend.
 
 Every engine mode is a plan; the executor is shared:
 - ``packed``: whole trees, several per call up to ``max_tokens``; no prefixes.
-- ``flat``: ``packed`` over the unshared layout (one chain per sequence).
+- ``flat``: ``packed`` over the unshared layout (one chain per sequence); a sequence
+  longer than ``max_tokens`` runs as a chain of pieces of ``max_tokens`` (the first piece
+  takes the remainder), each piece after the earlier pieces' keys/values, so any length runs.
 - ``dfs``: depth-first (AReaL-DTA): a node per call (split into ``chunk_tokens`` pieces),
   consecutive small sibling subtrees batched into one call up to ``chunk_tokens``.
 - ``auto``: whole subtrees packed up to ``max_tokens``; nodes of a tree too large for the
@@ -141,6 +143,10 @@ class _Planner:
         return len(self.raw) - 1
 
     def whole_trees(self, mode: str, budget: int) -> None:
+        if mode == "flat":
+            # Sequences that fit are packed several per call; a longer one runs as a chain.
+            self._group(self.roots, parent=-1, budget=budget, oversized=self._tail_aligned_chain(budget))
+            return
         sizes = [self.sub_end[r] - self.start[r] for r in self.roots]
         for root, size in zip(self.roots, sizes):
             if size > budget:
@@ -150,10 +156,30 @@ class _Planner:
                 shown = ", ".join(map(str, seqs[:5])) + (", ..." if len(seqs) > 5 else "")
                 what = f"sequence {shown}" if len(seqs) == 1 else f"the tree of sequences {shown}"
                 raise TreeTooLargeError(
-                    f"{what} has {size} tokens, more than max_tokens={budget}: raise "
-                    f"max_tokens, or use mode='auto' or 'dfs', which split large trees"
+                    f"{what} has {size} tokens, more than max_tokens={budget}, the most tokens one "
+                    f"call may hold (given, or derived from the memory budget): mode='{mode}' runs "
+                    f"every tree whole in one call; raise max_tokens or the memory budget, or use "
+                    f"mode='auto' or 'dfs', which split large trees"
                 )
         self._group(self.roots, parent=-1, budget=budget, oversized=None)
+
+    def _tail_aligned_chain(self, budget: int):
+        """``oversized`` for ``flat``: a node as pieces of ``budget`` tokens aligned to its
+        end (the first piece is the remainder), then its children grouped again.
+
+        The last piece is a leaf and holds a full budget; every earlier piece is
+        recomputed (``finish``: it plus the live set below exceeds the budget), so this
+        alignment recomputes the fewest tokens (length - budget) with the fewest calls."""
+
+        def chain(node: int, parent: int) -> None:
+            start, end = self.start[node], self.end[node]
+            first = (end - start) % budget or budget
+            bounds = [start, *range(start + first, end + 1, budget)]
+            for a, b in zip(bounds, bounds[1:]):
+                parent = self._add(a, b, parent)
+            self._group(self.kids[node], parent, budget, oversized=chain)
+
+        return chain
 
     def split(self, group_budget: int, chunk: int) -> None:
         def chain(node: int, parent: int) -> None:
