@@ -17,7 +17,7 @@ from treerl.async_rl import StalenessController, WorkLedger
 from treerl.async_rl.ledger import WorkUnit
 from treerl.async_rl.runner import AsyncRunner, WorkerInfo
 from treerl.async_rl.weights import SharedMemoryPublisher
-from treerl.async_rl.worker import Ready, Result, RolloutWorker, WorkerSpec, rollout_only_config
+from treerl.async_rl.worker import Ready, Result, RolloutWorker, WorkerSpec, _Session, rollout_only_config
 from treerl.config import Config
 
 TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
@@ -54,7 +54,7 @@ def results_until(sink, n, timeout=120):
     return out
 
 
-def test_streaming_worker_admits_units_while_generating_and_returns_each_once():
+def test_streaming_worker_admits_units_while_generating_and_returns_each_once(monkeypatch):
     cfg = make_config()
     trainer_cfg = rollout_only_config(cfg.to_dict(), "cpu")
     from treerl.trainer import Trainer
@@ -66,9 +66,27 @@ def test_streaming_worker_admits_units_while_generating_and_returns_each_once():
     assert worker.streaming
     sessions = []
     run_session = worker._run_session
-    worker._run_session = lambda s, first: (sessions.append(first.uid), run_session(s, first))[1]
+    stream_ended = threading.Event()
+
+    def tracked_session(session, first):
+        sessions.append(first.uid)
+        try:
+            return run_session(session, first)
+        finally:
+            stream_ended.set()  # the stream has ended: its queue refuses new prompts
+
+    worker._run_session = tracked_session
     decode_calls = []
-    sent = threading.Event()
+    sent, joined = threading.Event(), threading.Event()
+    session_add = _Session.add
+
+    def tracked_add(self, units):
+        added = session_add(self, units)
+        if added and any(u.uid == 1 for u in units):
+            joined.set()
+        return added
+
+    monkeypatch.setattr(_Session, "add", tracked_add)
     problems = trainer.task.train_problems(7, seed=2)
 
     def hook(module, args, kwargs, output):
@@ -77,9 +95,8 @@ def test_streaming_worker_admits_units_while_generating_and_returns_each_once():
             if len(decode_calls) == 3:  # the trainer launches two more units mid-generation
                 tasks.put([WorkUnit(1, problems[2:4], 3, rng_state(1)), WorkUnit(2, problems[4:5], 3, rng_state(2))])
                 sent.set()
-                deadline = time.monotonic() + 10
-                while (worker._session is None or worker._session.pending == [0]) and time.monotonic() < deadline:
-                    time.sleep(1e-3)
+                # hold this decode step until the feeder has queued them into the running stream
+                assert joined.wait(60), "units 1 and 2 did not reach the running stream"
 
     handle = worker.trainer.model.register_forward_hook(hook, with_kwargs=True)
     thread = threading.Thread(target=worker.serve, args=(tasks,), daemon=True)
@@ -88,7 +105,9 @@ def test_streaming_worker_admits_units_while_generating_and_returns_each_once():
         tasks.put([WorkUnit(0, problems[:2], 3, rng_state(0))])
         first = results_until(sink, 3)
         assert sent.is_set()
-        # later, after the stream has gone idle: a new session
+        # later, after the stream has ended (its last Result is sent before the stream
+        # notices it is idle, so wait for the session itself to return): a new session
+        assert stream_ended.wait(60), "the stream of units 0-2 did not end"
         tasks.put([WorkUnit(3, problems[5:7], 3, rng_state(3))])
         last = results_until(sink, 1)
     finally:
