@@ -3,14 +3,19 @@ trainer state (optimizer, scheduler, RNG, data cursor, policy version), written 
 (a temporary directory renamed into place) and pruned to the last N.
 
 Layout: ``OUT/checkpoints/step-000123/{model/, tokenizer/, trainer_state.pt, meta.json}``.
+``meta.json`` is written last and records every file's size and SHA-256: a checkpoint
+without it is incomplete, one whose files differ from it is damaged (``verify``).
+Resuming from a run directory skips damaged checkpoints for the newest intact one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +24,7 @@ import torch
 
 META = "meta.json"
 STATE = "trainer_state.pt"
+FORMAT = "treerl-checkpoint-1"
 
 
 class CheckpointError(ValueError):
@@ -57,16 +63,45 @@ def save_checkpoint(
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(tmp / "tokenizer")
     torch.save(state, tmp / STATE)
-    (tmp / META).write_text(json.dumps({"step": step, "format": "treerl-checkpoint-1"}))
+    files = {str(f.relative_to(tmp)): _file_record(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+    _write_synced(tmp / META, json.dumps({"step": step, "format": FORMAT, "files": files}, indent=1))
     _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # the same step saved again: retire the old copy first (unlisted, then gone)
+        _remove_checkpoint(final)
     os.replace(tmp, final)  # atomic on one filesystem: readers see the old or the new
     _fsync_dir(root)
+    for stale in root.glob(".tmp-step-*"):  # left by a save that was killed
+        shutil.rmtree(stale, ignore_errors=True)
     if keep_last > 0:
         for old in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_checkpoint(old)
     return final
+
+
+def verify(path: str | Path) -> None:
+    """Raise :class:`CheckpointError` naming the file and the problem unless every file
+    recorded in ``meta.json`` is present with its size and SHA-256 (older checkpoints
+    without records pass if their meta.json reads)."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path} is damaged: {path / META} is unreadable ({err})") from None
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if files is None:
+        if not isinstance(meta, dict) or "step" not in meta:
+            raise CheckpointError(f"checkpoint {path} is damaged: {path / META} has no step")
+        return
+    for name, rec in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is damaged: {f} is missing")
+        size = f.stat().st_size
+        if size != rec["size"]:
+            raise CheckpointError(f"checkpoint {path} is damaged: {f} has {size} bytes, "
+                                  f"{rec['size']} were written (truncated or overwritten)")
+        if _sha256(f) != rec["sha256"]:
+            raise CheckpointError(f"checkpoint {path} is damaged: {f} does not match its checksum")
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
@@ -77,15 +112,31 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if (p / META).is_file())
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run / checkpoints directory (its newest checkpoint)."""
+def resolve_checkpoint(path: str | Path, *, skip_damaged: bool = False) -> Path:
+    """A checkpoint directory, or a run / checkpoints directory (its newest checkpoint),
+    verified (:func:`verify`). With ``skip_damaged`` a run directory's damaged newest
+    checkpoints are passed over, with a note on stderr, for the newest intact one."""
     path = Path(path)
     if (path / META).is_file():
+        _verify_once(path)
         return path
     for root in (path / "checkpoints", path):
         found = list_checkpoints(root)
-        if found:
-            return found[-1]
+        if not found:
+            continue
+        errors = []
+        for candidate in reversed(found):
+            try:
+                _verify_once(candidate)
+            except CheckpointError as err:
+                if not skip_damaged:
+                    raise CheckpointError(f"{err}{_intact_hint(found[:-1])}") from None
+                errors.append(err)
+                continue
+            for err in errors:
+                print(f"treerl: skipping a damaged checkpoint: {err}; using {candidate}", file=sys.stderr)
+            return candidate
+        raise CheckpointError(f"every checkpoint under {root} is damaged: " + "; ".join(map(str, errors)))
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
     raise CheckpointError(f"{path} is not a treerl checkpoint (no {META}) and holds none")
@@ -94,6 +145,57 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def load_state(checkpoint: str | Path) -> dict:
     path = resolve_checkpoint(checkpoint)
     return torch.load(path / STATE, map_location="cpu", weights_only=False)
+
+
+def _intact_hint(older: list[Path]) -> str:
+    for candidate in reversed(older):
+        try:
+            _verify_once(candidate)
+        except CheckpointError:
+            continue
+        return f"; the newest intact checkpoint is {candidate} (pass it instead)"
+    return "; no older intact checkpoint is left"
+
+
+def _verify_once(path: Path) -> None:
+    """:func:`verify`, remembered per (path, meta.json mtime) so a resume hashes once."""
+    try:
+        key = (str(path.resolve()), (path / META).stat().st_mtime_ns)
+    except OSError:
+        key = None
+    if key is not None and key in _VERIFIED:
+        return
+    verify(path)
+    if key is not None:
+        _VERIFIED.add(key)
+
+
+_VERIFIED: set[tuple[str, int]] = set()
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Unlist first (meta.json), then delete: a kill midway leaves no half checkpoint listed."""
+    (path / META).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _file_record(f: Path) -> dict:
+    return {"size": f.stat().st_size, "sha256": _sha256(f)}
+
+
+def _sha256(f: Path) -> str:
+    h = hashlib.sha256()
+    with f.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

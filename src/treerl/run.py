@@ -111,6 +111,8 @@ def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None
     Under torchrun (WORLD_SIZE > 1) every rank runs this: the Trainer joins the process
     group and shards the policy, each rank rolls out its share of the prompts, and rank 0
     alone writes logs, metrics and checkpoints (README, "Multi-GPU")."""
+    if resume:  # a run directory: its newest intact checkpoint (damaged ones are skipped, with a note)
+        resume = resolve_checkpoint(resume, skip_damaged=True)
     if cfg.async_.enabled:
         from .async_rl import train_async
 

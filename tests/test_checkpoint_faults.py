@@ -1,0 +1,201 @@
+"""Damaged and interrupted checkpoints: meta.json records every file's size and SHA-256;
+`eval` names the damaged file and the problem, `train --resume` skips a damaged newest
+checkpoint for the newest intact one and says so, and a save killed (SIGKILL, a real
+child process) at any point between its files leaves the previous checkpoint usable."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from treerl import checkpoint as ckpt
+from treerl.cli import main
+from treerl.config import Config
+from treerl.run import train
+
+TINY = "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}"
+
+
+def overrides(out, *extra):
+    return ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "model.dtype=float64",
+            "rollout.prompts_per_step=2", "rollout.group_size=3", "train.eval_problems=4", "train.eval_every=0",
+            "train.tensorboard=false", "train.progress=false", f"train.out_dir={out}", "train.keep_last=3", *extra]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A finished 2-step run with checkpoints step-1 and step-2 (copied per test)."""
+    out = tmp_path_factory.mktemp("run")
+    train(Config.from_yaml(None, overrides(out, "train.steps=2", "train.save_every=1")))
+    assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step-000001", "step-000002"]
+    return out
+
+
+@pytest.fixture
+def run(run_dir, tmp_path):
+    import shutil
+
+    dst = tmp_path / "run"
+    shutil.copytree(run_dir, dst)
+    return dst
+
+
+def newest(run):
+    return run / "checkpoints" / "step-000002"
+
+
+def test_meta_records_size_and_checksum_of_every_file(run):
+    meta = json.loads((newest(run) / "meta.json").read_text())
+    assert "model/model.safetensors" in meta["files"] and "trainer_state.pt" in meta["files"]
+    rec = meta["files"]["model/model.safetensors"]
+    assert rec["size"] == (newest(run) / "model" / "model.safetensors").stat().st_size and len(rec["sha256"]) == 64
+    ckpt.verify(newest(run))
+
+
+def truncate(f: Path):
+    f.write_bytes(f.read_bytes()[:7])
+
+
+def flip_byte(f: Path):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated weights": (lambda c: truncate(c / "model" / "model.safetensors"), "model.safetensors has 7 bytes"),
+    "flipped byte in weights": (lambda c: flip_byte(c / "model" / "model.safetensors"), "does not match its checksum"),
+    "missing trainer state": (lambda c: (c / "trainer_state.pt").unlink(), "trainer_state.pt is missing"),
+    "truncated trainer state": (lambda c: truncate(c / "trainer_state.pt"), "trainer_state.pt has 7 bytes"),
+    "missing model config": (lambda c: (c / "model" / "config.json").unlink(), "config.json is missing"),
+    "corrupt meta.json": (lambda c: (c / "meta.json").write_text("{not json"), "meta.json is unreadable"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_eval_of_a_damaged_checkpoint_names_the_file_and_the_problem(run, damage, capsys):
+    apply, message = DAMAGE[damage]
+    apply(newest(run))
+    assert main(["eval", str(run), "-n", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "is damaged" in err and message in err, err
+    assert "step-000001 (pass it instead)" in err, err  # the way out
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "flipped byte in weights", "missing trainer state"])
+def test_resume_skips_a_damaged_newest_checkpoint_and_says_so(run, damage, capsys):
+    DAMAGE[damage][0](newest(run))
+    cfg = Config.from_yaml(None, overrides(run, "train.steps=3", "train.save_every=1"))
+    out = train(cfg, resume=run)
+    err = capsys.readouterr().err
+    assert "skipping a damaged checkpoint" in err and "step-000002" in err and "using" in err, err
+    assert "resumed from" in err and "step 1," in err, err
+    assert Path(out["checkpoint"]).name == "step-000003"
+    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines() if '"step"' in l]
+    assert steps == sorted(set(steps)), steps  # no step logged twice
+
+
+def test_resume_with_every_checkpoint_damaged_is_a_clear_error(run, capsys):
+    for c in ckpt.list_checkpoints(run / "checkpoints"):
+        truncate(c / "model" / "model.safetensors")
+    code = main(["train", *overrides(run, "train.steps=3"), "--resume", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "every checkpoint under" in err and "is damaged" in err, err
+
+
+def test_eval_of_an_intact_older_checkpoint_still_works(run, capsys):
+    truncate(newest(run) / "model" / "model.safetensors")
+    assert main(["eval", str(run / "checkpoints" / "step-000001"), "-n", "2"]) == 0
+    assert "accuracy" in capsys.readouterr().out
+
+
+# -------------------------------------------------- a save killed at any point
+CHILD = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    from safetensors.torch import save_file
+    from treerl import checkpoint as ckpt
+
+    class Model:  # a stand-in with the HF saving interface (no transformers import: fast)
+        def __init__(self, value):
+            self.w = torch.full((64,), float(value))
+        def save_pretrained(self, path, safe_serialization=True):
+            os.makedirs(path, exist_ok=True)
+            save_file({"w": self.w}, os.path.join(path, "model.safetensors"))
+            with open(os.path.join(path, "config.json"), "w") as f:
+                f.write("{}")
+
+    def die(*_a, **_k):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def after(fn):
+        def wrapped(*a, **k):
+            out = fn(*a, **k)
+            die()
+            return out
+        return wrapped
+
+    root, point, keep_last = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ckpt.save_checkpoint(root, 1, Model(1), None, {"step": 1}, keep_last=keep_last)
+    model = Model(2)
+    if point == "after_weights":
+        model.save_pretrained = after(model.save_pretrained)
+    elif point == "after_state":
+        ckpt.torch.save = after(ckpt.torch.save)
+    elif point == "after_meta":
+        ckpt._write_synced = after(ckpt._write_synced)
+    elif point == "after_rename":
+        ckpt.os.replace = after(ckpt.os.replace)
+    elif point == "while_pruning":
+        real = ckpt._remove_checkpoint
+        def half(path):
+            (path / ckpt.META).unlink()
+            die()
+        ckpt._remove_checkpoint = half
+    ckpt.save_checkpoint(root, 2, model, None, {"step": 2}, keep_last=keep_last)
+    print("not killed")
+""")
+
+
+@pytest.mark.parametrize("point,expect", [
+    ("after_weights", 1), ("after_state", 1), ("after_meta", 1), ("after_rename", 2), ("while_pruning", 2),
+])
+def test_a_save_killed_at_any_point_leaves_an_intact_checkpoint(tmp_path, point, expect):
+    root = tmp_path / "checkpoints"
+    keep_last = 1 if point == "while_pruning" else 2
+    env = {**os.environ, "PYTHONPATH": str(Path(ckpt.__file__).parents[1])}
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(root), point, str(keep_last)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
+    found = ckpt.resolve_checkpoint(tmp_path, skip_damaged=True)
+    assert found.name == f"step-{expect:06d}"
+    ckpt.verify(found)
+    assert ckpt.load_state(found) == {"step": expect}
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(found / "model" / "model.safetensors")["w"], torch.full((64,), float(expect)))
+    # the next save cleans up what the killed one left and prunes as asked
+    ckpt.save_checkpoint(root, 3, _Model(3), None, {"step": 3}, keep_last=2)
+    assert not list(root.glob(".tmp-*"))
+    names = [p.name for p in ckpt.list_checkpoints(root)]
+    assert names[-1] == "step-000003" and len(names) <= 2
+    for p in ckpt.list_checkpoints(root):
+        ckpt.verify(p)
+
+
+class _Model:
+    def __init__(self, value):
+        self.w = torch.full((64,), float(value))
+
+    def save_pretrained(self, path, safe_serialization=True):
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        save_file({"w": self.w}, os.path.join(path, "model.safetensors"))
