@@ -78,12 +78,19 @@ def build_model(
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype | str = "bfloat16", device: str = "cpu") -> torch.nn.Module:
-    """Load a causal LM saved with ``save_pretrained`` from a local directory."""
+    """Load a causal LM saved with ``save_pretrained`` from a local directory; a missing,
+    broken or unsupported directory is a :class:`treerl.model_dir.ModelDirError`."""
+    from .model_dir import ModelDirError, check_model_dir
+
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+    check_model_dir(path)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - damaged weights etc.: one line naming the directory
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ModelDirError(f"model directory {path} could not be loaded: {type(err).__name__}: {detail}") from err
+    return model.to(device)
 
 
 def rmsnorm_in_input_precision(model: torch.nn.Module) -> torch.nn.Module:
