@@ -1,7 +1,9 @@
 """Run configuration: dataclass sections, YAML files and dotted ``key=value`` overrides.
 
 Every key is typed and checked: an unknown key is rejected with the closest valid name,
-a value of the wrong type with the expected type. ``Config.from_yaml(path, overrides)``.
+a value of the wrong type with the expected type. Free-form mappings (``task.kwargs``,
+``model.overrides``) take dotted keys too: ``task.kwargs.path=my.jsonl``.
+``Config.from_yaml(path, overrides)``.
 """
 
 from __future__ import annotations
@@ -189,8 +191,12 @@ class Config:
             raise ConfigError(f"{dotted!r}: name a key inside the section, e.g. {section_name}.{next(iter(_fields(sections[section_name])))}")
         section = sections[section_name]
         fields = _fields(section)
+        key, _, inner = key.partition(".")
         if key not in fields:
-            raise ConfigError(f"unknown key {dotted!r}{_suggest(key, fields, prefix=section_name + '.')}")
+            raise ConfigError(f"unknown key {section_name + '.' + key!r}{_suggest(key, fields, prefix=section_name + '.')}")
+        if inner:  # into a free-form mapping: task.kwargs.path=..., model.overrides.num_hidden_layers=2
+            setattr(section, key, _set_nested(getattr(section, key), fields[key], f"{section_name}.{key}", inner, value))
+            return
         setattr(section, key, _coerce(value, fields[key], dotted))
 
     def to_dict(self) -> dict:
@@ -234,6 +240,27 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
             out.update(_flatten(value, dotted + "."))
         else:
             out[dotted] = value
+    return out
+
+
+def _set_nested(mapping: Any, hint: Any, where: str, inner: str, value: Any) -> dict:
+    """A copy of the free-form ``mapping`` (field ``where``) with ``inner`` (dotted) set."""
+    if hint is not dict and typing.get_origin(hint) is not dict:
+        raise ConfigError(f"{where} is not a mapping, so {where}.{inner} cannot be set; use {where}=VALUE")
+    out = dict(mapping or {})
+    node, parts = out, inner.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"{where}.{'.'.join(parts[:i + 1])} is {child!r}, not a mapping, "
+                              f"so {where}.{inner} cannot be set")
+        node[part] = child = dict(child)
+        node = child
+    if not parts[-1]:
+        raise ConfigError(f"{where}.{inner}: empty key name")
+    node[parts[-1]] = value
     return out
 
 
