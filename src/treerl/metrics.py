@@ -74,8 +74,9 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
-    """PNG plots of reward/accuracy, tree ratio and throughput over steps."""
+def plot_metrics(metrics_path: str | Path, out_dir: str | Path, sft_steps: int = 0) -> list[Path]:
+    """PNG plots of reward/accuracy, tree ratio and throughput over steps; steps
+    1..``sft_steps`` (the SFT warm-up, no rollouts) are shaded and labelled."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,7 +97,9 @@ def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
         if not drawn:
             plt.close(fig)
             continue
-        ax.set_xlabel("step")
+        if sft_steps > 0:
+            ax.axvspan(0, sft_steps, color="0.85", zorder=0, label=f"SFT warm-up ({sft_steps} steps, no rollouts)")
+        ax.set_xlabel("step (SFT, then RL)" if sft_steps > 0 else "step")
         ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -106,7 +109,25 @@ def plot_metrics(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     return written
 
 
-def summary(rows: list[dict], wall_s: float, extra: dict | None = None) -> str:
+def format_duration(seconds: float) -> str:
+    """Seconds under a minute, minutes under an hour, else hours: '7.2 s', '3.4 min', '1.25 h'."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def format_steps(last_step: int, sft_steps: int = 0) -> str:
+    """The steps of a run whose metrics number SFT and RL steps together (RL step k is
+    metrics step ``sft_steps + k``; checkpoints are named by the RL step)."""
+    if sft_steps <= 0:
+        return str(last_step)
+    sft = min(last_step, sft_steps)
+    return f"SFT {sft} + RL {last_step - sft}  (metrics.jsonl steps 1-{last_step})"
+
+
+def summary(rows: list[dict], wall_s: float, extra: dict | None = None, sft_steps: int = 0) -> str:
     """A one-screen run summary."""
 
     def first_last(key, window):
@@ -124,8 +145,8 @@ def summary(rows: list[dict], wall_s: float, extra: dict | None = None) -> str:
         a, b = first_last(key, window)
         if a is not None:
             lines.append(f"{label:30} start {a:10.4g}   end {b:10.4g}")
-    lines.append(f"{'steps':30} {rows[-1]['step'] if rows else 0}")
-    lines.append(f"{'wall time':30} {wall_s / 60:.1f} min")
+    lines.append(f"{'steps':30} {format_steps(rows[-1]['step'] if rows else 0, sft_steps)}")
+    lines.append(f"{'wall time':30} {format_duration(wall_s)}")
     for k, v in (extra or {}).items():
         lines.append(f"{k:30} {v}")
     lines.append("=" * 64)

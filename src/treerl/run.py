@@ -92,7 +92,7 @@ class RunLog:
         (ranks other than 0 return only those two)."""
         if not self.main:
             return {"checkpoint": str(checkpoint), "wall_s": time.perf_counter() - self.t_start}
-        plots = plot_metrics(self.log.path, self.out)
+        plots = plot_metrics(self.log.path, self.out, sft_steps=self.cfg.sft.steps)
         rows = read_metrics(self.log.path)
         wall = time.perf_counter() - self.t_start
         extra = {}
@@ -101,7 +101,7 @@ class RunLog:
             extra["accuracy after SFT warm-up"] = f"{after_sft[-1]:.4f}  (the rest is RL's)"
         extra.update({"checkpoint": str(checkpoint), "plots": ", ".join(p.name for p in plots),
                       "metrics": str(self.log.path)})
-        print(summary(rows, wall, extra))
+        print(summary(rows, wall, extra, sft_steps=self.cfg.sft.steps))
         return {**(rows[-1] if rows else {}), "checkpoint": str(checkpoint), "wall_s": wall}
 
 
