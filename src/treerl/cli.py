@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -27,13 +31,37 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = Config.from_yaml(config, overrides)
     try:
         # under torchrun (WORLD_SIZE > 1) every rank runs this; the trainer joins the group
-        train(cfg, resume=args.resume)
+        with _terminate_as_interrupt():
+            train(cfg, resume=args.resume)
+    except KeyboardInterrupt:
+        where = f" {config}" if config else ""
+        print(f"treerl train: interrupted; the checkpoints under {cfg.train.out_dir} are intact: continue with "
+              f"`treerl train{where} ... --resume {cfg.train.out_dir}`", file=sys.stderr)
+        return 130
     finally:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM ends a one-process run like Ctrl-C (a clean stop with a resume hint);
+    under torchrun (WORLD_SIZE > 1) the launcher's own handling is left alone."""
+    if os.environ.get("WORLD_SIZE", "1") != "1" or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -138,9 +138,22 @@ def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None
 
 
 def _truncate_jsonl(path: Path, max_step: int) -> None:
-    if path.is_file():
-        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= max_step]
-        path.write_text("".join(line + "\n" for line in keep))
+    """Keep the rows up to ``max_step`` (the checkpoint's); a line torn by a kill mid-write
+    is dropped. Written to a temporary and renamed: a kill here loses nothing."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            print(f"treerl: dropping a torn line of {path} (written when the run was killed)", file=sys.stderr)
+            continue
+        if isinstance(row, dict) and row.get("step", max_step + 1) <= max_step:
+            keep.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
 
 
 def _bar(total: int, done: int, enabled: bool):

@@ -1,0 +1,95 @@
+"""`treerl train` under signals, as a real child process: SIGKILL mid-run then --resume
+continues from the newest checkpoint with every metrics step exactly once (a line torn
+by the kill is dropped); SIGINT and SIGTERM stop cleanly with a resume hint (exit 130)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from treerl import checkpoint as ckpt
+from treerl.cli import main
+from treerl.run import _truncate_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}"
+
+
+def args(out, steps):
+    return ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "rollout.prompts_per_step=2",
+            "rollout.group_size=2", "train.eval_problems=2", "train.eval_every=0", "train.tensorboard=false",
+            "train.progress=false", "train.save_every=1", "train.keep_last=2", f"train.steps={steps}",
+            f"train.out_dir={out}"]
+
+
+def start(out, steps=500):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.Popen([sys.executable, "-m", "treerl.cli", "train", *args(out, steps)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_checkpoint(proc, out, step=2, timeout=240):
+    """Until the child has written checkpoint ``step`` (a condition on its files)."""
+    target = out / "checkpoints" / f"step-{step:06d}" / ckpt.META
+    deadline = time.monotonic() + timeout
+    while not target.is_file():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint in time"
+        time.sleep(0.05)
+
+
+def metric_steps(out):
+    return [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
+
+
+def test_sigkill_mid_run_then_resume_loses_and_repeats_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    proc = start(out)
+    try:
+        wait_for_checkpoint(proc, out)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    with (out / "metrics.jsonl").open("a") as f:  # as if the kill had torn the row being written
+        f.write('{"step": 99, "reward/me')
+    last = ckpt.resolve_checkpoint(out, skip_damaged=True)
+    done = ckpt.load_state(last)["step"]
+    assert done >= 2
+    assert main(["train", *args(out, done + 2), "--resume", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"resumed from {last}" in err and "dropping a torn line" in err, err
+    assert metric_steps(out) == list(range(0, done + 3))  # the first eval, then every step once
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_sigint_and_sigterm_stop_cleanly_with_a_resume_hint(tmp_path, sig):
+    out = tmp_path / "run"
+    proc = start(out)
+    try:
+        wait_for_checkpoint(proc, out)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("treerl train: interrupted;") and f"--resume {out}" in last, err[-3000:]
+    assert "Traceback" not in err
+    ckpt.verify(ckpt.resolve_checkpoint(out))
+
+
+def test_truncating_the_log_keeps_rows_up_to_the_checkpoint(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 3, "x')
+    _truncate_jsonl(path, 1)
+    assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
+    assert "torn line" in capsys.readouterr().err
