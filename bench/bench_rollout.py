@@ -59,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--bandwidth", type=float, default=3.0e12, help="HBM bytes/s for the floor (H100 3.0e12)")
     p.add_argument("--memory-fraction", type=float, default=0.97,
                    help="of free GPU memory the K/V may take, after logits and prefill reserves")
+    p.add_argument("--no-compile", action="store_true", help="main rows without compiling the decode step")
     p.add_argument("--out", type=Path, default=None, help="write the results (JSON) here, updated after each row")
     return p.parse_args(argv)
 
@@ -127,7 +128,8 @@ def main(argv=None) -> dict:
     header = (f"{'shape':<12}{'rows':>12}{'engine':<26}{'tok/s':>10}{'floor tok/s':>13}{'fraction':>9}"
               f"{'peak GiB':>9}{'seconds':>9}")
     print(header, flush=True)
-    plan = [(shape, pg, "RolloutEngine", {}) for shape, pg in cases]
+    main_opt = dict(compile=False) if args.no_compile else {}
+    plan = [(shape, pg, "RolloutEngine" + (" (no compile)" if args.no_compile else ""), main_opt) for shape, pg in cases]
     extra_opts = {"eager-step": ("RolloutEngine (no compile)", dict(compile=False)),
                   "waves": ("waves (no compile)", dict(waves=True, compile=False)),
                   "generate": ("model.generate", dict(generate=True))}
@@ -172,6 +174,7 @@ def main(argv=None) -> dict:
             run()  # warm-up: CUDA graphs captured (and compiled) here
             sync(device)
             warm_s = time.perf_counter() - t0
+            print(f"  ({shape} {pg} {name}: warm-up incl. capture/compile {warm_s:.1f} s)", flush=True)
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             best = float("inf")
