@@ -5,6 +5,21 @@ sharing patterns of real RL batches. Token ids are random; only the shapes matte
 - ``agentic``: groups of multi-turn trajectories from a shared prefix (tau2-like); each
   trajectory yields one training sequence per turn, each extending the previous one.
 - ``none``: independent sequences sharing nothing (distinct first tokens).
+- ``long``: long context: groups of one long prefix (12,000 tokens at scale ``paper``)
+  followed by several responses (6 of 200-800 tokens); one sequence per response.
+- ``tree``: tree rollouts. Each tree starts with a prompt (1,024 tokens at ``paper``) and
+  an observation; at each of ``tree_turns`` turns (4) every open branch forks into 2-3
+  actions (``tree_branching``, drawn per fork; actions 20-200 tokens), each action
+  followed by its own observation (50-400 tokens; none after the last turn's actions).
+  Training sequences: every context that ends with an action, i.e. every root-to-leaf
+  path and every intermediate context (prompt ... action of turn k < last), as a
+  multi-turn agent trains on each of its turns. At ``paper`` scale: 2 trees; per tree on
+  average 2.5^4 ~ 39 leaves (16-81) and ~63 sequences, leaves of ~2,800 tokens, ~14k
+  unique and ~140k flat tokens (ideal ratio ~10; seed 0: 109 sequences, 233k flat and
+  23.6k unique tokens in all, ratio 9.9).
+
+Every sibling set (the responses of a prefix, the actions of a fork) starts with distinct
+tokens, so the divergence points are exactly where the shapes put them.
 """
 
 from __future__ import annotations
@@ -13,12 +28,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WORKLOADS = ("grpo", "agentic", "none")
+WORKLOADS = ("grpo", "agentic", "none", "long", "tree")
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """Shapes of the three workloads. Ranges are inclusive (low, high) token counts."""
+    """Shapes of the workloads. Ranges are inclusive (low, high) token counts. ``tree``
+    shares ``observation_len``/``action_len`` with ``agentic``."""
 
     prompts: int = 8
     group: int = 8
@@ -32,6 +48,14 @@ class WorkloadSpec:
     action_len: tuple[int, int] = (20, 200)
     none_sequences: int = 64
     none_len: tuple[int, int] = (512, 2048)
+    long_groups: int = 2
+    long_prefix_len: int = 12000
+    long_responses: int = 6
+    long_response_len: tuple[int, int] = (200, 800)
+    tree_groups: int = 2
+    tree_prompt_len: int = 1024
+    tree_turns: int = 4
+    tree_branching: tuple[int, int] = (2, 3)
 
 
 SCALES = {
@@ -42,11 +66,15 @@ SCALES = {
         prompts=4, group=4, prompt_len=(96, 96), response_len=(16, 64),
         agent_groups=2, trajectories=3, turns=4, prefix_len=128,
         observation_len=(8, 32), action_len=(4, 24), none_sequences=16, none_len=(48, 160),
+        long_groups=2, long_prefix_len=768, long_responses=6, long_response_len=(16, 64),
+        tree_groups=1, tree_prompt_len=96, tree_turns=3, tree_branching=(2, 3),
     ),
     "tiny": WorkloadSpec(
         prompts=2, group=3, prompt_len=(12, 12), response_len=(2, 8),
         agent_groups=2, trajectories=2, turns=3, prefix_len=10,
         observation_len=(2, 5), action_len=(1, 4), none_sequences=5, none_len=(4, 12),
+        long_groups=2, long_prefix_len=24, long_responses=3, long_response_len=(2, 8),
+        tree_groups=1, tree_prompt_len=10, tree_turns=3, tree_branching=(2, 3),
     ),
 }
 
@@ -91,9 +119,48 @@ def no_sharing(spec: WorkloadSpec, vocab_size: int, seed: int = 0) -> list[np.nd
     ]
 
 
+def distinct_starts(rng: np.random.Generator, vocab_size: int, lengths: list[int]) -> list[np.ndarray]:
+    """Random pieces of the given lengths whose first tokens differ (siblings diverge at
+    their first token)."""
+    if len(lengths) > vocab_size:
+        raise ValueError(f"{len(lengths)} siblings need distinct first tokens: vocabulary of {vocab_size} too small")
+    firsts = rng.choice(vocab_size, size=len(lengths), replace=False)
+    return [np.concatenate([[f], rng.integers(0, vocab_size, n - 1)]) for f, n in zip(firsts, lengths)]
+
+
+def long_context(spec: WorkloadSpec, vocab_size: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for _ in range(spec.long_groups):
+        prefix = rng.integers(0, vocab_size, spec.long_prefix_len)
+        lengths = [_draw(rng, spec.long_response_len) for _ in range(spec.long_responses)]
+        seqs += [np.concatenate([prefix, r]) for r in distinct_starts(rng, vocab_size, lengths)]
+    return seqs
+
+
+def tree_rollout(spec: WorkloadSpec, vocab_size: int, seed: int = 0) -> list[np.ndarray]:
+    """Sequences in depth-first order: each context ending with an action, then its subtree."""
+    rng = np.random.default_rng(seed)
+    seqs: list[np.ndarray] = []
+
+    def fork(context: np.ndarray, turn: int) -> None:
+        width = _draw(rng, spec.tree_branching)
+        actions = distinct_starts(rng, vocab_size, [_draw(rng, spec.action_len) for _ in range(width)])
+        for action in actions:
+            seq = np.concatenate([context, action])
+            seqs.append(seq)
+            if turn + 1 < spec.tree_turns:
+                fork(np.concatenate([seq, rng.integers(0, vocab_size, _draw(rng, spec.observation_len))]), turn + 1)
+
+    for _ in range(spec.tree_groups):
+        root = rng.integers(0, vocab_size, spec.tree_prompt_len + _draw(rng, spec.observation_len))
+        fork(root, 0)
+    return seqs
+
+
 def make_workload(name: str, spec: WorkloadSpec, vocab_size: int, seed: int = 0) -> list[np.ndarray]:
     """The sequences of workload ``name`` (one of WORKLOADS)."""
-    builders = {"grpo": grpo, "agentic": agentic, "none": no_sharing}
+    builders = {"grpo": grpo, "agentic": agentic, "none": no_sharing, "long": long_context, "tree": tree_rollout}
     if name not in builders:
         raise ValueError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)}")
     return builders[name](spec, vocab_size, seed)
