@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 from .checkpoint import resolve_checkpoint
-from .model_dir import check_model_dir
 from .config import Config
 from .metrics import MetricsLogger, plot_metrics, read_metrics, summary
+from .preflight import check_run_config
 from .trainer import Sample, Trainer
 
 
@@ -112,8 +112,7 @@ def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None
     Under torchrun (WORLD_SIZE > 1) every rank runs this: the Trainer joins the process
     group and shards the policy, each rank rolls out its share of the prompts, and rank 0
     alone writes logs, metrics and checkpoints (README, "Multi-GPU")."""
-    if cfg.model.path:  # before anything loads it: one clear line, never a hub traceback
-        check_model_dir(cfg.model.path, what="model.path", tokenizer=True)
+    check_run_config(cfg)  # model path / family / shape / overrides: one clear line, never a deep traceback
     if resume:  # a run directory: its newest intact checkpoint (damaged ones are skipped, with a note)
         resume = resolve_checkpoint(resume, skip_damaged=True)
     if cfg.async_.enabled:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Callable
 
+from ..config import ConfigError
 from .base import Task
 from .calculator_env import CalculatorTask
 from .math import JsonlTask
@@ -17,6 +18,14 @@ _REGISTRY: dict[str, Callable[..., Task]] = {
     "calculator": CalculatorTask,
     "math_jsonl": JsonlTask,
 }
+
+
+class TaskError(ConfigError):
+    """An unknown task name or missing task argument (a ValueError, one line)."""
+
+
+class TaskArgumentError(ConfigError, TypeError):
+    """A task constructor refused ``task.kwargs`` (also a TypeError)."""
 
 
 def list_tasks() -> list[str]:
@@ -37,10 +46,11 @@ def get_task(name: str, **kwargs: Any) -> Task:
     if factory is None:
         close = difflib.get_close_matches(str(name), list(_REGISTRY), n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown task {name!r}{hint} (valid: {', '.join(list_tasks())})")
+        raise TaskError(f"task.name: unknown task {name!r}{hint} (valid: {', '.join(list_tasks())})")
     if name == "math_jsonl" and "path" not in kwargs:
-        raise ValueError("task 'math_jsonl' needs path=<a JSONL file with 'prompt' and 'answer'>")
+        raise TaskError("task 'math_jsonl' needs path=<a JSONL file with 'prompt' and 'answer'> "
+                        "(set task.kwargs.path=FILE)")
     try:
         return factory(**kwargs)
     except TypeError as e:
-        raise TypeError(f"task {name!r}: {e}") from None
+        raise TaskArgumentError(f"task.kwargs: task {name!r}: {e}") from None
