@@ -213,10 +213,24 @@ def test_sweeps_smoke(tmp_path):
         assert r["flat_tokens"] == 24 * 48  # the same flat work at every point
     chunk = [r for r in rows if r["sweep"] == "chunks"]
     assert {(r["workload"], r["mode"], r["chunk_tokens"]) for r in chunk} == {
-        (w, m, c) for w in ("agentic", "long") for m in ("dfs", "auto", "auto-max") for c in (4, 16)}
+        (w, m, c) for w in ("agentic", "long") for m in ("dfs", "auto", "auto-fixed") for c in (4, 16)}
     for w in ("agentic", "long"):
         dfs = {r["chunk_tokens"]: r for r in chunk if r["workload"] == w and r["mode"] == "dfs"}
         assert dfs[4]["calls"] > dfs[16]["calls"]  # smaller chunks, more calls
         assert dfs[4]["peak_live_tokens"] <= 4 and dfs[16]["peak_live_tokens"] <= 16
         assert dfs[4]["recomputed_tflop"] >= dfs[16]["recomputed_tflop"] > 0  # dfs runs a no-grad pass first
+        fixed = {r["chunk_tokens"]: r for r in chunk if r["workload"] == w and r["mode"] == "auto-fixed"}
+        assert all(r["max_tokens"] == 16 and r["peak_live_tokens"] <= 16 for r in fixed.values())
+        assert fixed[4]["calls"] > fixed[16]["calls"] and " 0 chains" not in fixed[4]["plan"]
     assert result.rows and "sharing:" in result.tables() and "chunks:" in result.tables()
+
+
+def test_sweeps_time_limit_skips_points(tmp_path, capsys):
+    sweeps = _load_sweeps()
+    out = tmp_path / "late"
+    sweeps.main(["--shape", "tiny", "--scale", "tiny", "--out", str(out), "--ratios", "2", "--chunks", "4",
+                 "--chunk-workloads", "long", "--max-seconds", "0"])
+    rows = json.loads((out / "sweeps.json").read_text())["rows"]
+    assert len(rows) == 3 + 3 and all(r["error"].startswith("skipped") for r in rows)
+    assert not (out / "sharing.png").exists()
+    assert "skipped" in capsys.readouterr().out

@@ -205,7 +205,8 @@ def time_forward_backward(engine, tree: PrefixTree, loss_fn, repeats: int, warmu
     return statistics.median(times), times, peak
 
 
-def run(cfg: BenchConfig, model: torch.nn.Module | None = None, progress: bool = True) -> list[BenchRow]:
+def run(cfg: BenchConfig, model: torch.nn.Module | None = None, progress: bool = True, on_row=None) -> list[BenchRow]:
+    """Every (workload, mode) of ``cfg``; ``on_row(rows)`` after each (e.g. to save partial results)."""
     device = torch.device(cfg.device)
     if model is None:
         model = build_model(cfg.family, cfg.shape, dtype=cfg.dtype, device=device, seed=cfg.seed)
@@ -248,6 +249,8 @@ def run(cfg: BenchConfig, model: torch.nn.Module | None = None, progress: bool =
         except TreeTooLargeError as exc:  # packed: a tree over the budget
             row.error = "refused: " + str(exc).split(":")[0]
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
         if progress and hasattr(bar, "write"):
             bar.write(f"{workload:>8} {mode:>7}: {row.error or f'{row.seconds:.3f} s'}  {row.plan}")
     for row in rows:
@@ -316,7 +319,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> list[BenchRow]:
-    args = parser().parse_args(argv)
     p = parser()
     args = p.parse_args(argv)
     workloads = tuple(w for w in args.workloads.split(",") if w)
@@ -333,18 +335,22 @@ def main(argv: list[str] | None = None) -> list[BenchRow]:
     )
     if "flat" not in cfg.modes:
         cfg.modes = ("flat",) + cfg.modes  # the baseline is always measured in the same run
-    rows = run(cfg)
     device = torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else "CPU"
+
+    def save(rows: list[BenchRow]) -> None:  # after every row: a run cut short keeps what it measured
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"config": asdict(cfg), "device": device, "torch": torch.__version__,
+                                             "rows": [asdict(r) for r in rows]}, indent=1))
+
+    rows = run(cfg, on_row=save)
+    save(rows)  # with the ratios filled in
     budget = f"max_tokens {cfg.max_tokens}" if cfg.max_tokens else (
         f"memory budget {cfg.memory_budget or 'default'} (tokens per call: "
         + ", ".join(sorted({str(r.max_tokens) for r in rows if r.max_tokens})) + ")")
     print(f"\ntreerl bench: {cfg.family} {cfg.shape} {cfg.dtype} on {device}, scale {cfg.scale}, "
           f"{budget}, chunk_tokens {cfg.chunk_tokens}, % of {cfg.peak_tflops:g} TFLOP/s")
     print(format_table(rows))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"config": asdict(cfg), "device": device,
-                                         "rows": [asdict(r) for r in rows]}, indent=1))
     return rows
 
 
