@@ -38,7 +38,7 @@ from treerl.rollout import RolloutEngine, SamplingParams  # noqa: E402
 SHAPE_NAMES = {"0.6b": "qwen3-0.6b", "1.7b": "qwen3-1.7b", "tiny": "tiny", "small": "small"}
 DEFAULT_GPU_CASES = "0.6b:8x8,0.6b:64x16,1.7b:8x8"
 # extra rows on the first case (names): decode step not compiled, the wave path, HF model.generate
-DEFAULT_GPU_EXTRAS = "eager-step,waves,generate"
+DEFAULT_GPU_EXTRAS = "waves,generate"  # "compiled-step" too, given minutes to compile
 
 
 def parse_args(argv=None):
@@ -59,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--bandwidth", type=float, default=3.0e12, help="HBM bytes/s for the floor (H100 3.0e12)")
     p.add_argument("--memory-fraction", type=float, default=0.97,
                    help="of free GPU memory the K/V may take, after logits and prefill reserves")
-    p.add_argument("--no-compile", action="store_true", help="main rows without compiling the decode step")
+    p.add_argument("--compile", action="store_true",
+                   help="main rows with the decode step compiled (compile_decode=True; minutes of compile time)")
     p.add_argument("--out", type=Path, default=None, help="write the results (JSON) here, updated after each row")
     return p.parse_args(argv)
 
@@ -128,10 +129,10 @@ def main(argv=None) -> dict:
     header = (f"{'shape':<12}{'rows':>12}{'engine':<26}{'tok/s':>10}{'floor tok/s':>13}{'fraction':>9}"
               f"{'peak GiB':>9}{'seconds':>9}")
     print(header, flush=True)
-    main_opt = dict(compile=False) if args.no_compile else {}
-    plan = [(shape, pg, "RolloutEngine" + (" (no compile)" if args.no_compile else ""), main_opt) for shape, pg in cases]
-    extra_opts = {"eager-step": ("RolloutEngine (no compile)", dict(compile=False)),
-                  "waves": ("waves (no compile)", dict(waves=True, compile=False)),
+    main_opt = dict(compile=True) if args.compile else {}
+    plan = [(shape, pg, "RolloutEngine" + (" (compiled step)" if args.compile else ""), main_opt) for shape, pg in cases]
+    extra_opts = {"compiled-step": ("RolloutEngine (compiled step)", dict(compile=True)),
+                  "waves": ("waves", dict(waves=True)),
                   "generate": ("model.generate", dict(generate=True))}
     plan += [(cases[0][0], cases[0][1]) + extra_opts[x] for x in extras]  # last: they may be slow
     model, model_name = None, None
