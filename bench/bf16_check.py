@@ -23,7 +23,8 @@ DEFAULTS = {"auto-default": {}, "auto-lean": {"memory_budget": 2.5e9}}
 def grads_of(engine, seqs, loss_fn):
     engine.model.zero_grad(set_to_none=True)
     engine.forward_backward(seqs, loss_fn, separable=True)
-    return torch.cat([p.grad.double().flatten() for p in engine.model.parameters()])
+    # float64 copies on the host: three of them would not fit beside the models on an 80 GB GPU
+    return torch.cat([p.grad.detach().to("cpu", torch.float64).flatten() for p in engine.model.parameters()])
 
 
 def main():
