@@ -110,3 +110,19 @@ def test_single_chain_segments_run_plain_causal_attention(gen, monkeypatch):
     check_engine(model, seqs, "flat", loss, max_tokens=21)  # the long sequence alone, the two short ones packed
     assert (True, True) in seen and (False, False) in seen  # causal calls, and masked ones
 
+
+
+def test_separable_mixed_plan_runs_whole_trees_once(gen):
+    """A plan where one tree splits into chains and the others fit a call: with a separable
+    loss the fitting trees run forward+backward once (no two-phase extra forward), exactly."""
+    seqs = shaped_forest(gen, SPEC)  # trees of 39, 5 and 17 tokens
+    model = get_model("qwen3")
+    plan = TreeEngine(model, "auto", max_tokens=20, chunk_tokens=4).plan(seqs)
+    standalone = [s for i, s in enumerate(plan.segments) if s.parent < 0 and not plan.children[i]]
+    assert standalone and any(plan.children)
+    runs = {}
+    for separable in (False, True):
+        loss = RandomLoss.make(seqs, gen)
+        engine = check_engine(model, seqs, "auto", loss, max_tokens=20, chunk_tokens=4, separable=separable)
+        runs[separable] = engine.stats.tokens_run
+    assert runs[False] - runs[True] == sum(s.size for s in standalone)

@@ -260,8 +260,14 @@ class TreeEngine:
         """
         batch = self._prepare(tree)
         t0 = time.perf_counter()
-        if batch.plan.single_level and (separable or len(batch.plan.segments) == 1):
+        plan = batch.plan
+        if plan.single_level and (separable or len(plan.segments) == 1):
             loss = self._forward_backward_segments(batch, loss_fn, entropy, separable)
+        elif separable:
+            # Trees that run as one call go through once; only the chained ones take two phases.
+            chained = plan.chained_segments()
+            loss = self._forward_backward_segments(batch, loss_fn, entropy, separable, skip=chained)
+            loss += self._forward_backward_two_phase(batch, loss_fn, entropy, separable, only=chained)
         else:
             loss = self._forward_backward_two_phase(batch, loss_fn, entropy, separable)
         self.stats.seconds = time.perf_counter() - t0
@@ -362,11 +368,15 @@ class TreeEngine:
         return lp, (torch.zeros(n, dtype=dtype, device=self.device) if entropy else None)
 
     # ------------------------------------------------------- phase 1: no-grad forward
-    def _forward_all(self, b: _Batch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Depth-first over segments, keeping only the current path's K/V."""
+    def _forward_all(self, b: _Batch, entropy: bool, only: set[int] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Depth-first over segments (or those in ``only``: whole trees), keeping only the
+        current path's K/V."""
         lp_all, ent_all = self._buffers(b, entropy)
         path: list[tuple[int, list[KV]]] = []
         for i, seg in enumerate(b.plan.segments):
+            if only is not None and i not in only:
+                continue
             while path and path[-1][0] != seg.parent:
                 path.pop()
             has_children = bool(b.plan.children[i])
@@ -383,10 +393,12 @@ class TreeEngine:
         return lp_all, ent_all
 
     # ------------------------------------------------- single-level: one pass each
-    def _forward_backward_segments(self, b: _Batch, loss_fn: LossFn, entropy: bool, separable: bool) -> float:
+    def _forward_backward_segments(self, b: _Batch, loss_fn: LossFn, entropy: bool, separable: bool,
+                                   skip: set[int] = frozenset()) -> float:
+        """One forward and backward per segment without prefix or children (all but ``skip``)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (seqs, flat_index, sizes) in enumerate(self._sequences_by_segment(b)):
-            if len(seqs) == 0:
+            if len(seqs) == 0 or i in skip:
                 continue
             seg = b.plan.segments[i]
             lp, ent, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy)
@@ -427,15 +439,24 @@ class TreeEngine:
         return list(local[flat_index].split(sizes))
 
     # ------------------------------------------------------------------ two phases
-    def _forward_backward_two_phase(self, b: _Batch, loss_fn: LossFn, entropy: bool, separable: bool) -> float:
+    def _forward_backward_two_phase(self, b: _Batch, loss_fn: LossFn, entropy: bool, separable: bool,
+                                    only: set[int] | None = None) -> float:
+        """Two phases over every segment, or over the whole trees of ``only`` (a separable
+        loss then sees just their sequences)."""
+        seqs = torch.arange(b.tree.num_sequences)
+        targets, lengths = b.seq_targets, b.seq_lengths
+        if only is not None:
+            seqs, targets, lengths = self._sequences_in(b, only)
+            if len(seqs) == 0:
+                return 0.0
         with torch.no_grad():
-            lp_all, ent_all = self._forward_all(b, entropy)
-        leaves = [lp_all[b.seq_targets].requires_grad_()]
+            lp_all, ent_all = self._forward_all(b, entropy, only)
+        leaves = [lp_all[targets].requires_grad_()]
         if entropy:
-            leaves.append(ent_all[b.seq_targets].requires_grad_())
-        outs = [list(leaf.split(b.seq_lengths)) for leaf in leaves]
+            leaves.append(ent_all[targets].requires_grad_())
+        outs = [list(leaf.split(lengths)) for leaf in leaves]
         if separable:
-            loss = loss_fn(*outs, index=torch.arange(b.tree.num_sequences))
+            loss = loss_fn(*outs, index=seqs)
         else:
             loss = loss_fn(*outs)
         _check_loss(loss)
@@ -444,12 +465,28 @@ class TreeEngine:
         for leaf, buf in zip(leaves, (lp_all, ent_all)):
             g = torch.zeros_like(buf)
             if leaf.grad is not None:
-                g.index_add_(0, b.seq_targets, leaf.grad)
+                g.index_add_(0, targets, leaf.grad)
             grads.append(g)
-        self._backward_all(b, grads[0], grads[1] if entropy else None)
+        self._backward_all(b, grads[0], grads[1] if entropy else None, only)
         return float(loss.detach())
 
-    def _backward_all(self, b: _Batch, g_lp: torch.Tensor, g_ent: torch.Tensor | None) -> None:
+    @staticmethod
+    def _sequences_in(b: _Batch, segments: set[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The sequences whose first token lies in ``segments`` (input order), their tree
+        tokens 1..L-1 (device) and their lengths L-1."""
+        tree = b.tree
+        starts = torch.tensor([s.start for s in b.plan.segments])
+        seg_of_seq = torch.searchsorted(starts, tree.seq_index[tree.seq_offsets[:-1]], right=True) - 1
+        seqs = torch.tensor([i for i, s in enumerate(seg_of_seq.tolist()) if s in segments], dtype=torch.long)
+        lengths = torch.tensor(b.seq_lengths, dtype=torch.long)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        sizes = lengths[seqs]
+        flat = torch.repeat_interleave(offsets[seqs], sizes) + (
+            torch.arange(int(sizes.sum())) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes))
+        return seqs, b.seq_targets[flat.to(b.seq_targets.device)], sizes.tolist()
+
+    def _backward_all(self, b: _Batch, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
+                      only: set[int] | None = None) -> None:
         """Phase 2: recompute each segment with grad and inject the loss gradients."""
         entropy = g_ent is not None
         plan = b.plan
@@ -477,6 +514,8 @@ class TreeEngine:
             torch.autograd.backward(outs, grads)
 
         for i, seg in enumerate(plan.segments):
+            if only is not None and i not in only:
+                continue
             while path and path[-1][0] != seg.parent:
                 close(path.pop())
             prefix = [lv for _, lv, _ in path]

@@ -76,6 +76,11 @@ class Plan:
             p = self.segments[p].parent
         return chain[::-1]
 
+    def chained_segments(self) -> set[int]:
+        """Segments of the trees that do not run as one call: every segment with a parent
+        or children (a chain and all below it)."""
+        return {i for i, s in enumerate(self.segments) if s.parent >= 0 or self.children[i]}
+
     def prefix_tokens(self, i: int) -> int:
         return sum(self.segments[a].size for a in self.ancestors(i))
 
