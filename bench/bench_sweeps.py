@@ -317,9 +317,9 @@ class Sweeps:
                     for mode in self.args.chunk_modes:
                         pts = sorted((r.chunk_tokens, getattr(r, key)) for r in chunk_rows
                                      if r.workload == workload and r.mode == mode)
-                        label = f"auto max_tokens={self.args.auto_max_tokens}" if mode == "auto-fixed" else mode
+                        name = f"auto max_tokens={self.args.auto_max_tokens}" if mode == "auto-fixed" else mode
                         if pts:
-                            ax.plot(*zip(*pts), "o-", label=label)
+                            ax.plot(*zip(*pts), "o-", label=name)
                     ax.set_xscale("log", base=2)
                     ax.set(xlabel="chunk_tokens", ylabel=label)
                     ax.grid(alpha=0.3)
