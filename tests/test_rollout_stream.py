@@ -156,7 +156,7 @@ def test_versions_and_kv_after_mid_stream_weight_update(static_kv):
             decode_calls.append(1)
             if len(decode_calls) == 6:  # another thread pushes weights during decode step 6
                 updater.start()
-                deadline = time.monotonic() + 10
+                deadline = time.monotonic() + 120  # a condition, not a sleep: ends once the update is pending
                 while not engine._pending_updates and time.monotonic() < deadline:
                     time.sleep(1e-4)
 
