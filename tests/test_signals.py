@@ -27,19 +27,34 @@ def args(out, steps):
             f"train.out_dir={out}"]
 
 
-def start(out, steps=500):
+def start(out, steps=1_000_000):  # never ends on its own: the test stops it
+    """The child writes its output to files, never to pipes: a pipe nobody reads while the
+    test waits fills up under load and blocks the child mid-write (seen in CI: no
+    checkpoint in 240 s, and an interrupt lost inside a blocked progress-bar write)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    return subprocess.Popen([sys.executable, "-m", "treerl.cli", "train", *args(out, steps)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / "child.out", "w") as stdout, open(out.parent / "child.err", "w") as stderr:
+        return subprocess.Popen([sys.executable, "-m", "treerl.cli", "train", *args(out, steps)], env=env,
+                                stdout=stdout, stderr=stderr, text=True)
+
+
+def child_err(out) -> str:
+    return (out.parent / "child.err").read_text()
 
 
 def wait_for_checkpoint(proc, out, step=2, timeout=240):
-    """Until the child has written checkpoint ``step`` (a condition on its files)."""
-    target = out / "checkpoints" / f"step-{step:06d}" / ckpt.META
+    """Until the child has written a checkpoint of at least ``step`` (a condition on its
+    files; not one named checkpoint: with keep_last=2 a fast child prunes step 2 before a
+    slow poll sees it)."""
     deadline = time.monotonic() + timeout
-    while not target.is_file():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+
+    def written() -> bool:
+        return any(p.name >= f"step-{step:06d}" and (p / ckpt.META).is_file()
+                   for p in (out / "checkpoints").glob("step-*"))
+
+    while not written():
+        assert proc.poll() is None, child_err(out)[-3000:]
         assert time.monotonic() < deadline, "no checkpoint in time"
         time.sleep(0.05)
 
@@ -55,7 +70,7 @@ def test_sigkill_mid_run_then_resume_loses_and_repeats_nothing(tmp_path, capsys)
         wait_for_checkpoint(proc, out)
     finally:
         proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     with (out / "metrics.jsonl").open("a") as f:  # as if the kill had torn the row being written
         f.write('{"step": 99, "reward/me')
@@ -75,11 +90,12 @@ def test_sigint_and_sigterm_stop_cleanly_with_a_resume_hint(tmp_path, sig):
     try:
         wait_for_checkpoint(proc, out)
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+    err = child_err(out)
     assert proc.returncode == 130, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("treerl train: interrupted;") and f"--resume {out}" in last, err[-3000:]
