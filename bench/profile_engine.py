@@ -24,12 +24,10 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from treerl import PrefixTree, TreeEngine
-from treerl.benchmark import time_forward_backward, useful_flops, weighted_logprob_loss
-from treerl.loss_head import token_logprobs
+from treerl.benchmark import NaiveLoop, time_forward_backward, useful_flops, weighted_logprob_loss
 from treerl.models import build_model
 from treerl.workloads import SCALES, make_workload
 
@@ -51,22 +49,7 @@ def engine_config(name: str) -> dict:
     return dict(mode=mode, memory_budget=float(budget))
 
 
-def long_context(vocab: int, seed: int = 0, prefix: int = 12_000, responses: int = 6, groups: int = 2):
-    """2 groups: one 12,000-token prefix + 6 responses of 200-800 tokens each."""
-    rng = np.random.default_rng(seed)
-    seqs = []
-    for _ in range(groups):
-        p = rng.integers(0, vocab, prefix)
-        seqs += [np.concatenate([p, rng.integers(0, vocab, int(rng.integers(200, 801)))]) for _ in range(responses)]
-    return seqs
-
-
 def workload(name: str, vocab: int, scale: str):
-    if name == "long":
-        try:
-            return make_workload("long", SCALES[scale], vocab)
-        except ValueError:
-            return long_context(vocab)
     return make_workload(name, SCALES[scale], vocab)
 
 
@@ -83,33 +66,6 @@ def matmul_peak(device) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return 2 * 8192**3 / statistics.median(times) / 1e12
-
-
-def naive_step(model, seqs, weights, device):
-    """One sequence per call, the model's own SDPA causal attention, the same loss head."""
-    head = model.get_output_embeddings().weight
-    for s, w in zip(seqs, weights):
-        ids = torch.as_tensor(s, device=device)[None]
-        hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
-        lp, _ = token_logprobs(hidden, head, ids[0, 1:])
-        (-(lp * w).sum()).backward()
-
-
-def time_naive(model, tree, seqs, device, repeats: int):
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(len(s) - 1, generator=gen).to(device) for s in seqs]
-    model.config._attn_implementation = "sdpa"
-    naive_step(model, seqs, weights, device)
-    torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        naive_step(model, seqs, weights, device)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    model.zero_grad(set_to_none=False)
-    return statistics.median(times), torch.cuda.max_memory_allocated(device)
 
 
 KINDS = [
@@ -195,8 +151,9 @@ def main(argv=None):
             t0 = time.perf_counter()
             try:
                 if name == "naive":
-                    seconds, peak_bytes = time_naive(model, tree, seqs, device, 1)
-                    row.update(seconds=seconds, peak_gib=peak_bytes / 2**30)
+                    model.config._attn_implementation = "sdpa"
+                    seconds, times, peak_bytes = time_forward_backward(NaiveLoop(model), tree, loss_fn, 1, 1)
+                    row.update(seconds=seconds, times=times, peak_gib=peak_bytes / 2**30)
                 else:
                     engine = TreeEngine(model, **engine_config(name))
                     seconds, times, peak_bytes = time_forward_backward(engine, tree, loss_fn, args.repeats, 1)

@@ -48,27 +48,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _terminate_as_interrupt():
-    """SIGINT and SIGTERM end a one-process run with a clean stop and a resume hint: the
-    handler raises KeyboardInterrupt at once and also sets ``run.stop_requested``, which
-    stops the run at the next step should that exception be swallowed (one raised inside
-    a finalizer is). Under torchrun (WORLD_SIZE > 1) the launcher's own handling is left alone."""
-    from .run import stop_requested
-
-    stop_requested.clear()
+    """SIGTERM ends a one-process run like Ctrl-C (a clean stop with a resume hint);
+    under torchrun (WORLD_SIZE > 1) the launcher's own handling is left alone."""
     if os.environ.get("WORLD_SIZE", "1") != "1" or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def interrupt(signum, frame):
-        stop_requested.set()
         raise KeyboardInterrupt(f"signal {signum}")
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

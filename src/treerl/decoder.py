@@ -26,6 +26,11 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import TreeAttention, active_tree_attention, tree_attention_enabled
 
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - torch without distributed
+    FSDPModule = None
+
 OWN_LOOP_FAMILIES = ("Qwen2Model", "Qwen3Model", "LlamaModel")
 
 
@@ -54,11 +59,7 @@ def _run_block_in(base: torch.nn.Module, ctx: TreeAttention, run, *args) -> torc
 
 
 def _is_sharded(layer: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(layer, FSDPModule)
+    return FSDPModule is not None and isinstance(layer, FSDPModule)
 
 
 class DecoderStack:

@@ -67,6 +67,21 @@ def _seq_targets(tree: PrefixTree) -> torch.Tensor:
     return tree.seq_index[keep]
 
 
+def _segment_of_sequences(b: "_Batch") -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment starts [S] and, per sequence, the segment holding its first token [num_sequences] (CPU)."""
+    starts = torch.tensor([s.start for s in b.plan.segments])
+    tree = b.tree
+    return starts, torch.searchsorted(starts, tree.seq_index[tree.seq_offsets[:-1]], right=True) - 1
+
+
+def _flat_positions(lengths: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
+    """Positions in the concatenated per-sequence tensors (tokens 1..L-1, ``lengths`` = L-1
+    each) of the sequences ``seqs``, in that order (CPU, vectorised)."""
+    sizes = lengths[seqs]
+    within = torch.arange(int(sizes.sum())) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    return torch.repeat_interleave((torch.cumsum(lengths, 0) - lengths)[seqs], sizes) + within
+
+
 @dataclass
 class _Batch:
     """A tree laid out for one mode, its plan, and its index tensors on the device."""
@@ -415,18 +430,14 @@ class TreeEngine:
     def _sequences_by_segment(self, b: _Batch) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
         """Single-level plans: per segment, its sequences (input indices, CPU), the
         segment-local tree positions of their tokens 1..L-1 (device) and their lengths."""
-        tree = b.tree
-        starts = torch.tensor([s.start for s in b.plan.segments])
-        seg_of_seq = torch.searchsorted(starts, tree.seq_index[tree.seq_offsets[:-1]], right=True) - 1
+        starts, seg_of_seq = _segment_of_sequences(b)
         lengths = torch.tensor(b.seq_lengths)
         # Sequences grouped by segment (stable: input order within a segment); the flat
         # positions of their tokens 1..L-1 gathered in one vectorised step.
         order = torch.argsort(seg_of_seq, stable=True)
-        seq_start = torch.cumsum(lengths, 0) - lengths
         sizes = lengths[order]
-        within = torch.arange(int(sizes.sum())) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
-        flat_pos = torch.repeat_interleave(seq_start[order], sizes) + within
-        local = _seq_targets(tree)[flat_pos] - torch.repeat_interleave(starts[seg_of_seq[order]], sizes)
+        flat_pos = _flat_positions(lengths, order)
+        local = _seq_targets(b.tree)[flat_pos] - torch.repeat_interleave(starts[seg_of_seq[order]], sizes)
         local = local.to(self.device).split(
             torch.bincount(seg_of_seq, weights=lengths.double(), minlength=len(starts)).long().tolist())
         counts = torch.bincount(seg_of_seq, minlength=len(starts)).tolist()
@@ -474,16 +485,11 @@ class TreeEngine:
     def _sequences_in(b: _Batch, segments: set[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """The sequences whose first token lies in ``segments`` (input order), their tree
         tokens 1..L-1 (device) and their lengths L-1."""
-        tree = b.tree
-        starts = torch.tensor([s.start for s in b.plan.segments])
-        seg_of_seq = torch.searchsorted(starts, tree.seq_index[tree.seq_offsets[:-1]], right=True) - 1
-        seqs = torch.tensor([i for i, s in enumerate(seg_of_seq.tolist()) if s in segments], dtype=torch.long)
+        _, seg_of_seq = _segment_of_sequences(b)
+        seqs = torch.isin(seg_of_seq, torch.tensor(sorted(segments), dtype=seg_of_seq.dtype)).nonzero()[:, 0]
         lengths = torch.tensor(b.seq_lengths, dtype=torch.long)
-        offsets = torch.cumsum(lengths, 0) - lengths
-        sizes = lengths[seqs]
-        flat = torch.repeat_interleave(offsets[seqs], sizes) + (
-            torch.arange(int(sizes.sum())) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes))
-        return seqs, b.seq_targets[flat.to(b.seq_targets.device)], sizes.tolist()
+        flat = _flat_positions(lengths, seqs)
+        return seqs, b.seq_targets[flat.to(b.seq_targets.device)], lengths[seqs].tolist()
 
     def _backward_all(self, b: _Batch, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
                       only: set[int] | None = None) -> None:

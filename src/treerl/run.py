@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -52,7 +51,6 @@ class RunLog:
         if trainer.step_count == 0 and trainer.sft_count == 0:
             self._log(0, trainer.evaluate())
         while trainer.sft_count < cfg.sft.steps:
-            _stop_if_requested()
             metrics = trainer.sft_step()
             self.bar.update(1)
             self.bar.set_postfix(phase="sft", loss=f"{metrics['sft/loss']:.3f}")
@@ -107,17 +105,6 @@ class RunLog:
         return {**(rows[-1] if rows else {}), "checkpoint": str(checkpoint), "wall_s": wall}
 
 
-# Set by the CLI's SIGINT/SIGTERM handler. The handler also raises KeyboardInterrupt at
-# once; this flag stops the run at the next step even where that exception was swallowed
-# (Python drops exceptions raised inside finalizers such as ``__del__``).
-stop_requested = threading.Event()
-
-
-def _stop_if_requested() -> None:
-    if stop_requested.is_set():
-        raise KeyboardInterrupt("stop requested by a signal")
-
-
 def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None = None) -> dict:
     """Run ``cfg`` to completion; returns the final metrics (and paths).
     With ``async.enabled=true`` the run goes to :func:`treerl.async_rl.train_async`.
@@ -141,7 +128,6 @@ def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None
     try:
         run.warm_up()
         while trainer.step_count < cfg.train.steps:
-            _stop_if_requested()
             run.rl_step(trainer.step(), trainer.last_samples)
             if cfg.train.save_every and trainer.step_count % cfg.train.save_every == 0:
                 trainer.save(cfg.train.out_dir)
