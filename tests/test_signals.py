@@ -27,7 +27,7 @@ def args(out, steps):
             f"train.out_dir={out}"]
 
 
-def start(out, steps=1_000_000):  # never ends on its own: the test stops it
+def start(out, steps=1_000_000, sigint_ignored=False):  # never ends on its own: the test stops it
     """The child writes its output to files, never to pipes: a pipe nobody reads while the
     test waits fills up under load and blocks the child mid-write (seen in CI: no
     checkpoint in 240 s, and an interrupt lost inside a blocked progress-bar write)."""
@@ -35,8 +35,9 @@ def start(out, steps=1_000_000):  # never ends on its own: the test stops it
     env.pop("WORLD_SIZE", None)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / "child.out", "w") as stdout, open(out.parent / "child.err", "w") as stderr:
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
         return subprocess.Popen([sys.executable, "-m", "treerl.cli", "train", *args(out, steps)], env=env,
-                                stdout=stdout, stderr=stderr, text=True)
+                                stdout=stdout, stderr=stderr, text=True, preexec_fn=ignore)
 
 
 def child_err(out) -> str:
@@ -83,10 +84,12 @@ def test_sigkill_mid_run_then_resume_loses_and_repeats_nothing(tmp_path, capsys)
     assert metric_steps(out) == list(range(0, done + 3))  # the first eval, then every step once
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_sigint_and_sigterm_stop_cleanly_with_a_resume_hint(tmp_path, sig):
+# (SIGINT, started with SIGINT ignored): a background job of a non-interactive shell, or a
+# child of a test process that an earlier test left ignoring it; treerl installs its own handler
+@pytest.mark.parametrize("sig,ignored", [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_sigint_and_sigterm_stop_cleanly_with_a_resume_hint(tmp_path, sig, ignored):
     out = tmp_path / "run"
-    proc = start(out)
+    proc = start(out, sigint_ignored=ignored)
     try:
         wait_for_checkpoint(proc, out)
         proc.send_signal(sig)

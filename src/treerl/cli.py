@@ -48,8 +48,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _terminate_as_interrupt():
-    """SIGTERM ends a one-process run like Ctrl-C (a clean stop with a resume hint);
-    under torchrun (WORLD_SIZE > 1) the launcher's own handling is left alone."""
+    """SIGINT and SIGTERM end a one-process run with a clean stop and a resume hint. Both
+    handlers are installed explicitly: a process started with SIGINT ignored (a background
+    job of a non-interactive shell; in CI, a child of a test process where an earlier test
+    ignored it) inherits that, and Python then installs no Ctrl-C handler of its own.
+    Under torchrun (WORLD_SIZE > 1) the launcher's own handling is left alone."""
     if os.environ.get("WORLD_SIZE", "1") != "1" or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -57,11 +60,12 @@ def _terminate_as_interrupt():
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
