@@ -3,7 +3,7 @@
 Each case samples ``prompts x G`` rows of ``--new-tokens`` tokens (no stop tokens, so every
 row generates exactly that many) from prompts of ``--prompt-len`` tokens, with the
 continuous-batching path ``RolloutEngine.generate`` takes by default (shared prompt K/V;
-on CUDA a compiled decode step captured in CUDA graphs). One untimed run first (captures the CUDA graphs, kept for the timed
+on CUDA treerl's own decode blocks, compiled, captured in CUDA graphs). One untimed run first (captures the CUDA graphs, kept for the timed
 run by ``keep_stream_buffers``), then ``--repeats`` timed runs (best kept).
 
 Bandwidth floor, from the shapes: per decode step, read the weights once, each group's
@@ -12,7 +12,7 @@ prompt K/V once and each row's own (generated) K/V; summed over the ``T`` steps 
 H200 ~4.3e12). ``floor tok/s`` = rows x T / that time; ``fraction`` = measured / floor.
 
 GPU, all cases (Qwen3-0.6B shape 8x8 and 64x16, Qwen3-1.7B shape 8x8; then the 0.6B 8x8
-case without compiling the decode step, the wave path and ``model.generate``, for comparison):
+case with the decode blocks eager, through HF's modules, the wave path and ``model.generate``):
     python bench/bench_rollout.py --device cuda --out $OUT/bench_rollout.json
 CPU smoke run (tiny shapes):
     python bench/bench_rollout.py --cases tiny:2x2 --prompt-len 32 --new-tokens 16
@@ -37,8 +37,9 @@ from treerl.rollout import RolloutEngine, SamplingParams  # noqa: E402
 
 SHAPE_NAMES = {"0.6b": "qwen3-0.6b", "1.7b": "qwen3-1.7b", "tiny": "tiny", "small": "small"}
 DEFAULT_GPU_CASES = "0.6b:8x8,0.6b:64x16,1.7b:8x8"
-# extra rows on the first case (names): decode step not compiled, the wave path, HF model.generate
-DEFAULT_GPU_EXTRAS = "waves,generate"  # "compiled-step" too, given minutes to compile
+# extra rows on the first case (names): own decode blocks not compiled, the decode step through
+# HF's modules (the previous path), the wave path, HF model.generate
+DEFAULT_GPU_EXTRAS = "eager-blocks,hf-step,waves,generate"
 
 
 def parse_args(argv=None):
@@ -59,8 +60,6 @@ def parse_args(argv=None):
     p.add_argument("--bandwidth", type=float, default=3.0e12, help="HBM bytes/s for the floor (H100 3.0e12)")
     p.add_argument("--memory-fraction", type=float, default=0.97,
                    help="of free GPU memory the K/V may take, after logits and prefill reserves")
-    p.add_argument("--compile", action="store_true",
-                   help="main rows with the decode step compiled (compile_decode=True; minutes of compile time)")
     p.add_argument("--out", type=Path, default=None, help="write the results (JSON) here, updated after each row")
     return p.parse_args(argv)
 
@@ -129,9 +128,9 @@ def main(argv=None) -> dict:
     header = (f"{'shape':<12}{'rows':>12}{'engine':<26}{'tok/s':>10}{'floor tok/s':>13}{'fraction':>9}"
               f"{'peak GiB':>9}{'seconds':>9}")
     print(header, flush=True)
-    main_opt = dict(compile=True) if args.compile else {}
-    plan = [(shape, pg, "RolloutEngine" + (" (compiled step)" if args.compile else ""), main_opt) for shape, pg in cases]
-    extra_opts = {"compiled-step": ("RolloutEngine (compiled step)", dict(compile=True)),
+    plan = [(shape, pg, "RolloutEngine", {}) for shape, pg in cases]
+    extra_opts = {"eager-blocks": ("RolloutEngine (eager blocks)", dict(compile=False)),
+                  "hf-step": ("RolloutEngine (HF step)", dict(hf_step=True)),
                   "waves": ("waves", dict(waves=True)),
                   "generate": ("model.generate", dict(generate=True))}
     plan += [(cases[0][0], cases[0][1]) + extra_opts[x] for x in extras]  # last: they may be slow
@@ -170,6 +169,8 @@ def main(argv=None) -> dict:
                     continuous=not opt.get("waves"), compile_decode=opt.get("compile"),
                     prefill_chunk_tokens=8192,
                 )
+                if opt.get("hf_step"):
+                    engine.decode_forward = None  # the decode step through the model's HF forward
                 run = _engine_runner(engine, prompts, G, args)
             t0 = time.perf_counter()
             run()  # warm-up: CUDA graphs captured (and compiled) here
@@ -214,7 +215,7 @@ def _engine_runner(engine: RolloutEngine, prompts, G, args):
         params = SamplingParams(n=G, temperature=args.temperature, max_new_tokens=args.new_tokens, seed=args.seed)
         groups = engine.generate(prompts, params)
         run.stats = engine.stats
-        run.compiled = engine.compile_decode
+        run.compiled = engine.decode_forward is not None and engine.decode_forward.compiled
         return sum(len(c) for grp in groups for c in grp)
 
     return run

@@ -89,8 +89,8 @@ def test_streaming_worker_admits_units_while_generating_and_returns_each_once(mo
     monkeypatch.setattr(_Session, "add", tracked_add)
     problems = trainer.task.train_problems(7, seed=2)
 
-    def hook(module, args, kwargs, output):
-        if kwargs["input_ids"].shape[1] == 1:
+    def hook(module, args, output):  # the input embedding: called once per forward, decode steps too
+        if args[0].shape[1] == 1:
             decode_calls.append(1)
             if len(decode_calls) == 3:  # the trainer launches two more units mid-generation
                 tasks.put([WorkUnit(1, problems[2:4], 3, rng_state(1)), WorkUnit(2, problems[4:5], 3, rng_state(2))])
@@ -98,7 +98,7 @@ def test_streaming_worker_admits_units_while_generating_and_returns_each_once(mo
                 # hold this decode step until the feeder has queued them into the running stream
                 assert joined.wait(60), "units 1 and 2 did not reach the running stream"
 
-    handle = worker.trainer.model.register_forward_hook(hook, with_kwargs=True)
+    handle = worker.trainer.model.get_input_embeddings().register_forward_hook(hook)
     thread = threading.Thread(target=worker.serve, args=(tasks,), daemon=True)
     try:
         thread.start()

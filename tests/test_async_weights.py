@@ -101,8 +101,8 @@ def test_weight_update_interrupts_generation_and_tokens_keep_both_versions():
         engine = worker.engine
         decode_calls = []
 
-        def hook(module, args, kwargs, output):
-            if kwargs["input_ids"].shape[1] == 1:
+        def hook(module, args, output):  # the input embedding: called once per forward, decode steps too
+            if args[0].shape[1] == 1:
                 decode_calls.append(1)
                 if len(decode_calls) == 4:
                     pub.publish(trainer_b.model, 1)
@@ -112,7 +112,7 @@ def test_weight_update_interrupts_generation_and_tokens_keep_both_versions():
                     assert engine._pending_updates, "the listener did not pick the new weights up"
 
         problems = trainer_a.task.train_problems(4, seed=1)
-        handle = worker.trainer.model.register_forward_hook(hook, with_kwargs=True)
+        handle = worker.trainer.model.get_input_embeddings().register_forward_hook(hook)
         try:
             result = worker.generate([WorkUnit(0, problems, 2, min_version=0)])
         finally:

@@ -151,8 +151,8 @@ def test_versions_and_kv_after_mid_stream_weight_update(static_kv):
     decode_calls = []
     updater = threading.Thread(target=lambda: engine.update_weights(b, version=1))
 
-    def hook(module, args, kwargs, output):
-        if kwargs["input_ids"].shape[1] == 1:
+    def hook(module, args, output):  # the input embedding: called once per forward, decode steps too
+        if args[0].shape[1] == 1:
             decode_calls.append(1)
             if len(decode_calls) == 6:  # another thread pushes weights during decode step 6
                 updater.start()
@@ -160,7 +160,7 @@ def test_versions_and_kv_after_mid_stream_weight_update(static_kv):
                 while not engine._pending_updates and time.monotonic() < deadline:
                     time.sleep(1e-4)
 
-    handle = engine.model.register_forward_hook(hook, with_kwargs=True)
+    handle = engine.model.get_input_embeddings().register_forward_hook(hook)
     try:
         groups = list(engine.generate_stream(prompts, params(n=2, max_new_tokens=MAX_NEW), max_rows=4))
     finally:
@@ -428,14 +428,14 @@ def test_kept_stream_buffers_are_reused_and_reset(model):
 
 
 def test_compiled_decode_step_matches_full_forward_float32():
-    """compile_decode: the decode step through torch.compile (what CUDA captures) gives the
+    """compile_decode: the decode blocks through torch.compile (what CUDA captures) give the
     greedy stream of a full forward, logprobs within the float32 standard (1e-5). (In
     float64 inductor's fused kernels differ from eager by ~2e-8, hence float32 here.)"""
     model = tiny(torch.float32, seed=3)
     prompts = random_prompts([7, 12, 3, 9, 20, 4], seed=18)
     engine = RolloutEngine(model, sync_every=2, static_kv=True, compile_decode=True)
     groups = list(engine.generate_stream(prompts, params(n=2), max_rows=4))
-    assert engine.compile_decode, "compilation fell back to eager"
+    assert engine.decode_forward.compiled, "compilation fell back to eager"
     check_greedy(model, groups, prompts, 2, rtol=1e-5, atol=1e-5)
 
 
@@ -555,7 +555,7 @@ def test_cuda_graph_stream_kept_buffers_prefix_cache(compile_decode):
     assert graphed.stats.prefix_cache_hit_tokens == sum(len(p) for p in prompts)
     assert key(c) == key(eager.generate_stream(turn2, params(n=2), max_rows=8))
     if compile_decode:
-        assert graphed.compile_decode, "compilation fell back to eager"
+        assert graphed.decode_forward.compiled, "compilation fell back to eager"
     reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
     for g in c:
         for comp in g:

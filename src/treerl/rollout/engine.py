@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from .blocks import DecodeForward
 from .graphs import DecodeStep
 from .kv import SlotCache, rollout_attention_enabled
 from .params import SamplingParams
@@ -184,12 +185,13 @@ class RolloutEngine:
     the continuous-batching path (:meth:`generate_stream`); False: waves, as tree
     rollouts always do.
 
-    ``compile_decode`` (default off): run the decode step through ``torch.compile``
-    (dynamic shapes: compiled once for all buckets; then captured as a CUDA graph): fused
-    kernels, far fewer launches per step. Falls back to eager (with a warning) if
-    compilation fails. Off by default: on an H100 (torch 2.11, Qwen3-0.6B shape) compiling
-    the whole decode step took over 200 s and had not finished (bench/RESULTS.md). In
-    float64 the fused kernels differ from eager by ~1e-8 (float32: within 1e-5).
+    ``compile_decode`` (default: on for CUDA devices): the streaming decode step of the
+    families treerl runs itself (Qwen2, Qwen3, Llama) goes block by block through the model's
+    own modules (:mod:`~treerl.rollout.blocks`: ~18 kernels per layer instead of ~70), and
+    with ``compile_decode`` each block's parts are compiled (regional ``torch.compile``,
+    dynamic shapes: compiled once, in seconds, for every layer and batch bucket), then
+    captured in the step's CUDA graph. Falls back to eager (with a warning) if compilation
+    fails. In float64 the fused kernels differ from eager by ~1e-8 (float32: within 1e-5).
 
     ``prefix_cache_tokens`` (default 0: off): the streaming path keeps the K/V of prompts it
     prefilled, up to this many tokens (LRU, :mod:`~treerl.rollout.prefix_cache`); a prompt
@@ -213,7 +215,7 @@ class RolloutEngine:
         static_kv: bool | None = None,
         continuous: bool = True,
         keep_stream_buffers: bool = False,
-        compile_decode: bool = False,
+        compile_decode: bool | None = None,
         prefix_cache_tokens: int = 0,
     ):
         if device is not None:
@@ -245,7 +247,8 @@ class RolloutEngine:
             raise ValueError("cuda_graphs needs static_kv")
         self.continuous = bool(continuous)
         self.keep_stream_buffers = bool(keep_stream_buffers)
-        self.compile_decode = bool(compile_decode)
+        self.compile_decode = self.device.type == "cuda" if compile_decode is None else bool(compile_decode)
+        self.decode_forward = DecodeForward(model, self.compile_decode) if DecodeForward.applies(model) else None
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self._stream_arena = None  # (shapes, device state) of the last stream, kept for the next
         self.stats = RolloutStats()

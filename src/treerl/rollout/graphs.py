@@ -39,43 +39,11 @@ def capture_decode_step(engine, forward) -> tuple[torch.cuda.CUDAGraph | None, t
         return graph, out
 
 
-def compiled(engine, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """``forward`` through ``torch.compile`` (fused kernels: fewer launches per step), with
-    dynamic shapes: one compilation serves every (rows, attended slots) bucket (sizes that
-    change between buckets are read from tensor shapes). If the compilation fails, warns
-    and runs ``forward`` eagerly (and the engine stops compiling)."""
-    import torch._dynamo
-
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), 64 if "accumulated" not in name else 512))
-    fn = torch.compile(forward, dynamic=True)
-    state = {"fn": fn, "tried": False}
-
-    def run() -> torch.Tensor:
-        if state["tried"]:
-            return state["fn"]()
-        state["tried"] = True
-        try:
-            return fn()
-        except Exception as err:  # noqa: BLE001 - any compiler failure: eager
-            warnings.warn(f"torch.compile of the decode step failed ({type(err).__name__}: {err}); decoding eagerly")
-            engine.compile_decode = False
-            state["fn"] = forward
-            return forward()
-
-    return run
-
-
 class DecodeStep:
     """``forward`` (a decode step whose inputs live in fixed tensors) run eagerly, or on
-    CUDA (``engine.cuda_graphs``) captured at the first call and replayed after; with
-    ``engine.compile_decode``, compiled first (the compiled step is what is captured)."""
+    CUDA (``engine.cuda_graphs``) captured at the first call and replayed after."""
 
     def __init__(self, engine, forward: Callable[[], torch.Tensor]):
-        if getattr(engine, "compile_decode", False):
-            forward = compiled(engine, forward)
         self.engine, self.forward = engine, forward
         self.use_graph = engine.cuda_graphs
         self.graph: torch.cuda.CUDAGraph | None = None

@@ -206,6 +206,32 @@ def attend_with_lse(q, k, v, mask, scale, efficient: bool = False):
     return _attend_math(q, k, v, mask, scale)
 
 
+def split_queries(query: torch.Tensor, kv_heads: int, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two query layouts of a decode step of ``B = NGb x G`` rows, ``query [B, Hq, 1, D]``:
+    ``q_own [B, Hkv, Hq/Hkv, D]`` (each row against its own keys) and
+    ``q_pre [NGb, Hkv, G x Hq/Hkv, D]`` (a group's queries that share a KV head, together)."""
+    B, Hq, _, D = query.shape
+    gq, NGb = Hq // kv_heads, B // G
+    q_own = query.reshape(B, kv_heads, gq, D)
+    q_pre = q_own.reshape(NGb, G, kv_heads, gq, D).transpose(1, 2).reshape(NGb, kv_heads, G * gq, D)
+    return q_own, q_pre
+
+
+def merge_parts(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, l_pre: torch.Tensor, G: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over the union of prefix and own keys from the two parts' outputs and LSEs:
+    ``o_own [B, Hkv, gq, Dv]``, ``l_own [B, Hkv, gq]``, ``o_pre [NGb, Hkv, G x gq, Dv]``,
+    ``l_pre [NGb, Hkv, G x gq]``. Returns ``[B, 1, Hq, Dv]`` in ``dtype``."""
+    B, Hkv, gq, Dv = o_own.shape
+    NGb = B // G
+    o_pre = o_pre.reshape(NGb, Hkv, G, gq, Dv).transpose(1, 2).reshape(B, Hkv, gq, Dv)
+    l_pre = l_pre.reshape(NGb, Hkv, G, gq).transpose(1, 2).reshape(B, Hkv, gq)
+    acc = l_own.dtype
+    w = torch.sigmoid(l_pre - l_own)[..., None]  # weight of the prefix part: Z_pre / (Z_pre + Z_own)
+    out = torch.lerp(o_own.to(acc), o_pre.to(acc), w)
+    return out.to(dtype).reshape(B, 1, Hkv * gq, Dv)
+
+
 def two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefix_mask, scale, G,
                         efficient: bool = False):
     """Decode attention of ``B = NGb x G`` rows, one query token each.
@@ -214,17 +240,7 @@ def two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefi
     ``prefix_k/v [NGb, Hkv, P, D]``, ``prefix_mask [NGb, 1, 1, P]`` (group slot ``g`` is
     the prefix of rows ``[g*G, (g+1)*G)``). Returns ``[B, 1, Hq, Dv]`` in the query dtype:
     softmax over the union of prefix and own keys, from the two parts' LSEs."""
-    B, Hq, _, D = query.shape
-    Hkv = own_k.shape[1]
-    gq, NGb = Hq // Hkv, B // G
-    q_own = query.reshape(B, Hkv, gq, D)
-    q_pre = q_own.reshape(NGb, G, Hkv, gq, D).transpose(1, 2).reshape(NGb, Hkv, G * gq, D)
+    q_own, q_pre = split_queries(query, own_k.shape[1], G)
     o_pre, l_pre = attend_with_lse(q_pre, prefix_k, prefix_v, prefix_mask, scale, efficient)
     o_own, l_own = attend_with_lse(q_own, own_k, own_v, own_mask, scale, efficient)
-    Dv = o_own.shape[-1]
-    o_pre = o_pre.reshape(NGb, Hkv, G, gq, Dv).transpose(1, 2).reshape(B, Hkv, gq, Dv)
-    l_pre = l_pre.reshape(NGb, Hkv, G, gq).transpose(1, 2).reshape(B, Hkv, gq)
-    acc = l_own.dtype
-    w = torch.sigmoid(l_pre - l_own)[..., None]  # weight of the prefix part: Z_pre / (Z_pre + Z_own)
-    out = torch.lerp(o_own.to(acc), o_pre.to(acc), w)
-    return out.to(query.dtype).reshape(B, 1, Hq, Dv)
+    return merge_parts(o_own, l_own, o_pre, l_pre, G, query.dtype)

@@ -642,13 +642,16 @@ class _TwoLevelStep:
         # own_len from a shape (not a Python int attribute): compiled steps stay shape-generic
         cache.write_index, cache.own_len, cache.prefix_mask = self.index, self.own_mask.shape[-1], self.prefix_mask
         try:
-            logits = self.engine.model(
-                input_ids=self.ids, position_ids=self.pos, attention_mask=self.own_mask,
-                past_key_values=cache, use_cache=True, rollout_static=True, rollout_prefix=cache,
-            ).logits
+            if self.engine.decode_forward is not None:  # treerl's own blocks (Qwen2/Qwen3/Llama)
+                logits = self.engine.decode_forward(self.ids, self.pos, cache, self.own_mask, self.prefix_mask)
+            else:
+                logits = self.engine.model(
+                    input_ids=self.ids, position_ids=self.pos, attention_mask=self.own_mask,
+                    past_key_values=cache, use_cache=True, rollout_static=True, rollout_prefix=cache,
+                ).logits[:, -1]
             # into the batch's logits buffer (in the graph: the model's logits are a temporary
             # of the shared pool, not an output kept alive per graph)
-            return self.out.copy_(logits[:, -1])
+            return self.out.copy_(logits)
         finally:
             cache.write_index = cache.prefix_mask = None
 
