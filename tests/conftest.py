@@ -362,3 +362,23 @@ def shaped_forest(gen: torch.Generator, spec, vocab: int = VOCAB) -> list[list[i
     visit(spec, [])
     perm = torch.randperm(len(seqs), generator=gen).tolist()
     return [seqs[i] for i in perm]
+
+
+class _Handles:
+    def __init__(self, *handles):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def after_each_forward(model: torch.nn.Module, fn) -> _Handles:
+    """Call ``fn(query_length)`` at the end of every forward of ``model`` (after its LM head),
+    whichever path ran it: the HF forward (prefill, decode of other families) or treerl's own
+    decode blocks, which call the modules but not ``model.forward``. ``query_length`` is the
+    length of the forward's input ids (1: a decode step). Returns a handle with ``remove()``."""
+    seen = []
+    pre = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    post = model.get_output_embeddings().register_forward_hook(lambda module, args, output: fn(seen.pop()))
+    return _Handles(pre, post)

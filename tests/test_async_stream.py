@@ -19,6 +19,7 @@ from treerl.async_rl.runner import AsyncRunner, WorkerInfo
 from treerl.async_rl.weights import SharedMemoryPublisher
 from treerl.async_rl.worker import Ready, Result, RolloutWorker, WorkerSpec, _Session, rollout_only_config
 from treerl.config import Config
+from conftest import after_each_forward
 
 TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
         "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 128}")
@@ -89,8 +90,8 @@ def test_streaming_worker_admits_units_while_generating_and_returns_each_once(mo
     monkeypatch.setattr(_Session, "add", tracked_add)
     problems = trainer.task.train_problems(7, seed=2)
 
-    def hook(module, args, output):  # the input embedding: called once per forward, decode steps too
-        if args[0].shape[1] == 1:
+    def hook(query_length):  # at the end of every forward
+        if query_length == 1:
             decode_calls.append(1)
             if len(decode_calls) == 3:  # the trainer launches two more units mid-generation
                 tasks.put([WorkUnit(1, problems[2:4], 3, rng_state(1)), WorkUnit(2, problems[4:5], 3, rng_state(2))])
@@ -98,7 +99,7 @@ def test_streaming_worker_admits_units_while_generating_and_returns_each_once(mo
                 # hold this decode step until the feeder has queued them into the running stream
                 assert joined.wait(60), "units 1 and 2 did not reach the running stream"
 
-    handle = worker.trainer.model.get_input_embeddings().register_forward_hook(hook)
+    handle = after_each_forward(worker.trainer.model, hook)
     thread = threading.Thread(target=worker.serve, args=(tasks,), daemon=True)
     try:
         thread.start()

@@ -16,6 +16,7 @@ from treerl.async_rl.worker import RolloutWorker, WorkerSpec, rollout_only_confi
 from treerl.config import Config
 from treerl.models import build_model
 from treerl.rollout import RolloutEngine
+from conftest import after_each_forward
 
 TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
         "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}")
@@ -101,8 +102,8 @@ def test_weight_update_interrupts_generation_and_tokens_keep_both_versions():
         engine = worker.engine
         decode_calls = []
 
-        def hook(module, args, output):  # the input embedding: called once per forward, decode steps too
-            if args[0].shape[1] == 1:
+        def hook(query_length):  # at the end of every forward
+            if query_length == 1:
                 decode_calls.append(1)
                 if len(decode_calls) == 4:
                     pub.publish(trainer_b.model, 1)
@@ -112,7 +113,7 @@ def test_weight_update_interrupts_generation_and_tokens_keep_both_versions():
                     assert engine._pending_updates, "the listener did not pick the new weights up"
 
         problems = trainer_a.task.train_problems(4, seed=1)
-        handle = worker.trainer.model.get_input_embeddings().register_forward_hook(hook)
+        handle = after_each_forward(worker.trainer.model, hook)
         try:
             result = worker.generate([WorkUnit(0, problems, 2, min_version=0)])
         finally:

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from conftest import completion_logprobs
+from conftest import after_each_forward, completion_logprobs
 from treerl import PrefixTree
 from treerl.models import build_model, rmsnorm_in_input_precision
 from treerl.rollout import RolloutEngine, SamplingParams
@@ -99,11 +99,10 @@ def test_prefill_runs_once_per_distinct_prompt(model):
     prompts.append(list(prompts[1]))  # a duplicate prompt is prefilled once too
     calls = []
 
-    def hook(module, args, kwargs):
-        ids = kwargs["input_ids"]
-        calls.append(tuple(ids.shape))
+    def hook(module, args):  # the input embedding: once per forward, decode steps too
+        calls.append(tuple(args[0].shape))
 
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = model.get_input_embeddings().register_forward_pre_hook(hook)
     try:
         engine = RolloutEngine(model)
         groups = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=5, seed=0))
@@ -271,13 +270,13 @@ def test_weight_update_during_generation_recomputes_kv():
     engine = RolloutEngine(copy.deepcopy(a), version=0, sync_every=100)
     decode_calls = []
 
-    def hook(module, args, kwargs, output):
-        if kwargs["input_ids"].shape[1] == 1:
+    def hook(query_length):  # at the end of every forward
+        if query_length == 1:
             decode_calls.append(1)
             if len(decode_calls) == 4:  # during the forward that samples token 4
                 engine.update_weights(b, version=1)
 
-    handle = engine.model.register_forward_hook(hook, with_kwargs=True)
+    handle = after_each_forward(engine.model, hook)
     try:
         groups = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_new_tokens=10))
     finally:
@@ -334,8 +333,8 @@ def test_weight_update_from_another_thread():
 
     thread = threading.Thread(target=updater)
 
-    def hook(module, args, kwargs, output):
-        if kwargs["input_ids"].shape[1] == 1:
+    def hook(query_length):  # at the end of every forward
+        if query_length == 1:
             decode_calls.append(1)
             if len(decode_calls) == 3:  # forward that samples token 3: the trainer pushes weights now
                 thread.start()
@@ -343,7 +342,7 @@ def test_weight_update_from_another_thread():
                 while not engine._pending_updates and time.monotonic() < deadline:
                     time.sleep(1e-4)
 
-    handle = engine.model.register_forward_hook(hook, with_kwargs=True)
+    handle = after_each_forward(engine.model, hook)
     try:
         groups = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=9))
     finally:

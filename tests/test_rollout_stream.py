@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import completion_logprobs
+from conftest import after_each_forward, completion_logprobs
 from treerl.models import build_model, rmsnorm_in_input_precision
 from treerl.rollout import PromptQueue, RolloutEngine, SamplingParams
 
@@ -151,8 +151,8 @@ def test_versions_and_kv_after_mid_stream_weight_update(static_kv):
     decode_calls = []
     updater = threading.Thread(target=lambda: engine.update_weights(b, version=1))
 
-    def hook(module, args, output):  # the input embedding: called once per forward, decode steps too
-        if args[0].shape[1] == 1:
+    def hook(query_length):  # at the end of every forward
+        if query_length == 1:
             decode_calls.append(1)
             if len(decode_calls) == 6:  # another thread pushes weights during decode step 6
                 updater.start()
@@ -160,7 +160,7 @@ def test_versions_and_kv_after_mid_stream_weight_update(static_kv):
                 while not engine._pending_updates and time.monotonic() < deadline:
                     time.sleep(1e-4)
 
-    handle = engine.model.get_input_embeddings().register_forward_hook(hook)
+    handle = after_each_forward(engine.model, hook)
     try:
         groups = list(engine.generate_stream(prompts, params(n=2, max_new_tokens=MAX_NEW), max_rows=4))
     finally:
@@ -495,12 +495,15 @@ def test_prefix_cache_lru_and_superseding():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_two_level_attention_kernel(dtype, D):
-    """The CUDA memory-efficient kernel (with LSE) is usable here, and two-level attention
-    through it agrees with the exact float64 reference to the dtype's rounding."""
+    """The CUDA memory-efficient kernel and treerl's split-key Triton kernel (with LSE) are
+    usable here, and two-level attention through each agrees with the exact float64
+    reference to the dtype's rounding."""
+    from treerl.rollout.decode_attention import split_attention_ok
     from treerl.rollout.shared import _efficient_ok, two_level_attention
 
     dev = "cuda"
     assert _efficient_ok(str(torch.device(dev, torch.cuda.current_device())), dtype, D, D), "fast path not usable"
+    assert split_attention_ok(str(torch.device(dev, torch.cuda.current_device())), dtype, D, D), "split kernel not usable"
     # views of unaligned lengths (eager steps) may or may not run on the kernel: reported, not required
     print("unaligned lengths on the kernel:", _efficient_ok(str(torch.device(dev, torch.cuda.current_device())),
                                                             dtype, D, D, True))
@@ -526,11 +529,13 @@ def test_cuda_two_level_attention_kernel(dtype, D):
     r = [t.double() for t in c]  # float64 reference on the same (rounded) inputs
     om64, pm64 = masks(torch.float64)
     ref = two_level_attention(r[0], r[1], r[2], om64, r[3], r[4], pm64, D ** -0.5, G)
-    out = two_level_attention(c[0], c[1], c[2], om, c[3], c[4], pm, D ** -0.5, G, efficient=True)
-    slow = two_level_attention(c[0], c[1], c[2], om, c[3], c[4], pm, D ** -0.5, G, efficient=False)
+    slow = two_level_attention(c[0], c[1], c[2], om, c[3], c[4], pm, D ** -0.5, G, backend="math")
     tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}[dtype]
-    assert (out.double() - ref).abs().max() <= tol
-    assert (out.double() - slow.double()).abs().max() <= tol
+    assert (slow.double() - ref).abs().max() <= tol
+    for backend in ("efficient", "split"):
+        out = two_level_attention(c[0], c[1], c[2], om, c[3], c[4], pm, D ** -0.5, G, backend=backend)
+        assert (out.double() - ref).abs().max() <= tol, backend
+        assert (out.double() - slow.double()).abs().max() <= tol, backend
 
 
 @pytest.mark.cuda
@@ -572,9 +577,12 @@ def test_cuda_prompt_kv_memory_is_stored_once():
     model = build_model("qwen3", "small", dtype=torch.bfloat16, seed=1).cuda()
     prompts = random_prompts([1000] * 4, seed=3)
     engine = RolloutEngine(model, sync_every=8)
+    params = SamplingParams(n=16, temperature=1.0, max_new_tokens=32, seed=0)
+    list(engine.generate_stream(prompts[:1], params))  # warm-up: the decode blocks compile (not K/V memory)
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    groups = list(engine.generate_stream(prompts, SamplingParams(n=16, temperature=1.0, max_new_tokens=32, seed=0)))
+    groups = list(engine.generate_stream(prompts, params))
     assert len(groups) == 4 and all(len(c) == 32 for g in groups for c in g)
     assert engine.stats.kv_slots == 4 * (1008 + 16 * 32)
     per_token = model.config.num_hidden_layers * model.config.num_key_value_heads * 2 * 32 * 2

@@ -23,11 +23,10 @@ modules' own forward, reordered. Any other causal LM decodes through its HF forw
 from __future__ import annotations
 
 import sys
-import warnings
-from typing import Callable
 
 import torch
 
+from .compiled import LazyCompiled
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, split_queries
 
 OWN_DECODE_FAMILIES = ("Qwen2Model", "Qwen3Model", "LlamaModel")
@@ -58,31 +57,7 @@ def _post(layer: torch.nn.Module, hidden: torch.Tensor, o_own: torch.Tensor, l_o
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
-class _LazyCompiled:
-    """``fn`` through ``torch.compile`` (dynamic shapes), compiled at the first call; if that
-    fails, a warning and ``fn`` eagerly from then on."""
-
-    def __init__(self, fn: Callable):
-        self.eager, self.fn, self.tried = fn, None, False
-
-    def __call__(self, *args):
-        if self.tried:
-            return self.fn(*args)
-        self.tried = True
-        try:
-            self.fn = torch.compile(self.eager, dynamic=True)
-            return self.fn(*args)
-        except Exception as err:  # noqa: BLE001 - any compiler failure: eager
-            warnings.warn(f"torch.compile of the decode blocks failed ({type(err).__name__}: {err}); decoding eagerly")
-            self.fn = self.eager
-            return self.fn(*args)
-
-    @property
-    def compiled(self) -> bool:
-        return self.fn is not self.eager
-
-
-_PRE, _POST = _LazyCompiled(_pre), _LazyCompiled(_post)
+_PRE, _POST = LazyCompiled(_pre, "decode blocks"), LazyCompiled(_post, "decode blocks")
 
 
 class DecodeForward:
@@ -110,13 +85,13 @@ class DecodeForward:
         base, G = self.base, cache.G
         hidden = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(hidden, pos)
-        efficient = cache.use_efficient(own_mask.shape[-1], prefix_mask.shape[-1])
+        backend = cache.backend(own_mask.shape[-1], prefix_mask.shape[-1])
         for i, layer in enumerate(base.layers):
             q_own, q_pre, k, v = self.pre(layer, hidden, cos, sin, G)
             own_k, own_v = cache.update(k, v, i)
             pk, pv = cache.prefix(i, q_pre.shape[0])
             scale = layer.self_attn.scaling
-            o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, efficient)
-            o_own, l_own = attend_with_lse(q_own, own_k, own_v, own_mask, scale, efficient)
+            o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend)
+            o_own, l_own = attend_with_lse(q_own, own_k, own_v, own_mask, scale, backend)
             hidden = self.post(layer, hidden, o_own, l_own, o_pre, l_pre, G)
         return self.model.lm_head(base.norm(hidden)[:, -1])

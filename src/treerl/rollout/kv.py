@@ -165,7 +165,7 @@ def rollout_attention(
         pk, pv = shared.prefix(module.layer_idx, query.shape[0] // shared.G)
         return two_level_attention(query, key, value, attention_mask, pk, pv, shared.prefix_mask,
                                    scaling if scaling is not None else query.shape[-1] ** -0.5, shared.G,
-                                   shared.use_efficient(key.shape[2], pk.shape[2])), None
+                                   shared.backend(key.shape[2], pk.shape[2])), None
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     static = kwargs.get("rollout_static", False)

@@ -24,6 +24,8 @@ import functools
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .decode_attention import split_attention, split_attention_ok
+
 
 class _TwoLevelLayer(CacheLayerMixin):
     """One layer: prefix keys/values ``[NG, Hkv, Pcap, D]``, own keys/values ``[S, Hkv, N, D]``."""
@@ -72,7 +74,8 @@ class SharedPrefixCache(Cache):
         super().__init__(layers=layers)
         self.groups, self.G, self.rows = groups, G, S
         self.prefix_capacity, self.own_capacity = prefix_capacity, own_capacity
-        # the CUDA kernel with LSE, if it runs here (probed now: never inside a capture or a compile)
+        # the CUDA kernels with LSE that run here (probed now: never inside a capture or a compile)
+        self.split = device.type == "cuda" and split_attention_ok(str(device), dtype, head_dim, value_dim)
         self.efficient = device.type == "cuda" and _efficient_ok(str(device), dtype, head_dim, value_dim)
         self.efficient_unaligned = self.efficient and _efficient_ok(str(device), dtype, head_dim, value_dim, True)
         self.write_index: torch.Tensor | None = None
@@ -102,9 +105,15 @@ class SharedPrefixCache(Cache):
         layer.ov[:s].scatter_(2, index.expand(s, h, 1, value_states.shape[-1]), value_states)
         return layer.ok[:s, :, : self.own_len], layer.ov[:s, :, : self.own_len]
 
-    def use_efficient(self, own_len: int, prefix_len: int) -> bool:
-        """Whether this step's attention runs on the CUDA kernel (else exact math)."""
-        return self.efficient and (self.efficient_unaligned or (own_len % 16 == 0 and prefix_len % 16 == 0))
+    def backend(self, own_len: int, prefix_len: int) -> str:
+        """This step's attention kernel (see :func:`attend_with_lse`): ``"split"`` (treerl's
+        split-key Triton kernel), ``"efficient"`` (CUDA's memory-efficient kernel, on key
+        lengths it handles here) or ``"math"``."""
+        if self.split:
+            return "split"
+        if self.efficient and (self.efficient_unaligned or (own_len % 16 == 0 and prefix_len % 16 == 0)):
+            return "efficient"
+        return "math"
 
     def prefix(self, layer_idx: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefix keys/values of group slots ``[:groups]`` over the attended slots."""
@@ -197,13 +206,17 @@ def _efficient_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int
         return False
 
 
-def attend_with_lse(q, k, v, mask, scale, efficient: bool = False):
+def attend_with_lse(q, k, v, mask, scale, backend: str = "math"):
     """Attention of ``q [B, H, M, D]`` to ``k/v [B, H, N, D]`` under an additive ``mask``
-    (``[B, 1, 1, N]``); returns ``out`` and ``lse [B, H, M]`` (float32 or float64).
-    ``efficient``: CUDA's memory-efficient kernel (see :func:`_efficient_ok`), else exact math."""
-    if efficient:
-        return _attend_efficient(q, k, v, mask, scale)
-    return _attend_math(q, k, v, mask, scale)
+    (``[B, 1, 1, N]``), in key ranges: returns ``out [B, H, S, M, Dv]`` and ``lse [B, H, S, M]``
+    of each range (float32, or float64 for math on float64), merged by :func:`merge_parts`.
+    ``backend``: ``"split"`` (:mod:`~treerl.rollout.decode_attention`: several ranges, to
+    fill the GPU), ``"efficient"`` (CUDA's memory-efficient kernel, see :func:`_efficient_ok`)
+    or ``"math"`` (exact); the last two return one range."""
+    if backend == "split":
+        return split_attention(q, k, v, mask, scale)
+    out, lse = _attend_efficient(q, k, v, mask, scale) if backend == "efficient" else _attend_math(q, k, v, mask, scale)
+    return out.unsqueeze(2), lse.unsqueeze(2)
 
 
 def split_queries(query: torch.Tensor, kv_heads: int, G: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,21 +232,23 @@ def split_queries(query: torch.Tensor, kv_heads: int, G: int) -> tuple[torch.Ten
 
 def merge_parts(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, l_pre: torch.Tensor, G: int,
                 dtype: torch.dtype) -> torch.Tensor:
-    """Softmax over the union of prefix and own keys from the two parts' outputs and LSEs:
-    ``o_own [B, Hkv, gq, Dv]``, ``l_own [B, Hkv, gq]``, ``o_pre [NGb, Hkv, G x gq, Dv]``,
-    ``l_pre [NGb, Hkv, G x gq]``. Returns ``[B, 1, Hq, Dv]`` in ``dtype``."""
-    B, Hkv, gq, Dv = o_own.shape
-    NGb = B // G
-    o_pre = o_pre.reshape(NGb, Hkv, G, gq, Dv).transpose(1, 2).reshape(B, Hkv, gq, Dv)
-    l_pre = l_pre.reshape(NGb, Hkv, G, gq).transpose(1, 2).reshape(B, Hkv, gq)
+    """Softmax over the union of prefix and own keys from the key ranges' outputs and LSEs
+    (:func:`attend_with_lse`): ``o_own [B, Hkv, S1, gq, Dv]``, ``l_own [B, Hkv, S1, gq]``,
+    ``o_pre [NGb, Hkv, S2, G x gq, Dv]``, ``l_pre [NGb, Hkv, S2, G x gq]``. Each range's
+    weight is ``exp(lse_range - lse_all)``. Returns ``[B, 1, Hq, Dv]`` in ``dtype``."""
+    B, Hkv, _, gq, Dv = o_own.shape
+    NGb, _, S2, _, _ = o_pre.shape
+    o_pre = o_pre.reshape(NGb, Hkv, S2, G, gq, Dv).permute(0, 3, 1, 2, 4, 5).reshape(B, Hkv, S2, gq, Dv)
+    l_pre = l_pre.reshape(NGb, Hkv, S2, G, gq).permute(0, 3, 1, 2, 4).reshape(B, Hkv, S2, gq)
     acc = l_own.dtype
-    w = torch.sigmoid(l_pre - l_own)[..., None]  # weight of the prefix part: Z_pre / (Z_pre + Z_own)
-    out = torch.lerp(o_own.to(acc), o_pre.to(acc), w)
+    lse = torch.cat([l_own, l_pre.to(acc)], dim=2)
+    w = torch.softmax(lse, dim=2)[..., None]  # [B, Hkv, S1 + S2, gq, 1]
+    out = (w * torch.cat([o_own.to(acc), o_pre.to(acc)], dim=2)).sum(2)
     return out.to(dtype).reshape(B, 1, Hkv * gq, Dv)
 
 
 def two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefix_mask, scale, G,
-                        efficient: bool = False):
+                        backend: str = "math"):
     """Decode attention of ``B = NGb x G`` rows, one query token each.
 
     ``query [B, Hq, 1, D]``; ``own_k/v [B, Hkv, L, D]``, ``own_mask [B, 1, 1, L]``;
@@ -241,6 +256,6 @@ def two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefi
     the prefix of rows ``[g*G, (g+1)*G)``). Returns ``[B, 1, Hq, Dv]`` in the query dtype:
     softmax over the union of prefix and own keys, from the two parts' LSEs."""
     q_own, q_pre = split_queries(query, own_k.shape[1], G)
-    o_pre, l_pre = attend_with_lse(q_pre, prefix_k, prefix_v, prefix_mask, scale, efficient)
-    o_own, l_own = attend_with_lse(q_own, own_k, own_v, own_mask, scale, efficient)
+    o_pre, l_pre = attend_with_lse(q_pre, prefix_k, prefix_v, prefix_mask, scale, backend)
+    o_own, l_own = attend_with_lse(q_own, own_k, own_v, own_mask, scale, backend)
     return merge_parts(o_own, l_own, o_pre, l_pre, G, query.dtype)

@@ -1,0 +1,137 @@
+"""Split-key decode attention with its log-sum-exp, in Triton (flash-decoding).
+
+One decode step's attention is memory-bound: each (batch entry, KV head) reads its keys
+and values once for a handful of queries (a row's ``Hq/Hkv`` query heads, or a group's
+``G x Hq/Hkv`` queries against the shared prompt). A kernel with one program per (entry,
+head) leaves most of the GPU idle when entries are few and long (8 prompts of 1,024
+tokens: 64 programs on 132 SMs), and a kernel tiled for prefill wastes most of its query
+tile on 2 queries. Here the keys of each (entry, head) are split into ``S`` ranges run by
+separate programs (enough programs to fill the GPU), each writing a partial output and
+its LSE; :func:`~treerl.rollout.shared.merge_parts` merges the splits of both attention
+levels exactly in one pass.
+
+``q [B, H, M, D]``, ``k/v [B, H, N, D]`` (any strides, last dim contiguous), additive
+``mask`` rows ``[B, N]`` (broadcast over heads and queries) -> ``out [B, H, S, M, Dv]``
+(float32) and ``lse [B, H, S, M]`` (float32; ``-inf`` for a split with no keys).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only torch has no triton
+    triton = None
+
+# programs to launch at least (~4 per SM of an H100/H200): splits are chosen to reach it
+TARGET_PROGRAMS = 528
+BLOCK_N = 64
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(Q, K, V, Mask, O, L,
+                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb,
+                      sob, soh, sos, som, slb, slh, sls,
+                      H, M, N, keys_per_split, scale,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                      IEEE: tl.constexpr):
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        offs_dv = tl.arange(0, DV)
+        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                    mask=offs_m[:, None] < M, other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DV], tl.float32)
+        start = split * keys_per_split  # keys_per_split: whole blocks; split starts < N
+        for i in range(0, keys_per_split // BLOCK_N):
+            offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = offs_n < N
+            k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], mask=valid[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            bias = tl.load(Mask + b * smb + offs_n, mask=valid, other=0.0).to(tl.float32)
+            s = s * scale + bias[None, :]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_dv[None, :], mask=valid[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        has = l_i > 0
+        out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        keep = offs_m < M
+        tl.store(O + b * sob + h * soh + split * sos + offs_m[:, None] * som + offs_dv[None, :], out, mask=keep[:, None])
+        tl.store(L + b * slb + h * slh + split * sls + offs_m, lse, mask=keep)
+
+
+def splits_for(batch: int, heads: int, keys: int) -> int:
+    """Key ranges per (entry, head): enough programs to fill the GPU, >= one block each."""
+    want = -(-TARGET_PROGRAMS // max(batch * heads, 1))
+    return max(1, min(want, -(-keys // BLOCK_N)))
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                    splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring; ``mask`` is ``[B, 1, 1, N]`` or ``[B, N]``."""
+    B, H, M, D = q.shape
+    N, DV = k.shape[2], v.shape[3]
+    mask = mask.reshape(mask.shape[0], mask.shape[-1]) if mask.dim() == 4 else mask
+    S = splits_for(B, H, N) if splits is None else splits
+    per = -(-(-(-N // S)) // BLOCK_N) * BLOCK_N  # keys per split, whole blocks
+    S = max(1, -(-N // per))
+    out = torch.empty(B, H, S, M, DV, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B, H, S, M, device=q.device, dtype=torch.float32)
+    block_m = max(16, triton.next_power_of_2(M))
+    _split_kernel[(B * H, S)](
+        q, k, v, mask, out, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), mask.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
+        H, M, N, per, scale,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=D, DV=DV, IEEE=q.dtype == torch.float32,
+        num_warps=4 if block_m <= 32 else 8, num_stages=2,
+    )
+    return out, lse
+
+
+@functools.lru_cache(maxsize=None)
+def split_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int) -> bool:
+    """Whether the kernel runs here and agrees with float64 math (probed once per device,
+    dtype and head sizes; never inside a capture)."""
+    if triton is None or not device.startswith("cuda") or dtype == torch.float64 or head_dim % 16 or value_dim % 16:
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(3, 2, 5, head_dim, device=device, dtype=dtype, generator=g)
+        k = torch.randn(3, 2, 200, head_dim, device=device, dtype=dtype, generator=g)
+        v = torch.randn(3, 2, 200, value_dim, device=device, dtype=dtype, generator=g)
+        mask = torch.zeros(3, 200, device=device, dtype=dtype)
+        mask[1, 20:] = torch.finfo(dtype).min
+        out, lse = split_attention(q, k, v, mask, 0.125, splits=3)
+        w = torch.softmax(lse.double(), dim=2)[..., None]
+        o = (w * out.double()).sum(2)
+        s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * 0.125 + mask.double()[:, None, None, :]
+        ref = torch.matmul(torch.softmax(s, -1), v.double())
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        return bool(torch.allclose(o, ref, atol=tol) and torch.allclose(torch.logsumexp(lse.double(), 2),
+                                                                        torch.logsumexp(s, -1), atol=tol))
+    except Exception:  # noqa: BLE001 - any failure: another kernel
+        return False
