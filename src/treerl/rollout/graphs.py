@@ -10,33 +10,39 @@ import torch
 
 
 def capture_decode_step(engine, forward) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
-    """Capture ``forward`` (a decode step with static inputs) as a CUDA graph: one eager
-    warm-up run on a side stream (it writes the step's K/V, which replays rewrite
-    identically), then the capture. Returns (graph, its output tensor), or (None, the
+    """Capture ``forward`` (a decode step with static inputs) as a CUDA graph: eager warm-up
+    runs on a side stream (they write the step's K/V, which replays rewrite identically),
+    then the capture (tried twice). Returns (graph, its output tensor), or (None, the
     eager output) when the model cannot be captured (then the engine stops using graphs).
 
     Holds ``engine.device_lock``: device work of another thread during a capture
     (a weight receiver's copy or NCCL broadcast) would invalidate it."""
     with engine.device_lock:
         dev = engine.device
-        stream, current = torch.cuda.Stream(dev), torch.cuda.current_stream(dev)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            forward()
-        current.wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         if getattr(engine, "_graph_pool", None) is None:
             engine._graph_pool = torch.cuda.graph_pool_handle()
-        try:
-            # one memory pool for all the engine's decode graphs: they replay one at a time and
-            # each keeps its output tensor alive, so their temporaries may share memory
-            with torch.cuda.graph(graph, pool=engine._graph_pool):
-                out = forward()
-        except RuntimeError as err:  # a model that cannot be captured: run its steps eagerly
-            warnings.warn(f"CUDA graph capture failed ({err}); decoding without CUDA graphs")
-            engine.cuda_graphs = False
-            return None, forward()
-        return graph, out
+        for attempt in range(2):
+            # warm-up, twice: a compiled part may compile again at its second call (a guard that
+            # its first call specialised), and compiling inside a capture breaks the capture
+            stream, current = torch.cuda.Stream(dev), torch.cuda.current_stream(dev)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                forward()
+                forward()
+            current.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                # one memory pool for all the engine's decode graphs: they replay one at a time and
+                # each keeps its output tensor alive, so their temporaries may share memory
+                with torch.cuda.graph(graph, pool=engine._graph_pool):
+                    out = forward()
+                return graph, out
+            except RuntimeError as err:
+                error = err
+        # a model that cannot be captured: run its steps eagerly
+        warnings.warn(f"CUDA graph capture failed twice ({error}); decoding without CUDA graphs")
+        engine.cuda_graphs = False
+        return None, forward()
 
 
 class DecodeStep:
