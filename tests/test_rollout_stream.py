@@ -592,3 +592,29 @@ def test_cuda_prompt_kv_memory_is_stored_once():
     per_token = model.config.num_hidden_layers * model.config.num_key_value_heads * 2 * 32 * 2
     copies = 64 * (1000 + 32) * per_token  # what per-row prompt copies alone would take (~135 MB)
     assert torch.cuda.max_memory_allocated() - base - prefill < copies / 2
+
+
+@pytest.mark.parametrize("how", ["adamw", "adamw-fused", "update_weights", "load_state_dict"])
+def test_fused_projections_follow_every_parameter_update(how):
+    """The decode blocks' fused Q/K/V and gate/up copies are refreshed after any in-place
+    change of the model's parameters: optimizer steps (the trainer shares its policy with
+    the rollout engine; a fused AdamW step bumps no version counter: the next stream's
+    start refreshes), update_weights, load_state_dict; and the stream then samples what
+    the model gives."""
+    model = tiny(torch.float32, seed=4)
+    engine = RolloutEngine(model)
+    fused = engine.decode_forward.fused
+    if how.startswith("adamw"):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=how == "adamw-fused" or None)
+        model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+        opt.step()
+    elif how == "update_weights":
+        engine.update_weights(tiny(torch.float32, seed=5))
+    else:
+        model.load_state_dict(tiny(torch.float32, seed=6).state_dict())
+    prompts = random_prompts([5, 9], seed=2)
+    check_greedy(model, list(engine.generate_stream(prompts, params(n=2))), prompts, 2, rtol=1e-5, atol=1e-5)
+    for i, layer in enumerate(model.model.layers):
+        a, m = layer.self_attn, layer.mlp
+        assert torch.equal(fused.qkv_w[i], torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        assert torch.equal(fused.gate_up_w[i], torch.cat([m.gate_proj.weight, m.up_proj.weight]))

@@ -32,29 +32,101 @@ from .shared import SharedPrefixCache, attend_with_lse, merge_parts, split_queri
 OWN_DECODE_FAMILIES = ("Qwen2Model", "Qwen3Model", "LlamaModel")
 
 
-def _pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, G: int):
-    """``hidden [B, 1, H]`` -> ``q_own [B, Hkv, gq, D]``, ``q_pre [B/G, Hkv, G gq, D]``,
-    ``k, v [B, Hkv, 1, D]`` (post-RoPE)."""
+def _pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, G: int,
+         w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, own_k: torch.Tensor, own_v: torch.Tensor,
+         index: torch.Tensor):
+    """``hidden [B, 1, H]`` -> ``q_own [B, Hkv, gq, D]`` and ``q_pre [B/G, Hkv, G gq, D]``;
+    the token's K/V (post-RoPE) is written into the row store ``own_k/own_v [>= B, Hkv, N, D]``
+    at each row's slot ``index [B]``. ``w_qkv``/``b_qkv``: the Q, K, V projections as one."""
     attn = layer.self_attn
     x = layer.input_layernorm(hidden)
-    shape = (*hidden.shape[:-1], -1, attn.head_dim)
-    q = attn.q_proj(x).view(shape)
-    k = attn.k_proj(x).view(shape)
+    D = attn.head_dim
+    kv = own_k.shape[1] * D
+    q, k, v = torch.nn.functional.linear(x, w_qkv, b_qkv).split([w_qkv.shape[0] - 2 * kv, kv, kv], dim=-1)
+    shape = (*hidden.shape[:-1], -1, D)
+    q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
     if hasattr(attn, "q_norm"):  # Qwen3
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    v = attn.v_proj(x).view(shape).transpose(1, 2)
     q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
-    q_own, q_pre = split_queries(q, k.shape[1], G)
-    return q_own.contiguous(), q_pre.contiguous(), k, v
+    rows = torch.arange(hidden.shape[0], device=index.device)
+    own_k[rows, :, index] = k[:, :, 0].to(own_k.dtype)
+    own_v[rows, :, index] = v[:, 0].to(own_v.dtype)
+    q_own, q_pre = split_queries(q, own_k.shape[1], G)
+    return q_own.contiguous(), q_pre.contiguous()
 
 
 def _post(layer: torch.nn.Module, hidden: torch.Tensor, o_own: torch.Tensor, l_own: torch.Tensor,
-          o_pre: torch.Tensor, l_pre: torch.Tensor, G: int) -> torch.Tensor:
-    """The merged attention output through the rest of the block: ``hidden [B, 1, H]`` out."""
+          o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, w_gate_up: torch.Tensor,
+          b_gate_up: torch.Tensor | None) -> torch.Tensor:
+    """The merged attention output through the rest of the block: ``hidden [B, 1, H]`` out.
+    ``w_gate_up``/``b_gate_up``: the MLP's gate and up projections as one."""
     attn = merge_parts(o_own, l_own, o_pre, l_pre, G, hidden.dtype)
     hidden = hidden + layer.self_attn.o_proj(attn.reshape(*hidden.shape[:-1], -1))
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    mlp = layer.mlp
+    gate, up = torch.nn.functional.linear(layer.post_attention_layernorm(hidden), w_gate_up, b_gate_up).chunk(2, dim=-1)
+    return hidden + mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+class FusedProjections:
+    """Per layer, the Q/K/V projection weights (and biases) concatenated into one matrix, and
+    the MLP's gate/up: one matrix product each instead of three and two (a decode step's
+    small products are latency-bound). Copies of the model's parameters (memory: those
+    weights once more), refreshed in place: always at the start of a stream and after
+    ``update_weights`` (a fused optimizer step changes parameters without bumping their
+    version counters), and before any decode step after which a parameter's storage or
+    version counter changed."""
+
+    def __init__(self, layers):
+        self.layers = list(layers)
+        self.qkv_w, self.qkv_b, self.gate_up_w, self.gate_up_b = [], [], [], []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            w, bias = self._cat([attn.q_proj, attn.k_proj, attn.v_proj])
+            self.qkv_w.append(w)
+            self.qkv_b.append(bias)
+            w, bias = self._cat([mlp.gate_proj, mlp.up_proj])
+            self.gate_up_w.append(w)
+            self.gate_up_b.append(bias)
+        self.key = self._key()
+
+    @staticmethod
+    def _cat(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with torch.no_grad():
+            w = torch.cat([m.weight for m in linears])
+            if all(m.bias is None for m in linears):
+                return w, None
+            return w, torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+
+    def _sources(self) -> list[torch.Tensor]:
+        out = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                out.append(m.weight)
+                if m.bias is not None:
+                    out.append(m.bias)
+        return out
+
+    def _key(self) -> tuple:
+        return tuple((p.data_ptr(), p._version) for p in self._sources())
+
+    def refresh(self, force: bool = False) -> None:
+        """Copy the parameters again (in place: captured CUDA graphs keep their pointers) if
+        ``force`` or any changed visibly since the last copy."""
+        key = self._key()
+        if key == self.key and not force:
+            return
+        with torch.no_grad():
+            for i, layer in enumerate(self.layers):
+                attn, mlp = layer.self_attn, layer.mlp
+                for dst_w, dst_b, linears in ((self.qkv_w[i], self.qkv_b[i], [attn.q_proj, attn.k_proj, attn.v_proj]),
+                                              (self.gate_up_w[i], self.gate_up_b[i], [mlp.gate_proj, mlp.up_proj])):
+                    w, bias = self._cat(linears)
+                    dst_w.copy_(w)
+                    if dst_b is not None:
+                        dst_b.copy_(bias)
+        self.key = key
 
 
 _PRE, _POST = LazyCompiled(_pre, "decode blocks"), LazyCompiled(_post, "decode blocks")
@@ -68,10 +140,16 @@ class DecodeForward:
     def __init__(self, model: torch.nn.Module, compile: bool):
         self.model, self.base = model, model.base_model
         self.pre, self.post = (_PRE, _POST) if compile else (_pre, _post)
+        self.fused = FusedProjections(self.base.layers)
 
     @staticmethod
     def applies(model: torch.nn.Module) -> bool:
         return type(getattr(model, "base_model", None)).__name__ in OWN_DECODE_FAMILIES
+
+    def refresh(self, force: bool = False) -> None:
+        """Bring the fused projection copies up to date with the model's parameters
+        (``force``: copy whatever the version counters say)."""
+        self.fused.refresh(force)
 
     @property
     def compiled(self) -> bool:
@@ -81,17 +159,21 @@ class DecodeForward:
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, cache: SharedPrefixCache, own_mask: torch.Tensor,
                  prefix_mask: torch.Tensor) -> torch.Tensor:
         """``ids/pos [B, 1]`` (``B = hg x G`` rows), the cache with its ``write_index`` set,
-        ``own_mask [B, 1, 1, L]``, ``prefix_mask [hg, 1, 1, P]`` -> next-token logits ``[B, V]``."""
+        ``own_mask [B, 1, 1, L]``, ``prefix_mask [hg, 1, 1, P]`` -> next-token logits ``[B, V]``.
+        Call :meth:`refresh` before each step (outside a CUDA graph)."""
         base, G = self.base, cache.G
         hidden = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(hidden, pos)
         backend = cache.backend(own_mask.shape[-1], prefix_mask.shape[-1])
+        f, rows, own_len = self.fused, ids.shape[0], own_mask.shape[-1]
         for i, layer in enumerate(base.layers):
-            q_own, q_pre, k, v = self.pre(layer, hidden, cos, sin, G)
-            own_k, own_v = cache.update(k, v, i)
+            store = cache.layers[i]
+            q_own, q_pre = self.pre(layer, hidden, cos, sin, G, f.qkv_w[i], f.qkv_b[i], store.ok, store.ov,
+                                    cache.write_index)
+            own_k, own_v = store.ok[:rows, :, :own_len], store.ov[:rows, :, :own_len]
             pk, pv = cache.prefix(i, q_pre.shape[0])
             scale = layer.self_attn.scaling
             o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend)
             o_own, l_own = attend_with_lse(q_own, own_k, own_v, own_mask, scale, backend)
-            hidden = self.post(layer, hidden, o_own, l_own, o_pre, l_pre, G)
+            hidden = self.post(layer, hidden, o_own, l_own, o_pre, l_pre, G, f.gate_up_w[i], f.gate_up_b[i])
         return self.model.lm_head(base.norm(hidden)[:, -1])
