@@ -9,18 +9,19 @@ from typing import Callable
 import torch
 
 
-def capture_decode_step(engine, forward) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
+def capture_decode_step(engine, forward, owner) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
     """Capture ``forward`` (a decode step with static inputs) as a CUDA graph: eager warm-up
     runs on a side stream (they write the step's K/V, which replays rewrite identically),
     then the capture (tried twice). Returns (graph, its output tensor), or (None, the
     eager output) when the model cannot be captured (then the engine stops using graphs).
 
-    Holds ``engine.device_lock``: device work of another thread during a capture
+    ``owner`` (an object that lives as long as the graphs) holds the memory pool shared by
+    its graphs (``owner.graph_pool``). Holds ``engine.device_lock``: device work of another thread during a capture
     (a weight receiver's copy or NCCL broadcast) would invalidate it."""
     with engine.device_lock:
         dev = engine.device
-        if getattr(engine, "_graph_pool", None) is None:
-            engine._graph_pool = torch.cuda.graph_pool_handle()
+        if getattr(owner, "graph_pool", None) is None:
+            owner.graph_pool = torch.cuda.graph_pool_handle()
         for attempt in range(2):
             # warm-up, twice: a compiled part may compile again at its second call (a guard that
             # its first call specialised), and compiling inside a capture breaks the capture
@@ -32,9 +33,12 @@ def capture_decode_step(engine, forward) -> tuple[torch.cuda.CUDAGraph | None, t
             current.wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             try:
-                # one memory pool for all the engine's decode graphs: they replay one at a time and
-                # each keeps its output tensor alive, so their temporaries may share memory
-                with torch.cuda.graph(graph, pool=engine._graph_pool):
+                # one memory pool for all the decode graphs of ``owner`` (a running batch): they
+                # replay one at a time and each keeps its output tensor alive, so their
+                # temporaries may share memory. Not the engine's: once every graph of a pool is
+                # freed the pool goes, and capturing into its handle again fails an allocator
+                # assert (seen in the trainer, whose streams keep no buffers)
+                with torch.cuda.graph(graph, pool=owner.graph_pool):
                     out = forward()
                 return graph, out
             except RuntimeError as err:
@@ -49,7 +53,8 @@ class DecodeStep:
     """``forward`` (a decode step whose inputs live in fixed tensors) run eagerly, or on
     CUDA (``engine.cuda_graphs``) captured at the first call and replayed after."""
 
-    def __init__(self, engine, forward: Callable[[], torch.Tensor]):
+    def __init__(self, engine, forward: Callable[[], torch.Tensor], owner=None):
+        self.owner = self if owner is None else owner  # holds the graphs' memory pool
         self.engine, self.forward = engine, forward
         self.use_graph = engine.cuda_graphs
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -59,7 +64,7 @@ class DecodeStep:
         if not self.use_graph:
             return self.forward()
         if self.graph is None:
-            self.graph, self.logits = capture_decode_step(self.engine, self.forward)
+            self.graph, self.logits = capture_decode_step(self.engine, self.forward, self.owner)
             if self.graph is None:
                 self.use_graph = False
                 return self.logits

@@ -197,7 +197,7 @@ class RunningBatch:
         self._allocate(groups, prefix_capacity)
 
     _DEVICE_STATE = ("cache", "prefix_mask", "own_mask", "fill", "pos", "live_d", "last", "logits", "log_tok",
-                     "log_lp", "steps_cache")
+                     "log_lp", "steps_cache", "graph_pool")
 
     def _arena_key(self, groups: int, prefix_capacity: int) -> tuple:
         e = self.e
@@ -228,6 +228,7 @@ class RunningBatch:
             del kept
             self.cache = None  # SharedPrefixCache, allocated at the first load (shapes from the prefill)
             self.steps_cache: dict[tuple[int, int], _TwoLevelStep] = {}
+            self.graph_pool = None  # the CUDA graphs' memory pool (graphs.capture_decode_step)
             self.prefix_mask = torch.full((groups, prefix_capacity), self.neg, dtype=self.dtype, device=dev)
             self.own_mask = torch.full((S, self.N), self.neg, dtype=self.dtype, device=dev)
             self.fill = torch.zeros(S, dtype=torch.int64, device=dev)  # next own slot of each row
@@ -558,6 +559,7 @@ class RunningBatch:
             self.cache.grow_prefix(capacity)
         self.P = capacity
         self.steps_cache.clear()
+        self.graph_pool = None  # its graphs are gone, and with them the pool
         self._count_slots()
 
     def _compact(self) -> None:
@@ -637,7 +639,7 @@ class _TwoLevelStep:
         self.own_mask = batch.own_mask[:hi, None, None, :own_len]
         self.prefix_mask = batch.prefix_mask[:hg, None, None, :pre_len]
         self.out = batch.logits[:hi]
-        self.step = DecodeStep(engine, self._forward)
+        self.step = DecodeStep(engine, self._forward, owner=batch)
 
     def _forward(self) -> torch.Tensor:
         cache = self.cache
