@@ -82,20 +82,22 @@ if triton is not None:
         tl.store(L + b * slb + h * slh + split * sls + offs_m, lse, mask=keep)
 
 
-def splits_for(batch: int, heads: int, keys: int) -> int:
+def splits_for(batch: int, heads: int, keys: int, target: int = TARGET_PROGRAMS, block_n: int = BLOCK_N) -> int:
     """Key ranges per (entry, head): enough programs to fill the GPU, >= one block each."""
-    want = -(-TARGET_PROGRAMS // max(batch * heads, 1))
-    return max(1, min(want, -(-keys // BLOCK_N)))
+    want = -(-target // max(batch * heads, 1))
+    return max(1, min(want, -(-keys // block_n)))
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                    splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring; ``mask`` is ``[B, 1, 1, N]`` or ``[B, N]``."""
+                    splits: int | None = None, *, block_n: int = BLOCK_N, target: int = TARGET_PROGRAMS,
+                    num_warps: int | None = None, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring; ``mask`` is ``[B, 1, 1, N]`` or ``[B, N]``. The keyword
+    arguments are kernel settings (``bench/tune_split_attention.py`` measures them)."""
     B, H, M, D = q.shape
     N, DV = k.shape[2], v.shape[3]
     mask = mask.reshape(mask.shape[0], mask.shape[-1]) if mask.dim() == 4 else mask
-    S = splits_for(B, H, N) if splits is None else splits
-    per = -(-(-(-N // S)) // BLOCK_N) * BLOCK_N  # keys per split, whole blocks
+    S = splits_for(B, H, N, target, block_n) if splits is None else splits
+    per = -(-(-(-N // S)) // block_n) * block_n  # keys per split, whole blocks
     S = max(1, -(-N // per))
     out = torch.empty(B, H, S, M, DV, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, H, S, M, device=q.device, dtype=torch.float32)
@@ -106,8 +108,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0),
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
         H, M, N, per, scale,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=D, DV=DV, IEEE=q.dtype == torch.float32,
-        num_warps=4 if block_m <= 32 else 8, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=block_n, D=D, DV=DV, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages,
     )
     return out, lse
 
