@@ -23,7 +23,6 @@ import copy
 import math
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ from .rollout import RolloutEngine, SamplingParams
 from .tasks import get_task
 from .tasks.base import Problem, Task, score_problems
 from .tasks.env import ChatFormat, run_episode, run_episodes, scripted_policy
+from .samples import Sample
 from .tree import PrefixTree
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
@@ -66,20 +66,6 @@ def check_proximal(method: str, advantage: str) -> None:
     if method == "loglinear" and advantage == "reinforce_pp":
         raise ConfigError("proximal=loglinear cannot be used with advantage=reinforce_pp (its KL term needs "
                           "recomputed proximal logprobs)")
-
-
-@dataclass
-class Sample:
-    """One training sequence. Per-token lists have length L - 1 (element t is token t + 1)."""
-
-    token_ids: list[int]
-    loss_mask: list[bool]
-    behaviour_logprobs: list[float]
-    versions: list[int]
-    reward: float
-    group: int  # samples of one group share a problem (GRPO baselines)
-    episode: int  # per-turn sequences of one episode share it
-    completion: str = ""
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:

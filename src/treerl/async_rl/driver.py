@@ -14,8 +14,9 @@ from pathlib import Path
 
 from ..checkpoint import load_state, resolve_checkpoint, save_checkpoint
 from ..config import Config
-from ..run import RunLog
-from ..trainer import Sample, Trainer
+from ..runlog import RunLog
+from ..samples import Sample
+from ..trainer import Trainer
 from .ledger import WorkLedger
 from .runner import AsyncOptions, AsyncRunner
 

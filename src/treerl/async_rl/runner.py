@@ -20,14 +20,25 @@ import torch
 import torch.multiprocessing as mp
 
 from ..config import Config, ConfigError
-from ..trainer import Sample, Trainer, check_proximal
+from ..samples import Sample
+from ..trainer import Trainer, check_proximal
 from .buffer import SampleBuffer
 from .controller import StalenessController
 from .ledger import WorkLedger, WorkUnit
-from .pool import WorkerPool, make_pool
+from .pool import ProcessPool, WorkerPool
 from .weights import FilePublisher, SharedMemoryPublisher, WeightPublisher, choose_transfer
 from .worker import FaultPlan, Heartbeat, Ready, Result, WorkerFailed, WorkerSpec
 
+
+def make_pool(launcher: str, **kwargs: Any) -> WorkerPool:
+    """``process`` (this machine) or ``ray`` (Ray actors; needs ``pip install ray``)."""
+    if launcher == "process":
+        return ProcessPool()
+    if launcher == "ray":
+        from .ray_pool import RayPool  # imports ray
+
+        return RayPool(**kwargs)
+    raise ValueError(f"unknown launcher {launcher!r}: choose process or ray")
 
 
 class AsyncWorkerError(RuntimeError):

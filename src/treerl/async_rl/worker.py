@@ -336,7 +336,7 @@ class RolloutWorker:
         """Samples of one unit's groups (one per problem, in order), exactly as
         ``Trainer.generate_samples`` builds them for a synchronous step."""
         from ..tasks.base import score_problems
-        from ..trainer import Sample
+        from ..samples import Sample
 
         flat = [(i, c) for i, g in enumerate(groups) for c in g.completions]
         tok = self.trainer.tokenizer
