@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_balance import workload_sequences  # noqa: E402
 
 from treerl import PrefixTree  # noqa: E402
-from treerl.distributed import balance  # noqa: E402
+from treerl.distributed import partitioner as balance  # noqa: E402
 from treerl.models import SHAPES  # noqa: E402
 
 
