@@ -21,7 +21,8 @@ import torch.multiprocessing as mp
 
 from ..config import Config, ConfigError
 from ..samples import Sample
-from ..trainer import Trainer, check_proximal
+from ..learner import check_proximal
+from ..trainer import Trainer
 from .buffer import SampleBuffer
 from .controller import StalenessController
 from .ledger import WorkLedger, WorkUnit
