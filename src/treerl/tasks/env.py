@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from .base import Problem, SingleTurnEnv, Task, _short, check_reward_value  # noqa: F401 (SingleTurnEnv: re-exported)
+from .base import Problem, SingleTurnEnv, _short, check_reward_value  # noqa: F401 (SingleTurnEnv: re-exported)
 
 #: ``policy(context_token_ids) -> (action_token_ids, behaviour_logprobs)``
 Policy = Callable[[list[int]], tuple[Sequence[int], Sequence[float]]]
