@@ -380,7 +380,7 @@ class RolloutWorker:
             self.state.busy = False
         seconds = time.perf_counter() - t0
         if self.trainer.multi_turn:
-            # Trainer._episodes stamps every token with the version at the end of the
+            # Sampler._episodes stamps every token with the version at the end of the
             # episode; the oldest version seen is the safe (never too fresh) stamp.
             for s in samples:
                 s.versions = [first_version] * len(s.versions)
