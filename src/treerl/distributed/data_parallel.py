@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -183,16 +184,72 @@ def full_gradients(engine: TreeEngine) -> dict[str, torch.Tensor]:
     return out
 
 
-def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(module: torch.nn.Module, bucket_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with every sharded (DTensor) entry gathered to the whole
-    tensor. A collective: every rank calls it (same order). Tied entries are gathered once."""
-    out, seen = {}, {}
-    for name, t in module.state_dict().items():
-        if hasattr(t, "full_tensor"):
-            if id(t) not in seen:
-                seen[id(t)] = t.full_tensor()
-            t = seen[id(t)]
-        out[name] = t.detach()
+    tensor. A collective: every rank calls it (same order). Tied entries are gathered once.
+
+    FSDP2 shards (dim-0 ``Shard`` on a 1-D mesh) are gathered in buckets of about
+    ``bucket_bytes``: each rank packs its local shards of a bucket into one flat buffer
+    and one ``all_gather`` moves the bucket, instead of one collective per parameter."""
+    state = module.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    whole: dict[int, torch.Tensor] = {}  # id(DTensor) -> gathered tensor
+    bucket: list[torch.Tensor] = []
+    queued: set[int] = set()
+    size = 0
+    for t in state.values():
+        if not hasattr(t, "full_tensor") or id(t) in whole or id(t) in queued:
+            continue
+        if not _fsdp_dim0(t):
+            whole[id(t)] = t.full_tensor()
+            continue
+        if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device or size >= bucket_bytes):
+            whole.update(_gather_bucket(bucket))
+            bucket, size = [], 0
+        bucket.append(t)
+        queued.add(id(t))
+        size += t.numel() * t.element_size()
+    if bucket:
+        whole.update(_gather_bucket(bucket))
+    for name, t in state.items():
+        out[name] = (whole[id(t)] if hasattr(t, "full_tensor") else t).detach()
+    return out
+
+
+def _fsdp_dim0(t) -> bool:
+    """A DTensor sharded on dim 0 over a 1-D mesh (FSDP2's layout)."""
+    from torch.distributed.tensor import Shard
+
+    return t.device_mesh.ndim == 1 and len(t.placements) == 1 and t.placements[0] == Shard(0) and t.dim() > 0
+
+
+def _dim0_rows(n: int, world: int) -> list[int]:
+    """Rows of each rank's dim-0 shard of ``n`` rows (torch.chunk: ceil(n / world) each)."""
+    chunk = -(-n // world)
+    return [max(0, min(n, (r + 1) * chunk) - r * chunk) for r in range(world)]
+
+
+def _gather_bucket(bucket: list) -> dict[int, torch.Tensor]:
+    """Whole tensors of dim-0-sharded DTensors (same dtype, device, mesh) with one
+    all_gather of a flat buffer per rank (padded to the largest rank's)."""
+    group = bucket[0].device_mesh.get_group()
+    world = dist.get_world_size(group)
+    rows = [_dim0_rows(t.shape[0], world) for t in bucket]
+    per_row = [math.prod(t.shape[1:]) for t in bucket]
+    sizes = [sum(r[k] * w for r, w in zip(rows, per_row)) for k in range(world)]
+    mine = torch.cat([t.to_local().reshape(-1) for t in bucket])
+    flat = torch.zeros(max(sizes), dtype=mine.dtype, device=mine.device)
+    flat[: mine.numel()] = mine
+    parts = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(parts, flat, group=group)
+    out, offsets = {}, [0] * world
+    for t, r, w in zip(bucket, rows, per_row):
+        pieces = []
+        for k in range(world):
+            n = r[k] * w
+            pieces.append(parts[k][offsets[k]: offsets[k] + n])
+            offsets[k] += n
+        out[id(t)] = torch.cat(pieces).reshape(t.shape)
     return out
 
 

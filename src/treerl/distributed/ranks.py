@@ -28,8 +28,6 @@ def setup(config: Config) -> dp.DistContext | None:
     when ``train.device`` is CUDA, gloo on CPU otherwise. One process: ``None``."""
     if not dp.launched():
         return None
-    if config.async_.enabled:
-        raise ConfigError("async.enabled=true does not run under torchrun yet: launch it as one process")
     cuda = torch.device(config.train.device).type == "cuda"
     if cuda and not torch.cuda.is_available():
         raise ConfigError(f"train.device={config.train.device} but CUDA is not available")
