@@ -104,7 +104,7 @@ def gather_worker(rank, world, init_file, out_dir):
     engine = engine_for(build_model("qwen3", "tiny", dtype=torch.float32, vocab_size=61, seed=2), "packed")
     shard(engine)
     one_by_one = {k: (t.full_tensor() if hasattr(t, "full_tensor") else t) for k, t in engine.model.state_dict().items()}
-    for bucket_bytes in (1, 4096, 64 << 20):  # one parameter per bucket, several, all in one
+    for bucket_bytes in (1, 4096, 64 << 20):  # every parameter alone, small ones in buckets, all in one
         got = full_state_dict(engine.model, bucket_bytes=bucket_bytes)
         assert got.keys() == one_by_one.keys()
         for k in got:

@@ -184,15 +184,21 @@ def full_gradients(engine: TreeEngine) -> dict[str, torch.Tensor]:
     return out
 
 
-def full_state_dict(module: torch.nn.Module, bucket_bytes: int = 64 << 20) -> dict[str, torch.Tensor]:
+def full_state_dict(module: torch.nn.Module, bucket_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with every sharded (DTensor) entry gathered to the whole
     tensor. A collective: every rank calls it (same order). Tied entries are gathered once.
 
-    FSDP2 shards (dim-0 ``Shard`` on a 1-D mesh) are gathered in buckets of about
-    ``bucket_bytes``: each rank packs its local shards of a bucket into one flat buffer
-    and one ``all_gather`` moves the bucket, instead of one collective per parameter."""
+    FSDP2 shards (dim-0 ``Shard`` on a 1-D mesh) smaller than ``bucket_bytes`` are gathered
+    together, up to ``bucket_bytes`` per collective (each rank packs its shards of a bucket
+    into one flat buffer: one ``all_gather`` instead of one per parameter); a larger one
+    is gathered alone, straight into its whole tensor. Default ``bucket_bytes``: 1 MB on
+    the CPU, where the copy in and out of a bucket costs more than a gloo message (measured:
+    bench/bench_weight_gather.py, bench/RESULTS.md); 16 MB on GPUs, where a 16 MB copy
+    (~5 us) is cheaper than launching a collective (not measured yet)."""
     state = module.state_dict()
-    out: dict[str, torch.Tensor] = {}
+    if bucket_bytes is None:
+        cuda = any(t.device.type == "cuda" for t in state.values())
+        bucket_bytes = (16 if cuda else 1) << 20
     whole: dict[int, torch.Tensor] = {}  # id(DTensor) -> gathered tensor
     bucket: list[torch.Tensor] = []
     queued: set[int] = set()
@@ -200,20 +206,19 @@ def full_state_dict(module: torch.nn.Module, bucket_bytes: int = 64 << 20) -> di
     for t in state.values():
         if not hasattr(t, "full_tensor") or id(t) in whole or id(t) in queued:
             continue
-        if not _fsdp_dim0(t):
+        nbytes = t.numel() * t.element_size()
+        if not _fsdp_dim0(t) or nbytes >= bucket_bytes:
             whole[id(t)] = t.full_tensor()
             continue
-        if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device or size >= bucket_bytes):
+        if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device or size + nbytes > bucket_bytes):
             whole.update(_gather_bucket(bucket))
             bucket, size = [], 0
         bucket.append(t)
         queued.add(id(t))
-        size += t.numel() * t.element_size()
+        size += nbytes
     if bucket:
         whole.update(_gather_bucket(bucket))
-    for name, t in state.items():
-        out[name] = (whole[id(t)] if hasattr(t, "full_tensor") else t).detach()
-    return out
+    return {name: (whole[id(t)] if hasattr(t, "full_tensor") else t).detach() for name, t in state.items()}
 
 
 def _fsdp_dim0(t) -> bool:
@@ -231,25 +236,34 @@ def _dim0_rows(n: int, world: int) -> list[int]:
 
 def _gather_bucket(bucket: list) -> dict[int, torch.Tensor]:
     """Whole tensors of dim-0-sharded DTensors (same dtype, device, mesh) with one
-    all_gather of a flat buffer per rank (padded to the largest rank's)."""
+    ``all_gather_into_tensor`` of a flat buffer per rank (padded to the largest rank's):
+    one copy in, one collective, one copy out per tensor."""
     group = bucket[0].device_mesh.get_group()
-    world = dist.get_world_size(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = [_dim0_rows(t.shape[0], world) for t in bucket]
     per_row = [math.prod(t.shape[1:]) for t in bucket]
     sizes = [sum(r[k] * w for r, w in zip(rows, per_row)) for k in range(world)]
-    mine = torch.cat([t.to_local().reshape(-1) for t in bucket])
-    flat = torch.zeros(max(sizes), dtype=mine.dtype, device=mine.device)
-    flat[: mine.numel()] = mine
-    parts = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(parts, flat, group=group)
+    width = max(sizes)
+    local = bucket[0].to_local()
+    gathered = torch.empty(world * width, dtype=local.dtype, device=local.device)
+    mine = gathered[rank * width: (rank + 1) * width]  # gathered in place: rank r's slot holds its shards
+    offset = 0
+    for t, r, w in zip(bucket, rows, per_row):
+        n = r[rank] * w
+        mine[offset: offset + n].copy_(t.to_local().reshape(-1))
+        offset += n
+    dist.all_gather_into_tensor(gathered, mine, group=group)
+    parts = gathered.view(world, width)
     out, offsets = {}, [0] * world
     for t, r, w in zip(bucket, rows, per_row):
-        pieces = []
+        whole = torch.empty(t.shape, dtype=local.dtype, device=local.device)
+        flat, at = whole.view(-1), 0
         for k in range(world):
             n = r[k] * w
-            pieces.append(parts[k][offsets[k]: offsets[k] + n])
+            flat[at: at + n].copy_(parts[k, offsets[k]: offsets[k] + n])
             offsets[k] += n
-        out[id(t)] = torch.cat(pieces).reshape(t.shape)
+            at += n
+        out[id(t)] = whole
     return out
 
 
