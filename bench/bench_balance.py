@@ -1,11 +1,11 @@
-"""Tree-aware load balancing across data-parallel ranks (treerl.distributed.balance).
+"""Tree-aware load balancing across data-parallel ranks (treerl.distributed: features, cost_model, partitioner).
 
 Three parts:
 
 (a) offline, CPU (default): for the ``grpo`` and ``agentic`` workloads and 2, 4, 8 ranks,
     the predicted seconds per rank of the tree-aware partition and of equal-token
     baselines, with the cost model given (default: the shipped H200 fit, see
-    treerl/distributed/balance.py; ``--cost-model estimate`` for the FLOP estimate):
+    treerl/distributed/cost_model.py; ``--cost-model estimate`` for the FLOP estimate):
 
         python bench/bench_balance.py
         python bench/bench_balance.py --cost-model bench/results/cost_model_h200_qwen3-1.7b_bf16.json
@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from treerl import PrefixTree
-from treerl.distributed.balance import (
+from treerl.distributed import (
     ESTIMATED_COST_MODEL,
     CostModel,
     Partition,

@@ -1,6 +1,6 @@
 """Data-parallel forward+backward over N GPUs (FSDP2, launched by torchrun): per-rank time,
 imbalance (max/mean rank time) and scaling efficiency, for the tree-aware partition
-(treerl.distributed.balance) against equal-token assignment, on the same global batch.
+(treerl.distributed.partitioner) against equal-token assignment, on the same global batch.
 
     torchrun --nproc-per-node 2 bench/bench_distributed.py --shape qwen3-1.7b --dtype bfloat16
     torchrun --nproc-per-node 1 ...      # the 1-GPU reference for scaling efficiency

@@ -1,6 +1,7 @@
-"""Tree-aware load balancing (treerl.distributed.balance): features against rebuilt trees,
-the NNLS fit against brute force, the assignment against brute force over all
-assignments, and the partition's bookkeeping (every sequence on exactly one rank)."""
+"""Tree-aware load balancing (treerl.distributed: features, cost_model, partitioner):
+features against rebuilt trees, the NNLS fit against brute force, the assignment against
+brute force over all assignments (Graham's bound; "optimal" only when it is), and the
+partition's bookkeeping (every sequence on exactly one rank)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from treerl.distributed import (
     sequence_set_features,
     tree_features,
 )
-from treerl.distributed.balance import _karmarkar_karp, _loads, _lpt, _nnls_active_set
+from treerl.distributed.partitioner import _loads, _lpt
 from treerl.workloads import SCALES, make_workload
 
 @st.composite
@@ -145,7 +146,7 @@ def test_nnls_matches_brute_force(seed):
     a = rng.normal(size=(m, n)) * 10.0 ** rng.integers(-3, 4, size=n)  # columns of mixed scales
     b = rng.normal(size=m)
     expected = _nnls_brute_force(a, b)
-    for x in (nnls(a, b, use_scipy=False), _nnls_active_set(a, b), nnls(a, b)):
+    for x in (nnls(a, b),):
         assert np.all(x >= 0)
         assert np.linalg.norm(a @ x - b) <= np.linalg.norm(a @ expected - b) * (1 + 1e-9) + 1e-12
         np.testing.assert_allclose(x, expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max(initial=1.0))
@@ -230,34 +231,31 @@ CASES = [(seed, n, k) for seed in range(8) for k in (2, 3, 4) for n in range(1, 
 
 
 @pytest.mark.parametrize("seed,n,k", CASES)
-def test_assign_is_optimal_on_small_instances(seed, n, k):
+def test_assign_is_within_grahams_bound_on_small_instances(seed, n, k):
     w = _weights(seed * 100 + n, n)
     opt = _brute_force_makespan(w, k)
     got = assign(w, k)
-    assert got.optimal
-    assert got.makespan == pytest.approx(opt, rel=1e-9)
     np.testing.assert_allclose(got.loads, _loads(w, got.rank_of, k))
-    # Without the exact search: never worse than LPT, so within Graham's bound.
-    heuristic = assign(w, k, exact_max_pieces=0)
+    # never worse than LPT, so within Graham's bound; "optimal" only when it is
     lpt = _loads(w, _lpt(w, k), k).max()
-    assert heuristic.makespan <= lpt * (1 + 1e-12)
-    assert heuristic.makespan <= (4 / 3 - 1 / (3 * k)) * opt * (1 + 1e-9)
+    assert got.makespan <= lpt * (1 + 1e-12)
+    assert got.makespan <= (4 / 3 - 1 / (3 * k)) * opt * (1 + 1e-9)
+    if got.optimal:
+        assert got.makespan == pytest.approx(opt, rel=1e-9)
 
 
 def test_refinement_on_a_classic_instance():
     w = np.array([8.0, 7.0, 6.0, 5.0, 4.0])  # optimum 15 | 15
     assert _loads(w, _lpt(w, 2), 2).max() == 17  # LPT: 8+5+4 | 7+6
-    assert _loads(w, _karmarkar_karp(w, 2), 2).max() == 16  # differences 1, 1, then 4-1-1: 16 | 14
-    assert assign(w, 2, exact_max_pieces=0, refine=False).makespan == 16
-    assert assign(w, 2, exact_max_pieces=0).makespan == 15  # a swap (8 <-> 6) repairs it
+    assert assign(w, 2, refine=False).makespan == 17
+    got = assign(w, 2)
+    assert got.makespan == 15 and got.method == "lpt+refine" and got.optimal  # a swap (8 <-> 6) repairs it
 
 
-def test_differencing_beats_greedy_where_it_should():
+def test_refinement_repairs_greedy_on_three_ranks():
     w = np.array([9.0, 8.0, 7.0, 6.0, 6.0, 5.0, 3.0])  # sum 44: 15 | 15 | 14 is optimal
     assert _loads(w, _lpt(w, 3), 3).max() == 16  # 9+5+... greedy ends 16
-    assert _loads(w, _karmarkar_karp(w, 3), 3).max() == 15
-    got = assign(w, 3, exact_max_pieces=0, refine=False)
-    assert got.makespan == 15 and got.method == "kk"
+    assert assign(w, 3).makespan == 15
 
 
 def test_assign_is_deterministic_and_validates():
@@ -323,8 +321,9 @@ def test_every_sequence_on_exactly_one_rank(seqs, num_ranks, split, max_rank_tok
 
 @SETTINGS
 @given(forests(max_seqs=10, max_len=12, alphabets=(64,)), st.sampled_from([2, 3]))
-def test_whole_tree_partition_is_optimal_against_brute_force(seqs, num_ranks):
-    """split=False on <= 10 trees: no assignment of the trees has a slower slowest rank.
+def test_whole_tree_partition_against_brute_force(seqs, num_ranks):
+    """split=False on <= 10 trees: within Graham's bound of the best assignment of the
+    trees, and equal to it when the partition says it is optimal.
     Root trees share nothing, so a rank's cost is per_call + the sum of its trees'
     marginal costs (features of each tree from a tree rebuilt from its sequences)."""
     firsts = sorted({s[0] for s in seqs})
@@ -335,8 +334,10 @@ def test_whole_tree_partition_is_optimal_against_brute_force(seqs, num_ranks):
                       for r in range(num_ranks)], axis=1)
     best = costs.max(axis=1).min()
     part = partition(seqs, num_ranks, MODEL, split=False)
-    assert part.optimal
-    assert part.makespan == pytest.approx(best, rel=1e-9)
+    # per_call is paid once per non-empty rank in both, so the bound holds on the marginals
+    assert part.makespan - MODEL.per_call <= (4 / 3 - 1 / (3 * num_ranks)) * (best - MODEL.per_call) * (1 + 1e-9) + 1e-12
+    if part.optimal:
+        assert part.makespan == pytest.approx(best, rel=1e-9)
 
 
 def _prompt_with_answers(prompt_len=100, answers=4, answer_len=50):

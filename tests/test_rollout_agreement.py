@@ -3,14 +3,14 @@
 importance-sampling (TIS) option of the decoupled-PPO behaviour weight."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from treerl.rl.batch import TokenBatch
 from treerl.rl.losses import PolicyLoss, PolicyLossConfig
-from treerl.trainer import Sample, Trainer
+from treerl.learner import rollout_mismatch
+from treerl.trainer import Sample
 
 
 def _batch(seed=0):
@@ -58,10 +58,9 @@ def test_trainer_rollout_mismatch_metric():
         Sample([1, 2, 3, 4, 5], [False, True, True, True], [0.0] * 4, [3, 3, 3, 2], 0.0, 0, 0),  # last token stale
         Sample([1, 2, 3], [True, True], [0.0] * 2, [3, 3], 0.0, 0, 1),
     ]
-    stub = SimpleNamespace(rollout=SimpleNamespace(version=3))
-    m = Trainer._rollout_mismatch(stub, samples, {"behaviour_logprobs": behav, "proximal_logprobs": prox})
+    m = rollout_mismatch(samples, {"behaviour_logprobs": behav, "proximal_logprobs": prox}, version=3)
     diffs = [0.1, 0.5, 1.0, 0.25]
     assert m["rollout/logp_mismatch_mean"] == pytest.approx(sum(diffs) / 4, rel=1e-12)
     assert m["rollout/logp_mismatch_max"] == pytest.approx(1.0, rel=1e-12)
-    stub.rollout.version = 4  # nothing sampled with the current weights: no metric
-    assert Trainer._rollout_mismatch(stub, samples, {"behaviour_logprobs": behav, "proximal_logprobs": prox}) == {}
+    # nothing sampled with the current weights (version 4): no metric
+    assert rollout_mismatch(samples, {"behaviour_logprobs": behav, "proximal_logprobs": prox}, version=4) == {}

@@ -14,7 +14,7 @@ import pytest
 
 from treerl import checkpoint as ckpt
 from treerl.cli import main
-from treerl.run import _truncate_jsonl
+from treerl.runlog import _truncate_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}"

@@ -13,6 +13,10 @@ Every mode is a :mod:`plan <treerl.plan>` of segments run by the one executor be
   runs after all its descendants, with the key/value gradients they accumulated.
 
 Gradients equal those of running every sequence alone, shared tokens computed once.
+
+One module (~560 lines) because it is one executor: the single-level and the two-phase
+paths share the batch layout (``_Batch``), the segment call, the output buffers and the
+per-segment sequence maps, and neither half reads on its own.
 """
 
 from __future__ import annotations

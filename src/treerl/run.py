@@ -2,107 +2,21 @@
 with a progress bar, periodic evaluation and checkpoints, exact resume, a rollout log
 (for ``treerl tree-stats``), PNG plots and a one-screen summary at the end.
 
-:class:`RunLog` is what every run writes; the synchronous loop is :func:`train`, the
-asynchronous one ``treerl.async_rl.train_async`` (both drive a RunLog)."""
+The synchronous loop is :func:`train`; with ``async.enabled=true`` it hands the run to
+:func:`treerl.async_rl.train_async`. Both drive a :class:`~treerl.runlog.RunLog` (what
+every run writes)."""
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 
+from .async_rl import train_async
 from .checkpoint import resolve_checkpoint
 from .config import Config
-from .metrics import MetricsLogger, plot_metrics, read_metrics, summary
 from .preflight import check_run_config
-from .trainer import Sample, Trainer
-
-
-class RunLog:
-    """A run's outputs under ``cfg.train.out_dir``: config.yaml, metrics.jsonl (and
-    TensorBoard), rollouts.jsonl, the progress bar; at the end plots and a summary."""
-
-    def __init__(self, cfg: Config, trainer: Trainer, resumed: bool):
-        self.cfg, self.trainer = cfg, trainer
-        self.out = Path(cfg.train.out_dir)
-        # Data parallel: every rank drives the same loop (evaluation and checkpoints are
-        # collectives), only rank 0 writes.
-        self.main = getattr(trainer, "is_main", True)
-        self.t_start = time.perf_counter()
-        self.bar = _bar(cfg.sft.steps + cfg.train.steps, trainer.sft_count + trainer.step_count,
-                        cfg.train.progress and self.main)
-        self.log = self.rollouts = None
-        if not self.main:
-            return
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(cfg.to_yaml())
-        if resumed:  # rows logged after the checkpoint (before a crash) will be produced again
-            done = cfg.sft.steps + trainer.step_count if trainer.step_count else trainer.sft_count
-            for name in ("metrics.jsonl", "rollouts.jsonl"):
-                _truncate_jsonl(self.out / name, done)
-        self.log = MetricsLogger(self.out, tensorboard=cfg.train.tensorboard, wandb=cfg.train.wandb,
-                                 config=cfg.to_dict(), resume=resumed)
-        self.rollouts = (self.out / "rollouts.jsonl").open("a" if resumed else "w")
-
-    def warm_up(self) -> None:
-        """The first evaluation (fresh runs) and the SFT steps not yet done."""
-        trainer, cfg = self.trainer, self.cfg
-        if trainer.step_count == 0 and trainer.sft_count == 0:
-            self._log(0, trainer.evaluate())
-        while trainer.sft_count < cfg.sft.steps:
-            metrics = trainer.sft_step()
-            self.bar.update(1)
-            self.bar.set_postfix(phase="sft", loss=f"{metrics['sft/loss']:.3f}")
-            if trainer.sft_count == cfg.sft.steps:
-                metrics.update(trainer.evaluate())
-            self._log(trainer.sft_count, metrics)
-
-    def rl_step(self, metrics: dict, samples: list[Sample], **postfix) -> None:
-        """Log one RL step (evaluating when due) and its rollouts."""
-        trainer, cfg = self.trainer, self.cfg
-        step = cfg.sft.steps + trainer.step_count
-        if cfg.train.eval_every and trainer.step_count % cfg.train.eval_every == 0 or trainer.step_count == cfg.train.steps:
-            metrics.update(trainer.evaluate())
-        self._log(step, metrics)
-        if self.rollouts is not None:
-            for s in samples:
-                self.rollouts.write(json.dumps({"step": step, "group": s.group, "episode": s.episode,
-                                                "reward": s.reward, "token_ids": s.token_ids}) + "\n")
-            self.rollouts.flush()
-        self.bar.update(1)
-        self.bar.set_postfix(step=trainer.step_count, reward=f"{metrics['reward/mean']:.3f}",
-                             acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}",
-                             tok_s=f"{metrics['perf/train_tokens_per_s']:.0f}",
-                             tree=f"{metrics['tree/ideal_ratio']:.2f}x", **postfix)
-
-    def _log(self, step: int, metrics: dict) -> None:
-        if self.log is not None:
-            self.log.log(step, metrics)
-
-    def close(self) -> None:
-        self.bar.close()
-        if self.rollouts is not None:
-            self.rollouts.close()
-        if self.log is not None:
-            self.log.close()
-
-    def finish(self, checkpoint: Path) -> dict:
-        """Plots and the summary; returns the final metrics with ``checkpoint`` and ``wall_s``
-        (ranks other than 0 return only those two)."""
-        if not self.main:
-            return {"checkpoint": str(checkpoint), "wall_s": time.perf_counter() - self.t_start}
-        plots = plot_metrics(self.log.path, self.out, sft_steps=self.cfg.sft.steps)
-        rows = read_metrics(self.log.path)
-        wall = time.perf_counter() - self.t_start
-        extra = {}
-        after_sft = [r["eval/accuracy"] for r in rows if r["step"] == self.cfg.sft.steps and "eval/accuracy" in r]
-        if self.cfg.sft.steps and after_sft:
-            extra["accuracy after SFT warm-up"] = f"{after_sft[-1]:.4f}  (the rest is RL's)"
-        extra.update({"checkpoint": str(checkpoint), "plots": ", ".join(p.name for p in plots),
-                      "metrics": str(self.log.path)})
-        print(summary(rows, wall, extra, sft_steps=self.cfg.sft.steps))
-        return {**(rows[-1] if rows else {}), "checkpoint": str(checkpoint), "wall_s": wall}
+from .runlog import RunLog
+from .trainer import Trainer
 
 
 def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None = None) -> dict:
@@ -116,8 +30,6 @@ def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None
     if resume:  # a run directory: its newest intact checkpoint (damaged ones are skipped, with a note)
         resume = resolve_checkpoint(resume, skip_damaged=True)
     if cfg.async_.enabled:
-        from .async_rl import train_async
-
         return train_async(cfg, resume=resume, trainer=trainer)
     trainer = trainer or Trainer(cfg)
     if resume:
@@ -134,29 +46,3 @@ def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None
     finally:
         run.close()
     return run.finish(trainer.save(cfg.train.out_dir))
-
-
-def _truncate_jsonl(path: Path, max_step: int) -> None:
-    """Keep the rows up to ``max_step`` (the checkpoint's); a line torn by a kill mid-write
-    is dropped. Written to a temporary and renamed: a kill here loses nothing."""
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:
-            print(f"treerl: dropping a torn line of {path} (written when the run was killed)", file=sys.stderr)
-            continue
-        if isinstance(row, dict) and row.get("step", max_step + 1) <= max_step:
-            keep.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
-
-
-def _bar(total: int, done: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=done, desc="treerl", unit="step", file=sys.stderr, disable=not enabled,
-                dynamic_ncols=True)

@@ -13,6 +13,7 @@ system").
 
 from .buffer import Finished, SampleBuffer
 from .controller import StalenessController, StalenessError
+from .driver import train_async
 from .ledger import LedgerError, WorkLedger, WorkUnit
 from .runner import AsyncOptions, AsyncRunner, AsyncWorkerError, batch_samples
 from .weights import choose_transfer
@@ -24,9 +25,3 @@ __all__ = [
     "train_async",
 ]
 
-
-def train_async(cfg, resume=None, options=None, trainer=None) -> dict:
-    """See :func:`treerl.async_rl.driver.train_async` (imported lazily: it imports ``treerl.run``)."""
-    from .driver import train_async as _train_async
-
-    return _train_async(cfg, resume=resume, options=options, trainer=trainer)

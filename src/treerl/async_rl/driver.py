@@ -14,17 +14,22 @@ from pathlib import Path
 
 from ..checkpoint import load_state, resolve_checkpoint, save_checkpoint
 from ..config import Config
-from ..run import RunLog
-from ..trainer import Sample, Trainer
+from ..runlog import RunLog
+from ..samples import Sample
+from ..trainer import Trainer
 from .ledger import WorkLedger
+from .lockstep import Leader, follow
 from .runner import AsyncOptions, AsyncRunner
 
 
 def save_async_checkpoint(trainer: Trainer, out_dir: str | Path, ledger: WorkLedger) -> Path:
-    """``Trainer.save`` plus the ledger (atomically, in the same trainer_state.pt)."""
+    """``Trainer.save`` plus the ledger (atomically, in the same trainer_state.pt). Data
+    parallel: rank 0 calls it (through its :class:`~.lockstep.Leader`, so the state is
+    gathered on every rank) and writes the whole weights of its rollout copy."""
     root = Path(out_dir) / "checkpoints"
     state = {**trainer.state_dict(), "async": ledger.state_dict()}
-    return save_checkpoint(root, trainer.step_count, trainer.model, trainer.tokenizer, state,
+    weights = trainer.rollout.model if trainer.dist else trainer.model
+    return save_checkpoint(root, trainer.step_count, weights, trainer.tokenizer, state,
                            keep_last=trainer.cfg.train.keep_last)
 
 
@@ -34,9 +39,23 @@ def train_async(cfg: Config, resume: str | Path | None = None, options: AsyncOpt
     metrics (and ``checkpoint``, ``wall_s``) like ``treerl.run.train``."""
     out = Path(cfg.train.out_dir)
     trainer = trainer or Trainer(cfg)
+    path = trainer.load(resolve_checkpoint(resume)) if resume else None  # every rank
+    if trainer.dist is not None:  # data parallel: rank 0 leads, the others repeat its collectives
+        if not trainer.is_main:
+            follow(trainer)
+            return {"checkpoint": str(path or out), "wall_s": 0.0}
+        leader = Leader(trainer)
+        try:
+            return _train_async(cfg, leader, path, options, out)
+        finally:
+            leader.stop()
+    return _train_async(cfg, trainer, path, options, out)
+
+
+def _train_async(cfg: Config, trainer: Trainer, path: Path | None, options: AsyncOptions | None, out: Path) -> dict:
     ledger = WorkLedger()
+    resume = path is not None
     if resume:
-        path = trainer.load(resolve_checkpoint(resume))
         saved = load_state(path).get("async")
         if saved is not None:
             ledger = WorkLedger.from_state(saved)

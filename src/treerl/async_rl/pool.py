@@ -1,13 +1,13 @@
 """Worker processes on this machine (``torch.multiprocessing``, spawn): start, message
 polling, liveness, kill and restart. :mod:`treerl.async_rl.ray_pool` offers the same
-interface over Ray actors."""
+interface over Ray actors; :func:`treerl.async_rl.runner.make_pool` picks one."""
 
 from __future__ import annotations
 
 import queue
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -95,16 +95,3 @@ class ProcessPool(WorkerPool):
         for worker in list(self.slots):
             self.kill(worker)
 
-
-def make_pool(launcher: str, **kwargs: Any) -> WorkerPool:
-    """``process`` (this machine) or ``ray`` (Ray actors; needs ``pip install ray``)."""
-    if launcher == "process":
-        return ProcessPool()
-    if launcher == "ray":
-        from .ray_pool import RayPool
-
-        return RayPool(**kwargs)
-    raise ValueError(f"unknown launcher {launcher!r}: choose process or ray")
-
-
-PoolFactory = Callable[[], WorkerPool]

@@ -20,14 +20,26 @@ import torch
 import torch.multiprocessing as mp
 
 from ..config import Config, ConfigError
-from ..trainer import Sample, Trainer, check_proximal
+from ..samples import Sample
+from ..learner import check_proximal
+from ..trainer import Trainer
 from .buffer import SampleBuffer
 from .controller import StalenessController
 from .ledger import WorkLedger, WorkUnit
-from .pool import WorkerPool, make_pool
+from .pool import ProcessPool, WorkerPool
 from .weights import FilePublisher, SharedMemoryPublisher, WeightPublisher, choose_transfer
 from .worker import FaultPlan, Heartbeat, Ready, Result, WorkerFailed, WorkerSpec
 
+
+def make_pool(launcher: str, **kwargs: Any) -> WorkerPool:
+    """``process`` (this machine) or ``ray`` (Ray actors; needs ``pip install ray``)."""
+    if launcher == "process":
+        return ProcessPool()
+    if launcher == "ray":
+        from .ray_pool import RayPool  # imports ray
+
+        return RayPool(**kwargs)
+    raise ValueError(f"unknown launcher {launcher!r}: choose process or ray")
 
 
 class AsyncWorkerError(RuntimeError):
@@ -132,6 +144,9 @@ class AsyncRunner:
         self.ledger = ledger or WorkLedger()
         self.transfer = choose_transfer(a.weight_transfer, cfg.train.device, devices, o.launcher)
         self.out_dir = Path(out_dir or cfg.train.out_dir)
+        # the whole weights to publish: data parallel, the policy is sharded and each rank's
+        # rollout copy holds them (gathered after every optimizer step)
+        self.weights = trainer.rollout.model if trainer.dist else trainer.model
         self.publisher = self._publisher()
         self.pool: WorkerPool = make_pool(o.launcher)
         self.workers = {i: WorkerInfo(i, d) for i, d in enumerate(devices)}
@@ -145,18 +160,18 @@ class AsyncRunner:
     def _publisher(self) -> WeightPublisher:
         version = self.trainer.rollout.version
         if self.transfer == "shared":
-            return SharedMemoryPublisher(self.trainer.model, version, mp.get_context("spawn"))
+            return SharedMemoryPublisher(self.weights, version, mp.get_context("spawn"))
         if self.transfer in ("nccl", "gloo"):
             from .nccl import CollectivePublisher
 
-            return CollectivePublisher(self.trainer.model, version, backend=self.transfer,
+            return CollectivePublisher(self.weights, version, backend=self.transfer,
                                        timeout_s=self.cfg.async_.worker_timeout_s)
         return FilePublisher(self.options.weights_dir or self.out_dir / "weights")
 
     def start(self) -> None:
         """Publish the current weights and start every worker."""
         if self.transfer not in ("nccl", "gloo"):  # push transports send on each worker's Ready
-            self.publisher.publish(self.trainer.model, self.trainer.rollout.version)
+            self.publisher.publish(self.weights, self.trainer.rollout.version)
         for i in self.workers:
             self._start_worker(i)
         self._started = True
@@ -221,7 +236,7 @@ class AsyncRunner:
         if isinstance(msg, Ready):
             info.ready = True
             info.streaming = msg.streaming
-            self.publisher.worker_ready(msg.worker, self.trainer.model, self.trainer.rollout.version)
+            self.publisher.worker_ready(msg.worker, self.weights, self.trainer.rollout.version)
         elif isinstance(msg, Result):
             self._collect(msg)
         elif isinstance(msg, WorkerFailed):
@@ -325,7 +340,7 @@ class AsyncRunner:
         if version != self.trainer.rollout.version:
             raise RuntimeError(f"controller version {version} != trainer version {self.trainer.rollout.version}")
         self.ledger.mark_trained([f.uid for f in batch])
-        publish_s = self.publisher.publish(self.trainer.model, version)
+        publish_s = self.publisher.publish(self.weights, version)
         self.train_time.add(time.perf_counter() - t0)
         self._last_step_end = time.perf_counter()
         metrics.update(self.metrics())

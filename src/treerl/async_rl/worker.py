@@ -134,6 +134,10 @@ class _State:
     weights: threading.Condition = field(default_factory=threading.Condition)
 
 
+TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+
+
 def rollout_only_config(config: dict, device: str):
     """The run's config for a worker's rollout-only Trainer: same model/task/rollout
     settings, on ``device``, without the reference model or critic (never used there)."""
@@ -175,6 +179,8 @@ class RolloutWorker:
         self._session: _Session | None = None
         self._session_lock = threading.Lock()
         torch.set_num_threads(max(1, spec.threads))
+        for name in TORCHRUN_ENV:  # started by a torchrun rank: a worker is not one of the ranks
+            os.environ.pop(name, None)
         run_setup(spec.setup)
         device = torch.device(spec.device)
         if device.type == "cuda":
@@ -336,7 +342,7 @@ class RolloutWorker:
         """Samples of one unit's groups (one per problem, in order), exactly as
         ``Trainer.generate_samples`` builds them for a synchronous step."""
         from ..tasks.base import score_problems
-        from ..trainer import Sample
+        from ..samples import Sample
 
         flat = [(i, c) for i, g in enumerate(groups) for c in g.completions]
         tok = self.trainer.tokenizer
@@ -380,7 +386,7 @@ class RolloutWorker:
             self.state.busy = False
         seconds = time.perf_counter() - t0
         if self.trainer.multi_turn:
-            # Trainer._episodes stamps every token with the version at the end of the
+            # Sampler._episodes stamps every token with the version at the end of the
             # episode; the oldest version seen is the safe (never too fresh) stamp.
             for s in samples:
                 s.versions = [first_version] * len(s.versions)

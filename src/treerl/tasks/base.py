@@ -1,4 +1,4 @@
-"""Problems, tasks and reward scoring.
+"""Problems, tasks, reward scoring, and the one-step environment every task has by default.
 
 A reward is any callable ``reward(prompt, completion, **sample_fields) -> float``; the
 sample fields are :meth:`Problem.reward_fields` (``answer`` plus the dataset's extra
@@ -150,10 +150,27 @@ class Task(ABC):
         return CharTokenizer(alphabet=self.alphabet)
 
     def make_env(self):
-        """A fresh environment for one episode; single-turn tasks answer in one step."""
-        from .env import SingleTurnEnv
-
+        """A fresh environment for one episode (:mod:`treerl.tasks.env`); single-turn tasks
+        answer in one step."""
         return SingleTurnEnv(self)
+
+
+class SingleTurnEnv:
+    """Any :class:`Task` as a one-step environment: the completion is scored, then done."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+        self.problem: Problem | None = None
+
+    def reset(self, problem: Problem) -> str:
+        self.problem = problem
+        return problem.prompt
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        if self.problem is None:
+            raise RuntimeError("SingleTurnEnv.step called before reset (or after the episode ended)")
+        p, self.problem = self.problem, None
+        return "", self.task.reward(p.prompt, action, **p.reward_fields()), True
 
 
 class SyntheticTask(Task):

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from .base import Problem, Task, _short, check_reward_value
+from .base import Problem, SingleTurnEnv, _short, check_reward_value  # noqa: F401 (SingleTurnEnv: re-exported)
 
 #: ``policy(context_token_ids) -> (action_token_ids, behaviour_logprobs)``
 Policy = Callable[[list[int]], tuple[Sequence[int], Sequence[float]]]
@@ -56,24 +56,6 @@ class Environment(Protocol):
     def step(self, action: str) -> tuple[str, float, bool]:
         """Apply the policy's action; return ``(observation, reward, done)``."""
         ...
-
-
-class SingleTurnEnv:
-    """Any :class:`Task` as a one-step environment: the completion is scored, then done."""
-
-    def __init__(self, task: Task) -> None:
-        self.task = task
-        self.problem: Problem | None = None
-
-    def reset(self, problem: Problem) -> str:
-        self.problem = problem
-        return problem.prompt
-
-    def step(self, action: str) -> tuple[str, float, bool]:
-        if self.problem is None:
-            raise RuntimeError("SingleTurnEnv.step called before reset (or after the episode ended)")
-        p, self.problem = self.problem, None
-        return "", self.task.reward(p.prompt, action, **p.reward_fields()), True
 
 
 @dataclass(frozen=True)

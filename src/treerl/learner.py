@@ -1,0 +1,386 @@
+"""What turns samples into an update (the RL step): tree forwards (proximal, reference,
+critic values), advantages, and the policy (and critic) minibatch updates through the tree
+engine; also the supervised (SFT) update.
+
+    samples -> prefix tree -> no-grad forwards -> advantages
+            -> for each epoch and minibatch: loss -> forward_backward -> optimizer step
+
+Owns the optimizers (policy, critic) and the learning-rate schedule. Data parallel: every
+rank passes the same global batch; forwards and minibatch updates are split over the
+ranks (tree-aware), losses are normalised over the global minibatch and gradients summed,
+so an update equals the one-process update of the same batch.
+
+Reads config sections ``algorithm`` (advantages, losses, epochs, minibatches), ``optim``
+(AdamW, schedule, clipping), ``sft.lr``, ``train.autocast_bf16`` / ``train.steps`` /
+``train.seed``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .build import Engines
+from .config import Config, ConfigError
+from .distributed import ranks
+from .distributed.data_parallel import DistContext, all_gather_objects, all_reduce_sum, gathered, gradient_step
+from .engine import TreeEngine
+from .rl import (
+    LogLinearPolicyLoss,
+    Normalisers,
+    PolicyLoss,
+    PolicyLossConfig,
+    TokenBatch,
+    ValueLoss,
+    ValueLossConfig,
+    dr_grpo_advantages,
+    gae,
+    grpo_advantages,
+    loglinear_alpha,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from .rl.batch import TOKEN_FIELDS
+from .samples import Sample
+from .tree import PrefixTree
+
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
+PROXIMAL = ("recompute", "loglinear")
+
+
+def check_proximal(method: str, advantage: str) -> None:
+    """Refuse a proximal-logprob method that does not exist or cannot serve ``advantage``."""
+    if method not in PROXIMAL:
+        raise ConfigError(f"proximal: unknown {method!r}; choose one of {', '.join(PROXIMAL)}")
+    if method == "loglinear" and advantage == "reinforce_pp":
+        raise ConfigError("proximal=loglinear cannot be used with advantage=reinforce_pp (its KL term needs "
+                          "recomputed proximal logprobs)")
+
+
+def lr_lambda(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Learning-rate multiplier: linear warm-up, then constant or cosine down to min_ratio."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Update:
+    """What one :meth:`Learner.train_on` did (before the weights go to the rollout engine)."""
+
+    tree: PrefixTree  # the batch's prefix tree
+    updates: int  # optimizer steps (ppo_epochs x minibatches)
+    losses: dict[str, list[float]] = field(default_factory=dict)  # per optimizer step
+    mismatch: dict[str, float] = field(default_factory=dict)  # rollout/trainer logprob agreement
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: forward, update
+
+
+class Learner:
+    """The RL (and SFT) update of one trainer (see the module docstring)."""
+
+    def __init__(self, cfg: Config, engines: Engines, device: torch.device, dist: DistContext | None):
+        self.cfg, self.device, self.dist = cfg, device, dist
+        self.engine, self.reference, self.critic = engines.policy, engines.reference, engines.critic
+        self.model = self.engine.model
+        o = cfg.optim
+        self.critic_opt = None
+        if self.critic is not None:
+            self.critic_opt = torch.optim.AdamW(self.critic.model.parameters(), lr=cfg.algorithm.critic_lr,
+                                                weight_decay=o.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
+                                           weight_decay=o.weight_decay)
+        total = cfg.train.steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_lambda(s, o.warmup_steps, total, o.schedule, o.min_lr_ratio))
+
+    # ------------------------------------------------------------------ RL step
+    def train_on(self, samples: list[Sample], version: int, step: int, proximal: str = "recompute") -> Update:
+        """Forwards, advantages and ``ppo_epochs x minibatches`` optimizer steps on
+        ``samples``, whose newest tokens come from weights ``version``; ``step`` (the
+        trainer's step count) seeds the minibatch order. Ends with a scheduler step.
+
+        ``proximal``: how decoupled PPO gets the proximal logprobs when it needs them
+        (stale samples, several updates, a behaviour-weight cap): ``"recompute"`` (a tree
+        forward of the current weights, exact) or ``"loglinear"`` (AReaL's per-token
+        interpolation between behaviour and current logprobs by version, no forward;
+        :mod:`treerl.rl.proximal`)."""
+        alg = self.cfg.algorithm
+        t1 = time.perf_counter()
+        seqs = [torch.tensor(s.token_ids) for s in samples]
+        tree = PrefixTree.from_sequences(seqs)
+        dtype = torch.float64 if next(self.model.parameters()).dtype == torch.float64 else torch.float32
+        fields: dict[str, list[torch.Tensor]] = {
+            "behaviour_logprobs": [torch.tensor(s.behaviour_logprobs, dtype=dtype) for s in samples],
+        }
+        out = Update(tree=tree, updates=alg.ppo_epochs * alg.minibatches)
+        stale = any(v < version for s in samples for v in s.versions)
+        forwards = {}
+        if out.updates > 1 or stale or alg.behaviour_weight_cap is not None or alg.advantage == "reinforce_pp":
+            forwards["proximal_logprobs"] = self.engine
+        loglinear = proximal == "loglinear" and forwards.pop("proximal_logprobs", None) is not None
+        if loglinear:  # the per-token interpolation weights stand in the proximal field
+            fields["proximal_logprobs"] = [loglinear_alpha(torch.tensor(s.versions, dtype=torch.int64), version).to(dtype)
+                                           for s in samples]
+        if self.reference is not None:
+            forwards["reference_logprobs"] = self.reference
+        if self.critic is not None:
+            forwards["values"] = self.critic
+        fields.update(self.forwards(forwards, seqs, tree, dtype))
+        out.timings["forward"] = time.perf_counter() - t1
+        if "proximal_logprobs" in forwards:
+            out.mismatch = rollout_mismatch(samples, fields, version)
+        advantages = sample_advantages(samples, fields, self.cfg)
+
+        t2 = time.perf_counter()
+        masks = [torch.tensor(s.loss_mask) for s in samples]
+        loss_cfg = self.loss_config()
+        for epoch in range(alg.ppo_epochs):
+            for idx in self.minibatches(samples, epoch, step):
+                take = lambda xs: [xs[i] for i in idx]  # noqa: E731
+                adv = advantages[idx] if isinstance(advantages, torch.Tensor) else take(advantages)
+                batch = TokenBatch.from_sequences(take(masks), adv, **{k: take(v) for k, v in fields.items()})
+                local = ranks.share(self.dist, take(seqs))  # this rank's sequences (positions in idx)
+                policy_metrics = self.update(self.engine, batch, local, take(seqs), lambda b, n: (
+                    LogLinearPolicyLoss(b, loss_cfg, alpha=b.proximal_logprobs, normalisers=n) if loglinear
+                    else PolicyLoss(b, loss_cfg, normalisers=n)), entropy=alg.entropy_coef != 0)
+                for k, v in policy_metrics.items():
+                    out.losses.setdefault(k, []).append(v)
+                out.losses.setdefault("grad_norm", []).append(self.optimizer_step(self.optimizer, self.model))
+                if self.critic is not None:
+                    value_metrics = self.update(self.critic, batch, local, take(seqs), lambda b, n: ValueLoss(
+                        b, ValueLossConfig(clip=alg.value_clip), normalisers=n))
+                    for k, v in value_metrics.items():
+                        out.losses.setdefault("critic/" + k, []).append(v)
+                    self.optimizer_step(self.critic_opt, self.critic.model)
+        self.scheduler.step()
+        out.timings["update"] = time.perf_counter() - t2
+        return out
+
+    def minibatches(self, samples: list[Sample], epoch: int, step: int) -> list[list[int]]:
+        """Sequence indices per minibatch; a group stays together (so it shares its tree)."""
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(samples):
+            groups.setdefault(s.group, []).append(i)
+        keys = list(groups)
+        if epoch > 0:
+            random.Random(self.cfg.train.seed + 7919 * step + epoch).shuffle(keys)
+        k = min(self.cfg.algorithm.minibatches, len(keys))
+        return [[i for key in keys[j::k] for i in groups[key]] for j in range(k)]
+
+    def loss_config(self) -> PolicyLossConfig:
+        a = self.cfg.algorithm
+        return PolicyLossConfig(
+            ratio=a.ratio, eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip,
+            behaviour_weight_cap=a.behaviour_weight_cap, aggregation=a.aggregation, norm_constant=a.norm_constant,
+            # TIS (truncate at the cap instead of masking): an AlgorithmConfig field once config.py has it
+            behaviour_weight_truncate=bool(getattr(a, "behaviour_weight_truncate", False)),
+            kl_coef=a.kl_coef if self.reference is not None and a.advantage != "reinforce_pp" else 0.0,
+            kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
+        )
+
+    # ------------------------------------------------------ forwards, updates
+    def forwards(self, engines: dict[str, TreeEngine], seqs: list[torch.Tensor], tree: PrefixTree,
+                 dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
+        """No-grad per-sequence forwards (proximal / reference logprobs, critic values; one
+        ``[L - 1]`` tensor per sequence) of the whole batch. Data parallel: each rank runs
+        its share, then every rank gets all."""
+        if not engines:
+            return {}
+        if not self.dist:
+            with self.autocast():
+                return {name: [t.cpu().to(dtype) for t in engine.logprobs(tree)] for name, engine in engines.items()}
+        local = ranks.share(self.dist, seqs)
+        sub = PrefixTree.from_sequences([seqs[i] for i in local]) if local else None
+        mine = {}
+        for name, engine in engines.items():
+            with gathered(engine), self.autocast():
+                mine[name] = [t.cpu().to(dtype) for t in engine.logprobs(sub)] if local else []
+        out = {name: [None] * len(seqs) for name in engines}
+        for rank_local, rank_out in all_gather_objects((local, mine)):
+            for name, values in rank_out.items():
+                for i, v in zip(rank_local, values):
+                    out[name][i] = v
+        return out
+
+    def update(self, engine: TreeEngine, batch: TokenBatch, local: list[int], seqs: list[torch.Tensor],
+               make_loss: Callable, entropy: bool = False) -> dict[str, float]:
+        """Forward and backward of a separable loss over (this rank's share ``local`` of)
+        ``batch``; returns the loss's metrics (over the whole batch). Leaves the gradients
+        in place."""
+        if not self.dist:
+            loss = make_loss(batch.to(self.device), None)
+            with self.autocast():
+                engine.forward_backward(PrefixTree.from_sequences(seqs), loss, separable=True, entropy=entropy)
+            return loss.metrics()
+        norms = Normalisers.of(batch)  # the global minibatch's counts (every rank has it)
+        raw = {}
+        with gradient_step(engine):
+            if local:
+                mine = select_batch(batch, local)
+                loss = make_loss(mine.to(self.device), norms)
+                with self.autocast():
+                    engine.forward_backward(PrefixTree.from_sequences([seqs[i] for i in local]), loss,
+                                            separable=True, entropy=entropy)
+                raw = loss._read()
+        # metrics of the whole minibatch: per-rank sums (max / min) combined, then read
+        # through a loss object of the global batch (its batch-wide statistics included)
+        merged: dict[str, float] = {}
+        for part in all_gather_objects(raw):
+            for k, v in part.items():
+                if k not in merged:
+                    merged[k] = v
+                elif k.endswith("_max"):
+                    merged[k] = max(merged[k], v)
+                elif k.endswith("_min"):
+                    merged[k] = min(merged[k], v)
+                else:
+                    merged[k] += v
+        whole = make_loss(batch, norms)
+        whole._acc = {k: torch.tensor(v, dtype=torch.float64) for k, v in merged.items()}
+        return whole.metrics()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> float:
+        """Clip (``optim.grad_clip``; global norm over ranks), step, zero; returns the norm."""
+        clip = self.cfg.optim.grad_clip
+        # Sharded (DTensor) gradients: clip_grad_norm_ reduces the norm over all ranks.
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def autocast(self):
+        """bf16 autocast on CUDA with ``train.autocast_bf16``; off otherwise."""
+        if self.cfg.train.autocast_bf16 and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast(self.device.type, enabled=False)
+
+    # ---------------------------------------------------------------------- SFT
+    def sft_update(self, seqs: list[torch.Tensor], masks: list[torch.Tensor]) -> dict[str, float]:
+        """One supervised step at ``sft.lr``: token-mean NLL of the masked tokens (``masks[i]``
+        is ``[L_i - 1]``, True on the target tokens). The schedule's learning rate is
+        restored afterwards. Data parallel: every rank passes the same batch."""
+        n_tokens = float(sum(int(m.sum()) for m in masks))
+
+        def nll(logprobs, index):
+            return -sum((lp * masks[i].to(lp.device, lp.dtype)).sum() for lp, i in zip(logprobs, index.tolist())) / n_tokens
+
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.sft.lr
+        if self.dist:  # every rank built the same batch: each runs its share
+            local = ranks.share(self.dist, seqs)
+            loss = 0.0
+            with gradient_step(self.engine):
+                if local:
+                    where = torch.tensor(local)
+                    with self.autocast():
+                        loss = self.engine.forward_backward([seqs[i] for i in local],
+                                                            lambda lps, index: nll(lps, where[index]), separable=True)
+            loss = float(all_reduce_sum(loss, self.device))
+        else:
+            with self.autocast():
+                loss = self.engine.forward_backward(seqs, nll, separable=True)
+        norm = self.optimizer_step(self.optimizer, self.model)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        return {"sft/loss": loss, "sft/grad_norm": norm}
+
+
+# ------------------------------------------------------------------ functions
+def sample_advantages(samples: list[Sample], fields: dict[str, list[torch.Tensor]],
+                      cfg: Config) -> torch.Tensor | list[torch.Tensor]:
+    """Advantages of ``algorithm.advantage``: one per sequence ``[N]`` (GRPO, Dr.GRPO,
+    RLOO: one reward and one group per *episode*, per-turn sequences inherit their
+    episode's), or one ``[L_i - 1]`` tensor per sequence (REINFORCE++, GAE; GAE also puts
+    ``returns`` into ``fields``)."""
+    alg = cfg.algorithm
+    episode_ids = sorted({s.episode for s in samples})
+    first = {}
+    for s in samples:
+        first.setdefault(s.episode, s)
+    ep_rewards = torch.tensor([first[e].reward for e in episode_ids], dtype=torch.float64)
+    ep_groups = torch.tensor([first[e].group for e in episode_ids])
+    where = {e: i for i, e in enumerate(episode_ids)}
+    to_seq = torch.tensor([where[s.episode] for s in samples])
+    if alg.advantage == "grpo":
+        return grpo_advantages(ep_rewards, ep_groups, normalise_std=alg.normalise_std)[to_seq]
+    if alg.advantage == "dr_grpo":
+        return dr_grpo_advantages(ep_rewards, ep_groups)[to_seq]
+    if alg.advantage == "rloo":
+        return rloo_advantages(ep_rewards, ep_groups)[to_seq]
+    masks = [torch.tensor(s.loss_mask) for s in samples]
+    lengths = torch.tensor([len(m) for m in masks])
+    flat_mask = torch.cat(masks)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    if alg.advantage == "reinforce_pp":
+        kl = None
+        if "reference_logprobs" in fields and alg.kl_coef > 0:
+            kl = torch.cat(fields["proximal_logprobs"]) - torch.cat(fields["reference_logprobs"])
+        return reinforce_pp_advantages(rewards, lengths, flat_mask, kl=kl, kl_coef=alg.kl_coef,
+                                       gamma=alg.gamma, group_ids=torch.tensor([s.group for s in samples]))
+    # gae: terminal reward on each sequence's last trained token
+    token_rewards = torch.zeros(len(flat_mask), dtype=torch.float64)
+    ends = torch.cumsum(lengths, 0)
+    for i, m in enumerate(masks):
+        trained = m.nonzero()
+        if len(trained):
+            token_rewards[int(ends[i] - lengths[i] + trained[-1, 0])] = rewards[i]
+    values = torch.cat(fields["values"]).to(torch.float64)
+    adv, ret = gae(token_rewards, values, flat_mask, lengths, gamma=alg.gamma, lam=alg.lam)
+    fields["returns"] = list(ret.split(lengths.tolist()))
+    return list(adv.split(lengths.tolist()))
+
+
+def rollout_mismatch(samples: list[Sample], fields: dict[str, list[torch.Tensor]], version: int) -> dict[str, float]:
+    """Rollout/trainer agreement: ``|logp_rollout - logp_train|`` (mean, max) over trained
+    tokens sampled with weights ``version``, the trainer's from its proximal forward."""
+    diffs = [(prox - behav).abs()[torch.tensor(s.loss_mask) & (torch.tensor(s.versions) == version)]
+             for s, behav, prox in zip(samples, fields["behaviour_logprobs"], fields["proximal_logprobs"])]
+    d = torch.cat(diffs) if diffs else torch.zeros(0)
+    if not len(d):
+        return {}
+    return {"rollout/logp_mismatch_mean": float(d.double().mean()), "rollout/logp_mismatch_max": float(d.max())}
+
+
+def step_metrics(samples: list[Sample], update: Update, version: int, lr: float, rollout_seconds: float) -> dict:
+    """The metrics of one RL step; ``version``: the weights after it (staleness = how many
+    versions older than the weights that trained on it each sample's oldest token is)."""
+    tree, timings = update.tree, {"rollout": rollout_seconds, **update.timings}
+    rollout_tokens = sum(sum(s.loss_mask) for s in samples)
+    rewards = torch.tensor([s.reward for s in samples])
+    versions = torch.tensor([min(s.versions) if s.versions else version for s in samples])
+    out = {
+        "staleness/max": float(version - 1 - versions.min()),
+        "staleness/mean": float((version - 1 - versions).float().mean()),
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "tree/flat_tokens": tree.num_flat_tokens, "tree/tree_tokens": tree.num_tree_tokens,
+        "tree/ideal_ratio": tree.ideal_ratio, "tree/sequences": tree.num_sequences,
+        "lr": lr, "version": version,
+        "time/rollout_s": timings["rollout"], "time/forward_s": timings["forward"],
+        "time/update_s": timings["update"],
+        "perf/rollout_tokens_per_s": rollout_tokens / max(timings["rollout"], 1e-9),
+        "perf/train_tokens_per_s": tree.num_flat_tokens * update.updates / max(timings["update"], 1e-9),
+        "completion/mean_tokens": rollout_tokens / max(1, len(samples)),
+    }
+    out.update({("loss/" + k if "/" not in k else k): float(np.mean(v)) for k, v in update.losses.items()})
+    out.update(update.mismatch)
+    return out
+
+
+def select_batch(batch: TokenBatch, index: list[int]) -> TokenBatch:
+    """The sequences ``index`` of ``batch`` (in that order) as a batch of their own."""
+    tokens, _ = batch.token_index(index)
+    if tokens is None:
+        return batch
+    fields = {n: getattr(batch, n)[tokens.to(batch.device)] for n in TOKEN_FIELDS if getattr(batch, n) is not None}
+    return TokenBatch(seq_lengths=batch.seq_lengths[torch.as_tensor(index, dtype=torch.int64)], **fields)

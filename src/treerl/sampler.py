@@ -1,0 +1,176 @@
+"""What produces samples: the order of the training problems, rollout (single-turn
+groups or multi-turn episodes) with the rollout engine, scoring, supervised batches, and
+held-out evaluation.
+
+Owns the rollout engine (:class:`~treerl.rollout.RolloutEngine`: its weights and version)
+and the data order (problems, epoch, cursor). One process: the rollout engine shares the
+policy's parameters. Data parallel: the policy is sharded, so each rank's rollout engine
+holds a whole copy, refreshed by :meth:`Sampler.sync_weights` after every optimizer step;
+each rank rolls out a contiguous slice of a step's prompts and the samples are gathered.
+
+Reads config sections ``rollout`` (sampling), ``task`` (episode limits) and
+``train.seed`` / ``train.eval_problems``.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import Config, ConfigError
+from .distributed import ranks
+from .distributed.data_parallel import DistContext, full_state_dict
+from .rollout import RolloutEngine, SamplingParams
+from .samples import Sample
+from .tasks.base import Problem, Task, score_problems
+from .tasks.env import ChatFormat, run_episode, run_episodes, scripted_policy
+
+
+class Sampler:
+    """Rollout and data order for one trainer (see the module docstring)."""
+
+    def __init__(self, cfg: Config, task: Task, tokenizer: Any, model: torch.nn.Module,
+                 dist: DistContext | None):
+        self.cfg, self.task, self.tokenizer, self.model, self.dist = cfg, task, tokenizer, model, dist
+        self.format = ChatFormat.for_tokenizer(tokenizer)
+        self.multi_turn = task.max_turns > 1
+        self.rollout = RolloutEngine(copy.deepcopy(model) if dist else model, version=0)
+        self.max_new_tokens = cfg.rollout.max_new_tokens or task.max_new_tokens
+        self.train_problems = task.train_problems(seed=cfg.train.seed)
+        if not self.train_problems:
+            raise ConfigError(f"task {task.name!r} has no training problems (empty dataset)")
+        self.restore(cursor=0, epoch=0)
+
+    # ------------------------------------------------------------- data order
+    def restore(self, cursor: int, epoch: int) -> None:
+        """Continue the data order at ``cursor`` of ``epoch`` (a fresh run: 0, 0)."""
+        self.cursor, self.epoch = cursor, epoch  # cursor: position in the shuffled problems
+        self._order = self._shuffled(epoch)
+
+    def _shuffled(self, epoch: int) -> list[int]:
+        order = list(range(len(self.train_problems)))
+        random.Random(self.cfg.train.seed * 1000 + epoch).shuffle(order)
+        return order
+
+    def next_problems(self, n: int) -> list[Problem]:
+        """The next ``n`` training problems (a cursor through epochs of shuffled problems)."""
+        out = []
+        while len(out) < n:
+            if self.cursor >= len(self._order):
+                self.restore(cursor=0, epoch=self.epoch + 1)
+            out.append(self.train_problems[self._order[self.cursor]])
+            self.cursor += 1
+        return out
+
+    # ---------------------------------------------------------------- rollout
+    def sampling_params(self, n: int, greedy: bool = False) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            n=n, temperature=0.0 if greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+            max_new_tokens=self.max_new_tokens, stop_token_ids=[self.tokenizer.eos_token_id],
+            stop_strings=list(self.task.stop), decode=self.tokenizer,
+            branch_every=0 if greedy else r.branch_every, branch_factor=r.branch_factor,
+        )
+
+    def step_samples(self, problems: list[Problem], n: int) -> list[Sample]:
+        """A step's samples: ``n`` per problem. Data parallel: each rank rolls out its
+        slice of ``problems`` and every rank returns the whole batch, in problem order."""
+        mine, _ = ranks.my_slice(self.dist, problems)
+        samples = self.generate(mine, n) if mine else []
+        return ranks.gather_samples(samples) if self.dist else samples
+
+    @torch.no_grad()
+    def generate(self, problems: list[Problem], n: int, greedy: bool = False) -> list[Sample]:
+        """Roll out ``n`` samples (episodes) per problem and score them."""
+        self.model.eval()
+        try:
+            if self.multi_turn:
+                return self._episodes(problems, n, greedy)
+            return self._single_turn(problems, n, greedy)
+        finally:
+            self.model.train()
+
+    def _single_turn(self, problems: list[Problem], n: int, greedy: bool) -> list[Sample]:
+        prompts = [self.format.prompt_ids(self.tokenizer, p.prompt) for p in problems]
+        groups = self.rollout.generate(prompts, self.sampling_params(n, greedy))
+        flat = [(g, c) for g in groups for c in g.completions]
+        texts = [self.tokenizer.decode(c.completion_ids.tolist(), skip_special_tokens=True) for _, c in flat]
+        rewards = score_problems(self.task.reward, [problems[g.prompt_index] for g, _ in flat], texts)
+        samples = []
+        for k, ((g, c), text, reward) in enumerate(zip(flat, texts, rewards)):
+            p, t = len(c.prompt_ids), len(c.completion_ids)
+            samples.append(Sample(
+                token_ids=c.token_ids.tolist(), loss_mask=[False] * (p - 1) + [True] * t,
+                behaviour_logprobs=[0.0] * (p - 1) + c.logprobs.tolist(),
+                versions=[self.rollout.version] * (p - 1) + c.versions.tolist(),
+                reward=reward, group=g.prompt_index, episode=k, completion=text,
+            ))
+        return samples
+
+    def _episodes(self, problems: list[Problem], n: int, greedy: bool) -> list[Sample]:
+        params = self.sampling_params(1, greedy)
+
+        def policy(contexts):
+            groups = self.rollout.generate(contexts, params)
+            return [(g.completions[0].completion_ids, g.completions[0].logprobs) for g in groups]
+
+        expanded = [p for p in problems for _ in range(n)]
+        episodes = run_episodes([self.task.make_env() for _ in expanded], expanded, policy, self.tokenizer,
+                                max_turns=self.cfg.task.max_turns, max_total_tokens=self.cfg.task.max_episode_tokens)
+        samples = []
+        for e, ep in enumerate(episodes):
+            for seq in ep.sequences:
+                samples.append(Sample(
+                    token_ids=seq.token_ids, loss_mask=seq.loss_mask, behaviour_logprobs=seq.behaviour_logprobs,
+                    versions=[self.rollout.version] * len(seq.loss_mask), reward=ep.reward, group=e // n,
+                    episode=e, completion=ep.transcript(),
+                ))
+        return samples
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """After an optimizer step: the rollout engine gets ``model``'s weights (version += 1)."""
+        if self.dist:
+            self.rollout.update_weights(full_state_dict(model))
+        else:
+            self.rollout.update_weights(model)  # shares the parameters: bumps the version
+
+    # -------------------------------------------------------------------- SFT
+    def sft_batch(self, problems: list[Problem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Supervised sequences ``[L]`` and their loss masks ``[L - 1]`` (True on target
+        tokens): prompt + target + eos, or a whole expert episode (multi-turn tasks with
+        ``expert_actions``; its actions, not the observations, are trained)."""
+        seqs, masks = [], []
+        for p in problems:
+            if self.multi_turn and hasattr(self.task, "expert_actions"):
+                episode = run_episode(self.task.make_env(), p, scripted_policy(self.task.expert_actions(p), self.tokenizer),
+                                      self.tokenizer, max_turns=self.cfg.task.max_turns,
+                                      max_total_tokens=self.cfg.task.max_episode_tokens)
+                full = episode.full_sequence()
+                seqs.append(torch.tensor(full.token_ids))
+                masks.append(torch.tensor(full.loss_mask))
+                continue
+            prompt = self.format.prompt_ids(self.tokenizer, p.prompt)
+            target = self.tokenizer.encode(self.task.target(p)) + [self.tokenizer.eos_token_id]
+            seqs.append(torch.tensor(prompt + target))
+            masks.append(torch.tensor([False] * (len(prompt) - 1) + [True] * len(target)))
+        return seqs, masks
+
+    # ------------------------------------------------------------------- eval
+    def evaluate(self, n: int | None = None) -> dict[str, float]:
+        """Greedy accuracy and mean reward on the task's held-out problems (data parallel:
+        each rank scores its slice)."""
+        problems = self.task.eval_problems(n or self.cfg.train.eval_problems, seed=self.cfg.train.seed)
+        mine, _ = ranks.my_slice(self.dist, problems)
+        samples = self.generate(mine, 1, greedy=True) if mine else []
+        last = {}
+        for s in samples:  # multi-turn: one reward per episode
+            last[s.episode] = s
+        rewards = [s.reward for s in last.values()]
+        if self.dist:
+            rewards = ranks.gather_list(rewards)
+        correct = [r >= 1.0 - 1e-9 for r in rewards]
+        return {"eval/accuracy": float(np.mean(correct)), "eval/reward": float(np.mean(rewards))}
