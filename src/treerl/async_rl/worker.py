@@ -41,7 +41,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..rollout.stream import PromptQueue
+from ..rollout.prompts import PromptQueue
 
 import numpy as np
 import torch
