@@ -116,7 +116,7 @@ class Trainer:
         # policy is sharded, so each rank's rollout engine holds a whole copy, refreshed
         # from the gathered weights after every optimizer step.
         rollout_model = copy.deepcopy(self.model) if self.dist else self.model
-        self.rollout = RolloutEngine(rollout_model, version=0)
+        self.rollout = RolloutEngine(rollout_model, version=0, prefix_cache_tokens=self._prefix_cache_tokens())
         self.reference = None
         if alg.kl_coef > 0:
             ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -274,6 +274,16 @@ class Trainer:
         return out
 
     # ---------------------------------------------------------------- rollout
+    def _prefix_cache_tokens(self) -> int:
+        """``rollout.prefix_cache_tokens``, or by default: room for every episode's context of
+        a step for multi-turn tasks (turn t + 1 then prefills only its new tokens), else 0."""
+        r = self.cfg.rollout
+        if r.prefix_cache_tokens is not None:
+            if r.prefix_cache_tokens < 0:
+                raise ValueError(f"rollout.prefix_cache_tokens must be >= 0, got {r.prefix_cache_tokens}")
+            return int(r.prefix_cache_tokens)
+        return r.prompts_per_step * r.group_size * self.cfg.task.max_episode_tokens if self.multi_turn else 0
+
     def sampling_params(self, n: int, greedy: bool = False) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(
