@@ -53,6 +53,10 @@ Weights: ``update_weights`` from another thread takes effect between decode step
 whose K/V was computed under older weights are recomputed (prompt + tokens fed so far)
 before the next step; every token records the version of the weights whose logits it was
 sampled from (admitted rows: the prefill's; others: the decode step's).
+
+(One module over 500 lines: every method of :class:`RunningBatch` keeps the same host and
+device row state consistent — admission, syncs, forks, recomputes, compaction, decode — so
+it reads as one piece; the decode step, tree layout, prompt queue and cache live apart.)
 """
 
 from __future__ import annotations
