@@ -185,7 +185,8 @@ class RolloutWorker:
         self.engine = self.trainer.rollout
         self.engine.version = -1  # no published weights yet
         self.state = _State()
-        self.trainer.model.register_forward_hook(self._on_model_call)
+        # the input embedding runs once per forward: prefill (HF forward) and decode steps (own blocks) alike
+        self.trainer.model.get_input_embeddings().register_forward_hook(self._on_model_call)
         self.receiver = spec.weights.open(device, self.trainer.model)
         self._threads = [threading.Thread(target=self._listen, name="weights", daemon=True),
                          threading.Thread(target=self._beat, name="heartbeat", daemon=True)]
