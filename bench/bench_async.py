@@ -16,12 +16,12 @@ steps. The table also shows where the time went: the trainer's busy fraction (tr
 
     python bench/bench_async.py --rollout-only       # generation side only, one process
 
-``--rollout-only`` measures what continuous batching does for the rollout worker, without
-training (fits a CPU): the same ``--steps`` x ``--prompts`` groups generated (a) in waves,
-one ``generate`` per step (``RolloutEngine(continuous=False)``: each step waits for its
-longest row), (b) one ``generate`` per step on the continuous path, (c) one stream that
-always has ``(eta + 1) x --prompts`` groups admitted or waiting, as a streaming async
-worker does (eta = the first ``--etas`` value). Weights stay fixed.
+``--rollout-only`` measures what streaming does for the rollout worker, without training
+(fits a CPU): the same ``--steps`` x ``--prompts`` groups generated (a) one ``generate`` per
+step (each step waits for its longest row), (b) one stream that always has ``(eta + 1) x
+--prompts`` groups admitted or waiting, as a streaming async worker does (eta = the first
+``--etas`` value). Weights stay fixed. (The wave decoder that used to be row (a) is gone:
+``generate`` is continuous batching too.)
 """
 
 from __future__ import annotations
@@ -138,16 +138,15 @@ def run_rollout(args) -> list[dict]:
         for k in ("decode_steps", "decode_rows", "live_rows"):
             acc[k] = acc.get(k, 0) + getattr(stats, k)
 
-    for mode, continuous in (("waves", False), ("continuous", True)):
-        engine = RolloutEngine(trainer.model, continuous=continuous)
-        engine.generate(steps[0][:1], params)  # warm-up
-        acc, groups = {}, []
-        t0 = time.perf_counter()
-        for i, batch in enumerate(steps):
-            params.seed = args.seed + i
-            groups += engine.generate(batch, params)
-            totals(acc, engine.stats)
-        record(f"{mode}/step", engine, time.perf_counter() - t0, groups, acc)
+    engine = RolloutEngine(trainer.model)
+    engine.generate(steps[0][:1], params)  # warm-up
+    acc, groups = {}, []
+    t0 = time.perf_counter()
+    for i, batch in enumerate(steps):
+        params.seed = args.seed + i
+        groups += engine.generate(batch, params)
+        totals(acc, engine.stats)
+    record("generate/step", engine, time.perf_counter() - t0, groups, acc)
     eta = args.etas[0]
     engine = RolloutEngine(trainer.model)
     queue, waiting = PromptQueue(), list(prompts)
@@ -169,7 +168,7 @@ def run_rollout(args) -> list[dict]:
     totals(acc, engine.stats)
     record(f"stream/eta{eta}", engine, time.perf_counter() - t0, groups, acc)
     lengths = rows[0]["lengths"]
-    print(f"\ncompletion lengths (waves run): mean {statistics.mean(lengths):.1f}, median "
+    print(f"\ncompletion lengths (generate/step run): mean {statistics.mean(lengths):.1f}, median "
           f"{statistics.median(lengths):.0f}, max {max(lengths)} tokens; {len(lengths)} completions per run")
     base = rows[0]["wall"]
     print(f"{'mode':16} {'wall s':>8} {'tok/s':>8} {'speedup':>8} {'decode steps':>12} {'rows/step':>9} {'live':>5}")
@@ -204,7 +203,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench_async", help="scratch directory (file weight transfer)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--rollout-only", action="store_true",
-                   help="measure generation only (waves vs continuous batching vs a stream), one process")
+                   help="measure generation only (a generate per step vs one stream), one process")
     return p
 
 

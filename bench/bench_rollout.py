@@ -2,7 +2,7 @@
 
 Each case samples ``prompts x G`` rows of ``--new-tokens`` tokens (no stop tokens, so every
 row generates exactly that many) from prompts of ``--prompt-len`` tokens, with the
-continuous-batching path ``RolloutEngine.generate`` takes by default (shared prompt K/V;
+``RolloutEngine.generate`` (continuous batching, shared prompt K/V;
 on CUDA treerl's own decode blocks, compiled, captured in CUDA graphs). One untimed run first (captures the CUDA graphs, kept for the timed
 run by ``keep_stream_buffers``), then ``--repeats`` timed runs (best kept).
 
@@ -12,7 +12,7 @@ prompt K/V once and each row's own (generated) K/V; summed over the ``T`` steps 
 H200 ~4.3e12). ``floor tok/s`` = rows x T / that time; ``fraction`` = measured / floor.
 
 GPU, all cases (Qwen3-0.6B shape 8x8 and 64x16, Qwen3-1.7B shape 8x8; then the 0.6B 8x8
-case with the decode blocks eager, through HF's modules, the wave path and ``model.generate``):
+case with the decode blocks eager, through HF's modules, and ``model.generate``):
     python bench/bench_rollout.py --device cuda --out $OUT/bench_rollout.json
 CPU smoke run (tiny shapes):
     python bench/bench_rollout.py --cases tiny:2x2 --prompt-len 32 --new-tokens 16
@@ -38,8 +38,8 @@ from treerl.rollout import RolloutEngine, SamplingParams  # noqa: E402
 SHAPE_NAMES = {"0.6b": "qwen3-0.6b", "1.7b": "qwen3-1.7b", "tiny": "tiny", "small": "small"}
 DEFAULT_GPU_CASES = "0.6b:8x8,0.6b:64x16,1.7b:8x8"
 # extra rows on the first case (names): own decode blocks not compiled, the decode step through
-# HF's modules (the previous path), the wave path, HF model.generate
-DEFAULT_GPU_EXTRAS = "eager-blocks,hf-step,waves,generate"
+# HF's modules (the previous path), HF model.generate
+DEFAULT_GPU_EXTRAS = "eager-blocks,hf-step,generate"
 
 
 def parse_args(argv=None):
@@ -131,7 +131,6 @@ def main(argv=None) -> dict:
     plan = [(shape, pg, "RolloutEngine", {}) for shape, pg in cases]
     extra_opts = {"eager-blocks": ("RolloutEngine (eager blocks)", dict(compile=False)),
                   "hf-step": ("RolloutEngine (HF step)", dict(hf_step=True)),
-                  "waves": ("waves", dict(waves=True)),
                   "generate": ("model.generate", dict(generate=True))}
     plan += [(cases[0][0], cases[0][1]) + extra_opts[x] for x in extras]  # last: they may be slow
     model, model_name = None, None
@@ -166,7 +165,7 @@ def main(argv=None) -> dict:
             else:
                 engine = RolloutEngine(
                     model, sync_every=args.sync_every, max_batch_tokens=budget, keep_stream_buffers=True,
-                    continuous=not opt.get("waves"), compile_decode=opt.get("compile"),
+                    compile_decode=opt.get("compile"),
                     prefill_chunk_tokens=8192,
                 )
                 if opt.get("hf_step"):

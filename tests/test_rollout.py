@@ -42,7 +42,7 @@ def greedy_reference(model, prompt, max_new):
 def test_batched_greedy_equals_alone_and_reference(model):
     prompts = random_prompts([7, 1, 13, 4, 10])
     params = SamplingParams(n=2, temperature=0, max_new_tokens=12)
-    # small prefill chunks, frequent syncs, and several waves exercise every path
+    # small prefill chunks, frequent syncs, and several admission rounds exercise every path
     engines = [
         RolloutEngine(model),
         RolloutEngine(model, prefill_chunk_tokens=8, sync_every=3),
@@ -50,7 +50,7 @@ def test_batched_greedy_equals_alone_and_reference(model):
         RolloutEngine(model, static_kv=True, sync_every=3),  # fixed-shape steps (the CUDA-graph path)
     ]
     batched = [e.generate(prompts, params) for e in engines]
-    assert engines[2].stats.waves > 1 and engines[1].stats.prefill_calls > 1
+    assert engines[2].stats.admissions > 1 and engines[1].stats.prefill_calls > 1
     for i, p in enumerate(prompts):
         alone = RolloutEngine(model).generate([p], params)[0][0].completion_ids.tolist()
         assert alone == greedy_reference(model, p, 12)

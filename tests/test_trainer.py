@@ -162,3 +162,45 @@ def test_critic_value_head_matches_per_sequence_forward(mode):
             assert (p.grad - ref_grads[n]).norm() <= 1e-9 * ref_grads[n].norm(), n
     with pytest.raises(ValueError, match="no entropies"):
         engine.logprobs(seqs, entropy=True)
+
+
+def test_multi_turn_turns_reuse_the_previous_turns_kv():
+    """Multi-turn episodes go through the stream with the prefix cache on by default: later
+    turns prefill only their new tokens, and the samples equal those of an engine without
+    the cache (float64, same random numbers). The environment answers every action, so
+    episodes run all their turns."""
+    from treerl.tasks.calculator_env import CalculatorEnv
+
+    class Chatty(CalculatorEnv):
+        def step(self, action):
+            return "<result>1</result>", 0.0, False
+
+    base = ["task.name=calculator", "task.kwargs={}", "task.max_turns=3", "task.max_episode_tokens=60",
+            "rollout.max_new_tokens=12", "rollout.prompts_per_step=2", "rollout.group_size=3", "model.dtype=float64",
+            "model.overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 128}"]
+    runs = []
+    for extra in ([], ["rollout.prefix_cache_tokens=0"]):
+        task = get_task("calculator")
+        task.make_env = Chatty
+        trainer = Trainer(config(*base, *extra), task=task)
+        rmsnorm_in_input_precision(trainer.model)
+        hits, turns = [], []
+        generate = trainer.rollout.generate
+
+        def counting(contexts, p, generate=generate, trainer=trainer, hits=hits, turns=turns):
+            groups = generate(contexts, p)
+            hits.append(trainer.rollout.stats.prefix_cache_hit_tokens)
+            turns.append(len(contexts))
+            return groups
+
+        trainer.rollout.generate = counting
+        torch.manual_seed(0)
+        samples = trainer.generate_samples(trainer.next_problems(2), 3)
+        runs.append((samples, hits, turns, trainer.rollout.prefix_cache))
+    (cached, hits, turns, cache), (plain, plain_hits, _, no_cache) = runs
+    assert cache is not None and no_cache is None
+    assert len(turns) > 1 and hits[0] == 0 and all(h > 0 for h in hits[1:]) and not any(plain_hits)
+    assert [s.token_ids for s in cached] == [s.token_ids for s in plain]
+    for a, b in zip(cached, plain):
+        assert a.loss_mask == b.loss_mask
+        assert torch.allclose(torch.tensor(a.behaviour_logprobs), torch.tensor(b.behaviour_logprobs), rtol=1e-9, atol=1e-12)

@@ -50,6 +50,9 @@ class RolloutConfig:
     max_new_tokens: int | None = None  # None: the task's recommendation
     branch_every: int = 0  # tree rollouts: fork a partial response every N tokens (0: off)
     branch_factor: int = 2
+    # K/V of earlier prompts kept for prompts that extend them (the next turn of an episode), in
+    # tokens; None: multi-turn tasks prompts_per_step x group_size x task.max_episode_tokens, else 0
+    prefix_cache_tokens: int | None = None
 
 
 @dataclass

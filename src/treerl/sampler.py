@@ -38,7 +38,8 @@ class Sampler:
         self.cfg, self.task, self.tokenizer, self.model, self.dist = cfg, task, tokenizer, model, dist
         self.format = ChatFormat.for_tokenizer(tokenizer)
         self.multi_turn = task.max_turns > 1
-        self.rollout = RolloutEngine(copy.deepcopy(model) if dist else model, version=0)
+        self.rollout = RolloutEngine(copy.deepcopy(model) if dist else model, version=0,
+                                     prefix_cache_tokens=self._prefix_cache_tokens())
         self.max_new_tokens = cfg.rollout.max_new_tokens or task.max_new_tokens
         self.train_problems = task.train_problems(seed=cfg.train.seed)
         if not self.train_problems:
@@ -46,6 +47,16 @@ class Sampler:
         self.restore(cursor=0, epoch=0)
 
     # ------------------------------------------------------------- data order
+    def _prefix_cache_tokens(self) -> int:
+        """``rollout.prefix_cache_tokens``, or by default: room for every episode's context of
+        a step for multi-turn tasks (turn t + 1 then prefills only its new tokens), else 0."""
+        r = self.cfg.rollout
+        if r.prefix_cache_tokens is not None:
+            if r.prefix_cache_tokens < 0:
+                raise ValueError(f"rollout.prefix_cache_tokens must be >= 0, got {r.prefix_cache_tokens}")
+            return int(r.prefix_cache_tokens)
+        return r.prompts_per_step * r.group_size * self.cfg.task.max_episode_tokens if self.multi_turn else 0
+
     def restore(self, cursor: int, epoch: int) -> None:
         """Continue the data order at ``cursor`` of ``epoch`` (a fresh run: 0, 0)."""
         self.cursor, self.epoch = cursor, epoch  # cursor: position in the shuffled problems

@@ -17,7 +17,7 @@ rows recompute their KV under the new weights and each token keeps the version t
 produced it. Before generating a unit, the worker waits until its weights are at least
 the unit's ``min_version`` (the trainer's version when it launched the unit).
 
-Streaming (single-turn tasks without tree rollouts): the worker generates with continuous
+Streaming (single-turn tasks, tree rollouts included): the worker generates with continuous
 batching (:meth:`RolloutEngine.generate_stream <treerl.rollout.RolloutEngine.generate_stream>`).
 A feeder thread takes unit lists from the task queue as the trainer sends them (the
 trainer launches only what the staleness controller allows), waits for the unit's
@@ -41,7 +41,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..rollout.stream import PromptQueue
+from ..rollout.prompts import PromptQueue
 
 import numpy as np
 import torch
@@ -191,16 +191,16 @@ class RolloutWorker:
         self.engine = self.trainer.rollout
         self.engine.version = -1  # no published weights yet
         self.state = _State()
-        self.trainer.model.register_forward_hook(self._on_model_call)
+        # the input embedding runs once per forward: prefill (HF forward) and decode steps (own blocks) alike
+        self.trainer.model.get_input_embeddings().register_forward_hook(self._on_model_call)
         self.receiver = spec.weights.open(device, self.trainer.model)
         self._threads = [threading.Thread(target=self._listen, name="weights", daemon=True),
                          threading.Thread(target=self._beat, name="heartbeat", daemon=True)]
-        params = self.trainer.sampling_params(1)
-        self.streaming = (not self.trainer.multi_turn and not params.branch_schedule()
-                          and getattr(self.engine, "continuous", False))
+        self.streaming = not self.trainer.multi_turn
         cfg = self.trainer.cfg
-        # the most prompt groups ever in flight: (eta + 1) batches
-        self.max_rows = (cfg.async_.max_staleness + 1) * cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        # the most prompt groups ever in flight: (eta + 1) batches, each group its rows (tree rollouts: leaves)
+        leaves = self.trainer.sampling_params(cfg.rollout.group_size).max_leaves
+        self.max_rows = (cfg.async_.max_staleness + 1) * cfg.rollout.prompts_per_step * leaves
 
     # ------------------------------------------------------------------ threads
     def _on_model_call(self, module, args, output) -> None:

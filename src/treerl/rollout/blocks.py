@@ -13,6 +13,11 @@ against a 1.3 ms bandwidth floor). Here each layer runs as
    with its log-sum-exp (:func:`~treerl.rollout.shared.attend_with_lse`);
 3. ``post`` — the LSE merge, output projection, residual, norm, MLP, residual;
 
+(tree rollouts, eagerly between ``pre`` and ``post``: the token's K/V copied from its own
+slot into its fork segment, :meth:`~treerl.rollout.shared.SharedPrefixCache.write_forks`,
+and the fork segments attended, their key ranges joining the prompt part's,
+:func:`~treerl.rollout.shared.shared_part`; ``post`` merges all ranges as usual);
+
 with ``pre`` and ``post`` compiled (regional ``torch.compile``, dynamic shapes: one graph
 each serves every layer and every batch bucket; parameters are graph inputs), so a layer
 is ~18 kernels. The modules and weights are the model's own (HF checkpoints, in-place
@@ -27,7 +32,7 @@ import sys
 import torch
 
 from .compiled import LazyCompiled
-from .shared import SharedPrefixCache, attend_with_lse, merge_parts, split_queries
+from .shared import SharedPrefixCache, attend_with_lse, merge_parts, shared_part, split_queries
 
 OWN_DECODE_FAMILIES = ("Qwen2Model", "Qwen3Model", "LlamaModel")
 
@@ -170,10 +175,16 @@ class DecodeForward:
             store = cache.layers[i]
             q_own, q_pre = self.pre(layer, hidden, cos, sin, G, f.qkv_w[i], f.qkv_b[i], store.ok, store.ov,
                                     cache.write_index)
+            cache.write_forks(i, rows)  # tree rollouts: the token's K/V into its fork segment
             own_k, own_v = store.ok[:rows, :, :own_len], store.ov[:rows, :, :own_len]
             pk, pv = cache.prefix(i, q_pre.shape[0])
             scale = layer.self_attn.scaling
             o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend)
+            merge_g = G
+            if cache.forks:  # tree rollouts: the fork segments' key ranges join the prompt part's (own layout)
+                forks = cache.fork_levels(i, q_pre.shape[0])
+                o_pre, l_pre = shared_part(q_own, o_pre, l_pre, G, forks, scale, backend)
+                merge_g = 1
             o_own, l_own = attend_with_lse(q_own, own_k, own_v, own_mask, scale, backend)
-            hidden = self.post(layer, hidden, o_own, l_own, o_pre, l_pre, G, f.gate_up_w[i], f.gate_up_b[i])
+            hidden = self.post(layer, hidden, o_own, l_own, o_pre, l_pre, merge_g, f.gate_up_w[i], f.gate_up_b[i])
         return self.model.lm_head(base.norm(hidden)[:, -1])

@@ -1,40 +1,26 @@
 """RolloutEngine: batched sampling from a Hugging Face causal LM with a shared-prefix KV cache.
 
-Two paths:
-
-- **continuous batching** (:meth:`RolloutEngine.generate_stream`, and ``generate`` for
-  plain groups without tree branching): a running batch of fixed-shape slots; finished
-  rows free their slots and waiting prompt groups are admitted into them; each group is
-  yielded as soon as all its samples finish. See :mod:`treerl.rollout.stream`.
-- **waves** (``generate`` with branch points, i.e. tree rollouts, or with
-  ``continuous=False``), described below.
-
-One wave-path :meth:`RolloutEngine.generate` call:
-
-1. Validates the prompts and packs the groups (prompt x G samples, or tree leaves) into
-   *waves* whose KV cache fits ``max_batch_tokens`` slots (longest prompts first).
-2. Per wave, prefills every *distinct* prompt once (left-padded, additive attention mask,
-   position ids = offsets from each prompt's first real token; long batches in chunks of
-   ``prefill_chunk_tokens``), then repeats each prompt's KV rows to its samples.
-3. Decodes all unfinished samples of the wave together, one token per step, with the
-   preallocated :class:`~treerl.rollout.kv.SlotCache`. Sampled tokens and behaviour
-   logprobs stay on the device; every ``sync_every`` steps (and at branch points and the
-   end) one copy brings the new block to the host, where stop tokens and stop strings are
-   found exactly (tokens a row sampled after its stop are discarded). Finished rows are
-   dropped from the batch when keeping them would cost more than copying the cache.
-   On CUDA each decode step is a replayed CUDA graph (fixed shapes: the step attends to
-   the whole masked cache; captured again when rows are forked or dropped).
-4. At a branch point every unfinished row is copied ``factor`` times (KV included), and
-   the copies sample independently from there: tree rollouts.
+One generation path, continuous batching (:mod:`treerl.rollout.stream`):
+:meth:`RolloutEngine.generate_stream` keeps a running batch of fixed-shape group slots;
+finished groups free their slots and waiting prompt groups are admitted into them; each
+group is yielded as soon as all its samples finish. :meth:`RolloutEngine.generate` collects
+that stream for a list of prompts. Plain groups (``n`` samples), tree rollouts (forks at
+chosen completion lengths, :mod:`treerl.rollout.tree`) and the turns of multi-turn
+episodes (with ``prefix_cache_tokens``, a turn prefills only its new tokens) all go through
+it. A group's prompt is prefilled once and its K/V stored once; a fork point's tokens are
+stored once for the rows below it; decode attention reads each shared level once per step
+for all its rows and merges the levels by log-sum-exp (:mod:`treerl.rollout.shared`).
 
 Weights: :meth:`RolloutEngine.update_weights` copies new parameters in place (thread-safe;
-another thread may call it during ``generate``). A running ``generate`` notices at its next
-step, recomputes the KV of its unfinished rows under the new weights and continues; every
-token records the version of the weights whose logits it was sampled from.
+another thread may call it during generation). A running stream notices at its next step,
+recomputes the KV of its unfinished rows under the new weights and continues; every token
+records the version of the weights whose logits it was sampled from.
 
-Attention goes through :func:`~treerl.rollout.kv.rollout_attention` (SDPA); models with
+Prefill goes through :func:`~treerl.rollout.kv.rollout_attention` (SDPA) into a
+:class:`~treerl.rollout.kv.SlotCache`; decode steps through treerl's own blocks
+(:mod:`treerl.rollout.blocks`, Qwen2/Qwen3/Llama) or the model's HF forward. Models with
 sliding-window or non-attention (linear/recurrent) layers are refused. The engine sets the
-model's attention implementation for the duration of ``generate``: give it its own copy
+model's attention implementation for the duration of a generation: give it its own copy
 of the model if the trainer runs the same module object concurrently.
 """
 
@@ -42,148 +28,37 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from .blocks import DecodeForward
-from .graphs import DecodeStep
 from .kv import SlotCache, rollout_attention_enabled
 from .params import SamplingParams
 from .prefix_cache import PrefixCache, PrefixEntry
-from .sampling import sample
-from .stops import StopChecker
+from .prompts import PromptQueue
+from .stream import RunningBatch
+from .tree import TreeLayout
+from .types import Completion, Group, PromptLike, RolloutStats, round_up
 
-if TYPE_CHECKING:
-    from .stream import PromptQueue
-
-PromptLike = Sequence[int] | torch.Tensor | np.ndarray
-
-
-@dataclass
-class Completion:
-    """One sampled sequence. ``completion_ids``, ``logprobs`` and ``versions`` have one
-    entry per generated token ``[T]``; ``logprobs`` are behaviour logprobs
-    (log-softmax of the temperature-scaled logits before top-k/top-p; float64 for a
-    float64 model, float32 otherwise)."""
-
-    prompt_index: int
-    prompt_ids: torch.Tensor  # [P] int64
-    completion_ids: torch.Tensor  # [T] int64
-    logprobs: torch.Tensor  # [T]
-    versions: torch.Tensor  # [T] int64: weight version that produced each token
-    finish_reason: str  # "stop" or "length"
-    stop: int | str | None  # the stop token id or stop string that ended it, else None
-    branch: tuple[int, ...]  # sample index in the group, then child index at each fork passed
-
-    @property
-    def token_ids(self) -> torch.Tensor:
-        """``[P + T]`` prompt followed by completion."""
-        return torch.cat([self.prompt_ids, self.completion_ids])
-
-    @property
-    def min_version(self) -> int:
-        """Oldest weight version among the completion's tokens (for staleness control)."""
-        return int(self.versions.min()) if len(self.versions) else -1
-
-    def __len__(self) -> int:
-        return len(self.completion_ids)
-
-
-@dataclass
-class Group:
-    """The completions of one prompt, ordered by ``branch``."""
-
-    prompt_index: int
-    prompt_ids: torch.Tensor  # [P]
-    completions: list[Completion]
-
-    def sequences(self) -> list[torch.Tensor]:
-        """Prompt + completion of every completion (e.g. for ``PrefixTree.from_sequences``)."""
-        return [c.token_ids for c in self.completions]
-
-    def __len__(self) -> int:
-        return len(self.completions)
-
-    def __iter__(self) -> Iterator[Completion]:
-        return iter(self.completions)
-
-    def __getitem__(self, i: int) -> Completion:
-        return self.completions[i]
-
-
-@dataclass
-class RolloutStats:
-    """What the last ``generate`` call did."""
-
-    waves: int = 0  # waves (wave path) or admission rounds (continuous batching)
-    prefill_calls: int = 0
-    prefill_tokens: int = 0  # real (unpadded) tokens prefilled, recomputes included
-    decode_steps: int = 0  # batched one-token forwards
-    decode_rows: int = 0  # sum of the batch sizes of those forwards
-    live_rows: int = 0  # continuous batching: sum of the unfinished rows of those forwards
-    generated_tokens: int = 0  # tokens in the returned completions
-    recomputes: int = 0  # KV recomputations after a weight update
-    prefix_cache_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
-    reallocations: int = 0  # continuous batching: running batch rebuilt for a longer prompt
-    kv_slots: int = 0  # continuous batching: most K/V token slots held (prompt stores + row stores)
-    seconds: float = 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
-class _Row:
-    group: int  # index into the wave's groups
-    branch: tuple[int, ...]
-    done: bool = False
-
-
-@dataclass
-class _Batch:
-    """Decoding state of one wave: R rows, ``cache`` with ``capacity`` slots."""
-
-    cache: SlotCache
-    mask: torch.Tensor  # [R, capacity] additive attention mask
-    pos: torch.Tensor  # [R] position id of the next token fed
-    tokens: torch.Tensor  # [R, max_new] sampled tokens (device)
-    logp: torch.Tensor  # [R, max_new] behaviour logprobs (device)
-    host_tokens: np.ndarray  # [R, max_new] the synced part
-    host_logp: np.ndarray
-    rows: list[_Row]
-    cache_version: int
-    checked: int = 0  # tokens [0, checked) of every row are synced and checked
-    versions: list[int] = field(default_factory=list)  # version of the token at each step
-    graph: "_StaticStep | None" = None  # the static decode step of the current rows/cache
-
-    @property
-    def active(self) -> list[int]:
-        return [i for i, r in enumerate(self.rows) if not r.done]
+__all__ = ["RolloutEngine", "Completion", "Group", "RolloutStats", "PromptLike"]
 
 
 class RolloutEngine:
     """Generates groups of completions from ``model`` (any HF causal LM of full-attention
     layers, on CPU or GPU), embedded in the trainer's process.
 
-    ``max_batch_tokens`` bounds the KV-cache slots of one wave (rows x (longest prompt +
-    max_new_tokens)) or of the continuous-batching running batch (group slots x (prompt
-    + n x max_new_tokens): prompts are stored once); a single group larger than it runs alone. ``prefill_chunk_tokens``
-    bounds the (padded) tokens of one prefill forward. ``sync_every``: decode steps between
-    host syncs (stop checks); stops are exact whatever its value.
+    ``max_batch_tokens`` bounds the KV-cache slots of the running batch (group slots x
+    (prompt + fork segments + rows x max_new_tokens): prompts and fork points are stored
+    once); a single group larger than it runs alone. ``prefill_chunk_tokens`` bounds the
+    (padded) tokens of one prefill forward. ``sync_every``: decode steps between host syncs
+    (stop checks); stops are exact whatever its value.
 
     ``cuda_graphs`` (default: on for CUDA devices) replays each decode step as a CUDA graph,
-    captured once per batch shape (again after rows are forked or dropped). It needs
-    ``static_kv`` (default: same as ``cuda_graphs``): decode steps attend to the whole
-    preallocated cache under the mask, with the write slot in a device tensor, so every
-    step has the same shapes.
-
-    ``continuous`` (default True): ``generate`` of plain groups (no branch points) runs on
-    the continuous-batching path (:meth:`generate_stream`); False: waves, as tree
-    rollouts always do.
+    captured once per (group slots, own slots) bucket. It needs ``static_kv`` (default: same
+    as ``cuda_graphs``): decode steps cover bucketed row and slot counts (fixed shapes, write
+    slots in device tensors); without it, steps cover exactly the live span.
 
     ``compile_decode`` (default: on for CUDA devices): the streaming decode step of the
     families treerl runs itself (Qwen2, Qwen3, Llama) goes block by block through the model's
@@ -193,7 +68,7 @@ class RolloutEngine:
     captured in the step's CUDA graph. Falls back to eager (with a warning) if compilation
     fails. In float64 the fused kernels differ from eager by ~1e-8 (float32: within 1e-5).
 
-    ``prefix_cache_tokens`` (default 0: off): the streaming path keeps the K/V of prompts it
+    ``prefix_cache_tokens`` (default 0: off): the engine keeps the K/V of prompts it
     prefilled, up to this many tokens (LRU, :mod:`~treerl.rollout.prefix_cache`); a prompt
     that extends a kept one (the next turn of a conversation) prefills only its new tokens.
 
@@ -213,7 +88,6 @@ class RolloutEngine:
         sync_every: int = 8,
         cuda_graphs: bool | None = None,
         static_kv: bool | None = None,
-        continuous: bool = True,
         keep_stream_buffers: bool = False,
         compile_decode: bool | None = None,
         prefix_cache_tokens: int = 0,
@@ -245,7 +119,6 @@ class RolloutEngine:
         self.static_kv = self.cuda_graphs if static_kv is None else bool(static_kv)
         if self.cuda_graphs and not self.static_kv:
             raise ValueError("cuda_graphs needs static_kv")
-        self.continuous = bool(continuous)
         self.keep_stream_buffers = bool(keep_stream_buffers)
         self.compile_decode = self.device.type == "cuda" if compile_decode is None else bool(compile_decode)
         self.decode_forward = DecodeForward(model, self.compile_decode) if DecodeForward.applies(model) else None
@@ -304,35 +177,17 @@ class RolloutEngine:
 
         ``prompts``: token-id sequences (no special tokens are added; stop tokens such as
         EOS must be named in ``params.stop_token_ids``). Returns one :class:`Group` per
-        prompt, in order.
+        prompt, in order: :meth:`generate_stream` over the list, collected.
         """
         params = SamplingParams() if params is None else params
         params.validate(self.vocab_size)
         prompts = self._check_prompts(prompts, params)
-        schedule = params.branch_schedule()
-        if self.continuous and not schedule:
-            return self._generate_continuous(prompts, params)
-        stopper = StopChecker(params.stop_token_ids, params.stop_strings, params.decoder())
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.stats = RolloutStats()
-        start = time.perf_counter()
-        results: list[list[Completion]] = [[] for _ in prompts]
-        prompt_tensors = [torch.tensor(p, dtype=torch.int64) for p in prompts]
-        with torch.no_grad(), rollout_attention_enabled(self.model):
-            for wave in self._waves(prompts, params):
-                self.stats.waves += 1
-                for group, completion in self._run_wave(wave, prompts, prompt_tensors, params, schedule, stopper, generator):
-                    results[group].append(completion)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.stats.seconds = time.perf_counter() - start
-        groups = []
-        for i, completions in enumerate(results):
-            completions.sort(key=lambda c: c.branch)
-            self.stats.generated_tokens += sum(len(c) for c in completions)
-            groups.append(Group(i, prompt_tensors[i], completions))
-        return groups
+        groups: dict[int, Group] = {}
+        for g in self.generate_stream(prompts, params):
+            groups[g.prompt_index] = g
+        if sorted(groups) != list(range(len(prompts))):  # pragma: no cover - a bug, never an input error
+            raise RuntimeError(f"generate_stream returned groups {sorted(groups)} for {len(prompts)} prompts")
+        return [groups[i] for i in range(len(prompts))]
 
     def _check_prompts(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[int]]:
         if isinstance(prompts, torch.Tensor) and prompts.ndim == 1 or (
@@ -367,32 +222,30 @@ class RolloutEngine:
         max_rows: int | None = None,
     ) -> Iterator[Group]:
         """Continuous batching: yield each prompt's :class:`Group` as soon as all of its
-        ``params.n`` samples have finished, admitting waiting prompts into the slots that
-        finished rows free (see :mod:`treerl.rollout.stream`).
+        samples (``params.n``, or the leaves of its tree rollout) have finished, admitting
+        waiting prompts into the slots that finished groups free (see :mod:`treerl.rollout.stream`).
 
-        ``prompts``: a :class:`~treerl.rollout.stream.PromptQueue` (other threads may add
+        ``prompts``: a :class:`~treerl.rollout.prompts.PromptQueue` (other threads may add
         prompts while the stream runs; a group's ``prompt_index`` is its key) or a finite
         iterable of token-id sequences (keys 0, 1, ...). The running batch has group
-        slots of ``n`` rows; each group's prompt K/V is stored once and each row stores
-        only its own tokens, so a group slot costs ``P + n x max_new_tokens`` K/V slots
-        (``P``: the longest prompt waiting at the start, rounded up to 16). Group slots: as
-        many as ``max_batch_tokens`` allows, at most ``max_rows // n``, no more than a
+        slots of ``G = params.max_leaves`` rows (``n``, or a tree rollout's leaves); each
+        group's prompt K/V is stored once, each fork point's once, and each row stores only
+        its own tokens, so a group slot costs ``P + fork segments + G x max_new_tokens``
+        K/V slots (:meth:`TreeLayout.tokens_per_group <treerl.rollout.tree.TreeLayout.tokens_per_group>`;
+        ``P``: the longest prompt waiting at the start, rounded up to 16). Group slots: as
+        many as ``max_batch_tokens`` allows, at most ``max_rows // G``, no more than a
         finite input needs, at least one. A longer prompt arriving later grows the prompt
-        store while ``max_batch_tokens`` allows, else waits until the batch drains. Branch points (tree rollouts) are not supported here:
-        use :meth:`generate`. ``self.stats`` describes the stream so far.
+        store while ``max_batch_tokens`` allows, else waits until the batch drains.
+        ``self.stats`` describes the stream so far.
         """
-        from .stream import PromptQueue, RunningBatch
-
         params = SamplingParams() if params is None else params
         params.validate(self.vocab_size)
-        if params.branch_schedule():
-            raise ValueError("generate_stream does not do tree rollouts (branch points): use generate")
         queue = prompts if isinstance(prompts, PromptQueue) else PromptQueue(prompts, close=True)
         waiting = [len(self._check_prompt(k, p, params)) for k, p in queue.items()]
-        G, max_new = params.n, params.max_new_tokens
-        prefix_capacity = _round_up(max(waiting, default=1))
-        own_capacity = _round_up(max_new)
-        groups = max(1, self.max_batch_tokens // (prefix_capacity + G * own_capacity))
+        tree = TreeLayout.of(params)
+        G = tree.rows
+        prefix_capacity = round_up(max(waiting, default=1))
+        groups = max(1, self.max_batch_tokens // tree.tokens_per_group(prefix_capacity))
         if max_rows is not None:
             groups = min(groups, max(1, max_rows // G))
         if queue.closed:
@@ -404,8 +257,7 @@ class RolloutEngine:
         if self.decode_forward is not None:  # the model may have changed in place since the last stream
             with self._device_lock, torch.no_grad():
                 self.decode_forward.refresh(force=True)
-        batch = RunningBatch(self, queue, params, generator, groups, prefix_capacity, own_capacity,
-                             self.max_batch_tokens)
+        batch = RunningBatch(self, queue, params, generator, groups, prefix_capacity, self.max_batch_tokens)
         with rollout_attention_enabled(self.model):
             for group in batch.run():
                 self.stats.seconds = time.perf_counter() - start
@@ -416,35 +268,12 @@ class RolloutEngine:
             torch.cuda.synchronize(self.device)
         self.stats.seconds = time.perf_counter() - start
 
-    def _generate_continuous(self, prompts: list[list[int]], params: SamplingParams) -> list[Group]:
-        groups: dict[int, Group] = {}
-        for g in self.generate_stream(prompts, params):
-            groups[g.prompt_index] = g
-        if sorted(groups) != list(range(len(prompts))):  # pragma: no cover - a bug, never an input error
-            raise RuntimeError(f"generate_stream returned groups {sorted(groups)} for {len(prompts)} prompts")
-        return [groups[i] for i in range(len(prompts))]
-
-    def _waves(self, prompts: list[list[int]], params: SamplingParams) -> Iterator[list[int]]:
-        """Groups (prompt indices) per wave, longest prompts first, each wave's KV slots
-        (rows x (longest prompt + max_new_tokens)) within ``max_batch_tokens``."""
-        rows = params.max_leaves
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        wave: list[int] = []
-        for i in order:
-            width = (len(prompts[wave[0]]) if wave else len(prompts[i])) + params.max_new_tokens
-            if wave and (len(wave) + 1) * rows * width > self.max_batch_tokens:
-                yield wave
-                wave = []
-            wave.append(i)
-        if wave:
-            yield wave
-
     # ------------------------------------------------------------------ model calls
-    def _prefill(self, seqs: list[list[int]], capacity: int) -> tuple[SlotCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded prefill of ``seqs`` into a new cache of ``capacity`` slots.
+    def _prefill(self, seqs: list[list[int]]) -> tuple[SlotCache, torch.Tensor, torch.Tensor]:
+        """Left-padded prefill of ``seqs`` into a new cache of ``L`` (the longest) slots.
 
-        Returns ``cache``, the additive mask ``[B, capacity]``, next position ids ``[B]``
-        and the logits after each sequence's last token ``[B, V]``."""
+        Returns ``cache`` (sequence ``i`` in slots ``[L - len_i, L)``), lengths ``[B]`` and
+        the logits after each sequence's last token ``[B, V]``."""
         dev = self.device
         dtype = next(self.model.parameters()).dtype
         neg = torch.finfo(dtype).min
@@ -459,9 +288,7 @@ class RolloutEngine:
         pad = (L - lens)[:, None]  # [B, 1]
         real = slot[None, :] >= pad  # [B, L]
         position = (slot[None, :] - pad).clamp(min=0)
-        mask = torch.full((B, capacity), neg, dtype=dtype, device=dev)
-        mask[:, :L] = torch.where(real, zero, ninf)
-        cache = SlotCache(self.num_layers, capacity)
+        cache = SlotCache(self.num_layers, L)
         chunk = max(1, self.prefill_chunk_tokens // B)
         logits = None
         for c0 in range(0, L, chunk):
@@ -481,7 +308,7 @@ class RolloutEngine:
             logits = out.logits[:, -1]
             self.stats.prefill_calls += 1
         self.stats.prefill_tokens += int(lens.sum())
-        return cache, mask, lens.clone(), logits.to(self.logit_dtype)
+        return cache, lens, logits.to(self.logit_dtype)
 
     def _extend(self, seq: list[int], entry: PrefixEntry) -> tuple[SlotCache, torch.Tensor, torch.Tensor]:
         """Prefill ``seq`` whose first ``len(entry)`` tokens are ``entry``'s (their K/V and
@@ -515,158 +342,11 @@ class RolloutEngine:
         self.stats.prefix_cache_hit_tokens += m
         return cache, torch.tensor([len(seq)], device=dev), logits
 
-    def _decode(self, b: _Batch, step: int) -> torch.Tensor:
-        """Feed every row's token ``step - 1``; returns the next logits ``[R, V]``."""
-        n = b.cache.length
-        b.mask[:, n] = 0
-        if not self.static_kv:
-            logits = self.model(
-                input_ids=b.tokens[:, step - 1 : step],
-                position_ids=b.pos[:, None],
-                attention_mask=b.mask[:, None, None, : n + 1],
-                past_key_values=b.cache,
-                use_cache=True,
-            ).logits
-        else:
-            if b.graph is None:
-                b.graph = _StaticStep(self, b)
-            logits = b.graph.run(b, step, n)
-            b.cache.advance(1)
-        b.pos += 1
-        self.stats.decode_steps += 1
-        self.stats.decode_rows += len(b.rows)
-        return logits[:, -1].to(self.logit_dtype)
-
-    # ------------------------------------------------------------------ one wave
-    def _run_wave(self, wave, prompts, prompt_tensors, params, schedule, stopper, generator):
-        """Generate every group of ``wave``; yields ``(prompt index, Completion)``."""
-        max_new = params.max_new_tokens
-        distinct: dict[tuple[int, ...], int] = {}
-        for g in wave:
-            distinct.setdefault(tuple(prompts[g]), len(distinct))
-        seqs = [list(k) for k in distinct]
-        capacity = _round_up(max(len(s) for s in seqs) + max_new - 1)
-        with self._lock:
-            version = self.version
-            cache, mask, pos, logits = self._prefill(seqs, capacity)
-            src = torch.tensor(
-                [distinct[tuple(prompts[g])] for g in wave for _ in range(params.n)],
-                device=self.device,
-            )
-            cache.select(src)
-            R = len(src)
-            b = _Batch(
-                cache=cache, mask=mask[src], pos=pos[src],
-                tokens=torch.zeros(R, max_new, dtype=torch.int64, device=self.device),
-                logp=torch.zeros(R, max_new, dtype=self.logit_dtype, device=self.device),
-                host_tokens=np.zeros((R, max_new), dtype=np.int64),
-                host_logp=np.zeros((R, max_new), dtype=np.float64),
-                rows=[_Row(gi, (j,)) for gi in range(len(wave)) for j in range(params.n)],
-                cache_version=version,
-            )
-            logits = logits[src]
-
-        finished: list[tuple[int, Completion]] = []
-
-        def finish(r: int, length: int, reason: str, stop) -> None:
-            row = b.rows[r]
-            row.done = True
-            g = wave[row.group]
-            finished.append((g, Completion(
-                prompt_index=g,
-                prompt_ids=prompt_tensors[g],
-                completion_ids=torch.from_numpy(b.host_tokens[r, :length].copy()),
-                logprobs=torch.from_numpy(b.host_logp[r, :length].copy()).to(self.logit_dtype),
-                versions=torch.tensor(b.versions[:length], dtype=torch.int64),
-                finish_reason=reason,
-                stop=stop,
-                branch=row.branch,
-            )))
-
-        def sync(step: int) -> None:
-            """Bring tokens [checked, step) to the host; finish rows that stopped."""
-            if step > b.checked:
-                b.host_tokens[:, b.checked : step] = b.tokens[:, b.checked : step].cpu().numpy()
-                b.host_logp[:, b.checked : step] = b.logp[:, b.checked : step].double().cpu().numpy()
-            for r in b.active:
-                found = stopper.find(b.host_tokens[r, :step], b.checked)
-                if found is not None:
-                    finish(r, found[0], "stop", found[1])
-                elif step == max_new:
-                    finish(r, step, "length", None)
-            b.checked = step
-
-        step = 0
-        while True:
-            self._yield_to_updates()
-            with self._lock:
-                if step > 0:
-                    if self.version != b.cache_version:
-                        sync(step)
-                        self._select(b, b.active)
-                        if not b.rows:
-                            break
-                        self._recompute(b, step, prompts, wave, max_new)
-                    version = self.version
-                    logits = self._decode(b, step)
-                tokens, logp = sample(logits, params, generator)
-                b.tokens[:, step] = tokens
-                b.logp[:, step] = logp
-                b.versions.append(version)
-            step += 1
-            if step == max_new or step in schedule or step - b.checked >= self.sync_every:
-                sync(step)
-                if step == max_new:
-                    break
-                active = b.active
-                if not active:
-                    break
-                if step in schedule:
-                    f = schedule[step]
-                    index = [r for r in active for _ in range(f)]
-                    new_rows = [_Row(b.rows[r].group, b.rows[r].branch + (c,)) for r in active for c in range(f)]
-                    self._select(b, index)
-                    b.rows = new_rows
-                elif len(active) < len(b.rows) and self._worth_compacting(b, len(active), max_new - step):
-                    self._select(b, active)
-            yield from finished
-            finished.clear()
-        yield from finished
-
     def _yield_to_updates(self, timeout: float = 60.0) -> None:
         """Let a weight update waiting in another thread take the lock before the next step."""
         deadline = time.monotonic() + timeout
         while self._pending_updates and time.monotonic() < deadline:
             time.sleep(1e-4)
-
-    def _worth_compacting(self, b: _Batch, active: int, steps_left: int) -> bool:
-        """Drop finished rows when computing them for the steps left would cost more
-        than copying the cache (~2 decode steps of the whole batch; ~8 with a CUDA graph
-        to capture again)."""
-        price = 8 if self.cuda_graphs else 2
-        return (len(b.rows) - active) * steps_left >= price * len(b.rows)
-
-    def _select(self, b: _Batch, index: list[int]) -> None:
-        """Keep (or repeat) rows ``index`` of the batch."""
-        if index == list(range(len(b.rows))):
-            return
-        rows = [_Row(b.rows[i].group, b.rows[i].branch, b.rows[i].done) for i in index]
-        idx = torch.tensor(index, dtype=torch.int64, device=self.device)
-        b.cache.select(idx)
-        b.mask, b.pos, b.tokens, b.logp = b.mask[idx], b.pos[idx], b.tokens[idx], b.logp[idx]
-        b.host_tokens, b.host_logp = b.host_tokens[index], b.host_logp[index]
-        b.rows = rows
-        b.graph = None
-
-    def _recompute(self, b: _Batch, step: int, prompts, wave, max_new: int) -> None:
-        """After a weight update: rebuild the KV of every row (prompt + tokens fed so far,
-        i.e. ``[0, step - 1)``) under the new weights."""
-        seqs = [prompts[wave[row.group]] + b.host_tokens[r, : step - 1].tolist() for r, row in enumerate(b.rows)]
-        capacity = _round_up(max(len(s) for s in seqs) + max_new - step)
-        b.cache, b.mask, b.pos, _ = self._prefill(seqs, capacity)
-        b.graph = None
-        b.cache_version = self.version
-        self.stats.recomputes += 1
 
 
 class _PriorityLock:
@@ -688,40 +368,3 @@ class _PriorityLock:
         e._lock.release()
         with e._pending_lock:
             e._pending_updates -= 1
-
-
-def _round_up(n: int, multiple: int = 16) -> int:
-    """Cache capacities are multiples of 16 (aligned rows for SDPA's masked kernels)."""
-    return -(-n // multiple) * multiple
-
-
-class _StaticStep:
-    """One-token decode step with fixed shapes for the current rows and cache: static
-    inputs, the write slot in a device tensor; on CUDA (``engine.cuda_graphs``) captured
-    as a graph at its first use and replayed after that."""
-
-    def __init__(self, engine: RolloutEngine, b: _Batch):
-        R, dev = len(b.rows), engine.device
-        self.model = engine.model
-        self.ids = torch.zeros(R, 1, dtype=torch.int64, device=dev)
-        self.pos = torch.zeros(R, 1, dtype=torch.int64, device=dev)
-        self.index = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.mask = b.mask[:, None, None, :]
-        self.cache = b.cache
-        self.step = DecodeStep(engine, self._forward)
-
-    def _forward(self) -> torch.Tensor:
-        self.cache.static_index = self.index
-        try:
-            return self.model(
-                input_ids=self.ids, position_ids=self.pos, attention_mask=self.mask,
-                past_key_values=self.cache, use_cache=True, rollout_static=True,
-            ).logits
-        finally:
-            self.cache.static_index = None
-
-    def run(self, b: _Batch, step: int, n: int) -> torch.Tensor:
-        self.ids.copy_(b.tokens[:, step - 1 : step])
-        self.pos.copy_(b.pos[:, None])
-        self.index.fill_(n)
-        return self.step()

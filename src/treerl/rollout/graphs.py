@@ -1,5 +1,5 @@
 """One decode step with static inputs, run eagerly or as a CUDA graph captured at its
-first use; shared by the wave and the streaming decoders."""
+first use (the running batch's :class:`~treerl.rollout.step.BatchStep`)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,21 @@
-"""The rollout engine's KV cache and attention.
+"""The rollout engine's prefill cache and attention.
 
 ``SlotCache`` is a ``transformers`` ``Cache`` with preallocated per-layer buffers
-``[rows, kv_heads, capacity, head_dim]``: a forward writes its new keys/values at slots
-``[length, length + q)`` in place (no concatenation per step) and attends to the slice
-``[:length + q]``; or, in *static* mode (fixed shapes, for CUDA graphs), writes one token
-at a slot given by a device tensor and attends to the whole masked buffer. All rows share
-the slot index; rows of different prompt lengths are left-padded and the padding is
-hidden by the engine's additive attention mask.
-Rows are selected/repeated with :meth:`SlotCache.select` (sharing a prefilled prompt
-with its samples, forking tree branches, dropping finished rows).
+``[rows, kv_heads, capacity, head_dim]``: a prefill forward writes its new keys/values at
+slots ``[length, length + q)`` in place (no concatenation per chunk) and attends to the
+slice ``[:length + q]``. Rows of different prompt lengths are left-padded and the padding
+is hidden by the engine's additive attention mask. The running batch copies what it keeps
+from it into its :class:`~treerl.rollout.shared.SharedPrefixCache`.
 
-The continuous-batching (streaming) path stores each group's prompt once and each row's
-own tokens apart (:class:`~treerl.rollout.shared.SharedPrefixCache`); its decode steps
-pass ``rollout_prefix=<that cache>`` through the model's kwargs, and
-:func:`rollout_attention` then runs :func:`~treerl.rollout.shared.two_level_attention`.
+Decode steps of models decoded through their HF forward pass ``rollout_prefix=<that
+cache>`` through the model's kwargs, and :func:`rollout_attention` then runs
+:func:`~treerl.rollout.shared.tree_attention` (the prompt, the fork segments and the rows'
+own tokens, merged by log-sum-exp).
 
 The engine always passes a ready 4-D additive mask ``[rows, 1, q, length + q]``, so the
 model's own mask building is skipped, and routes attention through
 :func:`rollout_attention` (registered as ``"treerl_rollout"``): SDPA, where a one-token
-decode step folds the query heads of each KV head into the query-length axis
+query folds the query heads of each KV head into the query-length axis
 (``[B, Hkv, groups, D]``), so grouped-query attention never materialises repeated K/V.
 """
 
@@ -33,16 +30,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .shared import two_level_attention
+from .shared import tree_attention
 
 ATTN_NAME = "treerl_rollout"
 
 # SDPA kernels the rollout may use. cuDNN attention is left out: it builds a plan per new
 # shape (~1 ms of CPU per call), and eager decoding changes the key length every step.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# Fixed-shape (static) steps also allow cuDNN attention, first: its plan is built once
-# per shape, and in a CUDA graph it is the fastest here (H200, decode of 64 x 1-2k tokens).
-SDPA_BACKENDS_STATIC = [SDPBackend.CUDNN_ATTENTION] + SDPA_BACKENDS
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -75,14 +69,6 @@ class _SlotLayer(CacheLayerMixin):
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def update_static(self, key_states: torch.Tensor, value_states: torch.Tensor, index: torch.Tensor):
-        """Write one token per row at slot ``index`` (a device tensor ``[1]``) and return the
-        whole buffers: fixed shapes and no host values, so the step can be graph-captured.
-        ``length`` is advanced by the caller."""
-        self.keys.index_copy_(2, index, key_states)
-        self.values.index_copy_(2, index, value_states)
-        return self.keys, self.values
-
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         return self.length + query_length, 0
 
@@ -92,16 +78,6 @@ class _SlotLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.capacity
 
-    def select(self, index: torch.Tensor, capacity: int) -> None:
-        if not self.is_initialized:
-            self.capacity = capacity
-            return
-        keys = self.keys.new_zeros(len(index), self.keys.shape[1], capacity, self.keys.shape[3])
-        values = self.values.new_zeros(len(index), self.values.shape[1], capacity, self.values.shape[3])
-        keys[:, :, : self.length] = self.keys[index, :, : self.length]
-        values[:, :, : self.length] = self.values[index, :, : self.length]
-        self.keys, self.values, self.capacity = keys, values, capacity
-
 
 class SlotCache(Cache):
     """Preallocated KV cache of ``num_layers`` layers, ``capacity`` slots per row."""
@@ -109,8 +85,6 @@ class SlotCache(Cache):
     def __init__(self, num_layers: int, capacity: int):
         super().__init__(layers=[_SlotLayer(capacity) for _ in range(num_layers)])
         self.capacity = capacity
-        # set (a device tensor [1]) for one-token steps over the whole buffer: see _SlotLayer.update_static
-        self.static_index: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -124,25 +98,7 @@ class SlotCache(Cache):
         return self.layers[layer_idx].get_mask_sizes(query_length)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if self.static_index is not None:
-            return self.layers[layer_idx].update_static(key_states, value_states, self.static_index)
         return self.layers[layer_idx].update(key_states, value_states)
-
-    def advance(self, n: int = 1) -> None:
-        """Count ``n`` slots written by static updates."""
-        for layer in self.layers:
-            layer.length += n
-
-    def select(self, index: torch.Tensor, capacity: int | None = None) -> "SlotCache":
-        """Keep rows ``index`` (repeats allowed: a row may be copied to several) with
-        ``capacity`` slots (default: unchanged). Copies only the filled slots."""
-        capacity = self.capacity if capacity is None else capacity
-        if capacity < self.length:
-            raise ValueError(f"capacity {capacity} below the {self.length} filled slots")
-        for layer in self.layers:
-            layer.select(index, capacity)
-        self.capacity = capacity
-        return self
 
 
 def rollout_attention(
@@ -156,20 +112,22 @@ def rollout_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """SDPA with the engine's additive mask. ``query [B, Hq, q, D]``, ``key/value
-    [B, Hkv, L, D]``, mask ``[B, 1, q, L]``; returns ``[B, q, Hq, D]``. The engine's
-    fixed-shape steps pass ``rollout_static=True`` (through the model's kwargs)."""
+    [B, Hkv, L, D]``, mask ``[B, 1, q, L]``; returns ``[B, q, Hq, D]``. Decode steps pass
+    ``rollout_prefix=<SharedPrefixCache>`` (through the model's kwargs): then ``key/value``
+    are the rows' own slots and the prompt and fork levels come from that cache."""
     if attention_mask is None:
         raise RuntimeError("treerl rollout attention called without the engine's attention mask")
     shared = kwargs.get("rollout_prefix")
     if shared is not None:
-        pk, pv = shared.prefix(module.layer_idx, query.shape[0] // shared.G)
-        return two_level_attention(query, key, value, attention_mask, pk, pv, shared.prefix_mask,
-                                   scaling if scaling is not None else query.shape[-1] ** -0.5, shared.G,
-                                   shared.backend(key.shape[2], pk.shape[2])), None
+        groups = query.shape[0] // shared.G
+        pk, pv = shared.prefix(module.layer_idx, groups)
+        return tree_attention(query, key, value, attention_mask, pk, pv, shared.prefix_mask,
+                              shared.fork_levels(module.layer_idx, groups),
+                              scaling if scaling is not None else query.shape[-1] ** -0.5, shared.G,
+                              shared.backend(key.shape[2], pk.shape[2])), None
     b, hq, q, d = query.shape
     hkv = key.shape[1]
-    static = kwargs.get("rollout_static", False)
-    with sdpa_kernel(SDPA_BACKENDS_STATIC if static else SDPA_BACKENDS, set_priority=static):
+    with sdpa_kernel(SDPA_BACKENDS):
         if q == 1 and hq != hkv:
             groups = hq // hkv
             out = F.scaled_dot_product_attention(

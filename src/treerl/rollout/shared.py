@@ -6,20 +6,26 @@ rows ``[g*G, (g+1)*G)`` are the samples of the prompt held by group slot ``g``. 
 - the **prefix store** ``[NG, Hkv, Pcap, D]`` holds each group's prompt K/V once (slots
   ``[0, P_g)``; post-RoPE, position ids ``0..P_g-1``);
 - the **row store** ``[S, Hkv, N, D]`` holds only the tokens each row generated: own slot
-  ``j`` is the token at position ``P_g + j``.
+  ``j`` is the token at position ``P_g + j`` (tree rollouts: ``P_g + t_m + j``);
+- tree rollouts (:mod:`~treerl.rollout.tree`) add one **fork-segment store** per fork
+  level ``k < m``, ``[NG x c_k, Hkv, cap_k, D]``: the tokens ``[t_k, t_{k+1})`` of each
+  node, stored once and read by the ``r_k`` consecutive rows below it.
 
 A one-token decode step of rows ``[:hg*G]`` (``hg`` group slots) writes each row's new K/V
 at its own slot ``write_index[r]`` and attends in two parts merged by their log-sum-exp
 (:func:`two_level_attention`): the ``G x (Hq/Hkv)`` queries of a group that share a KV head
 against the group's prefix, in one pass (so the prefix is read once per step, not once per
-row), and each row's queries against its own slots ``[:own_len]``. Masks are additive
-device tensors (``0`` visible, dtype minimum hidden), so shapes are fixed per
+row), and each row's queries against its own slots ``[:own_len]``; with fork levels, the
+queries of each node's ``r_k`` rows against its segment (:func:`shared_part`), all parts'
+key ranges merged by their LSEs (:func:`merge_parts`: exact, whatever their number). Masks
+are additive device tensors (``0`` visible, dtype minimum hidden), so shapes are fixed per
 ``(hg, own_len)`` bucket and the step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -28,13 +34,16 @@ from .decode_attention import split_attention, split_attention_ok
 
 
 class _TwoLevelLayer(CacheLayerMixin):
-    """One layer: prefix keys/values ``[NG, Hkv, Pcap, D]``, own keys/values ``[S, Hkv, N, D]``."""
+    """One layer: prefix keys/values ``[NG, Hkv, Pcap, D]``, own keys/values ``[S, Hkv, N, D]``,
+    fork-segment keys/values ``fk[k]/fv[k]`` ``[NG x c_k, Hkv, cap_k, D]`` (tree rollouts)."""
 
     is_sliding = False
 
-    def __init__(self, pk: torch.Tensor, pv: torch.Tensor, ok: torch.Tensor, ov: torch.Tensor):
+    def __init__(self, pk: torch.Tensor, pv: torch.Tensor, ok: torch.Tensor, ov: torch.Tensor,
+                 fk: list[torch.Tensor] | None = None, fv: list[torch.Tensor] | None = None):
         super().__init__()
         self.pk, self.pv, self.ok, self.ov = pk, pv, ok, ov
+        self.fk, self.fv = fk or [], fv or []
         self.dtype, self.device = ok.dtype, ok.device
         self.is_initialized = True
 
@@ -59,21 +68,33 @@ class SharedPrefixCache(Cache):
 
     Set for one decode step (views of the batch's persistent device tensors):
     ``write_index [s]`` (own slot of each row's new token), ``own_len`` (own slots
-    attended), ``prefix_mask [hg, 1, 1, Pa]`` (additive; ``Pa`` prefix slots attended)."""
+    attended), ``prefix_mask [hg, 1, 1, Pa]`` (additive; ``Pa`` prefix slots attended);
+    with fork levels, ``fork_index``: per level ``(node [s], slot [s])`` where each row
+    writes its new token (its node's trash slot unless it is the node's writer), and
+    ``fork_masks``: per level ``[hg x c_k, 1, 1, cap_k]``.
+
+    ``forks``: per fork level ``(c_k, cap_k, r_k)``: nodes per group slot, slots per node,
+    rows per node (empty: plain groups, two levels)."""
 
     def __init__(self, num_layers: int, groups: int, G: int, prefix_capacity: int, own_capacity: int,
-                 kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device):
+                 kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device,
+                 forks: Sequence[tuple[int, int, int]] = ()):
         S = groups * G
 
         def z(n, c, d):
             return torch.zeros(n, kv_heads, c, d, dtype=dtype, device=device)
 
         layers = [_TwoLevelLayer(z(groups, prefix_capacity, head_dim), z(groups, prefix_capacity, value_dim),
-                                 z(S, own_capacity, head_dim), z(S, own_capacity, value_dim))
+                                 z(S, own_capacity, head_dim), z(S, own_capacity, value_dim),
+                                 [z(groups * c, cap, head_dim) for c, cap, _ in forks],
+                                 [z(groups * c, cap, value_dim) for c, cap, _ in forks])
                   for _ in range(num_layers)]
         super().__init__(layers=layers)
         self.groups, self.G, self.rows = groups, G, S
         self.prefix_capacity, self.own_capacity = prefix_capacity, own_capacity
+        self.forks = tuple(forks)
+        self.fork_index: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.fork_masks: list[torch.Tensor] = []
         # the CUDA kernels with LSE that run here (probed now: never inside a capture or a compile)
         self.split = device.type == "cuda" and split_attention_ok(str(device), dtype, head_dim, value_dim)
         self.efficient = device.type == "cuda" and _efficient_ok(str(device), dtype, head_dim, value_dim)
@@ -103,7 +124,21 @@ class SharedPrefixCache(Cache):
         index = self.write_index.view(s, 1, 1, 1)
         layer.ok[:s].scatter_(2, index.expand(s, h, 1, d), key_states)
         layer.ov[:s].scatter_(2, index.expand(s, h, 1, value_states.shape[-1]), value_states)
+        self.write_forks(layer_idx, s)
         return layer.ok[:s, :, : self.own_len], layer.ov[:s, :, : self.own_len]
+
+    def write_forks(self, layer_idx: int, s: int) -> None:
+        """Tree rollouts: copy the token just written at each row's own slot ``write_index``
+        (rows ``[:s]``) into each fork level at ``fork_index`` (a node's segment slot for its
+        writer, the node's trash slot for every other row). No-op without fork levels."""
+        if not self.forks:
+            return
+        layer = self.layers[layer_idx]
+        rows = torch.arange(s, device=self.write_index.device)
+        k, v = layer.ok[rows, :, self.write_index], layer.ov[rows, :, self.write_index]  # [s, Hkv, D]
+        for fk, fv, (node, slot) in zip(layer.fk, layer.fv, self.fork_index):
+            fk[node, :, slot] = k
+            fv[node, :, slot] = v
 
     def backend(self, own_len: int, prefix_len: int) -> str:
         """This step's attention kernel (see :func:`attend_with_lse`): ``"split"`` (treerl's
@@ -121,34 +156,47 @@ class SharedPrefixCache(Cache):
         pa = self.prefix_mask.shape[-1]
         return layer.pk[:groups, :, :pa], layer.pv[:groups, :, :pa]
 
+    def fork_levels(self, layer_idx: int, groups: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+        """Fork segments of group slots ``[:groups]``: per level ``(keys, values, mask, r_k)``."""
+        layer = self.layers[layer_idx]
+        return [(fk[: groups * c], fv[: groups * c], mask, r)
+                for fk, fv, mask, (c, _, r) in zip(layer.fk, layer.fv, self.fork_masks, self.forks)]
+
     # ------------------------------------------------------------ loading / moving
-    def load(self, src_cache, groups: torch.Tensor, group_src: torch.Tensor, group_pad: torch.Tensor,
-             prompt_len: int, rows: torch.Tensor, row_src: torch.Tensor, row_start: torch.Tensor, own_len: int) -> None:
-        """Copy from a left-padded prefill ``src_cache`` (a ``SlotCache`` of ``L`` filled slots):
-        group slot ``groups[i]`` gets ``prompt_len`` slots of row ``group_src[i]`` from slot
-        ``group_pad[i]`` on; row ``rows[j]`` gets ``own_len`` slots of row ``row_src[j]`` from
-        slot ``row_start[j]`` on (clamped at the end: copies of the last slot, masked)."""
+    def load(self, src_cache, store: str | int, dst: torch.Tensor, src: torch.Tensor, start: torch.Tensor,
+             n: int) -> None:
+        """Copy from a left-padded prefill ``src_cache`` (a ``SlotCache`` of ``L`` filled slots)
+        into ``store`` (``"prefix"``, ``"own"`` or a fork level ``k``): entry ``dst[i]``
+        (group slot, row or node) gets ``n`` slots of row ``src[i]`` from slot ``start[i]``
+        on (clamped at the end: copies of the last slot, to be masked)."""
+        if len(dst) == 0 or n == 0:
+            return
         L = src_cache.length
+        idx = (torch.arange(n, device=start.device)[None, :] + start[:, None]).clamp(max=L - 1)
         for mine, theirs in zip(self.layers, src_cache.layers):
-            for store, name, dst, src, start, n in (("pk", "keys", groups, group_src, group_pad, prompt_len),
-                                                    ("pv", "values", groups, group_src, group_pad, prompt_len),
-                                                    ("ok", "keys", rows, row_src, row_start, own_len),
-                                                    ("ov", "values", rows, row_src, row_start, own_len)):
-                if len(dst) == 0 or n == 0:
-                    continue
-                idx = (torch.arange(n, device=start.device)[None, :] + start[:, None]).clamp(max=L - 1)
-                x = getattr(theirs, name)[src, :, :L]
-                x = x.gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
-                getattr(mine, store)[dst, :, :n] = x
+            if store == "prefix":
+                targets = (mine.pk, mine.pv)
+            elif store == "own":
+                targets = (mine.ok, mine.ov)
+            else:
+                targets = (mine.fk[store], mine.fv[store])
+            for target, x in zip(targets, (theirs.keys, theirs.values)):
+                x = x[src, :, :L].gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+                target[dst, :, :n] = x
 
     def move_groups(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy group slots ``src`` (prefix and their ``G`` rows) to group slots ``dst``."""
-        G = self.G
-        rdst = (dst[:, None] * G + torch.arange(G, device=dst.device)).reshape(-1)
-        rsrc = (src[:, None] * G + torch.arange(G, device=src.device)).reshape(-1)
+        """Copy group slots ``src`` (prefix, fork segments and their ``G`` rows) to group slots ``dst``."""
+
+        def expand(slots: torch.Tensor, width: int) -> torch.Tensor:
+            return (slots[:, None] * width + torch.arange(width, device=slots.device)).reshape(-1)
+
+        rdst, rsrc = expand(dst, self.G), expand(src, self.G)
         for layer in self.layers:
             layer.pk[dst], layer.pv[dst] = layer.pk[src], layer.pv[src]
             layer.ok[rdst], layer.ov[rdst] = layer.ok[rsrc], layer.ov[rsrc]
+            for fk, fv, (c, _, _) in zip(layer.fk, layer.fv, self.forks):
+                ndst, nsrc = expand(dst, c), expand(src, c)
+                fk[ndst], fv[ndst] = fk[nsrc], fv[nsrc]
 
     def grow_prefix(self, capacity: int) -> None:
         """More prefix slots per group (keeps the contents)."""
@@ -219,15 +267,46 @@ def attend_with_lse(q, k, v, mask, scale, backend: str = "math"):
     return out.unsqueeze(2), lse.unsqueeze(2)
 
 
+def group_queries(q_own: torch.Tensor, r: int) -> torch.Tensor:
+    """``q_own [B, Hkv, gq, D]`` -> ``[B/r, Hkv, r x gq, D]``: the queries of ``r``
+    consecutive rows that share a KV head, together (one pass over keys they share)."""
+    B, Hkv, gq, D = q_own.shape
+    return q_own.reshape(B // r, r, Hkv, gq, D).transpose(1, 2).reshape(B // r, Hkv, r * gq, D)
+
+
+def ungroup(o: torch.Tensor, lse: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`group_queries` for an attention output in key ranges
+    (:func:`attend_with_lse`) ``o [B/r, Hkv, S, r x gq, Dv]``, ``lse [B/r, Hkv, S, r x gq]``:
+    ``[B, Hkv, S, gq, Dv]`` and ``[B, Hkv, S, gq]``."""
+    Bn, Hkv, S, rgq, Dv = o.shape
+    gq = rgq // r
+    o = o.reshape(Bn, Hkv, S, r, gq, Dv).permute(0, 3, 1, 2, 4, 5).reshape(Bn * r, Hkv, S, gq, Dv)
+    return o, lse.reshape(Bn, Hkv, S, r, gq).permute(0, 3, 1, 2, 4).reshape(Bn * r, Hkv, S, gq)
+
+
 def split_queries(query: torch.Tensor, kv_heads: int, G: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The two query layouts of a decode step of ``B = NGb x G`` rows, ``query [B, Hq, 1, D]``:
     ``q_own [B, Hkv, Hq/Hkv, D]`` (each row against its own keys) and
     ``q_pre [NGb, Hkv, G x Hq/Hkv, D]`` (a group's queries that share a KV head, together)."""
     B, Hq, _, D = query.shape
-    gq, NGb = Hq // kv_heads, B // G
-    q_own = query.reshape(B, kv_heads, gq, D)
-    q_pre = q_own.reshape(NGb, G, kv_heads, gq, D).transpose(1, 2).reshape(NGb, kv_heads, G * gq, D)
-    return q_own, q_pre
+    q_own = query.reshape(B, kv_heads, Hq // kv_heads, D)
+    return q_own, group_queries(q_own, G)
+
+
+def shared_part(q_own: torch.Tensor, o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, forks, scale: float,
+                backend: str = "math") -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt part (``o_pre/l_pre`` in group layout, ``G`` rows per group) and the fork
+    levels (:meth:`SharedPrefixCache.fork_levels`: ``(keys [B/r, Hkv, N, D], values, mask
+    [B/r, 1, 1, N], r)``, each attended by the queries of its ``r`` consecutive rows
+    together, one pass over a node's keys) as one part in own layout, their key ranges
+    side by side: ``o [B, Hkv, S, gq, Dv]``, ``lse [B, Hkv, S, gq]``, for
+    :func:`merge_parts` with ``G = 1`` (which merges all ranges by their LSEs: exact)."""
+    parts = [ungroup(o_pre, l_pre, G)]
+    for k, v, mask, r in forks:
+        o, lse = attend_with_lse(group_queries(q_own, r), k, v, mask, scale, backend)
+        parts.append(ungroup(o, lse, r))
+    acc = parts[0][1].dtype
+    return torch.cat([o.to(acc) for o, _ in parts], dim=2), torch.cat([lse.to(acc) for _, lse in parts], dim=2)
 
 
 def merge_parts(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, l_pre: torch.Tensor, G: int,
@@ -259,3 +338,18 @@ def two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefi
     o_pre, l_pre = attend_with_lse(q_pre, prefix_k, prefix_v, prefix_mask, scale, backend)
     o_own, l_own = attend_with_lse(q_own, own_k, own_v, own_mask, scale, backend)
     return merge_parts(o_own, l_own, o_pre, l_pre, G, query.dtype)
+
+
+def tree_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefix_mask, forks, scale, G,
+                   backend: str = "math"):
+    """:func:`two_level_attention` with fork levels between the prompt and the rows' own
+    tokens (``forks``: ``(keys, values, mask, r_k)`` per level, see
+    :meth:`SharedPrefixCache.fork_levels`); without fork levels, exactly it."""
+    if not forks:
+        return two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefix_mask, scale, G,
+                                   backend)
+    q_own, q_pre = split_queries(query, own_k.shape[1], G)
+    o_pre, l_pre = attend_with_lse(q_pre, prefix_k, prefix_v, prefix_mask, scale, backend)
+    o_sh, l_sh = shared_part(q_own, o_pre, l_pre, G, forks, scale, backend)
+    o_own, l_own = attend_with_lse(q_own, own_k, own_v, own_mask, scale, backend)
+    return merge_parts(o_own, l_own, o_sh, l_sh, 1, query.dtype)

@@ -1,149 +1,85 @@
-"""Continuous batching: the rollout engine's streaming path.
+"""Continuous batching: the rollout engine's one generation path.
 
-:meth:`RolloutEngine.generate_stream <treerl.rollout.RolloutEngine.generate_stream>` keeps
-a *running batch* of group slots, ``G = params.n`` rows each. Whenever every sample of a
+:meth:`RolloutEngine.generate_stream <treerl.rollout.RolloutEngine.generate_stream>` (and
+``generate``, which collects it) keeps a *running batch* of group slots of ``G`` rows each:
+``G = params.n`` for plain groups, the complete tree ``params.max_leaves`` for tree rollouts
+(rows laid out by :class:`~treerl.rollout.tree.TreeLayout`). Whenever every sample of a
 group has finished (stop token, stop string or ``max_new_tokens``) the group is yielded and
-its slot freed, and prompt groups waiting in the :class:`PromptQueue` are admitted into free
-slots: each prompt is prefilled once (deduplicated with the other prompts admitted with it)
-and its K/V stored once, in the slot's prefix store, for all ``G`` rows. Compared with waves
-(every group of a wave waits for the wave's longest row), no slot idles through the long
-tail of generation lengths while prompts are waiting.
+its slot freed, and prompt groups waiting in the :class:`~treerl.rollout.prompts.PromptQueue`
+are admitted into free slots: each prompt is prefilled once (deduplicated with the other
+prompts admitted with it) and its K/V stored once, in the slot's prefix store, for all its
+rows. No slot idles through the long tail of generation lengths while prompts are waiting.
 
 The K/V cache (:class:`~treerl.rollout.shared.SharedPrefixCache`) has a prefix store
-``[groups, kv_heads, P, head_dim]`` (prompt K/V, post-RoPE, position ids ``0..P_g-1``) and a
-row store ``[rows, kv_heads, N, head_dim]`` of each row's generated tokens only
-(``N = max_new_tokens`` rounded up). Each decode step writes every row's new K/V at that
-row's own next slot (a device tensor of write indices), feeds it position ``P_g + tokens
-so far``, and attends in two parts merged by their log-sum-exp: the group's queries
-against the prompt (read once per group, not once per row) and each row against its own
-slots (:func:`~treerl.rollout.shared.two_level_attention`). Additive masks (device tensors)
-hide each row's unwritten slots and what a previous occupant left. Rows of finished
-samples in a group still running are computed along (outputs ignored) so that steps have
-fixed shapes: on CUDA each step of a given (group slots, own slots) bucket is a replayed
-CUDA graph. The step runs over the first ``hg`` group slots only (covering every live
-group: with fixed shapes a power of two, or all) and attends to the own slots written so
-far rounded up to 64; admissions take the lowest free slots, and live groups are moved
-down (compaction) when they would fit in a smaller bucket.
+``[groups, kv_heads, P, head_dim]`` (prompt K/V, post-RoPE, position ids ``0..P_g-1``), for
+tree rollouts one fork-segment store per fork level (each node's tokens between two fork
+points, stored once for the rows below it), and a row store ``[rows, kv_heads, N, head_dim]``
+of each row's own tokens only. Each decode step writes every live row's new K/V at its own
+next slot, or (before the last fork) into the segment of the node it is generating (device
+tensors of write indices; rows that are not a segment's writer write its trash slot), feeds
+position ``P_g + tokens so far``, and attends to every level, merged by log-sum-exp:
+the group's queries against the prompt (read once per group, not once per row), each node's
+rows against its segment, each row against its own slots. Additive masks (device tensors)
+hide unwritten slots and what a previous occupant left. Rows of finished samples (and rows
+reserved for a tree's later forks) in a group still running are computed along (outputs
+ignored) so that steps have fixed shapes: on CUDA each step of a given (group slots, own
+slots) bucket is a replayed CUDA graph (:mod:`~treerl.rollout.step`). The step runs over the
+first ``hg`` group slots only (covering every live group: with fixed shapes a power of two,
+or all) and attends to the own slots written so far rounded up to 64; admissions take the
+lowest free slots, and live groups are moved down (compaction) when they would fit in a
+smaller bucket.
 
-Capacity: the batch holds ``groups x (P + G x N)`` K/V slots, within the engine's
-``max_batch_tokens``; every admitted row has its ``N`` slots, so a running batch never
-runs out. A prompt longer than ``P`` grows the prefix store while the budget allows;
-otherwise it (and the prompts after it) wait until the batch drains, which is then
-rebuilt with fewer, larger group slots: no crash, no lost sample.
+Forks: when a group's rows have sampled ``t_k`` tokens (a fork point), the batch syncs (rows
+that stopped before the fork are not forked), the decode step feeds token ``t_k - 1`` (its
+K/V goes into the parent's segment), and each live row's children take their reserved rows:
+positions, logits and token history are copied, K/V is not (the children read the parent's
+segment); each child then samples token ``t_k`` on its own.
+
+Capacity: the batch holds ``groups x (P + fork segments + G x N)`` K/V slots, within the
+engine's ``max_batch_tokens``; a group slot reserves its whole tree at admission, so a
+running batch never runs out (a fork always has its rows: nothing is ever preempted). A
+prompt longer than ``P`` grows the prefix store while the budget allows; otherwise it (and
+the prompts after it) wait until the batch drains, which is then rebuilt with fewer,
+larger group slots: no crash, no lost sample.
 
 Host syncs: sampled tokens and logprobs are logged on the device and copied to the host
-every ``sync_every`` steps (and when a row reaches ``max_new_tokens``), where stops are
-found exactly (tokens a row sampled after its stop are discarded). Admissions need no
-sync (free slots are known on the host): a slot freed at a sync is refilled right away,
-before the next decode step; the admitted rows' first tokens are sampled from the
-prefill's logits, and they join the next decode step.
+every ``sync_every`` steps (and when a row reaches ``max_new_tokens`` or a fork point), where
+stops are found exactly (tokens a row sampled after its stop are discarded). Admissions need
+no sync (free slots are known on the host): a slot freed at a sync is refilled right away,
+before the next decode step; the admitted rows' first tokens are sampled from the prefill's
+logits, and they join the next decode step.
 
-Weights: ``update_weights`` from another thread takes effect between decode steps; rows
-whose KV was computed under older weights are recomputed (prompt + tokens fed so far) before
-the next step; every token records the version of the weights whose logits it was sampled
-from (admitted rows: the prefill's; others: the decode step's).
+Weights: ``update_weights`` from another thread takes effect between decode steps; groups
+whose K/V was computed under older weights are recomputed (prompt + tokens fed so far)
+before the next step; every token records the version of the weights whose logits it was
+sampled from (admitted rows: the prefill's; others: the decode step's).
+
+(One module over 500 lines: every method of :class:`RunningBatch` keeps the same host and
+device row state consistent — admission, syncs, forks, recomputes, compaction, decode — so
+it reads as one piece; the decode step, tree layout, prompt queue and cache live apart.)
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Iterator
+from typing import Hashable, Iterator
 
 import numpy as np
 import torch
 
-from .graphs import DecodeStep
-from .shared import SharedPrefixCache
 from .params import SamplingParams
 from .prefix_cache import PrefixEntry
+from .prompts import PromptQueue
 from .sampling import sample
+from .shared import SharedPrefixCache
+from .step import BatchStep
 from .stops import StopChecker
+from .tree import TreeLayout
+from .types import Completion, Group, round_up
 
-
-class PromptQueue:
-    """A thread-safe source of prompt groups for ``generate_stream``.
-
-    ``put(prompt, key)`` adds a prompt (token ids; ``key`` names its group in the output,
-    default 0, 1, 2, ... in order of ``put``); ``close()`` says no more will come: the
-    stream ends once every admitted group is done. While the stream has nothing to
-    generate it waits for prompts; with ``idle_timeout`` (seconds) it ends after waiting
-    that long (0: as soon as it is idle), atomically with respect to ``put``: a prompt is
-    either taken by this stream or refused (``put`` returns False; start a new stream).
-    """
-
-    def __init__(self, prompts: Iterable[Any] = (), *, close: bool = False, idle_timeout: float | None = None):
-        self._cond = threading.Condition()
-        self._items: deque = deque()
-        self._closed = False
-        self._ended = False
-        self._next_key = 0
-        self.idle_timeout = idle_timeout
-        for p in prompts:
-            self.put(p)
-        if close:
-            self.close()
-
-    def put(self, prompt: Any, key: Hashable | None = None) -> bool:
-        """Queue one prompt; False if the queue is closed or its stream has ended."""
-        with self._cond:
-            if self._closed or self._ended:
-                return False
-            if key is None:
-                key = self._next_key
-            if isinstance(key, int):
-                self._next_key = max(self._next_key, key + 1)
-            self._items.append((key, prompt))
-            self._cond.notify_all()
-            return True
-
-    def put_many(self, items: Iterable[tuple[Hashable, Any]]) -> bool:
-        """Queue ``(key, prompt)`` pairs all together or none (False: closed or ended)."""
-        items = list(items)
-        with self._cond:
-            if self._closed or self._ended:
-                return False
-            for key, prompt in items:
-                if isinstance(key, int):
-                    self._next_key = max(self._next_key, key + 1)
-                self._items.append((key, prompt))
-            self._cond.notify_all()
-            return True
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._items)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed or self._ended
-
-    def items(self) -> list[tuple[Hashable, Any]]:
-        """The prompts waiting (a snapshot)."""
-        with self._cond:
-            return list(self._items)
-
-    def take(self, n: int, timeout: float = 0.0) -> list[tuple[Hashable, Any]]:
-        """Up to ``n`` waiting prompts; waits up to ``timeout`` s if none is waiting."""
-        with self._cond:
-            if not self._items and timeout > 0 and not self.closed:
-                self._cond.wait_for(lambda: self._items or self.closed, timeout)
-            return [self._items.popleft() for _ in range(min(n, len(self._items)))]
-
-    def end_if_empty(self) -> bool:
-        """End the stream (refuse further prompts) unless prompts are waiting."""
-        with self._cond:
-            if self._items:
-                return False
-            self._ended = True
-            return True
+__all__ = ["PromptQueue", "RunningBatch"]
 
 
 def _group_bucket(n: int, groups: int, G: int, exact: bool = False) -> int:
@@ -173,35 +109,35 @@ class RunningBatch:
     """State of one ``generate_stream`` call (see the module docstring). Not thread-safe:
     it runs in the consumer's thread; only ``engine.update_weights`` comes from others.
 
-    ``groups`` group slots of ``G = params.n`` rows; ``prefix_capacity`` prompt slots per
-    group, ``own_capacity`` generated-token slots per row; ``budget``: K/V token slots
-    (prefix + own) the batch may hold (``groups x (prefix_capacity + G x own_capacity)``
-    stays within it unless a single group needs more: it then runs alone)."""
+    ``groups`` group slots of ``G = params.max_leaves`` rows; ``prefix_capacity`` prompt
+    slots per group; ``budget``: K/V token slots the batch may hold (``groups x
+    tree.tokens_per_group(prefix_capacity)`` stays within it unless a single group needs
+    more: it then runs alone)."""
 
     def __init__(self, engine, queue: PromptQueue, params: SamplingParams, generator: torch.Generator,
-                 groups: int, prefix_capacity: int, own_capacity: int, budget: int):
-        from .engine import Completion, Group, _round_up  # noqa: F401 (circular import)
-
+                 groups: int, prefix_capacity: int, budget: int):
         self.e, self.q, self.p, self.gen = engine, queue, params, generator
-        self.G, self.max_new = params.n, params.max_new_tokens
-        self.N, self.budget = own_capacity, budget
+        self.tree = TreeLayout.of(params)
+        self.G, self.max_new = self.tree.rows, params.max_new_tokens
+        self.N, self.budget = self.tree.own_capacity, budget
         self.exact = not engine.static_kv  # rows computed per step: exactly the live span
         self.stopper = StopChecker(params.stop_token_ids, params.stop_strings, params.decoder())
         self.dtype = next(engine.model.parameters()).dtype
         self.neg = torch.finfo(self.dtype).min
+        self.zero = torch.zeros((), dtype=self.dtype, device=engine.device)
+        self.hide = torch.full((), self.neg, dtype=self.dtype, device=engine.device)
         self.groups: dict[Hashable, _GroupState] = {}
         self.deferred: deque = deque()  # prompts taken from the queue that did not fit yet
-        self.out: list = []
+        self.out: list[Group] = []
         self.log_rows: list[tuple[np.ndarray, np.ndarray]] = []
-        self._Completion, self._Group, self._round_up = Completion, Group, _round_up
         self._allocate(groups, prefix_capacity)
 
-    _DEVICE_STATE = ("cache", "prefix_mask", "own_mask", "fill", "pos", "live_d", "last", "logits", "log_tok",
-                     "log_lp", "steps_cache", "graph_pool")
+    _DEVICE_STATE = ("cache", "prefix_mask", "own_mask", "fill", "fed", "pos", "live_d", "last", "logits",
+                     "log_tok", "log_lp", "fork_mask", "fork_node", "fork_slot", "steps_cache", "graph_pool")
 
     def _arena_key(self, groups: int, prefix_capacity: int) -> tuple:
         e = self.e
-        return (groups, self.G, prefix_capacity, self.N, e.sync_every, self.dtype, e.logit_dtype, e.vocab_size)
+        return (groups, self.tree, prefix_capacity, e.sync_every, self.dtype, e.logit_dtype, e.vocab_size)
 
     def arena(self) -> tuple:
         """The device state (buffers, cache, captured decode steps) for reuse by the
@@ -212,7 +148,7 @@ class RunningBatch:
         """(Re)build the batch's state for ``groups`` group slots (nothing may be live).
         Device buffers (and CUDA graphs) kept by the engine from an earlier stream of the
         same shapes are reused."""
-        e, dev, G = self.e, self.e.device, self.G
+        e, dev, G, tree = self.e, self.e.device, self.G, self.tree
         S = groups * G
         self.NG, self.S, self.P = groups, S, prefix_capacity
         kept = getattr(e, "_stream_arena", None)
@@ -220,18 +156,20 @@ class RunningBatch:
         if kept is not None and kept[0] == self._arena_key(groups, prefix_capacity):
             for k, v in kept[1].items():
                 setattr(self, k, v)
-            self.prefix_mask.fill_(self.neg)
-            self.own_mask.fill_(self.neg)
-            for t in (self.fill, self.pos, self.live_d, self.last):
+            for mask in [self.prefix_mask, self.own_mask] + self.fork_mask:
+                mask.fill_(self.neg)
+            for t in (self.fill, self.fed, self.pos, self.live_d, self.last):
                 t.zero_()
         else:
             del kept
             self.cache = None  # SharedPrefixCache, allocated at the first load (shapes from the prefill)
-            self.steps_cache: dict[tuple[int, int], _TwoLevelStep] = {}
+            self.steps_cache: dict[tuple[int, int], BatchStep] = {}
             self.graph_pool = None  # the CUDA graphs' memory pool (graphs.capture_decode_step)
             self.prefix_mask = torch.full((groups, prefix_capacity), self.neg, dtype=self.dtype, device=dev)
             self.own_mask = torch.full((S, self.N), self.neg, dtype=self.dtype, device=dev)
             self.fill = torch.zeros(S, dtype=torch.int64, device=dev)  # next own slot of each row
+            # completion tokens fed (K/V written) per row; plain groups: the own slot, one tensor
+            self.fed = torch.zeros(S, dtype=torch.int64, device=dev) if tree.depth else self.fill
             self.pos = torch.zeros(S, dtype=torch.int64, device=dev)  # next position id
             self.live_d = torch.zeros(S, dtype=torch.int64, device=dev)
             self.last = torch.zeros(S, dtype=torch.int64, device=dev)  # last sampled token (fed next)
@@ -239,11 +177,16 @@ class RunningBatch:
             K = e.sync_every + 2  # a sync window logs <= sync_every + 1 sample calls
             self.log_tok = torch.zeros(K, S, dtype=torch.int64, device=dev)
             self.log_lp = torch.zeros(K, S, dtype=e.logit_dtype, device=dev)
+            # fork levels: segment masks [groups x c_k, cap_k]; each row's node and write slot per level
+            self.fork_mask = [torch.full((groups * tree.nodes(k), tree.segment_capacity(k)), self.neg,
+                                         dtype=self.dtype, device=dev) for k in range(tree.depth)]
+            self.fork_node = [torch.arange(S, device=dev) // tree.rows_per_node(k) for k in range(tree.depth)]
+            self.fork_slot = [torch.zeros(S, dtype=torch.int64, device=dev) for _ in range(tree.depth)]
         # host state per row
         self.live = np.zeros(S, dtype=bool)
         self.steps = np.zeros(S, dtype=np.int64)  # tokens sampled
         self.checked = np.zeros(S, dtype=np.int64)  # tokens synced and checked for stops
-        self.fill_h = np.zeros(S, dtype=np.int64)
+        self.fed_h = np.zeros(S, dtype=np.int64)  # tokens fed (host copy of ``fed``)
         self.row_version = np.zeros(S, dtype=np.int64)  # weights of the row's KV
         self.logit_version = np.zeros(S, dtype=np.int64)  # weights of the row's pending logits
         self.host_tok = np.zeros((S, self.max_new), dtype=np.int64)
@@ -253,6 +196,7 @@ class RunningBatch:
         # host state per group slot
         self.gkey: list[Hashable | None] = [None] * groups
         self.plen = np.zeros(groups, dtype=np.int64)
+        self.level = np.zeros(groups, dtype=np.int64)  # forks applied
         self._count_slots()
         self.hg = 0  # group slots computed by the last decode / covered by the pending logits
 
@@ -265,10 +209,10 @@ class RunningBatch:
         stats.kv_slots = max(stats.kv_slots, self._tokens_needed(self.NG, self.P))
 
     def _tokens_needed(self, groups: int, prefix_capacity: int) -> int:
-        return groups * (prefix_capacity + self.G * self.N)
+        return groups * self.tree.tokens_per_group(prefix_capacity)
 
     # ---------------------------------------------------------------- the loop
-    def run(self) -> Iterator:
+    def run(self) -> Iterator[Group]:
         e, q = self.e, self.q
         waited = None  # when the batch became idle (for idle_timeout)
         while True:
@@ -313,9 +257,10 @@ class RunningBatch:
                 if self.live.any():
                     self._compact()
                     self._decode()
+                    self._fork()
                     self._sample(np.flatnonzero(self.live), prefix=True)
 
-    def _flush(self) -> Iterator:
+    def _flush(self) -> Iterator[Group]:
         out, self.out = self.out, []
         yield from out
 
@@ -335,7 +280,7 @@ class RunningBatch:
         longest = 0
         for i, (key, prompt) in enumerate(items):
             ids = self.e._check_prompt(key, prompt, self.p)
-            need = self._round_up(len(ids))
+            need = round_up(len(ids))
             if need <= self.P:
                 continue
             if self._tokens_needed(self.NG, need) <= self.budget:
@@ -345,7 +290,7 @@ class RunningBatch:
                 self.deferred.extendleft(reversed(items[i:]))
                 items = items[:i]
                 break
-            groups = max(1, min(self.NG, self.budget // (need + self.G * self.N)))
+            groups = max(1, min(self.NG, self.budget // self.tree.tokens_per_group(need)))
             self._allocate(groups, need)
             self.e.stats.reallocations += 1
             self.deferred.extendleft(reversed(items[groups:]))
@@ -404,7 +349,8 @@ class RunningBatch:
     def _finish(self, r: int, length: int, reason: str, stop) -> None:
         key = self.key[r]
         g = self.groups[key]
-        g.completions.append(self._Completion(
+        slot, p = divmod(int(r), self.G)
+        g.completions.append(Completion(
             prompt_index=key,
             prompt_ids=g.prompt_ids,
             completion_ids=torch.from_numpy(self.host_tok[r, :length].copy()),
@@ -412,21 +358,70 @@ class RunningBatch:
             versions=torch.from_numpy(self.host_ver[r, :length].copy()),
             finish_reason=reason,
             stop=stop,
-            branch=(int(r % self.G),),
+            branch=self.tree.branch(p, self.tree.depth_of(length)),
         ))
         self.e.stats.generated_tokens += length
         self.live[r] = False
         self.key[r] = None
-        if len(g.completions) == self.G:  # the group's slot is free
+        if not self.live[slot * self.G : (slot + 1) * self.G].any():  # the group's slot is free
             del self.groups[key]
-            self.gkey[r // self.G] = None
+            self.gkey[slot] = None
             g.completions.sort(key=lambda c: c.branch)
-            self.out.append(self._Group(key, g.prompt_ids, g.completions))
+            self.out.append(Group(key, g.prompt_ids, g.completions))
+
+    # -------------------------------------------------------------------- forks
+    def _due_forks(self) -> list[int]:
+        """Group slots whose live rows have sampled exactly their next fork point's tokens."""
+        tree, G, due = self.tree, self.G, []
+        for g in range(self.NG):
+            if self.gkey[g] is None or self.level[g] >= tree.depth:
+                continue
+            live = np.flatnonzero(self.live[g * G : (g + 1) * G])
+            if len(live) and self.steps[g * G + live[0]] == tree.points[self.level[g]]:
+                due.append(g)
+        return due
+
+    def _fork(self) -> None:
+        """After the decode step that fed token ``t_k - 1``: every live row of a group at fork
+        point ``t_k`` gets its ``f_k - 1`` further children in its reserved rows (positions,
+        pending logits and token history copied; K/V not: they read the parent's segment)."""
+        if not self.tree.depth:
+            return
+        due = self._due_forks()
+        if due and self.log_rows:
+            self._sync()  # rows that stopped before the fork are not forked
+            due = self._due_forks()
+        if not due:
+            return
+        G, tree = self.G, self.tree
+        parents, kids = [], []
+        for g in due:
+            k = int(self.level[g]) + 1
+            for r in np.flatnonzero(self.live[g * G : (g + 1) * G]) + g * G:
+                for c in tree.children(int(r - g * G), k):
+                    parents.append(r)
+                    kids.append(g * G + c)
+            self.level[g] = k
+        if not kids:
+            return
+        par, kid = np.asarray(parents), np.asarray(kids)
+        for a in (self.steps, self.checked, self.fed_h, self.row_version, self.logit_version, self.host_tok,
+                  self.host_lp, self.host_ver):
+            a[kid] = a[par]
+        for c, p in zip(kid, par):
+            self.key[c] = self.key[p]
+        self.live[kid] = True
+        dev = self.e.device
+        par_t, kid_t = torch.as_tensor(par, device=dev), torch.as_tensor(kid, device=dev)
+        for t in (self.fed, self.pos, self.logits):
+            t[kid_t] = t[par_t]
+        self.live_d.copy_(torch.from_numpy(self.live.astype(np.int64)))
+        self.e.stats.forks += len(kid)
 
     # ---------------------------------------------------------------- admission
     def _admit(self, items: list, slots: np.ndarray) -> np.ndarray:
         """Prefill each distinct prompt of ``items`` once into the prefix store of its group
-        slot; returns the rows admitted (whose logits are pending)."""
+        slot; returns the rows admitted (the slots' first samples, whose logits are pending)."""
         e, G = self.e, self.G
         prompts = []
         for key, prompt in items:
@@ -434,6 +429,7 @@ class RunningBatch:
                 raise ValueError(f"prompt key {key!r} is already being generated")
             prompts.append(e._check_prompt(key, prompt, self.p))
         rows = (slots[:, None] * G + np.arange(G)).reshape(-1)
+        first = (slots[:, None] * G + np.asarray(self.tree.first_rows())).reshape(-1)
         # prefill in pieces of about prefill_chunk_tokens prompt tokens (bounded temporary K/V)
         start = 0
         while start < len(prompts):
@@ -446,10 +442,10 @@ class RunningBatch:
                 hits = [(i, e.prefix_cache.lookup(prompts[i], e.version)) for i in todo]
                 for i, entry in hits:
                     if entry is not None:
-                        self._load_rows_of([i], slots, prompts, rows, prefilled=e._extend(prompts[i], entry))
+                        self._load_prompts([i], slots, prompts, rows, prefilled=e._extend(prompts[i], entry))
                 todo = [i for i, entry in hits if entry is None]
             if todo:
-                self._load_rows_of(todo, slots, prompts, rows)
+                self._load_prompts(todo, slots, prompts, rows)
             start = end
         version = e.version
         if e.prefix_cache is not None:
@@ -463,17 +459,18 @@ class RunningBatch:
             self.gkey[slots[i]] = key
             for r in rows[i * G : (i + 1) * G]:
                 self.key[r] = key
-        self.live[rows] = True
-        self.steps[rows] = 0
-        self.checked[rows] = 0
+        self.level[slots] = 0
+        self.live[first] = True
+        self.steps[first] = 0
+        self.checked[first] = 0
         self.row_version[rows] = version
         self.logit_version[rows] = version
         self.live_d.copy_(torch.from_numpy(self.live.astype(np.int64)))
         self.hg = max(self.hg, _group_bucket(int(slots.max()) + 1, self.NG, G, self.exact))
-        e.stats.waves += 1
-        return rows
+        e.stats.admissions += 1
+        return first
 
-    def _load_rows_of(self, items: list[int], slots: np.ndarray, prompts: list[list[int]], rows: np.ndarray,
+    def _load_prompts(self, items: list[int], slots: np.ndarray, prompts: list[list[int]], rows: np.ndarray,
                       prefilled=None) -> None:
         """Load prompts ``items`` (indices into the admission) into their group slots and
         set their rows' pending logits."""
@@ -481,75 +478,100 @@ class RunningBatch:
         distinct: dict[tuple[int, ...], int] = {}
         src = [distinct.setdefault(tuple(prompts[i]), len(distinct)) for i in items]
         part = np.concatenate([rows[i * G : (i + 1) * G] for i in items])
-        logits = self._load(slots[items], [list(t) for t in distinct], src, part, [s for s in src for _ in range(G)],
+        logits = self._load(slots[items], [list(t) for t in distinct], src, [s for s in src for _ in range(G)],
                             [len(prompts[i]) for i in items], prefilled)
         self.logits[torch.as_tensor(part, device=self.e.device)] = logits.repeat_interleave(G, dim=0)
 
-    def _load(self, slots: np.ndarray, seqs: list[list[int]], group_src: list[int], rows: np.ndarray,
-              row_src: list[int], plen: list[int], prefilled=None) -> torch.Tensor:
-        """Prefill ``seqs`` (each a prompt followed by tokens a row fed); group slot
-        ``slots[i]`` gets the prompt (its first ``plen[i]`` tokens) of ``seqs[group_src[i]]``,
-        row ``rows[j]`` the rest of ``seqs[row_src[j]]`` as its own tokens (K/V, masks,
-        fill, positions). Returns the logits after the last token of each group's sequence
+    def _load(self, slots: np.ndarray, seqs: list[list[int]], group_src: list[int], row_src: list[int],
+              plen: list[int], prefilled=None) -> torch.Tensor:
+        """Prefill ``seqs`` (each a prompt followed by tokens a row fed) and load group slots
+        ``slots``: slot ``slots[i]`` gets the prompt (the first ``plen[i]`` tokens) of
+        ``seqs[group_src[i]]``; the ``j``-th row of the slots (``len(slots) x G`` in order)
+        continues ``seqs[row_src[j]]`` (-1: a row not live, nothing of its own); each fork
+        segment gets its tokens from the first live row below it. Sets stores, masks and the
+        rows' ``fed``/``pos``/``fill``. Returns the logits after each slot's group sequence
         ``[len(slots), V]``. ``prefilled``: ``(cache, lengths, logits)`` of ``seqs`` already
         computed (a prefix-cache hit), instead of a prefill."""
-        e, dev, G = self.e, self.e.device, self.G
+        e, dev, G, tree = self.e, self.e.device, self.G, self.tree
         if prefilled is None:
-            tmp, _, lens, logits = e._prefill(seqs, capacity=max(len(s) for s in seqs))
+            tmp, _, logits = e._prefill(seqs)
         else:
-            tmp, lens, logits = prefilled
+            tmp, _, logits = prefilled
         if self.cache is None:
             k, v = tmp.layers[0].keys, tmp.layers[0].values
+            forks = [(tree.nodes(j), tree.segment_capacity(j), tree.rows_per_node(j)) for j in range(tree.depth)]
             self.cache = SharedPrefixCache(e.num_layers, self.NG, G, self.P, self.N, k.shape[1], k.shape[3],
-                                           v.shape[3], k.dtype, k.device)
-        L = tmp.length
-        slots_t = torch.as_tensor(slots, device=dev)
-        gsrc_t = torch.as_tensor(group_src, device=dev)
-        plen_t = torch.as_tensor(plen, dtype=torch.int64, device=dev)
-        rows_t = torch.as_tensor(rows, device=dev)
-        rsrc_t = torch.as_tensor(row_src, device=dev)
-        row_plen = plen_t.repeat_interleave(G)
-        own = lens[rsrc_t] - row_plen  # [R] own tokens of each row
-        own_max = max(len(seqs[s]) - plen[i // G] for i, s in enumerate(row_src))
-        self.cache.load(tmp, slots_t, gsrc_t, L - lens[gsrc_t], max(plen), rows_t, rsrc_t, L - own, max(own_max, 0))
-        zero = torch.zeros((), dtype=self.dtype, device=dev)
-        hide = torch.full((), self.neg, dtype=self.dtype, device=dev)
+                                           v.shape[3], k.dtype, k.device, forks)
+        t = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int64), device=dev)  # noqa: E731
+        pad = tmp.length - np.asarray([len(s) for s in seqs])  # slot of each sequence's first token
+        lens = np.asarray([len(s) for s in seqs])
+        plen_a = np.asarray(plen, dtype=np.int64)
+        rows = (slots[:, None] * G + np.arange(G)).reshape(-1)
+        src = np.asarray(row_src, dtype=np.int64)
+        row_plen = np.repeat(plen_a, G)
+        fed = np.where(src >= 0, lens[np.maximum(src, 0)] - row_plen, 0)
+        # the prompts
+        gsrc = np.asarray(group_src)
+        self.cache.load(tmp, "prefix", t(slots), t(gsrc), t(pad[gsrc]), int(plen_a.max()))
         slot = torch.arange(self.P, device=dev)
-        self.prefix_mask[slots_t] = torch.where(slot[None, :] < plen_t[:, None], zero, hide)
+        self.prefix_mask[t(slots)] = torch.where(slot[None, :] < t(plen_a)[:, None], self.zero, self.hide)
+        # fork segments: node j of level k (slot i) from the first live row below it
+        for k in range(tree.depth):
+            c, r, t0, t1 = tree.nodes(k), tree.rows_per_node(k), tree.start(k), tree.end(k)
+            nodes = (slots[:, None] * c + np.arange(c)).reshape(-1)
+            filled = np.zeros(len(nodes), dtype=np.int64)
+            copy = []  # (node index into nodes, row index into rows)
+            for n in range(len(nodes)):
+                below = np.flatnonzero(src[n * r : (n + 1) * r] >= 0)
+                if len(below):
+                    j = n * r + below[0]
+                    filled[n] = min(max(fed[j] - t0, 0), t1 - t0)
+                    if filled[n]:
+                        copy.append((n, j))
+            if copy:
+                ni, ri = np.asarray(copy).T
+                self.cache.load(tmp, k, t(nodes[ni]), t(src[ri]), t(pad[src[ri]] + row_plen[ri] + t0),
+                                int(filled[ni].max()))
+            slot = torch.arange(tree.segment_capacity(k), device=dev)
+            self.fork_mask[k][t(nodes)] = torch.where(slot[None, :] < t(filled)[:, None], self.zero, self.hide)
+        # each row's own tokens
+        own = np.maximum(fed - tree.own_start, 0)
+        mine = np.flatnonzero(own > 0)
+        if len(mine):
+            self.cache.load(tmp, "own", t(rows[mine]), t(src[mine]),
+                            t(pad[src[mine]] + row_plen[mine] + tree.own_start), int(own.max()))
         slot = torch.arange(self.N, device=dev)
-        self.own_mask[rows_t] = torch.where(slot[None, :] < own[:, None], zero, hide)
-        self.fill[rows_t] = own
-        self.pos[rows_t] = lens[rsrc_t]
-        self.fill_h[rows] = [len(seqs[s]) - plen[i // G] for i, s in enumerate(row_src)]
-        self.plen[slots] = plen
-        return logits[gsrc_t]
+        rows_t = t(rows)
+        self.own_mask[rows_t] = torch.where(slot[None, :] < t(own)[:, None], self.zero, self.hide)
+        self.fill[rows_t] = t(own)
+        self.fed[rows_t] = t(fed)
+        self.pos[rows_t] = t(row_plen + fed)
+        self.fed_h[rows] = fed
+        self.plen[slots] = plen_a
+        return logits[t(gsrc)]
 
     def _recompute(self, rows: np.ndarray) -> None:
-        """After a weight update: rebuild the prompt K/V of the groups of ``rows`` and the
-        own K/V of their live rows (tokens fed so far)."""
+        """After a weight update: rebuild the prompt K/V of the groups of ``rows``, their fork
+        segments and the own K/V of their live rows (tokens fed so far)."""
         G = self.G
         slots = np.unique(rows // G)
         distinct: dict[tuple[int, ...], int] = {}
-        live_rows, row_src, group_src, plen = [], [], [], []
+        row_src, group_src, plen = [], [], []
         for g in slots:
             prompt = self.groups[self.gkey[g]].prompt_ids.tolist()
             plen.append(len(prompt))
             first = None
             for r in range(g * G, (g + 1) * G):
                 if not self.live[r]:
+                    row_src.append(-1)
                     continue
                 seq = prompt + self.host_tok[r, : self.steps[r] - 1].tolist()
                 s = distinct.setdefault(tuple(seq), len(distinct))
                 first = s if first is None else first
-                live_rows.append(r)
                 row_src.append(s)
             group_src.append(first)
-        # rows of a group slot are loaded together: dead rows copy a live one's (ignored)
-        all_rows = (slots[:, None] * G + np.arange(G)).reshape(-1)
-        by_row = dict(zip(live_rows, row_src))
-        src_all = [by_row.get(r, group_src[i // G]) for i, r in enumerate(all_rows)]
-        self._load(slots, [list(t) for t in distinct], group_src, all_rows, src_all, plen)
-        self.row_version[all_rows] = self.e.version
+        self._load(slots, [list(t) for t in distinct], group_src, row_src, plen)
+        self.row_version[(slots[:, None] * G + np.arange(G)).reshape(-1)] = self.e.version
         self.e.stats.recomputes += 1
 
     def _grow_prefix(self, capacity: int) -> None:
@@ -578,24 +600,45 @@ class RunningBatch:
         s_t, d_t = torch.as_tensor(src, device=dev), torch.as_tensor(dst, device=dev)
         self.cache.move_groups(d_t, s_t)
         self.prefix_mask[d_t] = self.prefix_mask[s_t]
+        for k, mask in enumerate(self.fork_mask):
+            c = self.tree.nodes(k)
+            nd = torch.as_tensor((dst[:, None] * c + np.arange(c)).reshape(-1), device=dev)
+            ns = torch.as_tensor((src[:, None] * c + np.arange(c)).reshape(-1), device=dev)
+            mask[nd] = mask[ns]
         rsrc = (src[:, None] * G + np.arange(G)).reshape(-1)
         rdst = (dst[:, None] * G + np.arange(G)).reshape(-1)
         rs_t, rd_t = torch.as_tensor(rsrc, device=dev), torch.as_tensor(rdst, device=dev)
-        for t in (self.own_mask, self.fill, self.pos, self.last, self.logits):
+        for t in {id(t): t for t in (self.own_mask, self.fill, self.fed, self.pos, self.last, self.logits)}.values():
             t[rd_t] = t[rs_t]
-        for a in (self.live, self.steps, self.checked, self.fill_h, self.row_version, self.logit_version,
+        for a in (self.live, self.steps, self.checked, self.fed_h, self.row_version, self.logit_version,
                   self.host_tok, self.host_lp, self.host_ver):
             a[rdst] = a[rsrc]
         for d, s in zip(rdst, rsrc):
             self.key[d], self.key[s] = self.key[s], None
         self.live[rsrc] = False
         self.plen[dst] = self.plen[src]
+        self.level[dst] = self.level[src]
         for d, s in zip(dst, src):
             self.gkey[d], self.gkey[s] = self.gkey[s], None
         self.live_d.copy_(torch.from_numpy(self.live.astype(np.int64)))
         self.hg = target
 
     # ------------------------------------------------------------------- decode
+    def _write_slots(self, hi: int) -> None:
+        """Tree rollouts, before a step: where each row of ``[:hi]`` writes its new K/V (own
+        slot, or its node's segment slot at a fork level; non-writers: the trash slot) and
+        the slots revealed, from ``fed`` (device tensors only: no host values)."""
+        tree = self.tree
+        fed, live = self.fed[:hi], self.live_d[:hi].bool()
+        at_own = live & (fed >= tree.own_start)
+        torch.clamp(fed - tree.own_start, min=0, out=self.fill[:hi])
+        self.own_mask[:hi].scatter_(1, self.fill[:hi, None], torch.where(at_own, self.zero, self.hide)[:, None])
+        for k in range(tree.depth):
+            writer = live & (fed >= tree.start(k)) & (fed < tree.end(k))
+            self.fork_slot[k][:hi] = torch.where(writer, fed - tree.start(k), tree.trash(k))
+            self.fork_mask[k].index_put_((self.fork_node[k][:hi], self.fork_slot[k][:hi]),
+                                         torch.where(writer, self.zero, self.hide))
+
     def _decode(self) -> None:
         """Feed every live row its last sampled token; logits of rows ``[:hi]``."""
         e, G = self.e, self.G
@@ -603,61 +646,24 @@ class RunningBatch:
         hg = self.hg = _group_bucket(max(used) + 1, self.NG, G, self.exact)
         hi = hg * G
         version = e.version
-        self.own_mask[:hi].scatter_(1, self.fill[:hi, None], 0.0)
-        own_len = _own_bucket(int(self.fill_h[:hi].max()) + 1, self.N, self.exact)
+        if self.tree.depth:
+            self._write_slots(hi)
+        else:
+            self.own_mask[:hi].scatter_(1, self.fill[:hi, None], 0.0)
+        own_len = _own_bucket(max(int(self.fed_h[:hi].max()) - self.tree.own_start, 0) + 1, self.N, self.exact)
         pre_len = int(self.plen[:hg].max()) if self.exact else self.P
         step = self.steps_cache.get((hg, own_len))
         if step is None or step.cache is not self.cache:
-            step = self.steps_cache[(hg, own_len)] = _TwoLevelStep(e, self, hg, own_len, pre_len)
+            step = self.steps_cache[(hg, own_len)] = BatchStep(e, self, hg, own_len, pre_len)
         elif self.exact:
             step.prefix_mask = self.prefix_mask[:hg, None, None, :pre_len]
         if e.decode_forward is not None:
             e.decode_forward.refresh()  # fused projection copies, if the parameters changed
         step()  # writes the logits of rows [:hi] into self.logits
-        self.fill += self.live_d
+        self.fed += self.live_d  # plain groups: ``fed`` is ``fill``
         self.pos += self.live_d
-        self.fill_h[self.live] += 1
+        self.fed_h[self.live] += 1
         self.logit_version[self.live] = version
         e.stats.decode_steps += 1
         e.stats.decode_rows += hi
         e.stats.live_rows += int(self.live.sum())
-
-
-class _TwoLevelStep:
-    """One-token decode step over group slots ``[:hg]`` (rows ``[:hg*G]``) attending to
-    ``own_len`` own slots per row and the prefix store, writing the next-token logits into
-    the batch's ``logits[:hi]``: inputs and output are views of the batch's
-    persistent tensors, so with ``engine.cuda_graphs`` it is captured as a graph at its
-    first use and replayed after (:class:`~treerl.rollout.graphs.DecodeStep`)."""
-
-    def __init__(self, engine, batch: RunningBatch, hg: int, own_len: int, pre_len: int):
-        hi = hg * batch.G
-        self.engine, self.cache, self.own_len = engine, batch.cache, own_len
-        self.ids = batch.last[:hi, None]
-        self.pos = batch.pos[:hi, None]
-        self.index = batch.fill[:hi]
-        self.own_mask = batch.own_mask[:hi, None, None, :own_len]
-        self.prefix_mask = batch.prefix_mask[:hg, None, None, :pre_len]
-        self.out = batch.logits[:hi]
-        self.step = DecodeStep(engine, self._forward, owner=batch)
-
-    def _forward(self) -> torch.Tensor:
-        cache = self.cache
-        # own_len from a shape (not a Python int attribute): compiled steps stay shape-generic
-        cache.write_index, cache.own_len, cache.prefix_mask = self.index, self.own_mask.shape[-1], self.prefix_mask
-        try:
-            if self.engine.decode_forward is not None:  # treerl's own blocks (Qwen2/Qwen3/Llama)
-                logits = self.engine.decode_forward(self.ids, self.pos, cache, self.own_mask, self.prefix_mask)
-            else:
-                logits = self.engine.model(
-                    input_ids=self.ids, position_ids=self.pos, attention_mask=self.own_mask,
-                    past_key_values=cache, use_cache=True, rollout_static=True, rollout_prefix=cache,
-                ).logits[:, -1]
-            # into the batch's logits buffer (in the graph: the model's logits are a temporary
-            # of the shared pool, not an output kept alive per graph)
-            return self.out.copy_(logits)
-        finally:
-            cache.write_index = cache.prefix_mask = None
-
-    def __call__(self) -> torch.Tensor:
-        return self.step()

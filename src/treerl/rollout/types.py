@@ -1,0 +1,94 @@
+"""Types shared by the rollout engine's modules: what ``generate`` returns
+(:class:`Completion`, :class:`Group`), what it did (:class:`RolloutStats`), and
+:func:`round_up` (cache capacities). Below both :mod:`~treerl.rollout.engine` and
+:mod:`~treerl.rollout.stream`, so neither imports the other's internals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+PromptLike = Sequence[int] | torch.Tensor | np.ndarray
+
+
+def round_up(n: int, multiple: int = 16) -> int:
+    """Cache capacities are multiples of 16 (aligned rows for the attention kernels)."""
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class Completion:
+    """One sampled sequence. ``completion_ids``, ``logprobs`` and ``versions`` have one
+    entry per generated token ``[T]``; ``logprobs`` are behaviour logprobs
+    (log-softmax of the temperature-scaled logits before top-k/top-p; float64 for a
+    float64 model, float32 otherwise)."""
+
+    prompt_index: Hashable  # the prompt's index in ``generate``'s list, or its key in a stream
+    prompt_ids: torch.Tensor  # [P] int64
+    completion_ids: torch.Tensor  # [T] int64
+    logprobs: torch.Tensor  # [T]
+    versions: torch.Tensor  # [T] int64: weight version that produced each token
+    finish_reason: str  # "stop" or "length"
+    stop: int | str | None  # the stop token id or stop string that ended it, else None
+    branch: tuple[int, ...]  # sample index in the group, then child index at each fork passed
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """``[P + T]`` prompt followed by completion."""
+        return torch.cat([self.prompt_ids, self.completion_ids])
+
+    @property
+    def min_version(self) -> int:
+        """Oldest weight version among the completion's tokens (for staleness control)."""
+        return int(self.versions.min()) if len(self.versions) else -1
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+
+@dataclass
+class Group:
+    """The completions of one prompt, ordered by ``branch``."""
+
+    prompt_index: Hashable
+    prompt_ids: torch.Tensor  # [P]
+    completions: list[Completion]
+
+    def sequences(self) -> list[torch.Tensor]:
+        """Prompt + completion of every completion (e.g. for ``PrefixTree.from_sequences``)."""
+        return [c.token_ids for c in self.completions]
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    def __iter__(self) -> Iterator[Completion]:
+        return iter(self.completions)
+
+    def __getitem__(self, i: int) -> Completion:
+        return self.completions[i]
+
+
+@dataclass
+class RolloutStats:
+    """What the last ``generate`` / ``generate_stream`` call did."""
+
+    admissions: int = 0  # admission rounds (prompts prefilled into free group slots)
+    prefill_calls: int = 0
+    prefill_tokens: int = 0  # real (unpadded) tokens prefilled, recomputes included
+    decode_steps: int = 0  # batched one-token forwards
+    decode_rows: int = 0  # sum of the batch sizes of those forwards
+    live_rows: int = 0  # sum of the unfinished rows of those forwards
+    forks: int = 0  # rows forked (one per parent row and fork point)
+    generated_tokens: int = 0  # tokens in the returned completions
+    recomputes: int = 0  # KV recomputations after a weight update
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    reallocations: int = 0  # running batch rebuilt for a longer prompt
+    kv_slots: int = 0  # most K/V token slots held (prompt stores + fork segments + row stores)
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
