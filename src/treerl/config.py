@@ -38,6 +38,8 @@ class TaskConfig:
     kwargs: dict = field(default_factory=dict)  # passed to the task's constructor
     max_turns: int = 4  # multi-turn environments
     max_episode_tokens: int = 512
+    agent: str | None = None  # module:function, async def agent(client, problem) -> reward (README, "Agents")
+    agent_timeout_s: float = 120.0  # an agent episode running longer fails (dropped from the step, counted)
 
 
 @dataclass
@@ -50,6 +52,9 @@ class RolloutConfig:
     max_new_tokens: int | None = None  # None: the task's recommendation
     branch_every: int = 0  # tree rollouts: fork a partial response every N tokens (0: off)
     branch_factor: int = 2
+    backend: str = "embedded"  # embedded (in-process engine), serve (treerl serve on loopback), remote
+    server_url: str | None = None  # remote: an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1
+    server_model: str = "treerl"  # the served model's name (requests' model field)
 
 
 @dataclass

@@ -152,6 +152,11 @@ class Trainer:
         self.epoch = 0
         self._order = self._shuffled(0)
         self.max_new_tokens = config.rollout.max_new_tokens or self.task.max_new_tokens
+        self.agents = None  # agent episodes / a served or remote rollout backend (treerl.agents)
+        if config.task.agent or config.rollout.backend != "embedded":
+            from .agents import AgentRollout
+
+            self.agents = AgentRollout(config, self.rollout, self.tokenizer, self.task, self.max_new_tokens, self.model)
         if self.dist and self.dist.rank:  # ranks sample their own prompts with their own streams
             torch.manual_seed(config.train.seed + 7919 * self.dist.rank)
 
@@ -288,6 +293,8 @@ class Trainer:
         """Roll out ``n`` samples (episodes) per problem and score them."""
         self.model.eval()
         try:
+            if self.agents is not None:
+                return [Sample(**fields) for fields in self.agents.generate(problems, n, greedy)]
             if self.multi_turn:
                 return self._episodes(problems, n, greedy)
             return self._single_turn(problems, n, greedy)
@@ -380,7 +387,10 @@ class Trainer:
         samples = self.generate_samples(mine, self.cfg.rollout.group_size) if mine else []
         if self.dist:
             samples = self._gather_samples(samples)
-        return self.train_on(samples, rollout_seconds=time.perf_counter() - t0)
+        metrics = self.train_on(samples, rollout_seconds=time.perf_counter() - t0)
+        if self.agents is not None:
+            metrics.update(self.agents.pop_metrics())
+        return metrics
 
     def train_on(self, samples: list[Sample], rollout_seconds: float = 0.0,
                  proximal: str = "recompute") -> dict[str, float]:
