@@ -70,7 +70,7 @@ def create_app(state: ServeState) -> FastAPI:
     async def completions(request: Request):
         req = _parse(CompletionRequest, await request.body())
         prompt = req.single_prompt
-        ids = _encode(state, prompt, "prompt") if isinstance(prompt, str) else _check_ids(state, prompt, "prompt")
+        ids = _check_ids(state, _encode(state, prompt, "prompt") if isinstance(prompt, str) else prompt, "prompt")
         samples, key = await _generate(state, req, ids, "prompt")
         choices = []
         for j, c in enumerate(samples):
