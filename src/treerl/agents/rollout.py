@@ -27,6 +27,7 @@ import importlib
 import sys
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -136,6 +137,8 @@ class AgentRollout:
                 self.base_url = self.server.url
             else:
                 self.base_url = "http://treerl.in-process/v1"
+        # the server thread and engine loop stop when this object goes (or with close())
+        self._finalizer = weakref.finalize(self, _shutdown, self.server, self.state)
 
     # ----------------------------------------------------------------- weights
     def push_weights(self, model: Any, version: int) -> None:
@@ -245,7 +248,11 @@ class AgentRollout:
         return results
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-        elif self.state is not None:
-            self.state.loop.stop()
+        self._finalizer()
+
+
+def _shutdown(server: Any, state: Any) -> None:
+    if server is not None:
+        server.stop()
+    elif state is not None:
+        state.loop.stop()
