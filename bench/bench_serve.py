@@ -63,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--tool-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--prefix-cache-tokens", type=int, default=1 << 18)
+    p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args(argv)
