@@ -190,3 +190,12 @@ def test_bad_agent_settings_are_one_line_config_errors(tmp_path, override, messa
     extra = ["task.agent=treerl.agents.calculator:agent"] if "timeout" in override else []
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make_trainer(tmp_path, *extra, override)
+
+
+def test_run_summary_shows_tree_tokens_and_agent_episodes():
+    from treerl.metrics import summary
+
+    rows = [{"step": 1, "tree/flat_tokens": 300, "tree/tree_tokens": 100, "agent/episodes": 8, "agent/failed_episodes": 1},
+            {"step": 2, "tree/flat_tokens": 500, "tree/tree_tokens": 100, "agent/episodes": 8, "agent/failed_episodes": 0}]
+    text = summary(rows, 3.0)
+    assert "flat 800   unique 200   (4.00x)" in text and "agent episodes (training)      16, failed 1" in text
