@@ -178,13 +178,14 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_server_keeps_serving(serv
 
 
 class BlockAfter:
-    """A forward pre-hook on the served model: after ``calls`` forwards, set ``reached``
-    and wait (in the engine's thread) until ``until()`` holds."""
+    """A pre-hook on the served model's input embedding (every forward calls it, whichever
+    decode path runs): after ``calls`` forwards, set ``reached`` and wait (in the engine's
+    thread, inside the forward) until ``until()`` holds."""
 
     def __init__(self, model, calls: int, until):
         self.count, self.calls, self.until = 0, calls, until
         self.reached = threading.Event()
-        self.handle = model.register_forward_pre_hook(self)
+        self.handle = model.get_input_embeddings().register_forward_pre_hook(self)
 
     def __call__(self, module, args):
         self.count += 1
