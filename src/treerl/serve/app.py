@@ -176,8 +176,10 @@ async def _generate(state: ServeState, req: _Request, ids: list[int], param: str
     key = _sampling_key(state, req, len(ids))
     try:
         samples = await asyncio.wrap_future(state.loop.submit(ids, key, req.n))
-    except RuntimeError as err:
-        raise APIError(f"generation failed: {err}", None, status=503, type="server_error") from None
+    except Exception as err:  # noqa: BLE001 - the client gets a JSON error, the server goes on
+        status = 503 if "shutting down" in str(err) or "stopped" in str(err) else 500
+        raise APIError(f"generation failed: {type(err).__name__}: {err}", None, status=status,
+                       type="server_error") from None
     return samples, key
 
 
