@@ -109,7 +109,7 @@ def in_process(args, loop: EngineLoop, vocab: int) -> dict:
 def served(args, server: ServerThread, vocab: int) -> dict:
     import openai
 
-    from treerl.agents.record import http_module
+    from treerl.serve.client import http_module
 
     async def main():
         http = http_module()

@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from treerl.agents.record import http_module
+from treerl.serve.client import http_module
 from treerl.checkpoint import save_checkpoint
 from treerl.models import build_model
 from treerl.rollout import RolloutEngine
@@ -99,6 +99,27 @@ def test_openai_client_drives_treerl_serve(served):
         assert np.allclose(x["token_logprobs"], expected.numpy(), atol=1e-4)
         assert choice.text == tok.decode(ids, skip_special_tokens=True)
         assert choice.finish_reason == ("stop" if ids[-1] == tok.eos_token_id else "length")
+
+
+def test_in_process_client_has_the_same_api():
+    from treerl.serve import in_process_client
+
+    tok = CharTokenizer()
+    state = make_state(RolloutEngine(tiny_model(tok=tok)), tok)
+
+    async def main():
+        c = in_process_client(state)
+        r = await c.chat.completions.create(model="treerl", messages=[{"role": "user", "content": "2*3"}],
+                                            max_tokens=3, n=2)
+        with pytest.raises(openai.BadRequestError):
+            await c.chat.completions.create(model="treerl", messages=[], max_tokens=3)
+        return r
+
+    try:
+        r = asyncio.run(main())
+    finally:
+        state.loop.stop()
+    assert len(r.choices) == 2 and all(ch.model_extra["token_ids"] for ch in r.choices)
 
 
 def test_stop_token_ids_and_stop_strings(served):

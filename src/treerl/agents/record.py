@@ -20,14 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def http_module():
-    """The HTTP library the installed ``openai`` package is built on (``httpx`` or ``httpx2``)."""
-    import importlib
-
-    import openai
-
-    return importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
+from ..serve.client import http_module
 
 
 @dataclass

@@ -36,7 +36,8 @@ from ..config import Config, ConfigError
 from ..tasks.base import Problem, Task, _short
 from ..tasks.env import ChatFormat
 from .episode import EpisodeReward, as_reward, episode_sequences
-from .record import EpisodeLog, http_module, recording_transport
+from ..serve.client import IN_PROCESS_URL, asgi_transport, http_module
+from .record import EpisodeLog, recording_transport
 
 BACKENDS = ("embedded", "serve", "remote")
 Agent = Callable[[Any, Problem], Awaitable[Any]]
@@ -136,7 +137,7 @@ class AgentRollout:
                 self.server = ServerThread(self.state).start()
                 self.base_url = self.server.url
             else:
-                self.base_url = "http://treerl.in-process/v1"
+                self.base_url = IN_PROCESS_URL
         # the server thread and engine loop stop when this object goes (or with close())
         self._finalizer = weakref.finalize(self, _shutdown, self.server, self.state)
 
@@ -218,9 +219,7 @@ class AgentRollout:
 
         http = http_module()
         if self.backend == "embedded":
-            from ..serve.app import create_app
-
-            inner = http.ASGITransport(app=create_app(self.state))
+            inner = asgi_transport(self.state)
         else:
             inner = http.AsyncHTTPTransport()
         force = {"temperature": 0.0} if greedy else {}
