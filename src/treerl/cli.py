@@ -125,7 +125,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="0: an ephemeral port (printed)")
     p.add_argument("--model-name", default="treerl", help="the name clients pass as model")
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
-    p.add_argument("--max-rows", type=int, default=None, help="most rows of the running batch")
+    p.add_argument("--max-rows", type=int, default=256, help="most rows of the running batch")
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16,
                    help="K/V tokens of prompts kept for later turns that extend them (0: off)")
     p.add_argument("--device", default="cpu")
