@@ -43,6 +43,7 @@ def served():
     tok = CharTokenizer()
     engine = RolloutEngine(tiny_model(tok=tok), prefix_cache_tokens=4096)
     server = ServerThread(make_state(engine, tok, ServeOptions(default_max_tokens=8))).start()
+    engine._test_loop = server.state.loop
     yield server, engine, tok
     server.stop()
 
@@ -56,6 +57,9 @@ def greedy_text_without_eos(engine, tok, n_tokens: int, plain: bool = False) -> 
     first ``n_tokens`` (random weights: found by trying prompts)."""
     from treerl.rollout import SamplingParams
 
+    served_loop = getattr(engine, "_test_loop", None)
+    if served_loop is not None:
+        served_loop.drain()  # no stream of the server may be open while generate runs on the engine
     for i in range(200):
         prompt = tok.encode(f"q{i}?", add_special_tokens=True)
         ids = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=n_tokens))[0][0].completion_ids
@@ -87,6 +91,7 @@ def test_openai_client_drives_treerl_serve(served):
         return r, prompt
 
     r, prompt = asyncio.run(main())
+    server.state.loop.drain()  # the model is the engine's: no stream may be open while we call it
     # behaviour logprobs and text agree with the model (an independent teacher-forced forward)
     for choice in r.choices:
         x = choice.model_extra

@@ -16,8 +16,9 @@ it drains and the oldest waiting key runs next (first come, first served across 
 starvation). Agents of one training run share one key, so they share one batch.
 
 A stream ends after ``idle_timeout_s`` without work (its device buffers are freed; the
-next request starts a new one). :meth:`drain` waits until nothing runs — the trainer calls
-it before training on a model the engine shares. Weight updates
+next request starts a new one, with new CUDA graphs: the timeout bridges the gaps between an
+agent's turns). :meth:`drain` waits until nothing runs and ends an idle stream at once — the
+trainer calls it before training on a model the engine shares. Weight updates
 (:meth:`RolloutEngine.update_weights` from any thread) interrupt the running stream between
 decode steps: unfinished rows recompute their K/V under the new weights, and every token
 keeps the version of the weights that sampled it.
@@ -81,7 +82,7 @@ class EngineLoop:
     strings."""
 
     def __init__(self, engine: RolloutEngine, *, decode: Any = None, max_rows: int | None = None,
-                 idle_timeout_s: float = 0.05):
+                 idle_timeout_s: float = 1.0):
         self.engine, self.decode, self.max_rows = engine, decode, max_rows
         self.idle_timeout_s = float(idle_timeout_s)
         self.stats = LoopStats()
@@ -119,10 +120,16 @@ class EngineLoop:
         return fut
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until no request is waiting or running and no stream is open; False on timeout."""
+        """Wait until no request is waiting or running and no stream is open (an idle stream
+        is ended at once, without its idle timeout); False on timeout."""
+
+        def drained() -> bool:
+            if self._current is not None and not self._pending and not self._inflight:
+                self._current[1].close()
+            return self._stopped or (self._current is None and not self._pending and not self._inflight)
+
         with self._cond:
-            return self._cond.wait_for(lambda: self._stopped or (
-                self._current is None and not self._pending and not self._inflight), timeout)
+            return self._cond.wait_for(drained, timeout)
 
     @property
     def busy(self) -> int:

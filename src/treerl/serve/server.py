@@ -26,7 +26,7 @@ class ServeOptions:
     model_name: str = "treerl"
     default_max_tokens: int = 256  # when a request sets no max_tokens (capped by the context)
     max_rows: int | None = 256  # rows of the running batch (None: as the K/V budget allows)
-    idle_timeout_s: float = 0.05  # a running batch ends after this long without work
+    idle_timeout_s: float = 1.0  # a running batch ends after this long without work
     prefix_cache_tokens: int = 0  # the engine's prefix cache (0: off)
 
 
