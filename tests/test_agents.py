@@ -5,7 +5,6 @@ hanging agents are dropped and counted."""
 
 from __future__ import annotations
 
-import asyncio
 import textwrap
 
 import pytest

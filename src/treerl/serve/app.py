@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from ..rollout import Completion
 from .chat import chat_prompt_ids
 from .loop import EngineLoop, SamplingKey
-from .protocol import APIError, ChatRequest, CompletionRequest, WeightsRequest, _Request, validation_error
+from .protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest, WeightsRequest, validation_error
 
 
 @dataclass
@@ -71,7 +71,7 @@ def create_app(state: ServeState) -> FastAPI:
         req = _parse(CompletionRequest, await request.body())
         prompt = req.single_prompt
         ids = _check_ids(state, _encode(state, prompt, "prompt") if isinstance(prompt, str) else prompt, "prompt")
-        samples, key = await _generate(state, req, ids, "prompt")
+        samples, key = await _generate(state, req, ids)
         choices = []
         for j, c in enumerate(samples):
             text = _text(state, c, req.include_stop_str_in_output)
@@ -88,7 +88,7 @@ def create_app(state: ServeState) -> FastAPI:
         except ValueError as err:  # a character the tokenizer cannot encode
             raise APIError(f"messages cannot be tokenized: {err}", "messages") from None
         ids = _check_ids(state, ids, "messages")
-        samples, key = await _generate(state, req, ids, "messages")
+        samples, key = await _generate(state, req, ids)
         choices = []
         for j, c in enumerate(samples):
             choice = {"index": j, "message": {"role": "assistant",
@@ -146,7 +146,7 @@ def _check_ids(state: ServeState, ids: list[int], param: str) -> list[int]:
     return ids
 
 
-def _sampling_key(state: ServeState, req: _Request, prompt_len: int) -> SamplingKey:
+def _sampling_key(state: ServeState, req: SamplingRequest, prompt_len: int) -> SamplingKey:
     context = state.engine.max_positions
     room = None if context is None else context - prompt_len
     if req.max_tokens is None:
@@ -169,7 +169,7 @@ def _sampling_key(state: ServeState, req: _Request, prompt_len: int) -> Sampling
                        stop_strings=req.stop_strings)
 
 
-async def _generate(state: ServeState, req: _Request, ids: list[int], param: str) -> tuple[list[Completion], SamplingKey]:
+async def _generate(state: ServeState, req: SamplingRequest, ids: list[int]) -> tuple[list[Completion], SamplingKey]:
     if req.model != state.model_name:
         raise APIError(f"model {req.model!r} is not served here; this server serves {state.model_name!r}",
                        "model", status=404, code="model_not_found")

@@ -31,7 +31,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class _Request(BaseModel):
+class SamplingRequest(BaseModel):
+    """Fields both completion endpoints share (sampling settings, stops, ignored extras)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str
@@ -81,7 +83,7 @@ class _Request(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt, text or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -133,7 +135,7 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatRequest(_Request):
+class ChatRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
