@@ -1,4 +1,4 @@
-"""The `treerl` command line: train, eval, bench, tree-stats."""
+"""The `treerl` command line: train, eval, serve, bench, tree-stats."""
 
 from __future__ import annotations
 
@@ -104,10 +104,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve.server import serve
+
+    return serve(args)
+
+
 def cmd_tree_stats(args: argparse.Namespace) -> int:
     from .tree_stats import main as stats_main
 
     return stats_main(args.rollouts, plot=args.plot)
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML config whose model section builds the model (optional)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.add_argument("--weights", metavar="PATH",
+                   help="a treerl checkpoint or run directory, or a Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: an ephemeral port (printed)")
+    p.add_argument("--model-name", default="treerl", help="the name clients pass as model")
+    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
+    p.add_argument("--max-rows", type=int, default=256, help="most rows of the running batch")
+    p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16,
+                   help="K/V tokens of prompts kept for later turns that extend them (0: off)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="default: the config's / checkpoint's")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -136,6 +158,11 @@ def parser() -> argparse.ArgumentParser:
                        description="Tree-vs-flat engine benchmark (see `treerl bench --help`).")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
+    v = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a model (a checkpoint, or built from a config) as an OpenAI-compatible "
+                                   "HTTP server with token ids, logprobs and weight versions (README, 'Agents').")
+    _serve_arguments(v)
+    v.set_defaults(func=cmd_serve)
     s = sub.add_parser("tree-stats", help="prefix-sharing statistics of a rollouts JSONL file",
                        description="Sharing statistics of rollouts (one JSON object per line with token_ids; "
                                    "lines with the same 'step' form one batch).")

@@ -38,6 +38,8 @@ class TaskConfig:
     kwargs: dict = field(default_factory=dict)  # passed to the task's constructor
     max_turns: int = 4  # multi-turn environments
     max_episode_tokens: int = 512
+    agent: str | None = None  # module:function, async def agent(client, problem) -> reward (README, "Agents")
+    agent_timeout_s: float = 120.0  # an agent episode running longer fails (dropped from the step, counted)
 
 
 @dataclass
@@ -53,6 +55,9 @@ class RolloutConfig:
     # K/V of earlier prompts kept for prompts that extend them (the next turn of an episode), in
     # tokens; None: multi-turn tasks prompts_per_step x group_size x task.max_episode_tokens, else 0
     prefix_cache_tokens: int | None = None
+    backend: str = "embedded"  # embedded (in-process engine), serve (treerl serve on loopback), remote
+    server_url: str | None = None  # remote: an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1
+    server_model: str = "treerl"  # the served model's name (requests' model field)
 
 
 @dataclass

@@ -145,6 +145,14 @@ def summary(rows: list[dict], wall_s: float, extra: dict | None = None, sft_step
         a, b = first_last(key, window)
         if a is not None:
             lines.append(f"{label:30} start {a:10.4g}   end {b:10.4g}")
+    flat = sum(r.get("tree/flat_tokens", 0) for r in rows)
+    unique = sum(r.get("tree/tree_tokens", 0) for r in rows)
+    if flat and unique:
+        lines.append(f"{'tree tokens (all RL steps)':30} flat {flat:,.0f}   unique {unique:,.0f}   ({flat / unique:.2f}x)")
+    episodes = sum(r.get("agent/episodes", 0) for r in rows)
+    if episodes:
+        failed = sum(r.get("agent/failed_episodes", 0) for r in rows)
+        lines.append(f"{'agent episodes (training)':30} {episodes:,.0f}, failed {failed:,.0f}")
     lines.append(f"{'steps':30} {format_steps(rows[-1]['step'] if rows else 0, sft_steps)}")
     lines.append(f"{'wall time':30} {format_duration(wall_s)}")
     for k, v in (extra or {}).items():

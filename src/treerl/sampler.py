@@ -41,12 +41,16 @@ class Sampler:
         self.rollout = RolloutEngine(copy.deepcopy(model) if dist else model, version=0,
                                      prefix_cache_tokens=self._prefix_cache_tokens())
         self.max_new_tokens = cfg.rollout.max_new_tokens or task.max_new_tokens
+        self.agents = None  # agent episodes / a served or remote rollout backend (treerl.agents)
+        if cfg.task.agent or cfg.rollout.backend != "embedded":
+            from .agents import AgentRollout
+
+            self.agents = AgentRollout(cfg, self.rollout, tokenizer, task, self.max_new_tokens, model)
         self.train_problems = task.train_problems(seed=cfg.train.seed)
         if not self.train_problems:
             raise ConfigError(f"task {task.name!r} has no training problems (empty dataset)")
         self.restore(cursor=0, epoch=0)
 
-    # ------------------------------------------------------------- data order
     def _prefix_cache_tokens(self) -> int:
         """``rollout.prefix_cache_tokens``, or by default: room for every episode's context of
         a step for multi-turn tasks (turn t + 1 then prefills only its new tokens), else 0."""
@@ -57,6 +61,7 @@ class Sampler:
             return int(r.prefix_cache_tokens)
         return r.prompts_per_step * r.group_size * self.cfg.task.max_episode_tokens if self.multi_turn else 0
 
+    # ------------------------------------------------------------- data order
     def restore(self, cursor: int, epoch: int) -> None:
         """Continue the data order at ``cursor`` of ``epoch`` (a fresh run: 0, 0)."""
         self.cursor, self.epoch = cursor, epoch  # cursor: position in the shuffled problems
@@ -99,6 +104,8 @@ class Sampler:
         """Roll out ``n`` samples (episodes) per problem and score them."""
         self.model.eval()
         try:
+            if self.agents is not None:
+                return [Sample(**fields) for fields in self.agents.generate(problems, n, greedy)]
             if self.multi_turn:
                 return self._episodes(problems, n, greedy)
             return self._single_turn(problems, n, greedy)

@@ -85,6 +85,11 @@ class Trainer:
         return self.sampler.rollout
 
     @property
+    def agents(self):
+        """Agent episodes / a served or remote rollout backend (treerl.agents), or None."""
+        return self.sampler.agents
+
+    @property
     def format(self):
         return self.sampler.format
 
@@ -125,7 +130,10 @@ class Trainer:
         t0 = time.perf_counter()
         samples = self.sampler.step_samples(self.next_problems(self.cfg.rollout.prompts_per_step),
                                             self.cfg.rollout.group_size)
-        return self.train_on(samples, rollout_seconds=time.perf_counter() - t0)
+        metrics = self.train_on(samples, rollout_seconds=time.perf_counter() - t0)
+        if self.agents is not None:
+            metrics.update(self.agents.pop_metrics())
+        return metrics
 
     def train_on(self, samples: list[Sample], rollout_seconds: float = 0.0,
                  proximal: str = "recompute") -> dict[str, float]:

@@ -1,0 +1,17 @@
+"""treerl.serve: the rollout engine as an OpenAI-compatible HTTP server (``treerl serve``).
+
+- :mod:`~treerl.serve.loop`: :class:`EngineLoop`, one continuous batch fed by many clients;
+- :mod:`~treerl.serve.app`: the FastAPI app (``/v1/completions``, ``/v1/chat/completions``,
+  ``/health``, ``/update_weights_from_disk``), token ids / logprobs / versions in responses;
+- :mod:`~treerl.serve.server`: :class:`ServerThread` (uvicorn) and the ``treerl serve`` command;
+- :mod:`~treerl.serve.weights`: checkpoints in and out of a serving engine;
+- :mod:`~treerl.serve.client`: :func:`in_process_client`, the same API without a socket.
+
+Needs the ``serve`` extra (fastapi, uvicorn); the agent clients need ``openai``.
+"""
+
+from .client import in_process_client
+from .loop import EngineLoop, SamplingKey
+from .server import ServeOptions, ServerThread, make_state
+
+__all__ = ["in_process_client", "EngineLoop", "SamplingKey", "ServeOptions", "ServerThread", "make_state"]
