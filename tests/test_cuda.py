@@ -7,6 +7,7 @@ import torch
 
 import treerl
 from treerl.models import build_model
+from conftest import tree_sizes
 from treerl.workloads import SCALES, make_workload
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -100,7 +101,9 @@ def test_compiled_and_recomputed_blocks_float32(mode, compile):
     engine = treerl.TreeEngine(model, mode, attention="flex", compile=compile)
     m = engine.memory_model
     assert m.measured and m.recompute_per_token < m.per_token
-    engine.memory_budget = int(m.fixed + 8 * m.per_token)  # calls over ~8 tokens recompute
+    # the largest tree fits one call only with its blocks recomputed (packed runs trees whole)
+    largest = max(tree_sizes(treerl.PrefixTree.from_sequences([s.tolist() for s in seqs])))
+    engine.memory_budget = int(m.fixed + largest * m.recompute_per_token)
     assert engine.recomputes(64)
     model.zero_grad()
     engine.forward_backward(seqs, loss_fn)
