@@ -40,23 +40,30 @@ class _RaySlot:
 
 
 class RayPool(WorkerPool):
-    def __init__(self, address: str | None = None, num_cpus: float = 1, num_gpus: float = 0):
+    """Rollout workers as Ray actors (``num_cpus``, ``num_gpus`` and custom ``resources``
+    each); their queues live on this process's node, so losing a worker's node loses only
+    the worker."""
+
+    def __init__(self, address: str | None = None, num_cpus: float = 1, num_gpus: float = 0,
+                 resources: dict[str, float] | None = None):
         import ray
         from ray.util.queue import Queue
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False)
         self.ray, self.Queue = ray, Queue
-        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self.num_cpus, self.num_gpus, self.resources = num_cpus, num_gpus, dict(resources or {})
+        self.here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         self.Actor = _actor_class(ray)
         self.slots: dict[int, _RaySlot] = {}
 
     def start(self, spec: WorkerSpec) -> None:
         if spec.index in self.slots:
             self.kill(spec.index)
-        opts = {"num_cpus": 0}
+        opts = {"num_cpus": 0, "scheduling_strategy": self.here}
         tasks, results = self.Queue(actor_options=opts), self.Queue(actor_options=opts)
-        actor = self.Actor.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus,
+        actor = self.Actor.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, resources=self.resources,
                                    name=f"treerl-rollout-{spec.index}.{spec.incarnation}").remote()
         self.slots[spec.index] = _RaySlot(actor, actor.serve.remote(spec, tasks, results), tasks, results)
 

@@ -68,6 +68,8 @@ class AsyncOptions:
     poll_s: sleep between polls when there is nothing to do.
     start_timeout_s: how long a worker may take to build its model and report ready.
     deadline_s: fail the run (TimeoutError) after this many seconds (None: no limit).
+    ray_worker: Ray actor options of each rollout worker under ``launcher="ray"``
+        (``num_cpus``, ``num_gpus``, ``resources``: e.g. ``{"resources": {"rollout": 1}}``).
     """
 
     prompts_per_unit: int = 1
@@ -85,13 +87,13 @@ class AsyncOptions:
     poll_s: float = 0.002
     start_timeout_s: float = 600.0
     deadline_s: float | None = None
-
+    ray_worker: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg: Config, **overrides: Any) -> "AsyncOptions":
         """Options from ``cfg.async_``: every field of this class that the config section
         has (so new ``AsyncConfig`` fields of the same names take effect), then ``overrides``."""
-        names = {f for f in cls.__dataclass_fields__ if f not in ("faults",)}
+        names = {f for f in cls.__dataclass_fields__ if f not in ("faults", "ray_worker")}
         values = {k: getattr(cfg.async_, k) for k in names if hasattr(cfg.async_, k)}
         values.update(overrides)
         return cls(**values)
@@ -148,7 +150,7 @@ class AsyncRunner:
         # rollout copy holds them (gathered after every optimizer step)
         self.weights = trainer.rollout.model if trainer.dist else trainer.model
         self.publisher = self._publisher()
-        self.pool: WorkerPool = make_pool(o.launcher)
+        self.pool: WorkerPool = make_pool(o.launcher, **(o.ray_worker if o.launcher == "ray" else {}))
         self.workers = {i: WorkerInfo(i, d) for i, d in enumerate(devices)}
         self.train_time, self.call_time = _Ema(), _Ema()
         self.counters = {"restarts": 0, "gen_tokens": 0, "gen_seconds": 0.0, "recomputes": 0, "ignored_messages": 0}

@@ -56,10 +56,13 @@ FAULT_KINDS = ("exit", "hang")
 class FaultPlan:
     """Fault injection for tests and drills: after ``after_decode_steps`` model calls of
     generation, the worker's first incarnation exits abruptly (``exit``: ``os._exit``, no
-    message) or hangs inside the model call (``hang``). Restarted incarnations are healthy."""
+    message) or hangs inside the model call (``hang``). Restarted incarnations are healthy.
+    ``notify``: the name of a Ray actor whose ``set(node_id)`` is called first (Ray launcher
+    drills: the test learns which node to kill, and when)."""
 
     kind: str
     after_model_calls: int
+    notify: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -207,6 +210,10 @@ class RolloutWorker:
         self.state.model_calls += 1
         fault = self.spec.fault
         if fault is not None and self.spec.incarnation == 0 and self.state.model_calls >= fault.after_model_calls:
+            if fault.notify:
+                import ray
+
+                ray.get(ray.get_actor(fault.notify).set.remote(ray.get_runtime_context().get_node_id()))
             if fault.kind == "exit":
                 os._exit(17)
             while True:  # hang: the model call never returns
