@@ -6,23 +6,17 @@ segments; prefix-cache hits; a budget of one tree at a time; multi-level attenti
 
 import copy
 from itertools import product
-from math import prod
 
 import pytest
 import torch
 
+from rollout_util import VOCAB, random_prompts, sampling, target_length, tiny
+from rollout_util import greedy_reference as _greedy_reference
 from conftest import completion_logprobs
-from treerl.models import build_model, rmsnorm_in_input_precision
+from treerl.models import rmsnorm_in_input_precision
 from treerl.rollout import PromptQueue, RolloutEngine, SamplingParams, TreeLayout
 
-VOCAB = 512
 MAX_NEW = 20
-STOP = "#" * 10  # long enough that the stop-string search always decodes the whole completion
-
-
-def tiny(dtype=torch.float64, seed=0):
-    model = build_model("qwen3", "tiny", dtype=dtype, seed=seed)
-    return rmsnorm_in_input_precision(model) if dtype == torch.float64 else model
 
 
 @pytest.fixture(scope="module")
@@ -30,36 +24,12 @@ def model():
     return tiny()
 
 
-def target_length(ids):
-    """Completion length set by its first token: 2..18 (a stop string appears there)."""
-    return 2 + (int(ids[0]) * 7) % 17
-
-
-def decode(ids):
-    ids = list(ids)
-    return "x" * len(ids) + (STOP if ids and len(ids) >= target_length(ids) else "")
-
-
 def params(**kw):
-    base = dict(n=2, temperature=0, max_new_tokens=MAX_NEW, stop_strings=[STOP], decode=decode)
-    base.update(kw)
-    return SamplingParams(**base)
-
-
-def random_prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return sampling(MAX_NEW, **kw)
 
 
 def greedy_reference(model, prompt, max_new=MAX_NEW):
-    """Greedy continuation by full forwards (no cache, no padding) until the length rule."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_new):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            if len(ids) - len(prompt) >= target_length(ids[len(prompt):]):
-                break
-    return ids[len(prompt):]
+    return _greedy_reference(model, prompt, max_new)
 
 
 def check_greedy_trees(model, groups, prompts, p: SamplingParams, refs=None):

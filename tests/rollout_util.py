@@ -1,0 +1,51 @@
+"""Shared pieces of the rollout tests: a tiny random Qwen3, prompts, and a completion-length
+rule that ends every greedy completion with a stop string at a length set by its first
+token (so the stops are exercised without a trained model)."""
+
+from __future__ import annotations
+
+import torch
+
+from treerl.models import build_model, rmsnorm_in_input_precision
+from treerl.rollout import SamplingParams
+
+VOCAB = 512
+STOP = "#" * 10  # long enough that the stop-string search always decodes the whole completion
+
+
+def tiny(dtype=torch.float64, seed=0):
+    model = build_model("qwen3", "tiny", dtype=dtype, seed=seed)
+    return rmsnorm_in_input_precision(model) if dtype == torch.float64 else model
+
+
+def target_length(ids):
+    """Completion length set by its first token: 2..18 (a stop string appears there)."""
+    return 2 + (int(ids[0]) * 7) % 17
+
+
+def decode(ids):
+    ids = list(ids)
+    return "x" * len(ids) + (STOP if ids and len(ids) >= target_length(ids) else "")
+
+
+def sampling(max_new: int, **kw) -> SamplingParams:
+    """Greedy, ``n=2``, the stop string of the length rule; ``kw`` overrides."""
+    base = dict(n=2, temperature=0, max_new_tokens=max_new, stop_strings=[STOP], decode=decode)
+    base.update(kw)
+    return SamplingParams(**base)
+
+
+def random_prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy_reference(model, prompt, max_new):
+    """Greedy continuation by full forwards (no cache, no padding) until the length rule."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            if len(ids) - len(prompt) >= target_length(ids[len(prompt):]):
+                break
+    return ids[len(prompt):]
