@@ -13,8 +13,8 @@ VOCAB = 512
 STOP = "#" * 10  # long enough that the stop-string search always decodes the whole completion
 
 
-def tiny(dtype=torch.float64, seed=0):
-    model = build_model("qwen3", "tiny", dtype=dtype, seed=seed)
+def tiny(dtype=torch.float64, seed=0, **overrides):
+    model = build_model("qwen3", "tiny", dtype=dtype, seed=seed, **overrides)
     return rmsnorm_in_input_precision(model) if dtype == torch.float64 else model
 
 

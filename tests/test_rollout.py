@@ -8,26 +8,14 @@ import pytest
 import torch
 
 from conftest import after_each_forward, completion_logprobs
+from rollout_util import VOCAB, random_prompts, tiny
 from treerl import PrefixTree
 from treerl.models import build_model, rmsnorm_in_input_precision
 from treerl.rollout import RolloutEngine, SamplingParams
 
-VOCAB = 512
-
-
-def tiny(dtype=torch.float64, seed=0, **overrides):
-    model = build_model("qwen3", "tiny", dtype=dtype, seed=seed, **overrides)
-    return rmsnorm_in_input_precision(model) if dtype == torch.float64 else model
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny()
-
-
-def random_prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 def greedy_reference(model, prompt, max_new):

@@ -77,10 +77,10 @@ class FusedProjections:
     """Per layer, the Q/K/V projection weights (and biases) concatenated into one matrix, and
     the MLP's gate/up: one matrix product each instead of three and two (a decode step's
     small products are latency-bound). Copies of the model's parameters (memory: those
-    weights once more), refreshed in place: always at the start of a stream and after
-    ``update_weights`` (a fused optimizer step changes parameters without bumping their
-    version counters), and before any decode step after which a parameter's storage or
-    version counter changed."""
+    weights once more), copied again in place at the start of every stream and after
+    ``update_weights``: the only points where the parameters can have changed (a shared
+    policy is trained between streams; a fused optimizer step bumps no version counter, so
+    a change cannot be detected cheaply and is not guessed at)."""
 
     def __init__(self, layers):
         self.layers = list(layers)
@@ -93,7 +93,6 @@ class FusedProjections:
             w, bias = self._cat([mlp.gate_proj, mlp.up_proj])
             self.gate_up_w.append(w)
             self.gate_up_b.append(bias)
-        self.key = self._key()
 
     @staticmethod
     def _cat(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -103,35 +102,16 @@ class FusedProjections:
                 return w, None
             return w, torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
 
-    def _sources(self) -> list[torch.Tensor]:
-        out = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                out.append(m.weight)
-                if m.bias is not None:
-                    out.append(m.bias)
-        return out
-
-    def _key(self) -> tuple:
-        return tuple((p.data_ptr(), p._version) for p in self._sources())
-
-    def refresh(self, force: bool = False) -> None:
-        """Copy the parameters again (in place: captured CUDA graphs keep their pointers) if
-        ``force`` or any changed visibly since the last copy."""
-        key = self._key()
-        if key == self.key and not force:
-            return
+    def refresh(self) -> None:
+        """Copy the parameters again, in place (captured CUDA graphs keep their pointers)."""
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
                 attn, mlp = layer.self_attn, layer.mlp
                 for dst_w, dst_b, linears in ((self.qkv_w[i], self.qkv_b[i], [attn.q_proj, attn.k_proj, attn.v_proj]),
                                               (self.gate_up_w[i], self.gate_up_b[i], [mlp.gate_proj, mlp.up_proj])):
-                    w, bias = self._cat(linears)
-                    dst_w.copy_(w)
+                    torch.cat([m.weight for m in linears], out=dst_w)
                     if dst_b is not None:
-                        dst_b.copy_(bias)
-        self.key = key
+                        dst_b.copy_(self._cat(linears)[1])
 
 
 _PRE, _POST = LazyCompiled(_pre, "decode blocks"), LazyCompiled(_post, "decode blocks")
@@ -151,10 +131,9 @@ class DecodeForward:
     def applies(model: torch.nn.Module) -> bool:
         return type(getattr(model, "base_model", None)).__name__ in OWN_DECODE_FAMILIES
 
-    def refresh(self, force: bool = False) -> None:
-        """Bring the fused projection copies up to date with the model's parameters
-        (``force``: copy whatever the version counters say)."""
-        self.fused.refresh(force)
+    def refresh(self) -> None:
+        """Bring the fused projection copies up to date with the model's parameters."""
+        self.fused.refresh()
 
     @property
     def compiled(self) -> bool:
@@ -165,7 +144,7 @@ class DecodeForward:
                  prefix_mask: torch.Tensor) -> torch.Tensor:
         """``ids/pos [B, 1]`` (``B = hg x G`` rows), the cache with its ``write_index`` set,
         ``own_mask [B, 1, 1, L]``, ``prefix_mask [hg, 1, 1, P]`` -> next-token logits ``[B, V]``.
-        Call :meth:`refresh` before each step (outside a CUDA graph)."""
+        The engine calls :meth:`refresh` whenever the parameters may have changed."""
         base, G = self.base, cache.G
         hidden = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(hidden, pos)

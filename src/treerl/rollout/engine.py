@@ -167,7 +167,7 @@ class RolloutEngine:
                         raise ValueError(f"{k}: shape {tuple(t.shape)} does not match the model's {tuple(own[k].shape)}")
                     own[k].copy_(t)
             if self.decode_forward is not None:
-                self.decode_forward.refresh(force=True)
+                self.decode_forward.refresh()
             self.version = self.version + 1 if version is None else int(version)
             return self.version
 
@@ -256,7 +256,7 @@ class RolloutEngine:
         start = time.perf_counter()
         if self.decode_forward is not None:  # the model may have changed in place since the last stream
             with self._device_lock, torch.no_grad():
-                self.decode_forward.refresh(force=True)
+                self.decode_forward.refresh()
         batch = RunningBatch(self, queue, params, generator, groups, prefix_capacity, self.max_batch_tokens)
         with rollout_attention_enabled(self.model):
             for group in batch.run():

@@ -657,8 +657,6 @@ class RunningBatch:
             step = self.steps_cache[(hg, own_len)] = BatchStep(e, self, hg, own_len, pre_len)
         elif self.exact:
             step.prefix_mask = self.prefix_mask[:hg, None, None, :pre_len]
-        if e.decode_forward is not None:
-            e.decode_forward.refresh()  # fused projection copies, if the parameters changed
         step()  # writes the logits of rows [:hi] into self.logits
         self.fed += self.live_d  # plain groups: ``fed`` is ``fill``
         self.pos += self.live_d
