@@ -42,13 +42,11 @@ CONFIGS = {
 
 def engine_config(name: str) -> dict:
     """A named configuration, or ``MODE-bFRACTION`` (e.g. ``auto-b0.3``: a memory budget
-    of 30% of the device); either with ``@BACKEND`` for an attention backend (``auto@flash``)."""
-    name, _, attention = name.partition("@")
-    extra = dict(attention=attention) if attention else {}
+    of 30% of the device)."""
     if name in CONFIGS:
-        return {**CONFIGS[name], **extra}
+        return CONFIGS[name]
     mode, _, budget = name.partition("-b")
-    return dict(mode=mode, memory_budget=float(budget), **extra)
+    return dict(mode=mode, memory_budget=float(budget))
 
 
 def workload(name: str, vocab: int, scale: str):

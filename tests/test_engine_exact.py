@@ -76,7 +76,6 @@ def check_engine(
     tree_input="list",
     logits_chunk_elements=None,
     memory_budget=None,
-    attention="auto",
 ):
     """Engine logprobs/entropies/loss/gradients vs the per-sequence reference.
     With ``memory_budget``, the engine plans by it (``max_tokens`` unused)."""
@@ -94,8 +93,7 @@ def check_engine(
     if memory_budget is not None:
         extra.update(memory_budget=memory_budget)
         max_tokens = None
-    engine = TreeEngine(model, mode, max_tokens=max_tokens, chunk_tokens=chunk_tokens, temperature=temperature,
-                        attention=attention, **extra)
+    engine = TreeEngine(model, mode, max_tokens=max_tokens, chunk_tokens=chunk_tokens, temperature=temperature, **extra)
     given_tree = {
         "list": lambda: seqs,
         "tensors": lambda: [torch.tensor(s) for s in seqs],
@@ -158,8 +156,6 @@ def engine_setups(draw, mode, alphabets=None):
         # loss head in chunks of 1, 3 or all rows of logits
         logits_chunk_elements=draw(st.sampled_from([None, VOCAB, 3 * VOCAB + 5])),
         seed=draw(st.integers(0, 2**32 - 1)),
-        # CPU: SDPA with the dense tree mask, or the varlen parts merged by LSE (math kernels)
-        attention=draw(st.sampled_from(["sdpa", "flash"])),
     )
 
 
@@ -171,8 +167,7 @@ def run_setup(setup, mode, dtype):
     )
     check_engine(
         model, setup["seqs"], mode, loss,
-        **{k: setup[k] for k in ("max_tokens", "chunk_tokens", "entropy", "separable", "temperature", "tree_input", "logits_chunk_elements",
-                                        "attention")},
+        **{k: setup[k] for k in ("max_tokens", "chunk_tokens", "entropy", "separable", "temperature", "tree_input", "logits_chunk_elements")},
     )
 
 
@@ -202,17 +197,6 @@ MODE_KW = {
     "dfs": dict(chunk_tokens=5, logits_chunk_elements=VOCAB),
     "auto": dict(max_tokens=13, chunk_tokens=4),  # chains, retained and recomputed
 }
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_flash_backend_every_mode(mode, gen):
-    """The varlen-parts attention (CPU: its exact math kernels) in every mode's plans:
-    chains, prefixes from earlier calls, split nodes."""
-    seqs = shaped_forest(gen, SPEC)
-    model = get_model("qwen3", torch.float64)
-    loss = RandomLoss.make(seqs, gen, coupled=True)
-    engine = check_engine(model, seqs, mode, loss, entropy=True, attention="flash", **MODE_KW[mode])
-    assert engine.attention == "flash"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

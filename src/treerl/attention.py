@@ -29,11 +29,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from .tree_flash import TreeParts, tree_flash_attention, tree_parts
-
 ATTN_NAME = "treerl"
 KWARG = "tree_attention"
-BACKENDS = ("sdpa", "flex", "flash")
+BACKENDS = ("sdpa", "flex")
 
 KV = tuple[torch.Tensor, torch.Tensor]  # ([1, kv_heads, n, head_dim], same)
 
@@ -61,13 +59,6 @@ class TreeAttention:
         self.causal = causal and not prefix
         self.captured: dict[int, KV] = {}
         self._mask = None
-        self._parts: TreeParts | None = None
-
-    def parts(self) -> TreeParts:
-        """The varlen flash calls of this call (``flash`` backend), planned once for all layers."""
-        if self._parts is None:
-            self._parts = tree_parts(self.q_index, self.k_index, self.k_end)
-        return self._parts
 
     def mask(self) -> object:
         """The visibility mask, built once per call and shared by all layers."""
@@ -207,10 +198,6 @@ def tree_attention_forward(
     gqa = query.shape[1] != key.shape[1]
     if ctx.causal:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-    elif ctx.backend == "flash":
-        t = lambda x: x[0].transpose(0, 1)  # noqa: E731 - [1, H, N, D] -> [N, H, D]
-        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-        return tree_flash_attention(t(query), t(key), t(value), ctx.parts(), scale)[None], None
     elif ctx.backend == "sdpa":
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=ctx.additive_mask(query.dtype), scale=scaling, enable_gqa=gqa

@@ -309,7 +309,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens)
     p.add_argument("--peak-tflops", type=float, default=d.peak_tflops,
                    help="the device's measured bf16 matmul peak, for the %% peak column (H100/H200: ~798)")
-    p.add_argument("--attention", default=d.attention, choices=["auto", "sdpa", "flex", "flash"])
+    p.add_argument("--attention", default=d.attention, choices=["auto", "sdpa", "flex"])
     p.add_argument("--repeats", type=int, default=d.repeats)
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--seed", type=int, default=d.seed)

@@ -149,9 +149,7 @@ class TreeEngine:
         chunk_tokens: largest piece of a node in one call when nodes are split; also
             the batch budget of ``dfs``.
         compile: compile each decoder block (``None``: on CUDA; Qwen2/Qwen3/Llama).
-        attention: ``"auto"`` (flex on CUDA, SDPA elsewhere), ``"sdpa"``, ``"flex"`` or
-            ``"flash"`` (varlen flash-attention parts merged by log-sum-exp: CUDA bf16/fp16;
-            elsewhere the same decomposition with exact math kernels).
+        attention: ``"auto"`` (flex on CUDA, SDPA elsewhere), ``"sdpa"`` or ``"flex"``.
         temperature: logits are divided by it before the softmax (match the sampler's).
         value_head: make this a critic engine: a module mapping hidden states [T, H] to
             values [T, 1]; every method then yields values where it would yield logprobs
