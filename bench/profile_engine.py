@@ -42,11 +42,13 @@ CONFIGS = {
 
 def engine_config(name: str) -> dict:
     """A named configuration, or ``MODE-bFRACTION`` (e.g. ``auto-b0.3``: a memory budget
-    of 30% of the device)."""
+    of 30% of the device); either with ``@BACKEND`` for an attention backend (``auto@flash``)."""
+    name, _, attention = name.partition("@")
+    extra = dict(attention=attention) if attention else {}
     if name in CONFIGS:
-        return CONFIGS[name]
+        return {**CONFIGS[name], **extra}
     mode, _, budget = name.partition("-b")
-    return dict(mode=mode, memory_budget=float(budget))
+    return dict(mode=mode, memory_budget=float(budget), **extra)
 
 
 def workload(name: str, vocab: int, scale: str):

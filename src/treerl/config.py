@@ -85,7 +85,7 @@ class AlgorithmConfig:
 @dataclass
 class EngineConfig:
     mode: str = "auto"
-    memory_budget: float | None = None  # activations: fraction of device memory (<= 1) or bytes; None: 0.1
+    memory_budget: float | None = None  # activations: fraction of device memory (<= 1) or bytes; None: 0.2
     max_tokens: int | None = None  # advanced: fixed tokens per call instead of the memory budget
     chunk_tokens: int = 2048
     compile: bool | None = None  # compiled decoder blocks; None: on CUDA

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_BUDGET_FRACTION = 0.1  # of the device's total memory, for activations
+DEFAULT_BUDGET_FRACTION = 0.2  # of the device's total memory, for activations
 MIN_BUDGET_BYTES = 1 << 20
 BACKWARD_MARGIN = 1.25  # a call's backward peaks above its forward's held activations
 
@@ -24,10 +24,11 @@ BACKWARD_MARGIN = 1.25  # a call's backward peaks above its forward's held activ
 def resolve_budget(budget: int | float | None, device: torch.device) -> int:
     """Activation bytes for one step.
 
-    ``None``: :data:`DEFAULT_BUDGET_FRACTION` of the device's total memory (8 GB on an
-    80 GB H100): at this size whole trees of tens of thousands of tokens run in one call
-    with block recompute, and a larger budget buys little speed (bench/RESULTS.md, the
-    budget sweep), while weights, gradients and optimizer state keep the rest. A value in
+    ``None``: :data:`DEFAULT_BUDGET_FRACTION` of the device's total memory (16 GB on an
+    80 GB H100): whole trees of tens of thousands of tokens run in one call with block
+    recompute, at 0.8-1.1x the peak memory of ``dfs`` (bench/RESULTS.md, the budget sweep:
+    2-4 points of peak faster than 10%, and 30% would exceed 1.3x ``dfs`` on GRPO), while
+    weights, gradients and optimizer state keep the rest. A value in
     (0, 1] is a fraction of the device's total memory, a larger one is bytes.
     """
     if budget is None:
