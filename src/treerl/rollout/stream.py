@@ -191,7 +191,8 @@ class RunningBatch:
     def arena(self) -> tuple:
         """The device state (buffers, cache, captured decode steps) for reuse by the
         engine's next stream of the same shapes (``RolloutEngine(keep_stream_buffers=True)``)."""
-        return self._arena_key(self.NG, self.P, self.blocks.num_blocks), {k: getattr(self, k) for k in self._DEVICE_STATE}
+        state = {k: getattr(self, k) for k in self._DEVICE_STATE}
+        return self._arena_key(self.NG, self.P, self.blocks.num_blocks), state
 
     def _pool_blocks(self, groups: int, prefix_capacity: int) -> int:
         """Own blocks of the pool: what the budget leaves after the shared levels, at most
@@ -429,7 +430,6 @@ class RunningBatch:
         groups, latest-admitted first, until it can."""
         if self.log_rows:
             self._sync()
-        G = self.G
         while True:
             rows = np.flatnonzero(self.live)
             if self.blocks.grow(rows, self._cover(self.fed_h[rows], 1)):
