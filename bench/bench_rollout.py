@@ -97,7 +97,9 @@ def kv_budget(model, device, rows: int, groups: int, prompt_len: int, new_tokens
               prefill_tokens: int) -> int:
     """K/V token slots for the engine: all rows at once if they fit in free memory (after
     reserves for the logits/sampling temporaries and a prefill piece), else what fits."""
-    need = groups * (-(-prompt_len // 16) * 16 + (rows // groups) * (-(-new_tokens // 16) * 16))
+    own = -(-new_tokens // 16) * 16  # a row's own slots, in blocks of (at most) 64 (treerl.rollout.paging)
+    block = min(64, own)
+    need = groups * (-(-prompt_len // 16) * 16 + (rows // groups) * (-(-own // block) * block))
     if device.type != "cuda":
         return need
     bpt = kv_bytes_per_token(model)
@@ -193,7 +195,7 @@ def main(argv=None) -> dict:
             stats = getattr(run, "stats", None)
             if stats is not None:
                 entry.update(prefill_tokens=stats.prefill_tokens, decode_steps=stats.decode_steps,
-                             decode_rows=stats.decode_rows, kv_slots=stats.kv_slots,
+                             decode_rows=stats.decode_rows, kv_slots=stats.kv_slots, preemptions=stats.preemptions,
                              compiled=getattr(run, "compiled", None))
             print(f"{shape:<12}{f'{P}x{G}={rows}':>12}  {name:<24}{tps:>10.0f}{floor_tps:>13.0f}"
                   f"{tps / floor_tps:>9.2f}{peak:>9.1f}{best:>9.2f}", flush=True)

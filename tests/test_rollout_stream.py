@@ -462,7 +462,8 @@ def test_prefix_cache_lru_and_superseding():
 def test_cuda_two_level_attention_kernel(dtype, D):
     """The CUDA memory-efficient kernel and treerl's split-key Triton kernel (with LSE) are
     usable here, and two-level attention through each agrees with the exact float64
-    reference to the dtype's rounding."""
+    reference to the dtype's rounding; so does the split kernel reading the own keys
+    through a block table (paged row store, blocks of 64 and 16 slots)."""
     from treerl.rollout.decode_attention import split_attention_ok
     from treerl.rollout.shared import _efficient_ok, two_level_attention
 
@@ -501,6 +502,20 @@ def test_cuda_two_level_attention_kernel(dtype, D):
         out = two_level_attention(c[0], c[1], c[2], om, c[3], c[4], pm, D ** -0.5, G, backend=backend)
         assert (out.double() - ref).abs().max() <= tol, backend
         assert (out.double() - slow.double()).abs().max() <= tol, backend
+    # the own part read through a block table (the paged row store; blocks in random order)
+    from treerl.rollout.decode_attention import split_attention, to_pages
+    from treerl.rollout.shared import merge_parts, split_queries
+
+    for page in (64, 16):
+        assert split_attention_ok(str(torch.device(dev, torch.cuda.current_device())), dtype, D, D, page)
+        pad = -L % page
+        pool_k, pool_v, table = to_pages(torch.nn.functional.pad(c[1], (0, 0, 0, pad)),
+                                         torch.nn.functional.pad(c[2], (0, 0, 0, pad)), page, g)
+        q_own, q_pre = split_queries(c[0], Hkv, G)
+        o_own, l_own = split_attention(q_own, pool_k, pool_v, om, D ** -0.5, table=table)
+        o_pre, l_pre = split_attention(q_pre, c[3], c[4], pm, D ** -0.5)
+        out = merge_parts(o_own, l_own, o_pre, l_pre, G, dtype)
+        assert (out.double() - ref).abs().max() <= tol, page
 
 
 @pytest.mark.cuda

@@ -141,7 +141,8 @@ def test_fork_segment_stored_once_holds_the_parents_kv(model):
     assert engine.stats.kv_slots == tree.tokens_per_group(32) < p.max_leaves * (32 + 16)
     cache = engine._stream_arena[1]["cache"]
     layer = cache.layers[0]
-    assert layer.pk.shape[0] == 1 and layer.fk[0].shape[0] == 2 and layer.ok.shape[0] == 8
+    # own tokens paged: 8 blocks of 16 slots (one per leaf; + the trash block)
+    assert layer.pk.shape[0] == 1 and layer.fk[0].shape[0] == 2 and layer.ok.shape[0] == 8 + 1
     assert layer.fk[0].shape[2] == 16 and layer.ok.shape[2] == 16
     ids = prompt + group[0].completion_ids.tolist()
     with torch.no_grad():
@@ -150,7 +151,8 @@ def test_fork_segment_stored_once_holds_the_parents_kv(model):
     P = len(prompt)
     assert torch.allclose(layer.pk[0, :, :P], keys[:, :P], rtol=1e-9, atol=1e-12)
     assert torch.allclose(layer.fk[0][0, :, :8], keys[:, P : P + 8], rtol=1e-9, atol=1e-12)  # sample 0's segment
-    assert torch.allclose(layer.ok[0, :, :7], keys[:, P + 8 : P + 15], rtol=1e-9, atol=1e-12)  # leaf 0's own tokens
+    own = keys[:, P + 8 : P + 15]  # leaf 0's own tokens (greedy: every leaf's), each leaf in a block of its own
+    assert all(torch.allclose(layer.ok[b, :, :7], own, rtol=1e-9, atol=1e-12) for b in range(8))
 
 
 def test_weight_update_recomputes_fork_segments():

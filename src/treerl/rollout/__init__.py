@@ -5,10 +5,12 @@ continuous batching (``RolloutEngine.generate_stream`` with a ``PromptQueue``; `
 collects it): groups come out as they finish while new prompts take the freed slots. Each
 prompt is prefilled once and its K/V stored once and read once per decode step for all its
 samples; tree rollouts (forks at chosen completion lengths) store each fork point's tokens
-once for the rows below it (attention over the levels merged by log-sum-exp); a
-token-keyed LRU prefix cache lets a prompt that extends an earlier one (the next turn of an
-episode) prefill only its new tokens; temperature/top-k/top-p, stop tokens and strings, max
-new tokens; per-token behaviour logprobs and weight versions; in-process weight updates.
+once for the rows below it (attention over the levels merged by log-sum-exp); rows keep
+their own tokens in K/V blocks they take as they grow (admission by free blocks; groups
+preempted and recomputed later when blocks run out); a token-keyed LRU prefix cache lets
+a prompt that extends an earlier one (the next turn of an episode) prefill only its new
+tokens; temperature/top-k/top-p, stop tokens and strings, max new tokens; per-token
+behaviour logprobs and weight versions; in-process weight updates.
 """
 
 from .engine import RolloutEngine

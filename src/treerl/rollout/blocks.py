@@ -6,15 +6,18 @@ kernels (norms, RoPE, reshapes and the two-level attention's merge are dozens of
 eager ops per layer); at 64 rows that makes the step launch-bound (8.3 ms on an H100
 against a 1.3 ms bandwidth floor). Here each layer runs as
 
-1. ``pre`` — input norm, Q/K/V projections, Q/K norms (Qwen3), RoPE, and the two query
-   layouts of :func:`~treerl.rollout.shared.split_queries`;
-2. the new token's K/V written into the row store, and the two attention parts (the
-   group's queries against its prompt, each row against its own tokens), each one kernel
-   with its log-sum-exp (:func:`~treerl.rollout.shared.attend_with_lse`);
+1. ``pre`` — input norm, Q/K/V projections, Q/K norms (Qwen3), RoPE, the new token's K/V
+   written into the row store's block pool (at the block and offset the cache computed
+   from the block table, device tensors), and the two query layouts of
+   :func:`~treerl.rollout.shared.split_queries`;
+2. the two attention parts (the group's queries against its prompt, each row against its
+   own tokens in the paged row store, read through its block table), each one kernel with
+   its log-sum-exp (:func:`~treerl.rollout.shared.attend_with_lse`,
+   :meth:`~treerl.rollout.shared.SharedPrefixCache.attend_own`);
 3. ``post`` — the LSE merge, output projection, residual, norm, MLP, residual;
 
-(tree rollouts, eagerly between ``pre`` and ``post``: the token's K/V copied from its own
-slot into its fork segment, :meth:`~treerl.rollout.shared.SharedPrefixCache.write_forks`,
+(tree rollouts, eagerly between ``pre`` and ``post``: the token's K/V written into its fork
+segment, :meth:`~treerl.rollout.shared.SharedPrefixCache.write_forks`,
 and the fork segments attended, their key ranges joining the prompt part's,
 :func:`~treerl.rollout.shared.shared_part`; ``post`` merges all ranges as usual);
 
@@ -39,10 +42,11 @@ OWN_DECODE_FAMILIES = ("Qwen2Model", "Qwen3Model", "LlamaModel")
 
 def _pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, G: int,
          w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, own_k: torch.Tensor, own_v: torch.Tensor,
-         index: torch.Tensor):
-    """``hidden [B, 1, H]`` -> ``q_own [B, Hkv, gq, D]`` and ``q_pre [B/G, Hkv, G gq, D]``;
-    the token's K/V (post-RoPE) is written into the row store ``own_k/own_v [>= B, Hkv, N, D]``
-    at each row's slot ``index [B]``. ``w_qkv``/``b_qkv``: the Q, K, V projections as one."""
+         block: torch.Tensor, offset: torch.Tensor):
+    """``hidden [B, 1, H]`` -> ``q_own [B, Hkv, gq, D]``, ``q_pre [B/G, Hkv, G gq, D]`` and the
+    token's keys/values ``[B, Hkv, D]`` (post-RoPE), which are also written into the row
+    store's block pools ``own_k/own_v [blocks, Hkv, Bk, D]``, row ``i`` at slot ``offset[i]``
+    of block ``block[i]``. ``w_qkv``/``b_qkv``: the Q, K, V projections as one."""
     attn = layer.self_attn
     x = layer.input_layernorm(hidden)
     D = attn.head_dim
@@ -54,11 +58,11 @@ def _pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: t
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
-    rows = torch.arange(hidden.shape[0], device=index.device)
-    own_k[rows, :, index] = k[:, :, 0].to(own_k.dtype)
-    own_v[rows, :, index] = v[:, 0].to(own_v.dtype)
+    k, v = k[:, :, 0].to(own_k.dtype), v[:, 0].to(own_v.dtype)
+    own_k[block, :, offset] = k
+    own_v[block, :, offset] = v
     q_own, q_pre = split_queries(q, own_k.shape[1], G)
-    return q_own.contiguous(), q_pre.contiguous()
+    return q_own.contiguous(), q_pre.contiguous(), k, v
 
 
 def _post(layer: torch.nn.Module, hidden: torch.Tensor, o_own: torch.Tensor, l_own: torch.Tensor,
@@ -142,20 +146,19 @@ class DecodeForward:
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, cache: SharedPrefixCache, own_mask: torch.Tensor,
                  prefix_mask: torch.Tensor) -> torch.Tensor:
-        """``ids/pos [B, 1]`` (``B = hg x G`` rows), the cache with its ``write_index`` set,
+        """``ids/pos [B, 1]`` (``B = hg x G`` rows), the cache with its step set (``begin_step``),
         ``own_mask [B, 1, 1, L]``, ``prefix_mask [hg, 1, 1, P]`` -> next-token logits ``[B, V]``.
         The engine calls :meth:`refresh` whenever the parameters may have changed."""
         base, G = self.base, cache.G
         hidden = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(hidden, pos)
         backend = cache.backend(own_mask.shape[-1], prefix_mask.shape[-1])
-        f, rows, own_len = self.fused, ids.shape[0], own_mask.shape[-1]
+        f = self.fused
         for i, layer in enumerate(base.layers):
             store = cache.layers[i]
-            q_own, q_pre = self.pre(layer, hidden, cos, sin, G, f.qkv_w[i], f.qkv_b[i], store.ok, store.ov,
-                                    cache.write_index)
-            cache.write_forks(i, rows)  # tree rollouts: the token's K/V into its fork segment
-            own_k, own_v = store.ok[:rows, :, :own_len], store.ov[:rows, :, :own_len]
+            q_own, q_pre, k, v = self.pre(layer, hidden, cos, sin, G, f.qkv_w[i], f.qkv_b[i], store.ok, store.ov,
+                                          cache.write_block, cache.write_offset)
+            cache.write_forks(i, k, v)  # tree rollouts: the token's K/V into its fork segment
             pk, pv = cache.prefix(i, q_pre.shape[0])
             scale = layer.self_attn.scaling
             o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend)
@@ -164,6 +167,6 @@ class DecodeForward:
                 forks = cache.fork_levels(i, q_pre.shape[0])
                 o_pre, l_pre = shared_part(q_own, o_pre, l_pre, G, forks, scale, backend)
                 merge_g = 1
-            o_own, l_own = attend_with_lse(q_own, own_k, own_v, own_mask, scale, backend)
+            o_own, l_own = cache.attend_own(i, q_own, own_mask, scale, backend)
             hidden = self.post(layer, hidden, o_own, l_own, o_pre, l_pre, merge_g, f.gate_up_w[i], f.gate_up_b[i])
         return self.model.lm_head(base.norm(hidden)[:, -1])

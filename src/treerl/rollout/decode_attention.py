@@ -13,6 +13,12 @@ levels exactly in one pass.
 ``q [B, H, M, D]``, ``k/v [B, H, N, D]`` (any strides, last dim contiguous), additive
 ``mask`` rows ``[B, N]`` (broadcast over heads and queries) -> ``out [B, H, S, M, Dv]``
 (float32) and ``lse [B, H, S, M]`` (float32; ``-inf`` for a split with no keys).
+
+Paged keys (the rows' own store, :mod:`~treerl.rollout.paging`): ``k/v`` are block pools
+``[num_blocks, H, PAGE, D]`` and ``table [B, max_blocks]`` names the block of each entry's
+keys ``[j x PAGE, (j + 1) x PAGE)``; ``N`` (keys per entry) is then the mask's width. When
+``PAGE`` is a multiple of the key tile (``BLOCK_N``), a tile lies in one block (one table
+entry per tile); otherwise each key looks up its block.
 """
 
 from __future__ import annotations
@@ -34,12 +40,12 @@ BLOCK_N = 64
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(Q, K, V, Mask, O, L,
-                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb,
+    def _split_kernel(Q, K, V, Mask, O, L, Table,
+                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, stb,
                       sob, soh, sos, som, slb, slh, sls,
                       H, M, N, keys_per_split, scale,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, PAGE: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
@@ -56,7 +62,22 @@ if triton is not None:
         for i in range(0, keys_per_split // BLOCK_N):
             offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = offs_n < N
-            k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], mask=valid[:, None], other=0.0)
+            if PAGE == 0:  # dense: entry b's keys
+                k_at = K + b * skb + h * skh + offs_n[:, None] * skn
+                v_at = V + b * svb + h * svh + offs_n[:, None] * svn
+            else:  # paged: key j of entry b is slot j % PAGE of block Table[b, j // PAGE]
+                if PAGE % BLOCK_N == 0:
+                    first = start + i * BLOCK_N
+                    blk = tl.load(Table + b * stb + first // PAGE, mask=first < N, other=0).to(tl.int64)
+                    slot = (offs_n % PAGE)[:, None]
+                    k_at = K + blk * skb + h * skh + slot * skn
+                    v_at = V + blk * svb + h * svh + slot * svn
+                else:
+                    blk = tl.load(Table + b * stb + offs_n // PAGE, mask=valid, other=0).to(tl.int64)[:, None]
+                    slot = (offs_n % PAGE)[:, None]
+                    k_at = K + blk * skb + h * skh + slot * skn
+                    v_at = V + blk * svb + h * svh + slot * svn
+            k = tl.load(k_at + offs_d[None, :], mask=valid[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -68,7 +89,7 @@ if triton is not None:
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_dv[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_at + offs_dv[None, :], mask=valid[:, None], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
@@ -89,13 +110,21 @@ def splits_for(batch: int, heads: int, keys: int, target: int = TARGET_PROGRAMS,
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                    splits: int | None = None, *, block_n: int = BLOCK_N, target: int = TARGET_PROGRAMS,
-                    num_warps: int | None = None, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring; ``mask`` is ``[B, 1, 1, N]`` or ``[B, N]``. The keyword
-    arguments are kernel settings (``bench/tune_split_attention.py`` measures them)."""
+                    splits: int | None = None, *, table: torch.Tensor | None = None, block_n: int = BLOCK_N,
+                    target: int = TARGET_PROGRAMS, num_warps: int | None = None,
+                    num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring; ``mask`` is ``[B, 1, 1, N]`` or ``[B, N]``; ``table``
+    ``[B, max_blocks]`` (integer): ``k/v`` are block pools ``[blocks, H, PAGE, D]`` read
+    through it, ``N`` = the mask's width. The other keyword arguments are kernel settings
+    (``bench/tune_split_attention.py`` measures them)."""
     B, H, M, D = q.shape
-    N, DV = k.shape[2], v.shape[3]
+    DV = v.shape[3]
     mask = mask.reshape(mask.shape[0], mask.shape[-1]) if mask.dim() == 4 else mask
+    if table is None:
+        N, page, table = k.shape[2], 0, mask  # (any pointer: not read)
+    else:
+        N, page = mask.shape[-1], k.shape[2]
+        assert table.shape[0] == B and table.shape[1] * page >= N and table.stride(1) == 1
     S = splits_for(B, H, N, target, block_n) if splits is None else splits
     per = -(-(-(-N // S)) // block_n) * block_n  # keys per split, whole blocks
     S = max(1, -(-N // per))
@@ -103,37 +132,62 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     lse = torch.empty(B, H, S, M, device=q.device, dtype=torch.float32)
     block_m = max(16, triton.next_power_of_2(M))
     _split_kernel[(B * H, S)](
-        q, k, v, mask, out, lse,
+        q, k, v, mask, out, lse, table,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), mask.stride(0),
+        v.stride(0), v.stride(1), v.stride(2), mask.stride(0), table.stride(0),
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
         H, M, N, per, scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, D=D, DV=DV, IEEE=q.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, D=D, DV=DV, IEEE=q.dtype == torch.float32, PAGE=page,
         num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages,
     )
     return out, lse
 
 
+def to_pages(k: torch.Tensor, v: torch.Tensor, page: int,
+             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense keys/values ``[B, H, N, D]`` (``N`` a multiple of ``page``) as block pools
+    ``[B x N / page + 1, H, page, D]`` (blocks in a random order; the last block zeros) and
+    their table ``[B, N / page]``: the paged own store's layout, for checks and tests."""
+    B, H, N, _ = k.shape
+    n = N // page
+    order = torch.randperm(B * n, generator=generator, device=k.device)
+
+    def pages(x: torch.Tensor) -> torch.Tensor:
+        pool = x.new_zeros(B * n + 1, H, page, x.shape[3])
+        pool[order] = x.reshape(B, H, n, page, x.shape[3]).transpose(1, 2).reshape(B * n, H, page, x.shape[3])
+        return pool
+
+    return pages(k), pages(v), order.reshape(B, n)
+
+
 @functools.lru_cache(maxsize=None)
-def split_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int) -> bool:
+def split_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int, page: int = 0) -> bool:
     """Whether the kernel runs here and agrees with float64 math (probed once per device,
-    dtype and head sizes; never inside a capture)."""
+    dtype, head sizes and, with ``page``, also on keys paged in blocks of ``page`` slots;
+    never inside a capture)."""
     if triton is None or not device.startswith("cuda") or dtype == torch.float64 or head_dim % 16 or value_dim % 16:
         return False
     try:
         g = torch.Generator(device=device).manual_seed(0)
+        N = 200  # keys (a partial last tile); paged: in whole blocks, the last one partly attended
+        n = N if page == 0 else -(-N // page) * page
         q = torch.randn(3, 2, 5, head_dim, device=device, dtype=dtype, generator=g)
-        k = torch.randn(3, 2, 200, head_dim, device=device, dtype=dtype, generator=g)
-        v = torch.randn(3, 2, 200, value_dim, device=device, dtype=dtype, generator=g)
-        mask = torch.zeros(3, 200, device=device, dtype=dtype)
+        k = torch.randn(3, 2, n, head_dim, device=device, dtype=dtype, generator=g)
+        v = torch.randn(3, 2, n, value_dim, device=device, dtype=dtype, generator=g)
+        mask = torch.zeros(3, N, device=device, dtype=dtype)
         mask[1, 20:] = torch.finfo(dtype).min
-        out, lse = split_attention(q, k, v, mask, 0.125, splits=3)
-        w = torch.softmax(lse.double(), dim=2)[..., None]
-        o = (w * out.double()).sum(2)
-        s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * 0.125 + mask.double()[:, None, None, :]
-        ref = torch.matmul(torch.softmax(s, -1), v.double())
+        s = torch.matmul(q.double(), k[:, :, :N].double().transpose(-1, -2)) * 0.125 + mask.double()[:, None, None, :]
+        ref = torch.matmul(torch.softmax(s, -1), v[:, :, :N].double())
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        return bool(torch.allclose(o, ref, atol=tol) and torch.allclose(torch.logsumexp(lse.double(), 2),
-                                                                        torch.logsumexp(s, -1), atol=tol))
+        runs = [split_attention(q, k[:, :, :N], v[:, :, :N], mask, 0.125, splits=3)]
+        if page:
+            pk, pv, table = to_pages(k, v, page, g)
+            runs.append(split_attention(q, pk, pv, mask, 0.125, splits=3, table=table))
+        for out, lse in runs:
+            o = (torch.softmax(lse.double(), dim=2)[..., None] * out.double()).sum(2)
+            if not (torch.allclose(o, ref, atol=tol) and torch.allclose(torch.logsumexp(lse.double(), 2),
+                                                                        torch.logsumexp(s, -1), atol=tol)):
+                return False
+        return True
     except Exception:  # noqa: BLE001 - any failure: another kernel
         return False

@@ -38,7 +38,7 @@ from .kv import SlotCache, rollout_attention_enabled
 from .params import SamplingParams
 from .prefix_cache import PrefixCache, PrefixEntry
 from .prompts import PromptQueue
-from .stream import RunningBatch
+from .stream import RunningBatch, group_slots
 from .tree import TreeLayout
 from .types import Completion, Group, PromptLike, RolloutStats, round_up
 
@@ -49,11 +49,16 @@ class RolloutEngine:
     """Generates groups of completions from ``model`` (any HF causal LM of full-attention
     layers, on CPU or GPU), embedded in the trainer's process.
 
-    ``max_batch_tokens`` bounds the KV-cache slots of the running batch (group slots x
-    (prompt + fork segments + rows x max_new_tokens): prompts and fork points are stored
-    once); a single group larger than it runs alone. ``prefill_chunk_tokens`` bounds the
-    (padded) tokens of one prefill forward. ``sync_every``: decode steps between host syncs
-    (stop checks); stops are exact whatever its value.
+    ``max_batch_tokens`` bounds the KV-cache slots of the running batch: group slots x
+    (prompt + fork segments), stored once per group, and a pool of blocks of
+    ``kv_block_size`` slots (default 64, a multiple of 16; smaller when ``max_new_tokens`` is)
+    from which rows take the blocks their own tokens fill as they grow. Group slots are
+    overcommitted (as many as fit with one block per row); admission is by free blocks, and
+    when blocks run out groups are preempted and re-queued (their K/V recomputed when
+    readmitted; ``stats.preemptions``): never a crash, never a lost sample. A single group
+    larger than the budget runs alone. ``prefill_chunk_tokens`` bounds the (padded) tokens
+    of one prefill forward. ``sync_every``: decode steps between host syncs (stop checks);
+    stops are exact whatever its value.
 
     ``cuda_graphs`` (default: on for CUDA devices) replays each decode step as a CUDA graph,
     captured once per (group slots, own slots) bucket. It needs ``static_kv`` (default: same
@@ -91,6 +96,7 @@ class RolloutEngine:
         keep_stream_buffers: bool = False,
         compile_decode: bool | None = None,
         prefix_cache_tokens: int = 0,
+        kv_block_size: int = 64,
     ):
         if device is not None:
             model = model.to(device)
@@ -99,6 +105,9 @@ class RolloutEngine:
         self.version = int(version)
         if max_batch_tokens < 1 or prefill_chunk_tokens < 1 or sync_every < 1:
             raise ValueError("max_batch_tokens, prefill_chunk_tokens and sync_every must be >= 1")
+        if kv_block_size < 16 or kv_block_size % 16:
+            raise ValueError(f"kv_block_size must be a positive multiple of 16, got {kv_block_size}")
+        self.kv_block_size = int(kv_block_size)
         self.max_batch_tokens = int(max_batch_tokens)
         self.prefill_chunk_tokens = int(prefill_chunk_tokens)
         self.sync_every = int(sync_every)
@@ -230,13 +239,16 @@ class RolloutEngine:
         iterable of token-id sequences (keys 0, 1, ...). The running batch has group
         slots of ``G = params.max_leaves`` rows (``n``, or a tree rollout's leaves); each
         group's prompt K/V is stored once, each fork point's once, and each row stores only
-        its own tokens, so a group slot costs ``P + fork segments + G x max_new_tokens``
-        K/V slots (:meth:`TreeLayout.tokens_per_group <treerl.rollout.tree.TreeLayout.tokens_per_group>`;
-        ``P``: the longest prompt waiting at the start, rounded up to 16). Group slots: as
-        many as ``max_batch_tokens`` allows, at most ``max_rows // G``, no more than a
-        finite input needs, at least one. A longer prompt arriving later grows the prompt
-        store while ``max_batch_tokens`` allows, else waits until the batch drains.
-        ``self.stats`` describes the stream so far.
+        its own tokens, in blocks it takes as it grows (:mod:`treerl.rollout.paging`), so a
+        group slot costs ``P + fork segments`` K/V slots (:meth:`TreeLayout.shared_tokens
+        <treerl.rollout.tree.TreeLayout.shared_tokens>`; ``P``: the longest prompt waiting at
+        the start, rounded up to 16) and its rows' blocks. Group slots: as many as
+        ``max_batch_tokens`` allows with one block per row (:func:`~treerl.rollout.stream.group_slots`),
+        at most ``max_rows // G``, no more than a finite input needs, at least one; the
+        block pool gets the rest of the budget (at most what all rows could fill). When
+        blocks run out, the latest-admitted groups are preempted and readmitted later. A
+        longer prompt arriving later grows the prompt store while ``max_batch_tokens``
+        allows, else waits until the batch drains. ``self.stats`` describes the stream so far.
         """
         params = SamplingParams() if params is None else params
         params.validate(self.vocab_size)
@@ -245,7 +257,7 @@ class RolloutEngine:
         tree = TreeLayout.of(params)
         G = tree.rows
         prefix_capacity = round_up(max(waiting, default=1))
-        groups = max(1, self.max_batch_tokens // tree.tokens_per_group(prefix_capacity))
+        groups = group_slots(tree, prefix_capacity, self.max_batch_tokens, self.kv_block_size)
         if max_rows is not None:
             groups = min(groups, max(1, max_rows // G))
         if queue.closed:

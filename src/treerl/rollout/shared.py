@@ -5,21 +5,28 @@ rows ``[g*G, (g+1)*G)`` are the samples of the prompt held by group slot ``g``. 
 
 - the **prefix store** ``[NG, Hkv, Pcap, D]`` holds each group's prompt K/V once (slots
   ``[0, P_g)``; post-RoPE, position ids ``0..P_g-1``);
-- the **row store** ``[S, Hkv, N, D]`` holds only the tokens each row generated: own slot
-  ``j`` is the token at position ``P_g + j`` (tree rollouts: ``P_g + t_m + j``);
+- the **row store** holds only the tokens each row generated, *paged*: a pool of blocks
+  ``[num_blocks + 1, Hkv, B, D]`` and a block table ``[S, max_blocks]`` (device tensor,
+  updated in place; host side and allocation in :mod:`~treerl.rollout.paging`). Own slot
+  ``j`` of row ``r`` (the token at position ``P_g + j``; tree rollouts ``P_g + t_m + j``)
+  is slot ``j % B`` of block ``table[r, j // B]``; a row owns only the blocks it has
+  reached, the rest of its entries name the trash block (the pool's last);
 - tree rollouts (:mod:`~treerl.rollout.tree`) add one **fork-segment store** per fork
   level ``k < m``, ``[NG x c_k, Hkv, cap_k, D]``: the tokens ``[t_k, t_{k+1})`` of each
   node, stored once and read by the ``r_k`` consecutive rows below it.
 
 A one-token decode step of rows ``[:hg*G]`` (``hg`` group slots) writes each row's new K/V
-at its own slot ``write_index[r]`` and attends in two parts merged by their log-sum-exp
+at its own slot ``write_index[r]`` (through the table: rows that own no block there write
+the trash block) and attends in two parts merged by their log-sum-exp
 (:func:`two_level_attention`): the ``G x (Hq/Hkv)`` queries of a group that share a KV head
 against the group's prefix, in one pass (so the prefix is read once per step, not once per
-row), and each row's queries against its own slots ``[:own_len]``; with fork levels, the
-queries of each node's ``r_k`` rows against its segment (:func:`shared_part`), all parts'
-key ranges merged by their LSEs (:func:`merge_parts`: exact, whatever their number). Masks
-are additive device tensors (``0`` visible, dtype minimum hidden), so shapes are fixed per
-``(hg, own_len)`` bucket and the step can be captured in a CUDA graph.
+row), and each row's queries against its own slots ``[:own_len]`` (the split-key kernel
+reads them through the block table; the other backends gather them into a dense view
+first); with fork levels, the queries of each node's ``r_k`` rows against its segment
+(:func:`shared_part`), all parts' key ranges merged by their LSEs (:func:`merge_parts`:
+exact, whatever their number). Masks are additive device tensors (``0`` visible, dtype
+minimum hidden), so shapes are fixed per ``(hg, own_len)`` bucket and the step can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -34,15 +41,17 @@ from .decode_attention import split_attention, split_attention_ok
 
 
 class _TwoLevelLayer(CacheLayerMixin):
-    """One layer: prefix keys/values ``[NG, Hkv, Pcap, D]``, own keys/values ``[S, Hkv, N, D]``,
-    fork-segment keys/values ``fk[k]/fv[k]`` ``[NG x c_k, Hkv, cap_k, D]`` (tree rollouts)."""
+    """One layer: prefix keys/values ``[NG, Hkv, Pcap, D]``, the own store's block pools
+    ``ok/ov [num_blocks + 1, Hkv, B, D]`` (``own_capacity`` slots per row through the block
+    table), fork-segment keys/values ``fk[k]/fv[k]`` ``[NG x c_k, Hkv, cap_k, D]`` (tree rollouts)."""
 
     is_sliding = False
 
-    def __init__(self, pk: torch.Tensor, pv: torch.Tensor, ok: torch.Tensor, ov: torch.Tensor,
+    def __init__(self, pk: torch.Tensor, pv: torch.Tensor, ok: torch.Tensor, ov: torch.Tensor, own_capacity: int,
                  fk: list[torch.Tensor] | None = None, fv: list[torch.Tensor] | None = None):
         super().__init__()
         self.pk, self.pv, self.ok, self.ov = pk, pv, ok, ov
+        self.own_capacity = own_capacity
         self.fk, self.fv = fk or [], fv or []
         self.dtype, self.device = ok.dtype, ok.device
         self.is_initialized = True
@@ -54,52 +63,61 @@ class _TwoLevelLayer(CacheLayerMixin):
         raise RuntimeError("SharedPrefixCache layers are written through SharedPrefixCache.update")
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return self.ok.shape[2], 0
+        return self.own_capacity, 0
 
     def get_seq_length(self) -> int:
-        return self.ok.shape[2]
+        return self.own_capacity
 
     def get_max_length(self) -> int:
-        return self.ok.shape[2]
+        return self.own_capacity
 
 
 class SharedPrefixCache(Cache):
-    """Prefix store + row store of a running batch (see the module docstring).
+    """Prefix store + paged row store of a running batch (see the module docstring).
 
-    Set for one decode step (views of the batch's persistent device tensors):
-    ``write_index [s]`` (own slot of each row's new token), ``own_len`` (own slots
-    attended), ``prefix_mask [hg, 1, 1, Pa]`` (additive; ``Pa`` prefix slots attended);
-    with fork levels, ``fork_index``: per level ``(node [s], slot [s])`` where each row
-    writes its new token (its node's trash slot unless it is the node's writer), and
-    ``fork_masks``: per level ``[hg x c_k, 1, 1, cap_k]``.
+    ``table``: the batch's block table ``[S, max_blocks]`` (int64 device tensor, entries
+    ``< num_blocks``, or ``num_blocks``: the trash block), read here, written by the batch
+    in place; ``block_size`` slots per block, so ``own_capacity = max_blocks x block_size``.
+
+    Set for one decode step by :meth:`begin_step` (views of the batch's persistent device
+    tensors): ``write_index [s]`` (own slot of each row's new token), ``own_len`` (own slots
+    attended), ``prefix_mask [hg, 1, 1, Pa]`` (additive; ``Pa`` prefix slots attended); with
+    fork levels, ``fork_index``: per level ``(node [s], slot [s])`` where each row writes its
+    new token (its node's trash slot unless it is the node's writer), and ``fork_masks``:
+    per level ``[hg x c_k, 1, 1, cap_k]``.
 
     ``forks``: per fork level ``(c_k, cap_k, r_k)``: nodes per group slot, slots per node,
     rows per node (empty: plain groups, two levels)."""
 
-    def __init__(self, num_layers: int, groups: int, G: int, prefix_capacity: int, own_capacity: int,
-                 kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device,
-                 forks: Sequence[tuple[int, int, int]] = ()):
+    def __init__(self, num_layers: int, groups: int, G: int, prefix_capacity: int, table: torch.Tensor,
+                 num_blocks: int, block_size: int, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype,
+                 device: torch.device, forks: Sequence[tuple[int, int, int]] = ()):
         S = groups * G
+        own_capacity = table.shape[1] * block_size
 
         def z(n, c, d):
             return torch.zeros(n, kv_heads, c, d, dtype=dtype, device=device)
 
         layers = [_TwoLevelLayer(z(groups, prefix_capacity, head_dim), z(groups, prefix_capacity, value_dim),
-                                 z(S, own_capacity, head_dim), z(S, own_capacity, value_dim),
+                                 z(num_blocks + 1, block_size, head_dim), z(num_blocks + 1, block_size, value_dim),
+                                 own_capacity,
                                  [z(groups * c, cap, head_dim) for c, cap, _ in forks],
                                  [z(groups * c, cap, value_dim) for c, cap, _ in forks])
                   for _ in range(num_layers)]
         super().__init__(layers=layers)
         self.groups, self.G, self.rows = groups, G, S
         self.prefix_capacity, self.own_capacity = prefix_capacity, own_capacity
+        self.table, self.num_blocks, self.block_size = table, num_blocks, block_size
         self.forks = tuple(forks)
         self.fork_index: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.fork_masks: list[torch.Tensor] = []
         # the CUDA kernels with LSE that run here (probed now: never inside a capture or a compile)
-        self.split = device.type == "cuda" and split_attention_ok(str(device), dtype, head_dim, value_dim)
+        self.split = device.type == "cuda" and split_attention_ok(str(device), dtype, head_dim, value_dim, block_size)
         self.efficient = device.type == "cuda" and _efficient_ok(str(device), dtype, head_dim, value_dim)
         self.efficient_unaligned = self.efficient and _efficient_ok(str(device), dtype, head_dim, value_dim, True)
         self.write_index: torch.Tensor | None = None
+        self.write_block: torch.Tensor | None = None
+        self.write_offset: torch.Tensor | None = None
         self.own_len: int = own_capacity
         self.prefix_mask: torch.Tensor | None = None
 
@@ -114,31 +132,70 @@ class SharedPrefixCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.own_len, 0
 
+    # ------------------------------------------------------------ one decode step
+    def begin_step(self, write_index: torch.Tensor, own_len: int, prefix_mask: torch.Tensor,
+                   fork_index: list[tuple[torch.Tensor, torch.Tensor]], fork_masks: list[torch.Tensor]) -> None:
+        """Set the step's inputs (see the class docstring) and where each row's new token
+        goes in the pool: ``write_block [s]`` (through the table) and ``write_offset [s]``
+        (device ops only: captured with the step)."""
+        s = write_index.shape[0]
+        self.write_index, self.own_len, self.prefix_mask = write_index, own_len, prefix_mask
+        self.fork_index, self.fork_masks = fork_index, fork_masks
+        self.write_block = self.table[:s].gather(1, (write_index // self.block_size)[:, None])[:, 0]
+        self.write_offset = write_index % self.block_size
+
+    def end_step(self) -> None:
+        self.write_index = self.write_block = self.write_offset = self.prefix_mask = None
+        self.fork_index, self.fork_masks = [], []
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """Write one token per row (``[s, Hkv, 1, D]``) at ``write_index``; return the
-        rows' own keys/values ``[s, Hkv, own_len, D]``."""
+        """(HF forward path.) Write one token per row (``[s, Hkv, 1, D]``) at its own slot;
+        return the rows' own keys/values ``[s, Hkv, own_len, D]`` (a dense gathered copy)."""
         layer = self.layers[layer_idx]
         s, h, q, d = key_states.shape
         if q != 1 or self.write_index is None:
             raise RuntimeError("SharedPrefixCache takes one-token decode steps only (prefill goes through SlotCache)")
-        index = self.write_index.view(s, 1, 1, 1)
-        layer.ok[:s].scatter_(2, index.expand(s, h, 1, d), key_states)
-        layer.ov[:s].scatter_(2, index.expand(s, h, 1, value_states.shape[-1]), value_states)
-        self.write_forks(layer_idx, s)
-        return layer.ok[:s, :, : self.own_len], layer.ov[:s, :, : self.own_len]
+        k, v = key_states[:, :, 0], value_states[:, :, 0]
+        layer.ok[self.write_block, :, self.write_offset] = k
+        layer.ov[self.write_block, :, self.write_offset] = v
+        self.write_forks(layer_idx, k, v)
+        return self.own(layer_idx, s)
 
-    def write_forks(self, layer_idx: int, s: int) -> None:
-        """Tree rollouts: copy the token just written at each row's own slot ``write_index``
-        (rows ``[:s]``) into each fork level at ``fork_index`` (a node's segment slot for its
-        writer, the node's trash slot for every other row). No-op without fork levels."""
+    def write_forks(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Tree rollouts: write the step's new keys/values ``k/v [s, Hkv, D]`` (rows ``[:s]``)
+        into each fork level at ``fork_index`` (a node's segment slot for its writer, the
+        node's trash slot for every other row). No-op without fork levels."""
         if not self.forks:
             return
         layer = self.layers[layer_idx]
-        rows = torch.arange(s, device=self.write_index.device)
-        k, v = layer.ok[rows, :, self.write_index], layer.ov[rows, :, self.write_index]  # [s, Hkv, D]
         for fk, fv, (node, slot) in zip(layer.fk, layer.fv, self.fork_index):
             fk[node, :, slot] = k
             fv[node, :, slot] = v
+
+    def own(self, layer_idx: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Own keys/values of rows ``[:s]`` over the attended slots, gathered from their
+        blocks into dense ``[s, Hkv, own_len, D]`` copies (fallback attention backends)."""
+        layer, n = self.layers[layer_idx], self.own_len
+        idx = self.table[:s, : -(-n // self.block_size)]
+
+        def dense(pool: torch.Tensor) -> torch.Tensor:
+            x = pool[idx]  # [s, blocks, Hkv, B, D]
+            return x.transpose(1, 2).reshape(s, x.shape[2], -1, x.shape[-1])[:, :, :n]
+
+        return dense(layer.ok), dense(layer.ov)
+
+    def attend_own(self, layer_idx: int, q_own: torch.Tensor, own_mask: torch.Tensor, scale: float,
+                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's queries ``q_own [s, Hkv, gq, D]`` against its own slots ``[:own_len]``
+        (``own_mask [s, 1, 1, own_len]``), in key ranges (:func:`attend_with_lse`): the
+        split-key kernel reads the blocks through the table; the other backends attend a
+        gathered copy (:meth:`own`)."""
+        s = q_own.shape[0]
+        if backend == "split":
+            layer = self.layers[layer_idx]
+            return split_attention(q_own, layer.ok, layer.ov, own_mask, scale, table=self.table[:s])
+        k, v = self.own(layer_idx, s)
+        return attend_with_lse(q_own, k, v, own_mask, scale, backend)
 
     def backend(self, own_len: int, prefix_len: int) -> str:
         """This step's attention kernel (see :func:`attend_with_lse`): ``"split"`` (treerl's
@@ -168,11 +225,16 @@ class SharedPrefixCache(Cache):
         """Copy from a left-padded prefill ``src_cache`` (a ``SlotCache`` of ``L`` filled slots)
         into ``store`` (``"prefix"``, ``"own"`` or a fork level ``k``): entry ``dst[i]``
         (group slot, row or node) gets ``n`` slots of row ``src[i]`` from slot ``start[i]``
-        on (clamped at the end: copies of the last slot, to be masked)."""
+        on (clamped at the end: copies of the last slot, to be masked). ``"own"``: into the
+        blocks the table gives the rows (slots past their blocks go to the trash block)."""
         if len(dst) == 0 or n == 0:
             return
         L = src_cache.length
-        idx = (torch.arange(n, device=start.device)[None, :] + start[:, None]).clamp(max=L - 1)
+        j = torch.arange(n, device=start.device)
+        idx = (j[None, :] + start[:, None]).clamp(max=L - 1)
+        if store == "own":
+            blk = self.table[dst][:, j // self.block_size]  # [len(dst), n]
+            off = (j % self.block_size)[None, :].expand_as(blk)
         for mine, theirs in zip(self.layers, src_cache.layers):
             if store == "prefix":
                 targets = (mine.pk, mine.pv)
@@ -182,18 +244,24 @@ class SharedPrefixCache(Cache):
                 targets = (mine.fk[store], mine.fv[store])
             for target, x in zip(targets, (theirs.keys, theirs.values)):
                 x = x[src, :, :L].gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
-                target[dst, :, :n] = x
+                if store == "own":
+                    target[blk, :, off] = x.transpose(1, 2).to(target.dtype)  # [len(dst), n, Hkv, D]
+                else:
+                    target[dst, :, :n] = x
 
     def move_groups(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy group slots ``src`` (prefix, fork segments and their ``G`` rows) to group slots ``dst``."""
+        """Move group slots ``src`` (prefix, fork segments, and their ``G`` rows' block
+        table entries: own K/V stays in its blocks) to group slots ``dst``; the rows of
+        ``src`` are left owning no block."""
 
         def expand(slots: torch.Tensor, width: int) -> torch.Tensor:
             return (slots[:, None] * width + torch.arange(width, device=slots.device)).reshape(-1)
 
         rdst, rsrc = expand(dst, self.G), expand(src, self.G)
+        self.table[rdst] = self.table[rsrc]
+        self.table[rsrc] = self.num_blocks
         for layer in self.layers:
             layer.pk[dst], layer.pv[dst] = layer.pk[src], layer.pv[src]
-            layer.ok[rdst], layer.ov[rdst] = layer.ok[rsrc], layer.ov[rsrc]
             for fk, fv, (c, _, _) in zip(layer.fk, layer.fv, self.forks):
                 ndst, nsrc = expand(dst, c), expand(src, c)
                 fk[ndst], fv[ndst] = fk[nsrc], fv[nsrc]

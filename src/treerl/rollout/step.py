@@ -15,7 +15,8 @@ class BatchStep:
     own slots per row, ``pre_len`` prompt slots per group and every fork segment, writing
     the next-token logits into the batch's ``logits[:hi]``. ``batch``: a
     :class:`~treerl.rollout.stream.RunningBatch` (its ``last``, ``pos``, ``fill``,
-    ``own_mask``, ``prefix_mask``, ``fork_node/fork_slot/fork_mask``, ``logits``)."""
+    ``own_mask``, ``prefix_mask``, ``fork_node/fork_slot/fork_mask``, ``logits``; the
+    cache's block table, read in the step: updated in place between steps)."""
 
     def __init__(self, engine, batch, hg: int, own_len: int, pre_len: int):
         hi = hg * batch.G
@@ -33,8 +34,7 @@ class BatchStep:
     def _forward(self) -> torch.Tensor:
         cache = self.cache
         # own_len from a shape (not a Python int attribute): compiled steps stay shape-generic
-        cache.write_index, cache.own_len, cache.prefix_mask = self.index, self.own_mask.shape[-1], self.prefix_mask
-        cache.fork_index, cache.fork_masks = self.fork_index, self.fork_masks
+        cache.begin_step(self.index, self.own_mask.shape[-1], self.prefix_mask, self.fork_index, self.fork_masks)
         try:
             if self.engine.decode_forward is not None:  # treerl's own blocks (Qwen2/Qwen3/Llama)
                 logits = self.engine.decode_forward(self.ids, self.pos, cache, self.own_mask, self.prefix_mask)
@@ -47,8 +47,7 @@ class BatchStep:
             # of the shared pool, not an output kept alive per graph)
             return self.out.copy_(logits)
         finally:
-            cache.write_index = cache.prefix_mask = None
-            cache.fork_index, cache.fork_masks = [], []
+            cache.end_step()
 
     def __call__(self) -> torch.Tensor:
         return self.step()

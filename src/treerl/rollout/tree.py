@@ -15,7 +15,8 @@ x f_m`` (``params.max_leaves``), laid out so that every node's rows are consecut
 
 The K/V of level ``k < m`` (fork segments) is stored once per node, ``cap_k`` slots
 (its tokens plus one trash slot for the writes of rows that are not its writer), and read
-by the ``r_k`` rows below it; level ``m`` is each row's own store. Plain groups
+by the ``r_k`` rows below it; level ``m`` is each row's own store (paged: blocks taken as
+the row grows, :mod:`~treerl.rollout.paging`). Plain groups
 (``m = 0``) are the prompt store and the rows' own stores.
 """
 
@@ -86,10 +87,13 @@ class TreeLayout:
     def own_capacity(self) -> int:
         return round_up(self.max_new - self.own_start)
 
+    def shared_tokens(self, prefix_capacity: int) -> int:
+        """K/V token slots a group slot holds for its shared levels: prompt store + fork segments."""
+        return prefix_capacity + sum(self.nodes(k) * self.segment_capacity(k) for k in range(self.depth))
+
     def tokens_per_group(self, prefix_capacity: int) -> int:
-        """K/V token slots of one group slot: prompt store + fork segments + own stores."""
-        forks = sum(self.nodes(k) * self.segment_capacity(k) for k in range(self.depth))
-        return prefix_capacity + forks + self.rows * self.own_capacity
+        """K/V token slots of one group at most: shared levels + every row's own capacity."""
+        return self.shared_tokens(prefix_capacity) + self.rows * self.own_capacity
 
     def first_rows(self) -> list[int]:
         """Rows (in the group) of the ``n`` samples at admission."""

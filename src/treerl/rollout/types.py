@@ -86,7 +86,8 @@ class RolloutStats:
     recomputes: int = 0  # KV recomputations after a weight update
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     reallocations: int = 0  # running batch rebuilt for a longer prompt
-    kv_slots: int = 0  # most K/V token slots held (prompt stores + fork segments + row stores)
+    preemptions: int = 0  # groups preempted (own K/V blocks ran out), re-queued and recomputed later
+    kv_slots: int = 0  # most K/V token slots held (prompt stores + fork segments + own-block pool)
     seconds: float = 0.0
 
     @property
