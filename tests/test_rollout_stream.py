@@ -437,7 +437,7 @@ def test_prefix_cache_lru_and_superseding():
 
     def entry(tokens, version=0):
         n = len(tokens)
-        return PrefixEntry(tuple(tokens), [torch.zeros(1, n, 2)], [torch.zeros(1, n, 2)], torch.zeros(3), version)
+        return PrefixEntry(tuple(tokens), torch.zeros(1, 1, n, 2), torch.zeros(1, 1, n, 2), torch.zeros(3), version)
 
     c = PrefixCache(max_tokens=10)
     c.insert(entry([1, 2, 3]))

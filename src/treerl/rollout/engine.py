@@ -269,78 +269,84 @@ class RolloutEngine:
         self.stats.seconds = time.perf_counter() - start
 
     # ------------------------------------------------------------------ model calls
-    def _prefill(self, seqs: list[list[int]]) -> tuple[SlotCache, torch.Tensor, torch.Tensor]:
-        """Left-padded prefill of ``seqs`` into a new cache of ``L`` (the longest) slots.
+    def _prefill(self, seqs: list[list[int]], cached: Sequence[PrefixEntry | None] | None = None
+                 ) -> tuple[SlotCache, torch.Tensor, torch.Tensor]:
+        """Left-padded batched prefill of ``seqs`` into a new cache of ``C = 1 + L`` slots
+        (``L``: the longest sequence); sequence ``i`` in slots ``[C - len_i, C)``.
 
-        Returns ``cache`` (sequence ``i`` in slots ``[L - len_i, L)``), lengths ``[B]`` and
-        the logits after each sequence's last token ``[B, V]``."""
-        dev = self.device
+        ``cached[i]`` (a prefix-cache entry whose tokens start ``seqs[i]``, or None): the
+        first ``m_i = len(cached[i])`` tokens' K/V are copied from it, and only the ``n_i =
+        len_i - m_i`` new tokens are computed, at their own positions, attending to their
+        cached prefix. The queries of a forward are the last ``W = max n_i`` slots (in chunks
+        of ``prefill_chunk_tokens / B``); a row's slots there that are not its new tokens are
+        padding queries: they write their K/V to slot 0 (``SlotCache.write_index``), which no
+        real query sees, so a cached prefix inside the window is never overwritten, and see
+        only slot 0 (finite outputs, ignored). Each new token sees its sequence's slots up
+        to itself: the same attention as a forward of the sequence alone.
+
+        Returns ``cache``, lengths ``[B]`` and the logits after each sequence's last token
+        ``[B, V]`` (the entry's when nothing is new)."""
+        dev, B = self.device, len(seqs)
+        cached = list(cached) if cached is not None else [None] * B
         dtype = next(self.model.parameters()).dtype
-        neg = torch.finfo(dtype).min
-        zero, ninf = torch.zeros((), dtype=dtype, device=dev), torch.full((), neg, dtype=dtype, device=dev)
-        lens = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-        B, L = len(seqs), int(lens.max())
-        ids = torch.zeros(B, L, dtype=torch.int64)
+        zero, ninf = torch.zeros((), dtype=dtype, device=dev), torch.full((), torch.finfo(dtype).min, dtype=dtype, device=dev)
+        lens = np.asarray([len(s) for s in seqs], dtype=np.int64)
+        m = np.asarray([0 if c is None else len(c) for c in cached], dtype=np.int64)
+        C, W = 1 + int(lens.max()), int((lens - m).max())
+        cache = SlotCache(self.num_layers, C)
+        self._load_cached(cache, cached, C - lens)
+        cache.length = C - W
+        ids = np.zeros((B, W), dtype=np.int64)  # the new tokens, right-aligned
         for i, s in enumerate(seqs):
-            ids[i, L - len(s) :] = torch.tensor(s, dtype=torch.int64)
-        ids, lens = ids.to(dev), lens.to(dev)
-        slot = torch.arange(L, device=dev)
-        pad = (L - lens)[:, None]  # [B, 1]
-        real = slot[None, :] >= pad  # [B, L]
-        position = (slot[None, :] - pad).clamp(min=0)
-        cache = SlotCache(self.num_layers, L)
-        chunk = max(1, self.prefill_chunk_tokens // B)
+            if len(s) > m[i]:
+                ids[i, W - (len(s) - m[i]) :] = s[m[i] :]
+        slot = torch.arange(C, device=dev)
+        first = torch.as_tensor(C - lens, device=dev)[:, None]  # [B, 1] each sequence's first slot
+        computed = slot[None, C - W :] >= torch.as_tensor(C - lens + m, device=dev)[:, None]  # [B, W] new tokens
+        real = slot[None, :] >= first  # [B, C]
+        position = (slot[None, C - W :] - first).clamp(min=0)  # [B, W]
+        ids_d = torch.as_tensor(ids, device=dev)
         logits = None
-        for c0 in range(0, L, chunk):
-            c1 = min(L, c0 + chunk)
+        chunk = max(1, self.prefill_chunk_tokens // B)
+        for c0 in range(C - W, C, chunk):
+            c1 = min(C, c0 + chunk)
             q = slot[c0:c1]
-            # query i sees key j <= i that is a real token; a pad query sees itself only
-            allowed = ((slot[None, :c1] <= q[:, None])[None] & real[:, None, :c1]) | (slot[None, :c1] == q[:, None])[None]
-            mask4 = torch.where(allowed, zero, ninf)[:, None]  # [B, 1, c, c1]
+            pad = ~computed[:, c0 - (C - W) : c1 - (C - W)]  # [B, c]
+            sees = (slot[None, :c1] <= q[:, None])[None] & real[:, None, :c1]  # [B, c, c1]
+            sees = torch.where(pad[:, :, None], (slot[:c1] == 0)[None, None], sees)
+            cache.write_index = torch.where(pad, 0, q[None, :])
             out = self.model(
-                input_ids=ids[:, c0:c1],
-                position_ids=position[:, c0:c1],
-                attention_mask=mask4,
+                input_ids=ids_d[:, c0 - (C - W) : c1 - (C - W)],
+                position_ids=position[:, c0 - (C - W) : c1 - (C - W)],
+                attention_mask=torch.where(sees, zero, ninf)[:, None],  # [B, 1, c, c1]
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
             )
-            logits = out.logits[:, -1]
-            self.stats.prefill_calls += 1
-        self.stats.prefill_tokens += int(lens.sum())
-        return cache, lens, logits.to(self.logit_dtype)
-
-    def _extend(self, seq: list[int], entry: PrefixEntry) -> tuple[SlotCache, torch.Tensor, torch.Tensor]:
-        """Prefill ``seq`` whose first ``len(entry)`` tokens are ``entry``'s (their K/V and
-        logits reused): only the rest is computed. Returns ``cache`` (``len(seq)`` slots, no
-        padding), lengths ``[1]`` and the logits after the last token ``[1, V]``."""
-        dev, m = self.device, len(entry)
-        dtype = next(self.model.parameters()).dtype
-        neg = torch.finfo(dtype).min
-        cache = SlotCache(self.num_layers, len(seq))
-        for layer, k, v in zip(cache.layers, entry.keys, entry.values):
-            layer.lazy_initialization(k[None], v[None])
-            layer.keys[0, :, :m] = k
-            layer.values[0, :, :m] = v
-            layer.length = m
-        logits = entry.logits[None]
-        new = seq[m:]
-        for c0 in range(0, len(new), self.prefill_chunk_tokens):
-            c1 = min(len(new), c0 + self.prefill_chunk_tokens)
-            start = m + c0
-            position = torch.arange(start, m + c1, device=dev)
-            allowed = torch.arange(m + c1, device=dev)[None, :] <= position[:, None]  # [q, m + c1]
-            mask4 = torch.where(allowed, torch.zeros((), dtype=dtype, device=dev),
-                                torch.full((), neg, dtype=dtype, device=dev))[None, None]
-            out = self.model(
-                input_ids=torch.tensor([new[c0:c1]], dtype=torch.int64, device=dev), position_ids=position[None],
-                attention_mask=mask4, past_key_values=cache, use_cache=True, logits_to_keep=1,
-            )
             logits = out.logits[:, -1].to(self.logit_dtype)
             self.stats.prefill_calls += 1
-        self.stats.prefill_tokens += len(new)
-        self.stats.prefix_cache_hit_tokens += m
-        return cache, torch.tensor([len(seq)], device=dev), logits
+        cache.write_index = None
+        full = [i for i, c in enumerate(cached) if c is not None and len(c) == len(seqs[i])]
+        if logits is None:  # nothing new at all
+            logits = torch.stack([c.logits for c in cached])
+        elif full:  # nothing new in these rows: the entry's logits
+            logits[torch.as_tensor(full, device=dev)] = torch.stack([cached[i].logits for i in full]).to(logits.dtype)
+        self.stats.prefill_tokens += int((lens - m).sum())
+        self.stats.prefix_cache_hit_tokens += int(m.sum())
+        return cache, torch.as_tensor(lens, device=dev), logits
+
+    @staticmethod
+    def _load_cached(cache: SlotCache, cached: list[PrefixEntry | None], first: np.ndarray) -> None:
+        """Copy each entry's K/V (every layer at once) into its row of ``cache`` from slot ``first[i]``."""
+        hits = [i for i, c in enumerate(cached) if c is not None]
+        if not hits:
+            return
+        k, v = cached[hits[0]].keys, cached[hits[0]].values  # [layers, Hkv, m, D]
+        cache.allocate(len(cached), k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
+        for i in hits:
+            a, b = int(first[i]), int(first[i]) + len(cached[i])
+            cache.all_keys[:, i, :, a:b] = cached[i].keys
+            cache.all_values[:, i, :, a:b] = cached[i].values
 
     def _yield_to_updates(self, timeout: float = 60.0) -> None:
         """Let a weight update waiting in another thread take the lock before the next step."""

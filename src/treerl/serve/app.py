@@ -13,6 +13,7 @@ string. Bad requests get HTTP 400 (404: unknown model) with ``{"error": {..., "p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -59,7 +60,8 @@ def create_app(state: ServeState) -> FastAPI:
         return {"status": "ok", "model": state.model_name, "weight_version": state.engine.version,
                 "busy_requests": state.loop.busy,
                 "stats": {"requests": s.requests, "completed": s.completed, "failed": s.failed,
-                          "samples": s.samples, "tokens": s.tokens, "streams": s.streams}}
+                          "samples": s.samples, "tokens": s.tokens, "streams": s.streams},
+                "engine": dataclasses.asdict(state.loop.engine_stats())}
 
     @app.get("/v1/models")
     async def models():

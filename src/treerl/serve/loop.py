@@ -26,13 +26,14 @@ keeps the version of the weights that sampled it.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..rollout import Completion, PromptQueue, RolloutEngine, SamplingParams
+from ..rollout import Completion, PromptQueue, RolloutEngine, RolloutStats, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class EngineLoop:
         self.engine, self.decode, self.max_rows = engine, decode, max_rows
         self.idle_timeout_s = float(idle_timeout_s)
         self.stats = LoopStats()
+        self._engine_total = RolloutStats()  # the engine's counters of the streams that ended
+        self._engine_added = engine.stats  # the last stream's counters, already in the total (or not ours)
         self._cond = threading.Condition()
         self._pending: list[_Request] = []  # waiting for a stream of their key
         self._inflight: dict[int, _Request] = {}  # in the running stream
@@ -137,6 +140,15 @@ class EngineLoop:
         with self._cond:
             return len(self._pending) + len(self._inflight)
 
+    def engine_stats(self) -> RolloutStats:
+        """The engine's counters (:class:`~treerl.rollout.RolloutStats`: admissions, prefill
+        calls, decode steps, ...) summed over this loop's streams, the running one so far."""
+        with self._cond:
+            total = copy.copy(self._engine_total)
+            if self.engine.stats is not self._engine_added:  # a stream is running (or starting)
+                total.add(self.engine.stats)
+            return total
+
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop the loop: waiting and running requests fail (their clients get an error)."""
         with self._cond:
@@ -181,6 +193,9 @@ class EngineLoop:
             with self._cond:
                 queue.close()
                 self._current = None
+                if self.engine.stats is not self._engine_added:
+                    self._engine_total.add(self.engine.stats)
+                    self._engine_added = self.engine.stats
                 if error is not None or self._stopped:
                     for r in list(self._inflight.values()):
                         self._fail(r, error or RuntimeError("the server is shutting down"))
