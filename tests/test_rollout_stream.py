@@ -241,6 +241,27 @@ def test_capacity_grows_for_a_longer_prompt(model):
     check_greedy(model, [first] + rest, [short, long], 2)
 
 
+@pytest.mark.parametrize("budget,grows,reallocations", [(1 << 17, 2, 0), (192, 1, 1)])
+def test_prompt_store_grows_geometrically(model, budget, grows, reallocations):
+    """A conversation's prompts growing by 16 tokens a turn (17 ... 113), one at a time in one
+    stream of (at most) two group slots: the prompt store doubles (32 -> 64 -> 128: 2
+    growths, not 5). With a budget of two groups of 32 prompt slots (192 K/V slots: 2 x (32
+    + 2 rows x 32 own slots)), the batch is rebuilt for one group of 64 prompt slots (not
+    48), then grown in place to 128 (not 80, 96, 112, 128)."""
+    prompts = random_prompts([17, 33, 49, 65, 81, 97, 113], seed=34)
+    queue = PromptQueue()
+    engine = RolloutEngine(model, sync_every=2, max_batch_tokens=budget)
+    stream = engine.generate_stream(queue, params(n=2), max_rows=4)
+    groups = []
+    for p in prompts:
+        queue.put(p)
+        groups.append(next(stream))
+    queue.close()
+    assert list(stream) == []
+    check_greedy(model, groups, prompts, 2)
+    assert (engine.stats.prefix_grows, engine.stats.reallocations) == (grows, reallocations)
+
+
 def test_stream_input_errors(model):
     engine = RolloutEngine(model)
     with pytest.raises(ValueError, match="branch point"):

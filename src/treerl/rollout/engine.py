@@ -235,7 +235,8 @@ class RolloutEngine:
         ``P``: the longest prompt waiting at the start, rounded up to 16). Group slots: as
         many as ``max_batch_tokens`` allows, at most ``max_rows // G``, no more than a
         finite input needs, at least one. A longer prompt arriving later grows the prompt
-        store while ``max_batch_tokens`` allows, else waits until the batch drains.
+        store (to at least twice its size) while ``max_batch_tokens`` allows, else waits
+        until the batch drains.
         ``self.stats`` describes the stream so far.
         """
         params = SamplingParams() if params is None else params

@@ -44,7 +44,9 @@ engine's ``max_batch_tokens``; a group slot reserves its whole tree at admission
 running batch never runs out (a fork always has its rows: nothing is ever preempted). A
 prompt longer than ``P`` grows the prefix store while the budget allows; otherwise it (and
 the prompts after it) wait until the batch drains, which is then rebuilt with fewer,
-larger group slots: no crash, no lost sample.
+larger group slots: no crash, no lost sample. Either way ``P`` at least doubles (as far as
+the budget allows), so a conversation whose prompts grow turn by turn costs few growths
+(each drops the captured decode steps) and few rebuilds.
 
 Host syncs: sampled tokens and logprobs are logged on the device and copied to the host
 every ``sync_every`` steps (and when a row reaches ``max_new_tokens`` or a fork point), where
@@ -279,8 +281,9 @@ class RunningBatch:
         """Admission by capacity: the prompts of ``items`` that fit the prefix store now.
         A longer prompt grows it in place while the budget allows; otherwise it waits
         (with every prompt after it, in order) until the batch has drained, and the batch
-        is then rebuilt with fewer, larger group slots. Never over budget unless a single
-        group needs more (then it runs alone)."""
+        is then rebuilt with fewer, larger group slots. Either way the store grows
+        geometrically (:meth:`_capacity_for`). Never over budget unless a single group needs
+        more (then it runs alone)."""
         longest = 0
         for i, (key, prompt) in enumerate(items):
             ids = self.e._check_prompt(key, prompt, self.p)
@@ -294,14 +297,24 @@ class RunningBatch:
                 self.deferred.extendleft(reversed(items[i:]))
                 items = items[:i]
                 break
-            groups = max(1, min(self.NG, self.budget // self.tree.tokens_per_group(need)))
-            self._allocate(groups, need)
+            capacity = self._capacity_for(need, 1)
+            groups = max(1, min(self.NG, self.budget // self.tree.tokens_per_group(capacity)))
+            self._allocate(groups, capacity)
             self.e.stats.reallocations += 1
             self.deferred.extendleft(reversed(items[groups:]))
             return self._fit(items[:groups])
         if longest > self.P:
-            self._grow_prefix(longest)
+            self._grow_prefix(self._capacity_for(longest, self.NG))
         return items
+
+    def _capacity_for(self, need: int, groups: int) -> int:
+        """Prompt slots per group to grow to for a prompt of ``need`` slots: twice the present
+        capacity where ``groups`` group slots of it fit the budget, else as many as fit, and at
+        least ``need``. Geometric, so that a conversation growing turn by turn costs few
+        growths (each drops the captured decode steps) and few reallocations (each waits
+        for the batch to drain)."""
+        most = (self.budget // groups - self.tree.tokens_per_group(0)) // 16 * 16
+        return max(need, min(2 * self.P, most))
 
     # ----------------------------------------------------------------- sampling
     def _sample(self, rows: np.ndarray, prefix: bool) -> None:
