@@ -80,12 +80,14 @@ class LoopStats:
 class EngineLoop:
     """See the module docstring. ``max_rows``: most rows of a running batch (default: as
     many as the engine's ``max_batch_tokens`` allows); ``decode``: the tokenizer, for stop
-    strings."""
+    strings; ``admission_window_s``: see :class:`~treerl.rollout.PromptQueue` (an idle batch
+    waits that long for more requests after the first, and admits them together)."""
 
     def __init__(self, engine: RolloutEngine, *, decode: Any = None, max_rows: int | None = None,
-                 idle_timeout_s: float = 1.0):
+                 idle_timeout_s: float = 1.0, admission_window_s: float = 0.0):
         self.engine, self.decode, self.max_rows = engine, decode, max_rows
         self.idle_timeout_s = float(idle_timeout_s)
+        self.admission_window_s = float(admission_window_s)
         self.stats = LoopStats()
         self._engine_total = RolloutStats()  # the engine's counters of the streams that ended
         self._engine_added = engine.stats  # the last stream's counters, already in the total (or not ours)
@@ -176,7 +178,7 @@ class EngineLoop:
                 key = self._pending[0].key
                 batch = [r for r in self._pending if r.key == key]
                 self._pending = [r for r in self._pending if r.key != key]
-                queue = PromptQueue(idle_timeout=self.idle_timeout_s)
+                queue = PromptQueue(idle_timeout=self.idle_timeout_s, admission_window=self.admission_window_s)
                 queue.put_many([((r.rid, j), r.prompt) for r in batch for j in range(r.n)])
                 for r in batch:
                     self._inflight[r.rid] = r
