@@ -8,6 +8,8 @@ that sampled each), and at the top ``prompt_token_ids`` and ``weight_version`` (
 version among the completion tokens). ``text`` / ``content`` is the decoded completion
 without special tokens and, unless ``include_stop_str_in_output``, cut before the stop
 string. Bad requests get HTTP 400 (404: unknown model) with ``{"error": {..., "param"}}``.
+``/health`` reports the loop's request counters and, under ``engine``, the rollout engine's
+(:meth:`EngineLoop.engine_stats <treerl.serve.loop.EngineLoop.engine_stats>`).
 """
 
 from __future__ import annotations

@@ -5,9 +5,13 @@
 :class:`~treerl.rollout.PromptQueue`. :meth:`EngineLoop.submit` (any thread) puts a
 request's ``n`` samples into the running stream, where they take the slots of finished
 rows; its future resolves once all ``n`` are done. Each sample is one row (``n = 1`` per
-stream slot), so requests with different ``n`` share the batch; identical prompts admitted
-together are prefilled once, and with the engine's prefix cache a prompt that extends an
-earlier one (the next turn of a conversation) prefills only its new tokens.
+stream slot), so requests with different ``n`` share the batch. The requests admitted
+together (those waiting when slots are free) are prefilled together, in batched forwards:
+identical prompts once, and with the engine's prefix cache a prompt that extends an earlier
+one (the next turn of a conversation) computes only its new tokens, in the same forward as
+the others (:mod:`treerl.rollout.stream`). With ``admission_window_s`` an idle batch waits
+that long after a first request for more, so that agents whose turns arrive one by one are
+admitted, and run, together (:class:`~treerl.rollout.PromptQueue`; off by default).
 
 A running batch has one set of sampling settings (:class:`SamplingKey`: temperature,
 top-p, top-k, max tokens, stops). Requests with the running stream's key join it; a
@@ -22,6 +26,10 @@ trainer calls it before training on a model the engine shares. Weight updates
 (:meth:`RolloutEngine.update_weights` from any thread) interrupt the running stream between
 decode steps: unfinished rows recompute their K/V under the new weights, and every token
 keeps the version of the weights that sampled it.
+
+:meth:`EngineLoop.engine_stats` sums the engine's counters (admissions, prefill calls,
+decode steps, ...: :class:`~treerl.rollout.RolloutStats`) over the loop's streams;
+``treerl serve`` reports them in ``/health``.
 """
 
 from __future__ import annotations
