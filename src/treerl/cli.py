@@ -130,6 +130,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="K/V tokens of prompts kept for later turns that extend them (0: off)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=8192,
                    help="prompt tokens prefilled together in one piece (bounds the temporary K/V)")
+    p.add_argument("--idle-timeout-s", type=float, default=1.0,
+                   help="a running batch ends after this long without work (the next request starts another)")
     p.add_argument("--admission-window-ms", type=float, default=0.0,
                    help="an idle batch waits this long for more requests after the first and admits them "
                         "together (agents' turns stay in step; 0: admit at once)")

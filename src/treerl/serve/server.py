@@ -142,7 +142,7 @@ def serve(args) -> int:
     engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens,
                            prefill_chunk_tokens=args.prefill_chunk_tokens)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
-                           prefix_cache_tokens=args.prefix_cache_tokens,
+                           prefix_cache_tokens=args.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s,
                            admission_window_s=args.admission_window_ms / 1000)
     server = ServerThread(make_state(engine, tokenizer, options), host=args.host, port=args.port)
     stop = threading.Event()
