@@ -14,8 +14,7 @@ and sends the longer prompt as its next turn (which the prefix cache extends).
   (one shared ``AsyncOpenAI`` client).
 
 Both use the same engine settings (``RolloutEngine`` defaults plus ``--prefix-cache-tokens``
-and ``--prefill-chunk-tokens``; the loop's ``--max-rows``, ``--admission-window-ms`` and
-``--idle-timeout-s``), the same weights and dtype; the in-process engine is freed before the
+and ``--prefill-chunk-tokens``; the loop's ``--max-rows`` and ``--idle-timeout-s``), the same weights and dtype; the in-process engine is freed before the
 server starts. ``--client-procs N`` runs the served agents' clients in N processes: the
 ``openai`` client spends milliseconds of CPU per request on a long token-id prompt (it
 walks the list element by element), and one process serialises that for all agents. Each mode runs once untimed (CUDA graph captures,
@@ -80,7 +79,6 @@ def parse_args(argv=None):
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16)
     p.add_argument("--prefill-chunk-tokens", type=int, default=8192, help="the engine's (its default: 8192)")
     p.add_argument("--max-rows", type=int, default=256, help="rows of the running batch (treerl serve's default)")
-    p.add_argument("--admission-window-ms", type=float, default=0.0, help="the engine loop's (treerl serve's default: 0)")
     p.add_argument("--idle-timeout-s", type=float, default=10.0,
                    help="the engine loop's (treerl serve's default: 1): long enough that the gap between two timed "
                         "runs (clients starting) does not end the running batch")
@@ -148,8 +146,7 @@ def measure(args, run, counters) -> dict:
 def in_process(args, model, vocab: int) -> dict:
     engine = RolloutEngine(model, prefix_cache_tokens=args.prefix_cache_tokens,
                            prefill_chunk_tokens=args.prefill_chunk_tokens)
-    loop = EngineLoop(engine, max_rows=args.max_rows, idle_timeout_s=args.idle_timeout_s,
-                      admission_window_s=args.admission_window_ms / 1000)
+    loop = EngineLoop(engine, max_rows=args.max_rows, idle_timeout_s=args.idle_timeout_s)
     key = SamplingKey(temperature=1.0, max_tokens=args.max_tokens)
 
     async def call(prompt):
@@ -184,7 +181,7 @@ class ServerProcess:
                "--dtype", dtype, "--port", "0", "--max-tokens", str(args.max_tokens),
                "--max-rows", str(args.max_rows), "--prefix-cache-tokens", str(args.prefix_cache_tokens),
                "--prefill-chunk-tokens", str(args.prefill_chunk_tokens),
-               "--admission-window-ms", str(args.admission_window_ms), "--idle-timeout-s", str(args.idle_timeout_s)]
+               "--idle-timeout-s", str(args.idle_timeout_s)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
         self.log = log
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))

@@ -180,33 +180,6 @@ def test_prompts_from_another_thread_none_lost_or_duplicated(model):
     assert not queue.put([1, 2])  # closed
 
 
-def test_admission_window_of_an_idle_stream(model):
-    """PromptQueue(admission_window=w): once a prompt waits, take() waits up to w for more,
-    and stops as soon as n are waiting (or returns fewer after w); a stream asks for the
-    window only while no row is generating, and outputs are unchanged."""
-    q = PromptQueue([[1, 2]])
-    got: list = []
-    taker = threading.Thread(target=lambda: got.extend(q.take(2, 0.0, window=60.0)))
-    taker.start()
-    q.put([3])
-    taker.join(30)
-    assert not taker.is_alive() and [p for _, p in got] == [[1, 2], [3]]  # ended by n, not by the 60 s
-    assert [p for _, p in PromptQueue([[4]]).take(5, 0.0, window=0.01)] == [[4]]  # fewer than n after w
-
-    windows: list[float] = []
-
-    class Recording(PromptQueue):
-        def take(self, n, timeout=0.0, window=0.0):
-            windows.append(window)
-            return super().take(n, timeout, window)
-
-    prompts = random_prompts([5, 9, 3, 7], seed=35)
-    queue = Recording(prompts, close=True, admission_window=0.25)
-    groups = list(RolloutEngine(model, sync_every=2).generate_stream(queue, params(n=2), max_rows=4))
-    check_greedy(model, groups, prompts, 2)
-    assert windows[0] == 0.25 and 0.0 in windows  # idle at the start; rows generating later
-
-
 def test_idle_timeout_ends_the_stream_atomically(model):
     queue = PromptQueue(idle_timeout=0)
     assert queue.put([1, 2, 3])

@@ -347,7 +347,7 @@ def test_engine_loop_sums_the_engine_counters_over_streams():
     from treerl.serve import EngineLoop, SamplingKey
 
     engine = RolloutEngine(tiny_model())
-    loop = EngineLoop(engine, admission_window_s=0.001)
+    loop = EngineLoop(engine)
     key = SamplingKey(temperature=0.0, max_tokens=3)
     try:
         for i in range(3):

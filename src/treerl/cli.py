@@ -132,9 +132,6 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens prefilled together in one piece (bounds the temporary K/V)")
     p.add_argument("--idle-timeout-s", type=float, default=1.0,
                    help="a running batch ends after this long without work (the next request starts another)")
-    p.add_argument("--admission-window-ms", type=float, default=0.0,
-                   help="an idle batch waits this long for more requests after the first and admits them "
-                        "together (agents' turns stay in step; 0: admit at once)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="default: the config's / checkpoint's")
 

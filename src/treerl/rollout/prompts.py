@@ -18,24 +18,15 @@ class PromptQueue:
     generate it waits for prompts; with ``idle_timeout`` (seconds) it ends after waiting
     that long (0: as soon as it is idle), atomically with respect to ``put``: a prompt is
     either taken by this stream or refused (``put`` returns False; start a new stream).
-
-    ``admission_window`` (seconds, default 0: off): when the stream is idle (no row
-    generating) and a prompt comes, it also waits for the prompts that come within that
-    long (up to its free slots) and admits them together: one prefill instead of several,
-    and rows that start, and so finish, together. Clients whose next requests follow their
-    previous answers (agents) then stay in step instead of spreading over the decode steps
-    of a batch that runs part-empty. Costs each such prompt at most that much latency.
     """
 
-    def __init__(self, prompts: Iterable[Any] = (), *, close: bool = False, idle_timeout: float | None = None,
-                 admission_window: float = 0.0):
+    def __init__(self, prompts: Iterable[Any] = (), *, close: bool = False, idle_timeout: float | None = None):
         self._cond = threading.Condition()
         self._items: deque = deque()
         self._closed = False
         self._ended = False
         self._next_key = 0
         self.idle_timeout = idle_timeout
-        self.admission_window = float(admission_window)
         for p in prompts:
             self.put(p)
         if close:
@@ -85,14 +76,11 @@ class PromptQueue:
         with self._cond:
             return list(self._items)
 
-    def take(self, n: int, timeout: float = 0.0, window: float = 0.0) -> list[tuple[Hashable, Any]]:
-        """Up to ``n`` waiting prompts; waits up to ``timeout`` s if none is waiting, and once
-        one is, up to ``window`` s more while fewer than ``n`` are."""
+    def take(self, n: int, timeout: float = 0.0) -> list[tuple[Hashable, Any]]:
+        """Up to ``n`` waiting prompts; waits up to ``timeout`` s if none is waiting."""
         with self._cond:
             if not self._items and timeout > 0 and not self.closed:
                 self._cond.wait_for(lambda: self._items or self.closed, timeout)
-            if self._items and window > 0:
-                self._cond.wait_for(lambda: len(self._items) >= n or self.closed, window)
             return [self._items.popleft() for _ in range(min(n, len(self._items)))]
 
     def end_if_empty(self) -> bool:

@@ -271,12 +271,10 @@ class RunningBatch:
         yield from out
 
     def _take(self, n: int, timeout: float) -> list:
-        """Up to ``n`` prompts: deferred ones first, then from the queue (an idle batch waits
-        for the queue's ``admission_window``)."""
+        """Up to ``n`` prompts: deferred ones first, then from the queue."""
         items = [self.deferred.popleft() for _ in range(min(n, len(self.deferred)))]
         if len(items) < n and not self.deferred:
-            window = 0.0 if self.live.any() else self.q.admission_window
-            items += self.q.take(n - len(items), 0.0 if items else timeout, window)
+            items += self.q.take(n - len(items), 0.0 if items else timeout)
         return items
 
     def _fit(self, items: list) -> list:

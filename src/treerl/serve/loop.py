@@ -9,9 +9,7 @@ stream slot), so requests with different ``n`` share the batch. The requests adm
 together (those waiting when slots are free) are prefilled together, in batched forwards:
 identical prompts once, and with the engine's prefix cache a prompt that extends an earlier
 one (the next turn of a conversation) computes only its new tokens, in the same forward as
-the others (:mod:`treerl.rollout.stream`). With ``admission_window_s`` an idle batch waits
-that long after a first request for more, so that agents whose turns arrive one by one are
-admitted, and run, together (:class:`~treerl.rollout.PromptQueue`; off by default).
+the others (:mod:`treerl.rollout.stream`).
 
 A running batch has one set of sampling settings (:class:`SamplingKey`: temperature,
 top-p, top-k, max tokens, stops). Requests with the running stream's key join it; a
@@ -88,14 +86,12 @@ class LoopStats:
 class EngineLoop:
     """See the module docstring. ``max_rows``: most rows of a running batch (default: as
     many as the engine's ``max_batch_tokens`` allows); ``decode``: the tokenizer, for stop
-    strings; ``admission_window_s``: see :class:`~treerl.rollout.PromptQueue` (an idle batch
-    waits that long for more requests after the first, and admits them together)."""
+    strings."""
 
     def __init__(self, engine: RolloutEngine, *, decode: Any = None, max_rows: int | None = None,
-                 idle_timeout_s: float = 1.0, admission_window_s: float = 0.0):
+                 idle_timeout_s: float = 1.0):
         self.engine, self.decode, self.max_rows = engine, decode, max_rows
         self.idle_timeout_s = float(idle_timeout_s)
-        self.admission_window_s = float(admission_window_s)
         self.stats = LoopStats()
         self._engine_total = RolloutStats()  # the engine's counters of the streams that ended
         self._engine_added = engine.stats  # the last stream's counters, already in the total (or not ours)
@@ -186,7 +182,7 @@ class EngineLoop:
                 key = self._pending[0].key
                 batch = [r for r in self._pending if r.key == key]
                 self._pending = [r for r in self._pending if r.key != key]
-                queue = PromptQueue(idle_timeout=self.idle_timeout_s, admission_window=self.admission_window_s)
+                queue = PromptQueue(idle_timeout=self.idle_timeout_s)
                 queue.put_many([((r.rid, j), r.prompt) for r in batch for j in range(r.n)])
                 for r in batch:
                     self._inflight[r.rid] = r

@@ -27,15 +27,13 @@ class ServeOptions:
     default_max_tokens: int = 256  # when a request sets no max_tokens (capped by the context)
     max_rows: int | None = 256  # rows of the running batch (None: as the K/V budget allows)
     idle_timeout_s: float = 1.0  # a running batch ends after this long without work
-    admission_window_s: float = 0.0  # an idle batch waits this long for more requests after the first
     prefix_cache_tokens: int = 0  # the engine's prefix cache (0: off)
 
 
 def make_state(engine: RolloutEngine, tokenizer: Any, options: ServeOptions | None = None) -> ServeState:
     """An :class:`EngineLoop` over ``engine`` and the handlers' state (weights reload included)."""
     o = options or ServeOptions()
-    loop = EngineLoop(engine, decode=tokenizer, max_rows=o.max_rows, idle_timeout_s=o.idle_timeout_s,
-                      admission_window_s=o.admission_window_s)
+    loop = EngineLoop(engine, decode=tokenizer, max_rows=o.max_rows, idle_timeout_s=o.idle_timeout_s)
     return ServeState(loop, tokenizer, model_name=o.model_name, default_max_tokens=o.default_max_tokens,
                       load_weights=lambda path, version: load_weights_into(engine, path, version))
 
@@ -142,8 +140,7 @@ def serve(args) -> int:
     engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens,
                            prefill_chunk_tokens=args.prefill_chunk_tokens)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
-                           prefix_cache_tokens=args.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s,
-                           admission_window_s=args.admission_window_ms / 1000)
+                           prefix_cache_tokens=args.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s)
     server = ServerThread(make_state(engine, tokenizer, options), host=args.host, port=args.port)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
