@@ -52,7 +52,9 @@ class RolloutEngine:
     ``max_batch_tokens`` bounds the KV-cache slots of the running batch (group slots x
     (prompt + fork segments + rows x max_new_tokens): prompts and fork points are stored
     once); a single group larger than it runs alone. ``prefill_chunk_tokens`` bounds the
-    (padded) tokens of one prefill forward. ``sync_every``: decode steps between host syncs
+    (padded) query tokens of one prefill forward and the prompt tokens prefilled together
+    (the prompts admitted together are prefilled in batched pieces of about that many
+    tokens, prefix-cache hits included: their cached K/V is part of the piece). ``sync_every``: decode steps between host syncs
     (stop checks); stops are exact whatever its value.
 
     ``cuda_graphs`` (default: on for CUDA devices) replays each decode step as a CUDA graph,
@@ -70,7 +72,8 @@ class RolloutEngine:
 
     ``prefix_cache_tokens`` (default 0: off): the engine keeps the K/V of prompts it
     prefilled, up to this many tokens (LRU, :mod:`~treerl.rollout.prefix_cache`); a prompt
-    that extends a kept one (the next turn of a conversation) prefills only its new tokens.
+    that extends a kept one (the next turn of a conversation) prefills only its new tokens,
+    batched with the other prompts admitted with it.
 
     ``keep_stream_buffers`` (default False): keep a finished stream's device buffers, K/V
     cache and captured CUDA graphs, and reuse them in the next stream of the same shapes
@@ -289,52 +292,52 @@ class RolloutEngine:
         ``[B, V]`` (the entry's when nothing is new)."""
         dev, B = self.device, len(seqs)
         cached = list(cached) if cached is not None else [None] * B
-        dtype = next(self.model.parameters()).dtype
-        zero, ninf = torch.zeros((), dtype=dtype, device=dev), torch.full((), torch.finfo(dtype).min, dtype=dtype, device=dev)
         lens = np.asarray([len(s) for s in seqs], dtype=np.int64)
         m = np.asarray([0 if c is None else len(c) for c in cached], dtype=np.int64)
         C, W = 1 + int(lens.max()), int((lens - m).max())
         cache = SlotCache(self.num_layers, C)
         self._load_cached(cache, cached, C - lens)
-        cache.length = C - W
-        ids = np.zeros((B, W), dtype=np.int64)  # the new tokens, right-aligned
+        cache.length = C - W  # the window [C - W, C) is computed
+        ids = np.zeros((B, W), dtype=np.int64)  # each row's new tokens, right-aligned in the window
         for i, s in enumerate(seqs):
             if len(s) > m[i]:
                 ids[i, W - (len(s) - m[i]) :] = s[m[i] :]
-        slot = torch.arange(C, device=dev)
+        ids = torch.as_tensor(ids, device=dev)
         first = torch.as_tensor(C - lens, device=dev)[:, None]  # [B, 1] each sequence's first slot
-        computed = slot[None, C - W :] >= torch.as_tensor(C - lens + m, device=dev)[:, None]  # [B, W] new tokens
-        real = slot[None, :] >= first  # [B, C]
-        position = (slot[None, C - W :] - first).clamp(min=0)  # [B, W]
-        ids_d = torch.as_tensor(ids, device=dev)
+        window = torch.arange(C - W, C, device=dev)
+        position = (window[None, :] - first).clamp(min=0)  # [B, W]
+        pad = window[None, :] < torch.as_tensor(C - lens + m, device=dev)[:, None]  # [B, W] not a new token
         logits = None
         chunk = max(1, self.prefill_chunk_tokens // B)
-        for c0 in range(C - W, C, chunk):
-            c1 = min(C, c0 + chunk)
-            q = slot[c0:c1]
-            pad = ~computed[:, c0 - (C - W) : c1 - (C - W)]  # [B, c]
-            sees = (slot[None, :c1] <= q[:, None])[None] & real[:, None, :c1]  # [B, c, c1]
-            sees = torch.where(pad[:, :, None], (slot[:c1] == 0)[None, None], sees)
-            cache.write_index = torch.where(pad, 0, q[None, :])
-            out = self.model(
-                input_ids=ids_d[:, c0 - (C - W) : c1 - (C - W)],
-                position_ids=position[:, c0 - (C - W) : c1 - (C - W)],
-                attention_mask=torch.where(sees, zero, ninf)[:, None],  # [B, 1, c, c1]
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+        for a in range(0, W, chunk):
+            b = min(W, a + chunk)
+            mask, cache.write_index = self._prefill_mask(first, pad[:, a:b], C - W + a, C - W + b)
+            out = self.model(input_ids=ids[:, a:b], position_ids=position[:, a:b], attention_mask=mask,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1].to(self.logit_dtype)
             self.stats.prefill_calls += 1
         cache.write_index = None
         full = [i for i, c in enumerate(cached) if c is not None and len(c) == len(seqs[i])]
         if logits is None:  # nothing new at all
-            logits = torch.stack([c.logits for c in cached])
+            logits = torch.stack([c.logits for c in cached]).to(self.logit_dtype)
         elif full:  # nothing new in these rows: the entry's logits
             logits[torch.as_tensor(full, device=dev)] = torch.stack([cached[i].logits for i in full]).to(logits.dtype)
         self.stats.prefill_tokens += int((lens - m).sum())
         self.stats.prefix_cache_hit_tokens += int(m.sum())
         return cache, torch.as_tensor(lens, device=dev), logits
+
+    def _prefill_mask(self, first: torch.Tensor, pad: torch.Tensor, q0: int, q1: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One prefill forward's additive mask ``[B, 1, c, q1]`` and write slots ``[B, c]`` for
+        the ``c`` queries at slots ``[q0, q1)``: query ``q`` of a row sees the row's slots
+        ``[first, q]`` (``first [B, 1]``: the sequence's first slot); a padding query
+        (``pad [B, c]``) sees, and writes to, slot 0 only."""
+        dtype = next(self.model.parameters()).dtype
+        q = torch.arange(q0, q1, device=first.device)[None, :, None]  # [1, c, 1]
+        keys = torch.arange(q1, device=first.device)[None, None, :]  # [1, 1, q1]
+        sees = torch.where(pad[:, :, None], keys == 0, (keys <= q) & (keys >= first[:, :, None]))  # [B, c, q1]
+        mask = torch.where(sees, torch.zeros((), dtype=dtype, device=first.device), torch.finfo(dtype).min)
+        return mask[:, None], torch.where(pad, 0, q[:, :, 0])
 
     @staticmethod
     def _load_cached(cache: SlotCache, cached: list[PrefixEntry | None], first: np.ndarray) -> None:
