@@ -5,14 +5,25 @@ ids for the first turn), gets ``--max-tokens`` sampled tokens (no stop token, so
 generates exactly that many), appends them and ``--tool-tokens`` random "tool result" ids,
 and sends the longer prompt as its next turn (which the prefix cache extends).
 
-- ``in-process``: the agents submit to the :class:`treerl.serve.EngineLoop` directly
+- ``in-process``: the agents submit to a :class:`treerl.serve.EngineLoop` directly
   (one continuous batch, no HTTP, no JSON);
-- ``served``: the agents call ``/v1/completions`` of ``treerl serve`` on loopback with the
-  ``openai`` package (one shared ``AsyncOpenAI`` client), over an engine loop like the one above.
+- ``served``: ``treerl serve`` runs as its own process, as deployed (the random-weight model
+  saved to a temporary directory with ``save_pretrained``, beside a word-level tokenizer
+  whose tokens are the ids written out, started as ``python -m treerl.cli serve --weights
+  DIR``); the agents call its ``/v1/completions`` on loopback with the ``openai`` package
+  (one shared ``AsyncOpenAI`` client).
 
-Both use the same engine settings and random weights; each mode runs once untimed (CUDA
-graph captures, allocator warm-up), then ``--repeats`` timed runs (best kept). Reported:
-generated tokens/s, request latency percentiles, and served / in-process.
+Both use the same engine settings (``RolloutEngine`` defaults plus ``--prefix-cache-tokens``
+and ``--prefill-chunk-tokens``; the loop's ``--max-rows`` and ``--idle-timeout-s``), the same weights and dtype; the in-process engine is freed before the
+server starts. ``--client-procs N`` runs the served agents' clients in N processes: the
+``openai`` client spends milliseconds of CPU per request on a long token-id prompt (it
+walks the list element by element), and one process serialises that for all agents. Each mode runs once untimed (CUDA graph captures,
+compilation, allocator warm-up), then ``--repeats`` timed runs (best kept). Reported per
+mode: generated tokens/s, request latency percentiles, and the engine's counters over the
+kept run (from :meth:`EngineLoop.engine_stats`, served: ``/health``): admission rounds and
+prompts per round, prefill forwards and tokens, prefix-cache hit tokens, decode steps and
+mean live rows per step, decode steps built (on CUDA: graph captures), prompt-store growths,
+reallocations and streams started (a stream ends after 1 s idle); then served / in-process.
 
 GPU:
     python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --json out.json
@@ -24,31 +35,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import gc
 import json
+import multiprocessing
+import os
 import platform
 import random
+import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+SRC = Path(__file__).resolve().parents[1] / "src"
+sys.path.insert(0, str(SRC))
 
 from treerl.models import build_model  # noqa: E402
 from treerl.rollout import RolloutEngine  # noqa: E402
-from treerl.serve import EngineLoop, SamplingKey, ServeOptions, ServerThread, make_state  # noqa: E402
+from treerl.serve import EngineLoop, SamplingKey  # noqa: E402
 
-
-class IdTokenizer:
-    """No text: prompts are token ids; ``decode`` writes the ids."""
-
-    eos_token_id = None
-    bos_token_id = None
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return " ".join(map(str, ids))
+# engine counters reported per mode (RolloutStats fields)
+COUNTERS = ("admissions", "admitted", "prefill_calls", "prefill_tokens", "prefix_cache_hit_tokens", "decode_steps",
+            "live_rows", "decode_rows", "step_builds", "prefix_grows", "reallocations", "generated_tokens")
 
 
 def parse_args(argv=None):
@@ -64,14 +77,24 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16)
+    p.add_argument("--prefill-chunk-tokens", type=int, default=8192, help="the engine's (its default: 8192)")
+    p.add_argument("--max-rows", type=int, default=256, help="rows of the running batch (treerl serve's default)")
+    p.add_argument("--idle-timeout-s", type=float, default=10.0,
+                   help="the engine loop's (treerl serve's default: 1): long enough that the gap between two timed "
+                        "runs (clients starting) does not end the running batch")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="served: processes the agents' openai clients run in (agent i in process i %% N)")
+    p.add_argument("--modes", default="in-process,served")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args(argv)
 
 
-async def run_agents(args, vocab: int, call) -> dict:
-    """All agents concurrently; ``call(prompt_ids) -> completion ids``. Returns tokens,
-    requests, wall time and latency percentiles."""
+# ---------------------------------------------------------------------- the agents
+async def run_agents(args, vocab: int, call, agents: range) -> dict:
+    """Agents ``agents`` concurrently; ``call(prompt_ids) -> completion ids``. Returns the
+    tokens generated, each request's latency, the start and end (``time.monotonic``, one
+    clock for every process of the machine) and this process's CPU seconds."""
     latencies: list[float] = []
     tokens = 0
 
@@ -88,33 +111,123 @@ async def run_agents(args, vocab: int, call) -> dict:
             tokens += len(ids)
             prompt = prompt + ids + [rng.randrange(vocab) for _ in range(args.tool_tokens)]
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(agent(i) for i in range(args.agents)))
-    wall = time.perf_counter() - t0
-    p = np.percentile(latencies, [50, 90, 99])
+    start, cpu = time.monotonic(), time.process_time()
+    await asyncio.gather(*(agent(i) for i in agents))
+    return {"tokens": tokens, "latencies": latencies, "start": start, "end": time.monotonic(),
+            "cpu_s": time.process_time() - cpu}
+
+
+def combine(parts: list[dict]) -> dict:
+    """One run's figures from its client processes' :func:`run_agents` results."""
+    tokens = sum(p["tokens"] for p in parts)
+    latencies = [x for p in parts for x in p["latencies"]]
+    wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
+    q = np.percentile(latencies, [50, 90, 99])
     return {"tokens": tokens, "requests": len(latencies), "wall_s": wall, "tok_s": tokens / wall,
-            "latency_p50_s": float(p[0]), "latency_p90_s": float(p[1]), "latency_p99_s": float(p[2])}
+            "latency_p50_s": float(q[0]), "latency_p90_s": float(q[1]), "latency_p99_s": float(q[2]),
+            "client_cpu_ms_per_request": 1000 * sum(p["cpu_s"] for p in parts) / len(latencies)}
 
 
-def in_process(args, loop: EngineLoop, vocab: int) -> dict:
+def measure(args, run, counters) -> dict:
+    """One untimed run, then ``--repeats`` timed ones; the best, with the engine counters it moved."""
+    run()
+    best = None
+    for _ in range(args.repeats):
+        before = counters()
+        r = run()
+        after = counters()
+        r["engine"] = {k: after[k] - before[k] for k in COUNTERS + ("streams",)}
+        if best is None or r["tok_s"] > best["tok_s"]:
+            best = r
+    return best
+
+
+# ---------------------------------------------------------------------- in process
+def in_process(args, model, vocab: int) -> dict:
+    engine = RolloutEngine(model, prefix_cache_tokens=args.prefix_cache_tokens,
+                           prefill_chunk_tokens=args.prefill_chunk_tokens)
+    loop = EngineLoop(engine, max_rows=args.max_rows, idle_timeout_s=args.idle_timeout_s)
     key = SamplingKey(temperature=1.0, max_tokens=args.max_tokens)
 
     async def call(prompt):
         [c] = await asyncio.wrap_future(loop.submit(prompt, key, 1))
         return c.completion_ids.tolist()
 
-    return asyncio.run(run_agents(args, vocab, call))
+    try:
+        return measure(args, lambda: combine([asyncio.run(run_agents(args, vocab, call, range(args.agents)))]),
+                       lambda: dataclasses.asdict(loop.engine_stats()) | {"streams": loop.stats.streams})
+    finally:
+        loop.stop()
 
 
-def served(args, server: ServerThread, vocab: int) -> dict:
+# ---------------------------------------------------------------------- served
+def save_model_dir(model, vocab: int, path: Path) -> None:
+    """``model`` (``save_pretrained``) and a word-level tokenizer whose token ``i`` is the
+    text ``str(i)`` (responses carry the ids written out), no special tokens, no EOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(path, safe_serialization=True)
+    tok = Tokenizer(models.WordLevel({str(i): i for i in range(vocab)}, unk_token="0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+
+
+class ServerProcess:
+    """``python -m treerl.cli serve`` on an ephemeral loopback port, until :meth:`stop`."""
+
+    def __init__(self, args, model_dir: Path, dtype: str, log: Path):
+        cmd = [sys.executable, "-m", "treerl.cli", "serve", "--weights", str(model_dir), "--device", args.device,
+               "--dtype", dtype, "--port", "0", "--max-tokens", str(args.max_tokens),
+               "--max-rows", str(args.max_rows), "--prefix-cache-tokens", str(args.prefix_cache_tokens),
+               "--prefill-chunk-tokens", str(args.prefill_chunk_tokens),
+               "--idle-timeout-s", str(args.idle_timeout_s)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+        self.log = log
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        self.url = self._wait_for_url()
+
+    def _wait_for_url(self, timeout: float = 600.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log.read_text().splitlines():
+                if "listening on " in line:
+                    url = line.split("listening on ")[1].split()[0]
+                    self.health(url)
+                    return url
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"treerl serve exited ({self.proc.returncode}):\n{self.log.read_text()}")
+            time.sleep(0.2)  # polling a child's log for its start line, not synchronising our threads
+        raise TimeoutError(f"treerl serve did not start in {timeout} s:\n{self.log.read_text()}")
+
+    def health(self, url: str | None = None) -> dict:
+        base = (url or self.url).removesuffix("/v1")
+        with urllib.request.urlopen(f"{base}/health", timeout=60) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def client_agents(args, url: str, vocab: int, agents: range, start_at: float | None = None) -> dict:
+    """:func:`run_agents` through ``openai.AsyncOpenAI`` (one client) against ``url``, from
+    ``start_at`` (``time.monotonic``) on. Runs in a client process."""
     import openai
 
     from treerl.serve.client import http_module
 
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.monotonic()))  # the client processes start together
+
     async def main():
         http = http_module()
-        limits = http.Limits(max_connections=args.agents * 2, max_keepalive_connections=args.agents * 2)
-        client = openai.AsyncOpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=3600,
+        limits = http.Limits(max_connections=len(agents) * 2, max_keepalive_connections=len(agents) * 2)
+        client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=3600,
                                     http_client=http.AsyncClient(limits=limits, timeout=3600))
 
         async def call(prompt):
@@ -123,43 +236,86 @@ def served(args, server: ServerThread, vocab: int) -> dict:
             return r.choices[0].model_extra["token_ids"]
 
         try:
-            return await run_agents(args, vocab, call)
+            return await run_agents(args, vocab, call, agents)
         finally:
             await client.close()
 
     return asyncio.run(main())
 
 
+def served(args, server: ServerProcess, vocab: int) -> dict:
+    """The agents in ``--client-procs`` processes (agent ``i`` in process ``i % procs``)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    procs = max(1, min(args.client_procs, args.agents))
+    shares = [range(k, args.agents, procs) for k in range(procs)]
+
+    def counters() -> dict:
+        health = server.health()
+        return health["engine"] | {"streams": health["stats"]["streams"]}
+
+    if procs == 1:
+        return measure(args, lambda: combine([client_agents(args, server.url, vocab, shares[0])]), counters)
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        def run() -> dict:
+            start_at = time.monotonic() + 0.25  # every client process ready (imports done in the untimed run)
+            futures = [pool.submit(client_agents, args, server.url, vocab, share, start_at) for share in shares]
+            return combine([f.result() for f in futures])
+
+        return measure(args, run, counters)
+
+
+# ---------------------------------------------------------------------- report
+def summary(r: dict) -> str:
+    c = r["engine"]
+    per_round = c["admitted"] / max(c["admissions"], 1)
+    rows = c["live_rows"] / max(c["decode_steps"], 1)
+    return (f"{c['admissions']} admissions ({per_round:.1f} prompts each), {c['prefill_calls']} prefill calls "
+            f"({c['prefill_tokens']} tokens computed, {c['prefix_cache_hit_tokens']} from the prefix cache), "
+            f"{c['decode_steps']} decode steps ({rows:.1f} live rows each), {c['step_builds']} steps built, "
+            f"{c['prefix_grows']} prompt-store growths, {c['reallocations']} reallocations, "
+            f"{c['streams']} streams started")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    modes = args.modes.split(",")
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     context = args.prompt_len + args.turns * (args.max_tokens + args.tool_tokens) + 16
     model = build_model(args.family, args.shape, dtype=dtype, device=device, seed=args.seed,
                         max_position_embeddings=context)
     vocab = model.get_input_embeddings().num_embeddings
-    engine = RolloutEngine(model, prefix_cache_tokens=args.prefix_cache_tokens)
-    state = make_state(engine, IdTokenizer(), ServeOptions(default_max_tokens=args.max_tokens))
-    server = ServerThread(state).start()
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                      "shape": args.shape, "dtype": dtype, "torch": torch.__version__,
                      "settings": {k: v for k, v in vars(args).items() if k != "json"}}
-    try:
-        for name, fn in (("in-process", lambda: in_process(args, state.loop, vocab)),
-                         ("served", lambda: served(args, server, vocab))):
-            fn()  # untimed: graph captures, warm caches
-            runs = [fn() for _ in range(args.repeats)]
-            results[name] = max(runs, key=lambda r: r["tok_s"])
-    finally:
-        server.stop()
-    results["ratio"] = results["served"]["tok_s"] / results["in-process"]["tok_s"]
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+        if "served" in modes:
+            save_model_dir(model, vocab, Path(tmp) / "model")
+        if "in-process" in modes:
+            results["in-process"] = in_process(args, model, vocab)
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if "served" in modes:
+            server = ServerProcess(args, Path(tmp) / "model", dtype, Path(tmp) / "serve.log")
+            try:
+                results["served"] = served(args, server, vocab)
+            finally:
+                server.stop()
     print(f"{args.agents} agents x {args.turns} turns, prompt {args.prompt_len} + {args.tool_tokens}/turn, "
           f"{args.max_tokens} new tokens/call, {args.shape} {dtype} on {results['device']}")
-    print(f"{'mode':12} {'tok/s':>10} {'p50 s':>8} {'p99 s':>8}")
-    for name in ("in-process", "served"):
+    print(f"{'mode':12} {'tok/s':>10} {'p50 s':>8} {'p99 s':>8} {'client CPU ms/request':>22}")
+    for name in modes:
         r = results[name]
-        print(f"{name:12} {r['tok_s']:10.1f} {r['latency_p50_s']:8.3f} {r['latency_p99_s']:8.3f}")
-    print(f"{'ratio':12} {results['ratio']:10.3f}  (served / in-process)")
+        cpu = f"{r['client_cpu_ms_per_request']:22.1f}" if name == "served" else f"{'-':>22}"
+        print(f"{name:12} {r['tok_s']:10.1f} {r['latency_p50_s']:8.3f} {r['latency_p99_s']:8.3f} {cpu}")
+    if len(modes) == 2:
+        results["ratio"] = results["served"]["tok_s"] / results["in-process"]["tok_s"]
+        print(f"{'ratio':12} {results['ratio']:10.3f}  (served / in-process)")
+    for name in modes:
+        print(f"{name}: {summary(results[name])}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return results

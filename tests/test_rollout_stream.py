@@ -241,6 +241,27 @@ def test_capacity_grows_for_a_longer_prompt(model):
     check_greedy(model, [first] + rest, [short, long], 2)
 
 
+@pytest.mark.parametrize("budget,grows,reallocations", [(1 << 17, 2, 0), (192, 1, 1)])
+def test_prompt_store_grows_geometrically(model, budget, grows, reallocations):
+    """A conversation's prompts growing by 16 tokens a turn (17 ... 113), one at a time in one
+    stream of (at most) two group slots: the prompt store doubles (32 -> 64 -> 128: 2
+    growths, not 5). With a budget of two groups of 32 prompt slots (192 K/V slots: 2 x (32
+    + 2 rows x 32 own slots)), the batch is rebuilt for one group of 64 prompt slots (not
+    48), then grown in place to 128 (not 80, 96, 112, 128)."""
+    prompts = random_prompts([17, 33, 49, 65, 81, 97, 113], seed=34)
+    queue = PromptQueue()
+    engine = RolloutEngine(model, sync_every=2, max_batch_tokens=budget)
+    stream = engine.generate_stream(queue, params(n=2), max_rows=4)
+    groups = []
+    for p in prompts:
+        queue.put(p)
+        groups.append(next(stream))
+    queue.close()
+    assert list(stream) == []
+    check_greedy(model, groups, prompts, 2)
+    assert (engine.stats.prefix_grows, engine.stats.reallocations) == (grows, reallocations)
+
+
 def test_stream_input_errors(model):
     engine = RolloutEngine(model)
     with pytest.raises(ValueError, match="branch point"):
@@ -432,12 +453,70 @@ def test_prefix_cache_next_turn_prefills_only_its_new_tokens(model):
     check_greedy(model, [g4], [p3], 2)
 
 
+def _full_forward(model, tokens):
+    """An independent forward of ``tokens`` alone (HF attention, no padding): per layer
+    keys/values ``[layers, Hkv, len, D]`` and the logits after the last token."""
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), use_cache=True)
+    layers = out.past_key_values.layers
+    return (torch.stack([l.keys[0] for l in layers]), torch.stack([l.values[0] for l in layers]),
+            out.logits[0, -1])
+
+
+def test_batched_prefill_of_cached_prefixes_equals_each_sequence_alone(model):
+    """One batched prefill (in chunks of 4 query slots) of prefix-cache hits with different
+    cached and new lengths (one with nothing new), and misses: every sequence's K/V and
+    last logits equal an independent forward of it alone, in float64."""
+    from treerl.rollout.kv import rollout_attention_enabled
+    from treerl.rollout.prefix_cache import PrefixEntry
+
+    seqs = random_prompts([20, 9, 31, 5, 17, 12], seed=30)
+    cut = [7, 0, 30, 5, 16, 0]  # cached tokens (0: a miss; 5 of 5: nothing new)
+    cached = [PrefixEntry(tuple(s[:c]), *_full_forward(model, s[:c]), 0) if c else None for s, c in zip(seqs, cut)]
+    engine = RolloutEngine(model, prefill_chunk_tokens=24)  # 24 // 6 rows: 4 query slots per forward
+    with rollout_attention_enabled(model), torch.no_grad():
+        cache, lens, logits = engine._prefill(seqs, cached)
+    C = cache.length
+    assert lens.tolist() == [len(s) for s in seqs] and C == 1 + 31
+    assert engine.stats.prefill_calls == -(-max(len(s) - c for s, c in zip(seqs, cut)) // 4)
+    assert engine.stats.prefill_tokens == sum(len(s) - c for s, c in zip(seqs, cut))
+    assert engine.stats.prefix_cache_hit_tokens == sum(cut)
+    for i, s in enumerate(seqs):
+        keys, values, last = _full_forward(model, s)
+        assert torch.allclose(cache.all_keys[:, i, :, C - len(s) :], keys, rtol=1e-9, atol=1e-12), i
+        assert torch.allclose(cache.all_values[:, i, :, C - len(s) :], values, rtol=1e-9, atol=1e-12), i
+        assert torch.allclose(logits[i], last, rtol=1e-9, atol=1e-12), i
+
+
+def test_prefix_cache_hits_and_misses_admitted_together(model):
+    """Turn 2 of several conversations in one admission: extensions of their turn-1 prompts
+    by different numbers of tokens, a repeated prompt (nothing new) and new prompts. The
+    whole admission is one batched prefill (or one per piece of prefill_chunk_tokens), only
+    new tokens are computed, and greedy outputs equal full forwards."""
+    turn1 = random_prompts([13, 4, 22, 9], seed=31)
+    for chunk in (4096, 40):  # one piece; pieces of <= 40 prompt tokens
+        engine = RolloutEngine(model, sync_every=3, prefix_cache_tokens=1000, prefill_chunk_tokens=chunk)
+        first = {g.prompt_index: g for g in engine.generate_stream(turn1, params(n=2))}
+        turn2 = [turn1[0] + first[0][0].completion_ids.tolist() + [3, 1, 4],
+                 turn1[1] + [9],
+                 turn1[2],  # asked again: nothing new
+                 turn1[3] + first[3][1].completion_ids.tolist(),
+                 random_prompts([11], seed=32)[0],
+                 random_prompts([6], seed=33)[0]]
+        groups = list(engine.generate_stream(turn2, params(n=2)))
+        check_greedy(model, groups, turn2, 2)
+        s = engine.stats
+        assert s.admissions == 1 and (s.prefill_calls == 1 if chunk == 4096 else 1 < s.prefill_calls < 6), s
+        assert s.prefix_cache_hit_tokens == sum(len(p) for p in turn1)
+        assert s.prefill_tokens == sum(len(a) for a in turn2) - sum(len(p) for p in turn1)
+
+
 def test_prefix_cache_lru_and_superseding():
     from treerl.rollout.prefix_cache import PrefixCache, PrefixEntry
 
     def entry(tokens, version=0):
         n = len(tokens)
-        return PrefixEntry(tuple(tokens), [torch.zeros(1, n, 2)], [torch.zeros(1, n, 2)], torch.zeros(3), version)
+        return PrefixEntry(tuple(tokens), torch.zeros(1, 1, n, 2), torch.zeros(1, 1, n, 2), torch.zeros(3), version)
 
     c = PrefixCache(max_tokens=10)
     c.insert(entry([1, 2, 3]))

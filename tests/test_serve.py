@@ -300,6 +300,7 @@ def test_64_concurrent_agents_lose_and_duplicate_nothing(served, tmp_path):
     prompt; latency percentiles recorded."""
     server, engine, tok = served
     before = server.state.loop.stats.completed
+    counters = server.state.loop.engine_stats()
     latencies: list[float] = []
     seen: list[tuple[int, int]] = []
 
@@ -325,10 +326,39 @@ def test_64_concurrent_agents_lose_and_duplicate_nothing(served, tmp_path):
     wall = time.perf_counter() - t0
     assert sorted(seen) == [(i, t) for i in range(64) for t in range(3)]
     assert server.state.loop.stats.completed - before == 64 * 3
+    health = asyncio.run(_health(server))["engine"]  # the engine's counters, summed over streams
+    assert health["admitted"] - counters.admitted == 64 * 3
+    assert health["prefix_cache_hit_tokens"] > counters.prefix_cache_hit_tokens  # turns extend earlier prompts
+    assert health["decode_steps"] > counters.decode_steps and health["admissions"] >= counters.admissions + 1
     p = np.percentile(latencies, [50, 90, 99])
     record = {"requests": len(latencies), "wall_s": wall, "p50_s": p[0], "p90_s": p[1], "p99_s": p[2]}
     (tmp_path / "latency.json").write_text(json.dumps(record))
     print("64 agents x 3 turns:", record)
+
+
+async def _health(server: ServerThread) -> dict:
+    async with http_module().AsyncClient() as http:
+        return (await http.get(server.url.removesuffix("/v1") + "/health")).json()
+
+
+def test_engine_loop_sums_the_engine_counters_over_streams():
+    """Each stream resets the engine's counters; EngineLoop.engine_stats() adds them up
+    (drain ends the idle stream, the next request starts another)."""
+    from treerl.serve import EngineLoop, SamplingKey
+
+    engine = RolloutEngine(tiny_model())
+    loop = EngineLoop(engine)
+    key = SamplingKey(temperature=0.0, max_tokens=3)
+    try:
+        for i in range(3):
+            [c] = loop.submit([5, 6, 7 + i], key).result(60)
+            assert len(c) == 3
+            assert loop.drain(60)
+        total = loop.engine_stats()
+        assert loop.stats.streams == 3 and total.admitted == 3 and total.generated_tokens == 9
+        assert total.prefill_tokens == 9 and engine.stats.admitted == 1  # the last stream's own
+    finally:
+        loop.stop()
 
 
 def _render(tok, role, text):

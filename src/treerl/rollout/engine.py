@@ -56,8 +56,10 @@ class RolloutEngine:
     overcommitted (as many as fit with one block per row); admission is by free blocks, and
     when blocks run out groups are preempted and re-queued (their K/V recomputed when
     readmitted; ``stats.preemptions``): never a crash, never a lost sample. A single group
-    larger than the budget runs alone. ``prefill_chunk_tokens`` bounds the (padded) tokens
-    of one prefill forward. ``sync_every``: decode steps between host syncs (stop checks);
+    larger than the budget runs alone. ``prefill_chunk_tokens`` bounds the (padded) query
+    tokens of one prefill forward and the prompt tokens prefilled together (the prompts
+    admitted together are prefilled in batched pieces of about that many tokens,
+    prefix-cache hits included: their cached K/V is part of the piece). ``sync_every``: decode steps between host syncs (stop checks);
     stops are exact whatever its value.
 
     ``cuda_graphs`` (default: on for CUDA devices) replays each decode step as a CUDA graph,
@@ -75,7 +77,8 @@ class RolloutEngine:
 
     ``prefix_cache_tokens`` (default 0: off): the engine keeps the K/V of prompts it
     prefilled, up to this many tokens (LRU, :mod:`~treerl.rollout.prefix_cache`); a prompt
-    that extends a kept one (the next turn of a conversation) prefills only its new tokens.
+    that extends a kept one (the next turn of a conversation) prefills only its new tokens,
+    batched with the other prompts admitted with it.
 
     ``keep_stream_buffers`` (default False): keep a finished stream's device buffers, K/V
     cache and captured CUDA graphs, and reuse them in the next stream of the same shapes
@@ -247,7 +250,7 @@ class RolloutEngine:
         at most ``max_rows // G``, no more than a finite input needs, at least one; the
         block pool gets the rest of the budget (at most what all rows could fill). When
         blocks run out, the latest-admitted groups are preempted and readmitted later. A
-        longer prompt arriving later grows the prompt store while ``max_batch_tokens``
+        longer prompt arriving later grows the prompt store (to at least twice its size) while ``max_batch_tokens``
         allows, else waits until the batch drains. ``self.stats`` describes the stream so far.
         """
         params = SamplingParams() if params is None else params
@@ -281,78 +284,84 @@ class RolloutEngine:
         self.stats.seconds = time.perf_counter() - start
 
     # ------------------------------------------------------------------ model calls
-    def _prefill(self, seqs: list[list[int]]) -> tuple[SlotCache, torch.Tensor, torch.Tensor]:
-        """Left-padded prefill of ``seqs`` into a new cache of ``L`` (the longest) slots.
+    def _prefill(self, seqs: list[list[int]], cached: Sequence[PrefixEntry | None] | None = None
+                 ) -> tuple[SlotCache, torch.Tensor, torch.Tensor]:
+        """Left-padded batched prefill of ``seqs`` into a new cache of ``C = 1 + L`` slots
+        (``L``: the longest sequence); sequence ``i`` in slots ``[C - len_i, C)``.
 
-        Returns ``cache`` (sequence ``i`` in slots ``[L - len_i, L)``), lengths ``[B]`` and
-        the logits after each sequence's last token ``[B, V]``."""
-        dev = self.device
-        dtype = next(self.model.parameters()).dtype
-        neg = torch.finfo(dtype).min
-        zero, ninf = torch.zeros((), dtype=dtype, device=dev), torch.full((), neg, dtype=dtype, device=dev)
-        lens = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-        B, L = len(seqs), int(lens.max())
-        ids = torch.zeros(B, L, dtype=torch.int64)
+        ``cached[i]`` (a prefix-cache entry whose tokens start ``seqs[i]``, or None): the
+        first ``m_i = len(cached[i])`` tokens' K/V are copied from it, and only the ``n_i =
+        len_i - m_i`` new tokens are computed, at their own positions, attending to their
+        cached prefix. The queries of a forward are the last ``W = max n_i`` slots (in chunks
+        of ``prefill_chunk_tokens / B``); a row's slots there that are not its new tokens are
+        padding queries: they write their K/V to slot 0 (``SlotCache.write_index``), which no
+        real query sees, so a cached prefix inside the window is never overwritten, and see
+        only slot 0 (finite outputs, ignored). Each new token sees its sequence's slots up
+        to itself: the same attention as a forward of the sequence alone.
+
+        Returns ``cache``, lengths ``[B]`` and the logits after each sequence's last token
+        ``[B, V]`` (the entry's when nothing is new)."""
+        dev, B = self.device, len(seqs)
+        cached = list(cached) if cached is not None else [None] * B
+        lens = np.asarray([len(s) for s in seqs], dtype=np.int64)
+        m = np.asarray([0 if c is None else len(c) for c in cached], dtype=np.int64)
+        C, W = 1 + int(lens.max()), int((lens - m).max())
+        cache = SlotCache(self.num_layers, C)
+        self._load_cached(cache, cached, C - lens)
+        cache.length = C - W  # the window [C - W, C) is computed
+        ids = np.zeros((B, W), dtype=np.int64)  # each row's new tokens, right-aligned in the window
         for i, s in enumerate(seqs):
-            ids[i, L - len(s) :] = torch.tensor(s, dtype=torch.int64)
-        ids, lens = ids.to(dev), lens.to(dev)
-        slot = torch.arange(L, device=dev)
-        pad = (L - lens)[:, None]  # [B, 1]
-        real = slot[None, :] >= pad  # [B, L]
-        position = (slot[None, :] - pad).clamp(min=0)
-        cache = SlotCache(self.num_layers, L)
-        chunk = max(1, self.prefill_chunk_tokens // B)
+            if len(s) > m[i]:
+                ids[i, W - (len(s) - m[i]) :] = s[m[i] :]
+        ids = torch.as_tensor(ids, device=dev)
+        first = torch.as_tensor(C - lens, device=dev)[:, None]  # [B, 1] each sequence's first slot
+        window = torch.arange(C - W, C, device=dev)
+        position = (window[None, :] - first).clamp(min=0)  # [B, W]
+        pad = window[None, :] < torch.as_tensor(C - lens + m, device=dev)[:, None]  # [B, W] not a new token
         logits = None
-        for c0 in range(0, L, chunk):
-            c1 = min(L, c0 + chunk)
-            q = slot[c0:c1]
-            # query i sees key j <= i that is a real token; a pad query sees itself only
-            allowed = ((slot[None, :c1] <= q[:, None])[None] & real[:, None, :c1]) | (slot[None, :c1] == q[:, None])[None]
-            mask4 = torch.where(allowed, zero, ninf)[:, None]  # [B, 1, c, c1]
-            out = self.model(
-                input_ids=ids[:, c0:c1],
-                position_ids=position[:, c0:c1],
-                attention_mask=mask4,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            logits = out.logits[:, -1]
-            self.stats.prefill_calls += 1
-        self.stats.prefill_tokens += int(lens.sum())
-        return cache, lens, logits.to(self.logit_dtype)
-
-    def _extend(self, seq: list[int], entry: PrefixEntry) -> tuple[SlotCache, torch.Tensor, torch.Tensor]:
-        """Prefill ``seq`` whose first ``len(entry)`` tokens are ``entry``'s (their K/V and
-        logits reused): only the rest is computed. Returns ``cache`` (``len(seq)`` slots, no
-        padding), lengths ``[1]`` and the logits after the last token ``[1, V]``."""
-        dev, m = self.device, len(entry)
-        dtype = next(self.model.parameters()).dtype
-        neg = torch.finfo(dtype).min
-        cache = SlotCache(self.num_layers, len(seq))
-        for layer, k, v in zip(cache.layers, entry.keys, entry.values):
-            layer.lazy_initialization(k[None], v[None])
-            layer.keys[0, :, :m] = k
-            layer.values[0, :, :m] = v
-            layer.length = m
-        logits = entry.logits[None]
-        new = seq[m:]
-        for c0 in range(0, len(new), self.prefill_chunk_tokens):
-            c1 = min(len(new), c0 + self.prefill_chunk_tokens)
-            start = m + c0
-            position = torch.arange(start, m + c1, device=dev)
-            allowed = torch.arange(m + c1, device=dev)[None, :] <= position[:, None]  # [q, m + c1]
-            mask4 = torch.where(allowed, torch.zeros((), dtype=dtype, device=dev),
-                                torch.full((), neg, dtype=dtype, device=dev))[None, None]
-            out = self.model(
-                input_ids=torch.tensor([new[c0:c1]], dtype=torch.int64, device=dev), position_ids=position[None],
-                attention_mask=mask4, past_key_values=cache, use_cache=True, logits_to_keep=1,
-            )
+        chunk = max(1, self.prefill_chunk_tokens // B)
+        for a in range(0, W, chunk):
+            b = min(W, a + chunk)
+            mask, cache.write_index = self._prefill_mask(first, pad[:, a:b], C - W + a, C - W + b)
+            out = self.model(input_ids=ids[:, a:b], position_ids=position[:, a:b], attention_mask=mask,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[:, -1].to(self.logit_dtype)
             self.stats.prefill_calls += 1
-        self.stats.prefill_tokens += len(new)
-        self.stats.prefix_cache_hit_tokens += m
-        return cache, torch.tensor([len(seq)], device=dev), logits
+        cache.write_index = None
+        full = [i for i, c in enumerate(cached) if c is not None and len(c) == len(seqs[i])]
+        if logits is None:  # nothing new at all
+            logits = torch.stack([c.logits for c in cached]).to(self.logit_dtype)
+        elif full:  # nothing new in these rows: the entry's logits
+            logits[torch.as_tensor(full, device=dev)] = torch.stack([cached[i].logits for i in full]).to(logits.dtype)
+        self.stats.prefill_tokens += int((lens - m).sum())
+        self.stats.prefix_cache_hit_tokens += int(m.sum())
+        return cache, torch.as_tensor(lens, device=dev), logits
+
+    def _prefill_mask(self, first: torch.Tensor, pad: torch.Tensor, q0: int, q1: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One prefill forward's additive mask ``[B, 1, c, q1]`` and write slots ``[B, c]`` for
+        the ``c`` queries at slots ``[q0, q1)``: query ``q`` of a row sees the row's slots
+        ``[first, q]`` (``first [B, 1]``: the sequence's first slot); a padding query
+        (``pad [B, c]``) sees, and writes to, slot 0 only."""
+        dtype = next(self.model.parameters()).dtype
+        q = torch.arange(q0, q1, device=first.device)[None, :, None]  # [1, c, 1]
+        keys = torch.arange(q1, device=first.device)[None, None, :]  # [1, 1, q1]
+        sees = torch.where(pad[:, :, None], keys == 0, (keys <= q) & (keys >= first[:, :, None]))  # [B, c, q1]
+        mask = torch.where(sees, torch.zeros((), dtype=dtype, device=first.device), torch.finfo(dtype).min)
+        return mask[:, None], torch.where(pad, 0, q[:, :, 0])
+
+    @staticmethod
+    def _load_cached(cache: SlotCache, cached: list[PrefixEntry | None], first: np.ndarray) -> None:
+        """Copy each entry's K/V (every layer at once) into its row of ``cache`` from slot ``first[i]``."""
+        hits = [i for i, c in enumerate(cached) if c is not None]
+        if not hits:
+            return
+        k, v = cached[hits[0]].keys, cached[hits[0]].values  # [layers, Hkv, m, D]
+        cache.allocate(len(cached), k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
+        for i in hits:
+            a, b = int(first[i]), int(first[i]) + len(cached[i])
+            cache.all_keys[:, i, :, a:b] = cached[i].keys
+            cache.all_values[:, i, :, a:b] = cached[i].values
 
     def _yield_to_updates(self, timeout: float = 60.0) -> None:
         """Let a weight update waiting in another thread take the lock before the next step."""

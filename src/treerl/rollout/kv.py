@@ -1,10 +1,11 @@
 """The rollout engine's prefill cache and attention.
 
-``SlotCache`` is a ``transformers`` ``Cache`` with preallocated per-layer buffers
-``[rows, kv_heads, capacity, head_dim]``: a prefill forward writes its new keys/values at
-slots ``[length, length + q)`` in place (no concatenation per chunk) and attends to the
-slice ``[:length + q]``. Rows of different prompt lengths are left-padded and the padding
-is hidden by the engine's additive attention mask. The running batch copies what it keeps
+``SlotCache`` is a ``transformers`` ``Cache`` with preallocated buffers
+``[layers, rows, kv_heads, capacity, head_dim]``: a prefill forward writes its new
+keys/values at slots ``[length, length + q)`` in place (no concatenation per chunk; or at
+per-query slots, see ``write_index``) and attends to the slice ``[:length + q]``. Rows of
+different prompt lengths are left-padded and the padding is hidden by the engine's
+additive attention mask. The running batch copies what it keeps
 from it into its :class:`~treerl.rollout.shared.SharedPrefixCache`.
 
 Decode steps of models decoded through their HF forward pass ``rollout_prefix=<that
@@ -40,32 +41,38 @@ SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 
 
 class _SlotLayer(CacheLayerMixin):
-    """One layer's preallocated keys/values ``[B, Hkv, capacity, D]`` and its fill length."""
+    """One layer's keys/values ``[B, Hkv, capacity, D]`` (views of its :class:`SlotCache`'s
+    buffers) and its fill length."""
 
     is_sliding = False
 
-    def __init__(self, capacity: int):
+    def __init__(self, owner: "SlotCache", index: int):
         super().__init__()
-        self.capacity = capacity
+        self.owner, self.index = owner, index
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
-        # zeros: unwritten slots are masked, and 0 x (masked weight 0) must not be NaN
-        self.keys = key_states.new_zeros(b, h, self.capacity, d)
-        self.values = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
-        self.is_initialized = True
+        self.owner.allocate(b, h, d, value_states.shape[-1], key_states.dtype, key_states.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the forward's ``q`` new keys/values ``[B, Hkv, q, D]`` at slots
+        ``[length, length + q)``, or where the owner's ``write_index [B, q]`` says; return
+        slots ``[:length + q]``."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[-2]
+        b, h, q, _ = key_states.shape
         end = self.length + q
-        if end > self.capacity:
-            raise RuntimeError(f"rollout KV cache overflow: {end} slots needed, capacity {self.capacity}")
-        self.keys[:, :, self.length : end] = key_states
-        self.values[:, :, self.length : end] = value_states
+        if end > self.owner.capacity:
+            raise RuntimeError(f"rollout KV cache overflow: {end} slots needed, capacity {self.owner.capacity}")
+        index = self.owner.write_index
+        if index is None:
+            self.keys[:, :, self.length : end] = key_states
+            self.values[:, :, self.length : end] = value_states
+        else:
+            index = index[:, None, :, None]
+            self.keys.scatter_(2, index.expand(b, h, q, key_states.shape[-1]), key_states)
+            self.values.scatter_(2, index.expand(b, h, q, value_states.shape[-1]), value_states)
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
@@ -76,20 +83,47 @@ class _SlotLayer(CacheLayerMixin):
         return self.length
 
     def get_max_length(self) -> int:
-        return self.capacity
+        return self.owner.capacity
 
 
 class SlotCache(Cache):
-    """Preallocated KV cache of ``num_layers`` layers, ``capacity`` slots per row."""
+    """Preallocated KV cache of ``num_layers`` layers, ``capacity`` slots per row: one
+    buffer per keys and values, ``all_keys [layers, B, Hkv, capacity, D]`` (each layer's
+    ``keys``/``values`` are views), so a row's K/V of every layer moves in one copy.
+
+    ``write_index`` (``[B, q]`` or None): set by the engine before a forward to write query
+    ``j`` of row ``b`` at slot ``write_index[b, j]`` instead of ``length + j`` (a left-padded
+    prefill sends its padding queries' K/V to a slot no real query attends)."""
 
     def __init__(self, num_layers: int, capacity: int):
-        super().__init__(layers=[_SlotLayer(capacity) for _ in range(num_layers)])
+        super().__init__(layers=[_SlotLayer(self, i) for i in range(num_layers)])
         self.capacity = capacity
+        self.write_index: torch.Tensor | None = None
+        self.all_keys: torch.Tensor | None = None
+        self.all_values: torch.Tensor | None = None
+
+    def allocate(self, rows: int, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """The buffers (zeros: unwritten slots are masked, and 0 x (masked weight 0) must not be NaN)."""
+        if self.all_keys is not None:
+            return
+        n = len(self.layers)
+        self.all_keys = torch.zeros(n, rows, kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
+        self.all_values = torch.zeros(n, rows, kv_heads, self.capacity, value_dim, dtype=dtype, device=device)
+        for layer, k, v in zip(self.layers, self.all_keys, self.all_values):
+            layer.keys, layer.values = k, v
+            layer.dtype, layer.device = dtype, device
+            layer.is_initialized = True
 
     @property
     def length(self) -> int:
         """Slots filled (same for every layer between forwards)."""
         return self.layers[0].length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        for layer in self.layers:
+            layer.length = n
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length

@@ -9,6 +9,10 @@ its slot freed, and prompt groups waiting in the :class:`~treerl.rollout.prompts
 are admitted into free slots: each prompt is prefilled once (deduplicated with the other
 prompts admitted with it) and its K/V stored once, in the slot's prefix store, for all its
 rows. No slot idles through the long tail of generation lengths while prompts are waiting.
+The prompts of one admission are prefilled together, in batched forwards (pieces of about
+``prefill_chunk_tokens`` prompt tokens); with the engine's prefix cache, a prompt that
+extends a cached one joins the same forward with only its new tokens computed (its cached
+K/V copied in: :meth:`RolloutEngine._prefill <treerl.rollout.RolloutEngine._prefill>`).
 
 The K/V cache (:class:`~treerl.rollout.shared.SharedPrefixCache`) has a prefix store
 ``[groups, kv_heads, P, head_dim]`` (prompt K/V, post-RoPE, position ids ``0..P_g-1``), for
@@ -54,7 +58,9 @@ never a lost or repeated sample). A group alone always fits (the pool holds one 
 worst case), so the oldest group always progresses. A prompt longer than ``P`` grows the
 prefix store while the budget allows; otherwise it (and the prompts after it) wait until
 the batch drains, which is then rebuilt with fewer, larger group slots; a group larger than
-the whole budget then runs alone (over the budget, by exactly its own needs).
+the whole budget then runs alone (over the budget, by exactly its own needs). Either way
+``P`` at least doubles (as far as the budget allows), so a conversation whose prompts grow
+turn by turn costs few growths (each drops the captured decode steps) and few rebuilds.
 
 Host syncs: sampled tokens and logprobs are logged on the device and copied to the host
 every ``sync_every`` steps (and when a row reaches ``max_new_tokens`` or a fork point, or
@@ -359,14 +365,25 @@ class RunningBatch:
                 self.deferred.extendleft(reversed(items[i:]))
                 items = items[:i]
                 break
-            groups = min(self.NG, group_slots(self.tree, need, self.budget, self.e.kv_block_size))
-            self._allocate(groups, need)
+            capacity = self._capacity_for(need, 1)
+            groups = min(self.NG, group_slots(self.tree, capacity, self.budget, self.e.kv_block_size))
+            self._allocate(groups, capacity)
             self.e.stats.reallocations += 1
             self.deferred.extendleft(reversed(items[groups:]))
             return self._fit(items[:groups])
         if longest > self.P:
-            self._grow_prefix(longest)
+            self._grow_prefix(self._capacity_for(longest, self.NG))
         return self._fit_blocks(items)
+
+    def _capacity_for(self, need: int, groups: int) -> int:
+        """Prompt slots per group to grow to for a prompt of ``need`` slots: twice the present
+        capacity where ``groups`` group slots of it (each with one own block per row) fit the
+        budget, else as many as fit, and at least ``need``. Geometric, so that a conversation
+        growing turn by turn costs few growths (each drops the captured decode steps) and few
+        reallocations (each waits for the batch to drain)."""
+        per_group = self.tree.shared_tokens(0) + self.tree.rows * self.block
+        most = (self.budget // groups - per_group) // 16 * 16
+        return max(need, min(2 * self.P, most))
 
     def _prompt_len(self, item) -> int:
         if isinstance(item, _Preempted):
@@ -593,7 +610,8 @@ class RunningBatch:
 
     def _admit_new(self, items: list, slots: np.ndarray) -> np.ndarray:
         """Prefill each distinct prompt of ``items`` once into the prefix store of its group
-        slot; the first rows get their first own blocks. Returns those rows."""
+        slot (batched: :meth:`_pieces`, :meth:`_load_prompts`); the first rows get their first
+        own blocks. Returns those rows (the slots' first samples, whose logits are pending)."""
         e, G = self.e, self.G
         prompts = []
         for key, prompt in items:
@@ -602,30 +620,12 @@ class RunningBatch:
             prompts.append(e._check_prompt(key, prompt, self.p))
         rows = (slots[:, None] * G + np.arange(G)).reshape(-1)
         first = (slots[:, None] * G + np.asarray(self.tree.first_rows())).reshape(-1)
-        # prefill in pieces of about prefill_chunk_tokens prompt tokens (bounded temporary K/V)
-        start = 0
-        while start < len(prompts):
-            end, tokens = start + 1, len(prompts[start])
-            while end < len(prompts) and tokens + len(prompts[end]) <= e.prefill_chunk_tokens:
-                tokens += len(prompts[end])
-                end += 1
-            todo = list(range(start, end))
+        for piece in self._pieces(prompts):
+            cached = None
             if e.prefix_cache is not None:  # prompts extending a cached one: their new tokens only
-                hits = [(i, e.prefix_cache.lookup(prompts[i], e.version)) for i in todo]
-                for i, entry in hits:
-                    if entry is not None:
-                        self._load_prompts([i], slots, prompts, rows, prefilled=e._extend(prompts[i], entry))
-                todo = [i for i, entry in hits if entry is None]
-            if todo:
-                self._load_prompts(todo, slots, prompts, rows)
-            start = end
+                cached = [e.prefix_cache.lookup(prompts[i], e.version) for i in piece]
+            self._load_prompts(piece, slots, prompts, rows, cached)
         version = e.version
-        if e.prefix_cache is not None:
-            for i, p in enumerate(prompts):
-                e.prefix_cache.insert(PrefixEntry(
-                    tuple(p), [layer.pk[slots[i], :, : len(p)].clone() for layer in self.cache.layers],
-                    [layer.pv[slots[i], :, : len(p)].clone() for layer in self.cache.layers],
-                    self.logits[rows[i * G]].clone(), version))
         for i, (key, _) in enumerate(items):
             self.groups[key] = _GroupState(torch.tensor(prompts[i], dtype=torch.int64))
             self.gkey[slots[i]] = key
@@ -641,7 +641,22 @@ class RunningBatch:
         self.logit_version[rows] = version
         if not self.blocks.grow(first, self._cover(self.fed_h[first], self.e.sync_every)):  # pragma: no cover
             raise RuntimeError("admitted without free blocks")  # (_fit_blocks checked them)
+        e.stats.admitted += len(items)
         return first
+
+    def _pieces(self, prompts: list[list[int]]) -> Iterator[list[int]]:
+        """The admission's prompts (indices) in prefill pieces of about ``prefill_chunk_tokens``
+        prompt tokens each (bounded temporary K/V), shortest first (little padding)."""
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        piece, tokens = [], 0
+        for i in order:
+            if piece and tokens + len(prompts[i]) > self.e.prefill_chunk_tokens:
+                yield piece
+                piece, tokens = [], 0
+            piece.append(i)
+            tokens += len(prompts[i])
+        if piece:
+            yield piece
 
     def _readmit(self, item: _Preempted, slot: int) -> None:
         """Readmit a preempted group into group slot ``slot``: its rows' host state back,
@@ -664,16 +679,34 @@ class RunningBatch:
         self.last[torch.as_tensor(live, device=self.e.device)] = torch.as_tensor(last, device=self.e.device)
 
     def _load_prompts(self, items: list[int], slots: np.ndarray, prompts: list[list[int]], rows: np.ndarray,
-                      prefilled=None) -> None:
-        """Load prompts ``items`` (indices into the admission) into their group slots and
-        set their rows' pending logits."""
-        G = self.G
+                      cached: list | None = None) -> None:
+        """Prefill prompts ``items`` (indices into the admission; identical ones once, in one
+        batched forward; ``cached``: their prefix-cache entries or None, see
+        :meth:`RolloutEngine._prefill <treerl.rollout.RolloutEngine._prefill>`), store them
+        in the prefix cache, load them into their group slots and set their rows' pending logits."""
+        e, G = self.e, self.G
         distinct: dict[tuple[int, ...], int] = {}
         src = [distinct.setdefault(tuple(prompts[i]), len(distinct)) for i in items]
+        entries = [None] * len(distinct)
+        for j, s in enumerate(src):
+            entries[s] = None if cached is None else cached[j]
+        prefilled = e._prefill([list(t) for t in distinct], entries)
+        if e.prefix_cache is not None:
+            self._store_prompts(list(distinct), prefilled)
         part = np.concatenate([rows[i * G : (i + 1) * G] for i in items])
         logits = self._load(slots[items], [list(t) for t in distinct], src, [s for s in src for _ in range(G)],
                             [len(prompts[i]) for i in items], prefilled)
-        self.logits[torch.as_tensor(part, device=self.e.device)] = logits.repeat_interleave(G, dim=0)
+        self.logits[torch.as_tensor(part, device=e.device)] = logits.repeat_interleave(G, dim=0)
+
+    def _store_prompts(self, prompts: list[tuple[int, ...]], prefilled) -> None:
+        """Keep the K/V (every layer, one copy per prompt) and last logits of the prompts
+        just prefilled (rows of the prefill's cache) in the engine's prefix cache."""
+        cache, _, logits = prefilled
+        C, version = cache.length, self.e.version
+        for j, p in enumerate(prompts):
+            self.e.prefix_cache.insert(PrefixEntry(p, cache.all_keys[:, j, :, C - len(p) :].clone(),
+                                                   cache.all_values[:, j, :, C - len(p) :].clone(),
+                                                   logits[j].clone(), version))
 
     def _load(self, slots: np.ndarray, seqs: list[list[int]], group_src: list[int], row_src: list[int],
               plen: list[int], prefilled=None) -> torch.Tensor:
@@ -780,6 +813,7 @@ class RunningBatch:
         if self.cache is not None:
             self.cache.grow_prefix(capacity)
         self.P = capacity
+        self.e.stats.prefix_grows += 1
         self.steps_cache.clear()
         self.graph_pool = None  # its graphs are gone, and with them the pool
         self._count_slots()
@@ -857,6 +891,7 @@ class RunningBatch:
         step = self.steps_cache.get((hg, own_len))
         if step is None or step.cache is not self.cache:
             step = self.steps_cache[(hg, own_len)] = BatchStep(e, self, hg, own_len, pre_len)
+            e.stats.step_builds += 1
         elif self.exact:
             step.prefix_mask = self.prefix_mask[:hg, None, None, :pre_len]
         step()  # writes the logits of rows [:hi] into self.logits

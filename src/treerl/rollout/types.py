@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Hashable, Iterator, Sequence
 
 import numpy as np
@@ -76,6 +76,7 @@ class RolloutStats:
     """What the last ``generate`` / ``generate_stream`` call did."""
 
     admissions: int = 0  # admission rounds (prompts prefilled into free group slots)
+    admitted: int = 0  # prompt groups admitted (admitted / admissions: prompts per round)
     prefill_calls: int = 0
     prefill_tokens: int = 0  # real (unpadded) tokens prefilled, recomputes included
     decode_steps: int = 0  # batched one-token forwards
@@ -87,9 +88,17 @@ class RolloutStats:
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     reallocations: int = 0  # running batch rebuilt for a longer prompt
     preemptions: int = 0  # groups preempted (own K/V blocks ran out), re-queued and recomputed later
+    prefix_grows: int = 0  # prompt store grown in place for a longer prompt (decode steps rebuilt)
+    step_builds: int = 0  # decode steps built (on CUDA: one graph capture each)
     kv_slots: int = 0  # most K/V token slots held (prompt stores + fork segments + own-block pool)
     seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, other: "RolloutStats") -> None:
+        """Add ``other``'s counters to these (``kv_slots``: the larger)."""
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, max(a, b) if f.name == "kv_slots" else a + b)

@@ -8,11 +8,14 @@ that sampled each), and at the top ``prompt_token_ids`` and ``weight_version`` (
 version among the completion tokens). ``text`` / ``content`` is the decoded completion
 without special tokens and, unless ``include_stop_str_in_output``, cut before the stop
 string. Bad requests get HTTP 400 (404: unknown model) with ``{"error": {..., "param"}}``.
+``/health`` reports the loop's request counters and, under ``engine``, the rollout engine's
+(:meth:`EngineLoop.engine_stats <treerl.serve.loop.EngineLoop.engine_stats>`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -59,7 +62,8 @@ def create_app(state: ServeState) -> FastAPI:
         return {"status": "ok", "model": state.model_name, "weight_version": state.engine.version,
                 "busy_requests": state.loop.busy,
                 "stats": {"requests": s.requests, "completed": s.completed, "failed": s.failed,
-                          "samples": s.samples, "tokens": s.tokens, "streams": s.streams}}
+                          "samples": s.samples, "tokens": s.tokens, "streams": s.streams},
+                "engine": dataclasses.asdict(state.loop.engine_stats())}
 
     @app.get("/v1/models")
     async def models():

@@ -5,9 +5,11 @@
 :class:`~treerl.rollout.PromptQueue`. :meth:`EngineLoop.submit` (any thread) puts a
 request's ``n`` samples into the running stream, where they take the slots of finished
 rows; its future resolves once all ``n`` are done. Each sample is one row (``n = 1`` per
-stream slot), so requests with different ``n`` share the batch; identical prompts admitted
-together are prefilled once, and with the engine's prefix cache a prompt that extends an
-earlier one (the next turn of a conversation) prefills only its new tokens.
+stream slot), so requests with different ``n`` share the batch. The requests admitted
+together (those waiting when slots are free) are prefilled together, in batched forwards:
+identical prompts once, and with the engine's prefix cache a prompt that extends an earlier
+one (the next turn of a conversation) computes only its new tokens, in the same forward as
+the others (:mod:`treerl.rollout.stream`).
 
 A running batch has one set of sampling settings (:class:`SamplingKey`: temperature,
 top-p, top-k, max tokens, stops). Requests with the running stream's key join it; a
@@ -22,17 +24,22 @@ trainer calls it before training on a model the engine shares. Weight updates
 (:meth:`RolloutEngine.update_weights` from any thread) interrupt the running stream between
 decode steps: unfinished rows recompute their K/V under the new weights, and every token
 keeps the version of the weights that sampled it.
+
+:meth:`EngineLoop.engine_stats` sums the engine's counters (admissions, prefill calls,
+decode steps, ...: :class:`~treerl.rollout.RolloutStats`) over the loop's streams;
+``treerl serve`` reports them in ``/health``.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..rollout import Completion, PromptQueue, RolloutEngine, SamplingParams
+from ..rollout import Completion, PromptQueue, RolloutEngine, RolloutStats, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,8 @@ class EngineLoop:
         self.engine, self.decode, self.max_rows = engine, decode, max_rows
         self.idle_timeout_s = float(idle_timeout_s)
         self.stats = LoopStats()
+        self._engine_total = RolloutStats()  # the engine's counters of the streams that ended
+        self._engine_added = engine.stats  # the last stream's counters, already in the total (or not ours)
         self._cond = threading.Condition()
         self._pending: list[_Request] = []  # waiting for a stream of their key
         self._inflight: dict[int, _Request] = {}  # in the running stream
@@ -137,6 +146,15 @@ class EngineLoop:
         with self._cond:
             return len(self._pending) + len(self._inflight)
 
+    def engine_stats(self) -> RolloutStats:
+        """The engine's counters (:class:`~treerl.rollout.RolloutStats`: admissions, prefill
+        calls, decode steps, ...) summed over this loop's streams, the running one so far."""
+        with self._cond:
+            total = copy.copy(self._engine_total)
+            if self.engine.stats is not self._engine_added:  # a stream is running (or starting)
+                total.add(self.engine.stats)
+            return total
+
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop the loop: waiting and running requests fail (their clients get an error)."""
         with self._cond:
@@ -181,6 +199,9 @@ class EngineLoop:
             with self._cond:
                 queue.close()
                 self._current = None
+                if self.engine.stats is not self._engine_added:
+                    self._engine_total.add(self.engine.stats)
+                    self._engine_added = self.engine.stats
                 if error is not None or self._stopped:
                     for r in list(self._inflight.values()):
                         self._fail(r, error or RuntimeError("the server is shutting down"))

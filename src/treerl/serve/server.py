@@ -137,9 +137,10 @@ def serve(args) -> int:
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]
     model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype)
-    engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens)
+    engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens,
+                           prefill_chunk_tokens=args.prefill_chunk_tokens)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
-                           prefix_cache_tokens=args.prefix_cache_tokens)
+                           prefix_cache_tokens=args.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s)
     server = ServerThread(make_state(engine, tokenizer, options), host=args.host, port=args.port)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
