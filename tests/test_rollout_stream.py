@@ -241,17 +241,19 @@ def test_capacity_grows_for_a_longer_prompt(model):
     check_greedy(model, [first] + rest, [short, long], 2)
 
 
-@pytest.mark.parametrize("budget,grows,reallocations", [(1 << 17, 2, 0), (192, 1, 1)])
-def test_prompt_store_grows_geometrically(model, budget, grows, reallocations):
+@pytest.mark.parametrize("budget,max_new,grows,reallocations", [(1 << 17, 24, 2, 0), (192, 24, 1, 1), (1200, 200, 2, 1)])
+def test_prompt_store_grows_geometrically(model, budget, max_new, grows, reallocations):
     """A conversation's prompts growing by 16 tokens a turn (17 ... 113), one at a time in one
     stream of (at most) two group slots: the prompt store doubles (32 -> 64 -> 128: 2
     growths, not 5). With a budget of two groups of 32 prompt slots (192 K/V slots: 2 x (32
     + 2 rows x 32 own slots)), the batch is rebuilt for one group of 64 prompt slots (not
-    48), then grown in place to 128 (not 80, 96, 112, 128)."""
+    48), then grown in place to 128 (not 80, 96, 112, 128). With own stores of 4 blocks a
+    row (200 new tokens) and a pool of all of them (1024 slots), growth in place stops where
+    the budget does (64, then 80, not 128), and the rebuild doubles (160). Never over budget."""
     prompts = random_prompts([17, 33, 49, 65, 81, 97, 113], seed=34)
     queue = PromptQueue()
     engine = RolloutEngine(model, sync_every=2, max_batch_tokens=budget)
-    stream = engine.generate_stream(queue, params(n=2), max_rows=4)
+    stream = engine.generate_stream(queue, sampling(max_new, n=2), max_rows=4)
     groups = []
     for p in prompts:
         queue.put(p)
@@ -260,6 +262,7 @@ def test_prompt_store_grows_geometrically(model, budget, grows, reallocations):
     assert list(stream) == []
     check_greedy(model, groups, prompts, 2)
     assert (engine.stats.prefix_grows, engine.stats.reallocations) == (grows, reallocations)
+    assert engine.stats.kv_slots <= budget
 
 
 def test_stream_input_errors(model):

@@ -365,24 +365,23 @@ class RunningBatch:
                 self.deferred.extendleft(reversed(items[i:]))
                 items = items[:i]
                 break
-            capacity = self._capacity_for(need, 1)
+            capacity = self._capacity_for(need, 1, self.G * self.max_blocks * self.block)  # a group alone fits
             groups = min(self.NG, group_slots(self.tree, capacity, self.budget, self.e.kv_block_size))
             self._allocate(groups, capacity)
             self.e.stats.reallocations += 1
             self.deferred.extendleft(reversed(items[groups:]))
             return self._fit(items[:groups])
         if longest > self.P:
-            self._grow_prefix(self._capacity_for(longest, self.NG))
+            self._grow_prefix(self._capacity_for(longest, self.NG, self._tokens_needed(0, 0)))
         return self._fit_blocks(items)
 
-    def _capacity_for(self, need: int, groups: int) -> int:
+    def _capacity_for(self, need: int, groups: int, pool: int) -> int:
         """Prompt slots per group to grow to for a prompt of ``need`` slots: twice the present
-        capacity where ``groups`` group slots of it (each with one own block per row) fit the
+        capacity where ``groups`` group slots of it beside ``pool`` own-block slots fit the
         budget, else as many as fit, and at least ``need``. Geometric, so that a conversation
         growing turn by turn costs few growths (each drops the captured decode steps) and few
         reallocations (each waits for the batch to drain)."""
-        per_group = self.tree.shared_tokens(0) + self.tree.rows * self.block
-        most = (self.budget // groups - per_group) // 16 * 16
+        most = ((self.budget - pool) // groups - self.tree.shared_tokens(0)) // 16 * 16
         return max(need, min(2 * self.P, most))
 
     def _prompt_len(self, item) -> int:
