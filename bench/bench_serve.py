@@ -23,7 +23,7 @@ mode: generated tokens/s, request latency percentiles, and the engine's counters
 kept run (from :meth:`EngineLoop.engine_stats`, served: ``/health``): admission rounds and
 prompts per round, prefill forwards and tokens, prefix-cache hit tokens, decode steps and
 mean live rows per step, decode steps built (on CUDA: graph captures), prompt-store growths,
-reallocations and streams started (a stream ends after 1 s idle); then served / in-process.
+reallocations, preemptions (own K/V blocks ran out) and streams started (a stream ends after 1 s idle); then served / in-process.
 
 GPU:
     python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --json out.json
@@ -61,7 +61,8 @@ from treerl.serve import EngineLoop, SamplingKey  # noqa: E402
 
 # engine counters reported per mode (RolloutStats fields)
 COUNTERS = ("admissions", "admitted", "prefill_calls", "prefill_tokens", "prefix_cache_hit_tokens", "decode_steps",
-            "live_rows", "decode_rows", "step_builds", "prefix_grows", "reallocations", "generated_tokens")
+            "live_rows", "decode_rows", "step_builds", "prefix_grows", "reallocations", "preemptions",
+            "generated_tokens")
 
 
 def parse_args(argv=None):
@@ -274,7 +275,7 @@ def summary(r: dict) -> str:
             f"({c['prefill_tokens']} tokens computed, {c['prefix_cache_hit_tokens']} from the prefix cache), "
             f"{c['decode_steps']} decode steps ({rows:.1f} live rows each), {c['step_builds']} steps built, "
             f"{c['prefix_grows']} prompt-store growths, {c['reallocations']} reallocations, "
-            f"{c['streams']} streams started")
+            f"{c['preemptions']} preemptions, {c['streams']} streams started")
 
 
 def main(argv=None) -> dict:
