@@ -14,19 +14,24 @@ and sends the longer prompt as its next turn (which the prefix cache extends).
   (one shared ``AsyncOpenAI`` client).
 
 Both use the same engine settings (``RolloutEngine`` defaults plus ``--prefix-cache-tokens``
-and ``--prefill-chunk-tokens``; the loop's ``--max-rows`` and ``--idle-timeout-s``), the same weights and dtype; the in-process engine is freed before the
-server starts. ``--client-procs N`` runs the served agents' clients in N processes: the
-``openai`` client spends milliseconds of CPU per request on a long token-id prompt (it
-walks the list element by element), and one process serialises that for all agents. Each mode runs once untimed (CUDA graph captures,
-compilation, allocator warm-up), then ``--repeats`` timed runs (best kept). Reported per
-mode: generated tokens/s, request latency percentiles, and the engine's counters over the
-kept run (from :meth:`EngineLoop.engine_stats`, served: ``/health``): admission rounds and
-prompts per round, prefill forwards and tokens, prefix-cache hit tokens, decode steps and
-mean live rows per step, decode steps built (on CUDA: graph captures), prompt-store growths,
-reallocations, preemptions (own K/V blocks ran out) and streams started (a stream ends after 1 s idle); then served / in-process.
+and ``--prefill-chunk-tokens``; the loop's ``--max-rows`` and ``--idle-timeout-s``), the same
+weights and dtype; the in-process engine is freed before the server starts.
+``--client-procs N`` runs the served agents' clients in N processes: the ``openai`` client
+spends milliseconds of CPU per request on a long token-id prompt (it walks the list element
+by element), and one process serialises that for all agents.
+
+Each mode runs once untimed (CUDA graph captures, compilation, allocator warm-up), then
+``--repeats`` timed runs (best kept). Reported per mode: generated tokens/s, request latency
+percentiles, the clients' CPU per request (served), and the engine's counters over the kept
+run (from :meth:`EngineLoop.engine_stats`, served: ``/health``): admission rounds and prompts
+per round, prefill forwards and tokens, prefix-cache hit tokens, decode steps and mean live
+rows per step, decode steps built (on CUDA: graph captures), prompt-store growths,
+reallocations, preemptions (own K/V blocks ran out) and streams started (a stream ends after
+``--idle-timeout-s`` idle); then served / in-process.
 
 GPU:
     python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --json out.json
+    python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --client-procs 8 --json out8.json
 CPU smoke run:
     python bench/bench_serve.py --shape tiny --agents 8 --turns 2 --prompt-len 16 --max-tokens 8
 """

@@ -241,7 +241,8 @@ def test_capacity_grows_for_a_longer_prompt(model):
     check_greedy(model, [first] + rest, [short, long], 2)
 
 
-@pytest.mark.parametrize("budget,max_new,grows,reallocations", [(1 << 17, 24, 2, 0), (192, 24, 1, 1), (1200, 200, 2, 1)])
+@pytest.mark.parametrize("budget,max_new,grows,reallocations",
+                         [(1 << 17, 24, 2, 0), (192, 24, 1, 1), (1200, 200, 2, 1)])
 def test_prompt_store_grows_geometrically(model, budget, max_new, grows, reallocations):
     """A conversation's prompts growing by 16 tokens a turn (17 ... 113), one at a time in one
     stream of (at most) two group slots: the prompt store doubles (32 -> 64 -> 128: 2

@@ -59,8 +59,8 @@ class RolloutEngine:
     larger than the budget runs alone. ``prefill_chunk_tokens`` bounds the (padded) query
     tokens of one prefill forward and the prompt tokens prefilled together (the prompts
     admitted together are prefilled in batched pieces of about that many tokens,
-    prefix-cache hits included: their cached K/V is part of the piece). ``sync_every``: decode steps between host syncs (stop checks);
-    stops are exact whatever its value.
+    prefix-cache hits included: their cached K/V is part of the piece). ``sync_every``:
+    decode steps between host syncs (stop checks); stops are exact whatever its value.
 
     ``cuda_graphs`` (default: on for CUDA devices) replays each decode step as a CUDA graph,
     captured once per (group slots, own slots) bucket. It needs ``static_kv`` (default: same
