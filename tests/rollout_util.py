@@ -23,14 +23,22 @@ def target_length(ids):
     return 2 + (int(ids[0]) * 7) % 17
 
 
-def decode(ids):
-    ids = list(ids)
-    return "x" * len(ids) + (STOP if ids and len(ids) >= target_length(ids) else "")
+def decoder(length=target_length):
+    """A ``decode`` that writes the stop string once a completion reaches ``length(ids)``."""
+
+    def decode(ids):
+        ids = list(ids)
+        return "x" * len(ids) + (STOP if ids and len(ids) >= length(ids) else "")
+
+    return decode
 
 
-def sampling(max_new: int, **kw) -> SamplingParams:
-    """Greedy, ``n=2``, the stop string of the length rule; ``kw`` overrides."""
-    base = dict(n=2, temperature=0, max_new_tokens=max_new, stop_strings=[STOP], decode=decode)
+decode = decoder()
+
+
+def sampling(max_new: int, length=target_length, **kw) -> SamplingParams:
+    """Greedy, ``n=2``, the stop string of the length rule ``length``; ``kw`` overrides."""
+    base = dict(n=2, temperature=0, max_new_tokens=max_new, stop_strings=[STOP], decode=decoder(length))
     base.update(kw)
     return SamplingParams(**base)
 
@@ -40,12 +48,12 @@ def random_prompts(lengths, seed=0):
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def greedy_reference(model, prompt, max_new):
+def greedy_reference(model, prompt, max_new, length=target_length):
     """Greedy continuation by full forwards (no cache, no padding) until the length rule."""
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(max_new):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            if len(ids) - len(prompt) >= target_length(ids[len(prompt):]):
+            if len(ids) - len(prompt) >= length(ids[len(prompt):]):
                 break
     return ids[len(prompt):]

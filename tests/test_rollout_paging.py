@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_util import random_prompts, tiny
+from rollout_util import greedy_reference as _greedy_reference
+from rollout_util import random_prompts, sampling, tiny
 from conftest import completion_logprobs
 from treerl.models import rmsnorm_in_input_precision
 from treerl.rollout import PromptQueue, RolloutEngine, SamplingParams, TreeLayout
@@ -26,7 +27,6 @@ from treerl.rollout.paging import BlockTable
 from treerl.rollout.stream import RunningBatch
 
 MAX_NEW = 40
-STOP = "#" * 10
 
 
 def length_rule(ids) -> int:
@@ -34,15 +34,8 @@ def length_rule(ids) -> int:
     return 4 + (int(ids[0]) * 7) % 37
 
 
-def decode(ids):
-    ids = list(ids)
-    return "x" * len(ids) + (STOP if ids and len(ids) >= length_rule(ids) else "")
-
-
 def params(**kw) -> SamplingParams:
-    base = dict(n=3, temperature=0, max_new_tokens=MAX_NEW, stop_strings=[STOP], decode=decode)
-    base.update(kw)
-    return SamplingParams(**base)
+    return sampling(MAX_NEW, length=length_rule, **{"n": 3, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +44,7 @@ def model():
 
 
 def greedy_reference(model, prompt, max_new=MAX_NEW):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_new):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            if len(ids) - len(prompt) >= length_rule(ids[len(prompt):]):
-                break
-    return ids[len(prompt):]
+    return _greedy_reference(model, prompt, max_new, length=length_rule)
 
 
 def check_greedy(model, groups, prompts, p: SamplingParams, refs: dict):
