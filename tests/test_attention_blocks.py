@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 import treerl
-from treerl.attention import dense_tree_mask, flex_block_mask
+from treerl.attention import FLEX_BLOCK, _flex_whole_tiles, as_tiles, dense_tree_mask, flex_block_mask
 from treerl.workloads import SCALES, make_workload
 
 
@@ -23,7 +23,7 @@ def ancestors(tree, token):
 
 
 @pytest.mark.parametrize("workload", ["grpo", "agentic", "none"])
-@pytest.mark.parametrize("block", [4, 16])
+@pytest.mark.parametrize("block", [4, 16, FLEX_BLOCK])
 def test_block_mask_matches_dense(workload, block):
     seed = zlib.crc32(f"{workload}-{block}".encode())
     gen = torch.Generator().manual_seed(seed)
@@ -49,12 +49,48 @@ def test_block_mask_matches_dense(workload, block):
         counts, idx = mask.full_kv_num_blocks[0, 0], mask.full_kv_indices[0, 0]
         for row in range(nq):
             full[row, idx[row, : counts[row]].long()] = True
-        assert full.any() or len(q) < 2 * block
+        assert full.any() or len(q) < 2 * block or block == FLEX_BLOCK  # small trees: few whole tiles
         assert tiles.all(3).all(1)[full].all()
-        # Elementwise: flex (eager, CPU) with this mask equals SDPA with the dense mask.
+        # Elementwise: flex (eager, CPU) with this mask, on the sequences padded to whole
+        # tiles as the engine runs it, equals SDPA with the dense mask.
         qq, kk, vv = (torch.randn(1, 2, m, 8, generator=gen) for m in (len(q), len(k), len(k)))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = flex_attention(qq, kk, vv, block_mask=mask)
+        if block == FLEX_BLOCK:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = _flex_whole_tiles(*(as_tiles(x) for x in (qq, kk, vv)), mask, None, False)[:, :, : len(q)]
+        else:  # the tile axis of as_tiles is the engine's block
+            pad = [F.pad(x, (0, 0, 0, -x.shape[2] % block)) for x in (qq, kk, vv)]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = flex_attention(*pad, block_mask=mask)[:, :, : len(q)]
         ref = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=dense[None, None])
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_skipped_rows_have_no_tiles():
+    n, block = 100, 8
+    idx = torch.arange(n)
+    end = torch.full((n,), n)
+    mask = flex_block_mask(idx, idx, end, block=block, skip_rows=[(5, 40), (64, 100)])
+    listed = mask.to_dense()[0, 0].bool()
+    rows = listed.any(1)
+    # blocks wholly inside a skipped range have no tiles: 8..39 -> blocks 1-4; 64..99 and the
+    # padding after the last row -> blocks 8-12
+    assert rows.tolist() == [True, False, False, False, False, True, True, True, False, False, False, False, False]
+
+
+@pytest.mark.parametrize("bucket", [1, 16])
+def test_causal_attention_grouped_heads_and_padding(bucket):
+    from treerl.attention import causal_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 37, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, 37, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = causal_attention(q, k, v, 0.3, bucket=bucket)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

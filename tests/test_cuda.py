@@ -111,3 +111,53 @@ def test_compiled_and_recomputed_blocks_float32(mode, compile):
     for n, p in model.named_parameters():
         err = (p.grad - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)
         assert err < 1e-5, (n, float(err))
+
+
+@pytest.mark.parametrize("mode", ["packed", "auto"])
+def test_flex_with_causal_chains_float32(mode, monkeypatch):
+    """Leftmost paths through the causal kernel, the rest through flex with their query
+    tiles skipped: exact against the per-sequence forward."""
+    from treerl import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "CAUSAL_CHAIN_MIN_TOKENS", 8)
+    model = build_model("qwen3", "tiny", dtype=torch.float32, device="cuda", seed=1)
+    seqs = [torch.as_tensor(s) for s in make_workload("agentic", SCALES["tiny"], 512, seed=3)]
+    weights = [torch.randn(len(s) - 1, device="cuda", dtype=torch.float64) for s in seqs]
+
+    def loss_fn(lps):
+        return sum((lp.double() * w).sum() for lp, w in zip(lps, weights))
+
+    model.zero_grad()
+    loss_fn(reference_logprobs(model, seqs)).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    engine = treerl.TreeEngine(model, mode, attention="flex")
+    model.zero_grad()
+    engine.forward_backward(seqs, loss_fn)
+    assert engine.stats.causal_chains >= 1, engine.stats
+    for n, p in model.named_parameters():
+        err = (p.grad - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)
+        assert err < 1e-5, (n, float(err))
+
+
+@pytest.mark.parametrize("n", [300, 2048, 5000])
+def test_causal_attention_bf16_kernel(n):
+    """The CUDA causal kernel (cuDNN first, K/V expanded, padded to its bucket) in bf16
+    against float32 math on the same inputs: within bf16 rounding."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from treerl.attention import causal_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    q = torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+            for _ in range(2))
+    g = torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = causal_attention(q, k, v, None)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, is_causal=True, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), g.float())
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        err = (a.float() - b).norm() / b.norm()
+        assert err < 2e-2, float(err)

@@ -27,6 +27,7 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 ATTN_NAME = "treerl"
@@ -42,7 +43,10 @@ class TreeAttention:
     ``q_index`` [Nq] and ``k_index`` [Nk] are global tree indices (keys = prefix tokens
     then the queries themselves), ``k_end`` [Nk] the keys' subtree ends. ``causal``: the
     caller knows the segment is one chain without prefix (every key visible to every later
-    query), so plain causal attention is exact. ``prefix[l]`` is
+    query), so plain causal attention is exact. ``chains``: query rows ``[a, b)`` (no
+    prefix) that see exactly the keys ``[a, row]`` (a leftmost root-to-leaf path of a tree
+    in the call); they run through the causal kernel and the masked kernel skips them.
+    ``prefix[l]`` is
     the list of (K, V) pieces of layer ``l`` that precede this call's own keys. With
     ``capture``, each layer's own (K, V) lands in ``captured[layer]``.
 
@@ -51,12 +55,16 @@ class TreeAttention:
     """
 
     def __init__(self, backend: str, q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor,
-                 prefix: list[list[KV]] | None = None, capture: bool = False, causal: bool = False):
+                 prefix: list[list[KV]] | None = None, capture: bool = False, causal: bool = False,
+                 chains: list[tuple[int, int]] = ()):
         self.backend, self.q_index, self.k_index, self.k_end = backend, q_index, k_index, k_end
         self.prefix, self.capture = prefix, capture
-        # one chain, no prefix: the tree mask is the causal mask, and SDPA's causal kernels
-        # (flash attention on CUDA) run it without any mask tensor
+        # one chain, no prefix: the tree mask is the causal mask, run by a causal kernel
+        # without any mask tensor
         self.causal = causal and not prefix
+        if chains and prefix:
+            raise ValueError("causal chains need a call without prefix (their keys are their own rows)")
+        self.chains = [] if self.causal else list(chains)
         self.captured: dict[int, KV] = {}
         self._mask = None
 
@@ -66,7 +74,7 @@ class TreeAttention:
             if self.backend == "sdpa":
                 self._mask = dense_tree_mask(self.q_index, self.k_index, self.k_end)[None, None]
             else:
-                self._mask = flex_block_mask(self.q_index, self.k_index, self.k_end)
+                self._mask = flex_block_mask(self.q_index, self.k_index, self.k_end, skip_rows=self.chains)
         return self._mask
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -86,32 +94,63 @@ def dense_tree_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.T
 
 
 # ----------------------------------------------------------------------------- flex
-_flex_compiled = None
-
-
-def _flex_attention():
-    global _flex_compiled
-    if _flex_compiled is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _flex_compiled = torch.compile(flex_attention, dynamic=True)
-    return _flex_compiled
-
-
 FLEX_BLOCK = 128
 # The main Triton kernel always: with dynamic shapes, segments under 128 queries would
 # otherwise be routed to the decoding kernel, which has no valid config for them.
 FLEX_KERNEL = {"BACKEND": "TRITON"}
+_flex_compiled = None
 
 
-def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor, block: int = FLEX_BLOCK):
+def _flex_whole_tiles(query, key, value, block_mask, scale, enable_gqa):
+    """[1, H, T, FLEX_BLOCK, D] tensors: the sequence axis as whole tiles, so that the
+    compiled kernel knows its lengths are multiples of the tile (see flex_tree_attention)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = (x.flatten(2, 3) for x in (query, key, value))
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                          kernel_options=FLEX_KERNEL)
+
+
+def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask,
+                        scale: float | None) -> torch.Tensor:
+    """query [1, H, Nq, D], key/value [1, H_kv, Nk, D], ``block_mask`` from
+    :func:`flex_block_mask` -> [1, H, Nq, D].
+
+    The sequences are padded to whole tiles of :data:`FLEX_BLOCK` (padded queries see
+    nothing, padded keys are seen by nobody) and handed over with the tile as an axis of
+    its own: compiled with dynamic shapes, flex's kernels then know the lengths divide
+    their tiles (``IS_DIVISIBLE``) and skip the bounds checks, index wrapping and masking
+    that an unknown length costs every tile, while one compiled kernel still serves
+    every length.
+    """
+    global _flex_compiled
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(_flex_whole_tiles, dynamic=True)
+    tiles = [as_tiles(x) for x in (query, key, value)]
+    out = _flex_compiled(*tiles, block_mask, scale, query.shape[1] != key.shape[1])
+    return out[:, :, : query.shape[2]]
+
+
+def as_tiles(x: torch.Tensor) -> torch.Tensor:
+    """[1, H, N, D] -> [1, H, ceil(N / FLEX_BLOCK), FLEX_BLOCK, D], zero-padded; only the
+    number of tiles is left dynamic to the compiler."""
+    pad = -x.shape[2] % FLEX_BLOCK
+    x = (F.pad(x, (0, 0, 0, pad)) if pad else x).unflatten(2, (-1, FLEX_BLOCK))
+    for dim in (0, 1, 3, 4):
+        torch._dynamo.mark_static(x, dim)
+    return x
+
+
+def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor, block: int = FLEX_BLOCK,
+                    skip_rows: list[tuple[int, int]] = ()):
     """Block-sparse tree mask for flex attention, built in O(N + blocks), never N x N.
 
     A segment's queries are one contiguous range of tree indices, so the queries that key
     ``k`` is visible to form one interval of rows ``[k - q0, k_end - q0)``. A (query
     block, key block) tile is skipped when no key's interval meets its rows, runs without
     the mask function when every key's interval covers all of them, and is masked
-    elementwise otherwise.
+    elementwise otherwise. Query blocks lying wholly inside one of the row ranges
+    ``skip_rows`` are skipped (their rows are computed elsewhere: output 0 here).
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -137,6 +176,11 @@ def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.T
     row_end = row_start + block
     full = (lo_p.amax(1)[None, :] <= row_start[:, None]) & (hi_p.amin(1)[None, :] >= row_end[:, None])
     partial = touched & ~full
+    for a, b in skip_rows:  # query blocks wholly inside [a, b) (or its padding, at the end)
+        first, last = -(-a // block), (-(-b // block) if b >= nq_tok else b // block)
+        if last > first:
+            partial[first:last] = False
+            full[first:last] = False
 
     def blocks(which: torch.Tensor):
         count = which.sum(-1, dtype=torch.int32)
@@ -157,8 +201,41 @@ def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.T
     full_num, full_idx = blocks(full)
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=tree_mask_mod,
-        seq_lengths=(nq_tok, nk_tok),
+        seq_lengths=(nq * block, nk * block),
     )
+
+
+# ------------------------------------------------------------------------ causal
+CAUSAL_BUCKET = 256  # CUDA: chains padded to a multiple of this many tokens (cuDNN plans per length)
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                     bucket: int | None = None) -> torch.Tensor:
+    """Causal attention of one chain: query [1, H, N, D], key/value [1, H_kv, N, D] -> [1, H, N, D].
+
+    On CUDA, cuDNN's kernel first (1.3x flex on a 16k-token chain on an H100, forward +
+    backward; bench/RESULTS.md), then flash. cuDNN takes no grouped K/V heads, so K/V are
+    expanded to the query heads; it builds an execution plan per shape (~0.1 s), so the
+    chain is padded at its end to a multiple of ``bucket`` tokens (padded queries come last
+    and are dropped; no real query sees a padded key).
+    """
+    n = query.shape[2]
+    if key.shape[1] != query.shape[1]:
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    if bucket is None:
+        bucket = CAUSAL_BUCKET if query.is_cuda else 1
+    pad = -n % bucket
+    if pad:
+        query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    if query.is_cuda:
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+        with sdpa_kernel(order, set_priority=True):
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
+    return out[:, :, :n]
 
 
 # ------------------------------------------------------------------- the HF function
@@ -195,17 +272,19 @@ def tree_attention_forward(
         pieces = ctx.prefix[layer]
         key = torch.cat([k for k, _ in pieces] + [key], dim=2)
         value = torch.cat([v for _, v in pieces] + [value], dim=2)
-    gqa = query.shape[1] != key.shape[1]
     if ctx.causal:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-    elif ctx.backend == "sdpa":
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=ctx.additive_mask(query.dtype), scale=scaling, enable_gqa=gqa
-        )
+        return causal_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
+    if ctx.backend == "sdpa":
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=ctx.additive_mask(query.dtype),
+                                             scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     else:
-        out = _flex_attention()(
-            query, key, value, block_mask=ctx.mask(), scale=scaling, enable_gqa=gqa, kernel_options=FLEX_KERNEL
-        )
+        out = flex_tree_attention(query, key, value, ctx.mask(), scaling)
+    if ctx.chains:  # their rows from the causal kernel (the masked kernel skipped or discards them)
+        pieces, done = [], 0
+        for a, b in ctx.chains:
+            pieces += [out[:, :, done:a], causal_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scaling)]
+            done = b
+        out = torch.cat(pieces + [out[:, :, done:]], dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 
