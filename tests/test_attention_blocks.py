@@ -66,31 +66,3 @@ def test_block_mask_matches_dense(workload, block):
         ref = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=dense[None, None])
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
-
-def test_skipped_rows_have_no_tiles():
-    n, block = 100, 8
-    idx = torch.arange(n)
-    end = torch.full((n,), n)
-    mask = flex_block_mask(idx, idx, end, block=block, skip_rows=[(5, 40), (64, 100)])
-    listed = mask.to_dense()[0, 0].bool()
-    rows = listed.any(1)
-    # blocks wholly inside a skipped range have no tiles: 8..39 -> blocks 1-4; 64..99 and the
-    # padding after the last row -> blocks 8-12
-    assert rows.tolist() == [True, False, False, False, False, True, True, True, False, False, False, False, False]
-
-
-@pytest.mark.parametrize("bucket", [1, 16])
-def test_causal_attention_grouped_heads_and_padding(bucket):
-    from treerl.attention import causal_attention
-
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 37, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(1, 2, 37, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    out = causal_attention(q, k, v, 0.3, bucket=bucket)
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    grads = torch.autograd.grad(out, (q, k, v), g)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
-    for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

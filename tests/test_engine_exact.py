@@ -32,7 +32,6 @@ from conftest import (
     zero_grads,
 )
 from treerl import PrefixTree, TreeEngine, make_plan
-from treerl import engine as engine_module
 from treerl.attention import TreeAttention, dense_tree_mask, tree_attention_enabled
 
 MODES = ("flat", "packed", "dfs", "auto")
@@ -573,37 +572,3 @@ def test_treerl_attention_refuses_to_run_without_tree_mask(gen):
     ref = _tree_token_reference(tree, tree.sequences(), model)
     child = tree.parent >= 0
     assert (direct[child] - ref[child]).abs().max() < 1e-12
-
-
-# ------------------------------------------- leftmost paths through the causal kernel
-@pytest.mark.parametrize("mode", MODES)
-@settings(max_examples=15, **HYP)
-@given(data=st.data())
-def test_float64_causal_chains(mode, data):
-    """Every leftmost path (however short) runs through the causal kernel, the rest of its
-    call through the masked one: still exact."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_module, "CAUSAL_CHAIN_MIN_TOKENS", 1)
-        run_setup(data.draw(engine_setups(mode)), mode, torch.float64)
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("mode", MODES)
-def test_causal_chains_every_family(mode, variant, gen, monkeypatch):
-    monkeypatch.setattr(engine_module, "CAUSAL_CHAIN_MIN_TOKENS", 3)
-    seqs = shaped_forest(gen, SPEC)
-    model = get_model(variant, torch.float64)
-    loss = RandomLoss.make(seqs, gen, coupled=True)
-    engine = check_engine(model, seqs, mode, loss, entropy=True, **MODE_KW[mode])
-    assert engine.stats.causal_chains >= 1, engine.stats
-
-
-def test_causal_chains_of_a_call():
-    # two trees: [0..5] root 0 with children 1 (-> 2 -> 3 leaf) and 4 (-> 5); then root 6 -> 7
-    seqs = [[1, 2, 3, 4], [1, 5, 6], [7, 8]]
-    tree = PrefixTree.from_sequences(seqs)
-    assert engine_module.causal_chains(tree, 0, tree.num_tree_tokens, 1) == [(0, 4), (6, 8)]
-    assert engine_module.causal_chains(tree, 0, tree.num_tree_tokens, 3) == [(0, 4)]
-    # a call over the second tree alone, and one cut inside the first path
-    assert engine_module.causal_chains(tree, 6, 8, 1) == [(0, 2)]
-    assert engine_module.causal_chains(tree, 0, 3, 1) == [(0, 3)]

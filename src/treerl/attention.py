@@ -27,7 +27,6 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 ATTN_NAME = "treerl"
@@ -43,10 +42,7 @@ class TreeAttention:
     ``q_index`` [Nq] and ``k_index`` [Nk] are global tree indices (keys = prefix tokens
     then the queries themselves), ``k_end`` [Nk] the keys' subtree ends. ``causal``: the
     caller knows the segment is one chain without prefix (every key visible to every later
-    query), so plain causal attention is exact. ``chains``: query rows ``[a, b)`` (no
-    prefix) that see exactly the keys ``[a, row]`` (a leftmost root-to-leaf path of a tree
-    in the call); they run through the causal kernel and the masked kernel skips them.
-    ``prefix[l]`` is
+    query), so plain causal attention is exact. ``prefix[l]`` is
     the list of (K, V) pieces of layer ``l`` that precede this call's own keys. With
     ``capture``, each layer's own (K, V) lands in ``captured[layer]``.
 
@@ -55,16 +51,12 @@ class TreeAttention:
     """
 
     def __init__(self, backend: str, q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor,
-                 prefix: list[list[KV]] | None = None, capture: bool = False, causal: bool = False,
-                 chains: list[tuple[int, int]] = ()):
+                 prefix: list[list[KV]] | None = None, capture: bool = False, causal: bool = False):
         self.backend, self.q_index, self.k_index, self.k_end = backend, q_index, k_index, k_end
         self.prefix, self.capture = prefix, capture
-        # one chain, no prefix: the tree mask is the causal mask, run by a causal kernel
-        # without any mask tensor
+        # one chain, no prefix: the tree mask is the causal mask, and SDPA's causal kernels
+        # (flash attention on CUDA) run it without any mask tensor
         self.causal = causal and not prefix
-        if chains and prefix:
-            raise ValueError("causal chains need a call without prefix (their keys are their own rows)")
-        self.chains = [] if self.causal else list(chains)
         self.captured: dict[int, KV] = {}
         self._mask = None
 
@@ -74,7 +66,7 @@ class TreeAttention:
             if self.backend == "sdpa":
                 self._mask = dense_tree_mask(self.q_index, self.k_index, self.k_end)[None, None]
             else:
-                self._mask = flex_block_mask(self.q_index, self.k_index, self.k_end, skip_rows=self.chains)
+                self._mask = flex_block_mask(self.q_index, self.k_index, self.k_end)
         return self._mask
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -141,16 +133,14 @@ def as_tiles(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor, block: int = FLEX_BLOCK,
-                    skip_rows: list[tuple[int, int]] = ()):
+def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor, block: int = FLEX_BLOCK):
     """Block-sparse tree mask for flex attention, built in O(N + blocks), never N x N.
 
     A segment's queries are one contiguous range of tree indices, so the queries that key
     ``k`` is visible to form one interval of rows ``[k - q0, k_end - q0)``. A (query
     block, key block) tile is skipped when no key's interval meets its rows, runs without
     the mask function when every key's interval covers all of them, and is masked
-    elementwise otherwise. Query blocks lying wholly inside one of the row ranges
-    ``skip_rows`` are skipped (their rows are computed elsewhere: output 0 here).
+    elementwise otherwise.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -176,11 +166,6 @@ def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.T
     row_end = row_start + block
     full = (lo_p.amax(1)[None, :] <= row_start[:, None]) & (hi_p.amin(1)[None, :] >= row_end[:, None])
     partial = touched & ~full
-    for a, b in skip_rows:  # query blocks wholly inside [a, b) (or its padding, at the end)
-        first, last = -(-a // block), (-(-b // block) if b >= nq_tok else b // block)
-        if last > first:
-            partial[first:last] = False
-            full[first:last] = False
 
     def blocks(which: torch.Tensor):
         count = which.sum(-1, dtype=torch.int32)
@@ -203,39 +188,6 @@ def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.T
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=tree_mask_mod,
         seq_lengths=(nq * block, nk * block),
     )
-
-
-# ------------------------------------------------------------------------ causal
-CAUSAL_BUCKET = 256  # CUDA: chains padded to a multiple of this many tokens (cuDNN plans per length)
-
-
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                     bucket: int | None = None) -> torch.Tensor:
-    """Causal attention of one chain: query [1, H, N, D], key/value [1, H_kv, N, D] -> [1, H, N, D].
-
-    On CUDA, cuDNN's kernel first (1.3x flex on a 16k-token chain on an H100, forward +
-    backward; bench/RESULTS.md), then flash. cuDNN takes no grouped K/V heads, so K/V are
-    expanded to the query heads; it builds an execution plan per shape (~0.1 s), so the
-    chain is padded at its end to a multiple of ``bucket`` tokens (padded queries come last
-    and are dropped; no real query sees a padded key).
-    """
-    n = query.shape[2]
-    if key.shape[1] != query.shape[1]:
-        rep = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
-    if bucket is None:
-        bucket = CAUSAL_BUCKET if query.is_cuda else 1
-    pad = -n % bucket
-    if pad:
-        query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
-    if query.is_cuda:
-        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]
-        with sdpa_kernel(order, set_priority=True):
-            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
-    return out[:, :, :n]
 
 
 # ------------------------------------------------------------------- the HF function
@@ -272,19 +224,15 @@ def tree_attention_forward(
         pieces = ctx.prefix[layer]
         key = torch.cat([k for k, _ in pieces] + [key], dim=2)
         value = torch.cat([v for _, v in pieces] + [value], dim=2)
+    gqa = query.shape[1] != key.shape[1]
     if ctx.causal:
-        return causal_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
-    if ctx.backend == "sdpa":
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=ctx.additive_mask(query.dtype),
-                                             scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    elif ctx.backend == "sdpa":
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=ctx.additive_mask(query.dtype), scale=scaling, enable_gqa=gqa
+        )
     else:
         out = flex_tree_attention(query, key, value, ctx.mask(), scaling)
-    if ctx.chains:  # their rows from the causal kernel (the masked kernel skipped or discards them)
-        pieces, done = [], 0
-        for a, b in ctx.chains:
-            pieces += [out[:, :, done:a], causal_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scaling)]
-            done = b
-        out = torch.cat(pieces + [out[:, :, done:]], dim=2)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -61,31 +61,7 @@ class StepStats:
     model_calls: int = 0
     tokens_run: int = 0
     recomputed_calls: int = 0  # calls whose decoder blocks are recomputed in the backward
-    causal_chains: int = 0  # token chains run by the causal attention kernel (whole calls included)
     seconds: float = 0.0
-
-
-# Leftmost paths at least this long run through the causal kernel (cuDNN on CUDA) instead
-# of the masked one: from ~2k tokens cuDNN's causal kernel outruns flex (bench/RESULTS.md).
-CAUSAL_CHAIN_MIN_TOKENS = 2048
-
-
-def causal_chains(tree: PrefixTree, start: int, end: int, min_tokens: int) -> list[tuple[int, int]]:
-    """Rows ``[a, b)`` of the call over tree tokens ``[start, end)`` (no prefix) that form a
-    causal chain: from each root of the call (a token whose parent lies before ``start``)
-    its leftmost path, down to the first leaf (or the call's end). In depth-first order a
-    token's first child follows it, so the path is contiguous, and its tokens see exactly
-    the path's earlier tokens: no token before the root is their ancestor. Chains shorter
-    than ``min_tokens`` are left to the masked kernel."""
-    parent = tree.parent[start:end]
-    local = torch.arange(end - start)
-    roots = (parent < start).nonzero()[:, 0]
-    leaves = (tree.subtree_end[start:end] == local + start + 1).nonzero()[:, 0]
-    # the first leaf at or after each root ends its path (a call cut mid-node has none: its end)
-    at = torch.searchsorted(leaves, roots)
-    ends = torch.where(at < len(leaves), leaves[at.clamp(max=max(len(leaves) - 1, 0))] + 1, end - start) \
-        if len(leaves) else torch.full_like(roots, end - start)
-    return [(a, b) for a, b in zip(roots.tolist(), ends.tolist()) if b - a >= min_tokens]
 
 
 def _seq_targets(tree: PrefixTree) -> torch.Tensor:
@@ -386,12 +362,9 @@ class TreeEngine:
             k_index, per_layer = q_index, None
         # one chain (every token's subtree reaches the segment's end) and no prefix: causal
         chain = not prefix and int(b.tree.subtree_end[seg.start : seg.end].min()) >= seg.end
-        chains = [] if prefix or chain else causal_chains(b.tree, seg.start, seg.end, CAUSAL_CHAIN_MIN_TOKENS)
         ctx = TreeAttention(
-            self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture, causal=chain,
-            chains=chains,
+            self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture, causal=chain
         )
-        self.stats.causal_chains += len(chains) + int(chain)
         recompute = grad and self.recomputes(seg.size)
         if not ctx.causal:  # built once, before the blocks (not inside a block that is recomputed)
             ctx.additive_mask(self.head.weight.dtype) if self.attention == "sdpa" else ctx.mask()
