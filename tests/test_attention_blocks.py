@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 import treerl
-from treerl.attention import FLEX_BLOCK, _flex_whole_tiles, as_tiles, dense_tree_mask, flex_block_mask
+from treerl.attention import FLEX_BLOCK, _flex_whole_tiles, dense_tree_mask, flex_block_mask
 from treerl.workloads import SCALES, make_workload
 
 
@@ -54,14 +54,13 @@ def test_block_mask_matches_dense(workload, block):
         # Elementwise: flex (eager, CPU) with this mask, on the sequences padded to whole
         # tiles as the engine runs it, equals SDPA with the dense mask.
         qq, kk, vv = (torch.randn(1, 2, m, 8, generator=gen) for m in (len(q), len(k), len(k)))
-        if block == FLEX_BLOCK:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                out = _flex_whole_tiles(*(as_tiles(x) for x in (qq, kk, vv)), mask, None, False)[:, :, : len(q)]
-        else:  # the tile axis of as_tiles is the engine's block
-            pad = [F.pad(x, (0, 0, 0, -x.shape[2] % block)) for x in (qq, kk, vv)]
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+        pad = [F.pad(x, (0, 0, 0, -x.shape[2] % block)) for x in (qq, kk, vv)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if block == FLEX_BLOCK:  # the engine's tile view
+                tiles = [x.unflatten(2, (-1, block)) for x in pad]
+                out = _flex_whole_tiles(*tiles, mask, None, False)[:, :, : len(q)]
+            else:
                 out = flex_attention(*pad, block_mask=mask)[:, :, : len(q)]
         ref = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=dense[None, None])
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

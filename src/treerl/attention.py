@@ -90,7 +90,7 @@ FLEX_BLOCK = 128
 # The main Triton kernel always: with dynamic shapes, segments under 128 queries would
 # otherwise be routed to the decoding kernel, which has no valid config for them.
 FLEX_KERNEL = {"BACKEND": "TRITON"}
-_flex_compiled = None
+_flex_compiled: dict[str, object] = {}
 
 
 def _flex_whole_tiles(query, key, value, block_mask, scale, enable_gqa):
@@ -103,34 +103,40 @@ def _flex_whole_tiles(query, key, value, block_mask, scale, enable_gqa):
                           kernel_options=FLEX_KERNEL)
 
 
+def _compiled(name: str, fn):
+    if name not in _flex_compiled:
+        _flex_compiled[name] = torch.compile(fn, dynamic=True)
+    return _flex_compiled[name]
+
+
 def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask,
                         scale: float | None) -> torch.Tensor:
     """query [1, H, Nq, D], key/value [1, H_kv, Nk, D], ``block_mask`` from
-    :func:`flex_block_mask` -> [1, H, Nq, D].
+    :func:`flex_block_mask` (whole tiles of :data:`FLEX_BLOCK`) -> [1, H, Nq, D].
 
-    The sequences are padded to whole tiles of :data:`FLEX_BLOCK` (padded queries see
-    nothing, padded keys are seen by nobody) and handed over with the tile as an axis of
-    its own: compiled with dynamic shapes, flex's kernels then know the lengths divide
-    their tiles (``IS_DIVISIBLE``) and skip the bounds checks, index wrapping and masking
-    that an unknown length costs every tile, while one compiled kernel still serves
-    every length.
+    A call without prefix arrives on whole tiles (the engine pads its tokens; padded
+    queries see nothing, padded keys are seen by nobody) and is handed over with the tile
+    as an axis of its own: compiled with dynamic shapes, flex's kernels then know the
+    lengths divide their tiles (``IS_DIVISIBLE``) and skip the bounds checks, index
+    wrapping and masking that an unknown length costs every tile (1.3-1.35x faster
+    forward+backward on an H100, bench/RESULTS.md), with one compiled kernel for every
+    length. Calls with a prefix (keys longer than queries, lengths in every relation) are
+    padded here and run with lengths unknown: the tile view would recompile per relation
+    of the two lengths until dynamo gives up and runs flex eagerly.
     """
-    global _flex_compiled
-    if _flex_compiled is None:
-        _flex_compiled = torch.compile(_flex_whole_tiles, dynamic=True)
-    tiles = [as_tiles(x) for x in (query, key, value)]
-    out = _flex_compiled(*tiles, block_mask, scale, query.shape[1] != key.shape[1])
-    return out[:, :, : query.shape[2]]
+    nq, gqa = query.shape[2], query.shape[1] != key.shape[1]
+    if nq == key.shape[2] and nq % FLEX_BLOCK == 0:
+        tiles = [x.unflatten(2, (-1, FLEX_BLOCK)) for x in (query, key, value)]
+        for x in tiles:
+            for dim in (0, 1, 3, 4):  # only the number of tiles varies
+                torch._dynamo.mark_static(x, dim)
+        return _compiled("tiles", _flex_whole_tiles)(*tiles, block_mask, scale, gqa)
+    from torch.nn.attention.flex_attention import flex_attention
 
-
-def as_tiles(x: torch.Tensor) -> torch.Tensor:
-    """[1, H, N, D] -> [1, H, ceil(N / FLEX_BLOCK), FLEX_BLOCK, D], zero-padded; only the
-    number of tiles is left dynamic to the compiler."""
-    pad = -x.shape[2] % FLEX_BLOCK
-    x = (F.pad(x, (0, 0, 0, pad)) if pad else x).unflatten(2, (-1, FLEX_BLOCK))
-    for dim in (0, 1, 3, 4):
-        torch._dynamo.mark_static(x, dim)
-    return x
+    q, k, v = (F.pad(x, (0, 0, 0, -x.shape[2] % FLEX_BLOCK)) for x in (query, key, value))
+    out = _compiled("any", flex_attention)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                                           kernel_options=FLEX_KERNEL)
+    return out[:, :, :nq]
 
 
 def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor, block: int = FLEX_BLOCK):
