@@ -4,7 +4,8 @@ Compiled with dynamic shapes, flex attention cannot prove a sequence length divi
 128-token tiles, so every tile pays bounds checks, index wrapping and extra masking
 (``IS_DIVISIBLE=False``). The engine now pads each call to whole tiles and hands the
 tile over as an axis of its own (:func:`treerl.attention.flex_tree_attention`), which
-keeps one compiled kernel for every length. This script times, on the first ``--tokens``
+keeps one compiled kernel for every length (results of 2026-11-24 were taken with the
+padding inside the attention call; it now happens on the call's tokens). This script times, on the first ``--tokens``
 tree tokens of each workload (Qwen3-1.7B heads: 16 query / 8 KV heads of 128, bf16), one
 layer's attention forward and forward+backward for
 
@@ -34,7 +35,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from triton.testing import do_bench
 
 from treerl import PrefixTree
-from treerl.attention import FLEX_BLOCK, FLEX_KERNEL, as_tiles, flex_block_mask, flex_tree_attention
+from treerl.attention import FLEX_BLOCK, FLEX_KERNEL, flex_block_mask, flex_tree_attention
 from treerl.workloads import SCALES, make_workload
 
 H, HKV, D = 16, 8, 128
@@ -72,8 +73,8 @@ def tree_masks(args, dev, rows):
             flops = 4 * H * D * pairs * 3.5
             q, k, v, g = qkv(n, dev)
             padded = lambda x: F.pad(x, (0, 0, 0, -n % FLEX_BLOCK))  # noqa: E731
-            variants = {
-                "tiles": lambda: flex_tree_attention(q, k, v, mask, None),
+            variants = {  # tiles: padded as the engine pads a call's tokens
+                "tiles": lambda: flex_tree_attention(padded(q), padded(k), padded(v), mask, None)[:, :, :n],
                 "static": lambda: static(padded(q), padded(k), padded(v), block_mask=mask, enable_gqa=True,
                                          kernel_options=FLEX_KERNEL)[:, :, :n],
             }
@@ -146,7 +147,8 @@ def recompiles(dev, rows):
         mask = flex_block_mask(idx, idx, torch.full((n,), n, device=dev))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        flex_tree_attention(q, k, v, mask, None).backward(g)
+        pad = -n % FLEX_BLOCK
+        flex_tree_attention(*(F.pad(x, (0, 0, 0, pad)) for x in (q, k, v)), mask, None)[:, :, :n].backward(g)
         torch.cuda.synchronize()
         rows.append(row(part="lengths", tokens=n, first_s=time.perf_counter() - t0,
                         unique_graphs=counters["stats"]["unique_graphs"] - before.get("unique_graphs", 0)))

@@ -118,7 +118,7 @@ def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     queries see nothing, padded keys are seen by nobody) and is handed over with the tile
     as an axis of its own: compiled with dynamic shapes, flex's kernels then know the
     lengths divide their tiles (``IS_DIVISIBLE``) and skip the bounds checks, index
-    wrapping and masking that an unknown length costs every tile (1.3-1.35x faster
+    wrapping and masking that an unknown length costs every tile (1.3-1.4x faster
     forward+backward on an H100, bench/RESULTS.md), with one compiled kernel for every
     length. Calls with a prefix (keys longer than queries, lengths in every relation) are
     padded here and run with lengths unknown: the tile view would recompile per relation
@@ -133,7 +133,8 @@ def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         return _compiled("tiles", _flex_whole_tiles)(*tiles, block_mask, scale, gqa)
     from torch.nn.attention.flex_attention import flex_attention
 
-    q, k, v = (F.pad(x, (0, 0, 0, -x.shape[2] % FLEX_BLOCK)) for x in (query, key, value))
+    q, k, v = (F.pad(x, (0, 0, 0, -x.shape[2] % FLEX_BLOCK)) if x.shape[2] % FLEX_BLOCK else x
+               for x in (query, key, value))
     out = _compiled("any", flex_attention)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                                            kernel_options=FLEX_KERNEL)
     return out[:, :, :nq]
