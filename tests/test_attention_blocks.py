@@ -64,4 +64,3 @@ def test_block_mask_matches_dense(workload, block):
                 out = flex_attention(*pad, block_mask=mask)[:, :, : len(q)]
         ref = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=dense[None, None])
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
