@@ -40,6 +40,16 @@ CONFIGS = {
 }
 
 
+def make_engine(model, name: str) -> TreeEngine:
+    """The engine of a configuration name; a ``-nokeep`` suffix recomputes every layer's
+    attention with its block (the behaviour before kept attentions, for an A/B in one run)."""
+    name, nokeep, _ = name.partition("-nokeep")
+    engine = TreeEngine(model, **engine_config(name))
+    if nokeep:
+        engine.kept_attention_layers = lambda queries, keys: frozenset()
+    return engine
+
+
 def engine_config(name: str) -> dict:
     """A named configuration, or ``MODE-bFRACTION`` (e.g. ``auto-b0.3``: a memory budget
     of 30% of the device); either with ``@BACKEND`` for an attention backend (``auto@flash``)."""
@@ -157,10 +167,11 @@ def main(argv=None):
                     seconds, times, peak_bytes = time_forward_backward(NaiveLoop(model), tree, loss_fn, 1, 1)
                     row.update(seconds=seconds, times=times, peak_gib=peak_bytes / 2**30)
                 else:
-                    engine = TreeEngine(model, **engine_config(name))
+                    engine = make_engine(model, name)
                     seconds, times, peak_bytes = time_forward_backward(engine, tree, loss_fn, args.repeats, 1)
                     row.update(seconds=seconds, times=times, peak_gib=peak_bytes / 2**30, calls=engine.stats.model_calls,
-                               recomputed_calls=engine.stats.recomputed_calls, plan=engine.stats.plan,
+                               recomputed_calls=engine.stats.recomputed_calls,
+                               kept_attention_layers=engine.stats.kept_attention_layers, plan=engine.stats.plan,
                                max_tokens=engine.max_tokens)
                     if engine.memory_budget is not None:
                         m = engine.memory_model
@@ -182,7 +193,7 @@ def main(argv=None):
     for pair in filter(None, args.profile.split(",")):
         wl, name = pair.split(":")
         tree = PrefixTree.from_sequences(workload(wl, vocab, args.scale))
-        prof = profile_step(TreeEngine(model, **engine_config(name)), tree, weighted_logprob_loss(tree), out, pair)
+        prof = profile_step(make_engine(model, name), tree, weighted_logprob_loss(tree), out, pair)
         prof["tflops"] = useful_flops(model, tree) / prof["wall_s"] / 1e12
         results["profile"][pair] = prof
         print(pair, json.dumps(prof, indent=1), flush=True)
@@ -195,8 +206,8 @@ def main(argv=None):
         pass
     if out:
         (out / "profile_engine.json").write_text(json.dumps(results, indent=1))
-    print("\n| workload | config | s | TFLOP/s | % peak | peak GiB | vs flat | calls | recomputed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| workload | config | s | TFLOP/s | % peak | peak GiB | vs flat | calls | recomputed | kept attn |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
         flat = next((x for x in results["rows"] if x["workload"] == r["workload"] and x["config"] == "flat"
                      and "seconds" in x), None)
@@ -205,7 +216,8 @@ def main(argv=None):
             continue
         vs = f"{flat['seconds'] / r['seconds']:.2f}" if flat else "-"
         print(f"| {r['workload']} | {r['config']} | {r['seconds']:.3f} | {r['tflops']:.0f} | {r['pct_peak']:.1f} | "
-              f"{r['peak_gib']:.1f} | {vs} | {r.get('calls', '-')} | {r.get('recomputed_calls', '-')} |")
+              f"{r['peak_gib']:.1f} | {vs} | {r.get('calls', '-')} | {r.get('recomputed_calls', '-')} | "
+              f"{r.get('kept_attention_layers', '-')} |")
 
 
 if __name__ == "__main__":

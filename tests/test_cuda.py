@@ -83,13 +83,15 @@ def test_no_host_sync_per_segment(mode, workload, many):
 
 @pytest.mark.parametrize("mode", ["packed", "auto", "flat"])
 @pytest.mark.parametrize("compile", [True, False])
-def test_compiled_and_recomputed_blocks_float32(mode, compile):
+@pytest.mark.parametrize("keep", [0, 6], ids=["all-recomputed", "6-attentions-kept"])
+def test_compiled_and_recomputed_blocks_float32(mode, compile, keep):
     """Compiled decoder blocks, recomputed in the backward under a small memory budget
     (the budget is set from the engine's own measured memory model). The ``small`` shape
     with 16 layers: on ``tiny`` (hidden 64) per-token memory is not the blocks'
     activations, and with 4 layers one block's activations held while it recomputes are
     more than recompute saves (H100, 2026-11-24: 852 kB/token recomputed vs 613 kB held):
-    the memory model then rightly never recomputes."""
+    the memory model then rightly never recomputes. With ``keep``, the budget has room for
+    the largest call's last ``keep`` layers to keep their attention (not recomputed)."""
     model = build_model("qwen3", "small", dtype=torch.float32, device="cuda", seed=2, num_hidden_layers=16)
     seqs = [torch.as_tensor(s) for s in make_workload("agentic", SCALES["tiny"], 512, seed=5)]
     weights = [torch.randn(len(s) - 1, device="cuda", dtype=torch.float64) for s in seqs]
@@ -105,11 +107,15 @@ def test_compiled_and_recomputed_blocks_float32(mode, compile):
     assert m.measured and m.recompute_per_token < m.per_token
     # the largest tree fits one call only with its blocks recomputed (packed runs trees whole)
     largest = max(tree_sizes(treerl.PrefixTree.from_sequences([s.tolist() for s in seqs])))
-    engine.memory_budget = int(m.fixed + (largest + 0.5) * m.recompute_per_token)  # half a token: rounding
+    per_layer = largest * (m.attention_per_query + m.attention_per_key)
+    # half a token / layer: rounding
+    engine.memory_budget = int(m.fixed + (largest + 0.5) * m.recompute_per_token + (keep + 0.5) * per_layer)
     assert engine.recomputes(64)
+    assert len(engine.kept_attention_layers(largest, largest)) == keep
     model.zero_grad()
     engine.forward_backward(seqs, loss_fn)
     assert engine.stats.recomputed_calls >= 1
+    assert engine.stats.kept_attention_layers >= keep
     for n, p in model.named_parameters():
         err = (p.grad - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)
         assert err < 1e-5, (n, float(err))

@@ -57,6 +57,40 @@ def test_budget_splits_trees_with_recomputed_chains(separable, gen):
     assert engine.stats.recomputed_calls >= 1
 
 
+@pytest.mark.parametrize("mode", ["auto", "flat"])
+def test_recomputed_blocks_keep_attention_within_the_budget(mode, gen, monkeypatch):
+    """Room in the budget beside a recomputed call goes to keeping the attention of its
+    last layers: their recompute in the backward skips the attention, exactly."""
+    import treerl.attention as attention
+
+    seqs = shaped_forest(gen, SPEC)
+    model = get_model("qwen3", torch.float64, num_hidden_layers=16)
+    m = MemoryModel.estimate(model.config, torch.float64, dense_mask=True)
+    largest = 39  # shaped_forest(SPEC)'s largest tree: one call with recompute
+    held = m.fixed + largest * m.recompute_per_token + largest**2 * m.per_pair
+    per_layer = largest * (m.attention_per_query + m.attention_per_key) + largest**2 * m.attention_per_pair
+    budget = int(held + 5.5 * per_layer)  # 5 of 16 layers keep their attention in a 39-token call
+    assert m.kept_attention_layers(budget, largest, largest, 16) == 5
+    engine = TreeEngine(model, mode, memory_budget=budget, chunk_tokens=4)
+    assert engine.kept_attention_layers(largest, largest) == frozenset(range(11, 16))
+    assert engine.recomputes(largest) and engine.max_tokens >= largest
+    attends = {}  # per call (its TreeAttention, held): layers kept, attention runs
+    attend = attention._attend
+
+    def spy(ctx, *args):
+        attends[ctx] = (len(ctx.keep_layers), attends.get(ctx, (0, 0))[1] + 1)
+        return attend(ctx, *args)
+
+    monkeypatch.setattr(attention, "_attend", spy)
+    loss = RandomLoss.make(seqs, gen, coupled=True)
+    engine = check_engine(model, seqs, mode, loss, entropy=True, chunk_tokens=4, memory_budget=budget)
+    kept = engine.stats.kept_attention_layers
+    assert 5 <= kept < 16 * engine.stats.recomputed_calls, engine.stats
+    # a recomputed call's layers attend in the forward, and again in the backward unless kept
+    assert any(k for k, _ in attends.values())
+    assert all(runs == 32 - k for k, runs in attends.values() if k), attends
+
+
 def test_memory_model_tokens():
     m = MemoryModel(fixed=100.0, per_token=10.0, recompute_per_token=2.0)
     assert m.tokens(1100, recompute=False) == 100

@@ -11,7 +11,8 @@ The function registered with ``transformers.AttentionInterface`` reads a
 attention call); it refuses to run without one, because a custom attention function
 receives ``attention_mask=None`` and would otherwise silently attend everything.
 It also records each layer's keys/values (post-RoPE, one per KV head) when asked, so
-later segments can use them as their prefix.
+later segments can use them as their prefix, and it can keep a layer's attention out of a
+block recompute (:attr:`TreeAttention.keep_layers`).
 
 The engine hands the :class:`TreeAttention` over through :func:`tree_attention_enabled`
 (a thread-local, not a keyword argument) so that compiled decoder blocks
@@ -46,6 +47,13 @@ class TreeAttention:
     the list of (K, V) pieces of layer ``l`` that precede this call's own keys. With
     ``capture``, each layer's own (K, V) lands in ``captured[layer]``.
 
+    ``keep_layers``: layers whose decoder block is recomputed in the backward (activation
+    checkpointing) but whose attention is not: in the forward the attention holds its
+    inputs, output and log-sum-exp for its backward itself, past the checkpoint, and when
+    the block runs again in the backward the attention returns that output instead of
+    running again. This spends ``MemoryModel.attention_bytes`` per layer to save the
+    attention forward of the recompute (the most expensive part of it on long trees).
+
     A plain class, not a dataclass: module wrappers (FSDP) copy dataclass arguments,
     and the engine must read ``captured`` from this very object.
     """
@@ -58,6 +66,8 @@ class TreeAttention:
         # (flash attention on CUDA) run it without any mask tensor
         self.causal = causal and not prefix
         self.captured: dict[int, KV] = {}
+        self.keep_layers: frozenset[int] = frozenset()
+        self.kept: dict[int, torch.Tensor] = {}  # layer -> attention output [1, H, Nq, D] of the forward
         self._mask = None
 
     def mask(self) -> object:
@@ -225,22 +235,41 @@ def tree_attention_forward(
     if kwargs.get("sliding_window"):
         raise NotImplementedError("sliding-window attention is not supported by treerl")
     layer = module.layer_idx
+    keep = layer in ctx.keep_layers and torch.is_grad_enabled()
+    if keep and layer in ctx.kept:
+        # The block runs again in the backward: the attention's graph, inputs and output are
+        # held from the forward; the recomputed rest of the block needs only the output (as
+        # a tensor that requires grad, so it saves what it saved in the forward).
+        return ctx.kept.pop(layer).detach().transpose(1, 2).contiguous().requires_grad_(), None
     if ctx.capture:
         ctx.captured[layer] = (key, value)
     if ctx.prefix:
         pieces = ctx.prefix[layer]
         key = torch.cat([k for k, _ in pieces] + [key], dim=2)
         value = torch.cat([v for _, v in pieces] + [value], dim=2)
+    # held past the block's checkpoint: tensors saved for the backward are kept as they are
+    with torch.autograd.graph.saved_tensors_hooks(_hold, _hold) if keep else contextlib.nullcontext():
+        out = _attend(ctx, query, key, value, scaling)
+    if keep:
+        ctx.kept[layer] = out
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _hold(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            scaling: float | None) -> torch.Tensor:
+    """query [1, H, Nq, D], key/value [1, H_kv, Nk, D] -> [1, H, Nq, D] by ``ctx``'s backend."""
     gqa = query.shape[1] != key.shape[1]
     if ctx.causal:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-    elif ctx.backend == "sdpa":
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    if ctx.backend == "sdpa":
+        return F.scaled_dot_product_attention(
             query, key, value, attn_mask=ctx.additive_mask(query.dtype), scale=scaling, enable_gqa=gqa
         )
-    else:
-        out = flex_tree_attention(query, key, value, ctx.mask(), scaling)
-    return out.transpose(1, 2).contiguous(), None
+    return flex_tree_attention(query, key, value, ctx.mask(), scaling)
 
 
 AttentionInterface.register(ATTN_NAME, tree_attention_forward)

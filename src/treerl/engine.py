@@ -61,6 +61,7 @@ class StepStats:
     model_calls: int = 0
     tokens_run: int = 0
     recomputed_calls: int = 0  # calls whose decoder blocks are recomputed in the backward
+    kept_attention_layers: int = 0  # summed over those calls: layers whose attention is not recomputed
     seconds: float = 0.0
 
 
@@ -229,6 +230,13 @@ class TreeEngine:
             return False
         return size > self.memory_model.tokens(self.memory_budget, recompute=False)
 
+    def kept_attention_layers(self, queries: int, keys: int) -> frozenset[int]:
+        """The layers of a recomputed call whose attention is held instead of recomputed:
+        the last ones (their held tensors are freed first in the backward), as many as
+        the memory budget has room for beside the call's recompute."""
+        count = self.memory_model.kept_attention_layers(self.memory_budget, queries, keys, self.num_layers)
+        return frozenset(range(self.num_layers - count, self.num_layers))
+
     # ------------------------------------------------------------------ public API
     def plan(self, tree: PrefixTree | Sequence[TokenSequence]) -> Plan:
         """The segments this engine would run for ``tree``."""
@@ -366,11 +374,14 @@ class TreeEngine:
             self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture, causal=chain
         )
         recompute = grad and self.recomputes(seg.size)
+        if recompute:
+            ctx.keep_layers = self.kept_attention_layers(seg.size, len(k_index))
         if not ctx.causal:  # built once, before the blocks (not inside a block that is recomputed)
             ctx.additive_mask(self.head.weight.dtype) if self.attention == "sdpa" else ctx.mask()
         self.stats.model_calls += 1
         self.stats.tokens_run += seg.size
         self.stats.recomputed_calls += int(recompute)
+        self.stats.kept_attention_layers += len(ctx.keep_layers)
         ids, pos = b.token_ids[seg.start : seg.end], b.position[seg.start : seg.end]
         if self.attention == "flex" and not (prefix or capture or ctx.causal):
             # Whole flex tiles from the input on: padded queries see nothing and padded keys

@@ -4,7 +4,10 @@ One engine call (a segment of ``n`` tree tokens) holds, for its backward, activa
 grow linearly in ``n``: ``fixed + n * per_token`` (plus ``n^2 * per_pair`` with the dense
 SDPA mask of the CPU backend, whose math kernel materialises the attention scores). With block recompute (activation
 checkpointing, :mod:`treerl.decoder`) only each decoder block's input is held, plus one
-block's full activations while that block's backward runs. On CUDA both lines are
+block's full activations while that block's backward runs; where the budget leaves room
+beside that, some recomputed blocks keep their attention's inputs and outputs
+(:attr:`treerl.attention.TreeAttention.keep_layers`), so the recompute skips the attention
+forward. On CUDA both lines are
 *measured* on the engine's own model (two forward calls with grad, no backward, no
 gradient touched); elsewhere they are estimated from the config (bf16/float32 HF blocks).
 """
@@ -65,6 +68,11 @@ class MemoryModel:
     recompute_per_token: float
     per_pair: float = 0.0
     measured: bool = False
+    # what one recomputed layer that keeps its attention holds more: per query, per key
+    # (its K/V, prefix included) and, with the dense SDPA mask, per (query, key) pair
+    attention_per_query: float = 0.0
+    attention_per_key: float = 0.0
+    attention_per_pair: float = 0.0
 
     def tokens(self, budget: int, recompute: bool) -> int:
         """Largest call that fits ``budget`` bytes (at least 1 token)."""
@@ -76,6 +84,16 @@ class MemoryModel:
             b = self.per_pair
             return max(1, int((-a + (a * a + 4 * b * room) ** 0.5) / (2 * b)))
         return max(1, int(room // a))
+
+    def kept_attention_layers(self, budget: int, queries: int, keys: int, layers: int) -> int:
+        """How many of ``layers`` recomputed blocks of a call (``queries`` tokens after a
+        prefix, ``keys`` = prefix + queries) can keep their attention within ``budget``."""
+        held = self.fixed + queries * self.recompute_per_token + queries * keys * self.per_pair
+        per_layer = (queries * self.attention_per_query + keys * self.attention_per_key
+                     + queries * keys * self.attention_per_pair)
+        if per_layer <= 0:
+            return 0
+        return int(min(layers, max(0.0, budget - held) // per_layer))
 
     @classmethod
     def estimate(cls, config, dtype: torch.dtype, dense_mask: bool = False) -> "MemoryModel":
@@ -90,7 +108,8 @@ class MemoryModel:
         # dense mask: the bool mask, and scores + probabilities of every head (one layer at a time)
         per_pair = (1 + 2 * size * config.num_attention_heads) if dense_mask else 0.0
         return cls(fixed=fixed, per_token=block * layers * BACKWARD_MARGIN,
-                   recompute_per_token=size * h * layers + 2 * block, per_pair=per_pair)
+                   recompute_per_token=size * h * layers + 2 * block, per_pair=per_pair,
+                   **attention_held(config, dtype, dense_mask))
 
     @classmethod
     def for_engine(cls, engine) -> "MemoryModel":
@@ -119,7 +138,20 @@ class MemoryModel:
             # held block inputs + one block's activations and their gradients while it recomputes
             recompute_per_token = max(floor, (ckpt[1] - ckpt[0]) / (large - small)) + 2 * per_token / layers
         return cls(fixed=fixed, per_token=(per_token + head_per_token) * BACKWARD_MARGIN,
-                   recompute_per_token=(recompute_per_token + head_per_token) * BACKWARD_MARGIN, measured=True)
+                   recompute_per_token=(recompute_per_token + head_per_token) * BACKWARD_MARGIN, measured=True,
+                   **attention_held(model.config, dtype, dense_mask=False))
+
+
+def attention_held(config, dtype: torch.dtype, dense_mask: bool) -> dict[str, float]:
+    """Bytes one layer's attention holds for its backward: the query and output (and the
+    float32 log-sum-exp) per query, K and V per key; SDPA's math kernel (the dense mask)
+    holds K/V expanded to every head and the probabilities per (query, key) pair."""
+    size = torch.finfo(dtype).bits // 8
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = heads if dense_mask else config.num_key_value_heads
+    return dict(attention_per_query=(2 * size * head_dim + 4) * heads, attention_per_key=2 * size * kv_heads * head_dim,
+                attention_per_pair=size * heads if dense_mask else 0.0)
 
 
 def _stack_forward_peak(engine, n: int, recompute: bool) -> float:
