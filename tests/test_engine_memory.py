@@ -40,7 +40,13 @@ def test_recomputed_blocks_are_exact(mode, variant, dtype, gen):
 
 
 @pytest.mark.parametrize("separable", [False, True])
-def test_budget_splits_trees_with_recomputed_chains(separable, gen):
+@pytest.mark.parametrize("keep_all", [False, True], ids=["", "every-attention-kept"])
+def test_budget_splits_trees_with_recomputed_chains(separable, keep_all, gen, monkeypatch):
+    """With ``keep_all`` every recomputed call keeps every layer's attention, whatever the
+    budget: chained calls attend over their prefix (concatenated K/V) exactly too."""
+    if keep_all:
+        monkeypatch.setattr(TreeEngine, "kept_attention_layers",
+                            lambda self, queries, keys, copies=False: frozenset(range(self.num_layers)))
     seqs = shaped_forest(gen, SPEC)
     tree = PrefixTree.from_sequences(seqs)
     model = get_model("qwen3", num_hidden_layers=16)
@@ -55,12 +61,15 @@ def test_budget_splits_trees_with_recomputed_chains(separable, gen):
     loss = RandomLoss.make(seqs, gen)
     engine = check_engine(model, seqs, "auto", loss, chunk_tokens=4, memory_budget=budget, separable=separable)
     assert engine.stats.recomputed_calls >= 1
+    if keep_all:
+        assert engine.stats.kept_attention_layers == 16 * engine.stats.recomputed_calls
 
 
 @pytest.mark.parametrize("mode", ["auto", "flat"])
 def test_recomputed_blocks_keep_attention_within_the_budget(mode, gen, monkeypatch):
     """Room in the budget beside a recomputed call goes to keeping the attention of its
-    last layers: their recompute in the backward skips the attention, exactly."""
+    last layers: their recompute in the backward skips the attention, and their
+    attention's backward reads the recomputed query/key/value, exactly."""
     import treerl.attention as attention
 
     seqs = shaped_forest(gen, SPEC)
@@ -68,18 +77,19 @@ def test_recomputed_blocks_keep_attention_within_the_budget(mode, gen, monkeypat
     m = MemoryModel.estimate(model.config, torch.float64, dense_mask=True)
     largest = 39  # shaped_forest(SPEC)'s largest tree: one call with recompute
     held = m.fixed + largest * m.recompute_per_token + largest**2 * m.per_pair
-    per_layer = largest * (m.attention_per_query + m.attention_per_key) + largest**2 * m.attention_per_pair
+    per_layer = (largest * (m.attention_per_query + m.attention_copies_per_query + m.attention_copies_per_key)
+                 + largest**2 * m.attention_per_pair)  # SDPA's inputs are copies
     budget = int(held + 5.5 * per_layer)  # 5 of 16 layers keep their attention in a 39-token call
-    assert m.kept_attention_layers(budget, largest, largest, 16) == 5
+    assert m.kept_attention_layers(budget, largest, largest, 16, copies=True) == 5
     engine = TreeEngine(model, mode, memory_budget=budget, chunk_tokens=4)
     assert engine.kept_attention_layers(largest, largest) == frozenset(range(11, 16))
     assert engine.recomputes(largest) and engine.max_tokens >= largest
     attends = {}  # per call (its TreeAttention, held): layers kept, attention runs
     attend = attention._attend
 
-    def spy(ctx, *args):
+    def spy(ctx, *args, **kwargs):
         attends[ctx] = (len(ctx.keep_layers), attends.get(ctx, (0, 0))[1] + 1)
-        return attend(ctx, *args)
+        return attend(ctx, *args, **kwargs)
 
     monkeypatch.setattr(attention, "_attend", spy)
     loss = RandomLoss.make(seqs, gen, coupled=True)
@@ -89,6 +99,8 @@ def test_recomputed_blocks_keep_attention_within_the_budget(mode, gen, monkeypat
     # a recomputed call's layers attend in the forward, and again in the backward unless kept
     assert any(k for k, _ in attends.values())
     assert all(runs == 32 - k for k, runs in attends.values() if k), attends
+    # and their backward read q/k/v from the recompute, not from held tensors
+    assert all(k.views_saved > 0 for ctx in attends for k in ctx.kept.values())
 
 
 def test_memory_model_tokens():

@@ -23,12 +23,15 @@ excluded from compilation (it runs its own compiled flex kernel).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from .kept_attention import KeptAttention
 
 ATTN_NAME = "treerl"
 KWARG = "tree_attention"
@@ -48,11 +51,10 @@ class TreeAttention:
     ``capture``, each layer's own (K, V) lands in ``captured[layer]``.
 
     ``keep_layers``: layers whose decoder block is recomputed in the backward (activation
-    checkpointing) but whose attention is not: in the forward the attention holds its
-    inputs, output and log-sum-exp for its backward itself, past the checkpoint, and when
-    the block runs again in the backward the attention returns that output instead of
-    running again. This spends ``MemoryModel.attention_bytes`` per layer to save the
-    attention forward of the recompute (the most expensive part of it on long trees).
+    checkpointing) but whose attention runs once (:mod:`treerl.kept_attention`): it holds
+    its output for the recompute and its backward, at the memory of
+    ``MemoryModel.kept_attention_layers``, and the recompute skips the attention forward
+    (the most expensive part of it on long trees).
 
     A plain class, not a dataclass: module wrappers (FSDP) copy dataclass arguments,
     and the engine must read ``captured`` from this very object.
@@ -67,7 +69,7 @@ class TreeAttention:
         self.causal = causal and not prefix
         self.captured: dict[int, KV] = {}
         self.keep_layers: frozenset[int] = frozenset()
-        self.kept: dict[int, torch.Tensor] = {}  # layer -> attention output [1, H, Nq, D] of the forward
+        self.kept: dict[int, KeptAttention] = {}
         self._mask = None
 
     def mask(self) -> object:
@@ -235,28 +237,29 @@ def tree_attention_forward(
     if kwargs.get("sliding_window"):
         raise NotImplementedError("sliding-window attention is not supported by treerl")
     layer = module.layer_idx
-    keep = layer in ctx.keep_layers and torch.is_grad_enabled()
-    if keep and layer in ctx.kept:
-        # The block runs again in the backward: the attention's graph, inputs and output are
-        # held from the forward; the recomputed rest of the block needs only the output (as
-        # a tensor that requires grad, so it saves what it saved in the forward).
-        return ctx.kept.pop(layer).detach().transpose(1, 2).contiguous().requires_grad_(), None
+    kept = ctx.kept.get(layer)
+    if kept is not None and torch.is_grad_enabled():  # the block's recompute in the backward
+        out = kept.recompute(*_inputs(ctx, layer, query, key, value))
+        return out.transpose(1, 2).contiguous().requires_grad_(), None  # saves what the forward's saved
     if ctx.capture:
         ctx.captured[layer] = (key, value)
+    inputs = _inputs(ctx, layer, query, key, value)
+    if layer in ctx.keep_layers and torch.is_grad_enabled():
+        ctx.kept[layer] = KeptAttention(inputs)
+        out = ctx.kept[layer].run(functools.partial(_attend, ctx, scaling=scaling), *inputs)
+    else:
+        out = _attend(ctx, *inputs, scaling=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _inputs(ctx: TreeAttention, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's query, and its keys/values after the prefix's."""
     if ctx.prefix:
         pieces = ctx.prefix[layer]
         key = torch.cat([k for k, _ in pieces] + [key], dim=2)
         value = torch.cat([v for _, v in pieces] + [value], dim=2)
-    # held past the block's checkpoint: tensors saved for the backward are kept as they are
-    with torch.autograd.graph.saved_tensors_hooks(_hold, _hold) if keep else contextlib.nullcontext():
-        out = _attend(ctx, query, key, value, scaling)
-    if keep:
-        ctx.kept[layer] = out
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _hold(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+    return query, key, value
 
 
 def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

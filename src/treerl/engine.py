@@ -230,11 +230,14 @@ class TreeEngine:
             return False
         return size > self.memory_model.tokens(self.memory_budget, recompute=False)
 
-    def kept_attention_layers(self, queries: int, keys: int) -> frozenset[int]:
-        """The layers of a recomputed call whose attention is held instead of recomputed:
-        the last ones (their held tensors are freed first in the backward), as many as
-        the memory budget has room for beside the call's recompute."""
-        count = self.memory_model.kept_attention_layers(self.memory_budget, queries, keys, self.num_layers)
+    def kept_attention_layers(self, queries: int, keys: int, copies: bool = False) -> frozenset[int]:
+        """The layers of a recomputed call whose attention runs once (not again in the
+        recompute, :mod:`treerl.kept_attention`): the last ones (their held tensors are
+        freed first in the backward), as many as the memory budget has room for beside
+        the call's recompute. ``copies``: the attention gets copies of its inputs (a
+        prefix concatenated, SDPA's kernels; with the dense mask always)."""
+        copies = copies or self.attention == "sdpa"
+        count = self.memory_model.kept_attention_layers(self.memory_budget, queries, keys, self.num_layers, copies)
         return frozenset(range(self.num_layers - count, self.num_layers))
 
     # ------------------------------------------------------------------ public API
@@ -375,7 +378,7 @@ class TreeEngine:
         )
         recompute = grad and self.recomputes(seg.size)
         if recompute:
-            ctx.keep_layers = self.kept_attention_layers(seg.size, len(k_index))
+            ctx.keep_layers = self.kept_attention_layers(seg.size, len(k_index), copies=bool(prefix) or ctx.causal)
         if not ctx.causal:  # built once, before the blocks (not inside a block that is recomputed)
             ctx.additive_mask(self.head.weight.dtype) if self.attention == "sdpa" else ctx.mask()
         self.stats.model_calls += 1

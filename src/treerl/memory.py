@@ -68,10 +68,13 @@ class MemoryModel:
     recompute_per_token: float
     per_pair: float = 0.0
     measured: bool = False
-    # what one recomputed layer that keeps its attention holds more: per query, per key
-    # (its K/V, prefix included) and, with the dense SDPA mask, per (query, key) pair
+    # what one recomputed layer that keeps its attention holds more (treerl.kept_attention):
+    # per query its output and log-sum-exp, per key nothing; where its inputs are copies
+    # (concatenated after a prefix, padded, expanded) also the input copies; with the
+    # dense SDPA mask the probabilities per (query, key) pair
     attention_per_query: float = 0.0
-    attention_per_key: float = 0.0
+    attention_copies_per_query: float = 0.0
+    attention_copies_per_key: float = 0.0
     attention_per_pair: float = 0.0
 
     def tokens(self, budget: int, recompute: bool) -> int:
@@ -85,12 +88,14 @@ class MemoryModel:
             return max(1, int((-a + (a * a + 4 * b * room) ** 0.5) / (2 * b)))
         return max(1, int(room // a))
 
-    def kept_attention_layers(self, budget: int, queries: int, keys: int, layers: int) -> int:
+    def kept_attention_layers(self, budget: int, queries: int, keys: int, layers: int, copies: bool) -> int:
         """How many of ``layers`` recomputed blocks of a call (``queries`` tokens after a
-        prefix, ``keys`` = prefix + queries) can keep their attention within ``budget``."""
+        prefix, ``keys`` = prefix + queries) can keep their attention within ``budget``;
+        ``copies``: the attention kernel gets copies of its inputs (held too)."""
         held = self.fixed + queries * self.recompute_per_token + queries * keys * self.per_pair
-        per_layer = (queries * self.attention_per_query + keys * self.attention_per_key
-                     + queries * keys * self.attention_per_pair)
+        per_layer = queries * self.attention_per_query + queries * keys * self.attention_per_pair
+        if copies:
+            per_layer += queries * self.attention_copies_per_query + keys * self.attention_copies_per_key
         if per_layer <= 0:
             return 0
         return int(min(layers, max(0.0, budget - held) // per_layer))
@@ -142,18 +147,6 @@ class MemoryModel:
                    **attention_held(model.config, dtype, dense_mask=False))
 
 
-def attention_held(config, dtype: torch.dtype, dense_mask: bool) -> dict[str, float]:
-    """Bytes one layer's attention holds for its backward: the query and output (and the
-    float32 log-sum-exp) per query, K and V per key; SDPA's math kernel (the dense mask)
-    holds K/V expanded to every head and the probabilities per (query, key) pair."""
-    size = torch.finfo(dtype).bits // 8
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = heads if dense_mask else config.num_key_value_heads
-    return dict(attention_per_query=(2 * size * head_dim + 4) * heads, attention_per_key=2 * size * kv_heads * head_dim,
-                attention_per_pair=size * heads if dense_mask else 0.0)
-
-
 def _stack_forward_peak(engine, n: int, recompute: bool) -> float:
     """Peak CUDA bytes above the start of the decoder stack's forward with grad over ``n``
     random tokens (one chain), until its output is freed. No backward: no gradient is
@@ -175,3 +168,16 @@ def _stack_forward_peak(engine, n: int, recompute: bool) -> float:
     del hidden
     torch.cuda.synchronize(device)
     return float(peak)
+
+
+def attention_held(config, dtype: torch.dtype, dense_mask: bool) -> dict[str, float]:
+    """Bytes one kept attention holds (:mod:`treerl.kept_attention`): its output and float32
+    log-sum-exp per query; input copies: the query and K/V (expanded to every head by
+    SDPA's math kernel, which also holds the probabilities per (query, key) pair)."""
+    size = torch.finfo(dtype).bits // 8
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = heads if dense_mask else config.num_key_value_heads
+    return dict(attention_per_query=(size * head_dim + 4) * heads, attention_copies_per_query=size * heads * head_dim,
+                attention_copies_per_key=2 * size * kv_heads * head_dim,
+                attention_per_pair=size * heads if dense_mask else 0.0)
