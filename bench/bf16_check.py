@@ -70,7 +70,9 @@ def main():
             to32 = (g - g32).norm() / g32.norm()
             toflat = (g - gflat).norm() / g32.norm()
             ratio = toflat / base
-            print(f"{workload:8} {mode:11} {to32:14.3e} {toflat:18.3e} {ratio:6.2f}  {'ok' if ratio <= 1.5 else 'FAIL'}")
+            st = engine.stats
+            print(f"{workload:8} {mode:11} {to32:14.3e} {toflat:18.3e} {ratio:6.2f}  {'ok' if ratio <= 1.5 else 'FAIL'}"
+                  f"  ({st.model_calls} calls, {st.recomputed_calls} recomputed, {st.kept_attention_layers} attentions kept)")
 
 
 if __name__ == "__main__":
