@@ -39,11 +39,21 @@ CONFIGS = {
 }
 
 
+class _PackedToMaxTokens(TreeEngine):
+    """The plan before ``pack_tokens``: several trees per call up to ``max_tokens``."""
+
+    @property
+    def pack_tokens(self) -> int:
+        return self.max_tokens
+
+
 def make_engine(model, name: str) -> TreeEngine:
-    """The engine of a configuration name; a ``-nokeep`` suffix recomputes every layer's
-    attention with its block (the behaviour before kept attentions, for an A/B in one run)."""
-    name, nokeep, _ = name.partition("-nokeep")
-    engine = TreeEngine(model, **engine_config(name))
+    """The engine of a configuration name, for A/Bs in one run: a ``-nokeep`` suffix
+    recomputes every layer's attention with its block (before kept attentions), a
+    ``-maxpack`` suffix packs trees up to ``max_tokens`` (before ``pack_tokens``)."""
+    nokeep, maxpack = "-nokeep" in name, "-maxpack" in name
+    name = name.replace("-nokeep", "").replace("-maxpack", "")
+    engine = (_PackedToMaxTokens if maxpack else TreeEngine)(model, **engine_config(name))
     if nokeep:
         engine.kept_attention_layers = lambda queries, keys, copies=False: frozenset()
     return engine

@@ -470,12 +470,13 @@ def test_single_token_sequences_only():
     st.sampled_from(MODES),
     st.integers(1, 40),
     st.integers(1, 15),
+    st.one_of(st.none(), st.integers(1, 40)),
 )
-def test_plan_invariants(seqs, mode, max_tokens, chunk):
+def test_plan_invariants(seqs, mode, max_tokens, chunk, pack):
     tree = PrefixTree.from_sequences(seqs, share_prefixes=mode != "flat")
     if mode == "packed":
         max_tokens = max(max_tokens, max(tree_sizes(tree)))
-    plan = make_plan(tree, mode, max_tokens, chunk)
+    plan = make_plan(tree, mode, max_tokens, chunk, pack)
     n = tree.num_tree_tokens
     segs = plan.segments
     # Segments partition the layout, in order.
@@ -483,6 +484,11 @@ def test_plan_invariants(seqs, mode, max_tokens, chunk):
     assert sorted(t for s in segs for t in range(s.start, s.end)) == list(range(n))
     budget = chunk if mode == "dfs" else max_tokens
     assert all(0 < s.size <= budget for s in segs)
+    # several trees share a call only up to pack tokens (a larger tree runs alone)
+    roots = (tree.parent < 0).nonzero()[:, 0]
+    for s in segs:
+        if int(((roots >= s.start) & (roots < s.end)).sum()) > 1:
+            assert s.size <= min(budget, pack or budget)
     if mode == "packed":
         assert plan.single_level
     else:

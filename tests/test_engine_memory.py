@@ -94,8 +94,9 @@ def test_recomputed_blocks_keep_attention_within_the_budget(mode, gen, monkeypat
     monkeypatch.setattr(attention, "_attend", spy)
     loss = RandomLoss.make(seqs, gen, coupled=True)
     engine = check_engine(model, seqs, mode, loss, entropy=True, chunk_tokens=4, memory_budget=budget)
-    kept = engine.stats.kept_attention_layers
-    assert 5 <= kept < 16 * engine.stats.recomputed_calls, engine.stats
+    assert 5 <= engine.stats.kept_attention_layers <= 16 * engine.stats.recomputed_calls, engine.stats
+    if mode == "auto":  # the 39-token tree's call keeps 5; flat packs its sequences into calls that keep all 16
+        assert 5 in {k for k, _ in attends.values()}
     # a recomputed call's layers attend in the forward, and again in the backward unless kept
     assert any(k for k, _ in attends.values())
     assert all(runs == 32 - k for k, runs in attends.values() if k), attends

@@ -223,6 +223,19 @@ class TreeEngine:
             return self._fixed_tokens
         return self.memory_model.tokens(self.memory_budget, recompute=self.can_recompute)
 
+    @property
+    def pack_tokens(self) -> int:
+        """Most tokens of several trees (or sequences) packed into one call: up to the
+        size at which a recomputed call still keeps every layer's attention (or fits
+        without recompute). A larger call would recompute attentions, which on long
+        sequences costs more than another call; one tree up to ``max_tokens`` still runs
+        whole."""
+        if self._fixed_tokens is not None or not self.can_recompute:
+            return self.max_tokens
+        m = self.memory_model
+        keep_all = m.tokens_keeping_attention(self.memory_budget, self.num_layers, copies=self.attention == "sdpa")
+        return max(keep_all, m.tokens(self.memory_budget, recompute=False))
+
     def recomputes(self, size: int) -> bool:
         """Whether a call of ``size`` tokens recomputes its decoder blocks in the backward:
         only under a memory budget, and only when the call would not fit it otherwise."""
@@ -243,7 +256,7 @@ class TreeEngine:
     # ------------------------------------------------------------------ public API
     def plan(self, tree: PrefixTree | Sequence[TokenSequence]) -> Plan:
         """The segments this engine would run for ``tree``."""
-        return make_plan(self._layout(tree), self.mode, self.max_tokens, self.chunk_tokens)
+        return make_plan(self._layout(tree), self.mode, self.max_tokens, self.chunk_tokens, self.pack_tokens)
 
     @torch.no_grad()
     def forward(self, tree: PrefixTree | Sequence[TokenSequence], entropy: bool = False) -> TreeOutputs:
@@ -312,7 +325,7 @@ class TreeEngine:
     def _prepare(self, tree: PrefixTree | Sequence[TokenSequence]) -> _Batch:
         layout = self._layout(tree)
         self._check_inputs(layout)
-        plan = make_plan(layout, self.mode, self.max_tokens, self.chunk_tokens)
+        plan = make_plan(layout, self.mode, self.max_tokens, self.chunk_tokens, self.pack_tokens)
         dev = self.device
         self.stats = StepStats(mode=self.mode, plan=plan.describe())
         # All index arrays in one host-to-device copy (each pageable copy synchronises the host).

@@ -79,14 +79,16 @@ class MemoryModel:
 
     def tokens(self, budget: int, recompute: bool) -> int:
         """Largest call that fits ``budget`` bytes (at least 1 token)."""
-        a = self.recompute_per_token if recompute else self.per_token
-        room = budget - self.fixed
-        if room <= 0:
-            return 1
-        if self.per_pair > 0:  # largest n with n*a + n^2*b <= room
-            b = self.per_pair
-            return max(1, int((-a + (a * a + 4 * b * room) ** 0.5) / (2 * b)))
-        return max(1, int(room // a))
+        return _largest_call(budget - self.fixed, self.recompute_per_token if recompute else self.per_token,
+                             self.per_pair)
+
+    def tokens_keeping_attention(self, budget: int, layers: int, copies: bool) -> int:
+        """Largest recomputed call in which all ``layers`` keep their attention
+        (:meth:`kept_attention_layers`) within ``budget`` bytes (at least 1 token)."""
+        per_query = self.attention_per_query + (self.attention_copies_per_query + self.attention_copies_per_key
+                                                if copies else 0.0)
+        return _largest_call(budget - self.fixed, self.recompute_per_token + layers * per_query,
+                             self.per_pair + layers * self.attention_per_pair)
 
     def kept_attention_layers(self, budget: int, queries: int, keys: int, layers: int, copies: bool) -> int:
         """How many of ``layers`` recomputed blocks of a call (``queries`` tokens after a
@@ -145,6 +147,15 @@ class MemoryModel:
         return cls(fixed=fixed, per_token=(per_token + head_per_token) * BACKWARD_MARGIN,
                    recompute_per_token=(recompute_per_token + head_per_token) * BACKWARD_MARGIN, measured=True,
                    **attention_held(model.config, dtype, dense_mask=False))
+
+
+def _largest_call(room: float, per_token: float, per_pair: float) -> int:
+    """Largest n >= 1 with n * per_token + n^2 * per_pair <= room."""
+    if room <= 0:
+        return 1
+    if per_pair > 0:
+        return max(1, int((-per_token + (per_token * per_token + 4 * per_pair * room) ** 0.5) / (2 * per_pair)))
+    return max(1, int(room // per_token))
 
 
 def _stack_forward_peak(engine, n: int, recompute: bool) -> float:

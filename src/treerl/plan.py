@@ -109,15 +109,22 @@ class Plan:
         )
 
 
-def make_plan(tree: PrefixTree, mode: str, max_tokens: int, chunk_tokens: int) -> Plan:
-    """Plan ``tree`` for ``mode`` (for ``flat``, pass the unshared tree)."""
+def make_plan(tree: PrefixTree, mode: str, max_tokens: int, chunk_tokens: int, pack_tokens: int | None = None
+              ) -> Plan:
+    """Plan ``tree`` for ``mode`` (for ``flat``, pass the unshared tree).
+
+    ``pack_tokens`` (<= ``max_tokens``; default ``max_tokens``): several subtrees or
+    sequences share a call only up to this many tokens, while one that is larger, up to
+    ``max_tokens``, still runs whole in a call of its own (the engine packs up to the size
+    at which a recomputed call keeps every layer's attention)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1 token, got {max_tokens}")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1 token, got {chunk_tokens}")
-    planner = _Planner(tree)
+    pack_tokens = max_tokens if pack_tokens is None else max(1, min(pack_tokens, max_tokens))
+    planner = _Planner(tree, pack_tokens)
     if mode in ("flat", "packed"):
         planner.whole_trees(mode, max_tokens)
         budget = max_tokens
@@ -132,8 +139,9 @@ def make_plan(tree: PrefixTree, mode: str, max_tokens: int, chunk_tokens: int) -
 
 
 class _Planner:
-    def __init__(self, tree: PrefixTree):
+    def __init__(self, tree: PrefixTree, pack: int):
         self.tree = tree
+        self.pack = pack  # most tokens of several subtrees packed into one segment
         self.start = tree.node_start.tolist()
         self.end = tree.node_end.tolist()
         self.sub_end = tree.subtree_end[tree.node_start].tolist()
@@ -195,7 +203,8 @@ class _Planner:
         self._group(self.roots, -1, group_budget, oversized=chain)
 
     def _group(self, nodes: list[int], parent: int, budget: int, oversized) -> None:
-        """Batch consecutive sibling subtrees into segments of at most ``budget`` tokens."""
+        """Batch consecutive sibling subtrees into segments: one of at most ``budget``
+        tokens alone, several up to ``self.pack`` tokens together."""
         first = last = None
         for node in nodes:
             size = self.sub_end[node] - self.start[node]
@@ -205,7 +214,7 @@ class _Planner:
                     first = None
                 oversized(node, parent)
                 continue
-            if first is not None and self.sub_end[node] - self.start[first] > budget:
+            if first is not None and self.sub_end[node] - self.start[first] > min(budget, self.pack):
                 self._add(self.start[first], self.sub_end[last], parent)
                 first = None
             if first is None:
