@@ -9,7 +9,8 @@ runs the stack itself, which lets it
   compiled flex kernel). All blocks share one compiled graph (parameters are graph inputs).
 - **recompute blocks in the backward** (activation checkpointing): only each block's
   input survives the forward, so a call's activation memory is ~``2 x hidden`` bytes per
-  token and layer instead of tens of times that.
+  token and layer instead of tens of times that (plus, in layers that keep their
+  attention, its output: :mod:`treerl.kept_attention`).
 
 The modules and weights are the model's own (nothing is copied or renamed), so Hugging
 Face checkpoints load and save unchanged and the model stays usable elsewhere (the rollout

@@ -5,9 +5,8 @@ grow linearly in ``n``: ``fixed + n * per_token`` (plus ``n^2 * per_pair`` with 
 SDPA mask of the CPU backend, whose math kernel materialises the attention scores). With block recompute (activation
 checkpointing, :mod:`treerl.decoder`) only each decoder block's input is held, plus one
 block's full activations while that block's backward runs; where the budget leaves room
-beside that, some recomputed blocks keep their attention's inputs and outputs
-(:attr:`treerl.attention.TreeAttention.keep_layers`), so the recompute skips the attention
-forward. On CUDA both lines are
+beside that, recomputed blocks keep their attention's output (:mod:`treerl.kept_attention`),
+so the recompute skips the attention forward. On CUDA both lines are
 *measured* on the engine's own model (two forward calls with grad, no backward, no
 gradient touched); elsewhere they are estimated from the config (bf16/float32 HF blocks).
 """
