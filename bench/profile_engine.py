@@ -77,7 +77,7 @@ def workload(name: str, vocab: int, scale: str):
 def matmul_peak(device, warmup_s: float = 3.0, rounds: int = 5, products: int = 20) -> float:
     """TFLOP/s of a bf16 8192^3 product: the best of ``rounds`` timed rounds after
     ``warmup_s`` seconds of products (an idle GPU's clocks take a while to rise: with 3
-    products of warm-up an H100 measured 660 where warm it does 750-790)."""
+    products of warm-up an H100 measured 660 where, warm, it measured 705)."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     t0 = time.perf_counter()
