@@ -18,7 +18,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from triton.testing import do_bench
 
 from treerl import PrefixTree
-from treerl.attention import FLEX_BLOCK, FLEX_KERNEL, flex_block_mask
+from treerl.attention import FLEX_BLOCK, FLEX_KERNEL, flex_block_mask, whole_tile_views
 from treerl.workloads import SCALES, make_workload
 
 OPTIONS = {  # on whole tiles (the engine's call); bwd_/fwd_ prefixes apply to one pass only
@@ -43,11 +43,7 @@ def tiles_call(opts: dict):
     compiled = torch.compile(whole_tiles, dynamic=True)
 
     def call(q, k, v, mask):
-        tiles = [x.unflatten(2, (-1, FLEX_BLOCK)) for x in (q, k, v)]
-        for x in tiles:
-            for dim in (0, 1, 3, 4):
-                torch._dynamo.mark_static(x, dim)
-        return compiled(*tiles, mask)
+        return compiled(*whole_tile_views(q, k, v), mask)
     return call
 
 

@@ -46,7 +46,7 @@ def test_budget_splits_trees_with_recomputed_chains(separable, keep_all, gen, mo
     budget: chained calls attend over their prefix (concatenated K/V) exactly too."""
     if keep_all:
         monkeypatch.setattr(TreeEngine, "kept_attention_layers",
-                            lambda self, queries, keys, copies=False: frozenset(range(self.num_layers)))
+                            lambda self, queries, keys, copies: frozenset(range(self.num_layers)))
     seqs = shaped_forest(gen, SPEC)
     tree = PrefixTree.from_sequences(seqs)
     model = get_model("qwen3", num_hidden_layers=16)
@@ -82,7 +82,7 @@ def test_recomputed_blocks_keep_attention_within_the_budget(mode, gen, monkeypat
     budget = int(held + 5.5 * per_layer)  # 5 of 16 layers keep their attention in a 39-token call
     assert m.kept_attention_layers(budget, largest, largest, 16, copies=True) == 5
     engine = TreeEngine(model, mode, memory_budget=budget, chunk_tokens=4)
-    assert engine.kept_attention_layers(largest, largest) == frozenset(range(11, 16))
+    assert engine.kept_attention_layers(largest, largest, copies=True) == frozenset(range(11, 16))  # SDPA
     assert engine.recomputes(largest) and engine.max_tokens >= largest
     attends = {}  # per call (its TreeAttention, held): layers kept, attention runs
     attend = attention._attend

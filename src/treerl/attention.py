@@ -72,6 +72,14 @@ class TreeAttention:
         self.kept: dict[int, KeptAttention] = {}
         self._mask = None
 
+    @property
+    def input_copies(self) -> bool:
+        """Whether the attention kernel reads copies of q/k/v rather than the tensors
+        themselves (held by a kept attention): K/V concatenated after a prefix, SDPA's
+        kernels (the math kernel expands K/V to every head). Flex on a call without prefix
+        reads them as they are."""
+        return bool(self.prefix) or self.causal or self.backend == "sdpa"
+
     def mask(self) -> object:
         """The visibility mask, built once per call and shared by all layers."""
         if self._mask is None:
@@ -115,6 +123,16 @@ def _flex_whole_tiles(query, key, value, block_mask, scale, enable_gqa):
                           kernel_options=FLEX_KERNEL)
 
 
+def whole_tile_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """[1, H, N, D] (N a multiple of FLEX_BLOCK) -> [1, H, N / FLEX_BLOCK, FLEX_BLOCK, D]
+    views with every axis but the tile count marked static for dynamo."""
+    tiles = [x.unflatten(2, (-1, FLEX_BLOCK)) for x in tensors]
+    for x in tiles:
+        for dim in (0, 1, 3, 4):  # only the number of tiles varies
+            torch._dynamo.mark_static(x, dim)
+    return tiles
+
+
 def _compiled(name: str, fn):
     if name not in _flex_compiled:
         _flex_compiled[name] = torch.compile(fn, dynamic=True)
@@ -138,11 +156,7 @@ def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """
     nq, gqa = query.shape[2], query.shape[1] != key.shape[1]
     if nq == key.shape[2] and nq % FLEX_BLOCK == 0:
-        tiles = [x.unflatten(2, (-1, FLEX_BLOCK)) for x in (query, key, value)]
-        for x in tiles:
-            for dim in (0, 1, 3, 4):  # only the number of tiles varies
-                torch._dynamo.mark_static(x, dim)
-        return _compiled("tiles", _flex_whole_tiles)(*tiles, block_mask, scale, gqa)
+        return _compiled("tiles", _flex_whole_tiles)(*whole_tile_views(query, key, value), block_mask, scale, gqa)
     from torch.nn.attention.flex_attention import flex_attention
 
     q, k, v = (F.pad(x, (0, 0, 0, -x.shape[2] % FLEX_BLOCK)) if x.shape[2] % FLEX_BLOCK else x

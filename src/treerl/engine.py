@@ -233,6 +233,7 @@ class TreeEngine:
         if self._fixed_tokens is not None or not self.can_recompute:
             return self.max_tokens
         m = self.memory_model
+        # a packed call has no prefix: its kernel reads copies only with SDPA (TreeAttention.input_copies)
         keep_all = m.tokens_keeping_attention(self.memory_budget, self.num_layers, copies=self.attention == "sdpa")
         return max(keep_all, m.tokens(self.memory_budget, recompute=False))
 
@@ -243,13 +244,11 @@ class TreeEngine:
             return False
         return size > self.memory_model.tokens(self.memory_budget, recompute=False)
 
-    def kept_attention_layers(self, queries: int, keys: int, copies: bool = False) -> frozenset[int]:
+    def kept_attention_layers(self, queries: int, keys: int, copies: bool) -> frozenset[int]:
         """The layers of a recomputed call whose attention runs once (not again in the
         recompute, :mod:`treerl.kept_attention`): the last ones (their held tensors are
         freed first in the backward), as many as the memory budget has room for beside
-        the call's recompute. ``copies``: the attention gets copies of its inputs (a
-        prefix concatenated, SDPA's kernels; with the dense mask always)."""
-        copies = copies or self.attention == "sdpa"
+        the call's recompute. ``copies``: :attr:`TreeAttention.input_copies`."""
         count = self.memory_model.kept_attention_layers(self.memory_budget, queries, keys, self.num_layers, copies)
         return frozenset(range(self.num_layers - count, self.num_layers))
 
@@ -391,7 +390,7 @@ class TreeEngine:
         )
         recompute = grad and self.recomputes(seg.size)
         if recompute:
-            ctx.keep_layers = self.kept_attention_layers(seg.size, len(k_index), copies=bool(prefix) or ctx.causal)
+            ctx.keep_layers = self.kept_attention_layers(seg.size, len(k_index), ctx.input_copies)
         if not ctx.causal:  # built once, before the blocks (not inside a block that is recomputed)
             ctx.additive_mask(self.head.weight.dtype) if self.attention == "sdpa" else ctx.mask()
         self.stats.model_calls += 1

@@ -82,24 +82,29 @@ class MemoryModel:
                              self.per_pair)
 
     def tokens_keeping_attention(self, budget: int, layers: int, copies: bool) -> int:
-        """Largest recomputed call in which all ``layers`` keep their attention
+        """Largest recomputed call (no prefix) in which all ``layers`` keep their attention
         (:meth:`kept_attention_layers`) within ``budget`` bytes (at least 1 token)."""
-        per_query = self.attention_per_query + (self.attention_copies_per_query + self.attention_copies_per_key
-                                                if copies else 0.0)
-        return _largest_call(budget - self.fixed, self.recompute_per_token + layers * per_query,
-                             self.per_pair + layers * self.attention_per_pair)
+        per_query, per_key, per_pair = self._kept_layer_bytes(copies)
+        return _largest_call(budget - self.fixed, self.recompute_per_token + layers * (per_query + per_key),
+                             self.per_pair + layers * per_pair)
 
     def kept_attention_layers(self, budget: int, queries: int, keys: int, layers: int, copies: bool) -> int:
         """How many of ``layers`` recomputed blocks of a call (``queries`` tokens after a
         prefix, ``keys`` = prefix + queries) can keep their attention within ``budget``;
         ``copies``: the attention kernel gets copies of its inputs (held too)."""
         held = self.fixed + queries * self.recompute_per_token + queries * keys * self.per_pair
-        per_layer = queries * self.attention_per_query + queries * keys * self.attention_per_pair
-        if copies:
-            per_layer += queries * self.attention_copies_per_query + keys * self.attention_copies_per_key
+        per_query, per_key, per_pair = self._kept_layer_bytes(copies)
+        per_layer = queries * per_query + keys * per_key + queries * keys * per_pair
         if per_layer <= 0:
             return 0
         return int(min(layers, max(0.0, budget - held) // per_layer))
+
+    def _kept_layer_bytes(self, copies: bool) -> tuple[float, float, float]:
+        """What one kept attention holds: bytes per query, per key, per (query, key) pair."""
+        if not copies:
+            return self.attention_per_query, 0.0, self.attention_per_pair
+        return (self.attention_per_query + self.attention_copies_per_query, self.attention_copies_per_key,
+                self.attention_per_pair)
 
     @classmethod
     def estimate(cls, config, dtype: torch.dtype, dense_mask: bool = False) -> "MemoryModel":
