@@ -4,7 +4,10 @@ blocks, sampled tokens and stops, preemption and readmission, forks, compaction.
 import numpy as np
 import torch
 
-from treerl.rollout import SamplingParams, StopChecker, TreeLayout
+import dataclasses
+
+from treerl.rollout import SamplingParams, TreeLayout
+from treerl.rollout.prompts import Waiting
 from treerl.rollout.scheduler import ROW_STATE, Preempted, Scheduler, group_bucket, own_bucket
 from treerl.rollout.types import RolloutStats
 
@@ -14,10 +17,15 @@ STOP = 99
 def scheduler(params: SamplingParams, groups: int, num_blocks: int, sync_every: int = 4, block: int = 16):
     tree = TreeLayout.of(params)
     max_blocks = -(-tree.own_capacity // block)
-    s = Scheduler(tree, params.max_new_tokens, StopChecker([STOP], [], None), block, max_blocks, sync_every,
+    s = Scheduler(tree, dataclasses.replace(params, stop_token_ids=[STOP]), block, max_blocks, sync_every,
                   exact=True, stats=RolloutStats())
     s.reset(groups, num_blocks)
     return s
+
+
+def admit(s: Scheduler, keys, prompts, slots, version=0, params=None):
+    items = [Waiting(k, p, params) for k, p in zip(keys, prompts)]
+    return s.admit(items, prompts, np.asarray(slots), version)
 
 
 def step(s: Scheduler, tokens: dict[int, int]) -> None:
@@ -43,10 +51,10 @@ def test_buckets():
 def test_admission_by_free_blocks_and_stops_free_them():
     s = scheduler(SamplingParams(n=2, max_new_tokens=40), groups=3, num_blocks=5)
     assert s.blocks_needed(None) == 2  # one block each for the two first rows' next 4 tokens
-    items = [("a", [1, 2]), ("b", [3]), ("c", [4, 5, 6])]
+    items = [Waiting("a", [1, 2]), Waiting("b", [3]), Waiting("c", [4, 5, 6])]
     fit = s.fit_blocks(items)
-    assert [k for k, _ in fit] == ["a", "b"] and list(s.deferred) == [items[2]]  # 5 free: 2 + 2, then 1 < 2
-    first = s.admit(["a", "b"], [[1, 2], [3]], np.asarray([0, 1]), version=7)
+    assert [w.key for w in fit] == ["a", "b"] and list(s.deferred) == [items[2]]  # 5 free: 2 + 2, then 1 < 2
+    first = admit(s, ["a", "b"], [[1, 2], [3]], [0, 1], version=7)
     assert first.tolist() == [0, 1, 2, 3] and s.live.tolist() == [True] * 4 + [False] * 2
     assert s.blocks.owned.tolist() == [1, 1, 1, 1, 0, 0] and s.blocks.free == 1 and not s.room()
     assert s.gkey == ["a", "b", None] and s.row_version[:4].tolist() == [7] * 4 and s.stats.admitted == 2
@@ -63,7 +71,7 @@ def test_admission_by_free_blocks_and_stops_free_them():
 
 def test_length_limit_finishes_the_group():
     s = scheduler(SamplingParams(n=1, max_new_tokens=3), groups=2, num_blocks=2)
-    s.admit([0], [[1]], np.asarray([0]), version=0)
+    admit(s, [0], [[1]], [0], version=0)
     for _ in range(3):
         assert not s.at_limit()
         step(s, {})
@@ -74,8 +82,8 @@ def test_length_limit_finishes_the_group():
 
 def test_make_room_preempts_the_latest_group_and_readmit_restores_it():
     s = scheduler(SamplingParams(n=1, max_new_tokens=48), groups=2, num_blocks=3, sync_every=1)
-    s.admit(["old"], [[1]], np.asarray([0]), version=0)
-    s.admit(["new"], [[2]], np.asarray([1]), version=0)
+    admit(s, ["old"], [[1]], [0], version=0)
+    admit(s, ["new"], [[2]], [1], version=0)
     for _ in range(16):
         assert s.grow_for_step()
         step(s, {1: 3})
@@ -101,7 +109,7 @@ def test_make_room_preempts_the_latest_group_and_readmit_restores_it():
 def test_forks_copy_the_parent_rows():
     p = SamplingParams(n=2, max_new_tokens=16, branch_points=[3], branch_factor=2)
     s = scheduler(p, groups=1, num_blocks=8)
-    s.admit(["t"], [[1]], np.asarray([0]), version=0)
+    admit(s, ["t"], [[1]], [0], version=0)
     assert s.live.tolist() == [True, False, True, False]  # the 2 samples' first rows
     for t in range(3):
         assert s.due_forks() == []
@@ -119,7 +127,7 @@ def test_forks_copy_the_parent_rows():
 
 def test_compaction_moves_groups_down():
     s = scheduler(SamplingParams(n=1, max_new_tokens=32), groups=4, num_blocks=8)
-    s.admit(list("abcd"), [[1], [2], [3], [4]], np.arange(4), version=0)
+    admit(s, list("abcd"), [[1], [2], [3], [4]], np.arange(4), version=0)
     step(s, {})
     for r in (0, 1):
         s.finish(r, 1, "length", None)
@@ -134,7 +142,7 @@ def test_compaction_moves_groups_down():
 
 def test_compaction_waits_for_a_sync():
     s = scheduler(SamplingParams(n=1, max_new_tokens=32), groups=4, num_blocks=8)
-    s.admit(list("ab"), [[1], [2]], np.asarray([2, 3]), version=0)
+    admit(s, list("ab"), [[1], [2]], [2, 3], version=0)
     s.logged(np.flatnonzero(s.live))  # logged, not synced: the rows may not move
     assert s.compact() is None and s.hg == 4
     assert torch.equal(s.groups["a"].prompt_ids, torch.tensor([1]))

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .params import SamplingParams
 from .paging import BlockTable
-from .sampling import sample
+from .sampling import sample, sample_rows
+from .scheduler import RowSampling
 from .shared import SharedPrefixCache
 from .step import BatchStep
 from .tree import TreeLayout
@@ -242,21 +242,28 @@ class DeviceBatch:
         self.pos += self.live_d
 
     # ----------------------------------------------------------------- sampling
-    def sample(self, k: int, rows: np.ndarray | None, hi: int, params: SamplingParams,
-               generator: torch.Generator) -> None:
+    def sample(self, k: int, rows: np.ndarray | None, hi: int, how: RowSampling, generator: torch.Generator) -> None:
         """Sample the next token of rows ``[:hi]`` (``rows`` None: fixed shapes, after a decode
-        step) or of ``rows`` (after an admission) from their pending logits; log it at ``k``."""
-        if rows is None:
-            tokens, logp = sample(self.logits[:hi], params, generator)
-            self.last[:hi] = tokens
-            self.log_tok[k, :hi] = tokens
-            self.log_lp[k, :hi] = logp
+        step) or of ``rows`` (after an admission) from their pending logits, as ``how`` says
+        (one setting for all, or per row); log it at ``k``."""
+        idx = slice(0, hi) if rows is None else _t(rows, self.device)
+        logits = self.logits[idx]
+        if how.params is not None:
+            tokens, logp = sample(logits, how.params, generator)
         else:
-            idx = _t(rows, self.device)
-            tokens, logp = sample(self.logits[idx], params, generator)
-            self.last[idx] = tokens
-            self.log_tok[k, idx] = tokens
-            self.log_lp[k, idx] = logp
+            f = lambda a: self._upload(a)  # noqa: E731
+            tokens, logp = sample_rows(logits, f(how.temperature), f(how.top_p), f(how.top_k), f(how.min_p),
+                                       generator, how.seeds, how.truncate)
+        self.last[idx] = tokens
+        self.log_tok[k, idx] = tokens
+        self.log_lp[k, idx] = logp
+
+    def _upload(self, a: np.ndarray) -> torch.Tensor:
+        """A small host array on the device without a sync (pinned, asynchronous on CUDA)."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     def read_log(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The first ``k`` logged sample calls' tokens and logprobs ``[k, S]`` on the host (a sync)."""

@@ -27,6 +27,7 @@ of the model if the trainer runs the same module object concurrently.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -187,18 +188,40 @@ class RolloutEngine:
             return self.version
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts: Sequence[PromptLike], params: SamplingParams | None = None) -> list[Group]:
+    def generate(self, prompts: Sequence[PromptLike],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Group]:
         """Sample ``params.n`` completions (or trees of them) per prompt.
 
         ``prompts``: token-id sequences (no special tokens are added; stop tokens such as
-        EOS must be named in ``params.stop_token_ids``). Returns one :class:`Group` per
-        prompt, in order: :meth:`generate_stream` over the list, collected.
+        EOS must be named in ``params.stop_token_ids``). ``params``: one setting for all, or
+        one per prompt (each group sampled with its own, in one running batch; their
+        tree-rollout fields must be equal; when every one has the same ``seed`` it seeds the
+        stream, else each seeded group draws from its own seed). Returns one :class:`Group`
+        per prompt, in order: :meth:`generate_stream` over the list, collected.
         """
         params = SamplingParams() if params is None else params
-        params.validate(self.vocab_size)
-        prompts = self._check_prompts(prompts, params)
+        if isinstance(params, SamplingParams):
+            params.validate(self.vocab_size)
+            prompts = self._check_prompts(prompts, params)
+            source, stream = prompts, params
+        else:
+            if len(params) != len(prompts):
+                raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts (one per prompt)")
+            for p in params:
+                p.validate(self.vocab_size)
+            seeds = {p.seed for p in params}
+            shared = seeds.pop() if len(seeds) == 1 else None
+            own = [p if shared is None else dataclasses.replace(p, seed=None) for p in params]
+            stream = dataclasses.replace(params[0], n=max(p.n for p in params), seed=shared,
+                                         max_new_tokens=max(p.max_new_tokens for p in params))
+            for p in own:
+                p.check_group(stream)
+            prompts = [self.check_prompt(i, x, p) for i, (x, p) in enumerate(zip(prompts, own))]
+            source = PromptQueue(close=False)
+            source.put_many([(i, x, p) for i, (x, p) in enumerate(zip(prompts, own))])
+            source.close()
         groups: dict[int, Group] = {}
-        for g in self.generate_stream(prompts, params):
+        for g in self.generate_stream(source, stream):
             groups[g.prompt_index] = g
         if sorted(groups) != list(range(len(prompts))):  # pragma: no cover - a bug, never an input error
             raise RuntimeError(f"generate_stream returned groups {sorted(groups)} for {len(prompts)} prompts")
@@ -261,7 +284,8 @@ class RolloutEngine:
         params = SamplingParams() if params is None else params
         params.validate(self.vocab_size)
         queue = prompts if isinstance(prompts, PromptQueue) else PromptQueue(prompts, close=True)
-        waiting = [len(self.check_prompt(k, p, params)) for k, p in queue.items()]
+        waiting = [len(self.check_prompt(w.key, w.prompt, params if w.params is None else w.params))
+                   for w in queue.items()]
         tree = TreeLayout.of(params)
         G = tree.rows
         prefix_capacity = round_up(max(waiting, default=1))

@@ -9,8 +9,10 @@ Rows: ``groups`` group slots of ``G = tree.rows`` rows (:class:`~treerl.rollout.
 Per row (:data:`ROW_STATE`): live, tokens sampled (``steps``), tokens checked for stops,
 tokens fed (``fed_h``: the host copy of the device's ``fed``), the weight versions of its
 K/V and of its pending logits, and its sampled tokens, logprobs and versions. Per group
-slot: the group's key, prompt length, forks applied (``level``) and admission order
-(``arrival``). Own K/V blocks: a :class:`~treerl.rollout.paging.BlockTable`.
+slot: the group's key, prompt length, forks applied (``level``), admission order
+(``arrival``) and sampling settings (temperature, top-p, top-k, min-p, ``max_new``, seed:
+a group's own :class:`~treerl.rollout.params.SamplingParams`, or the stream's). Own K/V
+blocks: a :class:`~treerl.rollout.paging.BlockTable`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import numpy as np
 import torch
 
 from .paging import BlockTable
+from .params import SamplingParams
+from .prompts import Waiting
+from .sampling import row_seed
 from .stops import StopChecker
 from .tree import TreeLayout
 from .types import Completion, Group, RolloutStats
@@ -50,10 +55,30 @@ def own_bucket(n: int, capacity: int, exact: bool = False, step: int = 64) -> in
 
 @dataclass
 class GroupState:
-    """An admitted group (running or preempted): its prompt and its finished completions."""
+    """An admitted group (running or preempted): its prompt, its sampling settings (own:
+    ``custom``), stop checker and listener, and its finished completions."""
 
     prompt_ids: torch.Tensor
+    params: SamplingParams
+    stopper: StopChecker
+    custom: bool = False
+    listener: object = None
     completions: list = field(default_factory=list)
+
+
+@dataclass
+class RowSampling:
+    """How to sample a set of rows: ``params`` (one setting for all), or per row
+    ``temperature``, ``top_p``, ``top_k``, ``min_p`` arrays, ``seeds`` ``{row index: seed}``
+    and ``truncate`` (any top-k/top-p/min-p)."""
+
+    params: SamplingParams | None = None
+    temperature: np.ndarray | None = None
+    top_p: np.ndarray | None = None
+    top_k: np.ndarray | None = None
+    min_p: np.ndarray | None = None
+    seeds: dict | None = None
+    truncate: bool = False
 
 
 @dataclass
@@ -71,14 +96,18 @@ class Preempted:
 
 
 class Scheduler:
-    """Host state of a running batch (see the module docstring). ``max_new``: tokens per
-    completion at most; ``block`` own slots per block, ``max_blocks`` per row; ``sync_every``:
-    decode steps between host syncs (the window blocks are taken for); ``exact``: decode
-    steps cover exactly the live span (no fixed-shape buckets); ``stats``: counters to add to."""
+    """Host state of a running batch (see the module docstring). ``params``: the stream's
+    sampling settings (``max_new_tokens``: tokens per completion at most; groups may bring
+    their own, :meth:`SamplingParams.check_group
+    <treerl.rollout.params.SamplingParams.check_group>`); ``block`` own slots per block,
+    ``max_blocks`` per row; ``sync_every``: decode steps between host syncs (the window
+    blocks are taken for); ``exact``: decode steps cover exactly the live span (no
+    fixed-shape buckets); ``stats``: counters to add to."""
 
-    def __init__(self, tree: TreeLayout, max_new: int, stopper: StopChecker, block: int, max_blocks: int,
+    def __init__(self, tree: TreeLayout, params: SamplingParams, block: int, max_blocks: int,
                  sync_every: int, exact: bool, stats: RolloutStats, logit_dtype: torch.dtype = torch.float32):
-        self.tree, self.G, self.max_new, self.stopper = tree, tree.rows, max_new, stopper
+        self.tree, self.G, self.p, self.max_new = tree, tree.rows, params, params.max_new_tokens
+        self.stopper = StopChecker(params.stop_token_ids, params.stop_strings, params.decoder())
         self.block, self.max_blocks, self.N = block, max_blocks, max_blocks * block
         self.sync_every, self.exact, self.stats, self.logit_dtype = sync_every, exact, stats, logit_dtype
         self.groups: dict[Hashable, GroupState] = {}  # admitted groups (preempted ones too) by key
@@ -100,14 +129,24 @@ class Scheduler:
         self.fed_h = np.zeros(S, dtype=np.int64)  # tokens fed (host copy of the device's ``fed``)
         self.row_version = np.zeros(S, dtype=np.int64)  # weights of the row's KV
         self.logit_version = np.zeros(S, dtype=np.int64)  # weights of the row's pending logits
-        self.host_tok = np.zeros((S, self.max_new), dtype=np.int64)
-        self.host_lp = np.zeros((S, self.max_new), dtype=np.float64)
-        self.host_ver = np.zeros((S, self.max_new), dtype=np.int64)
+        width = min(self.max_new, 256)  # grows with the longest row (max_new may be a whole context)
+        self.host_tok = np.zeros((S, width), dtype=np.int64)
+        self.host_lp = np.zeros((S, width), dtype=np.float64)
+        self.host_ver = np.zeros((S, width), dtype=np.int64)
         self.key: list[Hashable | None] = [None] * S
         self.gkey: list[Hashable | None] = [None] * groups
         self.plen = np.zeros(groups, dtype=np.int64)
         self.level = np.zeros(groups, dtype=np.int64)  # forks applied
         self.arrival = np.zeros(groups, dtype=np.int64)  # admission order of the slot's group
+        # sampling settings per group slot (custom: the group's own, else the stream's)
+        t, tp, tk, mp = self.p.sampling_fields()
+        self.temperature = np.full(groups, t)
+        self.top_p = np.full(groups, tp)
+        self.top_k = np.full(groups, tk, dtype=np.int64)
+        self.min_p = np.full(groups, mp)
+        self.max_new_g = np.full(groups, self.max_new, dtype=np.int64)
+        self.seed = np.full(groups, -1, dtype=np.int64)  # the group's own seed, -1: the stream's generator
+        self.custom = np.zeros(groups, dtype=bool)
         self.hg = 0  # group slots computed by the last decode / covered by the pending logits
 
     @property
@@ -130,7 +169,7 @@ class Scheduler:
 
     def at_limit(self) -> bool:
         """A live row has sampled its last token (it finishes at the next sync)."""
-        return bool((self.steps[self.live] >= self.max_new).any())
+        return bool((self.steps[self.live] >= np.repeat(self.max_new_g, self.G)[self.live]).any())
 
     def live_span(self) -> int:
         """Group slots a decode step covers now (every used slot)."""
@@ -150,7 +189,8 @@ class Scheduler:
         if isinstance(item, Preempted):
             live = item.rows["live"]
             return int(self.blocks.blocks_for(self.cover(item.rows["fed_h"][live], W)).sum())
-        return self.tree.n * int(self.blocks.blocks_for(self.cover(np.zeros(1, np.int64), W))[0])
+        n = item.params.n if isinstance(item, Waiting) and item.params is not None else self.tree.n
+        return n * int(self.blocks.blocks_for(self.cover(np.zeros(1, np.int64), W))[0])
 
     def reserve(self) -> int:
         """Blocks the live rows still need for their writes of the next ``sync_every`` steps."""
@@ -212,20 +252,28 @@ class Scheduler:
         self.stats.preemptions += 1
 
     # --------------------------------------------------------------- admission
-    def admit(self, keys: list, prompts: list[list[int]], slots: np.ndarray, version: int) -> np.ndarray:
-        """New groups ``keys`` (prompts ``prompts``, loaded) into group slots ``slots``: their
-        first rows (``tree.first_rows``) go live and take their first blocks. Returns those
-        rows (their first samples' logits are pending)."""
+    def admit(self, items: list[Waiting], prompts: list[list[int]], slots: np.ndarray, version: int) -> np.ndarray:
+        """New groups ``items`` (prompts ``prompts``, loaded) into group slots ``slots``: their
+        first rows (``tree.first_rows``, the group's ``n``) go live and take their first
+        blocks. Returns those rows (their first samples' logits are pending)."""
         G = self.G
         rows = self.slot_rows(slots)
-        first = (slots[:, None] * G + np.asarray(self.tree.first_rows())).reshape(-1)
-        for i, key in enumerate(keys):
-            self.groups[key] = GroupState(torch.tensor(prompts[i], dtype=torch.int64))
-            self.gkey[slots[i]] = key
+        first = []
+        for i, item in enumerate(items):
+            params = self.p if item.params is None else item.params
+            custom = item.params is not None
+            stopper = StopChecker(params.stop_token_ids, params.stop_strings, params.decoder()) if custom \
+                else self.stopper
+            g = self.groups[item.key] = GroupState(torch.tensor(prompts[i], dtype=torch.int64), params, stopper,
+                                                   custom, item.listener)
+            self.gkey[slots[i]] = item.key
             self.arrival[slots[i]] = self.arrivals
             self.arrivals += 1
+            self._set_settings(int(slots[i]), g)
             for r in rows[i * G : (i + 1) * G]:
-                self.key[r] = key
+                self.key[r] = item.key
+            first += [slots[i] * G + r for r in self.tree.first_rows()[: params.n]]
+        first = np.asarray(first, dtype=np.int64)
         self.level[slots] = 0
         self.live[first] = True
         self.steps[first] = 0
@@ -234,20 +282,33 @@ class Scheduler:
         self.logit_version[rows] = version
         if not self.blocks.grow(first, self.cover(self.fed_h[first], self.sync_every)):  # pragma: no cover
             raise RuntimeError("admitted without free blocks")  # (fit_blocks checked them)
-        self.stats.admitted += len(keys)
+        self.stats.admitted += len(items)
         return first
+
+    def _set_settings(self, slot: int, g: GroupState) -> None:
+        p = g.params
+        self.temperature[slot], self.top_p[slot], self.top_k[slot], self.min_p[slot] = p.sampling_fields()
+        self.max_new_g[slot] = p.max_new_tokens
+        self.seed[slot] = p.seed if g.custom and p.seed is not None else -1
+        self.custom[slot] = g.custom
 
     def readmit(self, item: Preempted, slot: int) -> np.ndarray:
         """A preempted group's host state back into group slot ``slot``, with blocks for its
         live rows (its K/V is to be recomputed). Returns its live rows."""
         rows = self.slot_rows([slot])
         for name in ROW_STATE:
-            getattr(self, name)[rows] = item.rows[name]
+            a, saved = getattr(self, name), item.rows[name]
+            if a.ndim == 2:  # (host arrays may have grown since)
+                a[rows] = 0
+                a[rows, : saved.shape[1]] = saved
+            else:
+                a[rows] = saved
         for r, key in zip(rows, item.keys):
             self.key[r] = key
         self.gkey[slot] = item.key
         self.level[slot] = item.level
         self.arrival[slot] = item.arrival
+        self._set_settings(slot, self.groups[item.key])
         live = rows[self.live[rows]]
         if not self.blocks.grow(live, self.cover(self.fed_h[live], self.sync_every)):  # pragma: no cover
             raise RuntimeError("readmitted without free blocks")  # (fit_blocks checked them)
@@ -278,10 +339,40 @@ class Scheduler:
     def logged(self, rows: np.ndarray) -> int:
         """``rows`` sampled their next token (logged on the device at the returned index)."""
         k = len(self.log_rows)
+        if len(rows) and self.steps[rows].max() >= self.host_tok.shape[1]:
+            self._widen(min(2 * self.host_tok.shape[1], self.max_new))
         self.log_rows.append((rows, self.steps[rows].copy()))
         self.host_ver[rows, self.steps[rows]] = self.logit_version[rows]
         self.steps[rows] += 1
         return k
+
+    def _widen(self, width: int) -> None:
+        for name in ("host_tok", "host_lp", "host_ver"):
+            a = getattr(self, name)
+            wide = np.zeros((a.shape[0], width), dtype=a.dtype)
+            wide[:, : a.shape[1]] = a
+            setattr(self, name, wide)
+
+    def sampling(self, rows: np.ndarray, span: np.ndarray) -> RowSampling:
+        """How to sample ``span`` (rows, in order) of which ``rows`` are live: the stream's
+        settings when every live row has them (the fast path), one common setting, or per
+        row (with the seeds of seeded rows: their group's seed, branch and token index)."""
+        slots = np.unique(rows // self.G)
+        if not self.custom[slots].any():
+            return RowSampling(self.p)
+        fields = (self.temperature, self.top_p, self.top_k, self.min_p)
+        if (self.seed[slots] < 0).all() and all(len(np.unique(f[slots])) == 1 for f in fields):
+            t, tp, tk, mp = (f[slots[0]].item() for f in fields)
+            return RowSampling(SamplingParams(temperature=t, top_p=tp, top_k=tk, min_p=mp))
+        g = span // self.G
+        seeds = {}
+        where = {int(r): i for i, r in enumerate(span)}
+        for r in rows[self.seed[rows // self.G] >= 0]:
+            slot, p = divmod(int(r), self.G)
+            branch = self.tree.branch(p, int(self.level[slot]))
+            seeds[where[int(r)]] = row_seed(int(self.seed[slot]), branch, int(self.steps[r]))
+        truncate = bool(((self.top_k[slots] > 0) | (self.top_p[slots] < 1) | (self.min_p[slots] > 0)).any())
+        return RowSampling(None, self.temperature[g], self.top_p[g], self.top_k[g], self.min_p[g], seeds, truncate)
 
     def record(self, tok: np.ndarray, lp: np.ndarray) -> None:
         """The device's logged tokens and logprobs ``[k, S]`` (one row per logged call) into
@@ -296,11 +387,11 @@ class Scheduler:
         finished = False
         for r in np.flatnonzero(self.live):
             n = int(self.steps[r])
-            found = self.stopper.find(self.host_tok[r, :n], int(self.checked[r]))
+            found = self.groups[self.key[r]].stopper.find(self.host_tok[r, :n], int(self.checked[r]))
             if found is not None:
                 self.finish(r, found[0], "stop", found[1])
                 finished = True
-            elif n >= self.max_new:
+            elif n >= self.max_new_g[r // self.G]:
                 self.finish(r, n, "length", None)
                 finished = True
             else:
@@ -390,7 +481,8 @@ class Scheduler:
         for d, s in zip(rdst, rsrc):
             self.key[d], self.key[s] = self.key[s], None
         self.live[rsrc] = False
-        for a in (self.plen, self.level, self.arrival):
+        for a in (self.plen, self.level, self.arrival, self.temperature, self.top_p, self.top_k, self.min_p,
+                  self.max_new_g, self.seed, self.custom):
             a[dst] = a[src]
         for d, s in zip(dst, src):
             self.gkey[d], self.gkey[s] = self.gkey[s], None

@@ -95,9 +95,8 @@ from .batch import DeviceBatch
 from .params import SamplingParams
 from .paging import block_size_for
 from .prefix_cache import PrefixEntry
-from .prompts import PromptQueue
+from .prompts import PromptQueue, Waiting
 from .scheduler import Preempted, Scheduler, group_bucket, own_bucket
-from .stops import StopChecker
 from .tree import TreeLayout
 from .types import Group, round_up
 
@@ -130,9 +129,8 @@ class RunningBatch:
         self.block = block_size_for(tree.own_capacity, engine.kv_block_size)  # own slots per block
         self.max_blocks = -(-tree.own_capacity // self.block)  # own blocks per row at most
         self.exact = not engine.static_kv  # rows computed per step: exactly the live span
-        stopper = StopChecker(params.stop_token_ids, params.stop_strings, params.decoder())
-        self.host = Scheduler(tree, self.max_new, stopper, self.block, self.max_blocks, engine.sync_every,
-                              self.exact, engine.stats, engine.logit_dtype)
+        self.host = Scheduler(tree, params, self.block, self.max_blocks, engine.sync_every, self.exact,
+                              engine.stats, engine.logit_dtype)
         self.dev = DeviceBatch(engine, tree, self.block, self.max_blocks, engine.stats)
         self._allocate(groups, prefix_capacity, arena)
 
@@ -272,8 +270,13 @@ class RunningBatch:
     def _prompt_len(self, item) -> int:
         if isinstance(item, Preempted):
             return len(item.prompt)
-        key, prompt = item
-        return len(self.e.check_prompt(key, prompt, self.p))
+        return len(self.e.check_prompt(item.key, item.prompt, self._params(item)))
+
+    def _params(self, item: Waiting) -> SamplingParams:
+        """The group's sampling settings: its own (checked against the stream's), or the stream's."""
+        if item.params is None:
+            return self.p
+        return item.params.validate(self.e.vocab_size).check_group(self.p)
 
     def _grow_prefix(self, capacity: int) -> None:
         self.dev.grow_prefix(capacity)
@@ -302,8 +305,10 @@ class RunningBatch:
         shapes); after an admission, the admitted ``rows``."""
         h = self.host
         k = len(h.log_rows)
-        self.dev.sample(k, rows, h.hi, self.p, self.gen)
-        h.logged(np.flatnonzero(h.live) if rows is None else rows)
+        live = np.flatnonzero(h.live) if rows is None else rows
+        how = h.sampling(live, np.arange(h.hi) if rows is None else rows)
+        self.dev.sample(k, rows, h.hi, how, self.gen)
+        h.logged(live)
 
     def _sync(self) -> None:
         """Bring the logged tokens to the host; finish rows that stopped."""
@@ -355,17 +360,17 @@ class RunningBatch:
         own blocks. Returns those rows (the slots' first samples, whose logits are pending)."""
         e, h = self.e, self.host
         prompts = []
-        for key, prompt in items:
-            if key in h.groups:
-                raise ValueError(f"prompt key {key!r} is already being generated")
-            prompts.append(e.check_prompt(key, prompt, self.p))
+        for item in items:
+            if item.key in h.groups:
+                raise ValueError(f"prompt key {item.key!r} is already being generated")
+            prompts.append(e.check_prompt(item.key, item.prompt, self._params(item)))
         rows = h.slot_rows(slots)
         for piece in self._pieces(prompts):
             cached = None
             if e.prefix_cache is not None:  # prompts extending a cached one: their new tokens only
                 cached = [e.prefix_cache.lookup(prompts[i], e.version) for i in piece]
             self._load_prompts(piece, slots, prompts, rows, cached)
-        return h.admit([key for key, _ in items], prompts, slots, e.version)
+        return h.admit(items, prompts, slots, e.version)
 
     def _pieces(self, prompts: list[list[int]]) -> Iterator[list[int]]:
         """The admission's prompts (indices) in prefill pieces of about ``prefill_chunk_tokens``
