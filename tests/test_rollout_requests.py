@@ -99,3 +99,62 @@ def test_group_settings_checked_against_the_stream(model, own, match):
     q.close()
     with pytest.raises(ValueError, match=match):
         list(engine.generate_stream(q, stream))
+
+
+def test_listener_deltas_concatenate_to_the_completions(model):
+    """Deltas come at the host syncs; a row's deltas concatenate to its completion (tokens,
+    logprobs, versions) and its last one carries the finish reason; a listener that raises
+    is dropped without stopping the stream."""
+    prompts = random_prompts([5, 8, 3], seed=43)
+    deltas = {}
+
+    def listen(d):
+        deltas.setdefault((d.prompt_index, d.branch), []).append(d)
+
+    def bad(d):
+        raise RuntimeError("client gone")
+
+    q = PromptQueue()
+    q.put(prompts[0], params=SamplingParams(temperature=0.9, n=2, max_new_tokens=11, seed=1), listener=listen)
+    q.put(prompts[1], params=SamplingParams(temperature=0, max_new_tokens=7), listener=bad)
+    q.put(prompts[2], params=SamplingParams(temperature=0, max_new_tokens=9, n=2), listener=listen)
+    q.close()
+    groups = {g.prompt_index: g for g in RolloutEngine(model, sync_every=3).generate_stream(
+        q, SamplingParams(n=2, max_new_tokens=12))}
+    assert sorted(groups) == [0, 1, 2] and len(groups[1][0]) == 7
+    for key in (0, 2):
+        for c in groups[key]:
+            ds = deltas[(key, c.branch)]
+            assert len(ds) > 1 and [d.finish_reason for d in ds] == [None] * (len(ds) - 1) + [c.finish_reason]
+            assert sum((d.token_ids for d in ds), []) == c.completion_ids.tolist()
+            assert sum((d.logprobs for d in ds), []) == c.logprobs.tolist()
+            assert sum((d.versions for d in ds), []) == c.versions.tolist()
+
+
+def test_cancel_waiting_and_running_groups(model):
+    """A waiting prompt is removed; a running group stops at the next sync, frees its
+    blocks and is yielded with "abort" (its tokens so far); the others run to the end."""
+    prompts = random_prompts([5, 8, 3, 6], seed=44)
+    long = SamplingParams(temperature=0, max_new_tokens=40)
+    q = PromptQueue()
+    seen = []
+
+    def listen(d):
+        seen.append(d)
+        if len(seen) == 2:  # the long group has run for two syncs: cancel it
+            assert not q.cancel("long")
+
+    q.put(prompts[0], "long", params=long, listener=listen)
+    q.put(prompts[1], "short", params=SamplingParams(temperature=0, max_new_tokens=6))
+    q.put(prompts[2], "gone", params=long)
+    assert q.cancel("gone") and len(q) == 2
+    q.put(prompts[3], "late", params=SamplingParams(temperature=0, max_new_tokens=30))
+    q.close()
+    engine = RolloutEngine(model, sync_every=2)
+    groups = {g.prompt_index: g for g in engine.generate_stream(q, SamplingParams(max_new_tokens=40), max_rows=3)}
+    assert sorted(groups) == ["late", "long", "short"]
+    [c] = groups["long"]
+    assert c.finish_reason == "abort" and 4 <= len(c) < 40 and seen[-1].finish_reason == "abort"
+    assert c.completion_ids.tolist() == greedy(model, prompts[0], len(c))
+    assert sum((d.token_ids for d in seen), []) == c.completion_ids.tolist()
+    assert groups["short"][0].finish_reason == "length" and len(groups["late"][0]) == 30

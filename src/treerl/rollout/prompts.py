@@ -41,6 +41,7 @@ class PromptQueue:
         self._closed = False
         self._ended = False
         self._next_key = 0
+        self._cancelled: set = set()  # keys to stop, for the stream (not waiting any more)
         self.idle_timeout = idle_timeout
         for p in prompts:
             self.put(p)
@@ -76,6 +77,26 @@ class PromptQueue:
             self._cond.notify_all()
             return True
 
+    def cancel(self, key: Hashable) -> bool:
+        """Cancel group ``key``: True if it was waiting (removed; the stream never yields it).
+        Otherwise False, and the stream stops it if it holds it: its rows stop at the next
+        sync, free their blocks, and the group is yielded with ``finish_reason="abort"`` on
+        its unfinished completions (a key the stream no longer holds is ignored)."""
+        with self._cond:
+            for i, item in enumerate(self._items):
+                if item.key == key:
+                    del self._items[i]
+                    return True
+            self._cancelled.add(key)
+            self._cond.notify_all()
+            return False
+
+    def take_cancelled(self) -> set:
+        """(The stream.) The keys cancelled since the last call."""
+        with self._cond:
+            out, self._cancelled = self._cancelled, set()
+            return out
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -97,8 +118,8 @@ class PromptQueue:
     def take(self, n: int, timeout: float = 0.0) -> list[Waiting]:
         """Up to ``n`` waiting prompts; waits up to ``timeout`` s if none is waiting."""
         with self._cond:
-            if not self._items and timeout > 0 and not self.closed:
-                self._cond.wait_for(lambda: self._items or self.closed, timeout)
+            if not self._items and timeout > 0 and not self.closed and not self._cancelled:
+                self._cond.wait_for(lambda: self._items or self.closed or self._cancelled, timeout)
             return [self._items.popleft() for _ in range(min(n, len(self._items)))]
 
     def end_if_empty(self) -> bool:

@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable
 
+import logging
+
 import numpy as np
 import torch
 
@@ -30,10 +32,13 @@ from .prompts import Waiting
 from .sampling import row_seed
 from .stops import StopChecker
 from .tree import TreeLayout
-from .types import Completion, Group, RolloutStats
+from .types import Completion, Group, RolloutStats, TokenDelta
+
+log = logging.getLogger(__name__)
 
 # host state per row: what a row carries through forks, compaction and preemption
-ROW_STATE = ("live", "steps", "checked", "fed_h", "row_version", "logit_version", "host_tok", "host_lp", "host_ver")
+ROW_STATE = ("live", "steps", "checked", "emitted", "fed_h", "row_version", "logit_version", "host_tok", "host_lp",
+             "host_ver")
 
 
 def group_bucket(n: int, groups: int, G: int, exact: bool = False) -> int:
@@ -126,6 +131,7 @@ class Scheduler:
         self.live = np.zeros(S, dtype=bool)
         self.steps = np.zeros(S, dtype=np.int64)  # tokens sampled
         self.checked = np.zeros(S, dtype=np.int64)  # tokens synced and checked for stops
+        self.emitted = np.zeros(S, dtype=np.int64)  # tokens given to the group's listener
         self.fed_h = np.zeros(S, dtype=np.int64)  # tokens fed (host copy of the device's ``fed``)
         self.row_version = np.zeros(S, dtype=np.int64)  # weights of the row's KV
         self.logit_version = np.zeros(S, dtype=np.int64)  # weights of the row's pending logits
@@ -278,6 +284,7 @@ class Scheduler:
         self.live[first] = True
         self.steps[first] = 0
         self.checked[first] = 0
+        self.emitted[first] = 0
         self.row_version[rows] = version
         self.logit_version[rows] = version
         if not self.blocks.grow(first, self.cover(self.fed_h[first], self.sync_every)):  # pragma: no cover
@@ -396,13 +403,34 @@ class Scheduler:
                 finished = True
             else:
                 self.checked[r] = n
+                if n > self.emitted[r] and self.groups[self.key[r]].listener is not None:
+                    self._emit(r, n, None)
         return finished
+
+    def _emit(self, r: int, end: int, reason: str | None, length: int | None = None) -> None:
+        """Give row ``r``'s tokens ``[emitted, end)`` (and its ``reason`` if it finished) to its
+        group's listener; a listener that raises is logged and dropped."""
+        key = self.key[r]
+        g = self.groups[key]
+        a = int(self.emitted[r])
+        slot, p = divmod(int(r), self.G)
+        level = self.tree.depth_of(end) if reason is not None else int(self.level[slot])
+        delta = TokenDelta(key, self.tree.branch(p, level), self.host_tok[r, a:end].tolist(),
+                           self.host_lp[r, a:end].tolist(), self.host_ver[r, a:end].tolist(), None, reason)
+        self.emitted[r] = end
+        try:
+            g.listener(delta)
+        except Exception:  # noqa: BLE001 - a client's callback never kills the stream
+            log.exception("the listener of group %r raised; it gets no more tokens", key)
+            g.listener = None
 
     def finish(self, r: int, length: int, reason: str, stop) -> None:
         """Row ``r`` ends with its first ``length`` tokens; its blocks are freed, and its
         group is done (queued in ``out``) when it was the group's last live row."""
         key = self.key[r]
         g = self.groups[key]
+        if g.listener is not None:
+            self._emit(r, length, reason)
         slot, p = divmod(int(r), self.G)
         g.completions.append(Completion(
             prompt_index=key,
@@ -423,6 +451,55 @@ class Scheduler:
             self.gkey[slot] = None
             g.completions.sort(key=lambda c: c.branch)
             self.out.append(Group(key, g.prompt_ids, g.completions))
+
+    def abort(self, key: Hashable) -> bool:
+        """(Synced.) Stop group ``key`` (cancelled): a running group's live rows finish with
+        their tokens so far and ``finish_reason="abort"``; a preempted or not yet admitted one
+        is taken from the deferred groups and finished the same way (its ``n`` samples empty
+        if it never ran). The group is queued in ``out``. False if the batch does not hold it."""
+        if key in self.gkey:
+            slot = self.gkey.index(key)
+            for r in self.slot_rows([slot])[self.live[self.slot_rows([slot])]]:
+                self.finish(int(r), int(self.steps[r]), "abort", None)
+            return True
+        for i, item in enumerate(self.deferred):
+            if item.key != key:
+                continue
+            del self.deferred[i]
+            if isinstance(item, Preempted):  # its rows' saved host state, finished as they are
+                g = self.groups.pop(key)
+                a = item.rows
+                for p in np.flatnonzero(a["live"]):
+                    n, e = int(a["steps"][p]), int(a["emitted"][p])
+                    branch = self.tree.branch(int(p), self.tree.depth_of(n))
+                    tok, lp, ver = (a[name][p, :n].copy() for name in ("host_tok", "host_lp", "host_ver"))
+                    if g.listener is not None:
+                        try:
+                            g.listener(TokenDelta(key, branch, tok[e:].tolist(), lp[e:].tolist(), ver[e:].tolist(),
+                                                  None, "abort"))
+                        except Exception:  # noqa: BLE001
+                            log.exception("the listener of group %r raised", key)
+                    g.completions.append(Completion(key, g.prompt_ids, torch.from_numpy(tok),
+                                                    torch.from_numpy(lp).to(self.logit_dtype), torch.from_numpy(ver),
+                                                    "abort", None, branch))
+                    self.stats.generated_tokens += n
+                g.completions.sort(key=lambda c: c.branch)
+                self.out.append(Group(key, g.prompt_ids, g.completions))
+            else:
+                params = self.p if item.params is None else item.params
+                prompt = torch.tensor([int(t) for t in item.prompt], dtype=torch.int64)
+                empty = torch.zeros(0, dtype=torch.int64)
+                done = [Completion(key, prompt, empty, torch.zeros(0, dtype=self.logit_dtype), empty, "abort", None,
+                                   (j,)) for j in range(params.n)]
+                for c in done:
+                    if item.listener is not None:
+                        try:
+                            item.listener(TokenDelta(key, c.branch, [], [], [], None, "abort"))
+                        except Exception:  # noqa: BLE001
+                            log.exception("the listener of group %r raised", key)
+                self.out.append(Group(key, prompt, done))
+            return True
+        return False
 
     # -------------------------------------------------------------------- forks
     def due_forks(self) -> list[int]:

@@ -173,6 +173,9 @@ class RunningBatch:
         e, q, h = self.e, self.q, self.host
         waited = None  # when the batch became idle (for idle_timeout)
         while True:
+            cancelled = q.take_cancelled()
+            if cancelled:
+                self._cancel(cancelled)
             if h.sync_due():
                 self._sync()
             yield from self._flush()
@@ -216,6 +219,15 @@ class RunningBatch:
                     self._decode()
                     self._fork()
                     self._sample(None)
+
+    def _cancel(self, keys: set) -> None:
+        """Stop the cancelled groups the batch holds (synced first: their rows keep every
+        token sampled so far); they are yielded with ``finish_reason="abort"``."""
+        h = self.host
+        if h.log_rows and any(k in h.gkey for k in keys):
+            self._sync()
+        if any([h.abort(k) for k in keys]):
+            self.dev.set_live(h.live)
 
     def _flush(self) -> Iterator[Group]:
         out, self.host.out = self.host.out, []
