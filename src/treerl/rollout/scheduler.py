@@ -21,20 +21,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable
 
-import logging
-
 import numpy as np
 import torch
 
 from .paging import BlockTable
 from .params import SamplingParams
 from .prompts import Waiting
-from .sampling import row_seed
+from .requests import RowSampling, abort_deferred, notify, plan_sampling
 from .stops import StopChecker
 from .tree import TreeLayout
 from .types import Completion, Group, RolloutStats, TokenDelta
-
-log = logging.getLogger(__name__)
 
 # host state per row: what a row carries through forks, compaction and preemption
 ROW_STATE = ("live", "steps", "checked", "emitted", "fed_h", "row_version", "logit_version", "host_tok", "host_lp",
@@ -69,21 +65,6 @@ class GroupState:
     custom: bool = False
     listener: object = None
     completions: list = field(default_factory=list)
-
-
-@dataclass
-class RowSampling:
-    """How to sample a set of rows: ``params`` (one setting for all), or per row
-    ``temperature``, ``top_p``, ``top_k``, ``min_p`` arrays, ``seeds`` ``{row index: seed}``
-    and ``truncate`` (any top-k/top-p/min-p)."""
-
-    params: SamplingParams | None = None
-    temperature: np.ndarray | None = None
-    top_p: np.ndarray | None = None
-    top_k: np.ndarray | None = None
-    min_p: np.ndarray | None = None
-    seeds: dict | None = None
-    truncate: bool = False
 
 
 @dataclass
@@ -361,25 +342,9 @@ class Scheduler:
             setattr(self, name, wide)
 
     def sampling(self, rows: np.ndarray, span: np.ndarray) -> RowSampling:
-        """How to sample ``span`` (rows, in order) of which ``rows`` are live: the stream's
-        settings when every live row has them (the fast path), one common setting, or per
-        row (with the seeds of seeded rows: their group's seed, branch and token index)."""
-        slots = np.unique(rows // self.G)
-        if not self.custom[slots].any():
-            return RowSampling(self.p)
-        fields = (self.temperature, self.top_p, self.top_k, self.min_p)
-        if (self.seed[slots] < 0).all() and all(len(np.unique(f[slots])) == 1 for f in fields):
-            t, tp, tk, mp = (f[slots[0]].item() for f in fields)
-            return RowSampling(SamplingParams(temperature=t, top_p=tp, top_k=tk, min_p=mp))
-        g = span // self.G
-        seeds = {}
-        where = {int(r): i for i, r in enumerate(span)}
-        for r in rows[self.seed[rows // self.G] >= 0]:
-            slot, p = divmod(int(r), self.G)
-            branch = self.tree.branch(p, int(self.level[slot]))
-            seeds[where[int(r)]] = row_seed(int(self.seed[slot]), branch, int(self.steps[r]))
-        truncate = bool(((self.top_k[slots] > 0) | (self.top_p[slots] < 1) | (self.min_p[slots] > 0)).any())
-        return RowSampling(None, self.temperature[g], self.top_p[g], self.top_k[g], self.min_p[g], seeds, truncate)
+        """How to sample ``span`` (rows, in order) of which ``rows`` are live
+        (:func:`~treerl.rollout.requests.plan_sampling`)."""
+        return plan_sampling(self, rows, span)
 
     def record(self, tok: np.ndarray, lp: np.ndarray) -> None:
         """The device's logged tokens and logprobs ``[k, S]`` (one row per logged call) into
@@ -418,10 +383,7 @@ class Scheduler:
         delta = TokenDelta(key, self.tree.branch(p, level), self.host_tok[r, a:end].tolist(),
                            self.host_lp[r, a:end].tolist(), self.host_ver[r, a:end].tolist(), None, reason)
         self.emitted[r] = end
-        try:
-            g.listener(delta)
-        except Exception:  # noqa: BLE001 - a client's callback never kills the stream
-            log.exception("the listener of group %r raised; it gets no more tokens", key)
+        if not notify(g.listener, delta):
             g.listener = None
 
     def finish(self, r: int, length: int, reason: str, stop) -> None:
@@ -463,42 +425,10 @@ class Scheduler:
                 self.finish(int(r), int(self.steps[r]), "abort", None)
             return True
         for i, item in enumerate(self.deferred):
-            if item.key != key:
-                continue
-            del self.deferred[i]
-            if isinstance(item, Preempted):  # its rows' saved host state, finished as they are
-                g = self.groups.pop(key)
-                a = item.rows
-                for p in np.flatnonzero(a["live"]):
-                    n, e = int(a["steps"][p]), int(a["emitted"][p])
-                    branch = self.tree.branch(int(p), self.tree.depth_of(n))
-                    tok, lp, ver = (a[name][p, :n].copy() for name in ("host_tok", "host_lp", "host_ver"))
-                    if g.listener is not None:
-                        try:
-                            g.listener(TokenDelta(key, branch, tok[e:].tolist(), lp[e:].tolist(), ver[e:].tolist(),
-                                                  None, "abort"))
-                        except Exception:  # noqa: BLE001
-                            log.exception("the listener of group %r raised", key)
-                    g.completions.append(Completion(key, g.prompt_ids, torch.from_numpy(tok),
-                                                    torch.from_numpy(lp).to(self.logit_dtype), torch.from_numpy(ver),
-                                                    "abort", None, branch))
-                    self.stats.generated_tokens += n
-                g.completions.sort(key=lambda c: c.branch)
-                self.out.append(Group(key, g.prompt_ids, g.completions))
-            else:
-                params = self.p if item.params is None else item.params
-                prompt = torch.tensor([int(t) for t in item.prompt], dtype=torch.int64)
-                empty = torch.zeros(0, dtype=torch.int64)
-                done = [Completion(key, prompt, empty, torch.zeros(0, dtype=self.logit_dtype), empty, "abort", None,
-                                   (j,)) for j in range(params.n)]
-                for c in done:
-                    if item.listener is not None:
-                        try:
-                            item.listener(TokenDelta(key, c.branch, [], [], [], None, "abort"))
-                        except Exception:  # noqa: BLE001
-                            log.exception("the listener of group %r raised", key)
-                self.out.append(Group(key, prompt, done))
-            return True
+            if item.key == key:
+                del self.deferred[i]
+                self.out.append(abort_deferred(self, item))
+                return True
         return False
 
     # -------------------------------------------------------------------- forks
