@@ -62,7 +62,8 @@ sys.path.insert(0, str(SRC))
 
 from treerl.models import build_model  # noqa: E402
 from treerl.rollout import RolloutEngine  # noqa: E402
-from treerl.serve import EngineLoop, SamplingKey  # noqa: E402
+from treerl.rollout import SamplingParams  # noqa: E402
+from treerl.serve import EngineLoop  # noqa: E402
 
 # engine counters reported per mode (RolloutStats fields)
 COUNTERS = ("admissions", "admitted", "prefill_calls", "prefill_tokens", "prefix_cache_hit_tokens", "decode_steps",
@@ -153,10 +154,10 @@ def in_process(args, model, vocab: int) -> dict:
     engine = RolloutEngine(model, prefix_cache_tokens=args.prefix_cache_tokens,
                            prefill_chunk_tokens=args.prefill_chunk_tokens)
     loop = EngineLoop(engine, max_rows=args.max_rows, idle_timeout_s=args.idle_timeout_s)
-    key = SamplingKey(temperature=1.0, max_tokens=args.max_tokens)
+    key = SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens)
 
     async def call(prompt):
-        [c] = await asyncio.wrap_future(loop.submit(prompt, key, 1))
+        [c] = await asyncio.wrap_future(loop.submit(prompt, key))
         return c.completion_ids.tolist()
 
     try:

@@ -28,7 +28,8 @@ from starlette.concurrency import run_in_threadpool
 
 from ..rollout import Completion
 from .chat import chat_prompt_ids
-from .loop import EngineLoop, SamplingKey
+from ..rollout import SamplingParams
+from .loop import EngineLoop
 from .protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest, WeightsRequest, validation_error
 
 
@@ -150,7 +151,7 @@ def _check_ids(state: ServeState, ids: list[int], param: str) -> list[int]:
     return ids
 
 
-def _sampling_key(state: ServeState, req: SamplingRequest, prompt_len: int) -> SamplingKey:
+def _sampling_params(state: ServeState, req: SamplingRequest, prompt_len: int) -> SamplingParams:
     context = state.engine.max_positions
     room = None if context is None else context - prompt_len
     if req.max_tokens is None:
@@ -168,18 +169,18 @@ def _sampling_key(state: ServeState, req: SamplingRequest, prompt_len: int) -> S
     eos = getattr(state.tokenizer, "eos_token_id", None)
     if eos is not None and eos not in stops:
         stops.append(eos)
-    return SamplingKey(temperature=float(req.temperature), top_p=float(req.top_p), top_k=max(0, req.top_k),
-                       max_tokens=int(max_tokens), stop_token_ids=tuple(sorted(stops)),
-                       stop_strings=req.stop_strings)
+    return SamplingParams(n=req.n, temperature=float(req.temperature), top_p=float(req.top_p), top_k=max(0, req.top_k),
+                          max_new_tokens=int(max_tokens), stop_token_ids=sorted(stops),
+                          stop_strings=list(req.stop_strings or ()))
 
 
-async def _generate(state: ServeState, req: SamplingRequest, ids: list[int]) -> tuple[list[Completion], SamplingKey]:
+async def _generate(state: ServeState, req: SamplingRequest, ids: list[int]) -> tuple[list[Completion], SamplingParams]:
     if req.model != state.model_name:
         raise APIError(f"model {req.model!r} is not served here; this server serves {state.model_name!r}",
                        "model", status=404, code="model_not_found")
-    key = _sampling_key(state, req, len(ids))
+    key = _sampling_params(state, req, len(ids))
     try:
-        samples = await asyncio.wrap_future(state.loop.submit(ids, key, req.n))
+        samples = await asyncio.wrap_future(state.loop.submit(ids, key))
     except Exception as err:  # noqa: BLE001 - the client gets a JSON error, the server goes on
         status = 503 if "shutting down" in str(err) or "stopped" in str(err) else 500
         raise APIError(f"generation failed: {type(err).__name__}: {err}", None, status=status,

@@ -1,0 +1,104 @@
+"""Per-request (per-group) concerns of the running batch's host side: how to sample a set
+of rows whose groups bring their own settings (:func:`plan_sampling`), calling a group's
+listener (:func:`notify`), and finishing a cancelled group that is not in the batch
+(:func:`abort_deferred`). Functions of the :class:`~treerl.rollout.scheduler.Scheduler`'s
+state."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from .params import SamplingParams
+from .sampling import row_seed
+from .types import Completion, Group, TokenDelta
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RowSampling:
+    """How to sample a set of rows: ``params`` (one setting for all), or per row
+    ``temperature``, ``top_p``, ``top_k``, ``min_p`` arrays, ``seeds`` ``{row index: seed}``
+    and ``truncate`` (any top-k/top-p/min-p)."""
+
+    params: SamplingParams | None = None
+    temperature: np.ndarray | None = None
+    top_p: np.ndarray | None = None
+    top_k: np.ndarray | None = None
+    min_p: np.ndarray | None = None
+    seeds: dict | None = None
+    truncate: bool = False
+
+
+
+def notify(listener: Callable | None, delta: TokenDelta) -> bool:
+    """Call ``listener`` with ``delta``; False (logged) if it raised: drop it (a client's
+    callback never kills the stream)."""
+    if listener is None:
+        return True
+    try:
+        listener(delta)
+        return True
+    except Exception:  # noqa: BLE001
+        log.exception("the listener of group %r raised; it gets no more tokens", delta.prompt_index)
+        return False
+
+
+def plan_sampling(s: "Scheduler", rows: np.ndarray, span: np.ndarray) -> RowSampling:
+    """How to sample ``span`` (rows of ``s``, in order) of which ``rows`` are live: the
+    stream's settings when every live row has them (the fast path), one common setting, or
+    per row (with the seeds of seeded rows: their group's seed, branch and token index)."""
+    slots = np.unique(rows // s.G)
+    if not s.custom[slots].any():
+        return RowSampling(s.p)
+    fields = (s.temperature, s.top_p, s.top_k, s.min_p)
+    if (s.seed[slots] < 0).all() and all(len(np.unique(f[slots])) == 1 for f in fields):
+        t, tp, tk, mp = (f[slots[0]].item() for f in fields)
+        return RowSampling(SamplingParams(temperature=t, top_p=tp, top_k=tk, min_p=mp))
+    g = span // s.G
+    seeds = {}
+    where = {int(r): i for i, r in enumerate(span)}
+    for r in rows[s.seed[rows // s.G] >= 0]:
+        slot, p = divmod(int(r), s.G)
+        branch = s.tree.branch(p, int(s.level[slot]))
+        seeds[where[int(r)]] = row_seed(int(s.seed[slot]), branch, int(s.steps[r]))
+    truncate = bool(((s.top_k[slots] > 0) | (s.top_p[slots] < 1) | (s.min_p[slots] > 0)).any())
+    return RowSampling(None, s.temperature[g], s.top_p[g], s.top_k[g], s.min_p[g], seeds, truncate)
+
+
+def abort_deferred(s: "Scheduler", item) -> Group:
+    """The group of a cancelled ``item`` that waits outside the batch, finished with
+    ``finish_reason="abort"``: a preempted group's rows with their tokens so far, or a
+    prompt never admitted with ``n`` empty samples. Listeners get their last deltas."""
+    key = item.key
+    if hasattr(item, "rows"):  # preempted: its rows' saved host state, finished as they are
+        g = s.groups.pop(key)
+        a = item.rows
+        for p in np.flatnonzero(a["live"]):
+            n, e = int(a["steps"][p]), int(a["emitted"][p])
+            branch = s.tree.branch(int(p), s.tree.depth_of(n))
+            tok, lp, ver = (a[name][p, :n].copy() for name in ("host_tok", "host_lp", "host_ver"))
+            notify(g.listener, TokenDelta(key, branch, tok[e:].tolist(), lp[e:].tolist(), ver[e:].tolist(), None,
+                                          "abort"))
+            g.completions.append(Completion(key, g.prompt_ids, torch.from_numpy(tok),
+                                            torch.from_numpy(lp).to(s.logit_dtype), torch.from_numpy(ver),
+                                            "abort", None, branch))
+            s.stats.generated_tokens += n
+        g.completions.sort(key=lambda c: c.branch)
+        return Group(key, g.prompt_ids, g.completions)
+    params = s.p if item.params is None else item.params
+    prompt = torch.tensor([int(t) for t in item.prompt], dtype=torch.int64)
+    empty = torch.zeros(0, dtype=torch.int64)
+    done = [Completion(key, prompt, empty, torch.zeros(0, dtype=s.logit_dtype), empty, "abort", None, (j,))
+            for j in range(params.n)]
+    for c in done:
+        notify(item.listener, TokenDelta(key, c.branch, [], [], [], None, "abort"))
+    return Group(key, prompt, done)
