@@ -213,7 +213,7 @@ def check_tool_choice(tools: list[dict] | None, tool_choice: Any, parser: ToolFo
                 raise APIError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                                f"\"parameters\": ...}}}}", f"tools.{i}")
     if tool_choice is None:
-        return "auto" if tools else "none"
+        tool_choice = "auto" if tools else "none"
     if tool_choice == "none":
         return "none"
     if not tools:
