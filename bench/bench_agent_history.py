@@ -18,6 +18,11 @@ text that re-tokenizes differently; replies that hold special tokens are rendere
 the template and cannot be kept, with or without the record).
 
     PYTHONPATH=src python bench/bench_agent_history.py
+    PYTHONPATH=src python bench/bench_agent_history.py --calculator runs/agent_calculator --episodes 32
+
+``--calculator RUN_DIR``: the calculator agent example (character tokenizer, ``tag`` format) on
+a trained run instead, ``--group`` sampled episodes per held-out problem, recorded by the
+trainer's client: success, tree ratio and exact turns with and without the record.
 """
 
 from __future__ import annotations
@@ -88,14 +93,73 @@ def run(model, tok, args, history_tokens: int, temperature: float) -> dict:
             "history": state.chat.stats()["history"], "tool_calls": state.chat.stats()["tool_calls"]}
 
 
+def calculator(args) -> None:
+    """The calculator agent (``treerl.agents.calculator``) on a trained checkpoint, through the
+    trainer's recording client, with and without token-exact histories."""
+    import openai
+
+    from treerl.agents.calculator import agent
+    from treerl.agents.record import EpisodeLog, recording_transport
+    from treerl.serve.client import IN_PROCESS_URL, asgi_transport, http_module
+    from treerl.serve.server import load_for_serving
+    from treerl.tasks import get_task
+
+    model, tok, _ = load_for_serving(None, [], args.calculator, "cpu", None)
+    task = get_task("calculator", digits=2)
+    import random
+
+    problems = [task.sample(random.Random(10_000 + k)) for k in range(args.episodes)]
+    print(f"calculator agent, {args.calculator}: {args.episodes} problems x {args.group} episodes, temperature "
+          f"{args.temperature}")
+    for label, tokens in (("exact", 1 << 22), ("template", 0)):
+        state = make_state(RolloutEngine(model), tok, ServeOptions(default_max_tokens=24, tool_call_parser="tag",
+                                                                   history_tokens=tokens))
+        http = http_module()
+
+        async def one(problem, log):
+            transport = recording_transport(asgi_transport(state), log, model="treerl",
+                                            defaults={"temperature": args.temperature, "max_tokens": 24}, force={},
+                                            standard_logprobs=False, default_version=0)
+            client = openai.AsyncOpenAI(base_url=IN_PROCESS_URL, api_key="x",
+                                        http_client=http.AsyncClient(transport=transport))
+            try:
+                return await agent(client, problem)
+            finally:
+                await client.close()
+
+        async def all_episodes():
+            logs = [EpisodeLog() for _ in range(len(problems) * args.group)]
+            rewards = await asyncio.gather(*(one(problems[i // args.group], log) for i, log in enumerate(logs)))
+            return logs, rewards
+
+        torch.manual_seed(args.seed)
+        try:
+            logs, rewards = asyncio.run(all_episodes())
+        finally:
+            state.loop.stop()
+        seqs = [torch.tensor(c.prompt_ids + ch.token_ids) for log in logs for c in log.calls for ch in c.choices]
+        tree = PrefixTree.from_sequences(seqs)
+        shares = [s for s in (exact_turn_share(log.calls) for log in logs) if s is not None]
+        h = state.chat.stats()["history"]
+        print(f"{label:10s} success {sum(rewards) / len(rewards):.3f}  flat {tree.num_flat_tokens}  unique "
+              f"{tree.num_tree_tokens}  ratio {tree.num_flat_tokens / tree.num_tree_tokens:.2f}  exact turns "
+              f"{sum(shares) / max(1, len(shares)):.2f}  server: turns {h['turns']} exact {h['exact']} "
+              f"rewritten {h['rewritten']} unknown {h['unknown']}", flush=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--episodes", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calculator", metavar="RUN_DIR", help="instead: the calculator agent on this trained run")
+    p.add_argument("--group", type=int, default=4, help="--calculator: episodes per problem")
+    p.add_argument("--temperature", type=float, default=1.0, help="--calculator: sampling temperature")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.calculator:
+        return calculator(args)
     tok = chat_tokenizer()
     models = {"tool-call": (tool_call_model(tok, context=2048), 0.0),
               "random": (build_model("qwen3", "tiny", vocab_size=len(tok), max_position_embeddings=2048,
