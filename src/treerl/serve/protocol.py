@@ -124,19 +124,6 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     name: str | None = None
 
-    def text(self) -> str:
-        """The content as text (parts of type ``text`` joined)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError("only text content parts are supported", "messages")
-            parts.append(part["text"])
-        return "".join(parts)
-
 
 class ChatRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
