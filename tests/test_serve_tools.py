@@ -128,6 +128,15 @@ def test_whole_messages_reach_the_template_with_arguments_as_dicts():
         assert e.value.body()["error"]["param"] == param
 
 
+def test_a_template_without_tools_refuses_them():
+    tok = chat_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}"
+    with pytest.raises(APIError, match="chat template does not render tools") as e:
+        ChatRenderer(tok, "hermes").prompt(_request(messages=[{"role": "user", "content": "hi"}], tools=TOOLS))
+    assert e.value.body()["error"]["param"] == "tools"
+    assert ChatRenderer(tok, "hermes").prompt(_request(messages=[{"role": "user", "content": "hi"}])).ids
+
+
 def test_marker_layout_writes_calls_in_the_servers_format():
     tok = CharTokenizer()
     history = [{"role": "user", "content": "3*4"},

@@ -107,6 +107,9 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None =
                 tool_format: ToolFormat | None = None) -> str:
     """The text of ``messages`` (template messages) followed by the generation prompt."""
     if getattr(tokenizer, "chat_template", None):
+        if tools and "tools" not in str(tokenizer.chat_template):
+            raise APIError("this model's chat template does not render tools (it never reads `tools`): describe "
+                           "the tools in a message instead", "tools")
         try:
             return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                                  tokenize=False)
