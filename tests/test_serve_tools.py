@@ -42,7 +42,8 @@ def test_hermes_parses_calls_content_and_the_unclosed_last_call():
     assert h.parse("no call here", []) is None
     for bad in ["<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
                 '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arg',
-                '<tool_call>{"name": "f"}</tool_call><tool_call>[]</tool_call>']:
+                '<tool_call>{"name": "f"}</tool_call>',
+                '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>[]</tool_call>']:
         with pytest.raises(MalformedToolCall):
             h.parse(bad, [])
     assert h.render("", [CALL], []) == "<tool_call>\n" + CALL_JSON_ + "\n</tool_call>"

@@ -4,9 +4,9 @@ A *tool-call format* knows how one model family writes calls; the server picks o
 (``treerl serve --tool-call-parser NAME``, as vLLM and SGLang do). Formats:
 
 - ``hermes``: the Qwen2.5 / Qwen3 (Hermes) format, one call per
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (whitespace inside the tags
-  allowed; the last call may lack its end tag); text before the first call is the content,
-  text after the last is dropped (both as vLLM's ``hermes`` parser does);
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (both keys required;
+  whitespace inside the tags allowed; the last call may lack its end tag); text before the
+  first call is the content, text after the last is dropped (as vLLM's ``hermes`` does);
 - ``tag``: ``<NAME>VALUE</NAME>`` for a tool ``NAME`` whose parameters have exactly one
   property (the value, a string). Made for models without a chat template (treerl's
   character tokenizer, e.g. the calculator agent's ``<calc>37*48</calc>``).
@@ -147,9 +147,9 @@ class HermesFormat(ToolFormat):
                 obj = json.loads(body)
             except json.JSONDecodeError as err:
                 raise MalformedToolCall(f"tool call {len(calls)} is not JSON ({err})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                raise MalformedToolCall(f"tool call {len(calls)} has no name")
-            calls.append(ToolCall(obj["name"], _arguments_json(obj.get("arguments", {}), f"tool call {len(calls)}")))
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
+                raise MalformedToolCall(f"tool call {len(calls)} has no name or no arguments")
+            calls.append(ToolCall(obj["name"], _arguments_json(obj["arguments"], f"tool call {len(calls)}")))
         return ParsedReply(text[:start] or None, calls)
 
     def render(self, content: str, calls: Sequence[dict], tools: Sequence[dict]) -> str:
