@@ -47,6 +47,8 @@ def test_hermes_parses_calls_content_and_the_unclosed_last_call():
         with pytest.raises(MalformedToolCall):
             h.parse(bad, [])
     assert h.render("", [CALL], []) == "<tool_call>\n" + CALL_JSON_ + "\n</tool_call>"
+    again = h.parse(h.render("Sure. ", [CALL, CALL], []), [])
+    assert again.content == "Sure. " and [json.loads(c.arguments) for c in again.calls] == [CALL["arguments"]] * 2
 
 
 CALL_JSON_ = json.dumps(CALL)
@@ -246,3 +248,47 @@ def test_treerl_serve_refuses_an_unknown_tool_call_parser():
     args = parser().parse_args(["serve", "--tool-call-parser", "nope"])
     with pytest.raises(SystemExit, match="--tool-call-parser: unknown tool-call parser 'nope'; choose one of"):
         args.func(args)
+
+
+def test_treerl_serve_command_parses_tool_calls_of_a_hugging_face_model_dir(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tok = chat_tokenizer()
+    tool_call_model(tok).save_pretrained(tmp_path, safe_serialization=True)
+    tok.save_pretrained(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    proc = subprocess.Popen([sys.executable, "-m", "treerl.cli", "serve", "--weights", str(tmp_path), "--port", "0",
+                             "--tool-call-parser", "hermes", "--history-tokens", "0", "--max-tokens", "8"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        while "listening on" not in line:
+            line = proc.stderr.readline()
+            assert line, "treerl serve exited before listening"
+        url = line.split("listening on ")[1].split()[0]
+
+        async def main():
+            c = openai.AsyncOpenAI(base_url=url, api_key="x", timeout=60)
+            messages = [{"role": "user", "content": "Weather?"}]
+            r = await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS)
+            messages += [r.choices[0].message, {"role": "tool", "tool_call_id": "x", "content": "sunny"}]
+            await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS)
+            health = (await c._client.get(url.removesuffix("/v1") + "/health")).json()
+            await c.close()
+            return r, health
+
+        r, health = asyncio.run(main())
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == CALL["arguments"]
+        assert health["chat"]["history"]["unknown"] == 1  # --history-tokens 0: the record is off
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -153,9 +153,9 @@ class HermesFormat(ToolFormat):
         return ParsedReply(text[:start] or None, calls)
 
     def render(self, content: str, calls: Sequence[dict], tools: Sequence[dict]) -> str:
-        parts = [content] + [f"{self.START}\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]},
-                                                             ensure_ascii=False) + f"\n{self.END}" for c in calls]
-        return "\n".join(p for p in parts if p)
+        blocks = [f"{self.START}\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False)
+                  + f"\n{self.END}" for c in calls]
+        return content + "\n".join(blocks)  # parse(render(c, calls)) gives c and calls back
 
 
 def _single_parameter(tool: dict) -> str | None:
