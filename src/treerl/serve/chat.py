@@ -33,7 +33,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .history import TokenHistory, message_key
+from .history import TokenHistory, conversation_keys, message_key
 from .protocol import APIError
 from .tools import ToolFormat, ToolStats, check_tool_choice, get_tool_format, tool_reply
 
@@ -190,10 +190,7 @@ class ChatRenderer:
         messages = template_messages(req.messages)
         text = render_chat(self.tokenizer, messages, tools, self.tool_format)
         ids = self.history.prompt_ids(messages, text, self._encode, self._decode)
-        key = b""
-        for m in messages:
-            key = message_key(key, m)
-        return ChatTurn(ids, messages, tools, choice, key)
+        return ChatTurn(ids, messages, tools, choice, conversation_keys(messages)[-1])
 
     def reply(self, turn: ChatTurn, text: str, finish_reason: str | None,
               completion_ids: Sequence[int]) -> tuple[dict, str | None]:
