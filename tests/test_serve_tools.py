@@ -292,3 +292,36 @@ def test_treerl_serve_command_parses_tool_calls_of_a_hugging_face_model_dir(tmp_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_openai_agents_sdk_function_tool_runs_through_treerl_serve(weather):
+    """An `openai-agents` agent with a ``@function_tool`` (the SDK's chat-completions model):
+    its first call gets the tool call, the SDK runs the function, and its next request (the
+    history with the call and the tool output) extends the first token for token."""
+    sdk = pytest.importorskip("agents")
+    exact, _, _ = weather
+    sdk.set_tracing_disabled(True)
+    seen = []
+
+    @sdk.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return "sunny"
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=exact.url, api_key="x", max_retries=0)
+        model = sdk.OpenAIChatCompletionsModel(model="treerl", openai_client=client)
+        agent = sdk.Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], model=model,
+                          tool_use_behavior="stop_on_first_tool")
+        first = await sdk.Runner.run(agent, "Weather in Paris?")
+        before = exact.state.chat.stats()["history"]
+        # run the model again after the tool: the lookup model calls again, so stop at 2 turns
+        with pytest.raises(sdk.MaxTurnsExceeded):
+            await sdk.Runner.run(agent.clone(tool_use_behavior="run_llm_again"), "Weather in Paris?", max_turns=2)
+        await client.close()
+        return first, before, exact.state.chat.stats()["history"]
+
+    first, before, after = asyncio.run(main())
+    assert first.final_output == "sunny" and seen == ["Paris", "Paris", "Paris"]
+    assert after["turns"] - before["turns"] == 1 and after["exact"] - before["exact"] == 1
