@@ -27,8 +27,8 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ..rollout import Completion
-from .chat import chat_prompt_ids
 from ..rollout import SamplingParams
+from .chat import ChatRenderer
 from .loop import EngineLoop
 from .protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest, WeightsRequest, validation_error
 
@@ -43,6 +43,11 @@ class ServeState:
     model_name: str = "treerl"
     default_max_tokens: int = 256
     load_weights: Callable[[str, int | None], int] | None = None
+    chat: ChatRenderer | None = None  # prompts and replies of /v1/chat/completions (default: no tool parser)
+
+    def __post_init__(self):
+        if self.chat is None:
+            self.chat = ChatRenderer(self.tokenizer)
 
     @property
     def engine(self):
@@ -64,7 +69,7 @@ def create_app(state: ServeState) -> FastAPI:
                 "busy_requests": state.loop.busy,
                 "stats": {"requests": s.requests, "completed": s.completed, "failed": s.failed,
                           "samples": s.samples, "tokens": s.tokens, "streams": s.streams},
-                "engine": dataclasses.asdict(state.loop.engine_stats())}
+                "engine": dataclasses.asdict(state.loop.engine_stats()), "chat": state.chat.stats()}
 
     @app.get("/v1/models")
     async def models():
@@ -88,17 +93,14 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = _parse(ChatRequest, await request.body())
-        try:
-            ids = chat_prompt_ids(state.tokenizer, [(m.role, m.text()) for m in req.messages])
-        except ValueError as err:  # a character the tokenizer cannot encode
-            raise APIError(f"messages cannot be tokenized: {err}", "messages") from None
-        ids = _check_ids(state, ids, "messages")
+        turn = state.chat.prompt(req)  # template, tools, token-exact history (treerl.serve.chat)
+        ids = _check_ids(state, turn.ids, "messages")
         samples, key = await _generate(state, req, ids)
         choices = []
         for j, c in enumerate(samples):
-            choice = {"index": j, "message": {"role": "assistant",
-                                              "content": _text(state, c, req.include_stop_str_in_output)},
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop,
+            message, finish = state.chat.reply(turn, _text(state, c, req.include_stop_str_in_output),
+                                               c.finish_reason, c.completion_ids.tolist())
+            choice = {"index": j, "message": message, "finish_reason": finish, "stop_reason": c.stop,
                       "logprobs": _chat_logprobs(state, c) if req.logprobs else None}
             choices.append(choice | _token_fields(c))
         return _response("chatcmpl", "chat.completion", state, ids, samples, choices)

@@ -120,19 +120,9 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        """The content as text (parts of type ``text`` joined)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError("only text content parts are supported", "messages")
-            parts.append(part["text"])
-        return "".join(parts)
+    tool_calls: list[dict[str, Any]] | None = None  # checked and rendered by treerl.serve.chat
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatRequest(SamplingRequest):
@@ -142,7 +132,9 @@ class ChatRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # tools / tool_choice: checked by treerl.serve.tools
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         if self.max_completion_tokens is not None:
@@ -153,9 +145,9 @@ class ChatRequest(SamplingRequest):
         if self.top_logprobs:
             raise APIError("top_logprobs is not supported by treerl serve (the sampled tokens' logprobs are "
                            "returned with logprobs=true)", "top_logprobs")
-        if self.tools:
-            raise APIError("tools (function calling) are not supported by treerl serve: describe tools in the "
-                           "messages and parse the reply", "tools")
+        if self.parallel_tool_calls is False:
+            raise APIError("parallel_tool_calls=false is not supported (a reply may hold several tool calls); "
+                           "leave it unset", "parallel_tool_calls")
 
 
 class WeightsRequest(BaseModel):
