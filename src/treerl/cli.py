@@ -10,6 +10,10 @@ import sys
 import threading
 from pathlib import Path
 
+TRUST_HELP = ("load a trainer state that is not plain data (a checkpoint of an older treerl) by unpickling it in "
+              "full, which runs any code the file names: only for files you trust (config: train.trust_checkpoint)")
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .checkpoint import CheckpointError
     from .config import ConfigError
@@ -28,6 +32,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config is not None and "=" in config and not Path(config).exists():
         overrides.insert(0, config)
         config = None
+    if args.trust_checkpoint:
+        overrides.append("train.trust_checkpoint=true")
     cfg = Config.from_yaml(config, overrides)
     try:
         # under torchrun (WORLD_SIZE > 1) every rank runs this; the trainer joins the group
@@ -78,7 +84,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .trainer import Trainer
 
     path = resolve_checkpoint(args.checkpoint)
-    state = load_state(path)
+    state = load_state(path, trust=args.trust_checkpoint)
     cfg = Config.from_dict(state["config"])
     for item in args.overrides:
         key, _, value = item.partition("=")
@@ -134,6 +140,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="a running batch ends after this long without work (the next request starts another)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="default: the config's / checkpoint's")
+    p.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -150,6 +157,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="YAML config file (optional: defaults otherwise)")
     t.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=100")
     t.add_argument("--resume", metavar="CHECKPOINT", help="a checkpoint, or a run directory (its newest checkpoint)")
+    t.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint",
                        description="Greedy accuracy of a checkpoint on its task's held-out problems.")
@@ -157,6 +165,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*", help="section.key=value overrides (e.g. task.kwargs=...)")
     e.add_argument("-n", type=int, default=None, help="number of held-out problems")
     e.add_argument("--device", default="cpu")
+    e.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     e.set_defaults(func=cmd_eval)
     b = sub.add_parser("bench", help="tree-vs-flat engine benchmark", add_help=False,
                        description="Tree-vs-flat engine benchmark (see `treerl bench --help`).")

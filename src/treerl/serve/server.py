@@ -83,7 +83,7 @@ class ServerThread:
 
 
 def load_for_serving(config_path: str | None, overrides: list[str], weights: str | None,
-                     device: str, dtype: str | None) -> tuple[torch.nn.Module, Any, int]:
+                     device: str, dtype: str | None, trust: bool = False) -> tuple[torch.nn.Module, Any, int]:
     """The model, tokenizer and weight version to serve: from a treerl checkpoint / run
     directory or a Hugging Face model directory (``weights``), else built from a config
     (its ``model`` section; random weights unless ``model.path``)."""
@@ -102,7 +102,7 @@ def load_for_serving(config_path: str | None, overrides: list[str], weights: str
         if root is not None:
             from ..checkpoint import load_state
 
-            state = load_state(root)
+            state = load_state(root, trust=trust)
             cfg = Config.from_dict(state["config"])
             version = int(state.get("version", 0))
         else:
@@ -136,7 +136,8 @@ def serve(args) -> int:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]
-    model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype)
+    model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype,
+                                                trust=args.trust_checkpoint)
     engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens,
                            prefill_chunk_tokens=args.prefill_chunk_tokens)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
