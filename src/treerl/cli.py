@@ -141,6 +141,20 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="default: the config's / checkpoint's")
     p.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
+    s = p.add_argument_group("security (docs/SERVING.md, 'Security')")
+    s.add_argument("--api-key", default=None,
+                   help="every route but /health needs 'Authorization: Bearer KEY' (default: $TREERL_API_KEY; "
+                        "prefer the variable: a command line is visible to other users)")
+    s.add_argument("--weights-root", metavar="DIR", default=None,
+                   help="/update_weights_from_disk reads only under DIR (default: the run directory of --weights, "
+                        "or --weights itself; without either, reloads are refused)")
+    s.add_argument("--max-n", type=int, default=128, help="cap on a request's n")
+    s.add_argument("--max-tokens-limit", type=int, default=None, help="cap on a request's max_tokens (default: the context)")
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    s.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longer text prompts get 400 before tokenizing (default: 2 x context x longest token)")
+    s.add_argument("--max-queued", type=int, default=1024,
+                   help="generation requests waiting or running at once; more get 429 with Retry-After")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..rollout import Completion
 from .chat import chat_prompt_ids
+from .limits import ServeLimits
 from .loop import EngineLoop, SamplingKey
 from .protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest, WeightsRequest, validation_error
 
@@ -42,6 +43,7 @@ class ServeState:
     model_name: str = "treerl"
     default_max_tokens: int = 256
     load_weights: Callable[[str, int | None], int] | None = None
+    limits: ServeLimits = field(default_factory=ServeLimits)  # caps per request (security: n, max_tokens, chars)
 
     @property
     def engine(self):
@@ -87,6 +89,7 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = _parse(ChatRequest, await request.body())
+        state.limits.check_chars(sum(len(m.text()) for m in req.messages), "messages")  # before tokenizing
         try:
             ids = chat_prompt_ids(state.tokenizer, [(m.role, m.text()) for m in req.messages])
         except ValueError as err:  # a character the tokenizer cannot encode
@@ -130,6 +133,7 @@ def _parse(model: type, body: bytes):
 def _encode(state: ServeState, text: str, param: str) -> list[int]:
     """Token ids of a text prompt, with the tokenizer's special tokens (e.g. bos) as
     ``encode(text)`` adds them."""
+    state.limits.check_chars(len(text), param)  # before tokenizing
     try:
         return [int(t) for t in state.tokenizer.encode(text, add_special_tokens=True)]
     except ValueError as err:
@@ -177,6 +181,7 @@ async def _generate(state: ServeState, req: SamplingRequest, ids: list[int]) -> 
     if req.model != state.model_name:
         raise APIError(f"model {req.model!r} is not served here; this server serves {state.model_name!r}",
                        "model", status=404, code="model_not_found")
+    state.limits.check_request(req.n, req.max_tokens)
     key = _sampling_key(state, req, len(ids))
     try:
         samples = await asyncio.wrap_future(state.loop.submit(ids, key, req.n))
