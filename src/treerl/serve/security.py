@@ -132,7 +132,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def exposure_warning(host: str, port: int, reloads: bool) -> str:
+def exposure_warning(host: str, port: int) -> str:
     """The warning for listening on ``host`` (not loopback) without an API key."""
     try:
         unspecified = ipaddress.ip_address(host).is_unspecified
@@ -140,8 +140,8 @@ def exposure_warning(host: str, port: int, reloads: bool) -> str:
         unspecified = False
     who = (f"any host that can reach this machine on port {port} (all network interfaces)" if unspecified
            else f"any host that can reach {host}:{port}")
-    reload = " and make it load other weights (from under its weights root)" if reloads else ""
-    return (f"treerl serve: WARNING: listening on {host}:{port} without an API key: {who} can generate{reload}; "
+    return (f"treerl serve: WARNING: listening on {host}:{port} without an API key: {who} can generate and call "
+            f"/update_weights_from_disk; "
             f"set {API_KEY_ENV} (or --api-key), or bind 127.0.0.1")
 
 

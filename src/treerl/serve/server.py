@@ -65,7 +65,7 @@ class ServerThread:
         self.sock.listen(1024)
         self.host, self.port = host, self.sock.getsockname()[1]
         if api_key is None and not is_loopback(host):
-            print(exposure_warning(host, self.port, state.load_weights is not None), file=sys.stderr, flush=True)
+            print(exposure_warning(host, self.port), file=sys.stderr, flush=True)
         config = uvicorn.Config(self.guard, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
