@@ -195,7 +195,16 @@ async def drive(args, url: str, weights: str, pid: int) -> dict:
                 if outcome == "429":  # as the openai client does: wait Retry-After (the server's 1 s)
                     await asyncio.sleep(1.0)
 
+        series = []  # (seconds, RSS KiB) every --rss-every-s: a plateau, not a climb
+
+        async def sample_rss():
+            while time.perf_counter() < deadline and sent < args.max_requests:
+                series.append((round(time.perf_counter() - t0, 1), rss_kib(pid)))
+                await asyncio.sleep(args.rss_every_s)
+
+        sampler = asyncio.ensure_future(sample_rss())
         await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+        sampler.cancel()
         wall = time.perf_counter() - t0
         # abandoned requests finish in the server: wait until it holds none (bounded)
         for _ in range(600):
@@ -226,7 +235,7 @@ async def drive(args, url: str, weights: str, pid: int) -> dict:
             "outcomes": {k: dict(v) for k, v in sorted(outcomes.items())},
             "latency_s": {k: percentiles(v) for k, v in latency.items()},
             "choices_received": choices, "server": stats, "weight_version": state["weight_version"],
-            "rss_kib": {"after_warmup": rss_start, "end": rss_end, "growth": rss_end - rss_start},
+            "rss_kib": {"after_warmup": rss_start, "end": rss_end, "growth": rss_end - rss_start, "series": series},
             "problems": problems}
 
 
@@ -238,6 +247,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-queued", type=int, default=16, help="the server's admission bound (429 above it)")
     p.add_argument("--disconnect-after-s", type=float, default=0.05)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--rss-every-s", type=float, default=30.0)
     p.add_argument("--shape", default="tiny")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server")

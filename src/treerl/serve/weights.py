@@ -43,20 +43,20 @@ def weights_dir(path: str | Path) -> Path:
     return path
 
 
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(weights_dir(path).glob("*.safetensors")):
-        state.update(load_file(f))
-    return state
-
-
-def load_weights_into(engine, path: str | Path, version: int | None = None) -> int:
+def load_weights_into(engine, path: str | Path, version: int | None = None, root: Path | None = None) -> int:
     """Copy the weights at ``path`` into ``engine`` (interrupting its generation; see
-    :meth:`RolloutEngine.update_weights <treerl.rollout.RolloutEngine.update_weights>`).
-    Returns the new version (default: current + 1)."""
-    return engine.update_weights(read_weights(path), version=version)
+    :meth:`RolloutEngine.update_weights <treerl.rollout.RolloutEngine.update_weights>`) once
+    they are checked (module docstring; :class:`APIError` otherwise): readable, of the
+    engine's architecture and, with ``root``, under it. Returns the new version (default:
+    current + 1)."""
+    directory = weights_dir(path)
+    files = sorted(directory.glob("*.safetensors"))
+    if root is not None:
+        for f in [*files, directory / "config.json"]:
+            if f.exists():
+                allowed_path(f, root)  # a file may be a symlink out of the root
+    check_architecture(engine.model, directory, files)
+    return engine.update_weights(_read_files(files), version=version)
 
 
 def default_weights_root(weights: str | Path | None) -> Path | None:
@@ -89,15 +89,9 @@ def allowed_path(path: str | Path, root: Path | None) -> Path:
 
 
 def reload_weights(engine, path: str | Path, version: int | None, root: Path | None) -> int:
-    """:func:`load_weights_into` for ``/update_weights_from_disk``, with the checks of the
-    module docstring (raising :class:`APIError`). Returns the new version."""
-    directory = weights_dir(allowed_path(path, root))
-    files = sorted(directory.glob("*.safetensors"))
-    for f in [*files, directory / "config.json"]:
-        if f.exists():
-            allowed_path(f, root)  # a file may be a symlink out of the root
-    check_architecture(engine.model, directory, files)
-    return engine.update_weights(_read_files(files), version=version)
+    """``/update_weights_from_disk``: :func:`load_weights_into` of ``path`` if it lies under
+    ``root`` (403 otherwise, and always without a root). Returns the new version."""
+    return load_weights_into(engine, allowed_path(path, root), version, root=Path(root).resolve())
 
 
 def check_architecture(model: torch.nn.Module, directory: Path, files: list[Path]) -> None:
