@@ -374,3 +374,37 @@ class Entered:
 
     def remove(self):
         self.guard.app = self.inner
+
+
+def test_tokenizing_does_not_block_other_clients(served):
+    """A prompt is tokenized off the event loop: while one client's tokenization is held,
+    another client's request is answered (the held one then completes)."""
+    server, engine, tok = served
+    state = server.state
+    entered, release = threading.Event(), threading.Event()
+
+    class Held:  # the tokenizer, holding its first encode until released
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode(self, *a, **k):
+            if not entered.is_set():
+                entered.set()
+                assert release.wait(60)
+            return tok.encode(*a, **k)
+
+    async def main():
+        c = client(server)
+        held = asyncio.ensure_future(c.completions.create(model="treerl", prompt="1+1=", max_tokens=2))
+        assert await asyncio.to_thread(entered.wait, 60)
+        other = await client(server).completions.create(model="treerl", prompt=[5, 6, 7], max_tokens=2)
+        release.set()
+        return other, await held
+
+    state.tokenizer = Held()
+    try:
+        other, held = asyncio.run(main())
+    finally:
+        release.set()
+        state.tokenizer = tok
+    assert other.choices[0].model_extra["token_ids"] and held.choices[0].model_extra["token_ids"]

@@ -76,7 +76,9 @@ def create_app(state: ServeState) -> FastAPI:
     async def completions(request: Request):
         req = _parse(CompletionRequest, await request.body())
         prompt = req.single_prompt
-        ids = _check_ids(state, _encode(state, prompt, "prompt") if isinstance(prompt, str) else prompt, "prompt")
+        if isinstance(prompt, str):  # tokenized in a worker thread: the event loop keeps serving others
+            prompt = await run_in_threadpool(_encode, state, prompt, "prompt")
+        ids = _check_ids(state, prompt, "prompt")
         samples, key = await _generate(state, req, ids)
         choices = []
         for j, c in enumerate(samples):
@@ -91,7 +93,7 @@ def create_app(state: ServeState) -> FastAPI:
         req = _parse(ChatRequest, await request.body())
         state.limits.check_chars(sum(len(m.text()) for m in req.messages), "messages")  # before tokenizing
         try:
-            ids = chat_prompt_ids(state.tokenizer, [(m.role, m.text()) for m in req.messages])
+            ids = await run_in_threadpool(chat_prompt_ids, state.tokenizer, [(m.role, m.text()) for m in req.messages])
         except ValueError as err:  # a character the tokenizer cannot encode
             raise APIError(f"messages cannot be tokenized: {err}", "messages") from None
         ids = _check_ids(state, ids, "messages")

@@ -61,7 +61,10 @@ class Guard:
         self.stats = GuardStats()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "websocket":  # the API has none: refused before the app sees it
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        if scope["type"] != "http":  # lifespan
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
