@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -29,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from ..rollout import Completion
 from ..rollout import SamplingParams
 from .chat import ChatRenderer
+from .limits import ServeLimits
 from .loop import EngineLoop
 from .protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest, WeightsRequest, validation_error
 
@@ -44,6 +45,7 @@ class ServeState:
     default_max_tokens: int = 256
     load_weights: Callable[[str, int | None], int] | None = None
     chat: ChatRenderer | None = None  # prompts and replies of /v1/chat/completions (default: no tool parser)
+    limits: ServeLimits = field(default_factory=ServeLimits)  # caps per request (security: n, max_tokens, chars)
 
     def __post_init__(self):
         if self.chat is None:
@@ -80,7 +82,9 @@ def create_app(state: ServeState) -> FastAPI:
     async def completions(request: Request):
         req = _parse(CompletionRequest, await request.body())
         prompt = req.single_prompt
-        ids = _check_ids(state, _encode(state, prompt, "prompt") if isinstance(prompt, str) else prompt, "prompt")
+        if isinstance(prompt, str):  # tokenized in a worker thread: the event loop keeps serving others
+            prompt = await run_in_threadpool(_encode, state, prompt, "prompt")
+        ids = _check_ids(state, prompt, "prompt")
         samples, key = await _generate(state, req, ids)
         choices = []
         for j, c in enumerate(samples):
@@ -93,7 +97,10 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = _parse(ChatRequest, await request.body())
-        turn = state.chat.prompt(req)  # template, tools, token-exact history (treerl.serve.chat)
+        # before tokenizing: the messages' characters (their JSON, an upper bound) against the context
+        state.limits.check_chars(sum(len(m.model_dump_json(exclude_none=True)) for m in req.messages), "messages")
+        # template, tools, token-exact history (treerl.serve.chat), off the event loop
+        turn = await run_in_threadpool(state.chat.prompt, req)
         ids = _check_ids(state, turn.ids, "messages")
         samples, key = await _generate(state, req, ids)
         choices = []
@@ -133,6 +140,7 @@ def _parse(model: type, body: bytes):
 def _encode(state: ServeState, text: str, param: str) -> list[int]:
     """Token ids of a text prompt, with the tokenizer's special tokens (e.g. bos) as
     ``encode(text)`` adds them."""
+    state.limits.check_chars(len(text), param)  # before tokenizing
     try:
         return [int(t) for t in state.tokenizer.encode(text, add_special_tokens=True)]
     except ValueError as err:
@@ -180,6 +188,7 @@ async def _generate(state: ServeState, req: SamplingRequest, ids: list[int]) -> 
     if req.model != state.model_name:
         raise APIError(f"model {req.model!r} is not served here; this server serves {state.model_name!r}",
                        "model", status=404, code="model_not_found")
+    state.limits.check_request(req.n, req.max_tokens)
     key = _sampling_params(state, req, len(ids))
     try:
         samples = await asyncio.wrap_future(state.loop.submit(ids, key))
