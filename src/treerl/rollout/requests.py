@@ -36,6 +36,7 @@ class RowSampling:
     min_p: np.ndarray | None = None
     seeds: dict | None = None
     truncate: bool = False
+    top: int = 0  # top tokens to log (the most any of the rows' groups asks for)
 
 
 
@@ -57,12 +58,13 @@ def plan_sampling(s: "Scheduler", rows: np.ndarray, span: np.ndarray) -> RowSamp
     stream's settings when every live row has them (the fast path), one common setting, or
     per row (with the seeds of seeded rows: their group's seed, branch and token index)."""
     slots = np.unique(rows // s.G)
+    top = int(s.top_n[slots].max(initial=0))
     if not s.custom[slots].any():
-        return RowSampling(s.p)
+        return RowSampling(s.p, top=top)
     fields = (s.temperature, s.top_p, s.top_k, s.min_p)
     if (s.seed[slots] < 0).all() and all(len(np.unique(f[slots])) == 1 for f in fields):
         t, tp, tk, mp = (f[slots[0]].item() for f in fields)
-        return RowSampling(SamplingParams(temperature=t, top_p=tp, top_k=tk, min_p=mp))
+        return RowSampling(SamplingParams(temperature=t, top_p=tp, top_k=tk, min_p=mp), top=top)
     g = span // s.G
     seeds = {}
     where = {int(r): i for i, r in enumerate(span)}
@@ -71,7 +73,47 @@ def plan_sampling(s: "Scheduler", rows: np.ndarray, span: np.ndarray) -> RowSamp
         branch = s.tree.branch(p, int(s.level[slot]))
         seeds[where[int(r)]] = row_seed(int(s.seed[slot]), branch, int(s.steps[r]))
     truncate = bool(((s.top_k[slots] > 0) | (s.top_p[slots] < 1) | (s.min_p[slots] > 0)).any())
-    return RowSampling(None, s.temperature[g], s.top_p[g], s.top_k[g], s.min_p[g], seeds, truncate)
+    return RowSampling(None, s.temperature[g], s.top_p[g], s.top_k[g], s.min_p[g], seeds, truncate, top)
+
+
+def _tops(s: "Scheduler", r: int, a: int, b: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    return s.top_id[r, a:b, :k].copy(), s.top_lp[r, a:b, :k].copy()
+
+
+def row_delta(s: "Scheduler", r: int, a: int, b: int, reason: str | None) -> TokenDelta:
+    """Row ``r``'s tokens ``[a, b)`` as a :class:`~treerl.rollout.types.TokenDelta`."""
+    key = s.key[r]
+    k = s.groups[key].params.top_logprobs
+    slot, p = divmod(int(r), s.G)
+    level = s.tree.depth_of(b) if reason is not None else int(s.level[slot])
+    top = None
+    if k:
+        ids, lps = _tops(s, r, a, b, k)
+        top = [list(zip(i.tolist(), lp.tolist())) for i, lp in zip(ids, lps)]
+    return TokenDelta(key, s.tree.branch(p, level), s.host_tok[r, a:b].tolist(), s.host_lp[r, a:b].tolist(),
+                      s.host_ver[r, a:b].tolist(), top, reason)
+
+
+def row_completion(s: "Scheduler", r: int, length: int, reason: str, stop) -> Completion:
+    """Row ``r``'s first ``length`` tokens as a finished :class:`~treerl.rollout.types.Completion`."""
+    key = s.key[r]
+    g = s.groups[key]
+    k = g.params.top_logprobs
+    top = None
+    if k:
+        ids, lps = _tops(s, r, 0, length, k)
+        top = (torch.from_numpy(ids), torch.from_numpy(lps).to(s.logit_dtype))
+    return Completion(
+        prompt_index=key,
+        prompt_ids=g.prompt_ids,
+        completion_ids=torch.from_numpy(s.host_tok[r, :length].copy()),
+        logprobs=torch.from_numpy(s.host_lp[r, :length].copy()).to(s.logit_dtype),
+        versions=torch.from_numpy(s.host_ver[r, :length].copy()),
+        finish_reason=reason,
+        stop=stop,
+        branch=s.tree.branch(int(r) % s.G, s.tree.depth_of(length)),
+        top_logprobs=top,
+    )
 
 
 def abort_deferred(s: "Scheduler", item) -> Group:
@@ -86,11 +128,16 @@ def abort_deferred(s: "Scheduler", item) -> Group:
             n, e = int(a["steps"][p]), int(a["emitted"][p])
             branch = s.tree.branch(int(p), s.tree.depth_of(n))
             tok, lp, ver = (a[name][p, :n].copy() for name in ("host_tok", "host_lp", "host_ver"))
-            notify(g.listener, TokenDelta(key, branch, tok[e:].tolist(), lp[e:].tolist(), ver[e:].tolist(), None,
+            k = g.params.top_logprobs
+            ids, lps = a["top_id"][p, :n, :k].copy(), a["top_lp"][p, :n, :k].copy()
+            delta_top = [list(zip(i.tolist(), x.tolist())) for i, x in zip(ids[e:], lps[e:])] if k else None
+            notify(g.listener, TokenDelta(key, branch, tok[e:].tolist(), lp[e:].tolist(), ver[e:].tolist(), delta_top,
                                           "abort"))
             g.completions.append(Completion(key, g.prompt_ids, torch.from_numpy(tok),
                                             torch.from_numpy(lp).to(s.logit_dtype), torch.from_numpy(ver),
-                                            "abort", None, branch))
+                                            "abort", None, branch,
+                                            (torch.from_numpy(ids), torch.from_numpy(lps).to(s.logit_dtype))
+                                            if k else None))
             s.stats.generated_tokens += n
         g.completions.sort(key=lambda c: c.branch)
         return Group(key, g.prompt_ids, g.completions)

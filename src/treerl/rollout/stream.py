@@ -326,7 +326,7 @@ class RunningBatch:
         """Bring the logged tokens to the host; finish rows that stopped."""
         h = self.host
         if h.log_rows:
-            h.record(*self.dev.read_log(len(h.log_rows)))
+            h.record(*self.dev.read_log(len(h.log_rows), top=h.top_id.shape[2] > 0))
         if h.check_stops():
             self.dev.set_live(h.live)
 
