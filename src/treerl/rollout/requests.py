@@ -1,8 +1,8 @@
 """Per-request (per-group) concerns of the running batch's host side: how to sample a set
-of rows whose groups bring their own settings (:func:`plan_sampling`), calling a group's
-listener (:func:`notify`), and finishing a cancelled group that is not in the batch
-(:func:`abort_deferred`). Functions of the :class:`~treerl.rollout.scheduler.Scheduler`'s
-state."""
+of rows whose groups bring their own settings (:func:`plan_sampling`), a row's output
+(:func:`row_completion`, and :func:`row_delta` for its group's listener: :func:`emit`,
+:func:`notify`), and stopping a cancelled group (:func:`abort`). Functions of the
+:class:`~treerl.rollout.scheduler.Scheduler`'s state."""
 
 from __future__ import annotations
 
@@ -114,6 +114,34 @@ def row_completion(s: "Scheduler", r: int, length: int, reason: str, stop) -> Co
         branch=s.tree.branch(int(r) % s.G, s.tree.depth_of(length)),
         top_logprobs=top,
     )
+
+
+def emit(s: "Scheduler", r: int, end: int, reason: str | None) -> None:
+    """Give row ``r``'s tokens ``[emitted, end)`` (and its ``reason`` if it finished) to its
+    group's listener; a listener that raises is logged and dropped."""
+    g = s.groups[s.key[r]]
+    delta = row_delta(s, r, int(s.emitted[r]), end, reason)
+    s.emitted[r] = end
+    if not notify(g.listener, delta):
+        g.listener = None
+
+
+def abort(s: "Scheduler", key) -> bool:
+    """(Synced.) Stop group ``key`` (cancelled): a running group's live rows finish with
+    their tokens so far and ``finish_reason="abort"``; a preempted or not yet admitted one
+    is taken from the deferred groups and finished the same way (its ``n`` samples empty
+    if it never ran). The group is queued in ``s.out``. False if the batch does not hold it."""
+    if key in s.gkey:
+        rows = s.slot_rows([s.gkey.index(key)])
+        for r in rows[s.live[rows]]:
+            s.finish(int(r), int(s.steps[r]), "abort", None)
+        return True
+    for i, item in enumerate(s.deferred):
+        if item.key == key:
+            del s.deferred[i]
+            s.out.append(abort_deferred(s, item))
+            return True
+    return False
 
 
 def abort_deferred(s: "Scheduler", item) -> Group:

@@ -27,7 +27,7 @@ import torch
 from .paging import BlockTable
 from .params import SamplingParams
 from .prompts import Waiting
-from .requests import RowSampling, abort_deferred, notify, plan_sampling, row_completion, row_delta
+from .requests import RowSampling, abort, emit, plan_sampling, row_completion
 from .stops import StopChecker
 from .tree import TreeLayout
 from .types import Group, RolloutStats
@@ -381,18 +381,8 @@ class Scheduler:
             else:
                 self.checked[r] = n
                 if n > self.emitted[r] and self.groups[self.key[r]].listener is not None:
-                    self._emit(r, n, None)
+                    emit(self, r, n, None)
         return finished
-
-    def _emit(self, r: int, end: int, reason: str | None) -> None:
-        """Give row ``r``'s tokens ``[emitted, end)`` (and its ``reason`` if it finished) to its
-        group's listener (:func:`~treerl.rollout.requests.row_delta`); a listener that
-        raises is logged and dropped."""
-        g = self.groups[self.key[r]]
-        delta = row_delta(self, r, int(self.emitted[r]), end, reason)
-        self.emitted[r] = end
-        if not notify(g.listener, delta):
-            g.listener = None
 
     def finish(self, r: int, length: int, reason: str, stop) -> None:
         """Row ``r`` ends with its first ``length`` tokens; its blocks are freed, and its
@@ -400,7 +390,7 @@ class Scheduler:
         key = self.key[r]
         g = self.groups[key]
         if g.listener is not None:
-            self._emit(r, length, reason)
+            emit(self, r, length, reason)
         slot = int(r) // self.G
         g.completions.append(row_completion(self, r, length, reason, stop))
         self.stats.generated_tokens += length
@@ -414,21 +404,8 @@ class Scheduler:
             self.out.append(Group(key, g.prompt_ids, g.completions))
 
     def abort(self, key: Hashable) -> bool:
-        """(Synced.) Stop group ``key`` (cancelled): a running group's live rows finish with
-        their tokens so far and ``finish_reason="abort"``; a preempted or not yet admitted one
-        is taken from the deferred groups and finished the same way (its ``n`` samples empty
-        if it never ran). The group is queued in ``out``. False if the batch does not hold it."""
-        if key in self.gkey:
-            slot = self.gkey.index(key)
-            for r in self.slot_rows([slot])[self.live[self.slot_rows([slot])]]:
-                self.finish(int(r), int(self.steps[r]), "abort", None)
-            return True
-        for i, item in enumerate(self.deferred):
-            if item.key == key:
-                del self.deferred[i]
-                self.out.append(abort_deferred(self, item))
-                return True
-        return False
+        """(Synced.) Stop group ``key`` (cancelled; :func:`~treerl.rollout.requests.abort`)."""
+        return abort(self, key)
 
     # -------------------------------------------------------------------- forks
     def due_forks(self) -> list[int]:
