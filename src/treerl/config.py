@@ -30,6 +30,7 @@ class ModelConfig:
     shape: str | None = "tiny"
     overrides: dict = field(default_factory=dict)  # config fields, e.g. {num_hidden_layers: 2}
     dtype: str = "float32"
+    lora: dict = field(default_factory=dict)  # LoRA adapters: rank, alpha, target_modules, dropout (treerl.lora); {}: off
 
 
 @dataclass

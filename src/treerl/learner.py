@@ -94,9 +94,10 @@ class Learner:
         o = cfg.optim
         self.critic_opt = None
         if self.critic is not None:
-            self.critic_opt = torch.optim.AdamW(self.critic.model.parameters(), lr=cfg.algorithm.critic_lr,
+            self.critic_opt = torch.optim.AdamW(trainable(self.critic.model), lr=cfg.algorithm.critic_lr,
                                                 weight_decay=o.weight_decay)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
+        # a LoRA (PEFT) model: its adapters only (the base is frozen)
+        self.optimizer = torch.optim.AdamW(trainable(self.model), lr=o.lr, betas=(o.beta1, o.beta2),
                                            weight_decay=o.weight_decay)
         total = cfg.train.steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -297,6 +298,11 @@ class Learner:
 
 
 # ------------------------------------------------------------------ functions
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters an optimizer updates: those that require grad."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def sample_advantages(samples: list[Sample], fields: dict[str, list[torch.Tensor]],
                       cfg: Config) -> torch.Tensor | list[torch.Tensor]:
     """Advantages of ``algorithm.advantage``: one per sequence ``[N]`` (GRPO, Dr.GRPO,

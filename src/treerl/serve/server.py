@@ -83,10 +83,22 @@ class ServerThread:
 
 
 def load_for_serving(config_path: str | None, overrides: list[str], weights: str | None,
-                     device: str, dtype: str | None) -> tuple[torch.nn.Module, Any, int]:
+                     device: str, dtype: str | None, lora: str | None = None) -> tuple[torch.nn.Module, Any, int]:
     """The model, tokenizer and weight version to serve: from a treerl checkpoint / run
     directory or a Hugging Face model directory (``weights``), else built from a config
-    (its ``model`` section; random weights unless ``model.path``)."""
+    (its ``model`` section; random weights unless ``model.path``). ``lora``: a LoRA adapter
+    directory (PEFT ``save_pretrained``, e.g. a LoRA run's checkpoint ``model/``) applied to
+    that model and merged into it once, at load (a LoRA run's checkpoint as ``weights``
+    gets its own adapter the same way, on the base rebuilt from the run's config)."""
+    model, tokenizer, version = _load_base_for_serving(config_path, overrides, weights, device, dtype)
+    if lora is not None:
+        from ..lora import load_adapter
+
+        model = load_adapter(model, lora).merge_and_unload()
+    return model, tokenizer, version
+
+
+def _load_base_for_serving(config_path, overrides, weights, device, dtype) -> tuple[torch.nn.Module, Any, int]:
     from ..checkpoint import META
     from ..config import Config
     from ..models import build_model, load_model
@@ -107,6 +119,16 @@ def load_for_serving(config_path: str | None, overrides: list[str], weights: str
             version = int(state.get("version", 0))
         else:
             version = 0
+        from ..lora import is_adapter_dir, load_adapter
+
+        if root is not None and is_adapter_dir(model_dir):  # a LoRA run: base from its config + adapter
+            from ..build import build_base
+            from ..lora import saved_tokenizer
+
+            cfg.model.dtype = dtype or cfg.model.dtype
+            tokenizer = saved_tokenizer(root, cfg)
+            model = load_adapter(build_base(cfg, tokenizer).to(device), model_dir).merge_and_unload()
+            return model, tokenizer, version
         model = load_model(model_dir, dtype=dtype or cfg.model.dtype, device=device)
         tok_dir = root / "tokenizer" if root is not None else model_dir
         if CharTokenizer.is_saved_in(tok_dir):
@@ -136,7 +158,8 @@ def serve(args) -> int:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]
-    model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype)
+    model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype,
+                                                 lora=getattr(args, "lora", None))
     engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens,
                            prefill_chunk_tokens=args.prefill_chunk_tokens)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
