@@ -174,3 +174,49 @@ def test_a_saved_moe_directory_loads_with_treerl_blocks(tmp_path):
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         assert torch.allclose(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)
+
+
+# ------------------------------------------------------------- the router's auxiliary loss
+def reference_aux(ref, seqs, coef):
+    """The load-balancing loss of the flat batch from per-sequence HF forwards: every layer's
+    router logits (HF's output_router_logits) of positions 0..L-2, pooled."""
+    probs, top = [], []
+    for s in seqs:
+        out = ref(input_ids=torch.as_tensor(s)[None], output_router_logits=True)
+        for logits in out.router_logits:
+            p = torch.softmax(logits[: len(s) - 1].double(), -1)
+            probs.append(p)
+            top.append(torch.topk(p, ref.config.num_experts_per_tok, -1).indices)
+    probs, top = torch.cat(probs), torch.cat(top)
+    E = ref.config.num_experts
+    f = torch.zeros(E, dtype=torch.float64).index_add_(0, top.reshape(-1), torch.ones(top.numel(), dtype=torch.float64))
+    f = f / len(probs)
+    return coef * E * (f * probs.mean(0)).sum()
+
+
+@pytest.mark.parametrize("mode", ["flat", "packed", "dfs", "auto"])
+def test_router_aux_loss_is_exact(mode, gen):
+    from treerl.moe_aux import forward_backward_with_router_aux
+
+    model = moe_model(seed=int(torch.randint(0, 1000, (1,), generator=gen)))
+    ref = hf_reference(model)
+    seqs = shaped_forest(gen, SPEC)
+    loss = RandomLoss.make(seqs, gen)
+    coef = 0.37
+    zero_grads(ref)
+    lps, _ = __import__("conftest").reference_logprobs(ref, seqs)
+    want_aux = reference_aux(ref, seqs, coef)
+    (loss(lps) + want_aux).backward()
+    ref_grads = grads_of(ref)
+    engine = TreeEngine(model, mode, **MODE_KW[mode])
+    zero_grads(model)
+    total, aux = forward_backward_with_router_aux(engine, seqs, loss, coef, separable=mode == "flat")
+    assert coef * aux == pytest.approx(float(want_aux), rel=1e-9)
+    assert total == pytest.approx(float(loss(lps) + want_aux), rel=1e-9)
+    assert_grads_close(grads_of(model), ref_grads, TOL[torch.float64], FLOOR[torch.float64])
+    # the aux term changes the router's gradient (else this proves nothing)
+    zero_grads(model)
+    engine.forward_backward(seqs, loss)
+    plain = grads_of(model)["model.layers.0.mlp.gate.weight"]
+    assert (plain - ref_grads["model.layers.0.mlp.gate.weight"]).norm() > 1e-6 * plain.norm()
+    zero_grads(model)

@@ -81,6 +81,7 @@ class AlgorithmConfig:
     lam: float = 1.0  # gae
     value_clip: float | None = None
     critic_lr: float = 1e-3
+    router_aux_coef: float = 0.0  # mixture of experts: weight of the router's load-balancing loss (treerl.moe_aux)
 
 
 @dataclass
