@@ -220,3 +220,23 @@ def test_router_aux_loss_is_exact(mode, gen):
     plain = grads_of(model)["model.layers.0.mlp.gate.weight"]
     assert (plain - ref_grads["model.layers.0.mlp.gate.weight"]).norm() > 1e-6 * plain.norm()
     zero_grads(model)
+
+
+def test_a_trainer_step_with_the_router_aux_loss(tmp_path):
+    from treerl.config import Config, ConfigError
+    from treerl.trainer import Trainer
+
+    base = ["task.name=addition", "task.kwargs={digits: 2}", "rollout.prompts_per_step=2", "rollout.group_size=3",
+            "train.tensorboard=false", "train.progress=false", f"train.out_dir={tmp_path}"]
+    cfg = Config.from_yaml(None, base + ["model.family=qwen3_moe", "model.shape=tiny-moe",
+                                         "algorithm.router_aux_coef=0.01"])
+    trainer = Trainer(cfg)
+    gate = trainer.model.model.layers[0].mlp.gate.weight
+    before = gate.detach().clone()
+    metrics = trainer.step()
+    assert metrics["loss/router_aux"] > 0 and not torch.equal(gate, before)
+    with pytest.raises(ConfigError, match="router_aux_coef > 0 needs a mixture-of-experts model"):
+        Trainer(Config.from_yaml(None, base + ["algorithm.router_aux_coef=0.01"]))
+    with pytest.raises(ConfigError, match="router_aux_coef must be >= 0"):
+        Trainer(Config.from_yaml(None, base + ["model.family=qwen3_moe", "model.shape=tiny-moe",
+                                               "algorithm.router_aux_coef=-1"]))
