@@ -26,7 +26,7 @@ from conftest import (
 from rollout_util import greedy_reference, random_prompts, sampling, tiny
 from treerl import TreeEngine
 from treerl.config import Config, ConfigError
-from treerl.lora import apply_lora, effective_weight, export_merged, is_peft, merged_model, peft_config
+from treerl.lora import apply_lora, effective_weight, is_peft, merged_model, peft_config
 from treerl.models import decoder_of
 from treerl.rollout import RolloutEngine
 from treerl.trainer import Trainer

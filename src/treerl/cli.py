@@ -111,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .lora import export_merged
+    from .export import export_merged
 
     out = export_merged(args.run, args.out)
     print(f"treerl export: wrote the merged model to {out}")

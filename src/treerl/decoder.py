@@ -28,9 +28,9 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from . import moe
 from .attention import TreeAttention, active_tree_attention, tree_attention_enabled
 from .models import OWN_LOOP_MODELS
+from .moe import install as install_moe
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -76,7 +76,7 @@ class DecoderStack:
     """
 
     def __init__(self, base: torch.nn.Module, compile: bool):
-        self.base = moe.install(base)
+        self.base = install_moe(base)
         self.own_loop = type(base).__name__ in OWN_LOOP_MODELS
         self.compile = compile and self.own_loop
 

@@ -30,8 +30,8 @@ from .build import Engines
 from .config import Config, ConfigError
 from .distributed import ranks
 from .distributed.data_parallel import DistContext, all_gather_objects, all_reduce_sum, gathered, gradient_step
-from . import moe
 from .engine import TreeEngine
+from .moe import is_moe_model
 from .moe_aux import forward_backward_with_router_aux
 from .rl import (
     LogLinearPolicyLoss,
@@ -312,7 +312,7 @@ def check_router_aux(cfg: Config, model: torch.nn.Module, dist) -> float:
     coef = cfg.algorithm.router_aux_coef
     if coef < 0:
         raise ConfigError(f"algorithm.router_aux_coef must be >= 0, got {coef}")
-    if coef and not moe.is_moe_model(model):
+    if coef and not is_moe_model(model):
         raise ConfigError("algorithm.router_aux_coef > 0 needs a mixture-of-experts model (e.g. model.family=qwen3_moe)")
     if coef and dist is not None:
         raise ConfigError("algorithm.router_aux_coef > 0 is not supported with data parallel training yet")

@@ -10,7 +10,7 @@ under block recompute, and a random dropout mask would differ between them).
 The base weights are frozen; only the adapters train (and only they are in the
 optimizer); a checkpoint's ``model/`` directory holds the adapter (PEFT's
 ``save_pretrained``: ``adapter_config.json`` + ``adapter_model.safetensors``) and
-:func:`export_merged` (``treerl export --merge-lora RUN OUT``) writes the merged full model.
+:func:`treerl.export.export_merged` (``treerl export --merge-lora RUN OUT``) writes the merged full model.
 """
 
 from __future__ import annotations
@@ -111,39 +111,3 @@ def merged_model(model: torch.nn.Module) -> torch.nn.Module:
     if not is_peft(model):
         raise ValueError("merged_model needs a PEFT model")
     return copy.deepcopy(model).merge_and_unload()
-
-
-def export_merged(checkpoint: str | Path, out: str | Path) -> Path:
-    """``treerl export --merge-lora``: a checkpoint (or run directory) of a run with
-    ``model.lora`` -> a full Hugging Face model directory ``out`` (base + merged adapter,
-    the tokenizer beside it). The base is rebuilt from the run's config (``model.path``, or
-    family/shape/seed)."""
-    from .build import build_base
-    from .checkpoint import CheckpointError, load_state, resolve_checkpoint
-    from .config import Config
-
-    path = resolve_checkpoint(checkpoint)
-    cfg = Config.from_dict(load_state(path)["config"])
-    if not is_adapter_dir(path / "model"):
-        raise CheckpointError(f"{path} holds a full model, not a LoRA adapter (its run had no model.lora): "
-                              f"{path / 'model'} is already a Hugging Face model directory")
-    tokenizer = saved_tokenizer(path, cfg)
-    model = load_adapter(build_base(cfg, tokenizer), path / "model").merge_and_unload()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(out)
-    return out
-
-
-def saved_tokenizer(checkpoint: Path, cfg) -> Any:
-    """The tokenizer saved in a checkpoint (``tokenizer/``), else the run's model directory's."""
-    from .tasks.tokenizer import CharTokenizer
-
-    tok_dir = checkpoint / "tokenizer"
-    if CharTokenizer.is_saved_in(tok_dir):
-        return CharTokenizer.from_pretrained(tok_dir)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tok_dir if tok_dir.is_dir() else cfg.model.path, local_files_only=True)

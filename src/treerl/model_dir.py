@@ -13,6 +13,10 @@ WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+# model_type in config.json -> the families treerl runs (treerl.models.FAMILIES, checked equal there)
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe")
+
+
 class ModelDirError(ConfigError):
     """A model directory that cannot be loaded, explained in one line."""
 
@@ -40,13 +44,11 @@ def check_model_dir(path: str | Path, *, what: str = "model directory", tokenize
                             f"{err.msg}); restore it from the model's source") from None
     if not isinstance(config, dict):
         raise ModelDirError(f"{what}: {cfg_file} must hold a JSON object, got {type(config).__name__}")
-    from .models import FAMILIES  # model_type in config.json -> the families treerl runs
-
     model_type = config.get("model_type")
-    supported = ", ".join(FAMILIES)
+    supported = ", ".join(SUPPORTED_MODEL_TYPES)
     if model_type is None:
         raise ModelDirError(f"{what}: {cfg_file} has no model_type; treerl supports {supported}")
-    if model_type not in FAMILIES:
+    if model_type not in SUPPORTED_MODEL_TYPES:
         arch = ", ".join(config.get("architectures") or []) or model_type
         raise ModelDirError(f"{what}: {p} holds a {arch} model (model_type {model_type!r}), which treerl does "
                             f"not support; supported model types: {supported} (Qwen3, Qwen2, Llama, Qwen3-MoE families)")

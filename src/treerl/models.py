@@ -20,7 +20,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from . import moe
+from .model_dir import SUPPORTED_MODEL_TYPES
+from .moe import install as install_moe
 
 # The families treerl supports: config.json model_type -> (config, causal LM). treerl runs
 # their decoder blocks itself (compiled training blocks, own decode blocks); any other HF
@@ -31,6 +32,7 @@ FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),  # mixture of experts (treerl.moe)
 }
+assert tuple(FAMILIES) == SUPPORTED_MODEL_TYPES, "treerl.model_dir.SUPPORTED_MODEL_TYPES lists the same families"
 # their base models (``model.base_model``): what the own loops recognise
 OWN_LOOP_MODELS = ("Qwen2Model", "Qwen3Model", "LlamaModel", "Qwen3MoeModel")
 
@@ -97,7 +99,7 @@ def build_model(
     torch.manual_seed(seed)
     with torch.device(device):
         model = FAMILIES[family][1](config)
-    return moe.install(model.to(dtype=dtype))
+    return install_moe(model.to(dtype=dtype))
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype | str = "bfloat16", device: str = "cpu") -> torch.nn.Module:
@@ -113,7 +115,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str = "bfloat16", devic
     except Exception as err:  # noqa: BLE001 - damaged weights etc.: one line naming the directory
         detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise ModelDirError(f"model directory {path} could not be loaded: {type(err).__name__}: {detail}") from err
-    return moe.install(model.to(device))
+    return install_moe(model.to(device))
 
 
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module:

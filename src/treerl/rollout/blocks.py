@@ -41,7 +41,7 @@ import sys
 
 import torch
 
-from .. import moe
+from ..moe import install as install_moe, is_moe_block
 from ..lora import effective_weight
 from ..models import causal_lm, decoder_of, runs_own_loop
 from .compiled import LazyCompiled
@@ -130,7 +130,7 @@ class FusedProjections:
     @staticmethod
     def _gate_up(layer) -> list | None:
         mlp = layer.mlp
-        return None if moe.is_moe_block(mlp) else [mlp.gate_proj, mlp.up_proj]
+        return None if is_moe_block(mlp) else [mlp.gate_proj, mlp.up_proj]
 
     def _merged(self, linear) -> torch.Tensor | None:
         """A merged copy of a LoRA layer's weight (None for a plain layer: called as it is)."""
@@ -172,7 +172,7 @@ class DecodeForward:
     Call :meth:`applies` first: other families decode through their HF forward."""
 
     def __init__(self, model: torch.nn.Module, compile: bool):
-        self.model, self.base = causal_lm(model), moe.install(decoder_of(model))
+        self.model, self.base = causal_lm(model), install_moe(decoder_of(model))
         self.pre, self.post = (_PRE, _POST) if compile else (_pre, _post)
         self.fused = FusedProjections(self.base.layers)
 

@@ -123,7 +123,7 @@ def _load_base_for_serving(config_path, overrides, weights, device, dtype) -> tu
 
         if root is not None and is_adapter_dir(model_dir):  # a LoRA run: base from its config + adapter
             from ..build import build_base
-            from ..lora import saved_tokenizer
+            from ..export import saved_tokenizer
 
             cfg.model.dtype = dtype or cfg.model.dtype
             tokenizer = saved_tokenizer(root, cfg)
