@@ -12,10 +12,12 @@ same math, which is Hugging Face's ``Qwen3MoeSparseMoeBlock`` reordered:
   token, optionally renormalised (``norm_topk_prob``), weights cast back to the input dtype;
 - the experts: the ``N x k`` (token, expert) pairs sorted by expert and run as two grouped
   GEMMs (``torch.nn.functional.grouped_mm``: gate/up ``[S, H] x [E, H, 2I]``, down
-  ``[S, I] x [E, I, H]``, one kernel each, no host sync, CUDA-graph safe), weighted and
-  summed back per token. Where PyTorch's grouped kernel does not take the inputs (float64,
-  or dimensions not a multiple of 16 bytes) the pairs go through one batched matmul over
-  the experts, padded to the largest expert's load (exact; reads that load on the host).
+  ``[S, I] x [E, I, H]``, one kernel each; in bf16 on CUDA no host sync, CUDA-graph safe),
+  weighted and summed back per token. Where PyTorch's grouped kernel does not take the
+  inputs (float64; float32/fp16 inside ``torch.compile``; dimensions not a multiple of 16
+  bytes) the pairs go through one batched matmul over the experts, padded to the largest
+  expert's load (exact; reads that load on the host: a graph break when compiled, and no
+  CUDA-graph capture — decode MoE models in bf16 on CUDA).
 
 The router's load-balancing loss (Switch / HF ``load_balancing_loss_func``) is
 :mod:`treerl.moe_aux`'s job; :func:`moe_forward` hands its router probabilities to the
@@ -108,9 +110,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, ex
 
 
 def _grouped_kernel_takes(x: torch.Tensor, w_t: torch.Tensor) -> bool:
-    """PyTorch's grouped GEMM: bf16/fp16/float32, strides multiples of 16 bytes."""
+    """PyTorch's grouped GEMM: bf16/fp16/float32 (bf16 only inside ``torch.compile``, whose
+    shape function refuses the others), strides multiples of 16 bytes."""
     size = w_t.element_size()
-    return (w_t.dtype in _GROUPED_DTYPES and x.dtype == w_t.dtype and (w_t.shape[-1] * size) % 16 == 0
+    dtypes = (torch.bfloat16,) if torch.compiler.is_compiling() else _GROUPED_DTYPES
+    return (w_t.dtype in dtypes and x.dtype == w_t.dtype and (w_t.shape[-1] * size) % 16 == 0
             and (w_t.shape[-2] * size) % 16 == 0)
 
 
