@@ -300,6 +300,7 @@ def routing_agreement(a, model, device) -> dict:
     vocab = model.get_input_embeddings().num_embeddings
     engine = RolloutEngine(model, cuda_graphs=False, compile_decode=False)
     trainer = TreeEngine(model, "flat", compile=False)
+    trainer.max_tokens  # noqa: B018 - the memory model's probe forwards (CUDA) run now, before any router is recorded
     layers = model.config.num_hidden_layers
     g = torch.Generator().manual_seed(1)
     same_pairs = pairs = same_tokens = tokens = 0
