@@ -16,7 +16,6 @@ import torch
 
 from .checkpoint import load_state, resolve_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import ConfigError
-from .lora import is_adapter_dir, is_peft
 from .distributed.data_parallel import (
     all_gather_objects,
     full_optimizer_state,
@@ -24,6 +23,7 @@ from .distributed.data_parallel import (
     load_full_optimizer_state,
     load_full_state_dict,
 )
+from .lora import is_adapter_dir, is_peft
 
 if TYPE_CHECKING:
     from .trainer import Trainer

@@ -41,9 +41,9 @@ import sys
 
 import torch
 
-from ..moe import install as install_moe, is_moe_block
 from ..lora import effective_weight
 from ..models import causal_lm, decoder_of, runs_own_loop
+from ..moe import install as install_moe, is_moe_block
 from .compiled import LazyCompiled
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, shared_part, split_queries
 
