@@ -88,6 +88,27 @@ def test_every_mode_equals_the_hf_reference(mode, gen):
     zero_grads(model)
 
 
+def test_block_recompute_equals_the_hf_reference(gen):
+    """Calls whose decoder blocks are recomputed in the backward (a small memory budget, 16
+    layers): the routing is recomputed identically."""
+    from treerl.memory import MemoryModel
+
+    model = moe_model(seed=7, num_hidden_layers=16)
+    ref = hf_reference(model)
+    seqs = shaped_forest(gen, SPEC)
+    loss = RandomLoss.make(seqs, gen)
+    _, ref_grads, ref_lps, _ = reference_step(ref, seqs, loss)
+    m = MemoryModel.estimate(model.config, torch.float64, dense_mask=True)
+    budget = int(m.fixed + 6 * m.per_token + 36 * m.per_pair) + 1  # calls over 6 tokens recompute their blocks
+    engine = TreeEngine(model, "auto", memory_budget=budget, chunk_tokens=4)
+    zero_grads(model)
+    engine.forward_backward(seqs, loss)
+    assert engine.stats.recomputed_calls >= 1, engine.stats
+    assert_grads_close(grads_of(model), ref_grads, TOL[torch.float64], FLOOR[torch.float64])
+    assert_seq_close(engine.logprobs(seqs), ref_lps, TOL[torch.float64])
+    zero_grads(model)
+
+
 def test_float32_grouped_kernel_equals_the_reference(gen):
     """float32: the experts through PyTorch's grouped GEMM (not the fallback), to 1e-5."""
     model = moe_model(torch.float32, seed=5)
