@@ -16,6 +16,9 @@ and an error in one part is recorded and the next part runs):
   non-expert weights, the experts the step's rows select — expected distinct experts per
   layer under uniform routing, ``E (1 - (1 - k/E)^B)`` — each prompt's K/V once, each row's
   own K/V; over the measured copy bandwidth).
+- ``lora_rollout`` (last): the 1.7B-shape rollout with LoRA r=64 (merged weights in the
+  decode blocks' fused copies) against the base model, tok/s, and the seconds of refreshing
+  the merged copies after an optimizer step (``update_weights``).
 - ``stability``: on a GRPO batch of the MoE model, max/mean |logprob| difference of bf16
   ``auto`` (tree) vs bf16 ``flat``, against bf16 ``flat`` vs float32 ``flat`` (DESIGN: the
   first must be <= 1.5 x the second), and routing agreement between rollout and trainer:
@@ -166,6 +169,39 @@ def part_lora(a, device, results):
         "tree_speedup_full": by["full", "flat"]["seconds"] / by["full", "auto"]["seconds"],
         "tree_speedup_lora": by["lora", "flat"]["seconds"] / by["lora", "auto"]["seconds"],
     })
+
+
+def part_lora_rollout(a, device, results):
+    """Rollout of the LoRA model (merged weights in the decode blocks' copies) against the
+    base model, and the cost of refreshing the merged copies after an optimizer step."""
+    out = {}
+    for kind in ("base", "lora"):
+        model = build_model("qwen3", a.lora_shape, dtype=a.dtype, device=device, seed=0)
+        if kind == "lora":
+            model = apply_lora(model, {"rank": a.rank, "alpha": 2 * a.rank})
+        vocab = model.get_input_embeddings().num_embeddings
+        engine = RolloutEngine(model, keep_stream_buffers=True)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, vocab, (a.rollout_prompt_len,), generator=g).tolist()
+                   for _ in range(a.rollout_prompts)]
+        params = SamplingParams(n=a.rollout_group, temperature=1.0, max_new_tokens=a.rollout_new_tokens // 2, seed=0)
+        engine.generate(prompts, params)
+        sync(device)
+        t0 = time.perf_counter()
+        groups = engine.generate(prompts, params)
+        sync(device)
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(c.completion_ids) for grp in groups for c in grp.completions)
+        sync(device)
+        t0 = time.perf_counter()
+        engine.update_weights(model)  # the trainer's path after each optimizer step: refresh the (merged) copies
+        sync(device)
+        out[kind] = dict(tok_per_s=tokens / seconds, refresh_seconds=time.perf_counter() - t0)
+        print(f"lora_rollout part: {kind}: {out[kind]}", flush=True)
+        del model, engine
+        free()
+    out["lora_vs_base_tok_per_s"] = out["lora"]["tok_per_s"] / out["base"]["tok_per_s"]
+    results["lora_rollout"] = out
 
 
 def moe_model(a, device, dtype=None):
@@ -334,7 +370,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--parts", default="lora,moe,rollout,stability")
+    p.add_argument("--parts", default="lora,moe,rollout,stability,lora_rollout")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a check that the script runs)")
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--moe-layers", type=int, default=4)
@@ -365,7 +401,8 @@ def main(argv=None) -> int:
     parts = dict(lora=lambda: part_lora(a, device, results),
                  moe=lambda: part_moe(a, device, results, results["matmul_peak_tflops"]),
                  rollout=lambda: part_rollout(a, device, results, results["copy_bandwidth_Bps"]),
-                 stability=lambda: part_stability(a, device, results))
+                 stability=lambda: part_stability(a, device, results),
+                 lora_rollout=lambda: part_lora_rollout(a, device, results))
     for name in a.parts.split(","):
         t0 = time.perf_counter()
         try:
