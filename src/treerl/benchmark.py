@@ -27,7 +27,7 @@ import torch
 
 from .engine import StepStats, TreeEngine
 from .loss_head import token_logprobs
-from .models import SHAPES, build_model
+from .models import SHAPES, build_model, decoder_of
 from .plan import MODES as ENGINE_MODES, TreeTooLargeError
 from .tree import PrefixTree
 from .workloads import SCALES, WORKLOADS, make_workload
@@ -138,7 +138,7 @@ class NaiveLoop:
         for i, ids in enumerate(seqs):
             if len(ids) < 2:
                 continue  # nothing to predict
-            hidden = self.model.base_model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+            hidden = decoder_of(self.model)(input_ids=ids[None], use_cache=False).last_hidden_state[0]
             lp, _ = token_logprobs(hidden[:-1], self.head.weight, ids[1:], compiled=self.compiled_head)
             loss = loss_fn([lp], index=torch.tensor([i]))
             loss.backward()

@@ -1,7 +1,7 @@
 """Building what a trainer trains: the tokenizer, the policy model, and the tree engines
 over it (policy; a frozen reference for the KL term; a critic with a value head for GAE).
 
-Reads config sections ``model`` (path / family / shape / dtype / overrides), ``engine``
+Reads config sections ``model`` (path / family / shape / dtype / overrides / lora), ``engine``
 (the tree engines' settings), ``algorithm`` (which extra engines exist) and
 ``rollout.temperature`` (the engines' logprobs use the sampling temperature).
 """
@@ -35,8 +35,20 @@ def default_tokenizer(cfg: Config, task: Task) -> Any:
 
 
 def build_policy(cfg: Config, tokenizer: Any) -> torch.nn.Module:
-    """The policy: loaded from ``model.path``, else a fresh ``model.family``/``model.shape``
-    with the tokenizer's vocabulary (and special-token ids) and ``model.overrides``."""
+    """The policy: :func:`build_base`, wrapped with fresh LoRA adapters when ``model.lora``
+    is set (a PEFT model: only the adapters train, :mod:`treerl.lora`)."""
+    model = build_base(cfg, tokenizer)
+    if cfg.model.lora:
+        from .lora import apply_lora
+
+        model = apply_lora(model, cfg.model.lora)
+    return model
+
+
+def build_base(cfg: Config, tokenizer: Any) -> torch.nn.Module:
+    """The model before any adapter: loaded from ``model.path``, else a fresh
+    ``model.family``/``model.shape`` with the tokenizer's vocabulary (and special-token ids)
+    and ``model.overrides`` (seeded by ``train.seed``: rebuilt identically)."""
     m = cfg.model
     if m.path:
         return load_model(m.path, dtype=m.dtype)

@@ -1,4 +1,4 @@
-"""The `treerl` command line: train, eval, serve, bench, tree-stats."""
+"""The `treerl` command line: train, eval, serve, export, bench, tree-stats."""
 
 from __future__ import annotations
 
@@ -116,6 +116,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_merged
+
+    out = export_merged(args.run, args.out)
+    print(f"treerl export: wrote the merged model to {out}")
+    return 0
+
+
 def cmd_tree_stats(args: argparse.Namespace) -> int:
     from .tree_stats import main as stats_main
 
@@ -161,6 +169,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="longer text prompts get 400 before tokenizing (default: 2 x context x longest token)")
     s.add_argument("--max-queued", type=int, default=1024,
                    help="generation requests waiting or running at once; more get 429 with Retry-After")
+    p.add_argument("--lora", metavar="PATH", help="a LoRA adapter directory (a LoRA run's checkpoint model/) to apply "
+                                                  "to the model, merged once at load")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -196,6 +206,13 @@ def parser() -> argparse.ArgumentParser:
                                    "HTTP server with token ids, logprobs and weight versions (README, 'Agents').")
     _serve_arguments(v)
     v.set_defaults(func=cmd_serve)
+    x = sub.add_parser("export", help="write a LoRA run's checkpoint as a full Hugging Face model",
+                       description="Merge a LoRA run's adapter into its base model and write a Hugging Face model "
+                                   "directory (README, 'LoRA').")
+    x.add_argument("--merge-lora", dest="run", metavar="RUN", required=True,
+                   help="a checkpoint of a run with model.lora, or its run directory (the newest checkpoint)")
+    x.add_argument("out", help="the output directory")
+    x.set_defaults(func=cmd_export)
     s = sub.add_parser("tree-stats", help="prefix-sharing statistics of a rollouts JSONL file",
                        description="Sharing statistics of rollouts (one JSON object per line with token_ids; "
                                    "lines with the same 'step' form one batch).")

@@ -30,6 +30,7 @@ class ModelConfig:
     shape: str | None = "tiny"
     overrides: dict = field(default_factory=dict)  # config fields, e.g. {num_hidden_layers: 2}
     dtype: str = "float32"
+    lora: dict = field(default_factory=dict)  # LoRA adapters: rank, alpha, target_modules, dropout (treerl.lora); {}: off
 
 
 @dataclass
@@ -81,6 +82,7 @@ class AlgorithmConfig:
     lam: float = 1.0  # gae
     value_clip: float | None = None
     critic_lr: float = 1e-3
+    router_aux_coef: float = 0.0  # mixture of experts: weight of the router's load-balancing loss (treerl.moe_aux)
 
 
 @dataclass

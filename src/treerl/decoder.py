@@ -1,7 +1,7 @@
 """The decoder stack of one engine call, run block by block.
 
-For the supported families (Qwen2, Qwen3, Llama: embed -> rotary -> blocks -> norm) treerl
-runs the stack itself, which lets it
+For the supported families (:data:`treerl.models.OWN_LOOP_MODELS`: Qwen2, Qwen3, Llama,
+Qwen3-MoE; embed -> rotary -> blocks -> norm) treerl runs the stack itself, which lets it
 
 - **compile each decoder block** on its own (regional ``torch.compile``, dynamic shapes):
   RMSNorm, RoPE, SwiGLU and the residual adds become a few fused kernels instead of ~40
@@ -14,8 +14,11 @@ runs the stack itself, which lets it
 
 The modules and weights are the model's own (nothing is copied or renamed), so Hugging
 Face checkpoints load and save unchanged and the model stays usable elsewhere (the rollout
-engine shares it). Any other causal LM runs through its own base model's forward, without
-either option.
+engine shares it). A PEFT (LoRA) model's blocks hold its LoRA layers in place of the
+projections, so the same loop runs them (base weight + adapter, each call). Qwen3-MoE
+blocks run their sparse MLP through :mod:`treerl.moe` (installed here: routing in the
+input precision, grouped expert GEMMs), inside the compiled block. Any other causal LM
+runs through its own base model's forward, without either option.
 """
 
 from __future__ import annotations
@@ -26,13 +29,13 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .attention import TreeAttention, active_tree_attention, tree_attention_enabled
+from .models import OWN_LOOP_MODELS
+from .moe import install as install_moe
 
 try:
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - torch without distributed
     FSDPModule = None
-
-OWN_LOOP_FAMILIES = ("Qwen2Model", "Qwen3Model", "LlamaModel")
 
 
 def _run_block(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -67,14 +70,14 @@ class DecoderStack:
     """``base(input_ids, position_ids) -> last hidden states`` with per-block options.
 
     Args:
-        base: the causal LM's base model (``model.base_model``).
+        base: the causal LM's decoder stack (:func:`treerl.models.decoder_of`).
         compile: compile each decoder block (CUDA; ignored for FSDP-sharded blocks, whose
             all-gather hooks run eagerly, and for families treerl does not run itself).
     """
 
     def __init__(self, base: torch.nn.Module, compile: bool):
-        self.base = base
-        self.own_loop = type(base).__name__ in OWN_LOOP_FAMILIES
+        self.base = install_moe(base)
+        self.own_loop = type(base).__name__ in OWN_LOOP_MODELS
         self.compile = compile and self.own_loop
 
     @property
@@ -94,7 +97,7 @@ class DecoderStack:
         base = self.base
         if not self.own_loop:
             if checkpoint_blocks:
-                raise ValueError(f"activation checkpointing needs one of {', '.join(OWN_LOOP_FAMILIES)}")
+                raise ValueError(f"activation checkpointing needs one of {', '.join(OWN_LOOP_MODELS)}")
             return base(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         hidden = base.embed_tokens(input_ids)
         cos, sin = base.rotary_emb(hidden, position_ids)

@@ -31,6 +31,7 @@ from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, tree_attention_e
 from .decoder import DecoderStack
 from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
 from .memory import MemoryModel, resolve_budget
+from .models import decoder_of
 from .plan import MODES, Plan, make_plan
 from .tree import PrefixTree, TokenSequence
 
@@ -114,7 +115,7 @@ class SegmentRunner(torch.nn.Module):
         self.model = model
         self.value_head = value_head
         self.temperature, self.chunk_elements = temperature, chunk_elements
-        self.stack = DecoderStack(model.base_model, compile)
+        self.stack = DecoderStack(decoder_of(model), compile)
 
     def forward(self, input_ids, position_ids, rows, targets, *, entropy: bool, recompute: bool = False):
         """input_ids/position_ids [1, n]; rows [T] hidden rows to read; targets [T] token ids.
@@ -180,7 +181,7 @@ class TreeEngine:
         if not temperature > 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
         self.model = model
-        self.base = model.base_model
+        self.base = decoder_of(model)
         self.head = model.get_output_embeddings()
         _check_supported(model, self.head)
         self.device = self.head.weight.device
@@ -551,7 +552,8 @@ class TreeEngine:
             outs, grads = outputs_and_grads(i, lp, ent)
             for (k, v), (leaf_k, leaf_v) in zip(kv, leaves):
                 for out, leaf in ((k, leaf_k), (v, leaf_v)):
-                    if leaf.grad is not None:
+                    # (frozen parameters, e.g. a LoRA model's: a layer's K/V may depend on none that train)
+                    if leaf.grad is not None and out.requires_grad:
                         outs.append(out)
                         grads.append(leaf.grad)
             torch.autograd.backward(outs, grads)

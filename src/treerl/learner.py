@@ -31,6 +31,8 @@ from .config import Config, ConfigError
 from .distributed import ranks
 from .distributed.data_parallel import DistContext, all_gather_objects, all_reduce_sum, gathered, gradient_step
 from .engine import TreeEngine
+from .moe import is_moe_model
+from .moe_aux import forward_backward_with_router_aux
 from .rl import (
     LogLinearPolicyLoss,
     Normalisers,
@@ -94,10 +96,12 @@ class Learner:
         o = cfg.optim
         self.critic_opt = None
         if self.critic is not None:
-            self.critic_opt = torch.optim.AdamW(self.critic.model.parameters(), lr=cfg.algorithm.critic_lr,
+            self.critic_opt = torch.optim.AdamW(trainable(self.critic.model), lr=cfg.algorithm.critic_lr,
                                                 weight_decay=o.weight_decay)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
+        # a LoRA (PEFT) model: its adapters only (the base is frozen)
+        self.optimizer = torch.optim.AdamW(trainable(self.model), lr=o.lr, betas=(o.beta1, o.beta2),
                                            weight_decay=o.weight_decay)
+        self.router_aux_coef = check_router_aux(cfg, self.model, dist)
         total = cfg.train.steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, o.warmup_steps, total, o.schedule, o.min_lr_ratio))
@@ -218,8 +222,13 @@ class Learner:
         in place."""
         if not self.dist:
             loss = make_loss(batch.to(self.device), None)
+            tree = PrefixTree.from_sequences(seqs)
             with self.autocast():
-                engine.forward_backward(PrefixTree.from_sequences(seqs), loss, separable=True, entropy=entropy)
+                if self.router_aux_coef and engine is self.engine:  # the policy's routers
+                    _, aux = forward_backward_with_router_aux(engine, tree, loss, self.router_aux_coef,
+                                                              separable=True, entropy=entropy)
+                    return {**loss.metrics(), "router_aux": aux}
+                engine.forward_backward(tree, loss, separable=True, entropy=entropy)
             return loss.metrics()
         norms = Normalisers.of(batch)  # the global minibatch's counts (every rank has it)
         raw = {}
@@ -297,6 +306,24 @@ class Learner:
 
 
 # ------------------------------------------------------------------ functions
+def check_router_aux(cfg: Config, model: torch.nn.Module, dist) -> float:
+    """``algorithm.router_aux_coef``, checked: >= 0; > 0 needs a mixture-of-experts policy
+    and one process (the routing counts are not yet reduced over ranks)."""
+    coef = cfg.algorithm.router_aux_coef
+    if coef < 0:
+        raise ConfigError(f"algorithm.router_aux_coef must be >= 0, got {coef}")
+    if coef and not is_moe_model(model):
+        raise ConfigError("algorithm.router_aux_coef > 0 needs a mixture-of-experts model (e.g. model.family=qwen3_moe)")
+    if coef and dist is not None:
+        raise ConfigError("algorithm.router_aux_coef > 0 is not supported with data parallel training yet")
+    return coef
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters an optimizer updates: those that require grad."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def sample_advantages(samples: list[Sample], fields: dict[str, list[torch.Tensor]],
                       cfg: Config) -> torch.Tensor | list[torch.Tensor]:
     """Advantages of ``algorithm.advantage``: one per sequence ``[N]`` (GRPO, Dr.GRPO,

@@ -111,10 +111,10 @@ class MemoryModel:
         """From the shapes: what an eager HF decoder block saves per token (norms in
         float32, q/k/v, RoPE, attention, the SwiGLU intermediates)."""
         size = torch.finfo(dtype).bits // 8
-        h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+        h, layers = config.hidden_size, config.num_hidden_layers
         head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-        block = size * (7 * h + 5 * q + 6 * kv + 4 * inter)
+        block = size * (7 * h + 5 * q + 6 * kv) + mlp_activation_bytes(config, size)
         fixed = 3 * (1 << 27) * 4  # the loss head's float32 logits chunk, ~3 alive
         # dense mask: the bool mask, and scores + probabilities of every head (one layer at a time)
         per_pair = (1 + 2 * size * config.num_attention_heads) if dense_mask else 0.0
@@ -196,3 +196,39 @@ def attention_held(config, dtype: torch.dtype, dense_mask: bool) -> dict[str, fl
     return dict(attention_per_query=(size * head_dim + 4) * heads, attention_copies_per_query=size * heads * head_dim,
                 attention_copies_per_key=2 * size * kv_heads * head_dim,
                 attention_per_pair=size * heads if dense_mask else 0.0)
+
+
+# ------------------------------------------------------------- mixture of experts
+def sparse_layers(config) -> int:
+    """Decoder layers whose MLP is a sparse MoE block (Qwen3-MoE's rule; 0 for dense models)."""
+    experts = getattr(config, "num_experts", 0) or 0
+    if not experts:
+        return 0
+    step, dense = getattr(config, "decoder_sparse_step", 1) or 1, set(getattr(config, "mlp_only_layers", None) or [])
+    return sum(1 for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+
+
+def mlp_activation_bytes(config, size: int) -> float:
+    """What one token's MLP saves for the backward, per layer (averaged over the layers):
+    a dense SwiGLU its 4 intermediates; a sparse MoE block (:mod:`treerl.moe`) its router
+    logits (``size``) and float32 probabilities, and per routed copy (top-k) the gathered
+    input, gate/up output, activation and product, down output and weighted output."""
+    layers = config.num_hidden_layers
+    moe_layers = sparse_layers(config)
+    dense = 4 * size * config.intermediate_size
+    if not moe_layers:
+        return float(dense)
+    k, mi, h, e = config.num_experts_per_tok, config.moe_intermediate_size, config.hidden_size, config.num_experts
+    routed = size * (k * (4 * mi + 3 * h) + e) + 4 * e
+    return (moe_layers * routed + (layers - moe_layers) * dense) / layers
+
+
+def expert_weight_bytes(config, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of every expert weight, bytes of the experts one token reads: top-k per
+    sparse layer) — the weights a decode step reads for a single row, and their total."""
+    layers = sparse_layers(config)
+    if not layers:
+        return 0, 0
+    size = torch.finfo(dtype).bits // 8
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size * size
+    return layers * config.num_experts * per_expert, layers * config.num_experts_per_tok * per_expert

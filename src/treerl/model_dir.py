@@ -9,10 +9,12 @@ from pathlib import Path
 
 from .config import ConfigError
 
-# model_type in config.json -> the families treerl runs (treerl.models.FAMILIES)
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+# model_type in config.json -> the families treerl runs (treerl.models.FAMILIES, checked equal there)
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe")
 
 
 class ModelDirError(ConfigError):
@@ -49,7 +51,7 @@ def check_model_dir(path: str | Path, *, what: str = "model directory", tokenize
     if model_type not in SUPPORTED_MODEL_TYPES:
         arch = ", ".join(config.get("architectures") or []) or model_type
         raise ModelDirError(f"{what}: {p} holds a {arch} model (model_type {model_type!r}), which treerl does "
-                            f"not support; supported model types: {supported} (Qwen3, Qwen2, Llama families)")
+                            f"not support; supported model types: {supported} (Qwen3, Qwen2, Llama, Qwen3-MoE families)")
     if not any(next(p.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
         raise ModelDirError(f"{what}: {p} has no weights (*.safetensors or pytorch_model*.bin)")
     if tokenizer and not any((p / name).is_file() for name in TOKENIZER_FILES):

@@ -1,5 +1,6 @@
 """Building and loading Hugging Face causal LMs for treerl (no downloads: configs or
-local directories only), named model shapes, and the float64 RMSNorm fix."""
+local directories only), named model shapes, the families treerl runs itself (the one
+list), the unwrapping of PEFT (LoRA) models, and the float64 RMSNorm fix."""
 
 from __future__ import annotations
 
@@ -15,13 +16,25 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
+from .model_dir import SUPPORTED_MODEL_TYPES
+from .moe import install as install_moe
+
+# The families treerl supports: config.json model_type -> (config, causal LM). treerl runs
+# their decoder blocks itself (compiled training blocks, own decode blocks); any other HF
+# causal LM handed to an engine goes through its own forward.
 FAMILIES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),  # mixture of experts (treerl.moe)
 }
+assert tuple(FAMILIES) == SUPPORTED_MODEL_TYPES, "treerl.model_dir.SUPPORTED_MODEL_TYPES lists the same families"
+# their base models (``model.base_model``): what the own loops recognise
+OWN_LOOP_MODELS = ("Qwen2Model", "Qwen3Model", "LlamaModel", "Qwen3MoeModel")
 
 # Named shapes (random weights): what the benchmarks use.
 SHAPES: dict[str, dict] = {
@@ -42,6 +55,18 @@ SHAPES: dict[str, dict] = {
         hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
         tie_word_embeddings=True, rope_theta=1_000_000.0,
+    ),
+    # mixture of experts (family qwen3_moe): every layer sparse
+    "tiny-moe": dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=512, max_position_embeddings=4096,
+    ),
+    # Qwen3-30B-A3B (48 layers: benchmarks override num_hidden_layers to fit one GPU)
+    "qwen3-30b-a3b": dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False, rope_theta=1_000_000.0,
     ),
 }
 
@@ -74,7 +99,7 @@ def build_model(
     torch.manual_seed(seed)
     with torch.device(device):
         model = FAMILIES[family][1](config)
-    return model.to(dtype=dtype)
+    return install_moe(model.to(dtype=dtype))
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype | str = "bfloat16", device: str = "cpu") -> torch.nn.Module:
@@ -90,7 +115,26 @@ def load_model(path: str | Path, *, dtype: torch.dtype | str = "bfloat16", devic
     except Exception as err:  # noqa: BLE001 - damaged weights etc.: one line naming the directory
         detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise ModelDirError(f"model directory {path} could not be loaded: {type(err).__name__}: {detail}") from err
-    return model.to(device)
+    return install_moe(model.to(device))
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face causal LM of ``model``: itself, or the one a PEFT model wraps (its
+    LoRA layers in place). The one place that unwraps PEFT models."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (``embed_tokens``, ``layers``, ``norm``) of a causal LM or a PEFT
+    model wrapping one: ``causal_lm(model).base_model`` (a PEFT model's own ``base_model``
+    is its LoRA wrapper)."""
+    return causal_lm(model).base_model
+
+
+def runs_own_loop(model: torch.nn.Module) -> bool:
+    """Whether treerl runs ``model``'s decoder blocks itself (:data:`OWN_LOOP_MODELS`)."""
+    return type(decoder_of(model)).__name__ in OWN_LOOP_MODELS
 
 
 def rmsnorm_in_input_precision(model: torch.nn.Module) -> torch.nn.Module:

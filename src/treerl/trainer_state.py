@@ -23,6 +23,7 @@ from .distributed.data_parallel import (
     load_full_optimizer_state,
     load_full_state_dict,
 )
+from .lora import is_adapter_dir, is_peft
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -78,11 +79,22 @@ def load(trainer: Trainer, checkpoint: str | Path) -> Path:
         weights.update(load_file(f))
     # data parallel: the whole weights go to the rollout copy, each rank's shards to the policy
     whole = t.rollout.model if t.dist else t.model
-    missing, unexpected = whole.load_state_dict(weights, strict=False)
-    if unexpected or [k for k in missing if "lm_head" not in k]:
-        raise ConfigError(f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    if whole.config.tie_word_embeddings:
-        whole.tie_weights()
+    if is_peft(whole):  # a LoRA run: the checkpoint holds the adapter (the base is rebuilt from the config)
+        from peft import set_peft_model_state_dict
+
+        if not is_adapter_dir(path / "model"):
+            raise ConfigError(f"checkpoint {path} holds a full model, but this run trains LoRA adapters (model.lora)")
+        unexpected = set_peft_model_state_dict(whole, weights).unexpected_keys
+        if unexpected:
+            raise ConfigError(f"checkpoint {path}'s adapter does not match the model's (unexpected {unexpected[:3]})")
+    else:
+        if is_adapter_dir(path / "model"):
+            raise ConfigError(f"checkpoint {path} holds a LoRA adapter: resume it with the run's model.lora settings")
+        missing, unexpected = whole.load_state_dict(weights, strict=False)
+        if unexpected or [k for k in missing if "lm_head" not in k]:
+            raise ConfigError(f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        if whole.config.tie_word_embeddings:
+            whole.tie_weights()
     if t.dist:
         load_full_state_dict(t.model, whole.state_dict())
         load_full_optimizer_state(learner.optimizer, state["optimizer"])

@@ -81,7 +81,7 @@ def shard(engine: TreeEngine, *, param_dtype: torch.dtype | None = None,
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for layer in engine.model.base_model.layers:
+    for layer in engine.base.layers:  # the decoder stack (a PEFT model unwrapped: treerl.models.decoder_of)
         fully_shard(layer, mp_policy=policy)
     fully_shard(engine.runner, mp_policy=policy)
 

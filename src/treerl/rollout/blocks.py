@@ -1,5 +1,5 @@
 """The streaming decode step's forward for the families treerl runs itself (Qwen2, Qwen3,
-Llama), block by block.
+Llama, Qwen3-MoE: :data:`treerl.models.OWN_LOOP_MODELS`), block by block.
 
 Through Hugging Face's modules one decode step of a 28-layer model launches ~1,900
 kernels (norms, RoPE, reshapes and the two-level attention's merge are dozens of small
@@ -26,6 +26,13 @@ each serves every layer and every batch bucket; parameters are graph inputs), so
 is ~18 kernels. The modules and weights are the model's own (HF checkpoints, in-place
 weight updates and a model shared with the trainer all keep working); the math is the
 modules' own forward, reordered. Any other causal LM decodes through its HF forward.
+
+LoRA (a PEFT model): the fused copies hold the *merged* weights ``W + scaling x B @ A``
+(:func:`treerl.lora.effective_weight`), and so do copies of the output and down
+projections; they are refreshed with the other copies (every stream, every
+``update_weights``: after each optimizer step), so a decode step costs what the base
+model's does. Mixture of experts (Qwen3-MoE): the sparse MLP runs through
+:func:`treerl.moe.moe_forward` (routing, grouped expert GEMMs; bf16 on CUDA for graph capture).
 """
 
 from __future__ import annotations
@@ -34,10 +41,11 @@ import sys
 
 import torch
 
+from ..lora import effective_weight
+from ..models import causal_lm, decoder_of, runs_own_loop
+from ..moe import install as install_moe, is_moe_block
 from .compiled import LazyCompiled
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, shared_part, split_queries
-
-OWN_DECODE_FAMILIES = ("Qwen2Model", "Qwen3Model", "LlamaModel")
 
 
 def _pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, G: int,
@@ -66,56 +74,93 @@ def _pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: t
 
 
 def _post(layer: torch.nn.Module, hidden: torch.Tensor, o_own: torch.Tensor, l_own: torch.Tensor,
-          o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, w_gate_up: torch.Tensor,
-          b_gate_up: torch.Tensor | None) -> torch.Tensor:
+          o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, w_gate_up: torch.Tensor | None,
+          b_gate_up: torch.Tensor | None, w_o: torch.Tensor | None, w_down: torch.Tensor | None) -> torch.Tensor:
     """The merged attention output through the rest of the block: ``hidden [B, 1, H]`` out.
-    ``w_gate_up``/``b_gate_up``: the MLP's gate and up projections as one."""
+    ``w_gate_up``/``b_gate_up``: the MLP's gate and up projections as one (None: a sparse MoE
+    block, run as :func:`treerl.moe.moe_forward`). ``w_o``/``w_down``: merged LoRA weights
+    of the output/down projections (None: the modules themselves)."""
     attn = merge_parts(o_own, l_own, o_pre, l_pre, G, hidden.dtype)
-    hidden = hidden + layer.self_attn.o_proj(attn.reshape(*hidden.shape[:-1], -1))
+    attn = attn.reshape(*hidden.shape[:-1], -1)
+    o_proj = layer.self_attn.o_proj
+    hidden = hidden + (o_proj(attn) if w_o is None else torch.nn.functional.linear(attn, w_o, _bias(o_proj)))
     mlp = layer.mlp
-    gate, up = torch.nn.functional.linear(layer.post_attention_layernorm(hidden), w_gate_up, b_gate_up).chunk(2, dim=-1)
-    return hidden + mlp.down_proj(mlp.act_fn(gate) * up)
+    x = layer.post_attention_layernorm(hidden)
+    if w_gate_up is None:
+        return hidden + mlp(x)
+    gate, up = torch.nn.functional.linear(x, w_gate_up, b_gate_up).chunk(2, dim=-1)
+    act = mlp.act_fn(gate) * up
+    return hidden + (mlp.down_proj(act) if w_down is None else torch.nn.functional.linear(act, w_down, _bias(mlp.down_proj)))
+
+
+def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
+    return getattr(getattr(linear, "base_layer", linear), "bias", None)
 
 
 class FusedProjections:
     """Per layer, the Q/K/V projection weights (and biases) concatenated into one matrix, and
-    the MLP's gate/up: one matrix product each instead of three and two (a decode step's
-    small products are latency-bound). Copies of the model's parameters (memory: those
-    weights once more), copied again in place at the start of every stream and after
-    ``update_weights``: the only points where the parameters can have changed (a shared
-    policy is trained between streams; a fused optimizer step bumps no version counter, so
-    a change cannot be detected cheaply and is not guessed at)."""
+    the MLP's gate/up (dense MLPs only): one matrix product each instead of three and two (a
+    decode step's small products are latency-bound); with LoRA adapters the weights are the
+    merged ones, and the output and down projections get merged copies too. Copies of the
+    model's parameters (memory: those weights once more), copied again in place at the start
+    of every stream and after ``update_weights``: the only points where the parameters can
+    have changed (a shared policy is trained between streams; a fused optimizer step bumps no
+    version counter, so a change cannot be detected cheaply and is not guessed at)."""
 
     def __init__(self, layers):
         self.layers = list(layers)
-        self.qkv_w, self.qkv_b, self.gate_up_w, self.gate_up_b = [], [], [], []
+        self.lora = any(hasattr(m, "base_layer") for layer in self.layers for m in layer.modules())
+        self.qkv_w, self.qkv_b, self.gate_up_w, self.gate_up_b, self.o_w, self.down_w = [], [], [], [], [], []
         for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            w, bias = self._cat([attn.q_proj, attn.k_proj, attn.v_proj])
+            w, bias = self._cat(self._qkv(layer))
             self.qkv_w.append(w)
             self.qkv_b.append(bias)
-            w, bias = self._cat([mlp.gate_proj, mlp.up_proj])
+            dense = self._gate_up(layer)
+            w, bias = self._cat(dense) if dense else (None, None)
             self.gate_up_w.append(w)
             self.gate_up_b.append(bias)
+            self.o_w.append(self._merged(layer.self_attn.o_proj))
+            self.down_w.append(self._merged(layer.mlp.down_proj) if dense else None)
+
+    @staticmethod
+    def _qkv(layer) -> list:
+        attn = layer.self_attn
+        return [attn.q_proj, attn.k_proj, attn.v_proj]
+
+    @staticmethod
+    def _gate_up(layer) -> list | None:
+        mlp = layer.mlp
+        return None if is_moe_block(mlp) else [mlp.gate_proj, mlp.up_proj]
+
+    def _merged(self, linear) -> torch.Tensor | None:
+        """A merged copy of a LoRA layer's weight (None for a plain layer: called as it is)."""
+        if not hasattr(linear, "base_layer"):
+            return None
+        with torch.no_grad():
+            return effective_weight(linear).detach().clone()
 
     @staticmethod
     def _cat(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
         with torch.no_grad():
-            w = torch.cat([m.weight for m in linears])
-            if all(m.bias is None for m in linears):
+            w = torch.cat([effective_weight(m) for m in linears])
+            if all(_bias(m) is None for m in linears):
                 return w, None
-            return w, torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+            return w, torch.cat([_bias(m) if _bias(m) is not None else w.new_zeros(m.out_features) for m in linears])
 
     def refresh(self) -> None:
         """Copy the parameters again, in place (captured CUDA graphs keep their pointers)."""
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
-                attn, mlp = layer.self_attn, layer.mlp
-                for dst_w, dst_b, linears in ((self.qkv_w[i], self.qkv_b[i], [attn.q_proj, attn.k_proj, attn.v_proj]),
-                                              (self.gate_up_w[i], self.gate_up_b[i], [mlp.gate_proj, mlp.up_proj])):
-                    torch.cat([m.weight for m in linears], out=dst_w)
+                pairs = [(self.qkv_w[i], self.qkv_b[i], self._qkv(layer))]
+                if self.gate_up_w[i] is not None:
+                    pairs.append((self.gate_up_w[i], self.gate_up_b[i], self._gate_up(layer)))
+                for dst_w, dst_b, linears in pairs:
+                    torch.cat([effective_weight(m) for m in linears], out=dst_w)
                     if dst_b is not None:
                         dst_b.copy_(self._cat(linears)[1])
+                for dst, linear in ((self.o_w[i], layer.self_attn.o_proj), (self.down_w[i], getattr(layer.mlp, "down_proj", None))):
+                    if dst is not None:
+                        dst.copy_(effective_weight(linear))
 
 
 _PRE, _POST = LazyCompiled(_pre, "decode blocks"), LazyCompiled(_post, "decode blocks")
@@ -127,13 +172,13 @@ class DecodeForward:
     Call :meth:`applies` first: other families decode through their HF forward."""
 
     def __init__(self, model: torch.nn.Module, compile: bool):
-        self.model, self.base = model, model.base_model
+        self.model, self.base = causal_lm(model), install_moe(decoder_of(model))
         self.pre, self.post = (_PRE, _POST) if compile else (_pre, _post)
         self.fused = FusedProjections(self.base.layers)
 
     @staticmethod
     def applies(model: torch.nn.Module) -> bool:
-        return type(getattr(model, "base_model", None)).__name__ in OWN_DECODE_FAMILIES
+        return hasattr(model, "base_model") and runs_own_loop(model)
 
     def refresh(self) -> None:
         """Bring the fused projection copies up to date with the model's parameters."""
@@ -168,5 +213,6 @@ class DecodeForward:
                 o_pre, l_pre = shared_part(q_own, o_pre, l_pre, G, forks, scale, backend)
                 merge_g = 1
             o_own, l_own = cache.attend_own(i, q_own, own_mask, scale, backend)
-            hidden = self.post(layer, hidden, o_own, l_own, o_pre, l_pre, merge_g, f.gate_up_w[i], f.gate_up_b[i])
+            hidden = self.post(layer, hidden, o_own, l_own, o_pre, l_pre, merge_g, f.gate_up_w[i], f.gate_up_b[i],
+                               f.o_w[i], f.down_w[i])
         return self.model.lm_head(base.norm(hidden)[:, -1])

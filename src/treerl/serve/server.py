@@ -102,10 +102,24 @@ class ServerThread:
 
 
 def load_for_serving(config_path: str | None, overrides: list[str], weights: str | None,
-                     device: str, dtype: str | None, trust: bool = False) -> tuple[torch.nn.Module, Any, int]:
+                     device: str, dtype: str | None, trust: bool = False, lora: str | None = None
+                     ) -> tuple[torch.nn.Module, Any, int]:
     """The model, tokenizer and weight version to serve: from a treerl checkpoint / run
     directory or a Hugging Face model directory (``weights``), else built from a config
-    (its ``model`` section; random weights unless ``model.path``)."""
+    (its ``model`` section; random weights unless ``model.path``). ``lora``: a LoRA adapter
+    directory (PEFT ``save_pretrained``, e.g. a LoRA run's checkpoint ``model/``) applied to
+    that model and merged into it once, at load (a LoRA run's checkpoint as ``weights``
+    gets its own adapter the same way, on the base rebuilt from the run's config)."""
+    model, tokenizer, version = _load_base_for_serving(config_path, overrides, weights, device, dtype, trust)
+    if lora is not None:
+        from ..lora import load_adapter
+
+        model = load_adapter(model, lora).merge_and_unload()
+    return model, tokenizer, version
+
+
+def _load_base_for_serving(config_path, overrides, weights, device, dtype, trust: bool
+                           ) -> tuple[torch.nn.Module, Any, int]:
     from ..checkpoint import META
     from ..config import Config
     from ..models import build_model, load_model
@@ -126,6 +140,16 @@ def load_for_serving(config_path: str | None, overrides: list[str], weights: str
             version = int(state.get("version", 0))
         else:
             version = 0
+        from ..lora import is_adapter_dir, load_adapter
+
+        if root is not None and is_adapter_dir(model_dir):  # a LoRA run: base from its config + adapter
+            from ..build import build_base
+            from ..export import saved_tokenizer
+
+            cfg.model.dtype = dtype or cfg.model.dtype
+            tokenizer = saved_tokenizer(root, cfg)
+            model = load_adapter(build_base(cfg, tokenizer).to(device), model_dir).merge_and_unload()
+            return model, tokenizer, version
         model = load_model(model_dir, dtype=dtype or cfg.model.dtype, device=device)
         tok_dir = root / "tokenizer" if root is not None else model_dir
         if CharTokenizer.is_saved_in(tok_dir):
@@ -162,7 +186,7 @@ def serve(args) -> int:
         config, overrides = None, [config, *overrides]
     api_key, limits, root = security_options(args)
     model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype,
-                                                trust=args.trust_checkpoint)
+                                                 trust=args.trust_checkpoint, lora=args.lora)
     engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens,
                            prefill_chunk_tokens=args.prefill_chunk_tokens)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
