@@ -26,6 +26,7 @@ import json
 import platform
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -200,7 +201,8 @@ def main(argv=None) -> dict:
             print(f"{shape:<12}{f'{P}x{G}={rows}':>12}  {name:<24}{tps:>10.0f}{floor_tps:>13.0f}"
                   f"{tps / floor_tps:>9.2f}{peak:>9.1f}{best:>9.2f}", flush=True)
         except Exception as err:  # noqa: BLE001 - record and go on to the next case
-            entry.update(error=f"{type(err).__name__}: {err}")
+            entry.update(error=f"{type(err).__name__}: {err}", traceback=traceback.format_exc())
+            traceback.print_exc()
             print(f"{shape:<12}{f'{P}x{G}={rows}':>12}  {name:<24} FAILED {entry['error'][:200]}", flush=True)
         finally:
             run = engine = None
