@@ -42,6 +42,16 @@ def step(s: Scheduler, tokens: dict[int, int]) -> None:
     s.check_stops()
 
 
+def test_rows_longer_than_the_first_host_width_widen_it():
+    """A row past 256 tokens widens the host arrays (the [S, width] ones and the [S, width, k] top ones)."""
+    s = scheduler(SamplingParams(n=1, max_new_tokens=600), groups=1, num_blocks=40)
+    admit(s, [0], [[1]], [0])
+    for _ in range(300):
+        step(s, {})
+    assert s.host_tok.shape[1] == 512 and s.top_id.shape[:2] == (1, 512) and s.steps.tolist() == [300]
+    assert (s.host_tok[0, :300] == 1).all() and (s.host_lp[0, :300] == -0.5).all()
+
+
 def test_buckets():
     assert group_bucket(3, 16, 2) == 4 and group_bucket(1, 16, 2) == 4 and group_bucket(3, 16, 2, exact=True) == 3
     assert group_bucket(9, 10, 1) == 10 and own_bucket(65, 256) == 128 and own_bucket(65, 100) == 100

@@ -345,7 +345,8 @@ class Scheduler:
         """Room for ``width`` tokens per row (and ``k`` top tokens each)."""
         for name in ("host_tok", "host_lp", "host_ver", "top_id", "top_lp"):
             a = getattr(self, name)
-            wide = np.zeros((a.shape[0], width) + ((a.shape[2] if k is None else k),) * (a.ndim - 2), dtype=a.dtype)
+            top = () if a.ndim == 2 else (a.shape[2] if k is None else k,)  # top_id/top_lp: [S, width, k]
+            wide = np.zeros((a.shape[0], width) + top, dtype=a.dtype)
             wide[(slice(None), slice(0, a.shape[1])) + (slice(0, a.shape[-1]),) * (a.ndim - 2)] = a
             setattr(self, name, wide)
 
