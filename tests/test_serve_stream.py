@@ -121,9 +121,10 @@ def test_a_client_that_disconnects_mid_stream_frees_its_rows(served):
 
     def blocking_submit(prompt, params, *, listener=None):
         def wrapped(delta):
+            first = not delivered.is_set()
+            delivered.set()
             listener(delta)
-            if not delivered.is_set():
-                delivered.set()
+            if first:
                 gate.wait(60)
 
         return submit(prompt, params, listener=wrapped if listener is not None else None)
