@@ -9,7 +9,7 @@ byte-level BPE tokenizer built locally: :func:`treerl.tasks.bpe.tiny_bpe_tokeniz
 dependencies (datasets, pandas, pyarrow, scikit-learn, nltk, sacrebleu, evaluate, ...:
 ~70 packages, ~400 MB) are too heavy for treerl's CI and the shared dev environment::
 
-    python3 -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install lm-eval   # once (lm-eval 0.4.13 tested)
+    python3 -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install "lm-eval[api]"   # once (lm-eval 0.4.13 tested)
     PYTHONPATH=src .venv/bin/python scripts/lm_eval_check.py --lm-eval /tmp/lmeval/bin/lm_eval
 
 It checks that both tasks ran on every document (random weights: the scores are chance;
@@ -70,15 +70,20 @@ def main(argv=None) -> int:
             samples = {t: sorted(Path(out).rglob(f"samples_{t}_*.jsonl")) for t in ("treerl_arith_mc", "treerl_arith_gen")}
             res = json.loads(results[-1].read_text())["results"]
             server.state.loop.drain()
+            http = server.state.metrics.http_responses.labels("/v1/completions", "200")._value.get()
+            prompts = server.state.loop.stats.requests
+            print(f"{int(http)} completions requests carried {prompts} prompts")
+            ok = prompts > http
+            if not ok:
+                print("FAIL: no request carried several prompts (batch_size > 1)")
             return check(res, {t: [json.loads(line) for line in p[-1].read_text().splitlines()]
-                               for t, p in samples.items()}, engine, tok)
+                               for t, p in samples.items()}, engine, tok, ok)
     finally:
         server.stop()
 
 
-def check(results: dict, samples: dict, engine, tok) -> int:
+def check(results: dict, samples: dict, engine, tok, ok: bool = True) -> int:
     docs = [json.loads(line) for line in (TASKS / "arith.jsonl").read_text().splitlines()]
-    ok = True
     mc, gen = results["treerl_arith_mc"], results["treerl_arith_gen"]
     print(f"treerl_arith_mc: acc {mc['acc,none']:.3f}   treerl_arith_gen: exact_match "
           f"{gen['exact_match,remove_whitespace' if 'exact_match,remove_whitespace' in gen else 'exact_match,none']:.3f}")
