@@ -170,12 +170,13 @@ def test_block_accounting_no_leak(model):
     with rollout_attention_enabled(engine.model), torch.no_grad():
         for g in batch.run():
             seen.append(g.prompt_index)
-            t = batch.blocks
+            h = batch.host
+            t = h.blocks
             t.check()
-            own = np.clip(batch.fed_h - tree.own_start, 0, None)
-            assert (t.missing(np.arange(batch.S), own)[batch.live] == 0).all()
-            assert (t.owned[~batch.live] == 0).all()
-            assert (batch.table.cpu().numpy() == t.table).all() or t.dirty
+            own = np.clip(h.fed_h - tree.own_start, 0, None)
+            assert (t.missing(np.arange(h.S), own)[h.live] == 0).all()
+            assert (t.owned[~h.live] == 0).all()
+            assert (batch.dev.table.cpu().numpy() == t.table).all() or t.dirty
     assert sorted(seen) == list(range(len(PROMPTS))) and engine.stats.preemptions > 0
     batch.blocks.check()
     assert batch.blocks.free == batch.blocks.num_blocks

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from treerl.rollout import SamplingParams, StopChecker, apply_top_k, apply_top_p, sample, sampling_distribution
+from treerl.rollout.sampling import apply_min_p, row_seed, sample_rows
 
 NEG = float("-inf")
 
@@ -97,6 +98,10 @@ def test_greedy_and_seeded_sampling():
         (dict(branch_points=[8], max_new_tokens=8), "branch point"),
         (dict(branch_points=[2, 3], branch_factor=[2]), "branch_factor"),
         (dict(branch_points=[2, 2]), "distinct"),
+        (dict(min_p=1.0), "min_p"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(top_logprobs=21), "top_logprobs"),
+        (dict(top_logprobs=-1), "top_logprobs"),
     ],
 )
 def test_params_validation(kwargs, match):
@@ -150,3 +155,66 @@ def test_stop_checker_long_completion_windowed():
         assert sc.find(toks, start) == (2503, "xyz")
     assert sc.find(toks[:2502], 2400) is None
     assert math.isclose(len(decode(toks[:2503].tolist())), 2503)
+
+
+def test_min_p_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08]], dtype=torch.float64))
+    # min_p 0.2: tokens at least 0.2 x 0.5 = 0.1 likely -> {0, 1, 2}
+    expected = np.asarray([0.5, 0.3, 0.12, 0.0]) / 0.92
+    dist = sampling_distribution(logits, SamplingParams(temperature=1.0, min_p=0.2))
+    assert np.allclose(dist.numpy()[0], expected, atol=1e-12)
+    assert torch.equal(apply_min_p(logits, 0.0), logits)
+
+
+def _row_params():
+    return [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=3),
+            SamplingParams(temperature=1.3, top_p=0.6), SamplingParams(temperature=1.0, min_p=0.3),
+            SamplingParams(temperature=0.5, top_k=4, top_p=0.9, min_p=0.05), SamplingParams(temperature=2.0)]
+
+
+def _tensors(ps):
+    return (torch.tensor([p.temperature for p in ps], dtype=torch.float64),
+            torch.tensor([p.top_p for p in ps], dtype=torch.float64),
+            torch.tensor([p.top_k for p in ps]), torch.tensor([p.min_p for p in ps], dtype=torch.float64))
+
+
+def test_sample_rows_frequencies_match_each_rows_distribution():
+    """Each row sampled with its own settings: its frequencies match its own distribution
+    (``sampling_distribution``), tokens outside it never come, logprobs are the
+    temperature-scaled log-softmax; greedy rows take the argmax."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 12, generator=g, dtype=torch.float64)
+    ps, n = _row_params(), 8000
+    logits = base.repeat(n, 1)
+    tokens, logp = sample_rows(logits, *(t.repeat(n) for t in _tensors(ps)), torch.Generator().manual_seed(0))
+    tokens = tokens.view(n, 6)
+    assert (tokens[:, 0] == base[0].argmax()).all()
+    for i, p in enumerate(ps[1:], 1):
+        expected = sampling_distribution(base[i : i + 1], p)[0].numpy()
+        freq = np.bincount(tokens[:, i].numpy(), minlength=12) / n
+        sigma = np.sqrt(expected * (1 - expected) / n) + 1e-12
+        assert np.all(np.abs(freq - expected) <= 5 * sigma), (i, freq, expected)
+        assert freq[expected == 0].sum() == 0, i
+    scale = torch.tensor([1.0] + [p.temperature for p in ps[1:]], dtype=torch.float64)
+    full = torch.log_softmax(logits / scale.repeat(n)[:, None], -1)
+    assert torch.allclose(logp, full.gather(-1, tokens.view(-1, 1))[:, 0], rtol=1e-12, atol=0)
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    """A seeded row's sample is the same alone and among other rows (in any position), and
+    depends on its seed; unseeded rows use the generator."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 40, generator=g, dtype=torch.float64)
+    ps = _row_params()[1:]
+    t = _tensors(ps)
+    seed = row_seed(7, (0,), 3)
+    got = []
+    for row in range(5):
+        alone = sample_rows(logits[row : row + 1], *(x[row : row + 1] for x in t), seeds={0: seed})[0]
+        batch = sample_rows(logits, *t, torch.Generator().manual_seed(row), seeds={row: seed})[0]
+        assert batch[row] == alone[0], row
+        got.append(alone[0])
+    draws = {int(sample_rows(logits[4:5], *(x[4:5] for x in t), seeds={0: row_seed(s, (0,), 3)})[0][0])
+             for s in range(40)}
+    assert len(draws) > 3  # the seed matters
+    assert row_seed(7, (0,), 3) != row_seed(7, (1,), 3) != row_seed(7, (0,), 4)

@@ -479,7 +479,7 @@ def test_batched_prefill_of_cached_prefixes_equals_each_sequence_alone(model):
     cached = [PrefixEntry(tuple(s[:c]), *_full_forward(model, s[:c]), 0) if c else None for s, c in zip(seqs, cut)]
     engine = RolloutEngine(model, prefill_chunk_tokens=24)  # 24 // 6 rows: 4 query slots per forward
     with rollout_attention_enabled(model), torch.no_grad():
-        cache, lens, logits = engine._prefill(seqs, cached)
+        cache, lens, logits = engine.prefiller(seqs, cached, engine.stats)
     C = cache.length
     assert lens.tolist() == [len(s) for s in seqs] and C == 1 + 31
     assert engine.stats.prefill_calls == -(-max(len(s) - c for s, c in zip(seqs, cut)) // 4)

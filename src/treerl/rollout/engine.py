@@ -26,6 +26,8 @@ of the model if the trainer runs the same module object concurrently.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 import time
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -34,9 +36,10 @@ import numpy as np
 import torch
 
 from .blocks import DecodeForward
-from .kv import SlotCache, rollout_attention_enabled
+from .kv import rollout_attention_enabled
 from .params import SamplingParams
-from .prefix_cache import PrefixCache, PrefixEntry
+from .prefill import Prefiller
+from .prefix_cache import PrefixCache
 from .prompts import PromptQueue
 from .stream import RunningBatch, group_slots
 from .tree import TreeLayout
@@ -135,6 +138,7 @@ class RolloutEngine:
         self.compile_decode = self.device.type == "cuda" if compile_decode is None else bool(compile_decode)
         self.decode_forward = DecodeForward(model, self.compile_decode) if DecodeForward.applies(model) else None
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self.prefiller = Prefiller(model, self.num_layers, self.prefill_chunk_tokens, self.logit_dtype)
         self._stream_arena = None  # (shapes, device state) of the last stream, kept for the next
         self.stats = RolloutStats()
         self._lock = threading.RLock()
@@ -184,18 +188,40 @@ class RolloutEngine:
             return self.version
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts: Sequence[PromptLike], params: SamplingParams | None = None) -> list[Group]:
+    def generate(self, prompts: Sequence[PromptLike],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Group]:
         """Sample ``params.n`` completions (or trees of them) per prompt.
 
         ``prompts``: token-id sequences (no special tokens are added; stop tokens such as
-        EOS must be named in ``params.stop_token_ids``). Returns one :class:`Group` per
-        prompt, in order: :meth:`generate_stream` over the list, collected.
+        EOS must be named in ``params.stop_token_ids``). ``params``: one setting for all, or
+        one per prompt (each group sampled with its own, in one running batch; their
+        tree-rollout fields must be equal; when every one has the same ``seed`` it seeds the
+        stream, else each seeded group draws from its own seed). Returns one :class:`Group`
+        per prompt, in order: :meth:`generate_stream` over the list, collected.
         """
         params = SamplingParams() if params is None else params
-        params.validate(self.vocab_size)
-        prompts = self._check_prompts(prompts, params)
+        if isinstance(params, SamplingParams):
+            params.validate(self.vocab_size)
+            prompts = self._check_prompts(prompts, params)
+            source, stream = prompts, params
+        else:
+            if len(params) != len(prompts):
+                raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts (one per prompt)")
+            for p in params:
+                p.validate(self.vocab_size)
+            seeds = {p.seed for p in params}
+            shared = seeds.pop() if len(seeds) == 1 else None
+            own = [p if shared is None else dataclasses.replace(p, seed=None) for p in params]
+            stream = dataclasses.replace(params[0], n=max(p.n for p in params), seed=shared,
+                                         max_new_tokens=max(p.max_new_tokens for p in params))
+            for p in own:
+                p.check_group(stream)
+            prompts = [self.check_prompt(i, x, p) for i, (x, p) in enumerate(zip(prompts, own))]
+            source = PromptQueue(close=False)
+            source.put_many([(i, x, p) for i, (x, p) in enumerate(zip(prompts, own))])
+            source.close()
         groups: dict[int, Group] = {}
-        for g in self.generate_stream(prompts, params):
+        for g in self.generate_stream(source, stream):
             groups[g.prompt_index] = g
         if sorted(groups) != list(range(len(prompts))):  # pragma: no cover - a bug, never an input error
             raise RuntimeError(f"generate_stream returned groups {sorted(groups)} for {len(prompts)} prompts")
@@ -206,10 +232,12 @@ class RolloutEngine:
             len(prompts) and isinstance(prompts[0], (int, np.integer))
         ):
             raise ValueError("prompts must be a list of token-id sequences (got a single sequence)")
-        return [self._check_prompt(i, p, params) for i, p in enumerate(prompts)]
+        return [self.check_prompt(i, p, params) for i, p in enumerate(prompts)]
 
-    def _check_prompt(self, i, p: PromptLike, params: SamplingParams) -> list[int]:
-        """Prompt ``i`` (its index or key, for messages) as a list of token ids."""
+    def check_prompt(self, i, p: PromptLike, params: SamplingParams) -> list[int]:
+        """Prompt ``i`` (its index or key, for messages) as a list of token ids; a clear
+        ``ValueError`` if it is not a non-empty sequence of the model's token ids that fits
+        the context with ``params.max_new_tokens``."""
         if isinstance(p, (int, np.integer)):
             raise ValueError(f"prompt {i} must be a sequence of token ids, got the single id {p!r}")
         ids = [int(t) for t in (p.tolist() if isinstance(p, (torch.Tensor, np.ndarray)) else p)]
@@ -256,7 +284,8 @@ class RolloutEngine:
         params = SamplingParams() if params is None else params
         params.validate(self.vocab_size)
         queue = prompts if isinstance(prompts, PromptQueue) else PromptQueue(prompts, close=True)
-        waiting = [len(self._check_prompt(k, p, params)) for k, p in queue.items()]
+        waiting = [len(self.check_prompt(w.key, w.prompt, params if w.params is None else w.params))
+                   for w in queue.items()]
         tree = TreeLayout.of(params)
         G = tree.rows
         prefix_capacity = round_up(max(waiting, default=1))
@@ -272,7 +301,9 @@ class RolloutEngine:
         if self.decode_forward is not None:  # the model may have changed in place since the last stream
             with self._device_lock, torch.no_grad():
                 self.decode_forward.refresh()
-        batch = RunningBatch(self, queue, params, generator, groups, prefix_capacity, self.max_batch_tokens)
+        kept, self._stream_arena = self._stream_arena, None
+        batch = RunningBatch(self, queue, params, generator, groups, prefix_capacity, self.max_batch_tokens, kept)
+        del kept
         with rollout_attention_enabled(self.model):
             for group in batch.run():
                 self.stats.seconds = time.perf_counter() - start
@@ -283,91 +314,16 @@ class RolloutEngine:
             torch.cuda.synchronize(self.device)
         self.stats.seconds = time.perf_counter() - start
 
-    # ------------------------------------------------------------------ model calls
-    def _prefill(self, seqs: list[list[int]], cached: Sequence[PrefixEntry | None] | None = None
-                 ) -> tuple[SlotCache, torch.Tensor, torch.Tensor]:
-        """Left-padded batched prefill of ``seqs`` into a new cache of ``C = 1 + L`` slots
-        (``L``: the longest sequence); sequence ``i`` in slots ``[C - len_i, C)``.
-
-        ``cached[i]`` (a prefix-cache entry whose tokens start ``seqs[i]``, or None): the
-        first ``m_i = len(cached[i])`` tokens' K/V are copied from it, and only the ``n_i =
-        len_i - m_i`` new tokens are computed, at their own positions, attending to their
-        cached prefix. The queries of a forward are the last ``W = max n_i`` slots (in chunks
-        of ``prefill_chunk_tokens / B``); a row's slots there that are not its new tokens are
-        padding queries: they write their K/V to slot 0 (``SlotCache.write_index``), which no
-        real query sees, so a cached prefix inside the window is never overwritten, and see
-        only slot 0 (finite outputs, ignored). Each new token sees its sequence's slots up
-        to itself: the same attention as a forward of the sequence alone.
-
-        Returns ``cache``, lengths ``[B]`` and the logits after each sequence's last token
-        ``[B, V]`` (the entry's when nothing is new)."""
-        dev, B = self.device, len(seqs)
-        cached = list(cached) if cached is not None else [None] * B
-        lens = np.asarray([len(s) for s in seqs], dtype=np.int64)
-        m = np.asarray([0 if c is None else len(c) for c in cached], dtype=np.int64)
-        C, W = 1 + int(lens.max()), int((lens - m).max())
-        cache = SlotCache(self.num_layers, C)
-        self._load_cached(cache, cached, C - lens)
-        cache.length = C - W  # the window [C - W, C) is computed
-        ids = np.zeros((B, W), dtype=np.int64)  # each row's new tokens, right-aligned in the window
-        for i, s in enumerate(seqs):
-            if len(s) > m[i]:
-                ids[i, W - (len(s) - m[i]) :] = s[m[i] :]
-        ids = torch.as_tensor(ids, device=dev)
-        first = torch.as_tensor(C - lens, device=dev)[:, None]  # [B, 1] each sequence's first slot
-        window = torch.arange(C - W, C, device=dev)
-        position = (window[None, :] - first).clamp(min=0)  # [B, W]
-        pad = window[None, :] < torch.as_tensor(C - lens + m, device=dev)[:, None]  # [B, W] not a new token
-        logits = None
-        chunk = max(1, self.prefill_chunk_tokens // B)
-        for a in range(0, W, chunk):
-            b = min(W, a + chunk)
-            mask, cache.write_index = self._prefill_mask(first, pad[:, a:b], C - W + a, C - W + b)
-            out = self.model(input_ids=ids[:, a:b], position_ids=position[:, a:b], attention_mask=mask,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1].to(self.logit_dtype)
-            self.stats.prefill_calls += 1
-        cache.write_index = None
-        full = [i for i, c in enumerate(cached) if c is not None and len(c) == len(seqs[i])]
-        if logits is None:  # nothing new at all
-            logits = torch.stack([c.logits for c in cached]).to(self.logit_dtype)
-        elif full:  # nothing new in these rows: the entry's logits
-            logits[torch.as_tensor(full, device=dev)] = torch.stack([cached[i].logits for i in full]).to(logits.dtype)
-        self.stats.prefill_tokens += int((lens - m).sum())
-        self.stats.prefix_cache_hit_tokens += int(m.sum())
-        return cache, torch.as_tensor(lens, device=dev), logits
-
-    def _prefill_mask(self, first: torch.Tensor, pad: torch.Tensor, q0: int, q1: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One prefill forward's additive mask ``[B, 1, c, q1]`` and write slots ``[B, c]`` for
-        the ``c`` queries at slots ``[q0, q1)``: query ``q`` of a row sees the row's slots
-        ``[first, q]`` (``first [B, 1]``: the sequence's first slot); a padding query
-        (``pad [B, c]``) sees, and writes to, slot 0 only."""
-        dtype = next(self.model.parameters()).dtype
-        q = torch.arange(q0, q1, device=first.device)[None, :, None]  # [1, c, 1]
-        keys = torch.arange(q1, device=first.device)[None, None, :]  # [1, 1, q1]
-        sees = torch.where(pad[:, :, None], keys == 0, (keys <= q) & (keys >= first[:, :, None]))  # [B, c, q1]
-        mask = torch.where(sees, torch.zeros((), dtype=dtype, device=first.device), torch.finfo(dtype).min)
-        return mask[:, None], torch.where(pad, 0, q[:, :, 0])
-
-    @staticmethod
-    def _load_cached(cache: SlotCache, cached: list[PrefixEntry | None], first: np.ndarray) -> None:
-        """Copy each entry's K/V (every layer at once) into its row of ``cache`` from slot ``first[i]``."""
-        hits = [i for i, c in enumerate(cached) if c is not None]
-        if not hits:
-            return
-        k, v = cached[hits[0]].keys, cached[hits[0]].values  # [layers, Hkv, m, D]
-        cache.allocate(len(cached), k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
-        for i in hits:
-            a, b = int(first[i]), int(first[i]) + len(cached[i])
-            cache.all_keys[:, i, :, a:b] = cached[i].keys
-            cache.all_values[:, i, :, a:b] = cached[i].values
-
-    def _yield_to_updates(self, timeout: float = 60.0) -> None:
-        """Let a weight update waiting in another thread take the lock before the next step."""
+    @contextlib.contextmanager
+    def generation_turn(self, timeout: float = 60.0) -> Iterator[None]:
+        """One turn of the running batch's device work (an admission, or a decode step with
+        its recomputes): first lets a weight update waiting in another thread (up to
+        ``timeout`` s) take the engine's lock, then holds it, without autograd."""
         deadline = time.monotonic() + timeout
         while self._pending_updates and time.monotonic() < deadline:
             time.sleep(1e-4)
+        with self._lock, torch.no_grad():
+            yield
 
 
 class _PriorityLock:

@@ -15,8 +15,10 @@ class SamplingParams:
     - ``n``: samples per prompt (the group size G). Each prompt is prefilled once and
       its KV shared by its G samples.
     - ``temperature``: ``0`` is greedy (argmax). Otherwise logits are divided by it.
-    - ``top_k`` (``0`` = off) and ``top_p`` (``1.0`` = off) truncate the temperature-scaled
-      distribution before sampling (top-k first, then top-p; ties at the k-th logit are kept).
+    - ``top_k`` (``0`` = off), ``top_p`` (``1.0`` = off) and ``min_p`` (``0`` = off: tokens
+      less likely than ``min_p`` times the most likely one are dropped) truncate the
+      temperature-scaled distribution before sampling (top-k, then top-p, then min-p; ties
+      at the k-th logit are kept).
     - ``max_new_tokens``: the most tokens generated per completion.
     - ``stop_token_ids``: a completion ends at the first of these; the stop token is kept
       in ``completion_ids`` (it has a logprob and is trained on).
@@ -26,6 +28,12 @@ class SamplingParams:
       ``list[int] -> str`` or a tokenizer with ``.decode``.
     - ``seed``: same seed, inputs, engine settings and weights -> same samples. ``None``
       draws a seed from torch's global generator (so ``torch.manual_seed`` fixes it too).
+      The stream's seed seeds its generator (its samples depend on the batch's
+      composition); a group's own settings with a seed (``PromptQueue.put(params=...)``,
+      ``generate`` with a list) draw each token from the seed, the row's branch and the
+      token's index alone: the same sample whatever else runs in the batch.
+    - ``top_logprobs``: ``k`` (0..20) most likely tokens and their behaviour logprobs per
+      generated token (``Completion.top_logprobs``).
     - Tree rollouts: ``branch_points`` (completion lengths, in tokens, at which every
       unfinished partial completion forks into ``branch_factor`` continuations; one factor
       for all points or one per point) and/or ``branch_every`` (a branch point every that
@@ -37,6 +45,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_new_tokens: int = 256
     stop_token_ids: Sequence[int] = ()
     stop_strings: Sequence[str] = ()
@@ -45,6 +54,7 @@ class SamplingParams:
     branch_points: Sequence[int] = ()
     branch_factor: int | Sequence[int] = 2
     branch_every: int = 0
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +70,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1) (0 = off), got {self.min_p!r}")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         for t in self.stop_token_ids:
@@ -76,6 +90,30 @@ class SamplingParams:
             raise ValueError("decode must be a function list[int] -> str or an object with a .decode method")
         self._branch_schedule()
         return self
+
+    def check_group(self, stream: "SamplingParams") -> "SamplingParams":
+        """These settings, validated, for one group of a stream running with ``stream``'s: the
+        tree-rollout fields must equal the stream's, ``n`` and ``max_new_tokens`` may not
+        exceed them (a group slot's rows and own slots). ``ValueError`` naming the field."""
+        for name in ("branch_points", "branch_factor", "branch_every"):
+            mine, theirs = getattr(self, name), getattr(stream, name)
+            if (list(mine) if not isinstance(mine, int) else mine) != \
+                    (list(theirs) if not isinstance(theirs, int) else theirs):
+                if name == "branch_factor" and not self.branch_points and not self.branch_every \
+                        and not stream.branch_points and not stream.branch_every:
+                    continue  # no forks: the factor is not used
+                raise ValueError(f"{name}={mine!r} differs from the running stream's {theirs!r}: a group's tree "
+                                 "rollout fields must equal the stream's (start another stream)")
+        if self.n > stream.n:
+            raise ValueError(f"n={self.n} is more than the running stream's n={stream.n} (rows per group slot)")
+        if self.max_new_tokens > stream.max_new_tokens:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} is more than the running stream's "
+                             f"{stream.max_new_tokens} (own K/V slots per row)")
+        return self
+
+    def sampling_fields(self) -> tuple:
+        """What the sampler uses: ``(temperature, top_p, top_k, min_p)``."""
+        return (float(self.temperature), float(self.top_p), int(self.top_k), float(self.min_p))
 
     def decoder(self) -> Decoder | None:
         """``decode`` as a function ``list[int] -> str`` (None if not given)."""

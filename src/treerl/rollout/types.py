@@ -31,7 +31,7 @@ class Completion:
     completion_ids: torch.Tensor  # [T] int64
     logprobs: torch.Tensor  # [T]
     versions: torch.Tensor  # [T] int64: weight version that produced each token
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length", or "abort" (cancelled: PromptQueue.cancel)
     stop: int | str | None  # the stop token id or stop string that ended it, else None
     branch: tuple[int, ...]  # sample index in the group, then child index at each fork passed
 
@@ -47,6 +47,25 @@ class Completion:
 
     def __len__(self) -> int:
         return len(self.completion_ids)
+
+
+@dataclass
+class TokenDelta:
+    """New tokens of one row of a streamed group (``PromptQueue.put(listener=...)``): the
+    group's key (``prompt_index``), the row's ``branch`` (its sample index, then its child
+    index at each fork passed), the tokens that reached the host since the row's last
+    delta with their behaviour ``logprobs`` and weight ``versions`` (``top_logprobs``: per
+    token ``[(id, logprob)] x k`` when asked for, else None), and ``finish_reason`` (None
+    while the row runs; ``"stop"``, ``"length"`` or ``"abort"`` in its last delta). A row's
+    deltas concatenate to its completion."""
+
+    prompt_index: Hashable
+    branch: tuple[int, ...]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
 
 
 @dataclass

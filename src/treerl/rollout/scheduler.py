@@ -1,0 +1,567 @@
+"""The running batch's host side: which group holds which slot, what each row has sampled,
+which blocks each row owns, admission, preemption, forks, stops and compaction plans.
+
+:class:`Scheduler` holds no device tensor and calls no model: the running batch
+(:class:`~treerl.rollout.stream.RunningBatch`) asks it what to do and applies the device side
+(:class:`~treerl.rollout.batch.DeviceBatch`). Testable alone (``tests/test_rollout_scheduler.py``).
+
+Rows: ``groups`` group slots of ``G = tree.rows`` rows (:class:`~treerl.rollout.tree.TreeLayout`).
+Per row (:data:`ROW_STATE`): live, tokens sampled (``steps``), tokens checked for stops,
+tokens fed (``fed_h``: the host copy of the device's ``fed``), the weight versions of its
+K/V and of its pending logits, and its sampled tokens, logprobs and versions. Per group
+slot: the group's key, prompt length, forks applied (``level``), admission order
+(``arrival``) and sampling settings (temperature, top-p, top-k, min-p, ``max_new``, seed:
+a group's own :class:`~treerl.rollout.params.SamplingParams`, or the stream's). Own K/V
+blocks: a :class:`~treerl.rollout.paging.BlockTable`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import logging
+
+import numpy as np
+import torch
+
+from .paging import BlockTable
+from .params import SamplingParams
+from .prompts import Waiting
+from .sampling import row_seed
+from .stops import StopChecker
+from .tree import TreeLayout
+from .types import Completion, Group, RolloutStats, TokenDelta
+
+log = logging.getLogger(__name__)
+
+# host state per row: what a row carries through forks, compaction and preemption
+ROW_STATE = ("live", "steps", "checked", "emitted", "fed_h", "row_version", "logit_version", "host_tok", "host_lp",
+             "host_ver")
+
+
+def group_bucket(n: int, groups: int, G: int, exact: bool = False) -> int:
+    """Group slots a decode step computes to cover slots ``[:n]``: a power of two with at
+    least 8 rows, or all (fixed shapes: few CUDA graphs); ``exact``: ``n`` (no graphs)."""
+    if exact:
+        return min(max(n, 1), groups)
+    b = 1
+    while b < n or b * G < 8:
+        b *= 2
+    return min(b, groups)
+
+
+def own_bucket(n: int, capacity: int, exact: bool = False, step: int = 64) -> int:
+    """Own slots a decode step attends to cover ``[:n]``: ``n`` rounded up to ``step``
+    (fixed shapes), at most ``capacity``; ``exact``: ``n``."""
+    return min(n if exact else -(-n // step) * step, capacity)
+
+
+@dataclass
+class GroupState:
+    """An admitted group (running or preempted): its prompt, its sampling settings (own:
+    ``custom``), stop checker and listener, and its finished completions."""
+
+    prompt_ids: torch.Tensor
+    params: SamplingParams
+    stopper: StopChecker
+    custom: bool = False
+    listener: object = None
+    completions: list = field(default_factory=list)
+
+
+@dataclass
+class RowSampling:
+    """How to sample a set of rows: ``params`` (one setting for all), or per row
+    ``temperature``, ``top_p``, ``top_k``, ``min_p`` arrays, ``seeds`` ``{row index: seed}``
+    and ``truncate`` (any top-k/top-p/min-p)."""
+
+    params: SamplingParams | None = None
+    temperature: np.ndarray | None = None
+    top_p: np.ndarray | None = None
+    top_k: np.ndarray | None = None
+    min_p: np.ndarray | None = None
+    seeds: dict | None = None
+    truncate: bool = False
+
+
+@dataclass
+class Preempted:
+    """A group taken out of the batch (its own blocks ran out), waiting to be readmitted:
+    its prompt, when it was first admitted (``arrival``), forks applied (``level``), and
+    its ``G`` rows' host state (``rows``: :data:`ROW_STATE` arrays, ``keys``)."""
+
+    key: Hashable
+    prompt: list[int]
+    arrival: int
+    level: int
+    rows: dict[str, np.ndarray]
+    keys: list
+
+
+class Scheduler:
+    """Host state of a running batch (see the module docstring). ``params``: the stream's
+    sampling settings (``max_new_tokens``: tokens per completion at most; groups may bring
+    their own, :meth:`SamplingParams.check_group
+    <treerl.rollout.params.SamplingParams.check_group>`); ``block`` own slots per block,
+    ``max_blocks`` per row; ``sync_every``: decode steps between host syncs (the window
+    blocks are taken for); ``exact``: decode steps cover exactly the live span (no
+    fixed-shape buckets); ``stats``: counters to add to."""
+
+    def __init__(self, tree: TreeLayout, params: SamplingParams, block: int, max_blocks: int,
+                 sync_every: int, exact: bool, stats: RolloutStats, logit_dtype: torch.dtype = torch.float32):
+        self.tree, self.G, self.p, self.max_new = tree, tree.rows, params, params.max_new_tokens
+        self.stopper = StopChecker(params.stop_token_ids, params.stop_strings, params.decoder())
+        self.block, self.max_blocks, self.N = block, max_blocks, max_blocks * block
+        self.sync_every, self.exact, self.stats, self.logit_dtype = sync_every, exact, stats, logit_dtype
+        self.groups: dict[Hashable, GroupState] = {}  # admitted groups (preempted ones too) by key
+        # taken from the queue, not admitted yet: prompts (key, prompt) and preempted groups first
+        self.deferred: deque = deque()
+        self.arrivals = 0  # groups admitted so far (preemption takes the latest first)
+        self.out: list[Group] = []  # groups finished, to be yielded
+        self.log_rows: list[tuple[np.ndarray, np.ndarray]] = []  # per logged sample call: (rows, step index)
+
+    def reset(self, groups: int, num_blocks: int) -> None:
+        """Empty state for ``groups`` group slots and a pool of ``num_blocks`` blocks."""
+        S = groups * self.G
+        self.NG, self.S = groups, S
+        self.blocks = BlockTable(S, self.max_blocks, num_blocks, self.block)
+        self.blocks.dirty = False  # the device table starts all trash
+        self.live = np.zeros(S, dtype=bool)
+        self.steps = np.zeros(S, dtype=np.int64)  # tokens sampled
+        self.checked = np.zeros(S, dtype=np.int64)  # tokens synced and checked for stops
+        self.emitted = np.zeros(S, dtype=np.int64)  # tokens given to the group's listener
+        self.fed_h = np.zeros(S, dtype=np.int64)  # tokens fed (host copy of the device's ``fed``)
+        self.row_version = np.zeros(S, dtype=np.int64)  # weights of the row's KV
+        self.logit_version = np.zeros(S, dtype=np.int64)  # weights of the row's pending logits
+        width = min(self.max_new, 256)  # grows with the longest row (max_new may be a whole context)
+        self.host_tok = np.zeros((S, width), dtype=np.int64)
+        self.host_lp = np.zeros((S, width), dtype=np.float64)
+        self.host_ver = np.zeros((S, width), dtype=np.int64)
+        self.key: list[Hashable | None] = [None] * S
+        self.gkey: list[Hashable | None] = [None] * groups
+        self.plen = np.zeros(groups, dtype=np.int64)
+        self.level = np.zeros(groups, dtype=np.int64)  # forks applied
+        self.arrival = np.zeros(groups, dtype=np.int64)  # admission order of the slot's group
+        # sampling settings per group slot (custom: the group's own, else the stream's)
+        t, tp, tk, mp = self.p.sampling_fields()
+        self.temperature = np.full(groups, t)
+        self.top_p = np.full(groups, tp)
+        self.top_k = np.full(groups, tk, dtype=np.int64)
+        self.min_p = np.full(groups, mp)
+        self.max_new_g = np.full(groups, self.max_new, dtype=np.int64)
+        self.seed = np.full(groups, -1, dtype=np.int64)  # the group's own seed, -1: the stream's generator
+        self.custom = np.zeros(groups, dtype=bool)
+        self.hg = 0  # group slots computed by the last decode / covered by the pending logits
+
+    @property
+    def hi(self) -> int:
+        return self.hg * self.G
+
+    def used(self) -> list[int]:
+        return [g for g in range(self.NG) if self.gkey[g] is not None]
+
+    def free(self) -> list[int]:
+        return [g for g in range(self.NG) if self.gkey[g] is None]
+
+    def slot_rows(self, slots) -> np.ndarray:
+        """The rows of group slots ``slots``, in order."""
+        return (np.asarray(slots, dtype=np.int64)[:, None] * self.G + np.arange(self.G)).reshape(-1)
+
+    def sync_due(self) -> bool:
+        """A sync is due: a full window logged, or a row at ``max_new``."""
+        return bool(self.log_rows) and (len(self.log_rows) >= self.sync_every or self.at_limit())
+
+    def at_limit(self) -> bool:
+        """A live row has sampled its last token (it finishes at the next sync)."""
+        return bool((self.steps[self.live] >= np.repeat(self.max_new_g, self.G)[self.live]).any())
+
+    def live_span(self) -> int:
+        """Group slots a decode step covers now (every used slot)."""
+        return group_bucket(max(self.used()) + 1, self.NG, self.G, self.exact)
+
+    # ------------------------------------------------------------------ blocks
+    def cover(self, fed: np.ndarray, steps: int) -> np.ndarray:
+        """Own slots that rows having fed ``fed`` tokens write within ``steps`` decode steps
+        (the slots to own blocks for)."""
+        return np.clip(fed + steps - self.tree.own_start, 0, self.N)
+
+    def blocks_needed(self, item) -> int:
+        """Blocks a waiting group (``item``; None or ``(key, prompt)``: a new prompt) takes at
+        admission: its live rows' writes for the next ``sync_every`` steps (a preempted group:
+        past ones too)."""
+        W = self.sync_every
+        if isinstance(item, Preempted):
+            live = item.rows["live"]
+            return int(self.blocks.blocks_for(self.cover(item.rows["fed_h"][live], W)).sum())
+        n = item.params.n if isinstance(item, Waiting) and item.params is not None else self.tree.n
+        return n * int(self.blocks.blocks_for(self.cover(np.zeros(1, np.int64), W))[0])
+
+    def reserve(self) -> int:
+        """Blocks the live rows still need for their writes of the next ``sync_every`` steps."""
+        rows = np.flatnonzero(self.live)
+        return int(self.blocks.missing(rows, self.cover(self.fed_h[rows], self.sync_every)).sum())
+
+    def room(self) -> bool:
+        """Whether the first waiting group would get its blocks now (checked before taking
+        prompts, so a full pool costs no prompt checks per step)."""
+        first = self.deferred[0] if self.deferred else None
+        return self.blocks_needed(first) + self.reserve() <= self.blocks.free
+
+    def fit_blocks(self, items: list) -> list:
+        """Admission by free blocks: the leading ``items`` whose blocks (:meth:`blocks_needed`)
+        are free beyond what the live rows need for the next sync window; the rest wait,
+        in order, at the front of the deferred groups."""
+        free = self.blocks.free - self.reserve()
+        for i, item in enumerate(items):
+            need = self.blocks_needed(item)
+            if need > free:
+                self.deferred.extendleft(reversed(items[i:]))
+                return items[:i]
+            free -= need
+        return items
+
+    def grow_for_step(self) -> bool:
+        """Before a decode step: give every live row the blocks its writes reach until the
+        next sync (at least this step's). False if even this step's do not fit."""
+        rows = np.flatnonzero(self.live)
+        ahead = max(1, self.sync_every - len(self.log_rows))
+        return self.blocks.grow(rows, self.cover(self.fed_h[rows], ahead)) or \
+            self.blocks.grow(rows, self.cover(self.fed_h[rows], 1))
+
+    def make_room(self) -> None:
+        """(Synced.) Preempt whole groups, latest-admitted first, until every live row gets
+        this step's block."""
+        while True:
+            rows = np.flatnonzero(self.live)
+            if self.blocks.grow(rows, self.cover(self.fed_h[rows], 1)):
+                return
+            used = self.used()
+            if len(used) < 2:  # pragma: no cover - the pool holds one group's worst case
+                raise RuntimeError(f"the own-block pool ({self.blocks.num_blocks} blocks) does not hold one group")
+            self.preempt(max(used, key=lambda g: self.arrival[g]))
+
+    def preempt(self, g: int) -> None:
+        """Take group slot ``g``'s group out of the batch (synced: no logged samples): its
+        blocks and slot are freed, its host state goes to the front of the deferred groups."""
+        key = self.gkey[g]
+        rows = self.slot_rows([g])
+        self.deferred.appendleft(Preempted(
+            key, self.groups[key].prompt_ids.tolist(), int(self.arrival[g]), int(self.level[g]),
+            {name: getattr(self, name)[rows].copy() for name in ROW_STATE}, [self.key[r] for r in rows]))
+        self.blocks.release(rows)
+        self.live[rows] = False
+        for r in rows:
+            self.key[r] = None
+        self.gkey[g] = None
+        self.stats.preemptions += 1
+
+    # --------------------------------------------------------------- admission
+    def admit(self, items: list[Waiting], prompts: list[list[int]], slots: np.ndarray, version: int) -> np.ndarray:
+        """New groups ``items`` (prompts ``prompts``, loaded) into group slots ``slots``: their
+        first rows (``tree.first_rows``, the group's ``n``) go live and take their first
+        blocks. Returns those rows (their first samples' logits are pending)."""
+        G = self.G
+        rows = self.slot_rows(slots)
+        first = []
+        for i, item in enumerate(items):
+            params = self.p if item.params is None else item.params
+            custom = item.params is not None
+            stopper = StopChecker(params.stop_token_ids, params.stop_strings, params.decoder()) if custom \
+                else self.stopper
+            g = self.groups[item.key] = GroupState(torch.tensor(prompts[i], dtype=torch.int64), params, stopper,
+                                                   custom, item.listener)
+            self.gkey[slots[i]] = item.key
+            self.arrival[slots[i]] = self.arrivals
+            self.arrivals += 1
+            self._set_settings(int(slots[i]), g)
+            for r in rows[i * G : (i + 1) * G]:
+                self.key[r] = item.key
+            first += [slots[i] * G + r for r in self.tree.first_rows()[: params.n]]
+        first = np.asarray(first, dtype=np.int64)
+        self.level[slots] = 0
+        self.live[first] = True
+        self.steps[first] = 0
+        self.checked[first] = 0
+        self.emitted[first] = 0
+        self.row_version[rows] = version
+        self.logit_version[rows] = version
+        if not self.blocks.grow(first, self.cover(self.fed_h[first], self.sync_every)):  # pragma: no cover
+            raise RuntimeError("admitted without free blocks")  # (fit_blocks checked them)
+        self.stats.admitted += len(items)
+        return first
+
+    def _set_settings(self, slot: int, g: GroupState) -> None:
+        p = g.params
+        self.temperature[slot], self.top_p[slot], self.top_k[slot], self.min_p[slot] = p.sampling_fields()
+        self.max_new_g[slot] = p.max_new_tokens
+        self.seed[slot] = p.seed if g.custom and p.seed is not None else -1
+        self.custom[slot] = g.custom
+
+    def readmit(self, item: Preempted, slot: int) -> np.ndarray:
+        """A preempted group's host state back into group slot ``slot``, with blocks for its
+        live rows (its K/V is to be recomputed). Returns its live rows."""
+        rows = self.slot_rows([slot])
+        for name in ROW_STATE:
+            a, saved = getattr(self, name), item.rows[name]
+            if a.ndim == 2:  # (host arrays may have grown since)
+                a[rows] = 0
+                a[rows, : saved.shape[1]] = saved
+            else:
+                a[rows] = saved
+        for r, key in zip(rows, item.keys):
+            self.key[r] = key
+        self.gkey[slot] = item.key
+        self.level[slot] = item.level
+        self.arrival[slot] = item.arrival
+        self._set_settings(slot, self.groups[item.key])
+        live = rows[self.live[rows]]
+        if not self.blocks.grow(live, self.cover(self.fed_h[live], self.sync_every)):  # pragma: no cover
+            raise RuntimeError("readmitted without free blocks")  # (fit_blocks checked them)
+        return live
+
+    def reload_plan(self, slots: np.ndarray) -> tuple[list[list[int]], list[int], list[int], list[int]]:
+        """What recomputing group slots ``slots`` prefills: the distinct sequences (a prompt
+        followed by the tokens a live row fed), each slot's group sequence (its first live
+        row's), each row's sequence (-1: not live) and each slot's prompt length."""
+        distinct: dict[tuple[int, ...], int] = {}
+        row_src, group_src, plen = [], [], []
+        for g in slots:
+            prompt = self.groups[self.gkey[g]].prompt_ids.tolist()
+            plen.append(len(prompt))
+            first = None
+            for r in range(g * self.G, (g + 1) * self.G):
+                if not self.live[r]:
+                    row_src.append(-1)
+                    continue
+                seq = prompt + self.host_tok[r, : self.steps[r] - 1].tolist()
+                s = distinct.setdefault(tuple(seq), len(distinct))
+                first = s if first is None else first
+                row_src.append(s)
+            group_src.append(first)
+        return [list(t) for t in distinct], group_src, row_src, plen
+
+    # ------------------------------------------------------------ samples, stops
+    def logged(self, rows: np.ndarray) -> int:
+        """``rows`` sampled their next token (logged on the device at the returned index)."""
+        k = len(self.log_rows)
+        if len(rows) and self.steps[rows].max() >= self.host_tok.shape[1]:
+            self._widen(min(2 * self.host_tok.shape[1], self.max_new))
+        self.log_rows.append((rows, self.steps[rows].copy()))
+        self.host_ver[rows, self.steps[rows]] = self.logit_version[rows]
+        self.steps[rows] += 1
+        return k
+
+    def _widen(self, width: int) -> None:
+        for name in ("host_tok", "host_lp", "host_ver"):
+            a = getattr(self, name)
+            wide = np.zeros((a.shape[0], width), dtype=a.dtype)
+            wide[:, : a.shape[1]] = a
+            setattr(self, name, wide)
+
+    def sampling(self, rows: np.ndarray, span: np.ndarray) -> RowSampling:
+        """How to sample ``span`` (rows, in order) of which ``rows`` are live: the stream's
+        settings when every live row has them (the fast path), one common setting, or per
+        row (with the seeds of seeded rows: their group's seed, branch and token index)."""
+        slots = np.unique(rows // self.G)
+        if not self.custom[slots].any():
+            return RowSampling(self.p)
+        fields = (self.temperature, self.top_p, self.top_k, self.min_p)
+        if (self.seed[slots] < 0).all() and all(len(np.unique(f[slots])) == 1 for f in fields):
+            t, tp, tk, mp = (f[slots[0]].item() for f in fields)
+            return RowSampling(SamplingParams(temperature=t, top_p=tp, top_k=tk, min_p=mp))
+        g = span // self.G
+        seeds = {}
+        where = {int(r): i for i, r in enumerate(span)}
+        for r in rows[self.seed[rows // self.G] >= 0]:
+            slot, p = divmod(int(r), self.G)
+            branch = self.tree.branch(p, int(self.level[slot]))
+            seeds[where[int(r)]] = row_seed(int(self.seed[slot]), branch, int(self.steps[r]))
+        truncate = bool(((self.top_k[slots] > 0) | (self.top_p[slots] < 1) | (self.min_p[slots] > 0)).any())
+        return RowSampling(None, self.temperature[g], self.top_p[g], self.top_k[g], self.min_p[g], seeds, truncate)
+
+    def record(self, tok: np.ndarray, lp: np.ndarray) -> None:
+        """The device's logged tokens and logprobs ``[k, S]`` (one row per logged call) into
+        the rows' host arrays."""
+        for j, (rows, idx) in enumerate(self.log_rows):
+            self.host_tok[rows, idx] = tok[j, rows]
+            self.host_lp[rows, idx] = lp[j, rows]
+        self.log_rows = []
+
+    def check_stops(self) -> bool:
+        """(Synced.) Finish the live rows that stopped or reached ``max_new``; whether any did."""
+        finished = False
+        for r in np.flatnonzero(self.live):
+            n = int(self.steps[r])
+            found = self.groups[self.key[r]].stopper.find(self.host_tok[r, :n], int(self.checked[r]))
+            if found is not None:
+                self.finish(r, found[0], "stop", found[1])
+                finished = True
+            elif n >= self.max_new_g[r // self.G]:
+                self.finish(r, n, "length", None)
+                finished = True
+            else:
+                self.checked[r] = n
+                if n > self.emitted[r] and self.groups[self.key[r]].listener is not None:
+                    self._emit(r, n, None)
+        return finished
+
+    def _emit(self, r: int, end: int, reason: str | None, length: int | None = None) -> None:
+        """Give row ``r``'s tokens ``[emitted, end)`` (and its ``reason`` if it finished) to its
+        group's listener; a listener that raises is logged and dropped."""
+        key = self.key[r]
+        g = self.groups[key]
+        a = int(self.emitted[r])
+        slot, p = divmod(int(r), self.G)
+        level = self.tree.depth_of(end) if reason is not None else int(self.level[slot])
+        delta = TokenDelta(key, self.tree.branch(p, level), self.host_tok[r, a:end].tolist(),
+                           self.host_lp[r, a:end].tolist(), self.host_ver[r, a:end].tolist(), None, reason)
+        self.emitted[r] = end
+        try:
+            g.listener(delta)
+        except Exception:  # noqa: BLE001 - a client's callback never kills the stream
+            log.exception("the listener of group %r raised; it gets no more tokens", key)
+            g.listener = None
+
+    def finish(self, r: int, length: int, reason: str, stop) -> None:
+        """Row ``r`` ends with its first ``length`` tokens; its blocks are freed, and its
+        group is done (queued in ``out``) when it was the group's last live row."""
+        key = self.key[r]
+        g = self.groups[key]
+        if g.listener is not None:
+            self._emit(r, length, reason)
+        slot, p = divmod(int(r), self.G)
+        g.completions.append(Completion(
+            prompt_index=key,
+            prompt_ids=g.prompt_ids,
+            completion_ids=torch.from_numpy(self.host_tok[r, :length].copy()),
+            logprobs=torch.from_numpy(self.host_lp[r, :length].copy()).to(self.logit_dtype),
+            versions=torch.from_numpy(self.host_ver[r, :length].copy()),
+            finish_reason=reason,
+            stop=stop,
+            branch=self.tree.branch(p, self.tree.depth_of(length)),
+        ))
+        self.stats.generated_tokens += length
+        self.live[r] = False
+        self.key[r] = None
+        self.blocks.release([r])
+        if not self.live[slot * self.G : (slot + 1) * self.G].any():  # the group's slot is free
+            del self.groups[key]
+            self.gkey[slot] = None
+            g.completions.sort(key=lambda c: c.branch)
+            self.out.append(Group(key, g.prompt_ids, g.completions))
+
+    def abort(self, key: Hashable) -> bool:
+        """(Synced.) Stop group ``key`` (cancelled): a running group's live rows finish with
+        their tokens so far and ``finish_reason="abort"``; a preempted or not yet admitted one
+        is taken from the deferred groups and finished the same way (its ``n`` samples empty
+        if it never ran). The group is queued in ``out``. False if the batch does not hold it."""
+        if key in self.gkey:
+            slot = self.gkey.index(key)
+            for r in self.slot_rows([slot])[self.live[self.slot_rows([slot])]]:
+                self.finish(int(r), int(self.steps[r]), "abort", None)
+            return True
+        for i, item in enumerate(self.deferred):
+            if item.key != key:
+                continue
+            del self.deferred[i]
+            if isinstance(item, Preempted):  # its rows' saved host state, finished as they are
+                g = self.groups.pop(key)
+                a = item.rows
+                for p in np.flatnonzero(a["live"]):
+                    n, e = int(a["steps"][p]), int(a["emitted"][p])
+                    branch = self.tree.branch(int(p), self.tree.depth_of(n))
+                    tok, lp, ver = (a[name][p, :n].copy() for name in ("host_tok", "host_lp", "host_ver"))
+                    if g.listener is not None:
+                        try:
+                            g.listener(TokenDelta(key, branch, tok[e:].tolist(), lp[e:].tolist(), ver[e:].tolist(),
+                                                  None, "abort"))
+                        except Exception:  # noqa: BLE001
+                            log.exception("the listener of group %r raised", key)
+                    g.completions.append(Completion(key, g.prompt_ids, torch.from_numpy(tok),
+                                                    torch.from_numpy(lp).to(self.logit_dtype), torch.from_numpy(ver),
+                                                    "abort", None, branch))
+                    self.stats.generated_tokens += n
+                g.completions.sort(key=lambda c: c.branch)
+                self.out.append(Group(key, g.prompt_ids, g.completions))
+            else:
+                params = self.p if item.params is None else item.params
+                prompt = torch.tensor([int(t) for t in item.prompt], dtype=torch.int64)
+                empty = torch.zeros(0, dtype=torch.int64)
+                done = [Completion(key, prompt, empty, torch.zeros(0, dtype=self.logit_dtype), empty, "abort", None,
+                                   (j,)) for j in range(params.n)]
+                for c in done:
+                    if item.listener is not None:
+                        try:
+                            item.listener(TokenDelta(key, c.branch, [], [], [], None, "abort"))
+                        except Exception:  # noqa: BLE001
+                            log.exception("the listener of group %r raised", key)
+                self.out.append(Group(key, prompt, done))
+            return True
+        return False
+
+    # -------------------------------------------------------------------- forks
+    def due_forks(self) -> list[int]:
+        """Group slots whose live rows have sampled exactly their next fork point's tokens."""
+        tree, G, due = self.tree, self.G, []
+        for g in range(self.NG):
+            if self.gkey[g] is None or self.level[g] >= tree.depth:
+                continue
+            live = np.flatnonzero(self.live[g * G : (g + 1) * G])
+            if len(live) and self.steps[g * G + live[0]] == tree.points[self.level[g]]:
+                due.append(g)
+        return due
+
+    def fork(self, due: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Fork group slots ``due``: every live row's further children (its reserved rows)
+        take a copy of its host state and go live. Returns ``(parents, children)`` rows (the
+        device copies theirs the same way; children own no blocks yet)."""
+        G, tree = self.G, self.tree
+        parents, kids = [], []
+        for g in due:
+            k = int(self.level[g]) + 1
+            for r in np.flatnonzero(self.live[g * G : (g + 1) * G]) + g * G:
+                for c in tree.children(int(r - g * G), k):
+                    parents.append(r)
+                    kids.append(g * G + c)
+            self.level[g] = k
+        par, kid = np.asarray(parents, dtype=np.int64), np.asarray(kids, dtype=np.int64)
+        if len(kid):
+            for name in ROW_STATE:
+                a = getattr(self, name)
+                a[kid] = a[par]
+            for c, p in zip(kid, par):
+                self.key[c] = self.key[p]
+            self.live[kid] = True
+            self.stats.forks += len(kid)
+        return par, kid
+
+    # --------------------------------------------------------------- compaction
+    def compact(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Plan and apply (host side) moving live groups down into free group slots when they
+        would fit a smaller bucket (only at a sync point: no logged tokens refer to the rows
+        moved). Sets ``hg``. Returns ``(src, dst)`` group slots moved, or None."""
+        used = np.asarray(self.used())
+        top = group_bucket(int(used.max()) + 1, self.NG, self.G, self.exact)
+        target = group_bucket(len(used), self.NG, self.G, self.exact)
+        if self.log_rows or top <= target:
+            self.hg = top
+            return None
+        src = used[used >= target]
+        dst = np.asarray([g for g in range(target) if self.gkey[g] is None][: len(src)])
+        rsrc, rdst = self.slot_rows(src), self.slot_rows(dst)
+        for name in ROW_STATE:
+            a = getattr(self, name)
+            a[rdst] = a[rsrc]
+        self.blocks.move(rdst, rsrc)
+        for d, s in zip(rdst, rsrc):
+            self.key[d], self.key[s] = self.key[s], None
+        self.live[rsrc] = False
+        for a in (self.plen, self.level, self.arrival, self.temperature, self.top_p, self.top_k, self.min_p,
+                  self.max_new_g, self.seed, self.custom):
+            a[dst] = a[src]
+        for d, s in zip(dst, src):
+            self.gkey[d], self.gkey[s] = self.gkey[s], None
+        self.hg = target
+        return src, dst
