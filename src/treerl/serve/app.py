@@ -320,10 +320,29 @@ def _generation_error(err: BaseException) -> APIError:
     return APIError(f"generation failed: {type(err).__name__}: {err}", None, status=status, type="server_error")
 
 
+# SamplingParams fields -> the request fields that set them
+_PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop_strings": "stop", "top_logprobs": "logprobs"}
+
+
+def _submit(state: ServeState, futures: list[Future], ids: list[int], params: SamplingParams, listener=None) -> None:
+    """Submit one prompt (its future appended to ``futures``); settings the engine refuses
+    (``ValueError`` naming the field) are a 400, and cancel what was already submitted."""
+    try:
+        futures.append(state.loop.submit(ids, params, listener=listener))
+    except ValueError as err:
+        _cancel(state, futures)
+        words = str(err).split()
+        field = words[0].strip("`'\":,") if words else ""
+        param = _PARAM_NAMES.get(field, field) if field in {f.name for f in dataclasses.fields(SamplingParams)} else None
+        raise APIError(str(err), param) from None
+
+
 async def _run(state: ServeState, prompts: list[list[int]], params: list[SamplingParams], n: int
                ) -> list[list[Completion]]:
     """Submit each prompt; wait for all (a cancelled handler cancels its rows)."""
-    futures = [state.loop.submit(ids, p) for ids, p in zip(prompts, params)]
+    futures: list[Future] = []
+    for ids, p in zip(prompts, params):
+        _submit(state, futures, ids, p)
     try:
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
     except asyncio.CancelledError:
@@ -354,8 +373,14 @@ def _completion_token_fields(c: Completion) -> dict:
 
 
 def _top(x: Any) -> tuple[list[list[int]], list[list[float]]] | None:
-    """``(ids [T, k], logprobs [T, k])`` as lists, or None."""
-    return None if x is None else (_tolist(x[0]), _tolist(x[1]))
+    """Top logprobs as ``(ids [T, k], logprobs [T, k])`` lists, or None. ``x``: that pair
+    (tensors or lists: ``Completion.top_logprobs``) or per token ``[(id, logprob)] x k``
+    (``TokenDelta.top_logprobs``)."""
+    if x is None:
+        return None
+    if isinstance(x, tuple) and len(x) == 2 and hasattr(x[0], "shape"):
+        return _tolist(x[0]), _tolist(x[1])
+    return [[int(a) for a, _ in row] for row in x], [[float(b) for _, b in row] for row in x]
 
 
 def _piece(state: ServeState, t: int) -> str:
@@ -486,15 +511,25 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+class _Stream(StreamingResponse):
+    """A streaming response that runs ``on_close`` however it ends (finished, the client
+    gone, or cancelled before the first chunk)."""
+
+    def __init__(self, content, on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 def _stream(state: ServeState, req: SamplingRequest, prompts: list[list[int]], *, chat: bool) -> StreamingResponse:
-    """An SSE response: chunks as tokens reach the host, ``data: [DONE]`` last."""
-    params = [_sampling_params(state, req, len(ids)) for ids in prompts]  # refusals before the 200
-    return StreamingResponse(_chunks(state, req, prompts, params, chat), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-
-
-async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[int]], params: list[SamplingParams],
-                  chat: bool) -> AsyncIterator[str]:
+    """An SSE response: chunks as tokens reach the host, ``data: [DONE]`` last. The prompts
+    are submitted before the response starts (a refused setting is still a 400)."""
+    params = [_sampling_params(state, req, len(ids)) for ids in prompts]
     aloop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -504,6 +539,15 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
         except RuntimeError:  # the event loop is closed: nobody listens any more
             pass
 
+    futures: list[Future] = []
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        _submit(state, futures, ids, p, lambda delta, i=i: post((i, delta)))
+        futures[-1].add_done_callback(lambda f, i=i: post((i, None)))
+    return _Stream(_chunks(state, req, prompts, futures, queue, chat), lambda: _cancel(state, futures))
+
+
+async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[int]], futures: list[Future],
+                  queue: asyncio.Queue, chat: bool) -> AsyncIterator[str]:
     n, k = req.n, req.top_logprobs_k
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -535,45 +579,37 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
             out["stop_reason"] = stop
         return out | _token_fields(ids, lps, versions)
 
-    futures: list[Future] = []
-    try:
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            f = state.loop.submit(ids, p, listener=lambda delta, i=i: post((i, delta)))
-            f.add_done_callback(lambda f, i=i: post((i, None)))
-            futures.append(f)
-        if chat:  # the role first, as OpenAI does
-            yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for j in range(len(choices))])
-        pending, generated = len(futures), 0
-        while pending:
-            i, delta = await queue.get()
-            if delta is not None:
-                index = i * n + delta.branch[0]
-                sc = choices[index]
-                ids = _tolist(delta.token_ids)
-                text = sc.text.push(ids)
-                sc.sent_tokens += len(ids)
-                yield chunk([choice(index, text, ids, _tolist(delta.logprobs), _tolist(delta.versions),
-                                    _top(delta.top_logprobs))])
-                continue
-            pending -= 1
-            f = futures[i]
-            if f.cancelled() or f.exception() is not None:
-                err = _generation_error(f.exception() if not f.cancelled() else RuntimeError("cancelled"))
-                yield _sse(err.body())
-                break
-            for j, c in enumerate(f.result()):  # what no delta brought: the rest of the text and tokens
-                index, sc = i * n + j, choices[i * n + j]
-                rest = slice(sc.sent_tokens, None)
-                top = _top(getattr(c, "top_logprobs", None))
-                top = (top[0][rest], top[1][rest]) if top else None
-                text = sc.text.finish(await run_in_threadpool(_text, state, req, c))
-                yield chunk([choice(index, text, c.completion_ids[rest].tolist(), c.logprobs[rest].tolist(),
-                                    c.versions[rest].tolist(), top, c.finish_reason, c.stop)])
-                generated += len(c)
-        else:
-            if req.include_usage:
-                yield chunk([], usage=_usage(prompts, generated))
-        yield "data: [DONE]\n\n"
-    finally:  # a client that went away (the generator is cancelled or closed) frees its rows
-        _cancel(state, futures)
+    if chat:  # the role first, as OpenAI does
+        yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for j in range(len(choices))])
+    pending, generated = len(futures), 0
+    while pending:
+        i, delta = await queue.get()
+        if delta is not None:
+            index = i * n + delta.branch[0]
+            sc = choices[index]
+            ids = _tolist(delta.token_ids)
+            text = sc.text.push(ids)
+            sc.sent_tokens += len(ids)
+            yield chunk([choice(index, text, ids, _tolist(delta.logprobs), _tolist(delta.versions),
+                                _top(delta.top_logprobs))])
+            continue
+        pending -= 1
+        f = futures[i]
+        if f.cancelled() or f.exception() is not None:
+            err = _generation_error(f.exception() if not f.cancelled() else RuntimeError("cancelled"))
+            yield _sse(err.body())
+            break
+        for j, c in enumerate(f.result()):  # what no delta brought: the rest of the text and tokens
+            index, sc = i * n + j, choices[i * n + j]
+            rest = slice(sc.sent_tokens, None)
+            top = _top(getattr(c, "top_logprobs", None))
+            top = (top[0][rest], top[1][rest]) if top else None
+            text = sc.text.finish(await run_in_threadpool(_text, state, req, c))
+            yield chunk([choice(index, text, c.completion_ids[rest].tolist(), c.logprobs[rest].tolist(),
+                                c.versions[rest].tolist(), top, c.finish_reason, c.stop)])
+            generated += len(c)
+    else:
+        if req.include_usage:
+            yield chunk([], usage=_usage(prompts, generated))
+    yield "data: [DONE]\n\n"
