@@ -322,7 +322,8 @@ def client_agents(args, url: str, vocab: int, agents: range, start_at: float | N
 
     async def main():
         http = http_module()
-        limits = http.Limits(max_connections=len(agents) * 2, max_keepalive_connections=len(agents) * 2)
+        conns = 2 * len(agents) + 2  # the prober's too (and an alone run has no agents)
+        limits = http.Limits(max_connections=conns, max_keepalive_connections=conns)
         client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=3600,
                                     http_client=http.AsyncClient(limits=limits, timeout=3600))
 

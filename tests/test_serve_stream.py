@@ -145,8 +145,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_rows(served):
             assert cancelled.wait(60)  # the server saw the disconnect and cancelled the rows
             gate.set()
             assert loop.drain(60) and loop.busy == 0
-            [c] = futures[0].result(60)  # the row stopped where it was: far from its max_tokens
-            assert c.finish_reason == "abort" and len(c) < CONTEXT - 8
+            [row] = futures[0].result(60)  # the row stopped where it was: far from its max_tokens
+            assert row.finish_reason == "abort" and len(row) < CONTEXT - 8
             ok = c.post("/completions", json={"model": "treerl", "prompt": "1+1=", "max_tokens": 2})
             assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"]
     finally:
