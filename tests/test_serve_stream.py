@@ -154,6 +154,34 @@ def test_a_client_that_disconnects_mid_stream_frees_its_rows(served):
         loop.cancel, loop.submit = original, submit
 
 
+def test_streamed_text_of_a_byte_level_bpe_equals_the_whole(served):
+    """Random weights over a byte-level BPE: completions full of characters split over tokens."""
+    from treerl.tasks.bpe import tiny_bpe_tokenizer
+
+    tok = tiny_bpe_tokenizer()
+    model = build_model("qwen3", "tiny", seed=1, vocab_size=len(tok), max_position_embeddings=CONTEXT,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    server = ServerThread(make_state(RolloutEngine(model), tok, ServeOptions(default_max_tokens=8))).start()
+
+    async def main():
+        c = client(server)
+        kw = dict(model="treerl", messages=[{"role": "user", "content": "café ✓"}], max_tokens=40, temperature=0,
+                  n=3, extra_body={"skip_special_tokens": False})
+        whole = await c.chat.completions.create(**kw)
+        chunks = [ch async for ch in await c.chat.completions.create(stream=True, **kw)]
+        return whole, chunks
+
+    try:
+        whole, chunks = asyncio.run(main())
+    finally:
+        server.stop()
+    for j, ref in enumerate(whole.choices):
+        parts = [x.delta.content or "" for ch in chunks for x in ch.choices if x.index == j]
+        assert "".join(parts) == ref.message.content  # (random bytes: the text may hold lone continuation bytes)
+        ids = ref.model_extra["token_ids"]
+        assert ref.message.content == tok.decode(ids, skip_special_tokens=False)
+
+
 class ByteTokenizer:
     """Token ``i`` is byte ``i`` (a byte-level BPE's worst case: a character split over tokens)."""
 
