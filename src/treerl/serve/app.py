@@ -3,11 +3,12 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``,
 ``GET /tokenizer_info`` (vLLM's shapes; lm-evaluation-harness's remote tokenizer uses them),
-``GET /health``, ``GET /metrics`` (Prometheus), ``POST /update_weights_from_disk``. Responses follow the OpenAI schema and add, per choice,
-``token_ids`` (the completion's token ids, stop token included), ``token_logprobs``
-(behaviour logprob of each) and ``token_versions`` (weight version that sampled each), and
-at the top ``prompt_token_ids`` (a list of token-id lists when a completions request has
-several prompts) and ``weight_version`` (the oldest version among the completion tokens).
+``GET /health``, ``GET /metrics`` (Prometheus), ``POST /update_weights_from_disk``.
+Responses follow the OpenAI schema and add, per choice, ``token_ids`` (the completion's
+token ids, stop token included), ``token_logprobs`` (behaviour logprob of each) and
+``token_versions`` (weight version that sampled each), and at the top ``prompt_token_ids``
+(a list of token-id lists when a completions request has several prompts) and
+``weight_version`` (the oldest version among the completion tokens).
 Streamed chunks carry the same per-choice fields for their tokens, the first chunk the
 prompt ids. ``text`` / ``content`` is the decoded completion (special tokens skipped unless
 ``skip_special_tokens=false``) cut before the stop string unless
@@ -166,7 +167,7 @@ def create_app(state: ServeState) -> FastAPI:
         if req.stream:
             return _stream(state, req, prompts, chat=False)
         params = [_sampling_params(state, req, len(ids)) for ids in prompts] if req.max_tokens != 0 else None
-        results = await _run(state, prompts, params, req.n) if params is not None else [[] for _ in prompts]
+        results = await _run(state, prompts, params) if params is not None else [[] for _ in prompts]
         return await run_in_threadpool(_completion_body, state, req, prompts, results)
 
     @app.post("/v1/chat/completions")
@@ -176,7 +177,7 @@ def create_app(state: ServeState) -> FastAPI:
         ids = await run_in_threadpool(lambda: _check_ids(state, chat_prompt(state, req), "messages"))
         if req.stream:
             return _stream(state, req, [ids], chat=True)
-        [samples] = await _run(state, [ids], [_sampling_params(state, req, len(ids))], req.n)
+        [samples] = await _run(state, [ids], [_sampling_params(state, req, len(ids))])
 
         def body() -> dict:
             choices = [chat_choice(state, req, j, c) for j, c in enumerate(samples)]
@@ -256,7 +257,9 @@ def _encode(state: ServeState, text: str, param: str, add_special_tokens: bool =
 
 
 def _check_ids(state: ServeState, ids: list[int], param: str, *, check_context: bool = True,
-               allow_empty: bool = False) -> list[int]:
+               allow_empty: bool = False, room: int = 1) -> list[int]:
+    """``ids`` checked against the vocabulary and (``check_context``) the context, leaving
+    ``room`` positions to generate into (0: scoring only)."""
     if not ids and not allow_empty:
         raise APIError(f"{param} is empty", param)
     vocab = state.engine.vocab_size
@@ -264,9 +267,10 @@ def _check_ids(state: ServeState, ids: list[int], param: str, *, check_context: 
         if not 0 <= t < vocab:
             raise APIError(f"{param}: token id {t} at position {i} is outside the vocabulary [0, {vocab})", param)
     context = state.engine.max_positions
-    if check_context and context is not None and len(ids) >= context:
+    if check_context and context is not None and len(ids) > context - room:
+        why = " (room for one generated token)" if room == 1 else ""
         raise APIError(f"{param} has {len(ids)} tokens; the model's context is {context} tokens, so a prompt may "
-                       f"have at most {context - 1} (room for one generated token)", param)
+                       f"have at most {context - room}{why}", param)
     return ids
 
 
@@ -276,7 +280,7 @@ def _completion_prompts(state: ServeState, req: CompletionRequest) -> list[list[
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
         ids = _encode(state, p, param) if isinstance(p, str) else p
-        out.append(_check_ids(state, ids, param))
+        out.append(_check_ids(state, ids, param, room=0 if req.max_tokens == 0 else 1))
     return out
 
 
@@ -337,8 +341,7 @@ def _submit(state: ServeState, futures: list[Future], ids: list[int], params: Sa
         raise APIError(str(err), param) from None
 
 
-async def _run(state: ServeState, prompts: list[list[int]], params: list[SamplingParams], n: int
-               ) -> list[list[Completion]]:
+async def _run(state: ServeState, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
     """Submit each prompt; wait for all (a cancelled handler cancels its rows)."""
     futures: list[Future] = []
     for ids, p in zip(prompts, params):
