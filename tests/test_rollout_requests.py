@@ -158,3 +158,70 @@ def test_cancel_waiting_and_running_groups(model):
     assert c.completion_ids.tolist() == greedy(model, prompts[0], len(c))
     assert sum((d.token_ids for d in seen), []) == c.completion_ids.tolist()
     assert groups["short"][0].finish_reason == "length" and len(groups["late"][0]) == 30
+
+
+def test_top_logprobs(model):
+    """Groups asking for k alternatives get ``[T, k]`` ids and logprobs: the k most likely
+    tokens under the temperature-scaled distribution of a full forward (the sampled token's
+    logprob among them when it is one of them); others get None; deltas carry them too."""
+    prompts = random_prompts([6, 9, 4], seed=45)
+    deltas = []
+    q = PromptQueue()
+    q.put(prompts[0], params=SamplingParams(temperature=0.7, max_new_tokens=7, n=2, top_logprobs=3),
+          listener=deltas.append)
+    q.put(prompts[1], params=SamplingParams(temperature=0, max_new_tokens=5))
+    q.put(prompts[2], params=SamplingParams(temperature=0, max_new_tokens=6, top_logprobs=1))
+    q.close()
+    groups = {g.prompt_index: g for g in RolloutEngine(model, sync_every=3).generate_stream(
+        q, SamplingParams(n=2, max_new_tokens=8))}
+    assert groups[1][0].top_logprobs is None
+    for key, k, t in ((0, 3, 0.7), (2, 1, 1.0)):
+        for c in groups[key]:
+            ids, lps = c.top_logprobs
+            assert ids.shape == lps.shape == (len(c), k)
+            seq = prompts[key] + c.completion_ids.tolist()
+            with torch.no_grad():
+                logits = model(torch.tensor([seq])).logits[0, len(prompts[key]) - 1 : -1]
+            ref = torch.log_softmax(logits / t, -1).topk(k)
+            assert torch.equal(ids, ref.indices)
+            assert torch.allclose(lps, ref.values, rtol=1e-9, atol=1e-12)
+    assert torch.equal(groups[2][0].top_logprobs[0][:, 0], groups[2][0].completion_ids)  # greedy: the top token
+    for c in groups[0]:
+        mine = [d for d in deltas if d.branch == c.branch]
+        tops = sum((d.top_logprobs for d in mine), [])
+        assert tops == [list(zip(i.tolist(), x.tolist())) for i, x in zip(*c.top_logprobs)]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_per_group_settings_and_seeds():
+    """On CUDA (graphed decode steps, sampling outside the graphs): mixed per-group settings
+    in one batch; greedy groups equal the eager engine's; a seeded group's samples are the
+    same alone and among other groups; logprobs match a float64 full forward."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny(torch.float32, seed=2).cuda()
+    ref = tiny(torch.float64, seed=2)
+    prompts = random_prompts([9, 30, 3, 17, 5, 12], seed=46)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=24, n=2, seed=11, top_logprobs=2)
+    per = [SamplingParams(temperature=0, max_new_tokens=20), seeded,
+           SamplingParams(temperature=1.1, top_k=30, min_p=0.01, max_new_tokens=32, n=3),
+           SamplingParams(temperature=0, max_new_tokens=8, n=2), SamplingParams(temperature=0.6, max_new_tokens=40),
+           SamplingParams(temperature=1.0, max_new_tokens=16, seed=3)]
+    graphed = RolloutEngine(model, sync_every=4)
+    assert graphed.cuda_graphs
+    groups = graphed.generate(prompts, per)
+    eager = RolloutEngine(model, cuda_graphs=False)
+    for i in (0, 3):
+        [alone] = eager.generate([prompts[i]], per[i])
+        assert [c.completion_ids.tolist() for c in groups[i]] == [c.completion_ids.tolist() for c in alone]
+    q = PromptQueue()
+    q.put(prompts[1], params=seeded)
+    q.close()
+    [alone] = RolloutEngine(model, sync_every=4).generate_stream(q, SamplingParams(n=2, max_new_tokens=24))
+    assert [c.completion_ids.tolist() for c in groups[1]] == [c.completion_ids.tolist() for c in alone]
+    for g, p, prompt in zip(groups, per, prompts):
+        for c in g:
+            assert len(c) == p.max_new_tokens
+            lp = completion_logprobs(ref, prompt, c.completion_ids.tolist(), temperature=p.temperature or 1.0)
+            assert torch.allclose(c.logprobs.double(), lp, rtol=1e-4, atol=1e-4)
+    assert groups[1][0].top_logprobs[0].shape == (24, 2) and groups[0][0].top_logprobs is None

@@ -146,3 +146,29 @@ def test_compaction_waits_for_a_sync():
     s.logged(np.flatnonzero(s.live))  # logged, not synced: the rows may not move
     assert s.compact() is None and s.hg == 4
     assert torch.equal(s.groups["a"].prompt_ids, torch.tensor([1]))
+
+
+def test_abort_running_preempted_and_waiting_groups():
+    """Cancelled groups come out with "abort": a running one with its tokens so far (its
+    blocks freed), a preempted one from its saved rows, a waiting one with n empty samples;
+    listeners get the last deltas, which concatenate to the completions."""
+    s = scheduler(SamplingParams(n=1, max_new_tokens=32), groups=3, num_blocks=8)
+    deltas = []
+    items = [Waiting(k, [1], SamplingParams(n=1, max_new_tokens=32), deltas.append) for k in "abc"]
+    s.admit(items, [[1], [1], [1]], np.arange(3), version=0)
+    for t in range(3):
+        step(s, {0: 5 + t, 1: 6, 2: 7})
+    s.preempt(2)
+    s.deferred.append(Waiting("d", [4, 4], SamplingParams(n=2, max_new_tokens=8)))
+    assert [s.abort(k) for k in "abde"] == [True, True, True, False]
+    out = {g.prompt_index: g for g in s.out}
+    assert out["a"][0].completion_ids.tolist() == [5, 6, 7] and out["a"][0].finish_reason == "abort"
+    assert out["b"][0].completion_ids.tolist() == [6, 6, 6]
+    assert [len(c) for c in out["d"]] == [0, 0] and {c.finish_reason for c in out["d"]} == {"abort"}
+    assert s.gkey == [None, None, None] and len(s.deferred) == 1 and s.blocks.free == 8
+    for k in "ab":
+        mine = [d for d in deltas if d.prompt_index == k]
+        assert sum((d.token_ids for d in mine), []) == out[k][0].completion_ids.tolist()
+        assert mine[-1].finish_reason == "abort"
+    assert s.abort("c") and not s.deferred and s.out[-1][0].completion_ids.tolist() == [7, 7, 7]
+    assert s.out[-1][0].finish_reason == "abort" and "c" not in s.groups

@@ -344,11 +344,12 @@ async def _health(server: ServerThread) -> dict:
 def test_engine_loop_sums_the_engine_counters_over_streams():
     """Each stream resets the engine's counters; EngineLoop.engine_stats() adds them up
     (drain ends the idle stream, the next request starts another)."""
-    from treerl.serve import EngineLoop, SamplingKey
+    from treerl.rollout import SamplingParams
+    from treerl.serve import EngineLoop
 
     engine = RolloutEngine(tiny_model())
     loop = EngineLoop(engine)
-    key = SamplingKey(temperature=0.0, max_tokens=3)
+    key = SamplingParams(temperature=0.0, max_new_tokens=3)
     try:
         for i in range(3):
             [c] = loop.submit([5, 6, 7 + i], key).result(60)

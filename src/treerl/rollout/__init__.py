@@ -9,8 +9,10 @@ once for the rows below it (attention over the levels merged by log-sum-exp); ro
 their own tokens in K/V blocks they take as they grow (admission by free blocks; groups
 preempted and recomputed later when blocks run out); a token-keyed LRU prefix cache lets
 a prompt that extends an earlier one (the next turn of an episode) prefill only its new
-tokens; temperature/top-k/top-p, stop tokens and strings, max new tokens; per-token
-behaviour logprobs and weight versions; in-process weight updates.
+tokens; temperature/top-k/top-p/min-p, stop tokens and strings, max new tokens, seeds, per
+group in one running batch (``PromptQueue.put(params=...)``, ``generate`` with a list);
+streamed tokens (``TokenDelta`` listeners) and cancellation; per-token behaviour logprobs
+(and top-k alternatives) and weight versions; in-process weight updates.
 """
 
 from .engine import RolloutEngine
@@ -20,7 +22,7 @@ from .shared import SharedPrefixCache, tree_attention, two_level_attention
 from .params import SamplingParams
 from .prompts import PromptQueue
 from .tree import TreeLayout
-from .types import Completion, Group, RolloutStats
+from .types import Completion, Group, RolloutStats, TokenDelta
 from .sampling import apply_top_k, apply_top_p, sample, sampling_distribution
 from .stops import StopChecker
 
@@ -28,6 +30,7 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "Completion",
+    "TokenDelta",
     "Group",
     "RolloutStats",
     "PromptQueue",

@@ -25,6 +25,9 @@ from .tree import TreeLayout
 from .types import RolloutStats
 
 
+TOP_LOGPROBS = 20  # top tokens logged per sampled token when a group asks (SamplingParams.top_logprobs <= 20)
+
+
 def _t(a, device) -> torch.Tensor:
     return torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)
 
@@ -66,6 +69,7 @@ class DeviceBatch:
         e, dev, G, tree = self.e, self.device, self.G, self.tree
         S = groups * G
         self.NG, self.S, self.P, self.num_blocks = groups, S, prefix_capacity, num_blocks
+        self.log_topi = self.log_topv = None  # top tokens' log, allocated when a group asks
         if kept is not None and kept[0] == self.arena_key(groups, prefix_capacity, num_blocks):
             for k, v in kept[1].items():
                 setattr(self, k, v)
@@ -257,6 +261,16 @@ class DeviceBatch:
         self.last[idx] = tokens
         self.log_tok[k, idx] = tokens
         self.log_lp[k, idx] = logp
+        if how.top:  # the 20 most likely tokens under the behaviour distribution (the host keeps each group's k)
+            if self.log_topi is None:
+                K, S = self.log_tok.shape
+                self.log_topi = torch.zeros(K, S, TOP_LOGPROBS, dtype=torch.int64, device=self.device)
+                self.log_topv = torch.zeros(K, S, TOP_LOGPROBS, dtype=self.log_lp.dtype, device=self.device)
+            t = how.params.temperature if how.params is not None else self._upload(how.temperature)
+            scale = (t if t > 0 else 1.0) if how.params is not None else torch.where(t > 0, t, 1.0).to(logits.dtype)[:, None]
+            top = torch.log_softmax(logits / scale, dim=-1).topk(TOP_LOGPROBS, dim=-1)
+            self.log_topi[k, idx] = top.indices
+            self.log_topv[k, idx] = top.values
 
     def _upload(self, a: np.ndarray) -> torch.Tensor:
         """A small host array on the device without a sync (pinned, asynchronous on CUDA)."""
@@ -265,6 +279,10 @@ class DeviceBatch:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def read_log(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The first ``k`` logged sample calls' tokens and logprobs ``[k, S]`` on the host (a sync)."""
-        return self.log_tok[:k].cpu().numpy(), self.log_lp[:k].double().cpu().numpy()
+    def read_log(self, k: int, top: bool = False) -> tuple:
+        """The first ``k`` logged sample calls' tokens and logprobs ``[k, S]`` on the host (a
+        sync); ``top``: and the top tokens' ids and logprobs ``[k, S, 20]``."""
+        out = (self.log_tok[:k].cpu().numpy(), self.log_lp[:k].double().cpu().numpy())
+        if top and self.log_topi is not None:
+            out += ((self.log_topi[:k].cpu().numpy(), self.log_topv[:k].double().cpu().numpy()),)
+        return out

@@ -21,24 +21,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable
 
-import logging
-
 import numpy as np
 import torch
 
 from .paging import BlockTable
 from .params import SamplingParams
 from .prompts import Waiting
-from .sampling import row_seed
+from .requests import RowSampling, abort, emit, plan_sampling, row_completion
 from .stops import StopChecker
 from .tree import TreeLayout
-from .types import Completion, Group, RolloutStats, TokenDelta
-
-log = logging.getLogger(__name__)
+from .types import Group, RolloutStats
 
 # host state per row: what a row carries through forks, compaction and preemption
 ROW_STATE = ("live", "steps", "checked", "emitted", "fed_h", "row_version", "logit_version", "host_tok", "host_lp",
-             "host_ver")
+             "host_ver", "top_id", "top_lp")
 
 
 def group_bucket(n: int, groups: int, G: int, exact: bool = False) -> int:
@@ -69,21 +65,6 @@ class GroupState:
     custom: bool = False
     listener: object = None
     completions: list = field(default_factory=list)
-
-
-@dataclass
-class RowSampling:
-    """How to sample a set of rows: ``params`` (one setting for all), or per row
-    ``temperature``, ``top_p``, ``top_k``, ``min_p`` arrays, ``seeds`` ``{row index: seed}``
-    and ``truncate`` (any top-k/top-p/min-p)."""
-
-    params: SamplingParams | None = None
-    temperature: np.ndarray | None = None
-    top_p: np.ndarray | None = None
-    top_k: np.ndarray | None = None
-    min_p: np.ndarray | None = None
-    seeds: dict | None = None
-    truncate: bool = False
 
 
 @dataclass
@@ -139,6 +120,9 @@ class Scheduler:
         self.host_tok = np.zeros((S, width), dtype=np.int64)
         self.host_lp = np.zeros((S, width), dtype=np.float64)
         self.host_ver = np.zeros((S, width), dtype=np.int64)
+        # the k most likely tokens per sampled token, for groups that ask (k = 0 until one does)
+        self.top_id = np.zeros((S, width, 0), dtype=np.int64)
+        self.top_lp = np.zeros((S, width, 0), dtype=np.float64)
         self.key: list[Hashable | None] = [None] * S
         self.gkey: list[Hashable | None] = [None] * groups
         self.plen = np.zeros(groups, dtype=np.int64)
@@ -152,6 +136,7 @@ class Scheduler:
         self.min_p = np.full(groups, mp)
         self.max_new_g = np.full(groups, self.max_new, dtype=np.int64)
         self.seed = np.full(groups, -1, dtype=np.int64)  # the group's own seed, -1: the stream's generator
+        self.top_n = np.full(groups, self.p.top_logprobs, dtype=np.int64)  # top tokens logged per token
         self.custom = np.zeros(groups, dtype=bool)
         self.hg = 0  # group slots computed by the last decode / covered by the pending logits
 
@@ -298,6 +283,9 @@ class Scheduler:
         self.max_new_g[slot] = p.max_new_tokens
         self.seed[slot] = p.seed if g.custom and p.seed is not None else -1
         self.custom[slot] = g.custom
+        self.top_n[slot] = p.top_logprobs
+        if p.top_logprobs > self.top_id.shape[2]:
+            self._widen(self.host_tok.shape[1], 20)
 
     def readmit(self, item: Preempted, slot: int) -> np.ndarray:
         """A preempted group's host state back into group slot ``slot``, with blocks for its
@@ -305,9 +293,9 @@ class Scheduler:
         rows = self.slot_rows([slot])
         for name in ROW_STATE:
             a, saved = getattr(self, name), item.rows[name]
-            if a.ndim == 2:  # (host arrays may have grown since)
+            if a.ndim >= 2:  # (host arrays may have grown since)
                 a[rows] = 0
-                a[rows, : saved.shape[1]] = saved
+                a[(rows,) + tuple(slice(0, n) for n in saved.shape[1:])] = saved
             else:
                 a[rows] = saved
         for r, key in zip(rows, item.keys):
@@ -353,40 +341,29 @@ class Scheduler:
         self.steps[rows] += 1
         return k
 
-    def _widen(self, width: int) -> None:
-        for name in ("host_tok", "host_lp", "host_ver"):
+    def _widen(self, width: int, k: int | None = None) -> None:
+        """Room for ``width`` tokens per row (and ``k`` top tokens each)."""
+        for name in ("host_tok", "host_lp", "host_ver", "top_id", "top_lp"):
             a = getattr(self, name)
-            wide = np.zeros((a.shape[0], width), dtype=a.dtype)
-            wide[:, : a.shape[1]] = a
+            wide = np.zeros((a.shape[0], width) + ((a.shape[2] if k is None else k),) * (a.ndim - 2), dtype=a.dtype)
+            wide[(slice(None), slice(0, a.shape[1])) + (slice(0, a.shape[-1]),) * (a.ndim - 2)] = a
             setattr(self, name, wide)
 
     def sampling(self, rows: np.ndarray, span: np.ndarray) -> RowSampling:
-        """How to sample ``span`` (rows, in order) of which ``rows`` are live: the stream's
-        settings when every live row has them (the fast path), one common setting, or per
-        row (with the seeds of seeded rows: their group's seed, branch and token index)."""
-        slots = np.unique(rows // self.G)
-        if not self.custom[slots].any():
-            return RowSampling(self.p)
-        fields = (self.temperature, self.top_p, self.top_k, self.min_p)
-        if (self.seed[slots] < 0).all() and all(len(np.unique(f[slots])) == 1 for f in fields):
-            t, tp, tk, mp = (f[slots[0]].item() for f in fields)
-            return RowSampling(SamplingParams(temperature=t, top_p=tp, top_k=tk, min_p=mp))
-        g = span // self.G
-        seeds = {}
-        where = {int(r): i for i, r in enumerate(span)}
-        for r in rows[self.seed[rows // self.G] >= 0]:
-            slot, p = divmod(int(r), self.G)
-            branch = self.tree.branch(p, int(self.level[slot]))
-            seeds[where[int(r)]] = row_seed(int(self.seed[slot]), branch, int(self.steps[r]))
-        truncate = bool(((self.top_k[slots] > 0) | (self.top_p[slots] < 1) | (self.min_p[slots] > 0)).any())
-        return RowSampling(None, self.temperature[g], self.top_p[g], self.top_k[g], self.min_p[g], seeds, truncate)
+        """How to sample ``span`` (rows, in order) of which ``rows`` are live
+        (:func:`~treerl.rollout.requests.plan_sampling`)."""
+        return plan_sampling(self, rows, span)
 
-    def record(self, tok: np.ndarray, lp: np.ndarray) -> None:
-        """The device's logged tokens and logprobs ``[k, S]`` (one row per logged call) into
-        the rows' host arrays."""
+    def record(self, tok: np.ndarray, lp: np.ndarray, top: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """The device's logged tokens and logprobs ``[k, S]`` (one row per logged call; with
+        ``top``: the top tokens' ids and logprobs ``[k, S, 20]``) into the rows' host arrays."""
         for j, (rows, idx) in enumerate(self.log_rows):
             self.host_tok[rows, idx] = tok[j, rows]
             self.host_lp[rows, idx] = lp[j, rows]
+            if top is not None and self.top_id.shape[2]:
+                kk = self.top_id.shape[2]
+                self.top_id[rows, idx] = top[0][j, rows, :kk]
+                self.top_lp[rows, idx] = top[1][j, rows, :kk]
         self.log_rows = []
 
     def check_stops(self) -> bool:
@@ -404,25 +381,8 @@ class Scheduler:
             else:
                 self.checked[r] = n
                 if n > self.emitted[r] and self.groups[self.key[r]].listener is not None:
-                    self._emit(r, n, None)
+                    emit(self, r, n, None)
         return finished
-
-    def _emit(self, r: int, end: int, reason: str | None, length: int | None = None) -> None:
-        """Give row ``r``'s tokens ``[emitted, end)`` (and its ``reason`` if it finished) to its
-        group's listener; a listener that raises is logged and dropped."""
-        key = self.key[r]
-        g = self.groups[key]
-        a = int(self.emitted[r])
-        slot, p = divmod(int(r), self.G)
-        level = self.tree.depth_of(end) if reason is not None else int(self.level[slot])
-        delta = TokenDelta(key, self.tree.branch(p, level), self.host_tok[r, a:end].tolist(),
-                           self.host_lp[r, a:end].tolist(), self.host_ver[r, a:end].tolist(), None, reason)
-        self.emitted[r] = end
-        try:
-            g.listener(delta)
-        except Exception:  # noqa: BLE001 - a client's callback never kills the stream
-            log.exception("the listener of group %r raised; it gets no more tokens", key)
-            g.listener = None
 
     def finish(self, r: int, length: int, reason: str, stop) -> None:
         """Row ``r`` ends with its first ``length`` tokens; its blocks are freed, and its
@@ -430,18 +390,9 @@ class Scheduler:
         key = self.key[r]
         g = self.groups[key]
         if g.listener is not None:
-            self._emit(r, length, reason)
-        slot, p = divmod(int(r), self.G)
-        g.completions.append(Completion(
-            prompt_index=key,
-            prompt_ids=g.prompt_ids,
-            completion_ids=torch.from_numpy(self.host_tok[r, :length].copy()),
-            logprobs=torch.from_numpy(self.host_lp[r, :length].copy()).to(self.logit_dtype),
-            versions=torch.from_numpy(self.host_ver[r, :length].copy()),
-            finish_reason=reason,
-            stop=stop,
-            branch=self.tree.branch(p, self.tree.depth_of(length)),
-        ))
+            emit(self, r, length, reason)
+        slot = int(r) // self.G
+        g.completions.append(row_completion(self, r, length, reason, stop))
         self.stats.generated_tokens += length
         self.live[r] = False
         self.key[r] = None
@@ -453,53 +404,8 @@ class Scheduler:
             self.out.append(Group(key, g.prompt_ids, g.completions))
 
     def abort(self, key: Hashable) -> bool:
-        """(Synced.) Stop group ``key`` (cancelled): a running group's live rows finish with
-        their tokens so far and ``finish_reason="abort"``; a preempted or not yet admitted one
-        is taken from the deferred groups and finished the same way (its ``n`` samples empty
-        if it never ran). The group is queued in ``out``. False if the batch does not hold it."""
-        if key in self.gkey:
-            slot = self.gkey.index(key)
-            for r in self.slot_rows([slot])[self.live[self.slot_rows([slot])]]:
-                self.finish(int(r), int(self.steps[r]), "abort", None)
-            return True
-        for i, item in enumerate(self.deferred):
-            if item.key != key:
-                continue
-            del self.deferred[i]
-            if isinstance(item, Preempted):  # its rows' saved host state, finished as they are
-                g = self.groups.pop(key)
-                a = item.rows
-                for p in np.flatnonzero(a["live"]):
-                    n, e = int(a["steps"][p]), int(a["emitted"][p])
-                    branch = self.tree.branch(int(p), self.tree.depth_of(n))
-                    tok, lp, ver = (a[name][p, :n].copy() for name in ("host_tok", "host_lp", "host_ver"))
-                    if g.listener is not None:
-                        try:
-                            g.listener(TokenDelta(key, branch, tok[e:].tolist(), lp[e:].tolist(), ver[e:].tolist(),
-                                                  None, "abort"))
-                        except Exception:  # noqa: BLE001
-                            log.exception("the listener of group %r raised", key)
-                    g.completions.append(Completion(key, g.prompt_ids, torch.from_numpy(tok),
-                                                    torch.from_numpy(lp).to(self.logit_dtype), torch.from_numpy(ver),
-                                                    "abort", None, branch))
-                    self.stats.generated_tokens += n
-                g.completions.sort(key=lambda c: c.branch)
-                self.out.append(Group(key, g.prompt_ids, g.completions))
-            else:
-                params = self.p if item.params is None else item.params
-                prompt = torch.tensor([int(t) for t in item.prompt], dtype=torch.int64)
-                empty = torch.zeros(0, dtype=torch.int64)
-                done = [Completion(key, prompt, empty, torch.zeros(0, dtype=self.logit_dtype), empty, "abort", None,
-                                   (j,)) for j in range(params.n)]
-                for c in done:
-                    if item.listener is not None:
-                        try:
-                            item.listener(TokenDelta(key, c.branch, [], [], [], None, "abort"))
-                        except Exception:  # noqa: BLE001
-                            log.exception("the listener of group %r raised", key)
-                self.out.append(Group(key, prompt, done))
-            return True
-        return False
+        """(Synced.) Stop group ``key`` (cancelled; :func:`~treerl.rollout.requests.abort`)."""
+        return abort(self, key)
 
     # -------------------------------------------------------------------- forks
     def due_forks(self) -> list[int]:
@@ -559,7 +465,7 @@ class Scheduler:
             self.key[d], self.key[s] = self.key[s], None
         self.live[rsrc] = False
         for a in (self.plen, self.level, self.arrival, self.temperature, self.top_p, self.top_k, self.min_p,
-                  self.max_new_g, self.seed, self.custom):
+                  self.max_new_g, self.seed, self.custom, self.top_n):
             a[dst] = a[src]
         for d, s in zip(dst, src):
             self.gkey[d], self.gkey[s] = self.gkey[s], None

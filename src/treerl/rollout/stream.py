@@ -62,6 +62,16 @@ the whole budget then runs alone (over the budget, by exactly its own needs). Ei
 ``P`` at least doubles (as far as the budget allows), so a conversation whose prompts grow
 turn by turn costs few growths (each drops the captured decode steps) and few rebuilds.
 
+Sampling settings per group: a prompt may bring its own :class:`~treerl.rollout.params.SamplingParams`
+(``PromptQueue.put(params=...)``: temperature, top-p, top-k, min-p, ``max_new_tokens`` and
+``n`` up to the stream's, stops, seed, ``top_logprobs``; the tree-rollout fields must be
+the stream's). Rows of different settings are sampled in the same call with per-row
+tensors (:func:`~treerl.rollout.sampling.sample_rows`, outside the captured decode step);
+when every row has the stream's (or one common) setting the single-setting path runs. A
+seeded group's rows draw their noise from ``(seed, branch, token index)`` alone. A group's
+``listener`` gets each row's new tokens at the host syncs (no extra syncs), and
+``PromptQueue.cancel`` stops a group at the next sync (yielded with ``finish_reason="abort"``).
+
 Host syncs: sampled tokens and logprobs are logged on the device and copied to the host
 every ``sync_every`` steps (and when a row reaches ``max_new_tokens`` or a fork point, or
 before a preemption), where stops are found exactly (tokens a row sampled after its stop are
@@ -326,7 +336,7 @@ class RunningBatch:
         """Bring the logged tokens to the host; finish rows that stopped."""
         h = self.host
         if h.log_rows:
-            h.record(*self.dev.read_log(len(h.log_rows)))
+            h.record(*self.dev.read_log(len(h.log_rows), top=h.top_id.shape[2] > 0))
         if h.check_stops():
             self.dev.set_live(h.live)
 

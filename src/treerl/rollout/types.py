@@ -34,6 +34,9 @@ class Completion:
     finish_reason: str  # "stop", "length", or "abort" (cancelled: PromptQueue.cancel)
     stop: int | str | None  # the stop token id or stop string that ended it, else None
     branch: tuple[int, ...]  # sample index in the group, then child index at each fork passed
+    # with SamplingParams.top_logprobs = k: the k most likely tokens at each step, ids [T, k] and
+    # behaviour logprobs [T, k] (same distribution as ``logprobs``), most likely first; else None
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def token_ids(self) -> torch.Tensor:

@@ -11,7 +11,7 @@ Needs the ``serve`` extra (fastapi, uvicorn); the agent clients need ``openai``.
 """
 
 from .client import in_process_client
-from .loop import EngineLoop, SamplingKey
+from .loop import EngineLoop
 from .server import ServeOptions, ServerThread, make_state
 
-__all__ = ["in_process_client", "EngineLoop", "SamplingKey", "ServeOptions", "ServerThread", "make_state"]
+__all__ = ["in_process_client", "EngineLoop", "ServeOptions", "ServerThread", "make_state"]
