@@ -315,7 +315,7 @@ def _sampling_params(state: ServeState, req: SamplingRequest, prompt_len: int) -
                           top_k=max(0, req.top_k), min_p=float(req.min_p), max_new_tokens=int(max_tokens),
                           stop_token_ids=stops, stop_strings=list(req.stop_strings),
                           decode=state.tokenizer if req.stop_strings else None, seed=req.seed,
-                          top_logprobs=req.top_logprobs_k)
+                          top_logprobs=min(req.top_logprobs_k, vocab))
 
 
 # ---------------------------------------------------------------------- generation
