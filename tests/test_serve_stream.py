@@ -87,6 +87,24 @@ def test_greedy_streamed_text_equals_the_non_streamed(served):
     assert chat_chunks[-1].usage.total_tokens == chat_whole.usage.total_tokens
 
 
+def test_a_seeded_sampled_stream_equals_the_seeded_whole(served):
+    server, _, _ = served
+
+    async def main():
+        c = client(server)
+        kw = dict(model="treerl", prompt="7*8=", max_tokens=24, temperature=1.0, seed=11, n=2, logprobs=3)
+        whole = await c.completions.create(**kw)
+        chunks = [ch async for ch in await c.completions.create(stream=True, **kw)]
+        return whole, chunks
+
+    whole, chunks = asyncio.run(main())
+    for j, ref in enumerate(whole.choices):
+        mine = [x for ch in chunks for x in ch.choices if x.index == j]
+        assert [t for x in mine for t in x.model_extra["token_ids"]] == ref.model_extra["token_ids"]
+        assert "".join(x.text for x in mine) == ref.text
+        assert [t for x in mine if x.logprobs for t in x.logprobs.top_logprobs] == ref.logprobs.top_logprobs
+
+
 def test_streamed_text_stops_before_a_stop_string(served):
     server, engine, tok = served
     prompt = plain_prompt(server, engine, tok, 16)
