@@ -184,9 +184,13 @@ def test_remote_backend_pushes_the_weights_before_each_rollout(tmp_path):
     ("rollout.backend=grpc", "rollout.backend: unknown 'grpc'"),
     ("rollout.backend=remote", "rollout.backend=remote needs rollout.server_url"),
     ("task.agent_timeout_s=0", "task.agent_timeout_s must be > 0"),
+    ("rollout.tool_call_parser=nope", "rollout.tool_call_parser: unknown tool-call parser 'nope'"),
+    ("rollout.tool_call_parser=tag", "with rollout.backend=remote start the server with --tool-call-parser"),
 ])
 def test_bad_agent_settings_are_one_line_config_errors(tmp_path, override, message):
-    extra = ["task.agent=treerl.agents.calculator:agent"] if "timeout" in override else []
+    extra = ["task.agent=treerl.agents.calculator:agent"] if "timeout" in override or "parser" in override else []
+    if override == "rollout.tool_call_parser=tag":
+        extra.append("rollout.backend=remote")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make_trainer(tmp_path, *extra, override)
 
@@ -198,3 +202,71 @@ def test_run_summary_shows_tree_tokens_and_agent_episodes():
             {"step": 2, "tree/flat_tokens": 500, "tree/tree_tokens": 100, "agent/episodes": 8, "agent/failed_episodes": 0}]
     text = summary(rows, 3.0)
     assert "flat 800   unique 200   (4.00x)" in text and "agent episodes (training)      16, failed 1" in text
+
+
+# ------------------------------------------------------------ tool calling
+def test_exact_turn_share_counts_calls_that_extend_a_produced_completion():
+    from treerl.agents import exact_turn_share
+
+    p0, c0 = [1, 3, 10, 4], [20, 21, 2]
+    exact = _call(1, p0 + c0 + [5, 7, 4], [9, 2])
+    rewritten = _call(2, p0 + [20, 22, 2, 5, 7, 4], [9, 2])  # the template re-rendered call 0's reply
+    assert exact_turn_share([_call(0, p0, c0), exact]) == 1.0
+    assert exact_turn_share([_call(0, p0, c0), exact, rewritten]) == 0.5
+    assert exact_turn_share([_call(0, p0, c0), _call(1, [1, 3, 11, 4], [2])]) is None  # nothing continues
+
+
+class ScriptedClient:
+    """``client.chat.completions.create`` answering from a script of messages (openai types)."""
+
+    def __init__(self, *replies):
+        from types import SimpleNamespace
+
+        self.replies, self.requests = list(replies), []
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
+
+    async def _create(self, **request):
+        from openai.types.chat import ChatCompletion
+
+        self.requests.append(request)
+        message, finish = self.replies.pop(0)
+        return ChatCompletion.model_validate({"id": "x", "object": "chat.completion", "created": 0, "model": "treerl",
+                                              "choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+
+
+def test_calculator_agent_calls_the_tool_and_answers_with_its_result():
+    import asyncio
+
+    from treerl.agents.calculator import TOOLS, agent
+    from treerl.tasks.base import Problem
+
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"expression": "12*3+1"}'}}]}
+    client = ScriptedClient((call, "tool_calls"), ({"role": "assistant", "content": "<answer>37</answer>"}, "stop"))
+    assert asyncio.run(agent(client, Problem("12*3+1", "37"))) == 1.0
+    assert all(r["tools"] == TOOLS for r in client.requests)
+    history = client.requests[1]["messages"]
+    assert history[1]["tool_calls"][0]["function"] == call["tool_calls"][0]["function"]
+    assert history[2] == {"role": "tool", "tool_call_id": "call_1", "content": "<result>37</result>"}
+    # an answer without a tool call, a wrong answer, a bad call: 0
+    no_call = ScriptedClient(({"role": "assistant", "content": "<answer>37</answer>"}, "stop"))
+    assert asyncio.run(agent(no_call, Problem("12*3+1", "37"))) == 0.0
+    bad = dict(call, tool_calls=[dict(call["tool_calls"][0], function={"name": "calc", "arguments": "{"})])
+    client = ScriptedClient((bad, "tool_calls"), ({"role": "assistant", "content": "<answer>36</answer>"}, "stop"))
+    assert asyncio.run(agent(client, Problem("12*3+1", "37"))) == 0.0
+    assert client.requests[1]["messages"][2]["content"] == "<result>error</result>"
+
+
+def test_calculator_agent_trains_through_the_served_tool_parser(tmp_path):
+    # random weights rarely write a call; the step shows the served policy takes tools= (without
+    # rollout.tool_call_parser every request would get a 400 and the step would fail)
+    trainer = make_trainer(tmp_path, "task.name=calculator", "task.agent=treerl.agents.calculator:agent",
+                           "rollout.tool_call_parser=tag", "rollout.backend=serve")
+    try:
+        metrics = trainer.step()
+        assert metrics["agent/failed_episodes"] == 0 and metrics["agent/calls"] >= 4
+        assert 0 <= metrics["agent/exact_turn_share"] <= 1
+        stats = trainer.agents.state.chat.stats()
+        assert stats["tool_calls"]["replies"] == metrics["agent/calls"]
+    finally:
+        trainer.agents.close()

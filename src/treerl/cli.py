@@ -132,6 +132,12 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens prefilled together in one piece (bounds the temporary K/V)")
     p.add_argument("--idle-timeout-s", type=float, default=1.0,
                    help="a running batch ends after this long without work (the next request starts another)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how the model writes tool calls (hermes: Qwen2.5/Qwen3 <tool_call>{json}</tool_call>; "
+                        "tag: <NAME>VALUE</NAME>); without it, requests with tools get a 400")
+    p.add_argument("--history-tokens", type=int, default=1 << 22,
+                   help="token-exact histories: token ids of generated turns kept so that later prompts hold "
+                        "them as produced (0: off; docs/SERVING.md)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="default: the config's / checkpoint's")
 

@@ -58,6 +58,7 @@ class RolloutConfig:
     backend: str = "embedded"  # embedded (in-process engine), serve (treerl serve on loopback), remote
     server_url: str | None = None  # remote: an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1
     server_model: str = "treerl"  # the served model's name (requests' model field)
+    tool_call_parser: str | None = None  # embedded/serve: the served policy's tool-call format (hermes, tag)
 
 
 @dataclass

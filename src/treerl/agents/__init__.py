@@ -9,9 +9,9 @@ episode becomes one prefix tree of per-call training sequences
 example.
 """
 
-from .episode import EpisodeReward, episode_sequences
+from .episode import EpisodeReward, episode_sequences, exact_turn_share
 from .record import CallRecord, EpisodeLog, RecordedChoice
 from .rollout import AgentError, AgentRollout, load_agent
 
-__all__ = ["AgentRollout", "AgentError", "EpisodeReward", "episode_sequences", "load_agent", "CallRecord",
+__all__ = ["AgentRollout", "AgentError", "EpisodeReward", "episode_sequences", "exact_turn_share", "load_agent", "CallRecord",
            "EpisodeLog", "RecordedChoice"]

@@ -56,6 +56,22 @@ def _extends(longer: list[int], shorter: list[int]) -> bool:
     return len(longer) >= len(shorter) and longer[: len(shorter)] == shorter
 
 
+def exact_turn_share(calls: list[CallRecord]) -> float | None:
+    """Of an episode's calls that continue an earlier call (their prompt extends its prompt),
+    the share that extend its prompt + one of its completions token for token (the turn the
+    model produced re-entered the conversation as produced: a chain in the prefix tree).
+    None when no call continues another."""
+    calls = sorted(calls, key=lambda c: c.index)
+    continued = exact = 0
+    for k, call in enumerate(calls):
+        earlier = [c for c in calls[:k] if _extends(call.prompt_ids, c.prompt_ids)]
+        if not earlier:
+            continue
+        continued += 1
+        exact += any(_extends(call.prompt_ids, c.prompt_ids + ch.token_ids) for c in earlier for ch in c.choices)
+    return exact / continued if continued else None
+
+
 def episode_sequences(calls: list[CallRecord], reward: EpisodeReward) -> list[dict]:
     """Training sequences of one episode, in call order: dicts with ``token_ids``,
     ``loss_mask``, ``behaviour_logprobs``, ``versions`` (``[L - 1]`` each), ``reward``,

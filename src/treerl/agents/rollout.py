@@ -35,7 +35,7 @@ from typing import Any, Awaitable, Callable
 from ..config import Config, ConfigError
 from ..tasks.base import Problem, Task, _short
 from ..tasks.env import ChatFormat
-from .episode import EpisodeReward, as_reward, episode_sequences
+from .episode import EpisodeReward, as_reward, episode_sequences, exact_turn_share
 from ..serve.client import IN_PROCESS_URL, asgi_transport, http_module
 from .record import EpisodeLog, recording_transport
 
@@ -121,6 +121,16 @@ class AgentRollout:
         self._pushed_version: int | None = None
         self.failures: list[EpisodeResult] = []  # of the last generate call
         self._metrics: dict[str, float] = {}
+        if r.tool_call_parser is not None:
+            if r.backend == "remote":
+                raise ConfigError("rollout.tool_call_parser is a setting of the served policy: with rollout.backend="
+                                  "remote start the server with --tool-call-parser and leave it unset")
+            from ..serve.tools import get_tool_format
+
+            try:
+                get_tool_format(r.tool_call_parser)
+            except ValueError as err:
+                raise ConfigError(f"rollout.tool_call_parser: {err}") from None
         if r.backend == "remote":
             if not r.server_url:
                 raise ConfigError("rollout.backend=remote needs rollout.server_url (e.g. http://127.0.0.1:8000/v1)")
@@ -132,7 +142,8 @@ class AgentRollout:
             if engine.prefix_cache is None:  # an agent's next turn extends its previous prompt
                 engine.prefix_cache = PrefixCache(1 << 16)
             self.state = make_state(engine, tokenizer, ServeOptions(model_name=self.model_name,
-                                                                    default_max_tokens=max_new_tokens))
+                                                                    default_max_tokens=max_new_tokens,
+                                                                    tool_call_parser=r.tool_call_parser))
             if r.backend == "serve":
                 self.server = ServerThread(self.state).start()
                 self.base_url = self.server.url
@@ -205,6 +216,7 @@ class AgentRollout:
             "agent/episodes": float(len(results)), "agent/failed_episodes": float(len(failed)),
             "agent/timeouts": float(sum(isinstance(r.error, TimeoutError) for r in failed)),
             "agent/calls": float(sum(len(r.log.calls) for r in results)),
+            "agent/exact_turn_share": _mean([exact_turn_share(r.log.calls) for r in results]),
             "agent/rollout_s": time.perf_counter() - t0,
         }
         return out
@@ -248,6 +260,12 @@ class AgentRollout:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _mean(shares: list[float | None]) -> float:
+    """Mean over the episodes that have continuations (1.0 when none has)."""
+    known = [s for s in shares if s is not None]
+    return sum(known) / len(known) if known else 1.0
 
 
 def _shutdown(server: Any, state: Any) -> None:

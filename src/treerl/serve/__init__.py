@@ -3,6 +3,9 @@
 - :mod:`~treerl.serve.loop`: :class:`EngineLoop`, one continuous batch fed by many clients;
 - :mod:`~treerl.serve.app`: the FastAPI app (``/v1/completions``, ``/v1/chat/completions``,
   ``/health``, ``/update_weights_from_disk``), token ids / logprobs / versions in responses;
+- :mod:`~treerl.serve.chat`: chat messages -> prompt ids (the whole conversation to the chat
+  template), replies -> assistant messages; :mod:`~treerl.serve.tools`: tool-call formats
+  (``--tool-call-parser``); :mod:`~treerl.serve.history`: token-exact histories;
 - :mod:`~treerl.serve.server`: :class:`ServerThread` (uvicorn) and the ``treerl serve`` command;
 - :mod:`~treerl.serve.weights`: checkpoints in and out of a serving engine;
 - :mod:`~treerl.serve.client`: :func:`in_process_client`, the same API without a socket.

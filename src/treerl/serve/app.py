@@ -43,7 +43,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..rollout import Completion, SamplingParams
-from .chat import chat_prompt_ids
+from .chat import ChatRenderer, ChatTurn
 from .detok import TextStream, completion_text
 from .loop import EngineLoop
 from .metrics import CONTENT_TYPE, ServeMetrics
@@ -62,9 +62,12 @@ class ServeState:
     model_name: str = "treerl"
     default_max_tokens: int = 256
     load_weights: Callable[[str, int | None], int] | None = None
+    chat: ChatRenderer | None = None  # prompts and replies of /v1/chat/completions (default: no tool parser)
     metrics: ServeMetrics = field(init=False)
 
     def __post_init__(self):
+        if self.chat is None:
+            self.chat = ChatRenderer(self.tokenizer)
         self.metrics = ServeMetrics(lambda: (self.loop.stats, self.loop.engine_stats(), self.engine.version,
                                              self.loop.busy))
 
@@ -109,7 +112,7 @@ def create_app(state: ServeState) -> FastAPI:
         s = state.loop.stats
         return {"status": "ok", "model": state.model_name, "weight_version": state.engine.version,
                 "busy_requests": state.loop.busy, "stats": dataclasses.asdict(s),
-                "engine": dataclasses.asdict(state.loop.engine_stats())}
+                "engine": dataclasses.asdict(state.loop.engine_stats()), "chat": state.chat.stats()}
 
     @app.get("/metrics")
     async def metrics():
@@ -137,7 +140,7 @@ def create_app(state: ServeState) -> FastAPI:
 
         def work() -> dict:
             if req.messages is not None:
-                ids = chat_prompt(state, ChatRequest.model_construct(messages=req.messages))
+                ids = chat_prompt(state, ChatRequest.model_construct(messages=req.messages)).ids
             else:
                 ids = _encode(state, req.prompt, "prompt", req.add_special_tokens)
             strs = [state.tokenizer.decode([t]) for t in ids] if req.return_token_strs else None
@@ -174,13 +177,14 @@ def create_app(state: ServeState) -> FastAPI:
     async def chat(request: Request):
         req = _parse(ChatRequest, await request.body())
         _check_model(state, req.model)
-        ids = await run_in_threadpool(lambda: _check_ids(state, chat_prompt(state, req), "messages"))
+        turn = await run_in_threadpool(chat_prompt, state, req)
+        ids = _check_ids(state, turn.ids, "messages")
         if req.stream:
-            return _stream(state, req, [ids], chat=True)
+            return _stream(state, req, [ids], chat=True, turn=turn)
         [samples] = await _run(state, [ids], [_sampling_params(state, req, len(ids))])
 
         def body() -> dict:
-            choices = [chat_choice(state, req, j, c) for j, c in enumerate(samples)]
+            choices = [chat_choice(state, req, turn, j, c) for j, c in enumerate(samples)]
             return _response("chatcmpl", "chat.completion", state, [ids], [samples], choices)
 
         return await run_in_threadpool(body)
@@ -284,12 +288,10 @@ def _completion_prompts(state: ServeState, req: CompletionRequest) -> list[list[
     return out
 
 
-def chat_prompt(state: ServeState, req: ChatRequest) -> list[int]:
-    """The hook where a chat request becomes prompt token ids (runs in a worker thread)."""
-    try:
-        return chat_prompt_ids(state.tokenizer, [(m.role, m.text()) for m in req.messages])
-    except ValueError as err:  # a character the tokenizer cannot encode
-        raise APIError(f"messages cannot be tokenized: {err}", "messages") from None
+def chat_prompt(state: ServeState, req: ChatRequest) -> ChatTurn:
+    """The hook where a chat request becomes prompt token ids (template, tools, token-exact
+    history: :mod:`treerl.serve.chat`; runs in a worker thread)."""
+    return state.chat.prompt(req)
 
 
 def _sampling_params(state: ServeState, req: SamplingRequest, prompt_len: int) -> SamplingParams:
@@ -435,14 +437,16 @@ def _text(state: ServeState, req: SamplingRequest, c: Completion) -> str:
                            skip_special_tokens=req.skip_special_tokens, include_stop_str=req.include_stop_str_in_output)
 
 
-def chat_choice(state: ServeState, req: ChatRequest, index: int, c: Completion) -> dict:
-    """The hook where a completion becomes a chat choice."""
+def chat_choice(state: ServeState, req: ChatRequest, turn: ChatTurn, index: int, c: Completion) -> dict:
+    """The hook where a completion becomes a chat choice (tool calls parsed, its tokens
+    recorded for the next turn: :meth:`ChatRenderer.reply <treerl.serve.chat.ChatRenderer.reply>`)."""
     logprobs = None
     if req.logprobs:
         logprobs = chat_logprobs(state, c.completion_ids.tolist(), c.logprobs.tolist(),
                                  _top(getattr(c, "top_logprobs", None)))
-    return {"index": index, "message": {"role": "assistant", "content": _text(state, req, c)},
-            "finish_reason": c.finish_reason, "stop_reason": c.stop, "logprobs": logprobs} | _completion_token_fields(c)
+    message, finish = state.chat.reply(turn, _text(state, req, c), c.finish_reason, c.completion_ids.tolist())
+    return {"index": index, "message": message, "finish_reason": finish, "stop_reason": c.stop,
+            "logprobs": logprobs} | _completion_token_fields(c)
 
 
 def completion_choice(state: ServeState, req: CompletionRequest, index: int, prompt: str | list[int],
@@ -529,7 +533,8 @@ class _Stream(StreamingResponse):
             self.on_close()
 
 
-def _stream(state: ServeState, req: SamplingRequest, prompts: list[list[int]], *, chat: bool) -> StreamingResponse:
+def _stream(state: ServeState, req: SamplingRequest, prompts: list[list[int]], *, chat: bool,
+            turn: ChatTurn | None = None) -> StreamingResponse:
     """An SSE response: chunks as tokens reach the host, ``data: [DONE]`` last. The prompts
     are submitted before the response starts (a refused setting is still a 400)."""
     params = [_sampling_params(state, req, len(ids)) for ids in prompts]
@@ -546,11 +551,13 @@ def _stream(state: ServeState, req: SamplingRequest, prompts: list[list[int]], *
     for i, (ids, p) in enumerate(zip(prompts, params)):
         _submit(state, futures, ids, p, lambda delta, i=i: post((i, delta)))
         futures[-1].add_done_callback(lambda f, i=i: post((i, None)))
-    return _Stream(_chunks(state, req, prompts, futures, queue, chat), lambda: _cancel(state, futures))
+    return _Stream(_chunks(state, req, prompts, futures, queue, chat, turn), lambda: _cancel(state, futures))
 
 
 async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[int]], futures: list[Future],
-                  queue: asyncio.Queue, chat: bool) -> AsyncIterator[str]:
+                  queue: asyncio.Queue, chat: bool, turn: ChatTurn | None) -> AsyncIterator[str]:
+    """The chunks. A chat request with tools streams its tokens but holds its text: the whole
+    reply (content and parsed ``tool_calls``) comes in the last chunk of each choice."""
     n, k = req.n, req.top_logprobs_k
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -558,6 +565,7 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
                                         include_stop_str=req.include_stop_str_in_output))
                for _ in range(len(prompts) * n)]
     first = [True]
+    hold = chat and turn is not None and bool(turn.tools)
 
     def chunk(choice_list: list[dict], **extra) -> str:
         body = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choice_list}
@@ -568,9 +576,12 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
             first[0] = False
         return _sse(body | extra)
 
-    def choice(index: int, text: str, ids: list, lps: list, versions: list, top, finish=None, stop=None) -> dict:
+    def choice(index: int, text: str, ids: list, lps: list, versions: list, top, finish=None, stop=None,
+               tool_calls=None) -> dict:
         if chat:
             delta = {"content": text} if text else {}
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(tool_calls)]
             out = {"index": index, "delta": delta,
                    "logprobs": chat_logprobs(state, ids, lps, top) if req.logprobs and ids else None}
         else:
@@ -592,7 +603,7 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
             index = i * n + delta.branch[0]
             sc = choices[index]
             ids = _tolist(delta.token_ids)
-            text = sc.text.push(ids)
+            text = "" if hold else sc.text.push(ids)
             sc.sent_tokens += len(ids)
             yield chunk([choice(index, text, ids, _tolist(delta.logprobs), _tolist(delta.versions),
                                 _top(delta.top_logprobs))])
@@ -608,9 +619,17 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
             rest = slice(sc.sent_tokens, None)
             top = _top(getattr(c, "top_logprobs", None))
             top = (top[0][rest], top[1][rest]) if top else None
-            text = sc.text.finish(await run_in_threadpool(_text, state, req, c))
+            final = await run_in_threadpool(_text, state, req, c)
+            finish, calls = c.finish_reason, None
+            if chat:  # tool calls parsed, the tokens recorded for the next turn
+                message, finish = await run_in_threadpool(state.chat.reply, turn, final, c.finish_reason,
+                                                          c.completion_ids.tolist())
+                calls = message.get("tool_calls")
+                text = (message.get("content") or "") if hold else sc.text.finish(final)
+            else:
+                text = sc.text.finish(final)
             yield chunk([choice(index, text, c.completion_ids[rest].tolist(), c.logprobs[rest].tolist(),
-                                c.versions[rest].tolist(), top, c.finish_reason, c.stop)])
+                                c.versions[rest].tolist(), top, finish, c.stop, calls)])
             generated += len(c)
     else:
         if req.include_usage:

@@ -56,8 +56,6 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "web_search_options": (_none, "no web search"),
     "reasoning_effort": (_none, "the chat template decides reasoning; leave it out"),
     "verbosity": (_none, "leave it out"),
-    "tools": (lambda v: not v, "tool calling is not served by this build: describe tools in the messages"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling is not served by this build"),
 }
 
 
@@ -184,19 +182,9 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        """The content as text (parts of type ``text`` joined)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError("only text content parts are supported", "messages")
-            parts.append(part["text"])
-        return "".join(parts)
+    tool_calls: list[dict[str, Any]] | None = None  # checked and rendered by treerl.serve.chat
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatRequest(SamplingRequest):
@@ -236,6 +224,9 @@ class ChatRequest(SamplingRequest):
                                "top_logprobs")
             if self.top_logprobs and not self.logprobs:
                 raise APIError("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.parallel_tool_calls is False:
+            raise APIError("parallel_tool_calls=false is not supported (a reply may hold several tool calls); "
+                           "leave it unset", "parallel_tool_calls")
 
     @property
     def top_logprobs_k(self) -> int:

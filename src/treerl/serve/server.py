@@ -15,6 +15,8 @@ import torch
 
 from ..rollout import RolloutEngine
 from .app import ServeState, create_app
+from .chat import ChatRenderer
+from .tools import get_tool_format
 from .loop import EngineLoop
 from .weights import load_weights_into
 
@@ -28,13 +30,16 @@ class ServeOptions:
     max_rows: int | None = 256  # rows of the running batch (None: as the K/V budget allows)
     idle_timeout_s: float = 1.0  # a running batch ends after this long without work
     prefix_cache_tokens: int = 0  # the engine's prefix cache (0: off)
+    tool_call_parser: str | None = None  # a treerl.serve.tools format (hermes, tag); None: tools refused
+    history_tokens: int = 1 << 22  # token-exact histories: produced turns kept, in tokens (0: off)
 
 
 def make_state(engine: RolloutEngine, tokenizer: Any, options: ServeOptions | None = None) -> ServeState:
     """An :class:`EngineLoop` over ``engine`` and the handlers' state (weights reload included)."""
     o = options or ServeOptions()
     loop = EngineLoop(engine, decode=tokenizer, max_rows=o.max_rows, idle_timeout_s=o.idle_timeout_s)
-    return ServeState(loop, tokenizer, model_name=o.model_name, default_max_tokens=o.default_max_tokens,
+    chat = ChatRenderer(tokenizer, o.tool_call_parser, o.history_tokens)
+    return ServeState(loop, tokenizer, model_name=o.model_name, default_max_tokens=o.default_max_tokens, chat=chat,
                       load_weights=lambda path, version: load_weights_into(engine, path, version))
 
 
@@ -133,6 +138,11 @@ def serve(args) -> int:
     """``treerl serve``: serve until SIGINT/SIGTERM."""
     import signal
 
+    if args.tool_call_parser is not None:
+        try:
+            get_tool_format(args.tool_call_parser)
+        except ValueError as err:
+            raise SystemExit(f"treerl serve: --tool-call-parser: {err}") from None
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]
@@ -140,7 +150,8 @@ def serve(args) -> int:
     engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens,
                            prefill_chunk_tokens=args.prefill_chunk_tokens)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
-                           prefix_cache_tokens=args.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s)
+                           prefix_cache_tokens=args.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s,
+                           tool_call_parser=args.tool_call_parser, history_tokens=args.history_tokens)
     server = ServerThread(make_state(engine, tokenizer, options), host=args.host, port=args.port)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -1,0 +1,255 @@
+"""Tool calling: the model's tool-call text <-> OpenAI ``tool_calls``.
+
+A *tool-call format* knows how one model family writes calls; the server picks one by name
+(``treerl serve --tool-call-parser NAME``, as vLLM and SGLang do). Formats:
+
+- ``hermes``: the Qwen2.5 / Qwen3 (Hermes) format, one call per
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (both keys required;
+  whitespace inside the tags allowed; the last call may lack its end tag); text before the
+  first call is the content, text after the last is dropped (as vLLM's ``hermes`` does);
+- ``tag``: ``<NAME>VALUE</NAME>`` for a tool ``NAME`` whose parameters have exactly one
+  property (the value, a string). Made for models without a chat template (treerl's
+  character tokenizer, e.g. the calculator agent's ``<calc>37*48</calc>``).
+
+Add one with :func:`register_tool_format` (a :class:`ToolFormat` subclass: ``parse`` and,
+for tokenizers without a chat template, ``render``).
+
+Malformed call text (a start tag whose call does not parse) is returned as plain content,
+``finish_reason`` unchanged, and counted in :class:`ToolStats` (never an error).
+
+``tool_choice`` (vLLM's semantics): ``auto`` (the default with tools): calls are parsed;
+``none``: the tools are still rendered into the prompt, calls are not parsed (the text is the
+content); ``required`` and a named function are refused with a 400: they need constrained
+decoding, which treerl serve does not have.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .protocol import APIError
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: ``arguments`` is the JSON text (an object)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ParsedReply:
+    """A completion's text split into ``content`` (None when empty) and ``calls``."""
+
+    content: str | None
+    calls: list[ToolCall]
+
+
+class MalformedToolCall(ValueError):
+    """Call text that does not parse (the text is returned as content)."""
+
+
+@dataclass
+class ToolStats:
+    """Counters of tool-call parsing (thread-safe; ``snapshot()`` for /metrics and /health)."""
+
+    replies: int = 0  # replies parsed for tool calls (tool_choice auto)
+    with_calls: int = 0  # replies that carried at least one call
+    calls: int = 0  # calls returned
+    malformed: int = 0  # replies whose call text did not parse (returned as content)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {"replies": self.replies, "with_calls": self.with_calls, "calls": self.calls,
+                    "malformed": self.malformed}
+
+
+class ToolFormat:
+    """How a model family writes tool calls. ``parse`` returns None when the text holds no
+    call, raises :class:`MalformedToolCall` when call text does not parse."""
+
+    name = ""
+
+    def parse(self, text: str, tools: Sequence[dict]) -> ParsedReply | None:
+        raise NotImplementedError
+
+    def render(self, content: str, calls: Sequence[dict], tools: Sequence[dict]) -> str:
+        """An assistant message's text (``calls``: ``{"name", "arguments": dict}``), for
+        tokenizers without a chat template."""
+        raise NotImplementedError(f"the {self.name!r} tool-call format cannot render calls without a chat template")
+
+
+_FORMATS: dict[str, Callable[[], ToolFormat]] = {}
+
+
+def register_tool_format(name: str) -> Callable[[type], type]:
+    """Class decorator: make a :class:`ToolFormat` available as ``--tool-call-parser NAME``."""
+
+    def deco(cls: type) -> type:
+        cls.name = name
+        _FORMATS[name] = cls
+        return cls
+
+    return deco
+
+
+def tool_formats() -> list[str]:
+    return sorted(_FORMATS)
+
+
+def get_tool_format(name: str) -> ToolFormat:
+    try:
+        return _FORMATS[name]()
+    except KeyError:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(tool_formats())}") from None
+
+
+def _arguments_json(args: Any, where: str) -> str:
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as err:
+            raise MalformedToolCall(f"{where}: arguments are not JSON ({err})") from None
+    if not isinstance(args, dict):
+        raise MalformedToolCall(f"{where}: arguments must be a JSON object")
+    return json.dumps(args, ensure_ascii=False)
+
+
+@register_tool_format("hermes")
+class HermesFormat(ToolFormat):
+    START, END = "<tool_call>", "</tool_call>"
+    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)$", re.S)
+
+    def parse(self, text: str, tools: Sequence[dict]) -> ParsedReply | None:
+        start = text.find(self.START)
+        if start < 0:
+            return None
+        calls = []
+        for m in self._CALL.finditer(text, start):
+            body = m[1] if m[1] is not None else m[2]  # the last call may lack its end tag (vLLM's rule)
+            try:
+                obj = json.loads(body)
+            except json.JSONDecodeError as err:
+                raise MalformedToolCall(f"tool call {len(calls)} is not JSON ({err})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
+                raise MalformedToolCall(f"tool call {len(calls)} has no name or no arguments")
+            calls.append(ToolCall(obj["name"], _arguments_json(obj["arguments"], f"tool call {len(calls)}")))
+        return ParsedReply(text[:start] or None, calls)
+
+    def render(self, content: str, calls: Sequence[dict], tools: Sequence[dict]) -> str:
+        blocks = [f"{self.START}\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False)
+                  + f"\n{self.END}" for c in calls]
+        return content + "\n".join(blocks)  # parse(render(c, calls)) gives c and calls back
+
+
+def _single_parameter(tool: dict) -> str | None:
+    props = ((tool.get("function") or {}).get("parameters") or {}).get("properties") or {}
+    return next(iter(props)) if len(props) == 1 else None
+
+
+@register_tool_format("tag")
+class TagFormat(ToolFormat):
+    """``<NAME>VALUE</NAME>`` for tools with exactly one parameter."""
+
+    def _tags(self, tools: Sequence[dict]) -> dict[str, str]:
+        out = {}
+        for t in tools:
+            name, param = (t.get("function") or {}).get("name"), _single_parameter(t)
+            if isinstance(name, str) and param is not None:
+                out[name] = param
+        return out
+
+    def parse(self, text: str, tools: Sequence[dict]) -> ParsedReply | None:
+        tags = self._tags(tools)
+        if not tags:
+            return None
+        names = "|".join(re.escape(n) for n in sorted(tags, key=len, reverse=True))
+        first = re.search(f"<({names})>", text)
+        if first is None:
+            return None
+        calls = []
+        for m in re.finditer(f"<({names})>(.*?)(</\\1>|$)", text[first.start():], re.S):
+            if not m[3]:
+                raise MalformedToolCall(f"<{m[1]}> without </{m[1]}>")
+            calls.append(ToolCall(m[1], json.dumps({tags[m[1]]: m[2]}, ensure_ascii=False)))
+        return ParsedReply(text[: first.start()] or None, calls)
+
+    def render(self, content: str, calls: Sequence[dict], tools: Sequence[dict]) -> str:
+        out = [content]
+        for c in calls:
+            args = c["arguments"]
+            if len(args) != 1 or not isinstance(next(iter(args.values())), str):
+                raise APIError(f"the tag tool-call format writes calls with one string argument; "
+                               f"{c['name']!r} has {json.dumps(args)}", "messages")
+            out.append(f"<{c['name']}>{next(iter(args.values()))}</{c['name']}>")
+        return "".join(out)
+
+
+# ----------------------------------------------------------------- tool_choice
+def check_tool_choice(tools: list[dict] | None, tool_choice: Any, parser: ToolFormat | None) -> str:
+    """The effective choice (``"auto"`` or ``"none"``) of a request; :class:`APIError` for
+    what is not served (see the module docstring)."""
+    if tools is not None:
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str):
+                raise APIError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                               f"\"parameters\": ...}}}}", f"tools.{i}")
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if tool_choice == "none":
+        return "none"
+    if not tools:
+        raise APIError("tool_choice is set but tools is not: send the tools the model may call", "tool_choice")
+    if tool_choice == "auto":
+        if parser is None:
+            raise APIError("tool calling needs a tool-call parser: start treerl serve with --tool-call-parser "
+                           f"({', '.join(tool_formats())}), or send tool_choice='none'", "tools")
+        return "auto"
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        raise APIError(f"tool_choice={json.dumps(tool_choice)} is not supported: forcing a call needs constrained "
+                       "decoding, which treerl serve does not have; send tool_choice='auto' and check the reply's "
+                       "tool_calls", "tool_choice")
+    raise APIError(f"tool_choice must be 'auto', 'none', 'required' or a named function, got "
+                   f"{json.dumps(tool_choice)}", "tool_choice")
+
+
+def tool_reply(text: str, finish_reason: str | None, tools: list[dict] | None, choice: str,
+               parser: ToolFormat | None, stats: ToolStats) -> tuple[dict, str | None]:
+    """The assistant message (``content`` and, when the model called tools, ``tool_calls``)
+    and the finish reason (``tool_calls`` when it did, whatever ended the completion: vLLM's
+    rule) of a completion's text."""
+    if choice != "auto" or parser is None or not tools:
+        return {"role": "assistant", "content": text}, finish_reason
+    try:
+        parsed = parser.parse(text, tools)
+    except MalformedToolCall:
+        stats.add(replies=1, malformed=1)
+        return {"role": "assistant", "content": text}, finish_reason
+    if parsed is None or not parsed.calls:
+        stats.add(replies=1)
+        return {"role": "assistant", "content": text}, finish_reason
+    stats.add(replies=1, with_calls=1, calls=len(parsed.calls))
+    return ({"role": "assistant", "content": parsed.content, "tool_calls": [c.to_openai() for c in parsed.calls]},
+            "tool_calls")
+
+
+__all__ = ["ToolCall", "ParsedReply", "MalformedToolCall", "ToolStats", "ToolFormat", "register_tool_format",
+           "tool_formats", "get_tool_format", "HermesFormat", "TagFormat", "check_tool_choice", "tool_reply"]
