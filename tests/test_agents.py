@@ -155,7 +155,7 @@ def test_remote_backend_pushes_the_weights_before_each_rollout(tmp_path):
     # the "remote" server: the same architecture with other random weights, another model name
     model, tok, _ = load_for_serving(None, [*BASE, "train.seed=5"], None, "cpu", None)
     engine = RolloutEngine(model)
-    server = ServerThread(make_state(engine, tok, ServeOptions(model_name="policy"))).start()
+    server = ServerThread(make_state(engine, tok, ServeOptions(model_name="policy", weights_root=str(tmp_path)))).start()
     trainer = make_trainer(tmp_path, "rollout.backend=remote", f"rollout.server_url={server.url}",
                            "rollout.server_model=policy")
     try:

@@ -39,10 +39,11 @@ def tiny_model(seed: int = 0, tok: CharTokenizer | None = None):
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(tmp_path_factory):
     tok = CharTokenizer()
     engine = RolloutEngine(tiny_model(tok=tok), prefix_cache_tokens=4096)
-    server = ServerThread(make_state(engine, tok, ServeOptions(default_max_tokens=8))).start()
+    root = str(tmp_path_factory.getbasetemp())  # reloads from the tests' tmp_path
+    server = ServerThread(make_state(engine, tok, ServeOptions(default_max_tokens=8, weights_root=root))).start()
     engine._test_loop = server.state.loop
     yield server, engine, tok
     server.stop()

@@ -6,6 +6,14 @@ Layout: ``OUT/checkpoints/step-000123/{model/, tokenizer/, trainer_state.pt, met
 ``meta.json`` is written last and records every file's size and SHA-256: a checkpoint
 without it is incomplete, one whose files differ from it is damaged (``verify``).
 Resuming from a run directory skips damaged checkpoints for the newest intact one.
+
+``trainer_state.pt`` holds only tensors and plain data (dicts, lists, tuples, numbers,
+strings, bytes: the NumPy RNG state is stored as a list), and is read with
+``torch.load(weights_only=True)``: reading a checkpoint never runs code from it. A file that
+needs anything else (a checkpoint of an older treerl, whose NumPy RNG state is an array, or
+a crafted one) is refused with one line, unless the caller passes ``trust=True``
+(``treerl train --resume ... --trust-checkpoint``, ``train.trust_checkpoint=true``), which
+unpickles it in full: only for files one trusts.
 """
 
 from __future__ import annotations
@@ -13,9 +21,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +43,11 @@ class CheckpointError(ValueError):
 
 
 def rng_state() -> dict:
+    """The RNG states of Python, NumPy, torch (and CUDA) as tensors and plain data."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (str(kind), key.tolist(), int(pos), int(has_gauss), float(gauss)),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
@@ -63,6 +76,11 @@ def save_checkpoint(
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(tmp / "tokenizer")
     torch.save(state, tmp / STATE)
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(tmp / STATE)
+    if unsafe:  # would be refused on resume: a value that is not a tensor or plain data
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"the trainer state holds objects other than tensors and plain data ({', '.join(unsafe)}); "
+                              f"convert them before saving (treerl.checkpoint) so that the checkpoint loads without code")
     files = {str(f.relative_to(tmp)): _file_record(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
     _write_synced(tmp / META, json.dumps({"step": step, "format": FORMAT, "files": files}, indent=1))
     _fsync_dir(tmp)
@@ -142,9 +160,40 @@ def resolve_checkpoint(path: str | Path, *, skip_damaged: bool = False) -> Path:
     raise CheckpointError(f"{path} is not a treerl checkpoint (no {META}) and holds none")
 
 
-def load_state(checkpoint: str | Path) -> dict:
+def load_state(checkpoint: str | Path, *, trust: bool = False) -> dict:
+    """The trainer state of a checkpoint (verified), read without running code from it
+    (``torch.load(weights_only=True)``). A file that holds other objects raises
+    :class:`CheckpointError` (one line) unless ``trust``: then it is unpickled in full,
+    which runs whatever code the file names (module docstring)."""
     path = resolve_checkpoint(checkpoint)
-    return torch.load(path / STATE, map_location="cpu", weights_only=False)
+    f = path / STATE
+    try:
+        with warnings.catch_warnings():  # torch warns about pickle protocols it may not read: the error says it
+            warnings.simplefilter("ignore")
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if not trust:
+            raise CheckpointError(
+                f"{f} holds objects other than tensors and plain data ({_unpickling_reason(f, err)}), and loading it "
+                f"could run code from the file, so it is refused. A checkpoint of an older treerl looks like this: if "
+                f"you trust the file, pass --trust-checkpoint (train.trust_checkpoint=true)") from None
+    print(f"treerl: loading {f} with full unpickling (--trust-checkpoint): this runs any code the file names",
+          file=sys.stderr)
+    return torch.load(f, map_location="cpu", weights_only=False)
+
+
+def _unpickling_reason(f: Path, err: Exception) -> str:
+    """What a weights-only load refused in ``f``: the globals it names (found without
+    running them), else the refusal's own words."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(f)
+    except Exception:  # noqa: BLE001 - not a zip checkpoint: fall back to the message
+        names = []
+    if names:
+        return "it names " + ", ".join(names[:4])
+    text = " ".join(str(err).split())
+    found = re.search(r"GLOBAL ([\w.]+)|(Unsupported operand \d+)|WeightsUnpickler error: ([^.]+)", text)
+    return next(g for g in found.groups() if g) if found else type(err).__name__
 
 
 def _intact_hint(older: list[Path]) -> str:

@@ -10,6 +10,10 @@ import sys
 import threading
 from pathlib import Path
 
+TRUST_HELP = ("load a trainer state that is not plain data (a checkpoint of an older treerl) by unpickling it in "
+              "full, which runs any code the file names: only for files you trust (config: train.trust_checkpoint)")
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .checkpoint import CheckpointError
     from .config import ConfigError
@@ -28,6 +32,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config is not None and "=" in config and not Path(config).exists():
         overrides.insert(0, config)
         config = None
+    if args.trust_checkpoint:
+        overrides.append("train.trust_checkpoint=true")
     cfg = Config.from_yaml(config, overrides)
     try:
         # under torchrun (WORLD_SIZE > 1) every rank runs this; the trainer joins the group
@@ -78,7 +84,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .trainer import Trainer
 
     path = resolve_checkpoint(args.checkpoint)
-    state = load_state(path)
+    state = load_state(path, trust=args.trust_checkpoint)
     cfg = Config.from_dict(state["config"])
     for item in args.overrides:
         key, _, value = item.partition("=")
@@ -140,6 +146,21 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                         "them as produced (0: off; docs/SERVING.md)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="default: the config's / checkpoint's")
+    p.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
+    s = p.add_argument_group("security (docs/SERVING.md, 'Security')")
+    s.add_argument("--api-key", default=None,
+                   help="every route but /health needs 'Authorization: Bearer KEY' (default: $TREERL_API_KEY; "
+                        "prefer the variable: a command line is visible to other users)")
+    s.add_argument("--weights-root", metavar="DIR", default=None,
+                   help="/update_weights_from_disk reads only under DIR (default: the run directory of --weights, "
+                        "or --weights itself; without either, reloads are refused)")
+    s.add_argument("--max-n", type=int, default=128, help="cap on a request's n")
+    s.add_argument("--max-tokens-limit", type=int, default=None, help="cap on a request's max_tokens (default: the context)")
+    s.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    s.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longer text prompts get 400 before tokenizing (default: 2 x context x longest token)")
+    s.add_argument("--max-queued", type=int, default=1024,
+                   help="generation requests waiting or running at once; more get 429 with Retry-After")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -156,6 +177,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="YAML config file (optional: defaults otherwise)")
     t.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=100")
     t.add_argument("--resume", metavar="CHECKPOINT", help="a checkpoint, or a run directory (its newest checkpoint)")
+    t.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint",
                        description="Greedy accuracy of a checkpoint on its task's held-out problems.")
@@ -163,6 +185,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("overrides", nargs="*", help="section.key=value overrides (e.g. task.kwargs=...)")
     e.add_argument("-n", type=int, default=None, help="number of held-out problems")
     e.add_argument("--device", default="cpu")
+    e.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
     e.set_defaults(func=cmd_eval)
     b = sub.add_parser("bench", help="tree-vs-flat engine benchmark", add_help=False,
                        description="Tree-vs-flat engine benchmark (see `treerl bench --help`).")

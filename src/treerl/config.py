@@ -126,6 +126,7 @@ class TrainConfig:
     tensorboard: bool = True
     wandb: bool = False
     progress: bool = True
+    trust_checkpoint: bool = False  # resume: unpickle a trainer state that is not plain data (runs its code)
 
 
 @dataclass

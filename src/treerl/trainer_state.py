@@ -72,7 +72,7 @@ def load(trainer: Trainer, checkpoint: str | Path) -> Path:
 
     t, learner = trainer, trainer.learner
     path = resolve_checkpoint(checkpoint)
-    state = load_state(path)
+    state = load_state(path, trust=t.cfg.train.trust_checkpoint)
     weights = {}
     for f in sorted((path / "model").glob("*.safetensors")):
         weights.update(load_file(f))

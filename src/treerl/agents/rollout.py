@@ -10,7 +10,13 @@ Backends (``rollout.backend``):
 - ``remote``: any OpenAI-compatible server at ``rollout.server_url`` (``treerl serve``;
   vLLM / SGLang untested). After each optimizer step the trainer writes its weights under
   ``OUT/weights_for_server/`` and, before the next rollout, asks the server to load them
-  (``POST /update_weights_from_disk``): the server must read the trainer's file system.
+  (``POST /update_weights_from_disk``): the server must read the trainer's file system
+  (under its ``--weights-root``).
+
+API keys: a ``remote`` server started with ``--api-key`` is called with the key in the
+environment variable ``TREERL_API_KEY`` (not a config key: configs are saved into run
+directories and checkpoints); the ``serve`` backend's loopback server gets a random key of
+its own, which only this process knows.
 
 Each episode gets its own ``openai.AsyncOpenAI`` client whose transport records its calls
 (:mod:`treerl.agents.record`). All episodes of a step run concurrently on one event loop,
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import sys
 import time
 import traceback
@@ -37,6 +44,7 @@ from ..tasks.base import Problem, Task, _short
 from ..tasks.env import ChatFormat
 from .episode import EpisodeReward, as_reward, episode_sequences, exact_turn_share
 from ..serve.client import IN_PROCESS_URL, asgi_transport, http_module
+from ..serve.security import API_KEY_ENV
 from .record import EpisodeLog, recording_transport
 
 BACKENDS = ("embedded", "serve", "remote")
@@ -118,6 +126,7 @@ class AgentRollout:
         self.defaults = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_tokens": max_new_tokens}
         self.state = self.server = None
         self.weights_root = Path(cfg.train.out_dir) / "weights_for_server"
+        self.api_key: str | None = None  # sent as 'Authorization: Bearer KEY' (remote: TREERL_API_KEY)
         self._pushed_version: int | None = None
         self.failures: list[EpisodeResult] = []  # of the last generate call
         self._metrics: dict[str, float] = {}
@@ -135,9 +144,11 @@ class AgentRollout:
             if not r.server_url:
                 raise ConfigError("rollout.backend=remote needs rollout.server_url (e.g. http://127.0.0.1:8000/v1)")
             self.base_url = r.server_url.rstrip("/")
+            self.api_key = os.environ.get(API_KEY_ENV) or None
         else:
             from ..rollout import PrefixCache
             from ..serve import ServeOptions, ServerThread, make_state
+            from ..serve.security import new_api_key
 
             if engine.prefix_cache is None:  # an agent's next turn extends its previous prompt
                 engine.prefix_cache = PrefixCache(1 << 16)
@@ -145,7 +156,8 @@ class AgentRollout:
                                                                     default_max_tokens=max_new_tokens,
                                                                     tool_call_parser=r.tool_call_parser))
             if r.backend == "serve":
-                self.server = ServerThread(self.state).start()
+                self.api_key = new_api_key()
+                self.server = ServerThread(self.state, api_key=self.api_key).start()
                 self.base_url = self.server.url
             else:
                 self.base_url = IN_PROCESS_URL
@@ -163,13 +175,16 @@ class AgentRollout:
         path = save_weights(model, self.weights_root, version)
         http = http_module()
         root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
-        with http.Client(timeout=600) as client:
+        with http.Client(timeout=600, headers=self._auth_headers()) as client:
             resp = client.post(f"{root}/update_weights_from_disk",
                                json={"model_path": str(path.resolve()), "version": version})
         if resp.status_code != 200:
             raise RuntimeError(f"the rollout server at {root} did not load the weights {path}: "
                                f"HTTP {resp.status_code} {resp.text[:300]}")
         self._pushed_version = version
+
+    def _auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     # ----------------------------------------------------------------- rollout
     def generate(self, problems: list[Problem], n: int, greedy: bool = False) -> list[dict]:
@@ -241,7 +256,7 @@ class AgentRollout:
             transport = recording_transport(inner, r.log, model=self.model_name, defaults=self.defaults,
                                             force=force, standard_logprobs=self.backend == "remote",
                                             default_version=self._pushed_version or 0)
-            client = openai.AsyncOpenAI(base_url=self.base_url, api_key="treerl", max_retries=2,
+            client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=2,
                                         http_client=http.AsyncClient(transport=transport, timeout=self.timeout_s))
             t = time.perf_counter()
             try:

@@ -56,7 +56,7 @@ def _train_async(cfg: Config, trainer: Trainer, path: Path | None, options: Asyn
     ledger = WorkLedger()
     resume = path is not None
     if resume:
-        saved = load_state(path).get("async")
+        saved = load_state(path, trust=cfg.train.trust_checkpoint).get("async")
         if saved is not None:
             ledger = WorkLedger.from_state(saved)
         print(f"resumed from {path} (step {trainer.step_count}, version {trainer.rollout.version}, "

@@ -14,6 +14,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from ..tasks.base import Problem
+
 
 class LedgerError(RuntimeError):
     """An accounting invariant would be broken (a bug, never a worker fault)."""
@@ -125,18 +129,40 @@ class WorkLedger:
             raise LedgerError(f"units lost: {sorted(missing)[:5]}")
 
     def state_dict(self) -> dict:
-        """Picklable state for a checkpoint: units not trained yet are re-queued on resume."""
+        """State for a checkpoint, plain data only (a :class:`~treerl.tasks.Problem` as a
+        tagged dict, the RNG bytes as a uint8 tensor; see :mod:`treerl.checkpoint`): units not trained yet are re-queued on resume."""
         return {"next_uid": self.next_uid, "trained": sorted(self.trained),
-                "pending": [dict(uid=u.uid, problems=u.problems, group_size=u.group_size, rng_state=u.rng_state)
+                "pending": [dict(uid=u.uid, problems=[_problem_state(p) for p in u.problems],
+                                 group_size=u.group_size,
+                                 rng_state=torch.tensor(list(u.rng_state), dtype=torch.uint8))
                             for u in self.pending()]}
 
     @classmethod
     def from_state(cls, state: dict) -> "WorkLedger":
         ledger = cls(next_uid=state["next_uid"], trained=set(state["trained"]))
         for d in state["pending"]:
-            ledger.queued.append(WorkUnit(d["uid"], d["problems"], d["group_size"], d["rng_state"]))
+            problems = [_problem_from_state(p) for p in d["problems"]]
+            rng = d["rng_state"]
+            rng = rng.numpy().tobytes() if isinstance(rng, torch.Tensor) else bytes(rng)
+            ledger.queued.append(WorkUnit(d["uid"], problems, d["group_size"], rng))
         return ledger
 
     def metrics(self) -> dict[str, float]:
         return {"async/requeued": self.requeues, "async/refused_results": self.stale_results,
                 "async/queued": len(self.queued), "async/trained_units": len(self.trained)}
+
+
+_PROBLEM_TAG = "__treerl_problem__"
+
+
+def _problem_state(problem: Any) -> Any:
+    if isinstance(problem, Problem):
+        return {_PROBLEM_TAG: [problem.prompt, problem.answer, dict(problem.fields)]}
+    return problem
+
+
+def _problem_from_state(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {_PROBLEM_TAG}:
+        prompt, answer, fields = value[_PROBLEM_TAG]
+        return Problem(prompt, answer, fields)
+    return value

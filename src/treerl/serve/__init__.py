@@ -7,7 +7,9 @@
   template), replies -> assistant messages; :mod:`~treerl.serve.tools`: tool-call formats
   (``--tool-call-parser``); :mod:`~treerl.serve.history`: token-exact histories;
 - :mod:`~treerl.serve.server`: :class:`ServerThread` (uvicorn) and the ``treerl serve`` command;
-- :mod:`~treerl.serve.weights`: checkpoints in and out of a serving engine;
+- :mod:`~treerl.serve.weights`: checkpoints in and out of a serving engine (reloads checked);
+- :mod:`~treerl.serve.security`: the API key and the HTTP-level limits (:class:`~treerl.serve.security.Guard`);
+- :mod:`~treerl.serve.limits`: :class:`~treerl.serve.limits.ServeLimits`, what one request may cost;
 - :mod:`~treerl.serve.client`: :func:`in_process_client`, the same API without a socket.
 
 Needs the ``serve`` extra (fastapi, uvicorn); the agent clients need ``openai``.

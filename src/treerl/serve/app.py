@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..rollout import Completion, SamplingParams
 from .chat import ChatRenderer, ChatTurn
 from .detok import TextStream, completion_text
+from .limits import ServeLimits
 from .loop import EngineLoop
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
@@ -63,6 +64,7 @@ class ServeState:
     default_max_tokens: int = 256
     load_weights: Callable[[str, int | None], int] | None = None
     chat: ChatRenderer | None = None  # prompts and replies of /v1/chat/completions (default: no tool parser)
+    limits: ServeLimits = field(default_factory=ServeLimits)  # caps per request (security: n, max_tokens, chars)
     metrics: ServeMetrics = field(init=False)
 
     def __post_init__(self):
@@ -254,6 +256,8 @@ def _check_model(state: ServeState, name: str | None, optional: bool = False) ->
 def _encode(state: ServeState, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of a text prompt, with the tokenizer's special tokens (e.g. bos) as
     ``encode(text)`` adds them."""
+    state.limits.check_chars(len(text), param)  # before tokenizing
+    state.limits.check_chars(len(text), param)  # before tokenizing
     try:
         return [int(t) for t in state.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
     except ValueError as err:
@@ -291,11 +295,15 @@ def _completion_prompts(state: ServeState, req: CompletionRequest) -> list[list[
 def chat_prompt(state: ServeState, req: ChatRequest) -> ChatTurn:
     """The hook where a chat request becomes prompt token ids (template, tools, token-exact
     history: :mod:`treerl.serve.chat`; runs in a worker thread)."""
+    state.limits.check_chars(sum(len(m.content) if isinstance(m.content, str) else
+                                 sum(len(str(p.get("text", ""))) for p in m.content or ()) for m in req.messages),
+                             "messages")  # before tokenizing
     return state.chat.prompt(req)
 
 
 def _sampling_params(state: ServeState, req: SamplingRequest, prompt_len: int) -> SamplingParams:
     """The request's settings for one prompt of ``prompt_len`` tokens."""
+    state.limits.check_request(req.n, req.max_tokens)
     context = state.engine.max_positions
     room = None if context is None else context - prompt_len
     if req.max_tokens is None:

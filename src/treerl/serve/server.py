@@ -4,10 +4,11 @@ up front, so the port is known and connections queue before the server starts) a
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,10 @@ from ..rollout import RolloutEngine
 from .app import ServeState, create_app
 from .chat import ChatRenderer
 from .tools import get_tool_format
+from .limits import ServeLimits
 from .loop import EngineLoop
-from .weights import load_weights_into
+from .security import API_KEY_ENV, Guard, exposure_warning, is_loopback
+from .weights import default_weights_root, reload_weights
 
 
 @dataclass
@@ -32,32 +35,43 @@ class ServeOptions:
     prefix_cache_tokens: int = 0  # the engine's prefix cache (0: off)
     tool_call_parser: str | None = None  # a treerl.serve.tools format (hermes, tag); None: tools refused
     history_tokens: int = 1 << 22  # token-exact histories: produced turns kept, in tokens (0: off)
+    limits: ServeLimits = field(default_factory=ServeLimits)  # caps per request (treerl.serve.limits)
+    weights_root: str | None = None  # /update_weights_from_disk reads only under it (None: reloads refused)
 
 
 def make_state(engine: RolloutEngine, tokenizer: Any, options: ServeOptions | None = None) -> ServeState:
-    """An :class:`EngineLoop` over ``engine`` and the handlers' state (weights reload included)."""
+    """An :class:`EngineLoop` over ``engine`` and the handlers' state (weights reload
+    included: only under ``options.weights_root``, :func:`~treerl.serve.weights.reload_weights`)."""
     o = options or ServeOptions()
     loop = EngineLoop(engine, decode=tokenizer, max_rows=o.max_rows, idle_timeout_s=o.idle_timeout_s)
+    limits = o.limits.resolved(engine.max_positions, tokenizer)
+    default_max_tokens = min(o.default_max_tokens, limits.max_tokens or o.default_max_tokens)
+    root = None if o.weights_root is None else Path(o.weights_root)
     chat = ChatRenderer(tokenizer, o.tool_call_parser, o.history_tokens)
-    return ServeState(loop, tokenizer, model_name=o.model_name, default_max_tokens=o.default_max_tokens, chat=chat,
-                      load_weights=lambda path, version: load_weights_into(engine, path, version))
+    return ServeState(loop, tokenizer, model_name=o.model_name, default_max_tokens=default_max_tokens, chat=chat,
+                      load_weights=lambda path, version: reload_weights(engine, path, version, root), limits=limits)
 
 
 class ServerThread:
     """``treerl serve``'s app on ``host:port`` (0: an ephemeral port, see :attr:`port`) in a
-    daemon thread. ``stop(force=True)`` drops in-flight connections (their clients get a
-    connection error) instead of letting them finish."""
+    daemon thread, behind :class:`~treerl.serve.security.Guard` (``api_key``: every route but
+    ``/health`` needs it; the state's limits). Listening beyond loopback without a key prints
+    a warning naming who can reach it. ``stop(force=True)`` drops in-flight connections
+    (their clients get a connection error) instead of letting them finish."""
 
-    def __init__(self, state: ServeState, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, state: ServeState, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None):
         import uvicorn
 
         self.state = state
+        self.guard = Guard(create_app(state), api_key=api_key, limits=state.limits)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.sock.listen(1024)
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
+        if api_key is None and not is_loopback(host):
+            print(exposure_warning(host, self.port), file=sys.stderr, flush=True)
+        config = uvicorn.Config(self.guard, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
@@ -88,7 +102,7 @@ class ServerThread:
 
 
 def load_for_serving(config_path: str | None, overrides: list[str], weights: str | None,
-                     device: str, dtype: str | None) -> tuple[torch.nn.Module, Any, int]:
+                     device: str, dtype: str | None, trust: bool = False) -> tuple[torch.nn.Module, Any, int]:
     """The model, tokenizer and weight version to serve: from a treerl checkpoint / run
     directory or a Hugging Face model directory (``weights``), else built from a config
     (its ``model`` section; random weights unless ``model.path``)."""
@@ -107,7 +121,7 @@ def load_for_serving(config_path: str | None, overrides: list[str], weights: str
         if root is not None:
             from ..checkpoint import load_state
 
-            state = load_state(root)
+            state = load_state(root, trust=trust)
             cfg = Config.from_dict(state["config"])
             version = int(state.get("version", 0))
         else:
@@ -146,17 +160,21 @@ def serve(args) -> int:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]
-    model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype)
+    api_key, limits, root = security_options(args)
+    model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype,
+                                                trust=args.trust_checkpoint)
     engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens,
                            prefill_chunk_tokens=args.prefill_chunk_tokens)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
                            prefix_cache_tokens=args.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s,
-                           tool_call_parser=args.tool_call_parser, history_tokens=args.history_tokens)
-    server = ServerThread(make_state(engine, tokenizer, options), host=args.host, port=args.port)
+                           tool_call_parser=args.tool_call_parser, history_tokens=args.history_tokens,
+                           limits=limits, weights_root=None if root is None else str(root))
+    server = ServerThread(make_state(engine, tokenizer, options), host=args.host, port=args.port, api_key=api_key)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     server.start()
-    print(f"treerl serve: listening on {server.url} (model {args.model_name!r}, weight version {version})",
+    print(f"treerl serve: listening on {server.url} (model {args.model_name!r}, weight version {version}; "
+          f"{'API key required' if api_key else 'no API key'}; reloads from {root or 'nowhere'})",
           file=sys.stderr, flush=True)
     try:
         while not stop.wait(0.5) and server.thread.is_alive():
@@ -166,6 +184,31 @@ def serve(args) -> int:
             signal.signal(sig, handler)
         server.stop()
     return 0
+
+
+def security_options(args) -> tuple[str | None, ServeLimits, Path | None]:
+    """``treerl serve``'s API key (``--api-key``, else ``TREERL_API_KEY``), limits and weights
+    root (``--weights-root``, else :func:`~treerl.serve.weights.default_weights_root`)."""
+    from ..config import ConfigError
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        raise ConfigError(f"the API key is empty (--api-key or {API_KEY_ENV}): give a non-empty key, or none")
+    given = {"max_n": ("--max-n", args.max_n), "max_tokens": ("--max-tokens-limit", args.max_tokens_limit),
+             "max_body_bytes": ("--max-body-bytes", args.max_body_bytes),
+             "max_prompt_chars": ("--max-prompt-chars", args.max_prompt_chars),
+             "max_queued": ("--max-queued", args.max_queued)}
+    for option, value in given.values():
+        if value is not None and value < 1:
+            raise ConfigError(f"{option} must be >= 1, got {value}")
+    limits = ServeLimits(**{name: value for name, (_, value) in given.items()})
+    if args.weights_root is not None:
+        root = Path(args.weights_root).resolve()
+        if not root.is_dir():
+            raise ConfigError(f"--weights-root {args.weights_root}: not a directory")
+    else:
+        root = default_weights_root(args.weights)
+    return api_key, limits, root
 
 
 __all__ = ["ServerThread", "ServeOptions", "make_state", "serve", "load_for_serving"]
