@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from treerl.models import build_model
 from treerl.rollout import RolloutEngine
 from treerl.serve import ServeOptions, ServerThread, make_state
-from treerl.serve.chat import chat_prompt_ids
 from treerl.serve.client import http_module
 from treerl.tasks.tokenizer import CharTokenizer
 
@@ -192,8 +191,10 @@ def test_tokenize_and_detokenize_round_trip(served):
         plain = c.post("/tokenize", json={"prompt": "12+7=", "add_special_tokens": False}).json()["tokens"]
         assert plain == tok.encode("12+7=", add_special_tokens=False)
         assert c.post("/detokenize", json={"tokens": plain}).json() == {"prompt": "12+7="}
-        chat = c.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
-        assert chat == chat_prompt_ids(tok, [("user", "hi")])
+        messages = [{"role": "user", "content": "hi"}]
+        chat = c.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        sent = c.post("/v1/chat/completions", json={"model": "treerl", "messages": messages, "max_tokens": 1})
+        assert chat == sent.json()["prompt_token_ids"]
         info = c.get("/tokenizer_info").json()
         assert info["eos_token"] == tok.eos_token and info["model_max_length"] == CONTEXT
         assert c.post("/detokenize", json={"tokens": [10**6]}).json()["error"]["param"] == "tokens"
