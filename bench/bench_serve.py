@@ -13,6 +13,14 @@ and sends the longer prompt as its next turn (which the prefix cache extends).
   DIR``); the agents call its ``/v1/completions`` on loopback with the ``openai`` package
   (one shared ``AsyncOpenAI`` client).
 
+``--mixed``: each call's ``max_tokens`` is drawn from ``[--min-tokens, --max-tokens]``
+(uniform, seeded per agent and turn) and its temperature from ``--temperatures``: requests
+with different settings share one running batch, and each mode does the same work.
+``--probe``: while the agents run, one more client sends short requests one after the other
+(``--probe-tokens`` greedy tokens after a ``--probe-prompt-len``-token prompt, a new prompt
+each time); their latency behind the agents' long requests is reported next to their latency
+alone (``--probe-alone`` probes on an idle engine before the agents start), p50 and p99.
+
 Both use the same engine settings (``RolloutEngine`` defaults plus ``--prefix-cache-tokens``
 and ``--prefill-chunk-tokens``; the loop's ``--max-rows`` and ``--idle-timeout-s``), the same
 weights and dtype; the in-process engine is freed before the server starts.
@@ -30,9 +38,11 @@ reallocations, preemptions (own K/V blocks ran out) and streams started (a strea
 ``--idle-timeout-s`` idle); then served / in-process.
 
 GPU:
+    python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --mixed --probe --json mixed.json
     python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --json out.json
     python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --client-procs 8 --json out8.json
 CPU smoke run:
+    python bench/bench_serve.py --device cpu --tiny --mixed --probe
     python bench/bench_serve.py --shape tiny --agents 8 --turns 2 --prompt-len 16 --max-tokens 8
 """
 
@@ -81,7 +91,16 @@ def parse_args(argv=None):
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--tool-tokens", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per call (--mixed: the most)")
+    p.add_argument("--mixed", action="store_true", help="max_tokens and temperature drawn per call")
+    p.add_argument("--min-tokens", type=int, default=16, help="--mixed: the fewest tokens per call")
+    p.add_argument("--temperatures", default="0,0.6,1.0", help="--mixed: temperatures drawn from")
+    p.add_argument("--probe", action="store_true", help="measure a short request's latency behind the agents")
+    p.add_argument("--probe-tokens", type=int, default=16)
+    p.add_argument("--probe-prompt-len", type=int, default=64)
+    p.add_argument("--probe-alone", type=int, default=32, help="probes on an idle engine (latency alone)")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU smoke settings: tiny shape, 8 agents x 2 turns, 16-token prompts, 4-16 tokens per call")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16)
     p.add_argument("--prefill-chunk-tokens", type=int, default=8192, help="the engine's (its default: 8192)")
@@ -94,34 +113,84 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="in-process,served")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.shape, args.agents, args.turns, args.prompt_len, args.tool_tokens = "tiny", 8, 2, 16, 4
+        args.max_tokens, args.min_tokens, args.repeats = 16, 4, 1
+        args.probe_tokens, args.probe_prompt_len, args.probe_alone = 4, 8, 8
+    if args.mixed and not 1 <= args.min_tokens <= args.max_tokens:
+        p.error("--min-tokens must be in [1, --max-tokens]")
+    return args
+
+
+def call_plan(args, agent: int) -> list[tuple[int, float]]:
+    """``(max_tokens, temperature)`` of each of ``agent``'s calls (the same in every mode)."""
+    if not args.mixed:
+        return [(args.max_tokens, 1.0)] * args.turns
+    rng = random.Random(args.seed * 7919 + agent)
+    temps = [float(t) for t in args.temperatures.split(",")]
+    return [(rng.randint(args.min_tokens, args.max_tokens), rng.choice(temps)) for _ in range(args.turns)]
+
+
+def probe_prompt(args, vocab: int, k: int) -> list[int]:
+    rng = random.Random(10**6 + args.seed * 7919 + k)
+    return [rng.randrange(vocab) for _ in range(args.probe_prompt_len)]
+
+
+async def probe_alone(args, vocab: int, call) -> list[float]:
+    """``--probe-alone`` short requests one after the other on an idle engine: latencies (s)."""
+    out = []
+    for k in range(args.probe_alone):
+        t = time.perf_counter()
+        await call(probe_prompt(args, vocab, k), args.probe_tokens, 0.0)
+        out.append(time.perf_counter() - t)
+    return out
 
 
 # ---------------------------------------------------------------------- the agents
-async def run_agents(args, vocab: int, call, agents: range) -> dict:
-    """Agents ``agents`` concurrently; ``call(prompt_ids) -> completion ids``. Returns the
-    tokens generated, each request's latency, the start and end (``time.monotonic``, one
-    clock for every process of the machine) and this process's CPU seconds."""
+async def run_agents(args, vocab: int, call, agents: range, probe: bool = False) -> dict:
+    """Agents ``agents`` concurrently; ``call(prompt_ids, max_tokens, temperature) ->
+    completion ids``. ``probe``: a short request after another while they run. Returns the
+    tokens generated, each request's latency, the probes' latencies, the start and end
+    (``time.monotonic``, one clock for every process of the machine) and this process's CPU
+    seconds."""
     latencies: list[float] = []
+    probes: list[float] = []
     tokens = 0
+    done = asyncio.Event()
 
     async def agent(i: int) -> None:
         nonlocal tokens
         rng = random.Random(args.seed * 1000 + i)
         prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
-        for _ in range(args.turns):
+        for max_tokens, temperature in call_plan(args, i):
             t = time.perf_counter()
-            ids = await call(prompt)
+            ids = await call(prompt, max_tokens, temperature)
             latencies.append(time.perf_counter() - t)
-            if len(ids) != args.max_tokens:
-                raise RuntimeError(f"a call generated {len(ids)} tokens, expected {args.max_tokens}")
+            if len(ids) != max_tokens:
+                raise RuntimeError(f"a call generated {len(ids)} tokens, expected {max_tokens}")
             tokens += len(ids)
             prompt = prompt + ids + [rng.randrange(vocab) for _ in range(args.tool_tokens)]
 
+    async def prober() -> None:
+        k = 0
+        while not done.is_set():
+            t = time.perf_counter()
+            await call(probe_prompt(args, vocab, 10**5 + k), args.probe_tokens, 0.0)
+            if not done.is_set():  # only probes that ran entirely behind the agents
+                probes.append(time.perf_counter() - t)
+            k += 1
+
+    async def agents_then_done() -> None:
+        try:
+            await asyncio.gather(*(agent(i) for i in agents))
+        finally:
+            done.set()
+
     start, cpu = time.monotonic(), time.process_time()
-    await asyncio.gather(*(agent(i) for i in agents))
-    return {"tokens": tokens, "latencies": latencies, "start": start, "end": time.monotonic(),
-            "cpu_s": time.process_time() - cpu}
+    await asyncio.gather(agents_then_done(), *([prober()] if probe else []))
+    return {"tokens": tokens, "latencies": latencies, "probe_latencies": probes, "start": start,
+            "end": time.monotonic(), "cpu_s": time.process_time() - cpu}
 
 
 def combine(parts: list[dict]) -> dict:
@@ -130,14 +199,25 @@ def combine(parts: list[dict]) -> dict:
     latencies = [x for p in parts for x in p["latencies"]]
     wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
     q = np.percentile(latencies, [50, 90, 99])
-    return {"tokens": tokens, "requests": len(latencies), "wall_s": wall, "tok_s": tokens / wall,
-            "latency_p50_s": float(q[0]), "latency_p90_s": float(q[1]), "latency_p99_s": float(q[2]),
-            "client_cpu_ms_per_request": 1000 * sum(p["cpu_s"] for p in parts) / len(latencies)}
+    out = {"tokens": tokens, "requests": len(latencies), "wall_s": wall, "tok_s": tokens / wall,
+           "latency_p50_s": float(q[0]), "latency_p90_s": float(q[1]), "latency_p99_s": float(q[2]),
+           "client_cpu_ms_per_request": 1000 * sum(p["cpu_s"] for p in parts) / len(latencies)}
+    probes = [x for p in parts for x in p.get("probe_latencies", [])]
+    if probes:
+        pq = np.percentile(probes, [50, 99])
+        out |= {"probes": len(probes), "probe_p50_s": float(pq[0]), "probe_p99_s": float(pq[1])}
+    return out
 
 
-def measure(args, run, counters) -> dict:
-    """One untimed run, then ``--repeats`` timed ones; the best, with the engine counters it moved."""
+def measure(args, run, counters, alone=None) -> dict:
+    """One untimed run, then ``--repeats`` timed ones; the best, with the engine counters it
+    moved. ``alone()``: the probes' latencies on the idle engine (after the untimed run)."""
     run()
+    alone_q = None
+    if alone is not None:
+        lat = alone()
+        q = np.percentile(lat, [50, 99])
+        alone_q = {"probe_alone_p50_s": float(q[0]), "probe_alone_p99_s": float(q[1])}
     best = None
     for _ in range(args.repeats):
         before = counters()
@@ -146,6 +226,11 @@ def measure(args, run, counters) -> dict:
         r["engine"] = {k: after[k] - before[k] for k in COUNTERS + ("streams",)}
         if best is None or r["tok_s"] > best["tok_s"]:
             best = r
+    if alone_q is not None:
+        best |= alone_q
+        if "probe_p50_s" in best:
+            best["probe_behind_over_alone_p50"] = best["probe_p50_s"] / best["probe_alone_p50_s"]
+            best["probe_behind_over_alone_p99"] = best["probe_p99_s"] / best["probe_alone_p99_s"]
     return best
 
 
@@ -154,15 +239,17 @@ def in_process(args, model, vocab: int) -> dict:
     engine = RolloutEngine(model, prefix_cache_tokens=args.prefix_cache_tokens,
                            prefill_chunk_tokens=args.prefill_chunk_tokens)
     loop = EngineLoop(engine, max_rows=args.max_rows, idle_timeout_s=args.idle_timeout_s)
-    key = SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens)
 
-    async def call(prompt):
-        [c] = await asyncio.wrap_future(loop.submit(prompt, key))
+    async def call(prompt, max_tokens, temperature):
+        params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_tokens)
+        [c] = await asyncio.wrap_future(loop.submit(prompt, params))
         return c.completion_ids.tolist()
 
     try:
-        return measure(args, lambda: combine([asyncio.run(run_agents(args, vocab, call, range(args.agents)))]),
-                       lambda: dataclasses.asdict(loop.engine_stats()) | {"streams": loop.stats.streams})
+        return measure(args, lambda: combine([asyncio.run(run_agents(args, vocab, call, range(args.agents),
+                                                                     args.probe))]),
+                       lambda: dataclasses.asdict(loop.engine_stats()) | {"streams": loop.stats.streams},
+                       (lambda: asyncio.run(probe_alone(args, vocab, call))) if args.probe else None)
     finally:
         loop.stop()
 
@@ -221,9 +308,11 @@ class ServerProcess:
             self.proc.wait()
 
 
-def client_agents(args, url: str, vocab: int, agents: range, start_at: float | None = None) -> dict:
+def client_agents(args, url: str, vocab: int, agents: range, start_at: float | None = None, probe: bool = False,
+                  alone: bool = False) -> dict:
     """:func:`run_agents` through ``openai.AsyncOpenAI`` (one client) against ``url``, from
-    ``start_at`` (``time.monotonic``) on. Runs in a client process."""
+    ``start_at`` (``time.monotonic``) on (``alone``: :func:`probe_alone` instead). Runs in a
+    client process."""
     import openai
 
     from treerl.serve.client import http_module
@@ -233,17 +322,20 @@ def client_agents(args, url: str, vocab: int, agents: range, start_at: float | N
 
     async def main():
         http = http_module()
-        limits = http.Limits(max_connections=len(agents) * 2, max_keepalive_connections=len(agents) * 2)
+        conns = 2 * len(agents) + 2  # the prober's too (and an alone run has no agents)
+        limits = http.Limits(max_connections=conns, max_keepalive_connections=conns)
         client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=3600,
                                     http_client=http.AsyncClient(limits=limits, timeout=3600))
 
-        async def call(prompt):
-            r = await client.completions.create(model="treerl", prompt=prompt, max_tokens=args.max_tokens,
-                                                temperature=1.0)
+        async def call(prompt, max_tokens, temperature):
+            r = await client.completions.create(model="treerl", prompt=prompt, max_tokens=max_tokens,
+                                                temperature=temperature)
             return r.choices[0].model_extra["token_ids"]
 
         try:
-            return await run_agents(args, vocab, call, agents)
+            if alone:
+                return await probe_alone(args, vocab, call)
+            return await run_agents(args, vocab, call, agents, probe)
         finally:
             await client.close()
 
@@ -261,15 +353,18 @@ def served(args, server: ServerProcess, vocab: int) -> dict:
         health = server.health()
         return health["engine"] | {"streams": health["stats"]["streams"]}
 
+    alone = (lambda: client_agents(args, server.url, vocab, range(0), alone=True)) if args.probe else None
     if procs == 1:
-        return measure(args, lambda: combine([client_agents(args, server.url, vocab, shares[0])]), counters)
+        return measure(args, lambda: combine([client_agents(args, server.url, vocab, shares[0], probe=args.probe)]),
+                       counters, alone)
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
         def run() -> dict:
             start_at = time.monotonic() + 0.25  # every client process ready (imports done in the untimed run)
-            futures = [pool.submit(client_agents, args, server.url, vocab, share, start_at) for share in shares]
+            futures = [pool.submit(client_agents, args, server.url, vocab, share, start_at, args.probe and k == 0)
+                       for k, share in enumerate(shares)]
             return combine([f.result() for f in futures])
 
-        return measure(args, run, counters)
+        return measure(args, run, counters, alone)
 
 
 # ---------------------------------------------------------------------- report
@@ -311,8 +406,10 @@ def main(argv=None) -> dict:
                 results["served"] = served(args, server, vocab)
             finally:
                 server.stop()
+    per_call = (f"{args.min_tokens}-{args.max_tokens} new tokens/call at temperatures {args.temperatures}"
+                if args.mixed else f"{args.max_tokens} new tokens/call")
     print(f"{args.agents} agents x {args.turns} turns, prompt {args.prompt_len} + {args.tool_tokens}/turn, "
-          f"{args.max_tokens} new tokens/call, {args.shape} {dtype} on {results['device']}")
+          f"{per_call}, {args.shape} {dtype} on {results['device']}")
     print(f"{'mode':12} {'tok/s':>10} {'p50 s':>8} {'p99 s':>8} {'client CPU ms/request':>22}")
     for name in modes:
         r = results[name]
@@ -321,6 +418,17 @@ def main(argv=None) -> dict:
     if len(modes) == 2:
         results["ratio"] = results["served"]["tok_s"] / results["in-process"]["tok_s"]
         print(f"{'ratio':12} {results['ratio']:10.3f}  (served / in-process)")
+    if args.probe:
+        print(f"short request ({args.probe_tokens} tokens after {args.probe_prompt_len}): latency alone vs "
+              "behind the agents")
+        for name in modes:
+            r = results[name]
+            if "probe_p50_s" not in r:
+                print(f"{name:12} no probe finished while the agents ran")
+                continue
+            print(f"{name:12} alone p50 {r['probe_alone_p50_s']:.3f} s p99 {r['probe_alone_p99_s']:.3f} s; behind "
+                  f"p50 {r['probe_p50_s']:.3f} s p99 {r['probe_p99_s']:.3f} s ({r['probes']} probes): "
+                  f"x{r['probe_behind_over_alone_p50']:.2f} p50, x{r['probe_behind_over_alone_p99']:.2f} p99")
     for name in modes:
         print(f"{name}: {summary(results[name])}")
     if args.json:

@@ -164,7 +164,7 @@ BAD = [  # (body or raw bytes, status, param)
     ({"model": "treerl", "prompt": [1, 2, 100000]}, 400, "prompt"),
     ({"model": "treerl", "prompt": [1, -1]}, 400, "prompt"),
     ({"model": "treerl", "prompt": "1+1=", "top_p": 0}, 400, "top_p"),
-    ({"model": "treerl", "prompt": "1+1=", "stream": True}, 400, "stream"),
+    ({"model": "treerl", "prompt": "1+1=", "stream": "yes"}, 400, "stream"),
     ({"model": "treerl", "prompt": "1+1=", "stop_token_ids": [100000]}, 400, "stop_token_ids"),
     ({"model": "treerl", "prompt": "\u00e9"}, 400, "prompt"),
 ]

@@ -325,3 +325,26 @@ def test_openai_agents_sdk_function_tool_runs_through_treerl_serve(weather):
     first, before, after = asyncio.run(main())
     assert first.final_output == "sunny" and seen == ["Paris", "Paris", "Paris"]
     assert after["turns"] - before["turns"] == 1 and after["exact"] - before["exact"] == 1
+
+
+def test_a_streamed_tool_call_comes_whole_in_the_last_chunk(weather):
+    exact, _, tok = weather
+
+    async def main():
+        c = _client(exact)
+        kw = dict(model="treerl", messages=[{"role": "user", "content": "Weather in Rome?"}], tools=TOOLS,
+                  temperature=0)
+        whole = await c.chat.completions.create(**kw)
+        chunks = [ch async for ch in await c.chat.completions.create(stream=True, **kw)]
+        await c.close()
+        return whole, chunks
+
+    whole, chunks = asyncio.run(main())
+    body = [x for ch in chunks for x in ch.choices]
+    assert [t for x in body for t in x.model_extra.get("token_ids", [])] == whole.choices[0].model_extra["token_ids"]
+    assert all(not x.delta.content and not x.delta.tool_calls for x in body[:-1])  # text held: no raw markup
+    last = body[-1]
+    assert last.finish_reason == "tool_calls" and last.delta.tool_calls[0].index == 0
+    ref = whole.choices[0].message.tool_calls[0]
+    assert last.delta.tool_calls[0].function.name == ref.function.name
+    assert json.loads(last.delta.tool_calls[0].function.arguments) == json.loads(ref.function.arguments)

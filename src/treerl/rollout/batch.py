@@ -268,9 +268,9 @@ class DeviceBatch:
                 self.log_topv = torch.zeros(K, S, TOP_LOGPROBS, dtype=self.log_lp.dtype, device=self.device)
             t = how.params.temperature if how.params is not None else self._upload(how.temperature)
             scale = (t if t > 0 else 1.0) if how.params is not None else torch.where(t > 0, t, 1.0).to(logits.dtype)[:, None]
-            top = torch.log_softmax(logits / scale, dim=-1).topk(TOP_LOGPROBS, dim=-1)
-            self.log_topi[k, idx] = top.indices
-            self.log_topv[k, idx] = top.values
+            top = torch.log_softmax(logits / scale, dim=-1).topk(min(TOP_LOGPROBS, logits.shape[-1]), dim=-1)
+            self.log_topi[k, idx, : top.indices.shape[-1]] = top.indices  # a vocabulary under 20 tokens: the rest 0
+            self.log_topv[k, idx, : top.values.shape[-1]] = top.values
 
     def _upload(self, a: np.ndarray) -> torch.Tensor:
         """A small host array on the device without a sync (pinned, asynchronous on CUDA)."""

@@ -1,22 +1,25 @@
 """Request schemas of the OpenAI-compatible API and the JSON error they get.
 
 Requests are pydantic models in strict mode (a string where a number belongs is an
-error, not a conversion); fields the API defines but treerl does not use are accepted and
-ignored when they keep their neutral value, refused otherwise (``stream=true``, penalties,
-``logit_bias``, ``best_of > n``). Every refusal is an :class:`APIError` that names the
-field: ``{"error": {"message", "type", "param", "code"}}`` with HTTP status 400 (404 for an
-unknown model).
+error, not a conversion) that forbid unknown fields: every field is either honoured,
+accepted because it cannot change the output (``user``, ``metadata``, ...), accepted only
+at its neutral value (``presence_penalty=0``, ``response_format={"type": "text"}``, ...:
+:data:`NEUTRAL`), or refused. Every refusal is an :class:`APIError` that names the field:
+``{"error": {"message", "type", "param", "code"}}`` with HTTP status 400 (404 for an
+unknown model). docs/SERVING.md lists every field.
 
-treerl extensions (vLLM uses the same names where it has them): ``prompt`` may be token ids;
-``stop_token_ids``; ``top_k`` (``-1`` or ``0``: off); ``include_stop_str_in_output``;
-``return_token_ids`` (accepted; token ids are always returned).
+treerl extensions (vLLM's names): ``prompt`` may be token ids; ``stop_token_ids``;
+``top_k`` (``-1`` or ``0``: off); ``min_p``; ``include_stop_str_in_output``;
+``skip_special_tokens``; ``return_token_ids`` (accepted; token ids are always returned).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TOP_LOGPROBS = 20  # alternatives per token (completions ``logprobs``, chat ``top_logprobs``), as vLLM
 
 
 class APIError(Exception):
@@ -31,10 +34,42 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class SamplingRequest(BaseModel):
-    """Fields both completion endpoints share (sampling settings, stops, ignored extras)."""
+def _none(v: Any) -> bool:
+    return v is None
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+
+#: Fields accepted only at their neutral value: ``name -> (is neutral, what to do instead)``.
+NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "presence_penalty": (lambda v: v in (None, 0), "send 0 or leave it out"),
+    "frequency_penalty": (lambda v: v in (None, 0), "send 0 or leave it out"),
+    "logit_bias": (lambda v: not v, "leave it out"),
+    "response_format": (lambda v: v in (None, {"type": "text"}), "structured output is not built; send "
+                        "{\"type\": \"text\"} and validate the reply yourself"),
+    "suffix": (lambda v: not v, "leave it out"),
+    "store": (lambda v: not v, "completions are not stored; send false or leave it out"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "send \"auto\" or leave it out"),
+    "modalities": (lambda v: v in (None, ["text"]), "only text output: send [\"text\"]"),
+    "functions": (_none, "the deprecated functions API is not served; use tools"),
+    "function_call": (_none, "the deprecated functions API is not served; use tool_choice"),
+    "audio": (_none, "no audio output"),
+    "prediction": (_none, "predicted outputs are not served"),
+    "web_search_options": (_none, "no web search"),
+    "reasoning_effort": (_none, "the chat template decides reasoning; leave it out"),
+    "verbosity": (_none, "leave it out"),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields both completion endpoints share (sampling settings, stops, streaming)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str
     n: int = 1
@@ -42,21 +77,25 @@ class SamplingRequest(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     return_token_ids: bool | None = None
-    seed: int | None = None  # accepted, not honoured (one random stream per running batch)
     stream: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # accepted: it does not change the output
 
     def check(self) -> None:
         """Field checks beyond types (raises :class:`APIError` naming the field)."""
-        if self.stream:
-            raise APIError("stream=true is not supported by treerl serve; send stream=false", "stream")
+        for name, (neutral, instead) in NEUTRAL.items():
+            if name in type(self).model_fields and not neutral(getattr(self, name)):
+                raise APIError(f"{name}={getattr(self, name)!r} is not supported by treerl serve: {instead}", name)
         if self.n < 1:
             raise APIError(f"n must be >= 1, got {self.n}", "n")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -67,14 +106,19 @@ class SamplingRequest(BaseModel):
             raise APIError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
             raise APIError(f"top_k must be >= -1 (-1 or 0 = off), got {self.top_k}", "top_k")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(f"{name} is not supported by treerl serve (send 0)", name)
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported by treerl serve", "logit_bias")
+        if not 0 <= self.min_p < 1:
+            raise APIError(f"min_p must be in [0, 1) (0 = off), got {self.min_p}", "min_p")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise APIError(f"seed must be in [0, 2**63), got {self.seed}", "seed")
         for s in self.stop_strings:
             if not s:
                 raise APIError("stop strings must be non-empty", "stop")
+        if self.stream_options is not None:
+            if not self.stream:
+                raise APIError("stream_options is only allowed with stream=true", "stream_options")
+            if self.stream_options.continuous_usage_stats:
+                raise APIError("stream_options.continuous_usage_stats is not supported (usage comes in the "
+                               "last chunk with include_usage)", "stream_options.continuous_usage_stats")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -82,37 +126,55 @@ class SamplingRequest(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def top_logprobs_k(self) -> int:
+        """Alternatives per generated token to return (0: none)."""
+        return 0
+
 
 class CompletionRequest(SamplingRequest):
-    """``POST /v1/completions``: one prompt, text or token ids."""
+    """``POST /v1/completions``: one or several prompts, each text or token ids; choice
+    ``i * n + j`` is prompt ``i``'s sample ``j``. ``echo``: the prompt is returned before the
+    completion, with its logprobs when ``logprobs`` is set (the first token's is None);
+    ``max_tokens=0`` with ``echo`` scores the prompt without generating."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None  # the sampled tokens' logprobs (top alternatives are not returned)
+    logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
     def check(self) -> None:
-        super().check()
-        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
-            if len(self.prompt) != 1:
-                raise APIError("treerl serve takes one prompt per request (a string or a list of token ids); "
-                               "send several requests instead (they join one batch)", "prompt")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 5:
-            raise APIError(f"logprobs must be in [0, 5], got {self.logprobs}", "logprobs")
-        if self.echo:
-            raise APIError("echo=true is not supported by treerl serve", "echo")
+        if self.echo and self.max_tokens == 0:
+            self.max_tokens = None
+            super().check()
+            self.max_tokens = 0
+        else:
+            super().check()
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise APIError("prompt is an empty list", "prompt")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", "logprobs")
         if self.best_of is not None and self.best_of != self.n:
-            raise APIError("best_of is not supported by treerl serve (leave it unset)", "best_of")
-        if self.suffix:
-            raise APIError("suffix is not supported by treerl serve", "suffix")
+            raise APIError("best_of other than n is not supported by treerl serve (leave it unset)", "best_of")
+        if self.echo and self.stream:
+            raise APIError("echo is not supported with stream=true (send stream=false)", "echo")
 
     @property
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids."""
         p = self.prompt
-        if isinstance(p, list) and p and not isinstance(p[0], int):
-            return p[0]
-        return p
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    @property
+    def top_logprobs_k(self) -> int:
+        return self.logprobs or 0
 
 
 class ChatMessage(BaseModel):
@@ -132,9 +194,23 @@ class ChatRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
-    tools: list[dict[str, Any]] | None = None  # tools / tool_choice: checked by treerl.serve.tools
+    tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # accepted: without tools it changes nothing
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    metadata: dict[str, str] | None = None  # accepted: it does not change the output
+    prompt_cache_key: str | None = None  # accepted: the prefix cache needs no key
+    safety_identifier: str | None = None  # accepted, as user
 
     def check(self) -> None:
         if self.max_completion_tokens is not None:
@@ -142,12 +218,19 @@ class ChatRequest(SamplingRequest):
                 raise APIError("max_tokens and max_completion_tokens differ: send one", "max_completion_tokens")
             self.max_tokens = self.max_completion_tokens
         super().check()
-        if self.top_logprobs:
-            raise APIError("top_logprobs is not supported by treerl serve (the sampled tokens' logprobs are "
-                           "returned with logprobs=true)", "top_logprobs")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise APIError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
+                               "top_logprobs")
+            if self.top_logprobs and not self.logprobs:
+                raise APIError("top_logprobs needs logprobs=true", "top_logprobs")
         if self.parallel_tool_calls is False:
             raise APIError("parallel_tool_calls=false is not supported (a reply may hold several tool calls); "
                            "leave it unset", "parallel_tool_calls")
+
+    @property
+    def top_logprobs_k(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
 
 class WeightsRequest(BaseModel):
@@ -160,6 +243,37 @@ class WeightsRequest(BaseModel):
     version: int | None = None  # default: the current version + 1
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` or chat ``messages``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("send either prompt or messages", "prompt")
+        if self.messages is not None and not self.add_generation_prompt:
+            raise APIError("add_generation_prompt=false is not supported (the chat prompt ends with the "
+                           "generation prompt)", "add_generation_prompt")
+        if self.messages is not None and not self.messages:
+            raise APIError("messages is empty", "messages")
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """The first pydantic error as an :class:`APIError` naming its field (dotted path)."""
     if not errors:
@@ -167,12 +281,17 @@ def validation_error(errors: list[dict]) -> APIError:
     e = errors[0]
     loc = [str(x) for x in e.get("loc", ()) if x != "body"]
     # drop the union-member tags pydantic adds (e.g. 'str', 'list[int]', 'function-after[...]')
-    loc = [x for x in loc if not (x.startswith(("list[", "function-")) or x in ("str", "int", "float", "bool"))]
+    loc = [x for x in loc if not (x.startswith(("list[", "function-", "dict[")) or x in ("str", "int", "float", "bool"))]
     param = ".".join(loc) or None
     if e.get("type") == "json_invalid":
         return APIError(f"the request body is not valid JSON: {e.get('msg')}", "body")
+    if e.get("type") in ("model_type", "model_attributes_type", "dict_type") and not loc:
+        return APIError("the request body must be a JSON object", "body")
     if e.get("type") == "missing":
         return APIError(f"missing required field {param!r}", param)
+    if e.get("type") == "extra_forbidden":
+        return APIError(f"{param} is not a field treerl serve honours (docs/SERVING.md lists the fields); "
+                        "leave it out", param)
     got = e.get("input")
     got = f" (got {got!r})" if not isinstance(got, (dict, list)) else ""
     return APIError(f"{param}: {e.get('msg')}{got}", param)
