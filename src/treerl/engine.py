@@ -30,7 +30,7 @@ import torch
 from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, tree_attention_enabled
 from .decoder import DecoderStack
 from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
-from .memory import MemoryModel, resolve_budget
+from .memory import CallBudget, MemoryModel, device_memory, resolve_budget
 from .plan import MODES, Plan, make_plan
 from .tree import PrefixTree, TokenSequence
 
@@ -216,12 +216,21 @@ class TreeEngine:
         return self.runner.stack.can_checkpoint
 
     @property
+    def call_budget(self) -> CallBudget | None:
+        """The memory model under the budget, as the planner reads it (None with the
+        ``max_tokens`` override)."""
+        if self._fixed_tokens is not None:
+            return None
+        return CallBudget(self.memory_model, self.memory_budget, recompute=self.can_recompute,
+                          copies=self.attention == "sdpa", device_bytes=device_memory(self.device))
+
+    @property
     def max_tokens(self) -> int:
         """Most tree tokens in one call: the override, or what the memory budget allows
         (with block recompute where the model supports it)."""
         if self._fixed_tokens is not None:
             return self._fixed_tokens
-        return self.memory_model.tokens(self.memory_budget, recompute=self.can_recompute)
+        return max(1, self.call_budget.tokens())
 
     @property
     def pack_tokens(self) -> int:
@@ -230,32 +239,31 @@ class TreeEngine:
         without recompute). A larger call would recompute attentions, which on long
         sequences costs more than another call; one tree up to ``max_tokens`` still runs
         whole."""
-        if self._fixed_tokens is not None or not self.can_recompute:
+        if self._fixed_tokens is not None:
             return self.max_tokens
-        m = self.memory_model
         # a packed call has no prefix: its kernel reads copies only with SDPA (TreeAttention.input_copies)
-        keep_all = m.tokens_keeping_attention(self.memory_budget, self.num_layers, copies=self.attention == "sdpa")
-        return max(keep_all, m.tokens(self.memory_budget, recompute=False))
+        return max(1, self.call_budget.pack())
 
-    def recomputes(self, size: int) -> bool:
-        """Whether a call of ``size`` tokens recomputes its decoder blocks in the backward:
-        only under a memory budget, and only when the call would not fit it otherwise."""
-        if self._fixed_tokens is not None or not self.can_recompute:
-            return False
-        return size > self.memory_model.tokens(self.memory_budget, recompute=False)
+    def recomputes(self, size: int, prefix: int = 0) -> bool:
+        """Whether a call of ``size`` tokens after ``prefix`` tokens recomputes its decoder
+        blocks in the backward: only under a memory budget, and only when the call would
+        not fit it otherwise (the plan decides it per segment: :attr:`Segment.recompute`)."""
+        budget = self.call_budget
+        return budget is not None and budget.recomputes(size, prefix)
 
-    def kept_attention_layers(self, queries: int, keys: int, copies: bool) -> frozenset[int]:
+    def kept_attention_layers(self, queries: int, keys: int, copies: bool, spare: float) -> frozenset[int]:
         """The layers of a recomputed call whose attention runs once (not again in the
         recompute, :mod:`treerl.kept_attention`): the last ones (their held tensors are
-        freed first in the backward), as many as the memory budget has room for beside
-        the call's recompute. ``copies``: :attr:`TreeAttention.input_copies`."""
-        count = self.memory_model.kept_attention_layers(self.memory_budget, queries, keys, self.num_layers, copies)
+        freed first in the backward), as many as fit the ``spare`` bytes the plan leaves
+        beside the call (:attr:`Segment.spare`). ``copies``: :attr:`TreeAttention.input_copies`."""
+        count = self.memory_model.kept_attention_layers(spare, queries, keys, self.num_layers, copies)
         return frozenset(range(self.num_layers - count, self.num_layers))
 
     # ------------------------------------------------------------------ public API
     def plan(self, tree: PrefixTree | Sequence[TokenSequence]) -> Plan:
         """The segments this engine would run for ``tree``."""
-        return make_plan(self._layout(tree), self.mode, self.max_tokens, self.chunk_tokens, self.pack_tokens)
+        return make_plan(self._layout(tree), self.mode, self.max_tokens, self.chunk_tokens, self.pack_tokens,
+                         memory=self.call_budget)
 
     @torch.no_grad()
     def forward(self, tree: PrefixTree | Sequence[TokenSequence], entropy: bool = False) -> TreeOutputs:
@@ -324,7 +332,8 @@ class TreeEngine:
     def _prepare(self, tree: PrefixTree | Sequence[TokenSequence]) -> _Batch:
         layout = self._layout(tree)
         self._check_inputs(layout)
-        plan = make_plan(layout, self.mode, self.max_tokens, self.chunk_tokens, self.pack_tokens)
+        plan = make_plan(layout, self.mode, self.max_tokens, self.chunk_tokens, self.pack_tokens,
+                         memory=self.call_budget)
         dev = self.device
         self.stats = StepStats(mode=self.mode, plan=plan.describe())
         # All index arrays in one host-to-device copy (each pageable copy synchronises the host).
@@ -388,9 +397,9 @@ class TreeEngine:
         ctx = TreeAttention(
             self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture, causal=chain
         )
-        recompute = grad and self.recomputes(seg.size)
+        recompute = grad and seg.recompute
         if recompute:
-            ctx.keep_layers = self.kept_attention_layers(seg.size, len(k_index), ctx.input_copies)
+            ctx.keep_layers = self.kept_attention_layers(seg.size, len(k_index), ctx.input_copies, seg.spare)
         if not ctx.causal:  # built once, before the blocks (not inside a block that is recomputed)
             ctx.additive_mask(self.head.weight.dtype) if self.attention == "sdpa" else ctx.mask()
         self.stats.model_calls += 1
