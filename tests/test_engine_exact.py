@@ -578,3 +578,28 @@ def test_treerl_attention_refuses_to_run_without_tree_mask(gen):
     ref = _tree_token_reference(tree, tree.sequences(), model)
     child = tree.parent >= 0
     assert (direct[child] - ref[child]).abs().max() < 1e-12
+
+
+# --------------------------------------------- phase 1's last path reused by phase 2
+@pytest.mark.parametrize("mode", ["auto", "dfs"])
+@pytest.mark.parametrize("separable", [False, True])
+def test_two_phase_reuses_the_forward_path_keys_values(mode, separable, gen, monkeypatch):
+    """Phase 1 ends on the leftmost path, the one phase 2 opens first: its recomputed
+    chains take phase 1's K/V instead of a no-grad call each, exactly (and without it the
+    same plan makes exactly those calls more)."""
+    seqs = shaped_forest(gen, SPEC)
+    model = get_model("qwen3")
+    calls = {}
+    for reuse in (True, False):
+        monkeypatch.setattr(TreeEngine, "reuse_forward_kv", reuse)
+        loss = RandomLoss.make(seqs, gen, coupled=not separable)
+        engine = check_engine(model, seqs, mode, loss, max_tokens=13, chunk_tokens=4, separable=separable)
+        calls[reuse] = engine.stats.model_calls
+    plan = engine.plan(seqs)
+    leftmost, i = [], 0  # the first tree's leftmost path: segment 0, its first child, ...
+    while plan.children[i]:
+        leftmost.append(i)
+        i = plan.children[i][0]
+    saved = sum(1 for i in leftmost if not plan.segments[i].retain)
+    assert saved >= 1, plan.describe()
+    assert calls[False] - calls[True] == saved

@@ -203,6 +203,10 @@ class TreeEngine:
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.stats = StepStats()
 
+    # The two-phase backward takes the K/V of the path phase 1 ends on (the leftmost one,
+    # the first that phase 2 opens) instead of running those calls again without grad.
+    reuse_forward_kv = True
+
     # ------------------------------------------------------------------ budgets
     @property
     def memory_model(self) -> MemoryModel:
@@ -429,13 +433,17 @@ class TreeEngine:
         return lp, (torch.zeros(n, dtype=dtype, device=self.device) if entropy else None)
 
     # ------------------------------------------------------- phase 1: no-grad forward
-    def _forward_all(self, b: _Batch, entropy: bool, only: set[int] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_all(self, b: _Batch, entropy: bool, only: set[int] | None = None,
+                     reuse: dict[int, list[KV]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Depth-first over segments (or those in ``only``: whole trees), keeping only the
-        current path's K/V."""
+        current path's K/V. With ``reuse``, children are visited last-first, so that the
+        path still open at the end is the leftmost one, the path the backward opens first:
+        its K/V are left in ``reuse`` for :meth:`_backward_all` instead of computed again."""
         lp_all, ent_all = self._buffers(b, entropy)
         path: list[tuple[int, list[KV]]] = []
-        for i, seg in enumerate(b.plan.segments):
+        order = range(len(b.plan.segments)) if reuse is None else _mirrored_preorder(b.plan)
+        for i in order:
+            seg = b.plan.segments[i]
             if only is not None and i not in only:
                 continue
             while path and path[-1][0] != seg.parent:
@@ -451,6 +459,8 @@ class TreeEngine:
                 ent_all[b.targets[i]] = ent
             if has_children:
                 path.append((i, kv))
+        if reuse is not None:
+            reuse.update(path)
         return lp_all, ent_all
 
     # ------------------------------------------------- single-level: one pass each
@@ -506,8 +516,9 @@ class TreeEngine:
             seqs, targets, lengths = self._sequences_in(b, only)
             if len(seqs) == 0:
                 return 0.0
+        reuse: dict[int, list[KV]] | None = {} if self.reuse_forward_kv else None
         with torch.no_grad():
-            lp_all, ent_all = self._forward_all(b, entropy, only)
+            lp_all, ent_all = self._forward_all(b, entropy, only, reuse)
         leaves = [lp_all[targets].requires_grad_()]
         if entropy:
             leaves.append(ent_all[targets].requires_grad_())
@@ -524,7 +535,7 @@ class TreeEngine:
             if leaf.grad is not None:
                 g.index_add_(0, targets, leaf.grad)
             grads.append(g)
-        self._backward_all(b, grads[0], grads[1] if entropy else None, only)
+        self._backward_all(b, grads[0], grads[1] if entropy else None, only, reuse)
         return float(loss.detach())
 
     @staticmethod
@@ -538,8 +549,11 @@ class TreeEngine:
         return seqs, b.seq_targets[flat.to(b.seq_targets.device)], lengths[seqs].tolist()
 
     def _backward_all(self, b: _Batch, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
-                      only: set[int] | None = None) -> None:
-        """Phase 2: recompute each segment with grad and inject the loss gradients."""
+                      only: set[int] | None = None, reuse: dict[int, list[KV]] | None = None) -> None:
+        """Phase 2: recompute each segment with grad and inject the loss gradients.
+        ``reuse``: K/V of chain segments from phase 1 (:meth:`_forward_all`), taken instead
+        of a no-grad call (the same call, bit for bit)."""
+        reuse = {} if reuse is None else reuse
         entropy = g_ent is not None
         plan = b.plan
         # Stack of open chain segments on the current path: (index, K/V leaves, graph).
@@ -572,13 +586,16 @@ class TreeEngine:
                 close(path.pop())
             prefix = [lv for _, lv, _ in path]
             if plan.children[i]:
+                kv = reuse.pop(i, None)
                 if seg.retain:
+                    kv = None  # its graph comes from a call with grad
                     graph = self._call(b, i, prefix, capture=True, grad=True, entropy=entropy)
                     kv = graph[2]
                 else:
                     graph = None
-                    with torch.no_grad():
-                        kv = self._call(b, i, prefix, capture=True, grad=False, entropy=False)[2]
+                    if kv is None:
+                        with torch.no_grad():
+                            kv = self._call(b, i, prefix, capture=True, grad=False, entropy=False)[2]
                 leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
                 path.append((i, leaves, graph))
             elif len(b.targets[i]):
@@ -586,6 +603,17 @@ class TreeEngine:
                 torch.autograd.backward(*outputs_and_grads(i, lp, ent))
         while path:
             close(path.pop())
+
+
+def _mirrored_preorder(plan: Plan) -> list[int]:
+    """Segments depth-first with roots and children last-first: the leftmost root-to-leaf
+    path (segments 0, its first child, ...) is visited last."""
+    order, stack = [], [i for i, s in enumerate(plan.segments) if s.parent < 0]
+    while stack:
+        i = stack.pop()
+        order.append(i)
+        stack.extend(plan.children[i])
+    return order
 
 
 def _check_loss(loss: torch.Tensor) -> None:

@@ -51,9 +51,12 @@ def resolve_budget(budget: int | float | None, device: torch.device) -> int:
 
 
 def device_memory(device: torch.device) -> int:
-    """Total bytes of the device (host RAM for the CPU)."""
+    """Bytes of the device this process may use (host RAM for the CPU): its total memory,
+    times the limit of ``torch.cuda.set_per_process_memory_fraction`` where one is set."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+        total = torch.cuda.get_device_properties(device).total_memory
+        limit = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        return int(total * (limit(device) if limit is not None else 1.0))
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

@@ -178,12 +178,26 @@ def tree_rollout(spec: WorkloadSpec, vocab_size: int, seed: int = 0) -> list[np.
     return seqs
 
 
+def prefix_fan(prompt_len: int, responses: int, response_len: tuple[int, int], vocab_size: int, seed: int = 0
+               ) -> list[np.ndarray]:
+    """One prompt of ``prompt_len`` tokens and ``responses`` sequences extending it by
+    ``response_len`` tokens each (one tree of ``prompt_len`` + the responses' tokens)."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, vocab_size, prompt_len)
+    lengths = [_draw(rng, response_len) for _ in range(responses)]
+    return [np.concatenate([prompt, r]) for r in distinct_starts(rng, vocab_size, lengths)]
+
+
 def long_prefix(spec: WorkloadSpec, vocab_size: int, seed: int = 0) -> list[np.ndarray]:
     """One prompt of ``long_prefix_len_one`` tokens, ``long_prefix_responses`` responses."""
-    rng = np.random.default_rng(seed)
-    prompt = rng.integers(0, vocab_size, spec.long_prefix_len_one)
-    lengths = [_draw(rng, spec.long_prefix_response_len) for _ in range(spec.long_prefix_responses)]
-    return [np.concatenate([prompt, r]) for r in distinct_starts(rng, vocab_size, lengths)]
+    return prefix_fan(spec.long_prefix_len_one, spec.long_prefix_responses, spec.long_prefix_response_len,
+                      vocab_size, seed)
+
+
+def memory_sweep_tree(tokens: int, vocab_size: int, seed: int = 0) -> list[np.ndarray]:
+    """A tree of ``tokens`` tokens shaped like ``long_prefix``: a prompt of half of them and
+    8 responses of 1/16 each (its longest path 9/16 of the tree), for memory sweeps."""
+    return prefix_fan(tokens // 2, 8, (tokens // 16, tokens // 16), vocab_size, seed)
 
 
 def episodes(spec: WorkloadSpec, vocab_size: int, seed: int = 0) -> list[np.ndarray]:
