@@ -1,7 +1,7 @@
 """Long trees (issue 24) in one run: memory model against measured peaks, the long shapes'
 speed, and tree attention against the best causal kernels.
 
-    python bench/long_trees.py --out results/long_trees_h100.json          # H100, ~6 min
+    python bench/long_trees.py --out results/long_trees_h100.json          # H100, ~6-7 min
     python bench/long_trees.py --smoke --out /tmp/long_trees_smoke.json    # CPU, tiny sizes
 
 Sections, in order (each written to ``--out`` as soon as it is measured; a section is
@@ -92,7 +92,7 @@ def sweep(run: Run, model, device, smoke_budget) -> list[dict]:
     rows = []
     engine = make_engine(model, "auto", smoke_budget)
     engine.memory_model  # the probe's allocations are not a step's
-    sizes = [64, 128, 256] if run.args.smoke else [4096, 8192, 16384, 32768, 49152, 65536]
+    sizes = [64, 128, 256] if run.args.smoke else [4096, 16384, 32768, 65536]
     for tokens in sizes:
         if run.over():
             break
@@ -259,8 +259,8 @@ def main(argv=None):
     ap.add_argument("--workloads", default="long_prefix,episodes")
     ap.add_argument("--configs", default="auto,dfs,auto-noreuse")
     ap.add_argument("--sections", default="sweep,workloads,attention")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--max-seconds", type=float, default=450.0, help="skip what is left after this long")
+    ap.add_argument("--repeats", type=int, default=1, help="timed steps after one warm-up step")
+    ap.add_argument("--max-seconds", type=float, default=400.0, help="skip what is left after this long")
     args = ap.parse_args(argv)
     run = Run(args)
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -278,8 +278,9 @@ def main(argv=None):
         p.grad = torch.zeros_like(p)
     smoke_budget = None
     if args.smoke:  # a budget under which the small shapes chain, recompute and keep attentions
-        m = TreeEngine(model).memory_model
-        smoke_budget = int(m.fixed + 60 * m.recompute_per_token + 100 * m.leaf_per_token)
+        probe = TreeEngine(model)
+        m = probe.memory_model
+        smoke_budget = int(m.fixed + 1.5 * (probe.call_budget.path_needs(600)[0] - m.fixed))
     run.results.update(model=shape, dtype=str(dtype))
     if "sweep" in sections:
         sweep(run, model, device, smoke_budget)
