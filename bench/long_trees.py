@@ -13,21 +13,25 @@ skipped once ``--max-seconds`` have passed):
    the 32k-token prefix (``workloads.memory_sweep_tree``) of 4k..64k tokens, at defaults.
 3. **workloads**: ``long_prefix`` and ``episodes`` (``treerl.workloads``) through ``auto``
    and ``dfs`` at defaults, plus A/B variants: ``auto-noreuse`` (phase 2 recomputes the K/V
-   of phase 1's last path, as before), ``auto-b0.3`` (a 30% budget). Per row: seconds,
+   of phase 1's last path, as before), ``auto-tiles`` / ``dfs-tiles`` (calls after a prefix
+   on whole flex tiles, ``treerl.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget). Per row: seconds,
    unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan.
 4. **attention**: one layer's attention forward+backward (Qwen3-1.7B heads: 16 query / 8 KV
    of 128, bf16) on one causal sequence of 8k/16k/32k tokens: the engine's tree attention
    (flex on whole tiles with the tree block mask, ``treerl.attention.flex_tree_attention``)
    against SDPA's causal cuDNN and flash kernels; and a chain piece after a long prefix
-   (2,048 queries after 30,720 keys: the engine's prefix call) through flex against SDPA
-   flash with the causal mask aligned bottom-right. TFLOP/s on visible pairs x 12 x heads x
+   (2,048 queries after 30,720 keys: the engine's prefix call) through flex (as the engine
+   calls it, and on whole tiles: ``PREFIX_AS_TILES``) against SDPA flash with the causal mask
+   aligned bottom-right. Each kernel's output and gradients are compared with the first's
+   (``max_diff_vs_first``: bf16 rounding is ~1e-2, a wrong mask O(1)). TFLOP/s on visible pairs x 12 x heads x
    head_dim (DESIGN.md's forward+backward count).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -48,12 +52,29 @@ from treerl.benchmark import time_forward_backward, useful_flops, weighted_logpr
 from treerl.models import build_model  # noqa: E402
 from treerl.workloads import SCALES, make_workload, memory_sweep_tree  # noqa: E402
 
-VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance)
-    "auto": (dict(mode="auto"), {}),
-    "dfs": (dict(mode="dfs"), {}),
-    "auto-noreuse": (dict(mode="auto"), dict(reuse_forward_kv=False)),
-    "auto-b0.3": (dict(mode="auto", memory_budget=0.3), {}),
+VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, treerl.attention switches)
+    "auto": (dict(mode="auto"), {}, {}),
+    "dfs": (dict(mode="dfs"), {}, {}),
+    "auto-noreuse": (dict(mode="auto"), dict(reuse_forward_kv=False), {}),
+    "auto-tiles": (dict(mode="auto"), {}, dict(PREFIX_AS_TILES=True)),
+    "dfs-tiles": (dict(mode="dfs"), {}, dict(PREFIX_AS_TILES=True)),
+    "auto-b0.3": (dict(mode="auto", memory_budget=0.3), {}, {}),
 }
+
+
+@contextlib.contextmanager
+def switches(name: str):
+    """The variant's ``treerl.attention`` switches for the duration of its rows."""
+    import treerl.attention as attention
+
+    before = {key: getattr(attention, key) for key in VARIANTS[name][2]}
+    for key, value in VARIANTS[name][2].items():
+        setattr(attention, key, value)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            setattr(attention, key, value)
 
 
 class Run:
@@ -78,7 +99,7 @@ def sync(device) -> None:
 
 
 def make_engine(model, name: str, smoke_budget: int | None) -> TreeEngine:
-    kwargs, attrs = VARIANTS[name]
+    kwargs, attrs, _ = VARIANTS[name]
     kwargs = dict(kwargs)
     if smoke_budget is not None and "memory_budget" not in kwargs:
         kwargs["memory_budget"] = smoke_budget
@@ -144,7 +165,8 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                 engine.memory_model
                 sync(device)
                 base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-                seconds, times, peak_bytes = time_forward_backward(engine, tree, loss, run.args.repeats, 1)
+                with switches(name):
+                    seconds, times, peak_bytes = time_forward_backward(engine, tree, loss, run.args.repeats, 1)
                 plan = engine.plan(tree)
                 row.update(seconds=seconds, times=times, tflops=flops / seconds / 1e12, calls=engine.stats.model_calls,
                            recomputed_calls=engine.stats.recomputed_calls,
@@ -197,6 +219,7 @@ def attention(run: Run, device, dtype) -> list[dict]:
         k = torch.randn(1, kv_heads, nk, dim, generator=gen, dtype=dtype).to(device).requires_grad_()
         v = torch.randn(1, kv_heads, nk, dim, generator=gen, dtype=dtype).to(device).requires_grad_()
         grad = torch.randn(1, heads, nq, dim, generator=gen, dtype=dtype).to(device)
+        first = None  # the first kernel's output and gradients: the others' differences from it
         for name, fwd in kernels.items():
             if run.over():
                 return
@@ -204,9 +227,14 @@ def attention(run: Run, device, dtype) -> list[dict]:
             try:
                 def step():
                     out = fwd(q, k, v)
-                    torch.autograd.grad(out, (q, k, v), grad)
+                    return (out, *torch.autograd.grad(out, (q, k, v), grad))
                 seconds = timed(step)
                 row.update(ms=1e3 * seconds, tflops=pairs * 12 * heads * dim / seconds / 1e12)
+                got = [x.detach().float() for x in step()]
+                if first is None:
+                    first = got
+                else:  # bf16 kernels differ by rounding; a wrong mask differs by O(1)
+                    row["max_diff_vs_first"] = max(float((a - b).abs().max()) for a, b in zip(got, first))
             except Exception as exc:  # a kernel this device/torch lacks is a result
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)
@@ -224,8 +252,8 @@ def attention(run: Run, device, dtype) -> list[dict]:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not expand)
         return fwd
 
-    def tree_flex(q_index, k_index, k_end):
-        mask = flex_block_mask(q_index, k_index, k_end)
+    def tree_flex(q_index, k_index, k_end, square=False):
+        mask = flex_block_mask(q_index, k_index, k_end, square=square)
         return lambda q, k, v: flex_tree_attention(q, k, v, mask, None)
 
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
@@ -243,7 +271,10 @@ def attention(run: Run, device, dtype) -> list[dict]:
     nk = prefix + nq
     q_index = torch.arange(prefix, nk, device=device)
     k_index = torch.arange(nk, device=device)
-    kernels = {} if device.type != "cuda" else {"tree-flex-prefix": tree_flex(q_index, k_index, torch.full_like(k_index, nk))}
+    kernels = {}
+    if device.type == "cuda":  # the engine's prefix call, and as whole tiles (PREFIX_AS_TILES)
+        kernels["tree-flex-prefix"] = tree_flex(q_index, k_index, torch.full_like(k_index, nk))
+        kernels["tree-flex-prefix-tiles"] = tree_flex(q_index, k_index, torch.full_like(k_index, nk), square=True)
     bias = causal_lower_right(nq, nk)
     for name, backend in backends.items():
         if name != "cudnn":
@@ -257,7 +288,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model and sizes: the script end to end")
     ap.add_argument("--out", default=None, help="JSON results (rewritten after every row)")
     ap.add_argument("--workloads", default="long_prefix,episodes")
-    ap.add_argument("--configs", default="auto,dfs,auto-noreuse")
+    ap.add_argument("--configs", default="auto,dfs,auto-noreuse,auto-tiles",
+                    help=f"comma-separated: {', '.join(VARIANTS)}")
     ap.add_argument("--sections", default="sweep,workloads,attention")
     ap.add_argument("--repeats", type=int, default=1, help="timed steps after one warm-up step")
     ap.add_argument("--max-seconds", type=float, default=400.0, help="skip what is left after this long")

@@ -173,3 +173,29 @@ def test_long_trees_stay_within_the_default_budget(fraction):
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("mode,kw", [("dfs", {"chunk_tokens": 7}), ("auto", {"max_tokens": 40, "chunk_tokens": 16})])
+def test_prefix_calls_as_whole_tiles_float32(mode, kw, monkeypatch):
+    """``PREFIX_AS_TILES``: calls after a prefix run the whole-tile flex kernel with their
+    queries padded in front to the keys' length; exact against the per-sequence forward."""
+    import treerl.attention as attention
+
+    monkeypatch.setattr(attention, "PREFIX_AS_TILES", True)
+    model = build_model("qwen3", "tiny", dtype=torch.float32, device="cuda", seed=1)
+    seqs = [torch.as_tensor(s) for s in make_workload("long_prefix", SCALES["small"], 512, seed=3)]
+    weights = [torch.randn(len(s) - 1, device="cuda", dtype=torch.float64) for s in seqs]
+
+    def loss_fn(lps):
+        return sum((lp.double() * w).sum() for lp, w in zip(lps, weights))
+
+    model.zero_grad()
+    loss_fn(reference_logprobs(model, seqs)).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    engine = treerl.TreeEngine(model, mode, attention="flex", **kw)
+    assert any(s.parent >= 0 for s in engine.plan(seqs).segments)  # calls after a prefix
+    model.zero_grad()
+    engine.forward_backward(seqs, loss_fn)
+    for n, p in model.named_parameters():
+        err = (p.grad - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)
+        assert err < 1e-5, (n, float(err))
