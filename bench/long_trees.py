@@ -8,6 +8,9 @@ Sections, in order (each written to ``--out`` as soon as it is measured; a secti
 skipped once ``--max-seconds`` have passed):
 
 1. **peak**: the warm bf16 matmul peak (``bench/profile_engine.py``'s), for % of peak.
+   ``first_step_s``: the process's first ``forward_backward`` (the sweep's 4k tree), compilation
+   included (torch's FX graph and AOTAutograd caches are on by default: a second process on
+   the same machine reads them).
 2. **sweep**: the memory model's peak (``Plan.peak_bytes``) against the measured peak of
    activations (``max_memory_allocated`` above weights and gradients) for trees shaped like
    the 32k-token prefix (``workloads.memory_sweep_tree``) of 4k..64k tokens, at defaults.
@@ -123,8 +126,11 @@ def sweep(run: Run, model, device, smoke_budget) -> list[dict]:
             plan = engine.plan(tree)
             row.update(predicted_gib=plan.peak_bytes / 2**30, plan=plan.describe())
             loss = weighted_logprob_loss(tree)
+            t = time.perf_counter()
             engine.forward_backward(tree, loss, separable=True)  # warm: compile for new lengths
             sync(device)
+            row["first_seconds"] = time.perf_counter() - t  # the process's first step: compilation
+            run.results.setdefault("first_step_s", row["first_seconds"])
             if device.type == "cuda":
                 base = torch.cuda.memory_allocated(device)
                 torch.cuda.reset_peak_memory_stats(device)
@@ -167,7 +173,7 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                 base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
                 with switches(name):
                     seconds, times, peak_bytes = time_forward_backward(engine, tree, loss, run.args.repeats, 1)
-                plan = engine.plan(tree)
+                    plan = engine.plan(tree)
                 row.update(seconds=seconds, times=times, tflops=flops / seconds / 1e12, calls=engine.stats.model_calls,
                            recomputed_calls=engine.stats.recomputed_calls,
                            kept_attention_layers=engine.stats.kept_attention_layers, plan=plan.describe(),

@@ -21,12 +21,14 @@ per-segment sequence maps, and neither half reads on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from . import attention as attention_module
 from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, tree_attention_enabled
 from .decoder import DecoderStack
 from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
@@ -225,7 +227,10 @@ class TreeEngine:
         ``max_tokens`` override)."""
         if self._fixed_tokens is not None:
             return None
-        return CallBudget(self.memory_model, self.memory_budget, recompute=self.can_recompute,
+        model = self.memory_model
+        if self.attention == "flex" and attention_module.PREFIX_AS_TILES:
+            model = dataclasses.replace(model, prefix_pad_per_key=model.attention_copies_per_query + model.attention_per_query)
+        return CallBudget(model, self.memory_budget, recompute=self.can_recompute,
                           copies=self.attention == "sdpa", device_bytes=device_memory(self.device))
 
     @property

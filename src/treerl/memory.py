@@ -84,6 +84,9 @@ class MemoryModel:
     attention_per_pair: float = 0.0
     kv_per_token: float = 0.0  # one token's keys and values, all layers (as the model computes them)
     layers: int = 1
+    # per key and layer of a call after a prefix whose queries are padded to the keys' length
+    # (treerl.attention.PREFIX_AS_TILES): the padded query, output and log-sum-exp
+    prefix_pad_per_key: float = 0.0
 
     @property
     def leaf_per_token(self) -> float:
@@ -106,13 +109,14 @@ class MemoryModel:
         b += prefix * self.per_pair
         if prefix:
             # the concatenated keys/values: saved by every layer without recompute, else one
-            # layer's at a time (with its gradient and a padded copy)
+            # layer's at a time (with its gradient and a padded copy); padded queries likewise
             per_key = self.kv_per_token / self.layers * (3 if recompute else self.layers + 2)
+            per_key += self.prefix_pad_per_key * (2 if recompute else self.layers + 1)
             a, b = a + prefix * per_key, b + per_key
         if leaves:
             b += self.leaf_per_token
         if kept:
-            per_query, per_key, per_pair = self._kept_layer_bytes(copies or bool(prefix))
+            per_query, per_key, per_pair = self._kept_layer_bytes(copies or bool(prefix), bool(prefix))
             a += kept * (prefix * per_key)
             b += kept * (per_query + per_key + prefix * per_pair)
             c += kept * per_pair
@@ -149,18 +153,18 @@ class MemoryModel:
         = prefix + queries) can keep their attention in ``spare`` bytes (what the budget
         leaves beside the call, :meth:`call_bytes`); ``copies``: the attention kernel gets
         copies of its inputs (held too)."""
-        per_query, per_key, per_pair = self._kept_layer_bytes(copies)
+        per_query, per_key, per_pair = self._kept_layer_bytes(copies, keys > queries)
         per_layer = queries * per_query + keys * per_key + queries * keys * per_pair
         if per_layer <= 0:
             return 0
         return int(min(layers, max(0.0, spare) // per_layer))
 
-    def _kept_layer_bytes(self, copies: bool) -> tuple[float, float, float]:
+    def _kept_layer_bytes(self, copies: bool, prefix: bool = False) -> tuple[float, float, float]:
         """What one kept attention holds: bytes per query, per key, per (query, key) pair."""
         if not copies:
             return self.attention_per_query, 0.0, self.attention_per_pair
-        return (self.attention_per_query + self.attention_copies_per_query, self.attention_copies_per_key,
-                self.attention_per_pair)
+        per_key = self.attention_copies_per_key + (self.prefix_pad_per_key if prefix else 0.0)
+        return self.attention_per_query + self.attention_copies_per_query, per_key, self.attention_per_pair
 
     @classmethod
     def estimate(cls, config, dtype: torch.dtype, dense_mask: bool = False) -> "MemoryModel":
