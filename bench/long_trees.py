@@ -4,8 +4,8 @@ speed, and tree attention against the best causal kernels.
     python bench/long_trees.py --out results/long_trees_h100.json          # H100, ~6-7 min
     python bench/long_trees.py --smoke --out /tmp/long_trees_smoke.json    # CPU, tiny sizes
 
-Sections, in order (each written to ``--out`` as soon as it is measured; a section is
-skipped once ``--max-seconds`` have passed):
+Sections, each written to ``--out`` as soon as it is measured (run in the order peak, sweep,
+attention, workloads; a section is skipped once ``--max-seconds`` have passed):
 
 1. **peak**: the warm bf16 matmul peak (``bench/profile_engine.py``'s), for % of peak.
    ``first_step_s``: the process's first ``forward_backward`` (the sweep's 4k tree), compilation
@@ -17,8 +17,8 @@ skipped once ``--max-seconds`` have passed):
 3. **workloads**: ``long_prefix`` and ``episodes`` (``treerl.workloads``) through ``auto``
    and ``dfs`` at defaults, plus A/B variants: ``auto-noreuse`` (phase 2 recomputes the K/V
    of phase 1's last path, as before), ``auto-tiles`` / ``dfs-tiles`` (calls after a prefix
-   on whole flex tiles, ``treerl.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget). Per row: seconds,
-   unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
+   on whole flex tiles, ``treerl.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget).
+   Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan.
 4. **attention**: one layer's attention forward+backward (Qwen3-1.7B heads: 16 query / 8 KV
    of 128, bf16) on one causal sequence of 8k/16k/32k tokens: the engine's tree attention
@@ -27,8 +27,8 @@ skipped once ``--max-seconds`` have passed):
    (2,048 queries after 30,720 keys: the engine's prefix call) through flex (as the engine
    calls it, and on whole tiles: ``PREFIX_AS_TILES``) against SDPA flash with the causal mask
    aligned bottom-right. Each kernel's output and gradients are compared with the first's
-   (``max_diff_vs_first``: bf16 rounding is ~1e-2, a wrong mask O(1)). TFLOP/s on visible pairs x 12 x heads x
-   head_dim (DESIGN.md's forward+backward count).
+   (``max_diff_vs_first``: bf16 rounding is ~1e-2, a wrong mask O(1)). TFLOP/s on visible
+   pairs x 12 x heads x head_dim (DESIGN.md's forward+backward count).
 """
 
 from __future__ import annotations
@@ -322,13 +322,10 @@ def main(argv=None):
     run.results.update(model=shape, dtype=str(dtype))
     if "sweep" in sections:
         sweep(run, model, device, smoke_budget)
+    if "attention" in sections and not run.over():  # short, before the long workload rows
+        attention(run, device, dtype)
     if "workloads" in sections:
         workloads(run, model, device, peak, smoke_budget)
-    if "attention" in sections and not run.over():
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        attention(run, device, dtype)
     if device.type == "cuda":
         end = matmul_peak(device)
         run.results["peak_tflops_end"] = end

@@ -160,9 +160,11 @@ def test_single_chain_segments_run_plain_causal_attention(gen, monkeypatch):
 
 
 
-def test_separable_mixed_plan_runs_whole_trees_once(gen):
+def test_separable_mixed_plan_runs_whole_trees_once(gen, monkeypatch):
     """A plan where one tree splits into chains and the others fit a call: with a separable
-    loss the fitting trees run forward+backward once (no two-phase extra forward), exactly."""
+    loss the fitting trees run forward+backward once (no two-phase extra forward), exactly.
+    (Phase 1's path reuse off: which chain it saves differs between the two.)"""
+    monkeypatch.setattr(TreeEngine, "reuse_forward_kv", False)
     seqs = shaped_forest(gen, SPEC)  # trees of 39, 5 and 17 tokens
     model = get_model("qwen3")
     plan = TreeEngine(model, "auto", max_tokens=20, chunk_tokens=4).plan(seqs)
