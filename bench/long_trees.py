@@ -11,9 +11,10 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    ``first_step_s``: the process's first ``forward_backward`` (the sweep's 4k tree), compilation
    included (torch's FX graph and AOTAutograd caches are on by default: a second process on
    the same machine reads them).
-2. **sweep**: the memory model's peak (``Plan.peak_bytes``) against the measured peak of
-   activations (``max_memory_allocated`` above weights and gradients) for trees shaped like
-   the 32k-token prefix (``workloads.memory_sweep_tree``) of 4k..64k tokens, at defaults.
+2. **sweep**: the memory model's peak (``Plan.peak_bytes``: before kept attentions, which
+   take what the budget leaves beside a recomputed call) and the budget, against the measured
+   peak of activations (``max_memory_allocated`` above weights and gradients) for trees shaped
+   like the 32k-token prefix (``workloads.memory_sweep_tree``) of 4k..64k tokens, at defaults.
 3. **workloads**: ``long_prefix`` and ``episodes`` (``treerl.workloads``) through ``auto``
    and ``dfs`` at defaults, plus A/B variants: ``auto-noreuse`` (phase 2 recomputes the K/V
    of phase 1's last path, as before), ``auto-tiles`` / ``dfs-tiles`` (calls after a prefix

@@ -119,6 +119,11 @@ _flex_compiled: dict[str, object] = {}
 PREFIX_AS_TILES = False
 
 
+def prefix_as_tiles() -> bool:
+    """:data:`PREFIX_AS_TILES` as it is now (the memory model counts its padding)."""
+    return PREFIX_AS_TILES
+
+
 def _flex_whole_tiles(query, key, value, block_mask, scale, enable_gqa):
     """[1, H, T, FLEX_BLOCK, D] tensors: the sequence axis as whole tiles, so that the
     compiled kernel knows its lengths are multiples of the tile (see flex_tree_attention)."""

@@ -28,8 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import attention as attention_module
-from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, tree_attention_enabled
+from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, prefix_as_tiles, tree_attention_enabled
 from .decoder import DecoderStack
 from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
 from .memory import CallBudget, MemoryModel, device_memory, resolve_budget
@@ -228,8 +227,9 @@ class TreeEngine:
         if self._fixed_tokens is not None:
             return None
         model = self.memory_model
-        if self.attention == "flex" and attention_module.PREFIX_AS_TILES:
-            model = dataclasses.replace(model, prefix_pad_per_key=model.attention_copies_per_query + model.attention_per_query)
+        if self.attention == "flex" and prefix_as_tiles():
+            pad = model.attention_copies_per_query + model.attention_per_query  # padded query, output, lse
+            model = dataclasses.replace(model, prefix_pad_per_key=pad)
         return CallBudget(model, self.memory_budget, recompute=self.can_recompute,
                           copies=self.attention == "sdpa", device_bytes=device_memory(self.device))
 

@@ -175,7 +175,8 @@ class MemoryModel:
         head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
         q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         block = size * (7 * h + 5 * q + 6 * kv + 4 * inter)
-        fixed = 3 * (1 << 27) * 4 + weight_gradient_transients(config, size)  # the loss head's float32 logits chunk, ~3 alive
+        # the loss head's float32 logits chunk (~3 alive) and its weight gradient
+        fixed = 3 * (1 << 27) * 4 + weight_gradient_transients(config, size)
         # dense mask: the bool mask, and scores + probabilities of every head (one layer at a time)
         per_pair = (1 + 2 * size * config.num_attention_heads) if dense_mask else 0.0
         return cls(fixed=fixed, per_token=block * layers * BACKWARD_MARGIN,
