@@ -356,11 +356,13 @@ def print_tables(results: dict) -> None:
         print(f"| {r['workload']} | {r['config']} | {r['seconds']:.3f} | {r['tflops']:.1f} | {r.get('pct_peak', float('nan')):.1f} | "
               f"{r.get('peak_gib', float('nan')):.1f} | {r.get('activation_gib', float('nan')):.1f} | {r['predicted_gib']:.1f} | "
               f"{r['calls']} | |")
-    print("\n| shape | kernel | ms | TFLOP/s | error |")
-    print("|---|---|---|---|---|")
+    print("\n| shape | kernel | ms | TFLOP/s | max diff vs first | error |")
+    print("|---|---|---|---|---|---|")
     for r in sections.get("attention", []):
         print(f"| {r['shape']} | {r['kernel']} | {r.get('ms', float('nan')):.2f} | {r.get('tflops', float('nan')):.1f} | "
-              f"{r.get('error', '')} |")
+              f"{r.get('max_diff_vs_first', '-')} | {r.get('error', '')} |")
+    if "first_step_s" in results:
+        print(f"\nfirst forward_backward of the process (compilation included): {results['first_step_s']:.1f} s")
 
 
 if __name__ == "__main__":
