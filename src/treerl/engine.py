@@ -383,12 +383,14 @@ class TreeEngine:
 
     # ------------------------------------------------------------ one model call
     def _call(
-        self, b: _Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool
+        self, b: _Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool,
+        head: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, list[KV] | None]:
         """Run segment ``i`` after ``prefix`` (per ancestor, per layer K/V).
 
-        Returns the logprobs (and entropies) of the segment's targets, and its own
-        per-layer K/V if ``capture``.
+        Returns the logprobs (and entropies) of the segment's targets (none without
+        ``head``: a call for its K/V only skips the LM head), and its own per-layer K/V if
+        ``capture``.
         """
         seg = b.plan.segments[i]
         q_index = torch.arange(seg.start, seg.end, device=self.device)
@@ -423,7 +425,7 @@ class TreeEngine:
             pad = -seg.size % FLEX_BLOCK
             ids, pos = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(pos, (0, pad))
         with torch.set_grad_enabled(grad), tree_attention_enabled(self.model, ctx):
-            targets = b.targets[i]
+            targets = b.targets[i] if head else b.targets[i][:0]
             lp, ent = self.runner(
                 ids[None], pos[None], b.parent[targets] - seg.start, b.token_ids[targets], entropy=entropy,
                 recompute=recompute,
@@ -600,7 +602,7 @@ class TreeEngine:
                     graph = None
                     if kv is None:
                         with torch.no_grad():
-                            kv = self._call(b, i, prefix, capture=True, grad=False, entropy=False)[2]
+                            kv = self._call(b, i, prefix, capture=True, grad=False, entropy=False, head=False)[2]
                 leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
                 path.append((i, leaves, graph))
             elif len(b.targets[i]):
