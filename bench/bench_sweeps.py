@@ -175,7 +175,7 @@ class Sweeps:
         row.tflops = row.useful_tflop / seconds
         row.pct_of_peak = 100 * row.tflops / self.args.peak_tflops
         # every token run beyond the unique ones is a forward (no-grad pass or capture)
-        row.block_recompute_tokens = sum(s.size for s in plan.segments if engine.recomputes(s.size))
+        row.block_recompute_tokens = sum(s.size for s in plan.segments if s.recompute)
         extra = max(0, row.tokens_run - tree.num_tree_tokens) if engine.mode != "flat" else 0
         row.recomputed_tflop = (extra * 2 * (self.body + self.head) + row.block_recompute_tokens * 2 * self.body) / 1e12
         return row

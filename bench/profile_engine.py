@@ -55,7 +55,7 @@ def make_engine(model, name: str) -> TreeEngine:
     name = name.replace("-nokeep", "").replace("-maxpack", "")
     engine = (_PackedToMaxTokens if maxpack else TreeEngine)(model, **engine_config(name))
     if nokeep:
-        engine.kept_attention_layers = lambda queries, keys, copies: frozenset()
+        engine.kept_attention_layers = lambda queries, keys, copies, spare: frozenset()
     return engine
 
 

@@ -111,11 +111,91 @@ def test_compiled_and_recomputed_blocks_float32(mode, compile, keep):
     # half a layer: rounding (the budget still fits the largest tree with recompute)
     engine.memory_budget = int(m.fixed + largest * m.recompute_per_token + (keep + 0.5) * per_layer)
     assert engine.recomputes(64)
-    assert len(engine.kept_attention_layers(largest, largest, copies=False)) == keep  # flex, no prefix
+    spare = engine.memory_budget - m.call_bytes(largest, recompute=True)
+    assert len(engine.kept_attention_layers(largest, largest, copies=False, spare=spare)) == keep  # flex, no prefix
     model.zero_grad()
     engine.forward_backward(seqs, loss_fn)
     assert engine.stats.recomputed_calls >= 1
     assert engine.stats.kept_attention_layers >= keep
+    for n, p in model.named_parameters():
+        err = (p.grad - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)
+        assert err < 1e-5, (n, float(err))
+
+
+# ------------------------------------------------- memory budget on long trees (issue 24)
+MEMORY_MARGIN = 0.10  # measured activation peak <= budget x (1 + margin) + 1 GiB (allocator rounding, cuBLAS workspaces)
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5], ids=["whole-device", "half-device-limit"])
+def test_long_trees_stay_within_the_default_budget(fraction):
+    """Qwen3-1.7B shape, bf16, defaults: trees shaped like the 32k-token prefix (half of the
+    tokens a prompt, 8 responses) from 4k to 64k tokens (scaled by the device's memory):
+    each runs, its measured activation peak (above weights and gradients) within the budget
+    plus the margin, the memory model's figure beside it; a tree whose path needs more than
+    the budget is refused with one error. ``half-device-limit``: under
+    ``torch.cuda.set_per_process_memory_fraction(0.5)`` the default budget halves with it."""
+    from treerl.benchmark import weighted_logprob_loss
+    from treerl.plan import TreeTooLargeError
+    from treerl.workloads import memory_sweep_tree
+
+    torch.cuda.empty_cache()
+    if fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction)
+    try:
+        model = build_model("qwen3", "qwen3-1.7b", dtype=torch.bfloat16, device="cuda", seed=0)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        engine = treerl.TreeEngine(model)
+        engine.memory_model  # the probe's own allocations are not the step's
+        budget = engine.memory_budget
+        scale = torch.cuda.get_device_properties(0).total_memory * (fraction or 1.0) / 80e9
+        rows, refused = [], []
+        for tokens in (4096, 16384, 32768, 49152, 65536):
+            tokens = max(1024, int(tokens * min(1.0, scale)) // 128 * 128)
+            seqs = memory_sweep_tree(tokens, model.config.vocab_size)
+            tree = treerl.PrefixTree.from_sequences(seqs)
+            if engine.call_budget.path_needs(max(map(len, seqs)))[0] > budget:
+                with pytest.raises(TreeTooLargeError, match="root-to-leaf path"):
+                    engine.plan(tree)
+                refused.append(tokens)
+                continue
+            predicted = engine.plan(tree).peak_bytes
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            engine.forward_backward(tree, weighted_logprob_loss(tree), separable=True)
+            torch.cuda.synchronize()
+            measured = torch.cuda.max_memory_allocated() - base
+            rows.append((tokens, predicted / 2**30, measured / 2**30))
+            assert measured <= budget * (1 + MEMORY_MARGIN) + 2**30, (rows, budget / 2**30)
+        print(f"budget {budget / 2**30:.2f} GiB; (tokens, predicted GiB, measured GiB): {rows}; refused {refused}")
+        assert len(rows) >= 3
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("mode,kw", [("dfs", {"chunk_tokens": 7}), ("auto", {"max_tokens": 40, "chunk_tokens": 16})])
+def test_prefix_calls_as_whole_tiles_float32(mode, kw, monkeypatch):
+    """``PREFIX_AS_TILES``: calls after a prefix run the whole-tile flex kernel with their
+    queries padded in front to the keys' length; exact against the per-sequence forward."""
+    import treerl.attention as attention
+
+    monkeypatch.setattr(attention, "PREFIX_AS_TILES", True)
+    model = build_model("qwen3", "tiny", dtype=torch.float32, device="cuda", seed=1)
+    seqs = [torch.as_tensor(s) for s in make_workload("long_prefix", SCALES["small"], 512, seed=3)]
+    weights = [torch.randn(len(s) - 1, device="cuda", dtype=torch.float64) for s in seqs]
+
+    def loss_fn(lps):
+        return sum((lp.double() * w).sum() for lp, w in zip(lps, weights))
+
+    model.zero_grad()
+    loss_fn(reference_logprobs(model, seqs)).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    engine = treerl.TreeEngine(model, mode, attention="flex", **kw)
+    assert any(s.parent >= 0 for s in engine.plan(seqs).segments)  # calls after a prefix
+    model.zero_grad()
+    engine.forward_backward(seqs, loss_fn)
     for n, p in model.named_parameters():
         err = (p.grad - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)
         assert err < 1e-5, (n, float(err))

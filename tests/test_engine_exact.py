@@ -578,3 +578,54 @@ def test_treerl_attention_refuses_to_run_without_tree_mask(gen):
     ref = _tree_token_reference(tree, tree.sequences(), model)
     child = tree.parent >= 0
     assert (direct[child] - ref[child]).abs().max() < 1e-12
+
+
+# --------------------------------------------- phase 1's last path reused by phase 2
+@pytest.mark.parametrize("mode", ["auto", "dfs"])
+@pytest.mark.parametrize("separable", [False, True])
+def test_two_phase_reuses_the_forward_path_keys_values(mode, separable, gen, monkeypatch):
+    """Phase 1 ends on the leftmost path, the one phase 2 opens first: its recomputed
+    chains take phase 1's K/V instead of a no-grad call each, exactly (and without it the
+    same plan makes exactly those calls more)."""
+    seqs = shaped_forest(gen, SPEC[:1])  # one tree: its leftmost path is where both phases meet
+    model = get_model("qwen3")
+    calls = {}
+    for reuse in (True, False):
+        monkeypatch.setattr(TreeEngine, "reuse_forward_kv", reuse)
+        loss = RandomLoss.make(seqs, gen, coupled=not separable)
+        engine = check_engine(model, seqs, mode, loss, max_tokens=13, chunk_tokens=4, separable=separable)
+        calls[reuse] = engine.stats.model_calls
+    plan = engine.plan(seqs)
+    leftmost, i = [], 0  # the first tree's leftmost path: segment 0, its first child, ...
+    while plan.children[i]:
+        leftmost.append(i)
+        i = plan.children[i][0]
+    saved = sum(1 for i in leftmost if not plan.segments[i].retain)
+    assert saved >= 1, plan.describe()
+    assert calls[False] - calls[True] == saved
+
+
+@pytest.mark.parametrize("prefix,queries", [(256, 45), (130, 300), (200, 200)])
+def test_square_flex_mask_matches_the_tree_mask(prefix, queries, gen, monkeypatch):
+    """``PREFIX_AS_TILES``'s square block mask (empty query tiles in front) gives the tree
+    attention of a call after a prefix, as the dense mask does (flex forward, eager, CPU;
+    its backward runs on CUDA: tests/test_cuda.py)."""
+    import torch.nn.functional as F
+    import warnings
+
+    import treerl.attention as attention
+
+    monkeypatch.setattr(attention, "_compiled", lambda name, fn: fn)  # eager flex: no CPU compile
+    seqs = [list(range(2, 300)) + [5, 6, 7], list(range(2, 300)) + [9] * 140, list(range(2, 200)) + [11] * 50]
+    end = PrefixTree.from_sequences(seqs).subtree_end
+    qi, ki = torch.arange(prefix, prefix + queries), torch.arange(prefix + queries)
+    q = torch.randn(1, 4, queries, 16, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(1, 2, prefix + queries, 16, dtype=torch.float64, generator=gen) for _ in range(2))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_tree_mask(qi, ki, end[ki])[None, None],
+                                         enable_gqa=True)
+    mask = attention.flex_block_mask(qi, ki, end[ki], square=True)
+    assert mask.seq_lengths[0] == mask.seq_lengths[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex warns that it is not compiled
+        out = attention.flex_tree_attention(q, k, v, mask, None)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

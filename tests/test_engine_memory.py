@@ -46,7 +46,7 @@ def test_budget_splits_trees_with_recomputed_chains(separable, keep_all, gen, mo
     budget: chained calls attend over their prefix (concatenated K/V) exactly too."""
     if keep_all:
         monkeypatch.setattr(TreeEngine, "kept_attention_layers",
-                            lambda self, queries, keys, copies: frozenset(range(self.num_layers)))
+                            lambda self, queries, keys, copies, spare: frozenset(range(self.num_layers)))
     seqs = shaped_forest(gen, SPEC)
     tree = PrefixTree.from_sequences(seqs)
     model = get_model("qwen3", num_hidden_layers=16)
@@ -80,9 +80,10 @@ def test_recomputed_blocks_keep_attention_within_the_budget(mode, gen, monkeypat
     per_layer = (largest * (m.attention_per_query + m.attention_copies_per_query + m.attention_copies_per_key)
                  + largest**2 * m.attention_per_pair)  # SDPA's inputs are copies
     budget = int(held + 5.5 * per_layer)  # 5 of 16 layers keep their attention in a 39-token call
-    assert m.kept_attention_layers(budget, largest, largest, 16, copies=True) == 5
+    spare = budget - m.call_bytes(largest, recompute=True)
+    assert m.kept_attention_layers(spare, largest, largest, 16, copies=True) == 5
     engine = TreeEngine(model, mode, memory_budget=budget, chunk_tokens=4)
-    assert engine.kept_attention_layers(largest, largest, copies=True) == frozenset(range(11, 16))  # SDPA
+    assert engine.kept_attention_layers(largest, largest, copies=True, spare=spare) == frozenset(range(11, 16))
     assert engine.recomputes(largest) and engine.max_tokens >= largest
     attends = {}  # per call (its TreeAttention, held): layers kept, attention runs
     attend = attention._attend
@@ -159,9 +160,11 @@ def test_single_chain_segments_run_plain_causal_attention(gen, monkeypatch):
 
 
 
-def test_separable_mixed_plan_runs_whole_trees_once(gen):
+def test_separable_mixed_plan_runs_whole_trees_once(gen, monkeypatch):
     """A plan where one tree splits into chains and the others fit a call: with a separable
-    loss the fitting trees run forward+backward once (no two-phase extra forward), exactly."""
+    loss the fitting trees run forward+backward once (no two-phase extra forward), exactly.
+    (Phase 1's path reuse off: which chain it saves differs between the two.)"""
+    monkeypatch.setattr(TreeEngine, "reuse_forward_kv", False)
     seqs = shaped_forest(gen, SPEC)  # trees of 39, 5 and 17 tokens
     model = get_model("qwen3")
     plan = TreeEngine(model, "auto", max_tokens=20, chunk_tokens=4).plan(seqs)
@@ -173,3 +176,126 @@ def test_separable_mixed_plan_runs_whole_trees_once(gen):
         engine = check_engine(model, seqs, "auto", loss, max_tokens=20, chunk_tokens=4, separable=separable)
         runs[separable] = engine.stats.tokens_run
     assert runs[False] - runs[True] == sum(s.size for s in standalone)
+
+
+# ------------------------------------------------------------- long trees in bytes
+def simulated_peak(plan, model: MemoryModel, layers: int, copies: bool) -> float:
+    """The executor's live activation bytes at their highest, walked as the two-phase
+    backward runs (independently of the planner's bookkeeping): the open chain segments'
+    keys/values leaves with gradients and retained graphs, plus the call running now (its
+    kept attentions as the engine picks them from the segment's spare bytes)."""
+    peak, path = 0.0, []  # path: (segment, bytes it holds while its children run)
+
+    def call(i: int) -> float:
+        s, prefix = plan.segments[i], plan.prefix_tokens(i)
+        chain = bool(plan.children[i])
+        total = model.call_bytes(s.size, prefix, s.recompute, leaves=chain)
+        if s.recompute:
+            kept = model.kept_attention_layers(s.spare, s.size, s.size + prefix, layers, copies or bool(prefix))
+            per_query, per_key, per_pair = model._kept_layer_bytes(copies or bool(prefix))
+            total += kept * (s.size * per_query + (s.size + prefix) * (per_key + s.size * per_pair))
+        return total
+
+    def live() -> float:
+        return sum(h for _, h in path)
+
+    for i, s in enumerate(plan.segments):
+        while path and path[-1][0] != s.parent:
+            j, _ = path.pop()
+            peak = max(peak, live() + call(j))  # its backward (recomputed, or its retained graph)
+        if plan.children[i]:
+            own = s.size * model.leaf_per_token
+            if s.retain:
+                own += model.call_bytes(s.size, plan.prefix_tokens(i)) - model.fixed
+            path.append((i, own))
+        else:
+            peak = max(peak, live() + call(i))
+    while path:
+        j, _ = path.pop()
+        peak = max(peak, live() + call(j))
+    return peak
+
+
+def h100_like(layers: int | None = None) -> tuple[MemoryModel, object]:
+    """The Qwen3-1.7B shape's memory model as the H100 measured it (2.56 MB per token held,
+    0.40 MB recomputed, bench/RESULTS.md), with the analytic terms of the estimate."""
+    from transformers import Qwen3Config
+
+    from treerl.memory import attention_held, keys_values, weight_gradient_transients
+    from treerl.models import SHAPES
+
+    config = Qwen3Config(**SHAPES["qwen3-1.7b"])
+    m = MemoryModel(fixed=3 * (1 << 27) * 4 + weight_gradient_transients(config, 2), per_token=2.56e6,
+                    recompute_per_token=0.40e6, measured=True, **attention_held(config, torch.bfloat16, False),
+                    **keys_values(config, torch.bfloat16))
+    return m, config
+
+
+@pytest.mark.parametrize("workload", ["long_prefix", "episodes", "long", "agentic", "tree"])
+@pytest.mark.parametrize("mode", ["auto", "dfs"])
+def test_plans_of_long_trees_stay_within_the_budget(workload, mode):
+    """The 32k-token prefix and the 12-turn episodes at the Qwen3-1.7B shape, planned under
+    the default budget of an 80 GB H100 (which ran out of memory before: retained chain
+    pieces held 5 GB each, counted as tokens of recomputed calls): the executor's modelled
+    peak stays within the budget, and equals the plan's own figure."""
+    from treerl.memory import CallBudget
+    from treerl.plan import make_plan
+    from treerl.workloads import SCALES, make_workload
+
+    m, config = h100_like()
+    device = 85_029_158_912  # an H100 80GB's total_memory
+    budget = CallBudget(m, 0.2 * device, recompute=True, device_bytes=device)
+    tree = PrefixTree.from_sequences(make_workload(workload, SCALES["paper"], config.vocab_size))
+    plan = make_plan(tree, mode, budget.tokens(), 2048, budget.pack(), memory=budget)
+    peak = simulated_peak(plan, m, config.num_hidden_layers, copies=False)
+    assert peak <= budget.budget, plan.describe()
+    assert plan.peak_bytes <= budget.budget
+    if workload == "long_prefix":
+        assert any(plan.children) and any(s.recompute for s in plan.segments)
+        # every call after a long prefix leaves the room its ancestors' keys/values take
+        for i, s in enumerate(plan.segments):
+            assert budget.room(plan.prefix_tokens(i)) >= m.call_bytes(s.size, plan.prefix_tokens(i), s.recompute,
+                                                                      leaves=bool(plan.children[i]))
+
+
+def test_a_path_too_long_for_the_budget_is_refused_with_what_it_needs(gen):
+    """A budget that cannot hold even depth-first the longest path's keys/values: one error
+    naming the path's length and the bytes it needs; a budget of those bytes runs it."""
+    from treerl.plan import TreeTooLargeError
+
+    model = get_model("qwen3", num_hidden_layers=4)
+    prompt = torch.randint(1, 60, (40,), generator=gen).tolist()
+    seqs = [prompt + torch.randint(1, 60, (n,), generator=gen).tolist() for n in (3, 9)] + [[5, 6, 7]]
+    engine = TreeEngine(model, "auto", memory_budget=1 << 20, chunk_tokens=8)
+    need, _ = engine.call_budget.path_needs(49)
+    engine.memory_budget = int(need) - 1
+    with pytest.raises(TreeTooLargeError, match=r"sequence 1 has a root-to-leaf path of 49 tokens .* GiB"):
+        engine.plan(seqs)
+    engine.memory_budget = int(need) + 1
+    plan = engine.plan(seqs)
+    assert any(plan.children) and plan.peak_bytes <= engine.memory_budget
+    loss = RandomLoss.make(seqs, gen, coupled=True)
+    check_engine(model, seqs, "auto", loss, entropy=True, chunk_tokens=8, memory_budget=int(need) + 1)
+
+
+@pytest.mark.parametrize("mode", ["auto", "dfs"])
+@pytest.mark.parametrize("slack", [1.0, 1.3, 2.0])
+def test_tight_budgets_on_a_long_prefix_are_exact(mode, slack, gen):
+    """Budgets from just above what the longest path needs: chains split by the room left
+    under their prefix, calls recomputing their blocks and keeping attentions by bytes;
+    exact against the per-sequence reference, and the modelled peak within the budget."""
+    model = get_model("qwen3", num_hidden_layers=4)
+    prompt = torch.randint(1, 60, (30,), generator=gen).tolist()
+    seqs = [prompt + torch.randint(1, 60, (n,), generator=gen).tolist() for n in (4, 7, 2)]
+    seqs += [seqs[1] + torch.randint(1, 60, (5,), generator=gen).tolist(), [9, 8, 7, 6]]
+    probe = TreeEngine(model, mode, memory_budget=1 << 20, chunk_tokens=6)
+    m = probe.memory_model
+    budget = int(m.fixed + (probe.call_budget.path_needs(max(map(len, seqs)))[0] - m.fixed) * slack) + 1
+    probe.memory_budget = budget
+    plan = probe.plan(seqs)
+    assert simulated_peak(plan, m, 4, copies=True) <= budget
+    assert any(plan.children)
+    for separable in (False, True):
+        loss = RandomLoss.make(seqs, gen, coupled=not separable)
+        check_engine(model, seqs, mode, loss, entropy=not separable, chunk_tokens=6, memory_budget=budget,
+                     separable=separable)

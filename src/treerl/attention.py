@@ -86,7 +86,8 @@ class TreeAttention:
             if self.backend == "sdpa":
                 self._mask = dense_tree_mask(self.q_index, self.k_index, self.k_end)[None, None]
             else:
-                self._mask = flex_block_mask(self.q_index, self.k_index, self.k_end)
+                square = PREFIX_AS_TILES and len(self.k_index) > len(self.q_index)
+                self._mask = flex_block_mask(self.q_index, self.k_index, self.k_end, square=square)
         return self._mask
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -111,6 +112,16 @@ FLEX_BLOCK = 128
 # otherwise be routed to the decoding kernel, which has no valid config for them.
 FLEX_KERNEL = {"BACKEND": "TRITON"}
 _flex_compiled: dict[str, object] = {}
+# Calls after a prefix as whole tiles too (issue 24, an A/B switch of bench/long_trees.py,
+# off by default until measured): the queries are padded at the front to the keys' length
+# (the padded rows see nothing, so flex skips their tiles) and the call takes the
+# whole-tile kernel of equal lengths. Costs a padded query and output per key in every layer.
+PREFIX_AS_TILES = False
+
+
+def prefix_as_tiles() -> bool:
+    """:data:`PREFIX_AS_TILES` as it is now (the memory model counts its padding)."""
+    return PREFIX_AS_TILES
 
 
 def _flex_whole_tiles(query, key, value, block_mask, scale, enable_gqa):
@@ -157,6 +168,13 @@ def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     nq, gqa = query.shape[2], query.shape[1] != key.shape[1]
     if nq == key.shape[2] and nq % FLEX_BLOCK == 0:
         return _compiled("tiles", _flex_whole_tiles)(*whole_tile_views(query, key, value), block_mask, scale, gqa)
+    q_len, kv_len = block_mask.seq_lengths
+    if q_len == kv_len and nq < key.shape[2]:  # a square mask (PREFIX_AS_TILES): queries last, padded in front
+        front = q_len - -(-nq // FLEX_BLOCK) * FLEX_BLOCK
+        q = F.pad(query, (0, 0, front, q_len - front - nq))
+        k, v = (F.pad(x, (0, 0, 0, kv_len - x.shape[2])) if x.shape[2] != kv_len else x for x in (key, value))
+        out = _compiled("tiles", _flex_whole_tiles)(*whole_tile_views(q, k, v), block_mask, scale, gqa)
+        return out[:, :, front:front + nq]
     from torch.nn.attention.flex_attention import flex_attention
 
     q, k, v = (F.pad(x, (0, 0, 0, -x.shape[2] % FLEX_BLOCK)) if x.shape[2] % FLEX_BLOCK else x
@@ -166,8 +184,12 @@ def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return out[:, :, :nq]
 
 
-def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor, block: int = FLEX_BLOCK):
+def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor, block: int = FLEX_BLOCK,
+                    square: bool = False):
     """Block-sparse tree mask for flex attention, built in O(N + blocks), never N x N.
+
+    ``square``: as many query tiles as key tiles, the queries' tiles last and empty tiles
+    (rows that see nothing) before them (:data:`PREFIX_AS_TILES`).
 
     A segment's queries are one contiguous range of tree indices, so the queries that key
     ``k`` is visible to form one interval of rows ``[k - q0, k_end - q0)``. A (query
@@ -215,6 +237,12 @@ def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.T
         qi = q_pad[q]
         return (k_pad[kv] <= qi) & (qi < end_pad[kv])
 
+    if square and nk > nq:  # empty query tiles in front: no key tile at all
+        empty = nk - nq
+        partial = F.pad(partial, (0, 0, empty, 0), value=False)
+        full = F.pad(full, (0, 0, empty, 0), value=False)
+        q_pad = F.pad(q_pad, (empty * block, 0), value=-1)
+        nq = nk
     kv_num, kv_idx = blocks(partial)
     full_num, full_idx = blocks(full)
     return BlockMask.from_kv_blocks(

@@ -35,6 +35,8 @@ from .workloads import SCALES, WORKLOADS, make_workload
 # Measured bf16 dense matmul peak of an H100/H200 (DESIGN.md); the datasheet says 989.
 DEFAULT_PEAK_TFLOPS = 798.0
 BENCH_MODES = ("naive",) + ENGINE_MODES
+# the long shapes (long_prefix, episodes: ~1M flat tokens) run when named
+DEFAULT_WORKLOADS = ("grpo", "agentic", "none", "long", "tree")
 
 
 @dataclass
@@ -44,7 +46,7 @@ class BenchConfig:
     dtype: str = "float32"
     device: str = "cpu"
     scale: str = "small"
-    workloads: tuple[str, ...] = WORKLOADS
+    workloads: tuple[str, ...] = DEFAULT_WORKLOADS
     modes: tuple[str, ...] = ("naive", "flat", "packed", "auto")
     max_tokens: int | None = None  # None: the engine's default (from the memory budget)
     memory_budget: float | None = None  # None: the engine's default

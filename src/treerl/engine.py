@@ -21,16 +21,17 @@ per-segment sequence maps, and neither half reads on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, tree_attention_enabled
+from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, prefix_as_tiles, tree_attention_enabled
 from .decoder import DecoderStack
 from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
-from .memory import MemoryModel, resolve_budget
+from .memory import CallBudget, MemoryModel, device_memory, resolve_budget
 from .models import decoder_of
 from .plan import MODES, Plan, make_plan
 from .tree import PrefixTree, TokenSequence
@@ -204,6 +205,10 @@ class TreeEngine:
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.stats = StepStats()
 
+    # The two-phase backward takes the K/V of the path phase 1 ends on (the leftmost one,
+    # the first that phase 2 opens) instead of running those calls again without grad.
+    reuse_forward_kv = True
+
     # ------------------------------------------------------------------ budgets
     @property
     def memory_model(self) -> MemoryModel:
@@ -217,12 +222,25 @@ class TreeEngine:
         return self.runner.stack.can_checkpoint
 
     @property
+    def call_budget(self) -> CallBudget | None:
+        """The memory model under the budget, as the planner reads it (None with the
+        ``max_tokens`` override)."""
+        if self._fixed_tokens is not None:
+            return None
+        model = self.memory_model
+        if self.attention == "flex" and prefix_as_tiles():
+            pad = model.attention_copies_per_query + model.attention_per_query  # padded query, output, lse
+            model = dataclasses.replace(model, prefix_pad_per_key=pad)
+        return CallBudget(model, self.memory_budget, recompute=self.can_recompute,
+                          copies=self.attention == "sdpa", device_bytes=device_memory(self.device))
+
+    @property
     def max_tokens(self) -> int:
         """Most tree tokens in one call: the override, or what the memory budget allows
         (with block recompute where the model supports it)."""
         if self._fixed_tokens is not None:
             return self._fixed_tokens
-        return self.memory_model.tokens(self.memory_budget, recompute=self.can_recompute)
+        return max(1, self.call_budget.tokens())
 
     @property
     def pack_tokens(self) -> int:
@@ -231,32 +249,31 @@ class TreeEngine:
         without recompute). A larger call would recompute attentions, which on long
         sequences costs more than another call; one tree up to ``max_tokens`` still runs
         whole."""
-        if self._fixed_tokens is not None or not self.can_recompute:
+        if self._fixed_tokens is not None:
             return self.max_tokens
-        m = self.memory_model
         # a packed call has no prefix: its kernel reads copies only with SDPA (TreeAttention.input_copies)
-        keep_all = m.tokens_keeping_attention(self.memory_budget, self.num_layers, copies=self.attention == "sdpa")
-        return max(keep_all, m.tokens(self.memory_budget, recompute=False))
+        return max(1, self.call_budget.pack())
 
-    def recomputes(self, size: int) -> bool:
-        """Whether a call of ``size`` tokens recomputes its decoder blocks in the backward:
-        only under a memory budget, and only when the call would not fit it otherwise."""
-        if self._fixed_tokens is not None or not self.can_recompute:
-            return False
-        return size > self.memory_model.tokens(self.memory_budget, recompute=False)
+    def recomputes(self, size: int, prefix: int = 0) -> bool:
+        """Whether a call of ``size`` tokens after ``prefix`` tokens recomputes its decoder
+        blocks in the backward: only under a memory budget, and only when the call would
+        not fit it otherwise (the plan decides it per segment: :attr:`Segment.recompute`)."""
+        budget = self.call_budget
+        return budget is not None and budget.recomputes(size, prefix)
 
-    def kept_attention_layers(self, queries: int, keys: int, copies: bool) -> frozenset[int]:
+    def kept_attention_layers(self, queries: int, keys: int, copies: bool, spare: float) -> frozenset[int]:
         """The layers of a recomputed call whose attention runs once (not again in the
         recompute, :mod:`treerl.kept_attention`): the last ones (their held tensors are
-        freed first in the backward), as many as the memory budget has room for beside
-        the call's recompute. ``copies``: :attr:`TreeAttention.input_copies`."""
-        count = self.memory_model.kept_attention_layers(self.memory_budget, queries, keys, self.num_layers, copies)
+        freed first in the backward), as many as fit the ``spare`` bytes the plan leaves
+        beside the call (:attr:`Segment.spare`). ``copies``: :attr:`TreeAttention.input_copies`."""
+        count = self.memory_model.kept_attention_layers(spare, queries, keys, self.num_layers, copies)
         return frozenset(range(self.num_layers - count, self.num_layers))
 
     # ------------------------------------------------------------------ public API
     def plan(self, tree: PrefixTree | Sequence[TokenSequence]) -> Plan:
         """The segments this engine would run for ``tree``."""
-        return make_plan(self._layout(tree), self.mode, self.max_tokens, self.chunk_tokens, self.pack_tokens)
+        return make_plan(self._layout(tree), self.mode, self.max_tokens, self.chunk_tokens, self.pack_tokens,
+                         memory=self.call_budget)
 
     @torch.no_grad()
     def forward(self, tree: PrefixTree | Sequence[TokenSequence], entropy: bool = False) -> TreeOutputs:
@@ -325,7 +342,8 @@ class TreeEngine:
     def _prepare(self, tree: PrefixTree | Sequence[TokenSequence]) -> _Batch:
         layout = self._layout(tree)
         self._check_inputs(layout)
-        plan = make_plan(layout, self.mode, self.max_tokens, self.chunk_tokens, self.pack_tokens)
+        plan = make_plan(layout, self.mode, self.max_tokens, self.chunk_tokens, self.pack_tokens,
+                         memory=self.call_budget)
         dev = self.device
         self.stats = StepStats(mode=self.mode, plan=plan.describe())
         # All index arrays in one host-to-device copy (each pageable copy synchronises the host).
@@ -366,12 +384,14 @@ class TreeEngine:
 
     # ------------------------------------------------------------ one model call
     def _call(
-        self, b: _Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool
+        self, b: _Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool,
+        head: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, list[KV] | None]:
         """Run segment ``i`` after ``prefix`` (per ancestor, per layer K/V).
 
-        Returns the logprobs (and entropies) of the segment's targets, and its own
-        per-layer K/V if ``capture``.
+        Returns the logprobs (and entropies) of the segment's targets (none without
+        ``head``: a call for its K/V only skips the LM head), and its own per-layer K/V if
+        ``capture``.
         """
         seg = b.plan.segments[i]
         q_index = torch.arange(seg.start, seg.end, device=self.device)
@@ -389,9 +409,9 @@ class TreeEngine:
         ctx = TreeAttention(
             self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture, causal=chain
         )
-        recompute = grad and self.recomputes(seg.size)
+        recompute = grad and seg.recompute
         if recompute:
-            ctx.keep_layers = self.kept_attention_layers(seg.size, len(k_index), ctx.input_copies)
+            ctx.keep_layers = self.kept_attention_layers(seg.size, len(k_index), ctx.input_copies, seg.spare)
         if not ctx.causal:  # built once, before the blocks (not inside a block that is recomputed)
             ctx.additive_mask(self.head.weight.dtype) if self.attention == "sdpa" else ctx.mask()
         self.stats.model_calls += 1
@@ -406,7 +426,7 @@ class TreeEngine:
             pad = -seg.size % FLEX_BLOCK
             ids, pos = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(pos, (0, pad))
         with torch.set_grad_enabled(grad), tree_attention_enabled(self.model, ctx):
-            targets = b.targets[i]
+            targets = b.targets[i] if head else b.targets[i][:0]
             lp, ent = self.runner(
                 ids[None], pos[None], b.parent[targets] - seg.start, b.token_ids[targets], entropy=entropy,
                 recompute=recompute,
@@ -421,13 +441,17 @@ class TreeEngine:
         return lp, (torch.zeros(n, dtype=dtype, device=self.device) if entropy else None)
 
     # ------------------------------------------------------- phase 1: no-grad forward
-    def _forward_all(self, b: _Batch, entropy: bool, only: set[int] | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_all(self, b: _Batch, entropy: bool, only: set[int] | None = None,
+                     reuse: dict[int, list[KV]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Depth-first over segments (or those in ``only``: whole trees), keeping only the
-        current path's K/V."""
+        current path's K/V. With ``reuse``, children are visited last-first, so that the
+        path still open at the end is the leftmost one, the path the backward opens first:
+        its K/V are left in ``reuse`` for :meth:`_backward_all` instead of computed again."""
         lp_all, ent_all = self._buffers(b, entropy)
         path: list[tuple[int, list[KV]]] = []
-        for i, seg in enumerate(b.plan.segments):
+        order = range(len(b.plan.segments)) if reuse is None else _mirrored_preorder(b.plan)
+        for i in order:
+            seg = b.plan.segments[i]
             if only is not None and i not in only:
                 continue
             while path and path[-1][0] != seg.parent:
@@ -443,6 +467,8 @@ class TreeEngine:
                 ent_all[b.targets[i]] = ent
             if has_children:
                 path.append((i, kv))
+        if reuse is not None:
+            reuse.update(path)
         return lp_all, ent_all
 
     # ------------------------------------------------- single-level: one pass each
@@ -498,8 +524,9 @@ class TreeEngine:
             seqs, targets, lengths = self._sequences_in(b, only)
             if len(seqs) == 0:
                 return 0.0
+        reuse: dict[int, list[KV]] | None = {} if self.reuse_forward_kv else None
         with torch.no_grad():
-            lp_all, ent_all = self._forward_all(b, entropy, only)
+            lp_all, ent_all = self._forward_all(b, entropy, only, reuse)
         leaves = [lp_all[targets].requires_grad_()]
         if entropy:
             leaves.append(ent_all[targets].requires_grad_())
@@ -516,7 +543,7 @@ class TreeEngine:
             if leaf.grad is not None:
                 g.index_add_(0, targets, leaf.grad)
             grads.append(g)
-        self._backward_all(b, grads[0], grads[1] if entropy else None, only)
+        self._backward_all(b, grads[0], grads[1] if entropy else None, only, reuse)
         return float(loss.detach())
 
     @staticmethod
@@ -530,8 +557,11 @@ class TreeEngine:
         return seqs, b.seq_targets[flat.to(b.seq_targets.device)], lengths[seqs].tolist()
 
     def _backward_all(self, b: _Batch, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
-                      only: set[int] | None = None) -> None:
-        """Phase 2: recompute each segment with grad and inject the loss gradients."""
+                      only: set[int] | None = None, reuse: dict[int, list[KV]] | None = None) -> None:
+        """Phase 2: recompute each segment with grad and inject the loss gradients.
+        ``reuse``: K/V of chain segments from phase 1 (:meth:`_forward_all`), taken instead
+        of a no-grad call (the same call, bit for bit)."""
+        reuse = {} if reuse is None else reuse
         entropy = g_ent is not None
         plan = b.plan
         # Stack of open chain segments on the current path: (index, K/V leaves, graph).
@@ -565,13 +595,16 @@ class TreeEngine:
                 close(path.pop())
             prefix = [lv for _, lv, _ in path]
             if plan.children[i]:
+                kv = reuse.pop(i, None)
                 if seg.retain:
+                    kv = None  # its graph comes from a call with grad
                     graph = self._call(b, i, prefix, capture=True, grad=True, entropy=entropy)
                     kv = graph[2]
                 else:
                     graph = None
-                    with torch.no_grad():
-                        kv = self._call(b, i, prefix, capture=True, grad=False, entropy=False)[2]
+                    if kv is None:
+                        with torch.no_grad():
+                            kv = self._call(b, i, prefix, capture=True, grad=False, entropy=False, head=False)[2]
                 leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
                 path.append((i, leaves, graph))
             elif len(b.targets[i]):
@@ -579,6 +612,17 @@ class TreeEngine:
                 torch.autograd.backward(*outputs_and_grads(i, lp, ent))
         while path:
             close(path.pop())
+
+
+def _mirrored_preorder(plan: Plan) -> list[int]:
+    """Segments depth-first with roots and children last-first: the leftmost root-to-leaf
+    path (segments 0, its first child, ...) is visited last."""
+    order, stack = [], [i for i, s in enumerate(plan.segments) if s.parent < 0]
+    while stack:
+        i = stack.pop()
+        order.append(i)
+        stack.extend(plan.children[i])
+    return order
 
 
 def _check_loss(loss: torch.Tensor) -> None:

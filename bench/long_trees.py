@@ -1,0 +1,369 @@
+"""Long trees (issue 24) in one run: memory model against measured peaks, the long shapes'
+speed, and tree attention against the best causal kernels.
+
+    python bench/long_trees.py --out results/long_trees_h100.json          # H100, ~6-7 min
+    python bench/long_trees.py --smoke --out /tmp/long_trees_smoke.json    # CPU, tiny sizes
+
+Sections, each written to ``--out`` as soon as it is measured (run in the order peak, sweep,
+attention, workloads; a section is skipped once ``--max-seconds`` have passed):
+
+1. **peak**: the warm bf16 matmul peak (``bench/profile_engine.py``'s), for % of peak.
+   ``first_step_s``: the process's first ``forward_backward`` (the sweep's 4k tree), compilation
+   included (torch's FX graph and AOTAutograd caches are on by default: a second process on
+   the same machine reads them).
+2. **sweep**: the memory model's peak (``Plan.peak_bytes``: before kept attentions, which
+   take what the budget leaves beside a recomputed call) and the budget, against the measured
+   peak of activations (``max_memory_allocated`` above weights and gradients) for trees shaped
+   like the 32k-token prefix (``workloads.memory_sweep_tree``) of 4k..64k tokens, at defaults.
+3. **workloads**: ``long_prefix`` and ``episodes`` (``treerl.workloads``) through ``auto``
+   and ``dfs`` at defaults, plus A/B variants: ``auto-noreuse`` (phase 2 recomputes the K/V
+   of phase 1's last path, as before), ``auto-tiles`` / ``dfs-tiles`` (calls after a prefix
+   on whole flex tiles, ``treerl.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget).
+   Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
+   weights and gradients), the modelled peak, calls, the plan.
+4. **attention**: one layer's attention forward+backward (Qwen3-1.7B heads: 16 query / 8 KV
+   of 128, bf16) on one causal sequence of 8k/16k/32k tokens: the engine's tree attention
+   (flex on whole tiles with the tree block mask, ``treerl.attention.flex_tree_attention``)
+   against SDPA's causal cuDNN and flash kernels; and a chain piece after a long prefix
+   (2,048 queries after 30,720 keys: the engine's prefix call) through flex (as the engine
+   calls it, and on whole tiles: ``PREFIX_AS_TILES``) against SDPA flash with the causal mask
+   aligned bottom-right. Each kernel's output and gradients are compared with the first's
+   (``max_diff_vs_first``: bf16 rounding is ~1e-2, a wrong mask O(1)). TFLOP/s on visible
+   pairs x 12 x heads x head_dim (DESIGN.md's forward+backward count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before torch touches CUDA
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_engine import matmul_peak  # noqa: E402
+
+from treerl import PrefixTree, TreeEngine  # noqa: E402
+from treerl.benchmark import time_forward_backward, useful_flops, weighted_logprob_loss  # noqa: E402
+from treerl.models import build_model  # noqa: E402
+from treerl.workloads import SCALES, make_workload, memory_sweep_tree  # noqa: E402
+
+VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, treerl.attention switches)
+    "auto": (dict(mode="auto"), {}, {}),
+    "dfs": (dict(mode="dfs"), {}, {}),
+    "auto-noreuse": (dict(mode="auto"), dict(reuse_forward_kv=False), {}),
+    "auto-tiles": (dict(mode="auto"), {}, dict(PREFIX_AS_TILES=True)),
+    "dfs-tiles": (dict(mode="dfs"), {}, dict(PREFIX_AS_TILES=True)),
+    "auto-b0.3": (dict(mode="auto", memory_budget=0.3), {}, {}),
+}
+
+
+@contextlib.contextmanager
+def switches(name: str):
+    """The variant's ``treerl.attention`` switches for the duration of its rows."""
+    import treerl.attention as attention
+
+    before = {key: getattr(attention, key) for key in VARIANTS[name][2]}
+    for key, value in VARIANTS[name][2].items():
+        setattr(attention, key, value)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            setattr(attention, key, value)
+
+
+class Run:
+    def __init__(self, args):
+        self.args = args
+        self.t0 = time.perf_counter()
+        self.out = Path(args.out) if args.out else None
+        self.results: dict = dict(args=vars(args), torch=torch.__version__, sections={})
+
+    def over(self) -> bool:
+        return time.perf_counter() - self.t0 > self.args.max_seconds
+
+    def save(self) -> None:
+        if self.out:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.out.write_text(json.dumps(self.results, indent=1))
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_engine(model, name: str, smoke_budget: int | None) -> TreeEngine:
+    kwargs, attrs, _ = VARIANTS[name]
+    kwargs = dict(kwargs)
+    if smoke_budget is not None and "memory_budget" not in kwargs:
+        kwargs["memory_budget"] = smoke_budget
+    engine = TreeEngine(model, **kwargs)
+    for key, value in attrs.items():
+        setattr(engine, key, value)
+    return engine
+
+
+def sweep(run: Run, model, device, smoke_budget) -> list[dict]:
+    rows = []
+    engine = make_engine(model, "auto", smoke_budget)
+    engine.memory_model  # the probe's allocations are not a step's
+    sizes = [64, 128, 256] if run.args.smoke else [4096, 16384, 32768, 65536]
+    for tokens in sizes:
+        if run.over():
+            break
+        tree = PrefixTree.from_sequences(memory_sweep_tree(tokens, model.config.vocab_size))
+        row = dict(tokens=tokens, longest=int(tree.seq_lengths.max()), budget_gib=engine.memory_budget / 2**30)
+        try:
+            plan = engine.plan(tree)
+            row.update(predicted_gib=plan.peak_bytes / 2**30, plan=plan.describe())
+            loss = weighted_logprob_loss(tree)
+            t = time.perf_counter()
+            engine.forward_backward(tree, loss, separable=True)  # warm: compile for new lengths
+            sync(device)
+            row["first_seconds"] = time.perf_counter() - t  # the process's first step: compilation
+            run.results.setdefault("first_step_s", row["first_seconds"])
+            if device.type == "cuda":
+                base = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            t = time.perf_counter()
+            engine.forward_backward(tree, loss, separable=True)
+            sync(device)
+            row["seconds"] = time.perf_counter() - t
+            if device.type == "cuda":
+                row["measured_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
+                row["reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        except Exception as exc:  # a result (a refusal names what the path needs), not a crash
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        model.zero_grad(set_to_none=False)
+        rows.append(row)
+        print("sweep", json.dumps(row), flush=True)
+        run.results["sections"]["sweep"] = rows
+        run.save()
+    return rows
+
+
+def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
+    rows = []
+    scale = "small" if run.args.smoke else "paper"
+    for wl in run.args.workloads.split(","):
+        tree = PrefixTree.from_sequences(make_workload(wl, SCALES[scale], model.config.vocab_size))
+        loss = weighted_logprob_loss(tree)
+        flops = useful_flops(model, tree)
+        print(f"\n{wl}: {tree.num_sequences} seqs, {tree.num_flat_tokens} flat / {tree.num_tree_tokens} tree tokens, "
+              f"longest {int(tree.seq_lengths.max())}, ideal {tree.ideal_ratio:.2f}", flush=True)
+        for name in run.args.configs.split(","):
+            if run.over():
+                break
+            row = dict(workload=wl, config=name, tree_tokens=tree.num_tree_tokens, flat_tokens=tree.num_flat_tokens)
+            try:
+                engine = make_engine(model, name, smoke_budget)
+                engine.memory_model
+                sync(device)
+                base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+                with switches(name):
+                    seconds, times, peak_bytes = time_forward_backward(engine, tree, loss, run.args.repeats, 1)
+                    plan = engine.plan(tree)
+                row.update(seconds=seconds, times=times, tflops=flops / seconds / 1e12, calls=engine.stats.model_calls,
+                           recomputed_calls=engine.stats.recomputed_calls,
+                           kept_attention_layers=engine.stats.kept_attention_layers, plan=plan.describe(),
+                           predicted_gib=plan.peak_bytes / 2**30, budget_gib=engine.memory_budget / 2**30)
+                if peak:
+                    row["pct_peak"] = 100 * row["tflops"] / peak
+                if peak_bytes is not None:
+                    row.update(peak_gib=peak_bytes / 2**30, activation_gib=(peak_bytes - base) / 2**30)
+            except Exception as exc:  # an out-of-memory or a refusal is a result
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                traceback.print_exc()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            model.zero_grad(set_to_none=False)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "times"}), flush=True)
+            run.results["sections"]["workloads"] = rows
+            run.save()
+    return rows
+
+
+def attention(run: Run, device, dtype) -> list[dict]:
+    """One layer's attention forward+backward: the engine's tree attention against SDPA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from treerl.attention import flex_block_mask, flex_tree_attention
+
+    heads, kv_heads, dim = 16, 8, 128
+    rows = []
+    repeats = 1 if run.args.smoke else 5
+    lengths = [128] if run.args.smoke else [8192, 16384, 32768]
+    prefix_shape = (64, 128) if run.args.smoke else (2048, 30720)  # (queries, prefix keys)
+
+    def timed(fn) -> float:
+        fn()
+        sync(device)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            sync(device)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    def measure(label, nq, nk, pairs, kernels):
+        gen = torch.Generator(device="cpu").manual_seed(nq + nk)
+        q = torch.randn(1, heads, nq, dim, generator=gen, dtype=dtype).to(device).requires_grad_()
+        k = torch.randn(1, kv_heads, nk, dim, generator=gen, dtype=dtype).to(device).requires_grad_()
+        v = torch.randn(1, kv_heads, nk, dim, generator=gen, dtype=dtype).to(device).requires_grad_()
+        grad = torch.randn(1, heads, nq, dim, generator=gen, dtype=dtype).to(device)
+        first = None  # the first kernel's output and gradients: the others' differences from it
+        for name, fwd in kernels.items():
+            if run.over():
+                return
+            row = dict(shape=label, queries=nq, keys=nk, kernel=name)
+            try:
+                def step():
+                    out = fwd(q, k, v)
+                    return (out, *torch.autograd.grad(out, (q, k, v), grad))
+                seconds = timed(step)
+                row.update(ms=1e3 * seconds, tflops=pairs * 12 * heads * dim / seconds / 1e12)
+                got = [x.detach().float() for x in step()]
+                if first is None:
+                    first = got
+                else:  # bf16 kernels differ by rounding; a wrong mask differs by O(1)
+                    row["max_diff_vs_first"] = max(float((a - b).abs().max()) for a, b in zip(got, first))
+            except Exception as exc:  # a kernel this device/torch lacks is a result
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+            print("attention", json.dumps(row), flush=True)
+            run.results["sections"]["attention"] = rows
+            run.save()
+
+    def sdpa(backend, expand=False, bias=None):
+        def fwd(q, k, v):
+            if expand:
+                k, v = (x.repeat_interleave(heads // kv_heads, 1) for x in (k, v))
+            with sdpa_kernel([backend]):
+                if bias is not None:
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=not expand)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not expand)
+        return fwd
+
+    def tree_flex(q_index, k_index, k_end, square=False):
+        mask = flex_block_mask(q_index, k_index, k_end, square=square)
+        return lambda q, k, v: flex_tree_attention(q, k, v, mask, None)
+
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    if device.type != "cuda":
+        backends = {"math": SDPBackend.MATH}
+    for n in lengths:
+        index = torch.arange(n, device=device)
+        kernels = {} if device.type != "cuda" else {"tree-flex": tree_flex(index, index, torch.full_like(index, n))}
+        for name, backend in backends.items():
+            kernels[f"sdpa-{name}"] = sdpa(backend)
+            if name == "cudnn":
+                kernels["sdpa-cudnn-expanded"] = sdpa(backend, expand=True)
+        measure(f"causal {n}", n, n, n * (n + 1) / 2, kernels)
+    nq, prefix = prefix_shape
+    nk = prefix + nq
+    q_index = torch.arange(prefix, nk, device=device)
+    k_index = torch.arange(nk, device=device)
+    kernels = {}
+    if device.type == "cuda":  # the engine's prefix call, and as whole tiles (PREFIX_AS_TILES)
+        kernels["tree-flex-prefix"] = tree_flex(q_index, k_index, torch.full_like(k_index, nk))
+        kernels["tree-flex-prefix-tiles"] = tree_flex(q_index, k_index, torch.full_like(k_index, nk), square=True)
+    bias = causal_lower_right(nq, nk)
+    for name, backend in backends.items():
+        if name != "cudnn":
+            kernels[f"sdpa-{name}-lower-right"] = sdpa(backend, bias=bias)
+    measure(f"chain piece {nq} after {prefix}", nq, nk, nq * prefix + nq * (nq + 1) / 2, kernels)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model and sizes: the script end to end")
+    ap.add_argument("--out", default=None, help="JSON results (rewritten after every row)")
+    ap.add_argument("--workloads", default="long_prefix,episodes")
+    ap.add_argument("--configs", default="auto,dfs,auto-noreuse,auto-tiles",
+                    help=f"comma-separated: {', '.join(VARIANTS)}")
+    ap.add_argument("--sections", default="sweep,workloads,attention")
+    ap.add_argument("--repeats", type=int, default=1, help="timed steps after one warm-up step")
+    ap.add_argument("--max-seconds", type=float, default=400.0, help="skip what is left after this long")
+    args = ap.parse_args(argv)
+    run = Run(args)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    sections = args.sections.split(",")
+    peak = None
+    if device.type == "cuda":
+        peak = matmul_peak(device)
+        run.results.update(device=torch.cuda.get_device_name(device), peak_tflops=peak)
+        print(f"{run.results['device']}: bf16 matmul peak {peak:.0f} TFLOP/s", flush=True)
+    shape = "tiny" if args.smoke else "qwen3-1.7b"
+    model = build_model("qwen3", shape, dtype=dtype, device=device, seed=0)
+    model.train()
+    for p in model.parameters():  # gradients allocated up front: peaks include them, as a trainer's do
+        p.grad = torch.zeros_like(p)
+    smoke_budget = None
+    if args.smoke:  # a budget under which the small shapes chain, recompute and keep attentions
+        probe = TreeEngine(model)
+        m = probe.memory_model
+        smoke_budget = int(m.fixed + 1.5 * (probe.call_budget.path_needs(600)[0] - m.fixed))
+    run.results.update(model=shape, dtype=str(dtype))
+    if "sweep" in sections:
+        sweep(run, model, device, smoke_budget)
+    if "attention" in sections and not run.over():  # short, before the long workload rows
+        attention(run, device, dtype)
+    if "workloads" in sections:
+        workloads(run, model, device, peak, smoke_budget)
+    if device.type == "cuda":
+        end = matmul_peak(device)
+        run.results["peak_tflops_end"] = end
+        best = max(peak, end)
+        for row in run.results["sections"].get("workloads", []):
+            if "tflops" in row:
+                row["pct_peak"] = 100 * row["tflops"] / best
+        print(f"bf16 matmul peak {peak:.0f} at the start, {end:.0f} at the end; % of {best:.0f}", flush=True)
+    run.results["wall_s"] = time.perf_counter() - run.t0
+    run.save()
+    print_tables(run.results)
+
+
+def print_tables(results: dict) -> None:
+    sections = results["sections"]
+    print("\n| tree tokens | longest | budget GiB | modelled GiB | measured GiB | s | error |")
+    print("|---|---|---|---|---|---|---|")
+    for r in sections.get("sweep", []):
+        print(f"| {r['tokens']} | {r['longest']} | {r['budget_gib']:.2f} | {r.get('predicted_gib', float('nan')):.2f} | "
+              f"{r.get('measured_gib', float('nan')):.2f} | {r.get('seconds', float('nan')):.2f} | {r.get('error', '')} |")
+    print("\n| workload | config | s | TFLOP/s | % peak | peak GiB | activations GiB | modelled GiB | calls | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in sections.get("workloads", []):
+        if "seconds" not in r:
+            print(f"| {r['workload']} | {r['config']} | | | | | | | | {r.get('error')} |")
+            continue
+        print(f"| {r['workload']} | {r['config']} | {r['seconds']:.3f} | {r['tflops']:.1f} | {r.get('pct_peak', float('nan')):.1f} | "
+              f"{r.get('peak_gib', float('nan')):.1f} | {r.get('activation_gib', float('nan')):.1f} | {r['predicted_gib']:.1f} | "
+              f"{r['calls']} | |")
+    print("\n| shape | kernel | ms | TFLOP/s | max diff vs first | error |")
+    print("|---|---|---|---|---|---|")
+    for r in sections.get("attention", []):
+        print(f"| {r['shape']} | {r['kernel']} | {r.get('ms', float('nan')):.2f} | {r.get('tflops', float('nan')):.1f} | "
+              f"{r.get('max_diff_vs_first', '-')} | {r.get('error', '')} |")
+    if "first_step_s" in results:
+        print(f"\nfirst forward_backward of the process (compilation included): {results['first_step_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
