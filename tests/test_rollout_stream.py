@@ -417,6 +417,21 @@ def test_kept_stream_buffers_are_reused_and_reset(model):
     assert engine._stream_arena is None
 
 
+def test_kept_stream_buffers_hold_shorter_prompts_without_new_steps(model):
+    """A trainer's rollouts vary in prompt length: a stream whose prompts fit the kept prompt
+    store reuses it (no decode step built again: on CUDA, no capture) and stays exact; a
+    longer prompt builds a new arena."""
+    engine = RolloutEngine(model, sync_every=2, static_kv=True, keep_stream_buffers=True)
+    long_prompts, short_prompts = random_prompts([30, 25], seed=40), random_prompts([9, 4], seed=41)
+    check_greedy(model, engine.generate(long_prompts, params(n=2)), long_prompts, 2)
+    kept = engine._stream_arena
+    check_greedy(model, engine.generate(short_prompts, params(n=2)), short_prompts, 2)
+    assert engine.stats.step_builds == 0 and engine._stream_arena[1]["cache"] is kept[1]["cache"]
+    longer = random_prompts([50, 3], seed=42)
+    check_greedy(model, engine.generate(longer, params(n=2)), longer, 2)
+    assert engine.stats.step_builds > 0 and engine._stream_arena[0][2] >= 50
+
+
 def test_compiled_decode_step_matches_full_forward_float32():
     """compile_decode: the decode blocks through torch.compile (what CUDA captures) give the
     greedy stream of a full forward, logprobs within the float32 standard (1e-5). (In

@@ -84,8 +84,10 @@ class RolloutEngine:
     batched with the other prompts admitted with it.
 
     ``keep_stream_buffers`` (default False): keep a finished stream's device buffers, K/V
-    cache and captured CUDA graphs, and reuse them in the next stream of the same shapes
-    (no new captures); the memory stays held until :meth:`release_stream_buffers`.
+    cache and captured CUDA graphs, and reuse them in the next stream with the same group
+    slots whose prompts fit the kept prompt store (no new captures: a trainer's rollouts of
+    varying prompt lengths reuse one arena); the memory stays held until
+    :meth:`release_stream_buffers`.
     """
 
     def __init__(
@@ -302,6 +304,10 @@ class RolloutEngine:
             with self._device_lock, torch.no_grad():
                 self.decode_forward.refresh()
         kept, self._stream_arena = self._stream_arena, None
+        if kept is not None:  # a kept arena with room for these prompts is reused, captured decode steps and all
+            kept_groups, kept_tree, kept_capacity = kept[0][:3]
+            if kept_groups == groups and kept_tree == tree and prefix_capacity <= kept_capacity:
+                prefix_capacity = kept_capacity
         batch = RunningBatch(self, queue, params, generator, groups, prefix_capacity, self.max_batch_tokens, kept)
         del kept
         with rollout_attention_enabled(self.model):
