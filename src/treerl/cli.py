@@ -128,8 +128,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rows", type=int, default=256, help="most rows of the running batch")
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16,
                    help="K/V tokens of prompts kept for later turns that extend them (0: off)")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=8192,
-                   help="prompt tokens prefilled together in one piece (bounds the temporary K/V)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="prompt tokens prefilled together in one piece (bounds the temporary K/V); "
+                        "default: the config's rollout.prefill_chunk_tokens (8192)")
     p.add_argument("--idle-timeout-s", type=float, default=1.0,
                    help="a running batch ends after this long without work (the next request starts another)")
     p.add_argument("--device", default="cpu")

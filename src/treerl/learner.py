@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .build import Engines
-from .config import Config, ConfigError
+from .config import PROXIMAL, Config, ConfigError
 from .distributed import ranks
 from .distributed.data_parallel import DistContext, all_gather_objects, all_reduce_sum, gathered, gradient_step
 from .engine import TreeEngine
@@ -50,8 +50,6 @@ from .rl.batch import TOKEN_FIELDS
 from .samples import Sample
 from .tree import PrefixTree
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
-PROXIMAL = ("recompute", "loglinear")
 
 
 def check_proximal(method: str, advantage: str) -> None:

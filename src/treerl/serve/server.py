@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..config import Config, ConfigError
 from ..rollout import RolloutEngine
 from .app import ServeState, create_app
 from .loop import EngineLoop
@@ -49,7 +50,15 @@ class ServerThread:
         self.state = state
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        try:
+            if not 0 <= int(port) <= 65535:
+                raise OverflowError("a port is 0-65535")
+            self.sock.bind((host, port))
+        except (OSError, OverflowError) as err:
+            self.sock.close()
+            reason = getattr(err, "strerror", None) or str(err)
+            raise ConfigError(f"cannot listen on {host}:{port} ({reason}): choose another --port (0: any free "
+                              f"port) or --host") from None
         self.sock.listen(1024)
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
@@ -88,7 +97,6 @@ def load_for_serving(config_path: str | None, overrides: list[str], weights: str
     directory or a Hugging Face model directory (``weights``), else built from a config
     (its ``model`` section; random weights unless ``model.path``)."""
     from ..checkpoint import META
-    from ..config import Config
     from ..models import build_model, load_model
     from ..tasks import get_task
     from ..tasks.tokenizer import CharTokenizer
@@ -137,8 +145,10 @@ def serve(args) -> int:
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]
     model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype)
-    engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens,
-                           prefill_chunk_tokens=args.prefill_chunk_tokens)
+    rollout = Config.from_yaml(config, overrides).rollout.engine_kwargs()  # rollout.max_batch_tokens, ...
+    if args.prefill_chunk_tokens is not None:
+        rollout["prefill_chunk_tokens"] = args.prefill_chunk_tokens
+    engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens, **rollout)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
                            prefix_cache_tokens=args.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s)
     server = ServerThread(make_state(engine, tokenizer, options), host=args.host, port=args.port)
