@@ -13,11 +13,11 @@ from pathlib import Path
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .checkpoint import CheckpointError
     from .config import ConfigError
-    from .tasks.base import RewardError
-    from .tasks.math import DatasetError
+    from .learner import NonFiniteError
+    from .tasks.base import DatasetError, RewardError
     from .tree_stats import RolloutsError
 
-    return (ConfigError, CheckpointError, DatasetError, RewardError, RolloutsError, FileNotFoundError)
+    return (ConfigError, CheckpointError, DatasetError, RewardError, RolloutsError, NonFiniteError, FileNotFoundError)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -32,11 +32,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         # under torchrun (WORLD_SIZE > 1) every rank runs this; the trainer joins the group
         with _terminate_as_interrupt():
-            train(cfg, resume=args.resume)
+            train(cfg, resume=args.resume, overwrite=args.overwrite)
     except KeyboardInterrupt:
-        where = f" {config}" if config else ""
-        print(f"treerl train: interrupted; the checkpoints under {cfg.train.out_dir} are intact: continue with "
-              f"`treerl train{where} ... --resume {cfg.train.out_dir}`", file=sys.stderr)
+        from .runlog import resume_hint
+
+        print(f"treerl train: interrupted; {resume_hint(cfg.train.out_dir, config)}", file=sys.stderr)
         return 130
     finally:
         import torch.distributed as dist
@@ -72,16 +72,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from .checkpoint import load_state, resolve_checkpoint
-    from .config import Config
+    from .config import Config, ConfigError
     from .models import load_model
+    from .preflight import check_device
     from .tasks.tokenizer import CharTokenizer
     from .trainer import Trainer
 
+    if args.n is not None and args.n < 1:
+        raise ConfigError(f"eval -n: {args.n} is not allowed; allowed: a whole number >= 1 (held-out problems)")
+    check_device(args.device, "--device")
     path = resolve_checkpoint(args.checkpoint)
     state = load_state(path)
     cfg = Config.from_dict(state["config"])
     for item in args.overrides:
-        key, _, value = item.partition("=")
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. task.kwargs.path=my.jsonl)")
         cfg.set(key, __import__("yaml").safe_load(value))
     cfg.train.device = args.device
     model = load_model(path / "model", dtype=cfg.model.dtype, device=args.device)
@@ -151,6 +157,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="YAML config file (optional: defaults otherwise)")
     t.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=100")
     t.add_argument("--resume", metavar="CHECKPOINT", help="a checkpoint, or a run directory (its newest checkpoint)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start over in a train.out_dir that holds a run, deleting its outputs (metrics, rollouts, "
+                        "checkpoints, plots)")
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint",
                        description="Greedy accuracy of a checkpoint on its task's held-out problems.")

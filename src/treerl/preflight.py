@@ -6,6 +6,8 @@ problem is one :class:`~treerl.config.ConfigError` line naming the key and what 
 from __future__ import annotations
 
 import difflib
+import json
+from pathlib import Path
 
 from .config import Config, ConfigError
 from .model_dir import check_model_dir
@@ -83,3 +85,40 @@ def _unknown_config_keys(config_class: type, overrides: dict) -> list[str]:
         detail = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
         raise ConfigError(f"model.overrides: {detail}") from None
     return sorted(k for k in built - base if k in overrides)
+
+
+# HF config fields that fix the weights' shapes (a checkpoint of another shape cannot load)
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "tie_word_embeddings", "model_type")
+
+
+def check_resume_shape(checkpoint: Path, saved_config: dict | None, cfg: Config, model) -> None:
+    """Raise :class:`ConfigError` if ``checkpoint``'s model has another shape than ``model``
+    (built from ``cfg``), naming the shape fields and the config keys that differ."""
+    try:
+        theirs = json.loads((Path(checkpoint) / "model" / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # verify() has checked the files; an old layout loads or fails on its own
+    ours = model.config.to_dict()
+    diffs = [f"{k} {theirs[k]} vs {ours.get(k)}" for k in SHAPE_FIELDS if k in theirs and theirs[k] != ours.get(k)]
+    if not diffs:
+        return
+    keys = []
+    if isinstance(saved_config, dict) and isinstance(saved_config.get("model"), dict):
+        saved, now = _flat(saved_config["model"], "model."), _flat(cfg.to_dict()["model"], "model.")
+        keys = [f"{k}={saved.get(k)!r} vs {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+                if k != "model.dtype" and saved.get(k) != now.get(k)]
+    differing = f"; the config keys that differ (checkpoint vs now): {', '.join(keys)}" if keys else ""
+    raise ConfigError(f"--resume: checkpoint {checkpoint} holds a model of another shape ({'; '.join(diffs)}: "
+                      f"checkpoint vs this config){differing}: resume with the run's own config "
+                      f"({Path(checkpoint).parent.parent / 'config.yaml'})")
+
+
+def _flat(mapping: dict, prefix: str) -> dict:
+    out = {}
+    for k, v in mapping.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))  # an empty mapping adds no key
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

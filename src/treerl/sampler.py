@@ -68,16 +68,16 @@ class Sampler:
         fits = [len(self.format.prompt_ids(self.tokenizer, p.prompt)) <= limit for p in problems]
         keep = [p for p, ok in zip(problems, fits) if ok]
         skipped = len(problems) - len(keep)
+        if not keep:
+            raise DatasetError(f"task {self.task.name!r}: every {split} prompt ({len(problems)}) is longer than "
+                               f"{limit} tokens (the context of {context} minus rollout.max_new_tokens="
+                               f"{self.max_new_tokens}): lower rollout.max_new_tokens or use a longer-context model")
         if skipped and not self.skipped_prompts[split]:
             first = problems[fits.index(False)]
             print(f"treerl: skipping {skipped} of {len(problems)} {split} problems whose prompts are longer than "
                   f"{limit} tokens (the context of {context} minus max_new_tokens={self.max_new_tokens}; first: "
                   f"{first.prompt[:40]!r}); counted in data/skipped_prompts", file=sys.stderr)
         self.skipped_prompts[split] = max(self.skipped_prompts[split], skipped)
-        if not keep:
-            raise DatasetError(f"task {self.task.name!r}: every {split} prompt ({len(problems)}) is longer than "
-                               f"{limit} tokens (the context of {context} minus rollout.max_new_tokens="
-                               f"{self.max_new_tokens}): lower rollout.max_new_tokens or use a longer-context model")
         return keep
 
     def eval_problems(self, n: int | None = None) -> list[Problem]:

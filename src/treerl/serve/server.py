@@ -48,17 +48,7 @@ class ServerThread:
         import uvicorn
 
         self.state = state
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            if not 0 <= int(port) <= 65535:
-                raise OverflowError("a port is 0-65535")
-            self.sock.bind((host, port))
-        except (OSError, OverflowError) as err:
-            self.sock.close()
-            reason = getattr(err, "strerror", None) or str(err)
-            raise ConfigError(f"cannot listen on {host}:{port} ({reason}): choose another --port (0: any free "
-                              f"port) or --host") from None
+        self.sock = self._bind(host, port)
         self.sock.listen(1024)
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off",
@@ -66,6 +56,27 @@ class ServerThread:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="treerl-serve", daemon=True)
+
+    @staticmethod
+    def _bind(host: str, port: int) -> socket.socket:
+        """A socket bound to ``host:port``; an invalid or busy address is one :class:`ConfigError` line."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            if not 0 <= int(port) <= 65535:
+                raise OverflowError("a port is 0-65535")
+            sock.bind((host, port))
+        except (OSError, OverflowError) as err:
+            sock.close()
+            reason = getattr(err, "strerror", None) or str(err)
+            raise ConfigError(f"cannot listen on {host}:{port} ({reason}): choose another --port (0: any free "
+                              f"port) or --host") from None
+        return sock
+
+    @classmethod
+    def check_address(cls, host: str, port: int) -> None:
+        """Raise :class:`ConfigError` if ``host:port`` cannot be listened on now."""
+        cls._bind(host, port).close()
 
     @property
     def url(self) -> str:
@@ -141,9 +152,13 @@ def serve(args) -> int:
     """``treerl serve``: serve until SIGINT/SIGTERM."""
     import signal
 
+    from ..preflight import check_device
+
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]
+    check_device(args.device, "--device")
+    ServerThread.check_address(args.host, args.port)  # before the model loads: a busy port is one line now
     model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype)
     rollout = Config.from_yaml(config, overrides).rollout.engine_kwargs()  # rollout.max_batch_tokens, ...
     if args.prefill_chunk_tokens is not None:

@@ -262,7 +262,7 @@ class JsonlTask(Task):
             chosen = set(order[:k])
             held_out = [p for i, p in enumerate(train) if i in chosen]
             train = [p for i, p in enumerate(train) if i not in chosen]
-            if not held_out or not train:
+            if not train or (self.eval_fraction > 0 and not held_out):
                 raise DatasetError(
                     f"{self.path}: {len(order)} problem(s) are too few for a held-out split of eval_fraction="
                     f"{self.eval_fraction} ({len(train)} train, {len(held_out)} held out): add problems, change "
@@ -273,7 +273,8 @@ class JsonlTask(Task):
         split = check_split(split)
         pool = self._splits[split]
         if not pool:
-            raise DatasetError(f"{self.name}: the {split} split of {self.path} is empty")
+            fix = "set task.kwargs.eval_fraction > 0 or task.kwargs.eval_path" if split == "eval" else "add problems"
+            raise DatasetError(f"{self.name}: the {split} split of {self.path} is empty: {fix}")
         if n is None:
             return list(pool)
         if n > len(pool) and split == "eval":
