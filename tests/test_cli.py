@@ -167,3 +167,10 @@ def test_train_then_eval_and_tree_stats_through_the_cli(tmp_path, capsys):
     rows = [json.loads(l) for l in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 2 * 3  # steps x prompts x group
     assert (tmp_path / "stats.png").is_file()
+
+
+@pytest.mark.parametrize("n", ["0", "-3"])
+def test_eval_with_a_non_positive_n_is_refused(n, tmp_path, capsys):
+    assert main(["eval", str(tmp_path), "-n", n]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"eval -n: {n} is not allowed; allowed: a whole number >= 1" in err
