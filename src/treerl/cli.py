@@ -190,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own parser: `treerl bench --help` lists its options
         return cmd_bench(argparse.Namespace(rest=argv[1:]))
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:  # key=value overrides after an option (`train CONFIG --resume DIR train.steps=9`) are overrides too
+        if not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra):
+            p.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except _user_errors() as exc:
