@@ -52,12 +52,19 @@ def _terminate_as_interrupt():
     handlers are installed explicitly: a process started with SIGINT ignored (a background
     job of a non-interactive shell; in CI, a child of a test process where an earlier test
     ignored it) inherits that, and Python then installs no Ctrl-C handler of its own.
+    The handler raises KeyboardInterrupt and sets ``runlog.stop_requested``: an exception
+    raised inside a finalizer is dropped by Python, and the flag stops the run at its next step.
     Under torchrun (WORLD_SIZE > 1) the launcher's own handling is left alone."""
     if os.environ.get("WORLD_SIZE", "1") != "1" or threading.current_thread() is not threading.main_thread():
         yield
         return
 
+    from .runlog import stop_requested
+
+    stop_requested.clear()
+
     def interrupt(signum, frame):
+        stop_requested.set()  # the run also stops at its next step should this exception be swallowed
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +21,13 @@ from .samples import Sample
 
 if TYPE_CHECKING:
     from .trainer import Trainer
+
+
+# Set by `treerl train`'s SIGINT/SIGTERM handler, which also raises KeyboardInterrupt at once.
+# Python drops an exception raised inside a finalizer (a ``__del__``, a generator closed by
+# the garbage collector: "Exception ignored in ..."), so a signal that lands there would be
+# lost and the run would go on; every step checks this flag too (:meth:`RunLog.check_stop`).
+stop_requested = threading.Event()
 
 
 class RunLog:
@@ -54,6 +62,7 @@ class RunLog:
         if trainer.step_count == 0 and trainer.sft_count == 0:
             self._log(0, trainer.evaluate())
         while trainer.sft_count < cfg.sft.steps:
+            self.check_stop()
             metrics = trainer.sft_step()
             self.bar.update(1)
             self.bar.set_postfix(phase="sft", loss=f"{metrics['sft/loss']:.3f}")
@@ -61,8 +70,14 @@ class RunLog:
                 metrics.update(trainer.evaluate())
             self._log(trainer.sft_count, metrics)
 
+    @staticmethod
+    def check_stop() -> None:
+        """Raise KeyboardInterrupt if a signal asked the run to stop (:data:`stop_requested`)."""
+        if stop_requested.is_set():
+            raise KeyboardInterrupt("stop requested by a signal")
+
     def rl_step(self, metrics: dict, samples: list[Sample], **postfix) -> None:
-        """Log one RL step (evaluating when due) and its rollouts."""
+        """Log one RL step (evaluating when due) and its rollouts; then stop if a signal asked to."""
         trainer, cfg = self.trainer, self.cfg
         step = cfg.sft.steps + trainer.step_count
         if cfg.train.eval_every and trainer.step_count % cfg.train.eval_every == 0 or trainer.step_count == cfg.train.steps:
@@ -78,6 +93,7 @@ class RunLog:
                              acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}",
                              tok_s=f"{metrics['perf/train_tokens_per_s']:.0f}",
                              tree=f"{metrics['tree/ideal_ratio']:.2f}x", **postfix)
+        self.check_stop()
 
     def _log(self, step: int, metrics: dict) -> None:
         if self.log is not None:
