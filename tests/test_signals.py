@@ -143,3 +143,6 @@ def test_an_interrupt_landing_in_a_finalizer_still_stops_the_run(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith("treerl train: interrupted;")  # ... and the run stopped anyway
     assert max(metric_steps(out)) == 2
+    from treerl.runlog import stop_requested
+
+    assert not stop_requested.is_set()  # cleared for whatever runs next in this process

@@ -73,6 +73,7 @@ def _terminate_as_interrupt():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        stop_requested.clear()  # a later run in this process (the library API) starts unstopped
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
