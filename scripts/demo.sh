@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-.venv/bin/treerl train examples/demo_sorting.yaml "$@"
+.venv/bin/treerl train examples/demo_sorting.yaml "$@" --overwrite   # each run of the demo starts over
 .venv/bin/treerl eval runs/demo -n 200

@@ -183,7 +183,7 @@ def test_remote_backend_pushes_the_weights_before_each_rollout(tmp_path):
     ("task.agent=treerl.agents.calculator:calculator", "must be an async function"),
     ("rollout.backend=grpc", "rollout.backend: unknown 'grpc'"),
     ("rollout.backend=remote", "rollout.backend=remote needs rollout.server_url"),
-    ("task.agent_timeout_s=0", "task.agent_timeout_s must be > 0"),
+    ("task.agent_timeout_s=0", "task.agent_timeout_s: 0.0 is not allowed; allowed: > 0"),
     ("rollout.tool_call_parser=nope", "rollout.tool_call_parser: unknown tool-call parser 'nope'"),
     ("rollout.tool_call_parser=tag", "with rollout.backend=remote start the server with --tool-call-parser"),
 ])

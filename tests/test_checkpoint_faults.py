@@ -199,3 +199,41 @@ class _Model:
 
         os.makedirs(path, exist_ok=True)
         save_file({"w": self.w}, os.path.join(path, "model.safetensors"))
+
+
+# ------------------------------------------------------ disk full, read-only (issue 26)
+@pytest.mark.parametrize("err,message", [
+    (OSError(28, "No space left on device"), "the disk is full (no space left on device): free space or set "
+                                             "train.out_dir on another disk"),
+    (OSError(30, "Read-only file system"), "Read-only file system"),
+    (RuntimeError("unexpected pos 64 vs 0"), "RuntimeError: unexpected pos 64 vs 0"),
+])
+def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, err, message):
+    from treerl.trainer import Trainer
+
+    trainer = Trainer(Config.from_yaml(None, overrides(tmp_path)))
+    first = trainer.save()
+    trainer.step_count = 1
+
+    def fail(*args, **kwargs):
+        raise err
+
+    monkeypatch.setattr(ckpt.torch, "save", fail)
+    with pytest.raises(ckpt.CheckpointError) as caught:
+        trainer.save()
+    text = str(caught.value)
+    assert "\n" not in text and text.startswith("cannot write checkpoint ") and message in text
+    assert "the previous checkpoints under" in text and "are kept" in text
+    monkeypatch.undo()
+    assert ckpt.resolve_checkpoint(tmp_path) == first
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # the temporary is removed
+
+
+def test_disk_full_is_named_whatever_the_writers_message(tmp_path, monkeypatch):
+    """safetensors reports a full disk as `unexpected pos 64 vs 0`: the free space names it."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 4096))
+    assert "the disk is full" in ckpt._write_failure(RuntimeError("unexpected pos 64 vs 0"), tmp_path)

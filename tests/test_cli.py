@@ -167,3 +167,22 @@ def test_train_then_eval_and_tree_stats_through_the_cli(tmp_path, capsys):
     rows = [json.loads(l) for l in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 2 * 3  # steps x prompts x group
     assert (tmp_path / "stats.png").is_file()
+
+
+@pytest.mark.parametrize("n", ["0", "-3"])
+def test_eval_with_a_non_positive_n_is_refused(n, tmp_path, capsys):
+    assert main(["eval", str(tmp_path), "-n", n]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"eval -n: {n} is not allowed; allowed: a whole number >= 1" in err
+
+
+def test_overrides_after_an_option_are_overrides_and_unknown_options_are_refused(tmp_path, capsys):
+    from treerl.cli import parser
+
+    assert main(["train", "train.steps=1", "--overwrite", "train.steps=-1", f"train.out_dir={tmp_path}"]) == 2
+    assert "train.steps: -1 is not allowed" in capsys.readouterr().err  # the override after the option was read
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--overwrite", "--no-such-option"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+    args, extra = parser().parse_known_args(["train", "c.yaml", "--overwrite", "train.steps=2"])
+    assert extra == ["train.steps=2"]

@@ -398,3 +398,26 @@ def test_treerl_serve_command_serves_a_checkpoint_until_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_on_a_busy_or_invalid_port_is_one_line(capsys):
+    """`treerl serve` checks the address before loading the model: exit 2 and one line."""
+    import socket
+
+    from treerl.cli import main
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    try:
+        assert main(["serve", "--port", str(port)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"cannot listen on 127.0.0.1:{port} (Address already in use)" in err
+        assert "choose another --port (0: any free port)" in err
+    finally:
+        busy.close()
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "cannot listen on 127.0.0.1:70000 (a port is 0-65535)" in capsys.readouterr().err
+    assert main(["serve", "--host", "256.1.1.1", "--port", "0"]) == 2
+    assert "cannot listen on 256.1.1.1:0" in capsys.readouterr().err

@@ -112,3 +112,37 @@ def test_truncating_the_log_keeps_rows_up_to_the_checkpoint(tmp_path, capsys):
     _truncate_jsonl(path, 1)
     assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
     assert "torn line" in capsys.readouterr().err
+
+
+def test_an_interrupt_landing_in_a_finalizer_still_stops_the_run(tmp_path, capsys, monkeypatch):
+    """Python drops an exception raised inside a finalizer ("Exception ignored in ..."), so
+    a SIGINT whose handler runs while a ``__del__`` executes loses its KeyboardInterrupt;
+    under load a signal lands there now and then, and the run went on (the SIGINT test then
+    waited for a run of 10^6 steps). Here the signal is sent from inside a ``__del__`` at
+    RL step 2, deterministically: the run still stops at its next step, exit 130."""
+    import treerl.trainer
+
+    class SignalInFinalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs here, inside __del__
+
+    original = treerl.trainer.Trainer.step
+
+    def step(self):
+        metrics = original(self)
+        if self.step_count == 2:
+            SignalInFinalizer()  # dropped at once: its __del__ runs now
+        return metrics
+
+    dropped = []
+    monkeypatch.setattr(treerl.trainer.Trainer, "step", step)
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: dropped.append(u.exc_type))
+    out = tmp_path / "run"
+    assert main(["train", *args(out, 50)]) == 130
+    assert dropped == [KeyboardInterrupt]  # the KeyboardInterrupt raised in __del__ was dropped ...
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("treerl train: interrupted;")  # ... and the run stopped anyway
+    assert max(metric_steps(out)) == 2
+    from treerl.runlog import stop_requested
+
+    assert not stop_requested.is_set()  # cleared for whatever runs next in this process

@@ -241,3 +241,45 @@ def test_jsonl_task_eval_path_custom_reward_and_registry(tmp_path):
         nofrac.eval_problems()
     with pytest.raises(DatasetError, match="missing 'answer'"):
         JsonlTask(str(write(tmp_path / "na.jsonl", [json.dumps({"prompt": "p"})])))
+
+
+# ------------------------------------------------------------ data errors (issue 26)
+def test_non_utf8_bytes_are_named_by_file_line_and_column(tmp_path):
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(DatasetError, match=r"latin1.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\); save the file as UTF-8"):
+        load_jsonl(f)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": "2"}\n')
+    assert [p.prompt for p in load_jsonl(bom)] == ["1+1="]  # a leading byte-order mark is fine
+
+
+def test_a_dataset_too_small_for_its_eval_split_is_one_line(tmp_path):
+    one = write(tmp_path / "one.jsonl", [json.dumps({"prompt": "1+1=", "answer": "2"})])
+    with pytest.raises(DatasetError, match=r"one.jsonl: 1 problem\(s\) are too few for a held-out split of "
+                                           r"eval_fraction=0.1 .* task.kwargs.eval_path"):
+        JsonlTask(str(one))
+    two = write(tmp_path / "two.jsonl", [json.dumps({"prompt": f"{i}", "answer": "1"}) for i in range(2)])
+    with pytest.raises(DatasetError, match=r"\(0 train, 2 held out\)"):
+        JsonlTask(str(two), eval_fraction=0.9)
+
+
+def test_eval_fraction_of_one_or_more_is_a_one_line_config_error(tmp_path):
+    from treerl.tasks.registry import TaskArgumentError
+
+    data = write(tmp_path / "d.jsonl", [json.dumps({"prompt": f"{i}", "answer": "1"}) for i in range(10)])
+    with pytest.raises(TaskArgumentError, match=r"task.kwargs: task 'math_jsonl': eval_fraction: 1.0 is not "
+                                                r"allowed; allowed: in \[0, 1\)"):
+        get_task("math_jsonl", path=str(data), eval_fraction=1.0)
+
+
+def test_more_held_out_problems_than_the_split_holds_is_refused_at_build_time(tmp_path, capsys):
+    from treerl.cli import main
+
+    data = write(tmp_path / "d.jsonl", [json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) for i in range(20)])
+    code = main(["train", "task.name=math_jsonl", f"task.kwargs.path={data}", "train.eval_problems=50",
+                 "model.overrides={num_hidden_layers: 1}", f"train.out_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "asked for 50 held-out problems (train.eval_problems, or eval -n), the held-out split of" in err
+    assert "has 2: ask for at most 2" in err

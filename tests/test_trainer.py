@@ -1,6 +1,7 @@
 """The synchronous trainer: exactness of a full RL step across engines, a short GRPO run
 that learns, critic/GAE and multi-turn steps, and bad-input errors."""
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import treerl
 from treerl.config import Config
 from treerl.models import build_model, rmsnorm_in_input_precision
 from treerl.tasks import get_task
-from treerl.tasks.base import RewardError
+from treerl.tasks.base import DatasetError, RewardError
 from treerl.trainer import Trainer
 
 TINY = "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}"
@@ -125,9 +126,29 @@ def test_reward_that_raises_is_an_error_naming_the_sample():
 
 
 def test_prompt_longer_than_the_context_is_refused():
+    """Every prompt too long: one line at build time naming the limit and the fix."""
     cfg = config("model.overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 8}")
-    with pytest.raises(ValueError, match=r"prompt 0"):
-        Trainer(cfg).step()
+    with pytest.raises(DatasetError, match=r"every train prompt \(10000\) is longer than 4 tokens .* lower rollout.max_new_tokens"):
+        Trainer(cfg)
+
+
+def test_prompts_longer_than_the_context_are_skipped_with_a_count_and_a_warning(tmp_path, capsys):
+    """Some prompts too long: skipped at load (train and held-out), one warning per split,
+    counted in the metrics (data/skipped_prompts); the run goes on with the rest."""
+    data = tmp_path / "d.jsonl"
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
+    rows += [{"prompt": "9" * 40 + f"+{i}=", "answer": "0"} for i in range(4)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config("task.name=math_jsonl", f"task.kwargs={{path: {data}, eval_fraction: 0.25}}", "rollout.max_new_tokens=4",
+                 "train.eval_problems=2", "model.overrides={num_hidden_layers: 1, max_position_embeddings: 24}")
+    trainer = Trainer(cfg)
+    err = capsys.readouterr().err
+    assert "treerl: skipping" in err and "counted in data/skipped_prompts" in err
+    assert all(len(p.prompt) < 40 for p in trainer.sampler.train_problems)
+    skipped = sum(trainer.sampler.skipped_prompts.values())
+    assert 1 <= skipped <= 4
+    assert trainer.evaluate()["data/skipped_prompts"] == skipped
+    trainer.step()  # no prompt error
 
 
 def test_bad_algorithm_names_are_config_errors():

@@ -64,26 +64,43 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(
     root: str | Path, step: int, model: torch.nn.Module, tokenizer: Any, state: dict, keep_last: int = 2
 ) -> Path:
-    """Write ``root/step-{step}`` atomically; keep the newest ``keep_last`` checkpoints."""
+    """Write ``root/step-{step}`` atomically; keep the newest ``keep_last`` checkpoints.
+
+    Refused (:class:`CheckpointError`, nothing written) if a weight is not finite. A
+    failed write (a full disk, a read-only mount) removes its temporary and raises one
+    line; the previous checkpoints are untouched. Pruning removes only checkpoints older
+    than this one (never a later step left by a run resumed from an earlier checkpoint)."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    bad = _non_finite_weight(model)
+    if bad is not None:
+        raise CheckpointError(f"refusing to save step {step}: the weight {bad} holds NaN or inf; the previous "
+                              f"checkpoint under {root} is kept")
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    model.save_pretrained(tmp / "model", safe_serialization=True)
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(tmp / "tokenizer")
-    torch.save(state, tmp / STATE)
-    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(tmp / STATE)
-    if unsafe:  # would be refused on resume: a value that is not a tensor or plain data
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp / "tokenizer")
+        torch.save(state, tmp / STATE)
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(tmp / STATE)
+        if unsafe:  # would be refused on resume: a value that is not a tensor or plain data
+            raise CheckpointError(f"the trainer state holds objects other than tensors and plain data "
+                                  f"({', '.join(unsafe)}); convert them before saving (treerl.checkpoint) so that "
+                                  f"the checkpoint loads without code")
+        files = {str(f.relative_to(tmp)): _file_record(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+        _write_synced(tmp / META, json.dumps({"step": step, "format": FORMAT, "files": files}, indent=1))
+        _fsync_dir(tmp)
+    except CheckpointError:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"the trainer state holds objects other than tensors and plain data ({', '.join(unsafe)}); "
-                              f"convert them before saving (treerl.checkpoint) so that the checkpoint loads without code")
-    files = {str(f.relative_to(tmp)): _file_record(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
-    _write_synced(tmp / META, json.dumps({"step": step, "format": FORMAT, "files": files}, indent=1))
-    _fsync_dir(tmp)
+        raise
+    except Exception as err:  # noqa: BLE001 - any failed write: one line, the previous checkpoint kept
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write checkpoint {final}: {_write_failure(err, root)}; the previous "
+                              f"checkpoints under {root} are kept") from err
     if final.exists():  # the same step saved again: retire the old copy first (unlisted, then gone)
         _remove_checkpoint(final)
     os.replace(tmp, final)  # atomic on one filesystem: readers see the old or the new
@@ -91,9 +108,33 @@ def save_checkpoint(
     for stale in root.glob(".tmp-step-*"):  # left by a save that was killed
         shutil.rmtree(stale, ignore_errors=True)
     if keep_last > 0:
-        for old in list_checkpoints(root)[:-keep_last]:
+        older = [p for p in list_checkpoints(root) if p.name < final.name]
+        for old in older[: max(0, len(older) - (keep_last - 1))]:
             _remove_checkpoint(old)
     return final
+
+
+def _non_finite_weight(model: Any) -> str | None:
+    """The name of the first weight of ``model`` holding NaN or inf, else None."""
+    weights = model.state_dict() if hasattr(model, "state_dict") else {}
+    return next((name for name, t in weights.items()
+                 if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+
+
+def _write_failure(err: BaseException, root: Path) -> str:
+    """Why a checkpoint write failed, in words with the fix (a full disk is named as such,
+    whatever the writer's own message)."""
+    import errno
+
+    try:
+        free = shutil.disk_usage(root if root.exists() else root.parent).free
+    except OSError:
+        free = None
+    if getattr(err, "errno", None) == errno.ENOSPC or (free is not None and free < (16 << 20)):
+        return "the disk is full (no space left on device): free space or set train.out_dir on another disk"
+    if getattr(err, "errno", None) in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"{err.strerror} ({getattr(err, 'filename', '') or root}): choose a writable train.out_dir"
+    return f"{type(err).__name__}: {err}"
 
 
 def verify(path: str | Path) -> None:

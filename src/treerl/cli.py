@@ -17,11 +17,11 @@ TRUST_HELP = ("load a trainer state that is not plain data (a checkpoint of an o
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .checkpoint import CheckpointError
     from .config import ConfigError
-    from .tasks.base import RewardError
-    from .tasks.math import DatasetError
+    from .learner import NonFiniteError
+    from .tasks.base import DatasetError, RewardError
     from .tree_stats import RolloutsError
 
-    return (ConfigError, CheckpointError, DatasetError, RewardError, RolloutsError, FileNotFoundError)
+    return (ConfigError, CheckpointError, DatasetError, RewardError, RolloutsError, NonFiniteError, FileNotFoundError)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -38,11 +38,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         # under torchrun (WORLD_SIZE > 1) every rank runs this; the trainer joins the group
         with _terminate_as_interrupt():
-            train(cfg, resume=args.resume)
+            train(cfg, resume=args.resume, overwrite=args.overwrite)
     except KeyboardInterrupt:
-        where = f" {config}" if config else ""
-        print(f"treerl train: interrupted; the checkpoints under {cfg.train.out_dir} are intact: continue with "
-              f"`treerl train{where} ... --resume {cfg.train.out_dir}`", file=sys.stderr)
+        from .runlog import resume_hint
+
+        print(f"treerl train: interrupted; {resume_hint(cfg.train.out_dir, config)}", file=sys.stderr)
         return 130
     finally:
         import torch.distributed as dist
@@ -58,12 +58,19 @@ def _terminate_as_interrupt():
     handlers are installed explicitly: a process started with SIGINT ignored (a background
     job of a non-interactive shell; in CI, a child of a test process where an earlier test
     ignored it) inherits that, and Python then installs no Ctrl-C handler of its own.
+    The handler raises KeyboardInterrupt and sets ``runlog.stop_requested``: an exception
+    raised inside a finalizer is dropped by Python, and the flag stops the run at its next step.
     Under torchrun (WORLD_SIZE > 1) the launcher's own handling is left alone."""
     if os.environ.get("WORLD_SIZE", "1") != "1" or threading.current_thread() is not threading.main_thread():
         yield
         return
 
+    from .runlog import stop_requested
+
+    stop_requested.clear()
+
     def interrupt(signum, frame):
+        stop_requested.set()  # the run also stops at its next step should this exception be swallowed
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -72,22 +79,29 @@ def _terminate_as_interrupt():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        stop_requested.clear()  # a later run in this process (the library API) starts unstopped
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from .checkpoint import load_state, resolve_checkpoint
-    from .config import Config
+    from .config import Config, ConfigError
     from .models import load_model
+    from .preflight import check_device
     from .tasks.tokenizer import CharTokenizer
     from .trainer import Trainer
 
+    if args.n is not None and args.n < 1:
+        raise ConfigError(f"eval -n: {args.n} is not allowed; allowed: a whole number >= 1 (held-out problems)")
+    check_device(args.device, "--device")
     path = resolve_checkpoint(args.checkpoint)
     state = load_state(path, trust=args.trust_checkpoint)
     cfg = Config.from_dict(state["config"])
     for item in args.overrides:
-        key, _, value = item.partition("=")
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. task.kwargs.path=my.jsonl)")
         cfg.set(key, __import__("yaml").safe_load(value))
     cfg.train.device = args.device
     model = load_model(path / "model", dtype=cfg.model.dtype, device=args.device)
@@ -142,8 +156,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rows", type=int, default=256, help="most rows of the running batch")
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16,
                    help="K/V tokens of prompts kept for later turns that extend them (0: off)")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=8192,
-                   help="prompt tokens prefilled together in one piece (bounds the temporary K/V)")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="prompt tokens prefilled together in one piece (bounds the temporary K/V); "
+                        "default: the config's rollout.prefill_chunk_tokens (8192)")
     p.add_argument("--idle-timeout-s", type=float, default=1.0,
                    help="a running batch ends after this long without work (the next request starts another)")
     p.add_argument("--tool-call-parser", default=None, metavar="NAME",
@@ -188,6 +203,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=100")
     t.add_argument("--resume", metavar="CHECKPOINT", help="a checkpoint, or a run directory (its newest checkpoint)")
     t.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
+    t.add_argument("--overwrite", action="store_true",
+                   help="start over in a train.out_dir that holds a run, deleting its outputs (metrics, rollouts, "
+                        "checkpoints, plots)")
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint",
                        description="Greedy accuracy of a checkpoint on its task's held-out problems.")
@@ -226,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own parser: `treerl bench --help` lists its options
         return cmd_bench(argparse.Namespace(rest=argv[1:]))
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:  # key=value overrides after an option (`train CONFIG --resume DIR train.steps=9`) are overrides too
+        if not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra):
+            p.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except _user_errors() as exc:

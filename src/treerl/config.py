@@ -1,15 +1,24 @@
 """Run configuration: dataclass sections, YAML files and dotted ``key=value`` overrides.
 
-Every key is typed and checked: an unknown key is rejected with the closest valid name,
-a value of the wrong type with the expected type. Free-form mappings (``task.kwargs``,
-``model.overrides``) take dotted keys too: ``task.kwargs.path=my.jsonl``.
-``Config.from_yaml(path, overrides)``.
+Every key is declared once, beside its field, with its type, range or choices and a short
+help (:func:`key`; the rule is the field's ``metadata["rule"]``). The declarations are
+checked when a value is set (``Config.set``: an override, a YAML key) and for the whole
+config by :meth:`Config.validate` (``from_yaml`` ends with it; the trainer calls it for a
+config built in Python), before anything is built: one :class:`ConfigError` line naming
+the key, the value and what is allowed. ``treerl train --help`` prints the same
+declarations (:func:`describe_sections`). An unknown key is rejected with the closest
+valid name. Free-form mappings (``task.kwargs``, ``model.overrides``) take dotted keys
+too: ``task.kwargs.path=my.jsonl``. ``Config.from_yaml(path, overrides)``.
+
+The choices of names (advantages, aggregations, engine modes, ...) are literals here, the
+lowest layer; ``tests/test_config_validation.py`` checks each equals its module's own list.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,131 +32,230 @@ class ConfigError(ValueError):
     """A configuration problem, explained in one line."""
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What a key allows besides its type: bounds (``ge``/``gt``/``le``/``lt``), a
+    ``multiple_of``, or ``choices``; ``help`` is its one-line description. Numbers must be
+    finite; ``None`` is allowed exactly when the type says ``| None``."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    multiple_of: int | None = None
+    choices: tuple | None = None
+    help: str = ""
+
+    def allowed(self) -> str:
+        """What is allowed, in words (``> 0``, ``in (0, 1]``, ``one of a, b``)."""
+        if self.choices is not None:
+            return "one of " + ", ".join(map(str, self.choices))
+        low = f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}" if self.gt is not None else None
+        high = f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})" if self.lt is not None else None
+        if low and high:
+            text = f"in {low}, {high}"
+        elif low:
+            text = (">= " if low[0] == "[" else "> ") + low[1:]
+        elif high:
+            text = ("<= " if high[-1] == "]" else "< ") + high[:-1]
+        else:
+            text = ""
+        if self.multiple_of:
+            text = (text + ", " if text else "") + f"a multiple of {self.multiple_of}"
+        return text
+
+    def check(self, where: str, value: Any) -> None:
+        """Raise :class:`ConfigError` unless ``value`` (already of the key's type) is allowed."""
+        if value is None:
+            return
+        if self.choices is not None:
+            if value not in self.choices:
+                close = difflib.get_close_matches(str(value), [str(c) for c in self.choices], n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"{where}: unknown {value!r}; choose one of {', '.join(map(str, self.choices))}{hint}")
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return
+        ok = math.isfinite(value)
+        ok = ok and (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+        ok = ok and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt)
+        ok = ok and (not self.multiple_of or value % self.multiple_of == 0)
+        if not ok:
+            allowed = self.allowed() or "a finite number"
+            raise ConfigError(f"{where}: {value!r} is not allowed; allowed: {allowed}")
+
+
+def key(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, help: str = "", **rule: Any) -> Any:
+    """A config field with its rule (:class:`Rule`) declared beside it."""
+    meta = {"rule": Rule(help=help, **rule)}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# Choices (one list each; tests/test_config_validation.py checks them against their modules).
+FAMILIES = ("qwen3", "qwen2", "llama")  # treerl.models.FAMILIES
+SHAPES = ("tiny", "small", "qwen3-0.6b", "qwen3-1.7b")  # treerl.models.SHAPES
+DTYPES = ("float32", "float64", "bfloat16", "float16")  # treerl.models.DTYPES
+BACKENDS = ("embedded", "serve", "remote")  # treerl.agents.rollout.BACKENDS
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")  # treerl.learner.ADVANTAGES
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")  # advantages relative to the group: group_size >= 2
+RATIOS = ("token", "sequence")  # treerl.rl.losses.RATIO_LEVELS
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")  # treerl.rl.aggregation
+KL_ESTIMATORS = ("k1", "k2", "k3")  # treerl.rl.kl
+ENGINE_MODES = ("flat", "packed", "dfs", "auto")  # treerl.plan.MODES
+ATTENTIONS = ("auto", "sdpa", "flex")  # auto + treerl.attention.BACKENDS
+SCHEDULES = ("cosine", "constant")  # treerl.learner.lr_lambda
+TRANSFERS = ("auto", "shared", "files", "nccl", "gloo")  # treerl.async_rl.weights.TRANSFERS
+PROXIMAL = ("recompute", "loglinear")  # treerl.learner.PROXIMAL
+LAUNCHERS = ("process", "ray")  # treerl.async_rl.runner.make_pool
+
+
 @dataclass
 class ModelConfig:
-    path: str | None = None  # a local Hugging Face model directory; else built from family/shape
-    family: str = "qwen3"
-    shape: str | None = "tiny"
-    overrides: dict = field(default_factory=dict)  # config fields, e.g. {num_hidden_layers: 2}
-    dtype: str = "float32"
-    lora: dict = field(default_factory=dict)  # LoRA adapters: rank, alpha, target_modules, dropout (treerl.lora); {}: off
+    path: str | None = key(None, help="a local Hugging Face model directory; else built from family/shape")
+    family: str = key("qwen3", choices=FAMILIES, help="model family (built from a shape)")
+    shape: str | None = key("tiny", choices=SHAPES, help="named shape (random weights); null: the family's defaults")
+    overrides: dict = key(factory=dict, help="HF config fields, e.g. {num_hidden_layers: 2}")
+    dtype: str = key("float32", choices=DTYPES, help="parameter dtype")
+    lora: dict = key(factory=dict, help="LoRA adapters: rank, alpha, target_modules, dropout (treerl.lora); {}: off")
 
 
 @dataclass
 class TaskConfig:
-    name: str = "addition"
-    kwargs: dict = field(default_factory=dict)  # passed to the task's constructor
-    max_turns: int = 4  # multi-turn environments
-    max_episode_tokens: int = 512
-    agent: str | None = None  # module:function, async def agent(client, problem) -> reward (README, "Agents")
-    agent_timeout_s: float = 120.0  # an agent episode running longer fails (dropped from the step, counted)
+    name: str = key("addition", help="a registered task (addition, sorting, countdown, calculator, math_jsonl)")
+    kwargs: dict = key(factory=dict, help="passed to the task's constructor")
+    max_turns: int = key(4, ge=1, help="multi-turn environments: actions per episode")
+    max_episode_tokens: int = key(512, ge=1, help="multi-turn environments: tokens per episode")
+    agent: str | None = key(None, help="module:function, async def agent(client, problem) -> reward (README, Agents)")
+    agent_timeout_s: float = key(120.0, gt=0, help="an agent episode running longer fails (dropped, counted)")
 
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 16
-    group_size: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int | None = None  # None: the task's recommendation
-    branch_every: int = 0  # tree rollouts: fork a partial response every N tokens (0: off)
-    branch_factor: int = 2
-    # K/V of earlier prompts kept for prompts that extend them (the next turn of an episode), in
-    # tokens; None: multi-turn tasks prompts_per_step x group_size x task.max_episode_tokens, else 0
-    prefix_cache_tokens: int | None = None
-    backend: str = "embedded"  # embedded (in-process engine), serve (treerl serve on loopback), remote
-    server_url: str | None = None  # remote: an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1
-    server_model: str = "treerl"  # the served model's name (requests' model field)
-    tool_call_parser: str | None = None  # embedded/serve: the served policy's tool-call format (hermes, tag)
+    prompts_per_step: int = key(16, ge=1, help="prompts (groups) per RL step")
+    group_size: int = key(8, ge=1, help="samples per prompt (>= 2 for grpo, dr_grpo, rloo)")
+    temperature: float = key(1.0, ge=0, help="sampling temperature (0: greedy)")
+    top_p: float = key(1.0, gt=0, le=1, help="nucleus sampling mass")
+    top_k: int = key(0, ge=0, help="top-k sampling (0: off)")
+    max_new_tokens: int | None = key(None, ge=1, help="tokens per response; null: the task's recommendation")
+    branch_every: int = key(0, ge=0, help="tree rollouts: fork a partial response every N tokens (0: off)")
+    branch_factor: int = key(2, ge=1, help="tree rollouts: continuations per fork")
+    prefix_cache_tokens: int | None = key(None, ge=0, help="K/V of earlier prompts kept for prompts that extend "
+                                          "them, in tokens; null: multi-turn tasks prompts x group x "
+                                          "task.max_episode_tokens, else 0")
+    max_batch_tokens: int = key(1 << 17, ge=1, help="rollout engine: K/V slots of the running batch")
+    kv_block_size: int = key(64, ge=16, multiple_of=16, help="rollout engine: tokens per paged K/V block")
+    prefill_chunk_tokens: int = key(8192, ge=1, help="rollout engine: prompt tokens prefilled in one piece")
+    cuda_graphs: bool | None = key(None, help="rollout engine: decode in CUDA graphs; null: on CUDA")
+    backend: str = key("embedded", choices=BACKENDS, help="embedded (in-process engine), serve (treerl serve "
+                       "on loopback) or remote (rollout.server_url)")
+    server_url: str | None = key(None, help="remote: an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    server_model: str = key("treerl", help="the served model's name (requests' model field)")
+    tool_call_parser: str | None = key(None, help="embedded/serve: the served policy's tool-call format (hermes, tag)")
+    keep_stream_buffers: bool = key(True, help="rollout engine: keep the running batch's K/V arena and its CUDA "
+                                    "graphs between steps (no re-capture per step; false frees them for training)")
+
+    def engine_kwargs(self) -> dict:
+        """The rollout engine's own settings (``RolloutEngine(model, **these)``)."""
+        return dict(max_batch_tokens=self.max_batch_tokens, kv_block_size=self.kv_block_size,
+                    prefill_chunk_tokens=self.prefill_chunk_tokens, cuda_graphs=self.cuda_graphs,
+                    keep_stream_buffers=self.keep_stream_buffers)
 
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = "grpo"  # grpo, dr_grpo, rloo, reinforce_pp, gae
-    normalise_std: bool = True  # grpo: divide by the group's std
-    ratio: str = "token"  # token (PPO) or sequence (GSPO)
-    eps_low: float = 0.2
-    eps_high: float = 0.2  # > eps_low: DAPO clip-higher
-    dual_clip: float | None = None
-    behaviour_weight_cap: float | None = None  # decoupled PPO (AReaL)
-    aggregation: str = "token-mean"  # token-mean, seq-mean-token-sum, seq-mean-token-mean
-    norm_constant: float | None = None  # Dr.GRPO: constant normaliser (seq-mean-token-sum)
-    kl_coef: float = 0.0  # KL to a frozen reference model
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    ppo_epochs: int = 1
-    minibatches: int = 1
-    gamma: float = 1.0  # gae
-    lam: float = 1.0  # gae
-    value_clip: float | None = None
-    critic_lr: float = 1e-3
-    router_aux_coef: float = 0.0  # mixture of experts: weight of the router's load-balancing loss (treerl.moe_aux)
+    advantage: str = key("grpo", choices=ADVANTAGES, help="advantage estimator")
+    normalise_std: bool = key(True, help="grpo: divide by the group's std")
+    ratio: str = key("token", choices=RATIOS, help="importance ratio: token (PPO) or sequence (GSPO)")
+    eps_low: float = key(0.2, ge=0, lt=1, help="clip below 1 - eps_low")
+    eps_high: float = key(0.2, ge=0, help="clip above 1 + eps_high (> eps_low: DAPO clip-higher)")
+    dual_clip: float | None = key(None, gt=1, help="dual-clip constant c > 1 (null: off)")
+    behaviour_weight_cap: float | None = key(None, gt=0, help="decoupled PPO (AReaL): cap on behaviour weights")
+    aggregation: str = key("token-mean", choices=AGGREGATIONS, help="how token losses are averaged")
+    norm_constant: float | None = key(None, gt=0, help="Dr.GRPO: constant normaliser (seq-mean-token-sum)")
+    kl_coef: float = key(0.0, ge=0, help="KL to a frozen reference model (0: no reference)")
+    kl_estimator: str = key("k3", choices=KL_ESTIMATORS, help="KL estimator")
+    entropy_coef: float = key(0.0, help="entropy bonus coefficient")
+    ppo_epochs: int = key(1, ge=1, help="passes over each batch")
+    minibatches: int = key(1, ge=1, help="optimizer steps per pass")
+    gamma: float = key(1.0, ge=0, le=1, help="discount (gae, reinforce_pp)")
+    lam: float = key(1.0, ge=0, le=1, help="gae lambda")
+    value_clip: float | None = key(None, gt=0, help="critic value clip (null: off)")
+    critic_lr: float = key(1e-3, ge=0, help="critic learning rate (gae)")
+    router_aux_coef: float = key(0.0, ge=0, help="mixture of experts: weight of the router's load-balancing loss (treerl.moe_aux)")
 
 
 @dataclass
 class EngineConfig:
-    mode: str = "auto"
-    memory_budget: float | None = None  # activations: fraction of device memory (<= 1) or bytes; None: 0.2
-    max_tokens: int | None = None  # advanced: fixed tokens per call instead of the memory budget
-    chunk_tokens: int = 2048
-    compile: bool | None = None  # compiled decoder blocks; None: on CUDA
-    attention: str = "auto"
+    mode: str = key("auto", choices=ENGINE_MODES, help="tree engine mode")
+    memory_budget: float | None = key(None, gt=0, help="activations: fraction of device memory (<= 1) or "
+                                      "bytes; null: 0.2")
+    max_tokens: int | None = key(None, ge=1, help="advanced: fixed tokens per call instead of the memory budget")
+    chunk_tokens: int = key(2048, ge=1, help="tokens per chunk of a long node (dfs)")
+    compile: bool | None = key(None, help="compiled decoder blocks; null: on CUDA")
+    attention: str = key("auto", choices=ATTENTIONS, help="attention backend (auto: flex on CUDA, else sdpa)")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    warmup_steps: int = 0
-    schedule: str = "cosine"  # cosine or constant
-    min_lr_ratio: float = 0.1
-    grad_clip: float | None = 1.0
+    lr: float = key(1e-3, ge=0, help="AdamW learning rate (RL)")
+    weight_decay: float = key(0.0, ge=0, help="AdamW weight decay")
+    beta1: float = key(0.9, ge=0, lt=1, help="AdamW beta1")
+    beta2: float = key(0.95, ge=0, lt=1, help="AdamW beta2")
+    warmup_steps: int = key(0, ge=0, help="linear warm-up steps")
+    schedule: str = key("cosine", choices=SCHEDULES, help="learning-rate schedule after warm-up")
+    min_lr_ratio: float = key(0.1, ge=0, le=1, help="cosine: final lr / lr")
+    grad_clip: float | None = key(1.0, ge=0, help="clip the global gradient norm (0 or null: off)")
+    max_nonfinite_updates: int = key(3, ge=1, help="updates in a row skipped for a non-finite loss or "
+                                     "gradient before the run stops")
 
 
 @dataclass
 class SFTConfig:
-    steps: int = 0  # supervised warm-up steps before RL
-    batch_size: int = 32
-    lr: float = 3e-3
+    steps: int = key(0, ge=0, help="supervised warm-up steps before RL")
+    batch_size: int = key(32, ge=1, help="problems per SFT step")
+    lr: float = key(3e-3, ge=0, help="SFT learning rate")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 50
-    seed: int = 0
-    device: str = "cpu"
-    autocast_bf16: bool = False  # bf16 autocast on CUDA for a float32 model
-    eval_every: int = 10
-    eval_problems: int = 100
-    out_dir: str = "runs/default"
-    save_every: int = 0  # 0: only at the end
-    keep_last: int = 2
-    tensorboard: bool = True
-    wandb: bool = False
-    progress: bool = True
-    trust_checkpoint: bool = False  # resume: unpickle a trainer state that is not plain data (runs its code)
+    steps: int = key(50, ge=0, help="RL steps")
+    seed: int = key(0, ge=0, help="random seed")
+    device: str = key("cpu", help="cpu, cuda or cuda:N")
+    autocast_bf16: bool = key(False, help="bf16 autocast on CUDA for a float32 model")
+    eval_every: int = key(10, ge=0, help="evaluate every N RL steps (0: at the end only)")
+    eval_problems: int = key(100, ge=1, help="held-out problems per evaluation")
+    out_dir: str = key("runs/default", help="run directory (metrics, rollouts, checkpoints)")
+    save_every: int = key(0, ge=0, help="checkpoint every N RL steps (0: only at the end)")
+    keep_last: int = key(2, ge=0, help="checkpoints kept (0: all)")
+    tensorboard: bool = key(True, help="write TensorBoard logs")
+    wandb: bool = key(False, help="log to Weights & Biases")
+    progress: bool = key(True, help="progress bar")
+    trust_checkpoint: bool = key(False, help="resume: unpickle a trainer state that is not plain data (runs its code)")
 
 
 @dataclass
 class AsyncConfig:
-    enabled: bool = False
-    max_staleness: int = 1  # eta: trainer version - oldest token version <= eta (0: synchronous)
-    workers: int = 1  # rollout worker processes
-    weight_transfer: str = "auto"  # auto, shared, files, nccl, gloo
-    worker_timeout_s: float = 300.0  # no progress for this long: the worker is stuck, restart it
-    prompts_per_unit: int = 1  # prompt groups per unit of work handed to a worker
-    proximal: str = "recompute"  # recompute (tree forward) or loglinear (AReaL's approximation)
-    launcher: str = "process"  # process or ray
-    worker_devices: list = field(default_factory=list)  # e.g. [cuda:1]; default: the trainer's
-    worker_threads: int = 1  # torch threads per CPU worker
-    linger_ratio: float = 0.5
-    max_units_per_call: int | None = None
-    heartbeat_s: float = 0.5
-    max_restarts: int = 3
-    start_timeout_s: float = 600.0
+    enabled: bool = key(False, help="asynchronous training with rollout workers")
+    max_staleness: int = key(1, ge=0, help="eta: trainer version - oldest token version <= eta (0: synchronous)")
+    workers: int = key(1, ge=1, help="rollout worker processes")
+    weight_transfer: str = key("auto", choices=TRANSFERS, help="how weights reach the workers")
+    worker_timeout_s: float = key(300.0, gt=0, help="no progress for this long: the worker is stuck, restart it")
+    prompts_per_unit: int = key(1, ge=1, help="prompt groups per unit of work handed to a worker")
+    proximal: str = key("recompute", choices=PROXIMAL, help="recompute (tree forward) or loglinear (AReaL)")
+    launcher: str = key("process", choices=LAUNCHERS, help="worker launcher")
+    worker_devices: list = key(factory=list, help="e.g. [cuda:1]; default: the trainer's")
+    worker_threads: int = key(1, ge=1, help="torch threads per CPU worker")
+    linger_ratio: float = key(0.5, ge=0, help="train first if a generation call would take longer than this x")
+    max_units_per_call: int | None = key(None, ge=1, help="work units per generation call (null: all ready)")
+    heartbeat_s: float = key(0.5, gt=0, help="worker heartbeat period")
+    max_restarts: int = key(3, ge=0, help="worker restarts before the run fails")
+    start_timeout_s: float = key(600.0, gt=0, help="a worker not ready after this long fails the run")
 
 
 @dataclass
@@ -191,7 +299,23 @@ class Config:
             if not sep:
                 raise ConfigError(f"override {item!r} is not key=value (e.g. train.steps=100)")
             cfg.set(key.strip(), _parse_scalar(raw))
+        cfg.validate()
         return cfg
+
+    def validate(self) -> "Config":
+        """Check every key against its declaration (type and rule) and the rules between
+        keys; raise :class:`ConfigError` (one line: the key, the value, what is allowed)."""
+        for name, section in _sections(self).items():
+            for key, hint in _fields(section).items():
+                where = f"{name}.{key}"
+                value = _coerce(getattr(section, key), hint, where)
+                _rule(section, key).check(where, value)
+        a, r = self.algorithm, self.rollout
+        if a.advantage in GROUP_ADVANTAGES and r.group_size < 2:
+            raise ConfigError(f"algorithm.advantage={a.advantage} needs rollout.group_size >= 2 (got "
+                              f"{r.group_size}: every advantage would be 0); raise rollout.group_size or use "
+                              f"reinforce_pp / gae")
+        return self
 
     def set(self, dotted: str, value: Any) -> None:
         """Set ``section.key`` (type-checked)."""
@@ -209,7 +333,9 @@ class Config:
         if inner:  # into a free-form mapping: task.kwargs.path=..., model.overrides.num_hidden_layers=2
             setattr(section, key, _set_nested(getattr(section, key), fields[key], f"{section_name}.{key}", inner, value))
             return
-        setattr(section, key, _coerce(value, fields[key], dotted))
+        value = _coerce(value, fields[key], dotted)
+        _rule(section, key).check(dotted, value)
+        setattr(section, key, value)
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(sec) for name, sec in _sections(self).items()}
@@ -219,10 +345,19 @@ class Config:
 
 
 def describe_sections() -> str:
-    """One line per section with its keys: for ``treerl train --help``."""
+    """Every key with its type, default, allowed values and help: for ``treerl train --help``
+    (from the same declarations :meth:`Config.validate` checks)."""
     lines = []
     for name, sec in _sections(Config()).items():
-        lines.append(f"  {name}: " + ", ".join(_fields(sec)))
+        lines.append(f"  {name}:")
+        for key, hint in _fields(sec).items():
+            rule = _rule(sec, key)
+            allowed = rule.allowed()
+            default = yaml.safe_dump(getattr(sec, key), default_flow_style=True).strip().removesuffix("...").strip()
+            head = f"    {name}.{key}: {_type_name(hint)} = {default}"
+            if allowed:
+                head += f"  [{allowed}]"
+            lines.append(head + (f"  {rule.help}" if rule.help else ""))
     return "\n".join(lines)
 
 
@@ -230,6 +365,22 @@ def describe_sections() -> str:
 def _sections(cfg: Config) -> dict[str, Any]:
     # "async" is a Python keyword: the attribute is async_, the YAML section "async".
     return {f.name.rstrip("_"): getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def _rule(section: Any, key: str) -> Rule:
+    return section.__dataclass_fields__[key].metadata.get("rule", _NO_RULE)
+
+
+_NO_RULE = Rule()
+
+
+def _type_name(hint: Any) -> str:
+    """``int``, ``float or null``, ``mapping``, ... (for the help)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        names = [_type_name(h) for h in typing.get_args(hint) if h is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in typing.get_args(hint) else "")
+    hint = typing.get_origin(hint) or hint
+    return {bool: "bool", int: "int", float: "float", str: "str", dict: "mapping", list: "list"}.get(hint, str(hint))
 
 
 def _fields(section: Any) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from .build import Engines
-from .config import Config, ConfigError
+from .config import PROXIMAL, Config, ConfigError
 from .distributed import ranks
 from .distributed.data_parallel import DistContext, all_gather_objects, all_reduce_sum, gathered, gradient_step
 from .engine import TreeEngine
@@ -52,8 +53,10 @@ from .rl.batch import TOKEN_FIELDS
 from .samples import Sample
 from .tree import PrefixTree
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
-PROXIMAL = ("recompute", "loglinear")
+
+
+class NonFiniteError(RuntimeError):
+    """``optim.max_nonfinite_updates`` updates in a row had a non-finite loss or gradient."""
 
 
 def check_proximal(method: str, advantage: str) -> None:
@@ -83,6 +86,7 @@ class Update:
     updates: int  # optimizer steps (ppo_epochs x minibatches)
     losses: dict[str, list[float]] = field(default_factory=dict)  # per optimizer step
     mismatch: dict[str, float] = field(default_factory=dict)  # rollout/trainer logprob agreement
+    skipped: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     timings: dict[str, float] = field(default_factory=dict)  # seconds: forward, update
 
 
@@ -105,6 +109,8 @@ class Learner:
         total = cfg.train.steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, o.warmup_steps, total, o.schedule, o.min_lr_ratio))
+        self.nonfinite_in_a_row = 0  # updates skipped in a row (optim.max_nonfinite_updates stops the run)
+        self.nonfinite_total = 0
 
     # ------------------------------------------------------------------ RL step
     def train_on(self, samples: list[Sample], version: int, step: int, proximal: str = "recompute") -> Update:
@@ -158,13 +164,16 @@ class Learner:
                     else PolicyLoss(b, loss_cfg, normalisers=n)), entropy=alg.entropy_coef != 0)
                 for k, v in policy_metrics.items():
                     out.losses.setdefault(k, []).append(v)
-                out.losses.setdefault("grad_norm", []).append(self.optimizer_step(self.optimizer, self.model))
+                norm = self.optimizer_step(self.optimizer, self.model, policy_metrics.get("loss"), f"RL step {step + 1}")
+                out.skipped += not math.isfinite(norm)
+                out.losses.setdefault("grad_norm", []).append(norm)
                 if self.critic is not None:
                     value_metrics = self.update(self.critic, batch, local, take(seqs), lambda b, n: ValueLoss(
                         b, ValueLossConfig(clip=alg.value_clip), normalisers=n))
                     for k, v in value_metrics.items():
                         out.losses.setdefault("critic/" + k, []).append(v)
-                    self.optimizer_step(self.critic_opt, self.critic.model)
+                    self.optimizer_step(self.critic_opt, self.critic.model, value_metrics.get("loss"),
+                                        f"RL step {step + 1} (critic)")
         self.scheduler.step()
         out.timings["update"] = time.perf_counter() - t2
         return out
@@ -257,16 +266,40 @@ class Learner:
         whole._acc = {k: torch.tensor(v, dtype=torch.float64) for k, v in merged.items()}
         return whole.metrics()
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> float:
-        """Clip (``optim.grad_clip``; global norm over ranks), step, zero; returns the norm."""
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, loss: float | None = None,
+                       where: str = "") -> float:
+        """Clip (``optim.grad_clip``; global norm over ranks), step, zero; returns the norm.
+
+        A non-finite ``loss`` or gradient norm skips the step (the gradients are dropped,
+        the weights and optimizer state stay as they were) with a warning, and returns
+        NaN; ``optim.max_nonfinite_updates`` skipped in a row raise :class:`NonFiniteError`.
+        The norm is global over ranks, so every rank makes the same decision."""
         clip = self.cfg.optim.grad_clip
         # Sharded (DTensor) gradients: clip_grad_norm_ reduces the norm over all ranks.
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        optimizer.step()
+        norm = float(norm)
+        if math.isfinite(norm) and (loss is None or math.isfinite(loss)):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_in_a_row = 0
+            return norm
         optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        self.nonfinite_in_a_row += 1
+        self.nonfinite_total += 1
+        limit = self.cfg.optim.max_nonfinite_updates
+        what = f"loss {loss}, gradient norm {norm}"
+        if self.nonfinite_in_a_row >= limit:
+            raise NonFiniteError(
+                f"training stopped: {self.nonfinite_in_a_row} updates in a row had a non-finite loss or gradient "
+                f"(optim.max_nonfinite_updates={limit}; the last at {where or 'an update'}: {what}); the weights are "
+                f"those before them: lower optim.lr, keep optim.grad_clip on, or check the reward and the data, "
+                f"then --resume from the last checkpoint")
+        print(f"treerl: skipping an update with a non-finite loss or gradient at {where or 'an update'} ({what}; "
+              f"{self.nonfinite_in_a_row} in a row, the run stops at {limit}); counted in train/skipped_updates",
+              file=sys.stderr)
+        return float("nan")
 
     def autocast(self):
         """bf16 autocast on CUDA with ``train.autocast_bf16``; off otherwise."""
@@ -299,10 +332,11 @@ class Learner:
         else:
             with self.autocast():
                 loss = self.engine.forward_backward(seqs, nll, separable=True)
-        norm = self.optimizer_step(self.optimizer, self.model)
+        loss = float(loss)
+        norm = self.optimizer_step(self.optimizer, self.model, loss, "an SFT step")
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
-        return {"sft/loss": loss, "sft/grad_norm": norm}
+        return {"sft/loss": loss, "sft/grad_norm": norm, "train/skipped_updates": float(not math.isfinite(norm))}
 
 
 # ------------------------------------------------------------------ functions
@@ -400,6 +434,7 @@ def step_metrics(samples: list[Sample], update: Update, version: int, lr: float,
         "completion/mean_tokens": rollout_tokens / max(1, len(samples)),
     }
     out.update({("loss/" + k if "/" not in k else k): float(np.mean(v)) for k, v in update.losses.items()})
+    out["train/skipped_updates"] = float(update.skipped)
     out.update(update.mismatch)
     return out
 

@@ -14,6 +14,11 @@ PLOTS = {
     "tree_ratio.png": [("tree/ideal_ratio", "flat / tree tokens")],
     "throughput.png": [("perf/train_tokens_per_s", "train flat tokens/s"), ("perf/rollout_tokens_per_s", "rollout tokens/s")],
 }
+Y_LABELS = {  # each plot's y axis
+    "reward.png": "mean reward / accuracy (0-1)",
+    "tree_ratio.png": "flat tokens / tree tokens",
+    "throughput.png": "tokens per second",
+}
 
 
 class MetricsLogger:
@@ -100,6 +105,7 @@ def plot_metrics(metrics_path: str | Path, out_dir: str | Path, sft_steps: int =
         if sft_steps > 0:
             ax.axvspan(0, sft_steps, color="0.85", zorder=0, label=f"SFT warm-up ({sft_steps} steps, no rollouts)")
         ax.set_xlabel("step (SFT, then RL)" if sft_steps > 0 else "step")
+        ax.set_ylabel(Y_LABELS[name])
         ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()

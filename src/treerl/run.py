@@ -8,6 +8,7 @@ every run writes)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,20 +16,26 @@ from .async_rl import train_async
 from .checkpoint import resolve_checkpoint
 from .config import Config
 from .preflight import check_run_config
-from .runlog import RunLog
+from .runlog import RunLog, prepare_out_dir
 from .trainer import Trainer
 
 
-def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None = None) -> dict:
+def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None = None,
+          overwrite: bool = False) -> dict:
     """Run ``cfg`` to completion; returns the final metrics (and paths).
     With ``async.enabled=true`` the run goes to :func:`treerl.async_rl.train_async`.
 
     Under torchrun (WORLD_SIZE > 1) every rank runs this: the Trainer joins the process
     group and shards the policy, each rank rolls out its share of the prompts, and rank 0
-    alone writes logs, metrics and checkpoints (README, "Multi-GPU")."""
-    check_run_config(cfg)  # model path / family / shape / overrides: one clear line, never a deep traceback
+    alone writes logs, metrics and checkpoints (README, "Multi-GPU").
+
+    A ``train.out_dir`` that already holds a run is refused unless ``resume`` continues it
+    or ``overwrite`` starts over, deleting its outputs (:func:`treerl.runlog.prepare_out_dir`)."""
+    cfg.validate()
+    check_run_config(cfg)  # device, model path / family / shape / overrides: one clear line, never a deep traceback
     if resume:  # a run directory: its newest intact checkpoint (damaged ones are skipped, with a note)
         resume = resolve_checkpoint(resume, skip_damaged=True)
+    prepare_out_dir(cfg, resume or None, overwrite, main=os.environ.get("RANK", "0") == "0")
     if cfg.async_.enabled:
         return train_async(cfg, resume=resume, trainer=trainer)
     trainer = trainer or Trainer(cfg)

@@ -6,17 +6,28 @@ PNG plots and a one-screen summary. Driven by the synchronous loop
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import Config
-from .metrics import MetricsLogger, plot_metrics, read_metrics, summary
+from .checkpoint import list_checkpoints
+from .config import Config, ConfigError
+from .metrics import PLOTS, MetricsLogger, plot_metrics, read_metrics, summary
 from .samples import Sample
 
 if TYPE_CHECKING:
     from .trainer import Trainer
+
+
+# Set by `treerl train`'s SIGINT/SIGTERM handler, which also raises KeyboardInterrupt at once.
+# Python drops an exception raised inside a finalizer (a ``__del__``, a generator closed by
+# the garbage collector: "Exception ignored in ..."), so a signal that lands there would be
+# lost and the run would go on; every step checks this flag too (:meth:`RunLog.check_stop`).
+stop_requested = threading.Event()
 
 
 class RunLog:
@@ -51,6 +62,7 @@ class RunLog:
         if trainer.step_count == 0 and trainer.sft_count == 0:
             self._log(0, trainer.evaluate())
         while trainer.sft_count < cfg.sft.steps:
+            self.check_stop()
             metrics = trainer.sft_step()
             self.bar.update(1)
             self.bar.set_postfix(phase="sft", loss=f"{metrics['sft/loss']:.3f}")
@@ -58,8 +70,14 @@ class RunLog:
                 metrics.update(trainer.evaluate())
             self._log(trainer.sft_count, metrics)
 
+    @staticmethod
+    def check_stop() -> None:
+        """Raise KeyboardInterrupt if a signal asked the run to stop (:data:`stop_requested`)."""
+        if stop_requested.is_set():
+            raise KeyboardInterrupt("stop requested by a signal")
+
     def rl_step(self, metrics: dict, samples: list[Sample], **postfix) -> None:
-        """Log one RL step (evaluating when due) and its rollouts."""
+        """Log one RL step (evaluating when due) and its rollouts; then stop if a signal asked to."""
         trainer, cfg = self.trainer, self.cfg
         step = cfg.sft.steps + trainer.step_count
         if cfg.train.eval_every and trainer.step_count % cfg.train.eval_every == 0 or trainer.step_count == cfg.train.steps:
@@ -75,6 +93,7 @@ class RunLog:
                              acc=f"{metrics.get('eval/accuracy', float('nan')):.2f}",
                              tok_s=f"{metrics['perf/train_tokens_per_s']:.0f}",
                              tree=f"{metrics['tree/ideal_ratio']:.2f}x", **postfix)
+        self.check_stop()
 
     def _log(self, step: int, metrics: dict) -> None:
         if self.log is not None:
@@ -103,6 +122,61 @@ class RunLog:
                       "metrics": str(self.log.path)})
         print(summary(rows, wall, extra, sft_steps=self.cfg.sft.steps))
         return {**(rows[-1] if rows else {}), "checkpoint": str(checkpoint), "wall_s": wall}
+
+
+# What a run writes under train.out_dir (--overwrite removes these, nothing else).
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "rollouts.jsonl", "tensorboard", "checkpoints", "weights",
+               "weights_for_server", "wandb", *PLOTS)
+HOLDS_A_RUN = ("metrics.jsonl", "rollouts.jsonl", "checkpoints")
+
+
+def prepare_out_dir(cfg: Config, resume: Path | None, overwrite: bool = False, main: bool = True) -> None:
+    """Refuse to mix runs (before anything is built): ``train.out_dir`` holding a run
+    (metrics, rollouts or checkpoints) is continued only with ``resume`` (a checkpoint of
+    that run) or started over with ``overwrite`` (its run outputs deleted). Also refuses
+    an ``out_dir`` that is a file or cannot be written. Each problem is one
+    :class:`ConfigError` line saying what to do. ``main``: the process that writes (rank 0)."""
+    out = Path(cfg.train.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"train.out_dir: {out} is a file, not a directory: choose another train.out_dir")
+    if resume is not None and overwrite:
+        raise ConfigError("--overwrite starts over and --resume continues: pass one of them")
+    held = [name for name in HOLDS_A_RUN if (out / name).is_file() or any((out / name).glob("*"))]
+    if held and resume is None:
+        if not overwrite:
+            raise ConfigError(f"train.out_dir: {out} already holds a run ({', '.join(held)}): continue it with "
+                              f"--resume {out}, choose a new train.out_dir, or pass --overwrite to start over "
+                              f"(deleting its outputs)")
+        if main:
+            for name in RUN_OUTPUTS:
+                target = out / name
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target)
+                elif target.exists() or target.is_symlink():
+                    target.unlink()
+            print(f"treerl: --overwrite: removed the outputs of the previous run in {out}", file=sys.stderr)
+    if held and resume is not None and out.resolve() not in Path(resume).resolve().parents:
+        raise ConfigError(f"train.out_dir: {out} holds another run than the checkpoint resumed ({resume}): resume "
+                          f"with train.out_dir set to that checkpoint's run directory, or choose a new train.out_dir")
+    if main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / f".treerl-write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as err:
+            raise ConfigError(f"train.out_dir: cannot write to {out} ({err.strerror or err}): choose a writable "
+                              f"train.out_dir") from None
+
+
+def resume_hint(out_dir: str | Path, config: str | None) -> str:
+    """What an interrupted run's message offers: ``--resume`` only once a checkpoint exists."""
+    out = Path(out_dir)
+    if list_checkpoints(out / "checkpoints"):
+        where = f" {config}" if config else ""
+        return (f"the checkpoints under {out} are intact: continue with `treerl train{where} ... --resume {out}`")
+    return (f"no checkpoint was written yet, so there is nothing to resume: start again with --overwrite "
+            f"(or a new train.out_dir)")
 
 
 def _truncate_jsonl(path: Path, max_step: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from .distributed import ranks
 from .distributed.data_parallel import DistContext, full_state_dict
 from .rollout import RolloutEngine, SamplingParams
 from .samples import Sample
-from .tasks.base import Problem, Task, score_problems
+from .tasks.base import DatasetError, Problem, Task, score_problems
 from .tasks.env import ChatFormat, run_episode, run_episodes, scripted_policy
 
 
@@ -39,25 +40,57 @@ class Sampler:
         self.format = ChatFormat.for_tokenizer(tokenizer)
         self.multi_turn = task.max_turns > 1
         self.rollout = RolloutEngine(copy.deepcopy(model) if dist else model, version=0,
-                                     prefix_cache_tokens=self._prefix_cache_tokens())
+                                     prefix_cache_tokens=self._prefix_cache_tokens(), **cfg.rollout.engine_kwargs())
         self.max_new_tokens = cfg.rollout.max_new_tokens or task.max_new_tokens
         self.agents = None  # agent episodes / a served or remote rollout backend (treerl.agents)
         if cfg.task.agent or cfg.rollout.backend != "embedded":
             from .agents import AgentRollout
 
             self.agents = AgentRollout(cfg, self.rollout, tokenizer, task, self.max_new_tokens, model)
-        self.train_problems = task.train_problems(seed=cfg.train.seed)
+        self.skipped_prompts = {"train": 0, "eval": 0}  # too long for the context (skipped, with a warning)
+        self.train_problems = self._fitting(task.train_problems(seed=cfg.train.seed), "train")
         if not self.train_problems:
             raise ConfigError(f"task {task.name!r} has no training problems (empty dataset)")
+        self.eval_problems(cfg.train.eval_problems)  # a held-out split too small is refused now, not later
         self.restore(cursor=0, epoch=0)
+
+    def _fitting(self, problems: list[Problem], split: str) -> list[Problem]:
+        """``problems`` without those whose prompt (+ ``max_new_tokens``) exceeds the model's
+        context: skipped with one warning per split and counted (``skipped_prompts``); a
+        split left empty is a :class:`DatasetError`. (Agent tasks build their own prompts.)"""
+        context = self.rollout.max_positions
+        if context is None or self.agents is not None:
+            return problems
+        limit = context - self.max_new_tokens
+        if limit < 1:
+            raise ConfigError(f"rollout.max_new_tokens={self.max_new_tokens} leaves no room for a prompt in the "
+                              f"model's context of {context} tokens (max_position_embeddings): lower it")
+        fits = [len(self.format.prompt_ids(self.tokenizer, p.prompt)) <= limit for p in problems]
+        keep = [p for p, ok in zip(problems, fits) if ok]
+        skipped = len(problems) - len(keep)
+        if not keep:
+            raise DatasetError(f"task {self.task.name!r}: every {split} prompt ({len(problems)}) is longer than "
+                               f"{limit} tokens (the context of {context} minus rollout.max_new_tokens="
+                               f"{self.max_new_tokens}): lower rollout.max_new_tokens or use a longer-context model")
+        if skipped and not self.skipped_prompts[split]:
+            first = problems[fits.index(False)]
+            print(f"treerl: skipping {skipped} of {len(problems)} {split} problems whose prompts are longer than "
+                  f"{limit} tokens (the context of {context} minus max_new_tokens={self.max_new_tokens}; first: "
+                  f"{first.prompt[:40]!r}); counted in data/skipped_prompts", file=sys.stderr)
+        self.skipped_prompts[split] = max(self.skipped_prompts[split], skipped)
+        return keep
+
+    def eval_problems(self, n: int | None = None) -> list[Problem]:
+        """The held-out problems of an evaluation (``n``, default ``train.eval_problems``),
+        those too long for the context skipped (:meth:`_fitting`)."""
+        return self._fitting(self.task.eval_problems(n or self.cfg.train.eval_problems, seed=self.cfg.train.seed),
+                             "eval")
 
     def _prefix_cache_tokens(self) -> int:
         """``rollout.prefix_cache_tokens``, or by default: room for every episode's context of
         a step for multi-turn tasks (turn t + 1 then prefills only its new tokens), else 0."""
         r = self.cfg.rollout
-        if r.prefix_cache_tokens is not None:
-            if r.prefix_cache_tokens < 0:
-                raise ValueError(f"rollout.prefix_cache_tokens must be >= 0, got {r.prefix_cache_tokens}")
+        if r.prefix_cache_tokens is not None:  # >= 0 (declared in treerl.config)
             return int(r.prefix_cache_tokens)
         return r.prompts_per_step * r.group_size * self.cfg.task.max_episode_tokens if self.multi_turn else 0
 
@@ -181,7 +214,7 @@ class Sampler:
     def evaluate(self, n: int | None = None) -> dict[str, float]:
         """Greedy accuracy and mean reward on the task's held-out problems (data parallel:
         each rank scores its slice)."""
-        problems = self.task.eval_problems(n or self.cfg.train.eval_problems, seed=self.cfg.train.seed)
+        problems = self.eval_problems(n)
         mine, _ = ranks.my_slice(self.dist, problems)
         samples = self.generate(mine, 1, greedy=True) if mine else []
         last = {}
@@ -191,4 +224,7 @@ class Sampler:
         if self.dist:
             rewards = ranks.gather_list(rewards)
         correct = [r >= 1.0 - 1e-9 for r in rewards]
-        return {"eval/accuracy": float(np.mean(correct)), "eval/reward": float(np.mean(rewards))}
+        out = {"eval/accuracy": float(np.mean(correct)), "eval/reward": float(np.mean(rewards))}
+        if any(self.skipped_prompts.values()):
+            out["data/skipped_prompts"] = float(sum(self.skipped_prompts.values()))
+        return out

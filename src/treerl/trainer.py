@@ -29,10 +29,10 @@ import torch
 
 from . import trainer_state
 from .build import build_engines, build_policy, default_tokenizer
-from .config import Config, ConfigError
+from .config import Config
 from .distributed import ranks
-from .learner import ADVANTAGES, Learner, check_proximal, step_metrics
-from .models import DTYPES
+from .learner import Learner, check_proximal, step_metrics
+from .preflight import check_tokenizer_fits
 from .rollout import SamplingParams
 from .sampler import Sampler
 from .samples import Sample
@@ -60,6 +60,7 @@ class Trainer:
         self.dist = ranks.setup(config)
         self.device = self.dist.device if self.dist else torch.device(config.train.device)
         self.model = (model if model is not None else build_policy(config, self.tokenizer)).to(self.device)
+        check_tokenizer_fits(self.tokenizer, self.model, "model.path" if config.model.path else "model")
         engines = build_engines(config, self.model, self.device)
         self.engine, self.reference, self.critic = engines.policy, engines.reference, engines.critic
         self.sampler = Sampler(config, self.task, self.tokenizer, self.model, self.dist)  # before sharding
@@ -183,16 +184,6 @@ class Trainer:
 
 
 def validate(cfg: Config) -> None:
-    """Refuse settings the trainer cannot run, with one line naming the key."""
-    a = cfg.algorithm
-    if a.advantage not in ADVANTAGES:
-        raise ConfigError(f"algorithm.advantage: unknown {a.advantage!r}; choose one of {', '.join(ADVANTAGES)}")
-    if cfg.model.dtype not in DTYPES:
-        raise ConfigError(f"model.dtype: unknown {cfg.model.dtype!r}; choose one of {', '.join(DTYPES)}")
-    for name in ("prompts_per_step", "group_size"):
-        if getattr(cfg.rollout, name) < 1:
-            raise ConfigError(f"rollout.{name} must be at least 1")
-    if a.advantage == "rloo" and cfg.rollout.group_size < 2:
-        raise ConfigError("algorithm.advantage=rloo needs rollout.group_size >= 2")
-    if a.ppo_epochs < 1 or a.minibatches < 1:
-        raise ConfigError("algorithm.ppo_epochs and algorithm.minibatches must be at least 1")
+    """Refuse settings the trainer cannot run, with one line naming the key
+    (:meth:`treerl.config.Config.validate`: every key's declared type and range)."""
+    cfg.validate()

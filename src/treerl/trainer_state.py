@@ -16,6 +16,7 @@ import torch
 
 from .checkpoint import load_state, resolve_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import ConfigError
+from .preflight import check_resume_shape
 from .distributed.data_parallel import (
     all_gather_objects,
     full_optimizer_state,
@@ -74,6 +75,7 @@ def load(trainer: Trainer, checkpoint: str | Path) -> Path:
     t, learner = trainer, trainer.learner
     path = resolve_checkpoint(checkpoint)
     state = load_state(path, trust=t.cfg.train.trust_checkpoint)
+    check_resume_shape(path, state.get("config"), t.cfg, t.rollout.model if t.dist else t.model)
     weights = {}
     for f in sorted((path / "model").glob("*.safetensors")):
         weights.update(load_file(f))

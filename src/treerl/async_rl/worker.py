@@ -149,7 +149,8 @@ def rollout_only_config(config: dict, device: str):
     cfg = Config.from_dict(config)
     cfg.train.device = device
     cfg.algorithm.kl_coef = 0.0
-    cfg.algorithm.advantage = "grpo"
+    if cfg.algorithm.advantage == "gae":  # no critic (reinforce_pp builds no extra engine)
+        cfg.algorithm.advantage = "reinforce_pp"
     cfg.train.tensorboard = cfg.train.wandb = cfg.train.progress = False
     return cfg
 

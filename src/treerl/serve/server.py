@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..config import Config, ConfigError
 from ..rollout import RolloutEngine
 from .app import ServeState, create_app
 from .chat import ChatRenderer
@@ -64,9 +65,7 @@ class ServerThread:
 
         self.state = state
         self.guard = Guard(create_app(state), api_key=api_key, limits=state.limits)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        self.sock = self._bind(host, port)
         self.sock.listen(1024)
         self.host, self.port = host, self.sock.getsockname()[1]
         if api_key is None and not is_loopback(host):
@@ -76,6 +75,27 @@ class ServerThread:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="treerl-serve", daemon=True)
+
+    @staticmethod
+    def _bind(host: str, port: int) -> socket.socket:
+        """A socket bound to ``host:port``; an invalid or busy address is one :class:`ConfigError` line."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            if not 0 <= int(port) <= 65535:
+                raise OverflowError("a port is 0-65535")
+            sock.bind((host, port))
+        except (OSError, OverflowError) as err:
+            sock.close()
+            reason = getattr(err, "strerror", None) or str(err)
+            raise ConfigError(f"cannot listen on {host}:{port} ({reason}): choose another --port (0: any free "
+                              f"port) or --host") from None
+        return sock
+
+    @classmethod
+    def check_address(cls, host: str, port: int) -> None:
+        """Raise :class:`ConfigError` if ``host:port`` cannot be listened on now."""
+        cls._bind(host, port).close()
 
     @property
     def url(self) -> str:
@@ -121,7 +141,6 @@ def load_for_serving(config_path: str | None, overrides: list[str], weights: str
 def _load_base_for_serving(config_path, overrides, weights, device, dtype, trust: bool
                            ) -> tuple[torch.nn.Module, Any, int]:
     from ..checkpoint import META
-    from ..config import Config
     from ..models import build_model, load_model
     from ..tasks import get_task
     from ..tasks.tokenizer import CharTokenizer
@@ -176,6 +195,8 @@ def serve(args) -> int:
     """``treerl serve``: serve until SIGINT/SIGTERM."""
     import signal
 
+    from ..preflight import check_device
+
     if args.tool_call_parser is not None:
         try:
             get_tool_format(args.tool_call_parser)
@@ -184,11 +205,16 @@ def serve(args) -> int:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]
+    check_device(args.device, "--device")
+    ServerThread.check_address(args.host, args.port)  # before the model loads: a busy port is one line now
     api_key, limits, root = security_options(args)
     model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype,
                                                  trust=args.trust_checkpoint, lora=args.lora)
-    engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens,
-                           prefill_chunk_tokens=args.prefill_chunk_tokens)
+    rollout = Config.from_yaml(config, overrides).rollout.engine_kwargs()  # rollout.max_batch_tokens, ...
+    if args.prefill_chunk_tokens is not None:
+        rollout["prefill_chunk_tokens"] = args.prefill_chunk_tokens
+    rollout["keep_stream_buffers"] = False  # a server's streams end when idle; their arenas are not kept
+    engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens, **rollout)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
                            prefix_cache_tokens=args.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s,
                            tool_call_parser=args.tool_call_parser, history_tokens=args.history_tokens,

@@ -36,6 +36,11 @@ class Problem:
         return {"answer": self.answer, **self.fields}
 
 
+class DatasetError(ValueError):
+    """A dataset is missing, empty, unreadable, or too small for what is asked of it (the
+    message names the file and line, or the split, and what to change)."""
+
+
 class RewardError(RuntimeError):
     """A reward function raised, or returned something that is not a finite number."""
 
@@ -204,9 +209,10 @@ class SyntheticTask(Task):
         while len(out) < n:
             attempts += 1
             if attempts > limit:
-                raise ValueError(
+                raise DatasetError(
                     f"task {self.name!r}: found only {len(out)} of {n} {'distinct ' if unique else ''}"
                     f"{split} problems; the problem space is too small for this size"
+                    + (" (lower train.eval_problems or eval -n)" if split == "eval" else "")
                 )
             p = self.sample(rng)
             if self.split_of(p.prompt) != split or (unique and p.prompt in seen):

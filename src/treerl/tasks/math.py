@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from .base import RESERVED_FIELDS, Problem, RewardFn, Task, check_split
+from .base import RESERVED_FIELDS, DatasetError, Problem, RewardFn, Task, check_split
 
-
-class DatasetError(ValueError):
-    """A dataset file is missing, empty, or has a bad line (the message names file and line)."""
+__all__ = ["DatasetError", "JsonlTask", "MathTask", "load_jsonl", "extract_boxed", "last_number", "extract_answer",
+           "reference_answer", "normalize_string", "parse_number", "answers_match", "check_answer", "math_reward"]
 
 
 # ---------------------------------------------------------------------------- loading
@@ -43,15 +42,20 @@ def load_jsonl(
     """Problems of a JSONL file; extra keys go to ``fields``. Raises :class:`DatasetError`."""
     path = os.fspath(path)
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except OSError as e:
         raise DatasetError(f"{path}: cannot open dataset ({e.strerror or e})") from None
     problems: list[Problem] = []
     with f:
-        for lineno, line in enumerate(f, start=1):
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a leading BOM is fine
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                   f"save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -246,7 +250,7 @@ class JsonlTask(Task):
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+            raise ValueError(f"eval_fraction: {self.eval_fraction!r} is not allowed; allowed: in [0, 1)")
         load = dict(prompt_key=self.prompt_key, answer_key=self.answer_key, require_answer=self.reward_fn is None)
         train = load_jsonl(self.path, **load)
         if self.eval_path is not None:
@@ -258,17 +262,25 @@ class JsonlTask(Task):
             chosen = set(order[:k])
             held_out = [p for i, p in enumerate(train) if i in chosen]
             train = [p for i, p in enumerate(train) if i not in chosen]
+            if not train or (self.eval_fraction > 0 and not held_out):
+                raise DatasetError(
+                    f"{self.path}: {len(order)} problem(s) are too few for a held-out split of eval_fraction="
+                    f"{self.eval_fraction} ({len(train)} train, {len(held_out)} held out): add problems, change "
+                    f"task.kwargs.eval_fraction, or give task.kwargs.eval_path")
         self._splits = {"train": train, "eval": held_out}
 
     def problems(self, split: str = "train", n: int | None = None, seed: int = 0) -> list[Problem]:
         split = check_split(split)
         pool = self._splits[split]
         if not pool:
-            raise ValueError(f"{self.name}: the {split} split of {self.path} is empty")
+            fix = "set task.kwargs.eval_fraction > 0 or task.kwargs.eval_path" if split == "eval" else "add problems"
+            raise DatasetError(f"{self.name}: the {split} split of {self.path} is empty: {fix}")
         if n is None:
             return list(pool)
         if n > len(pool) and split == "eval":
-            raise ValueError(f"{self.name}: asked for {n} eval problems, the split has {len(pool)}")
+            raise DatasetError(f"{self.name}: asked for {n} held-out problems (train.eval_problems, or eval -n), "
+                               f"the held-out split of {self.eval_path or self.path} has {len(pool)}: ask for at "
+                               f"most {len(pool)} or enlarge the split (task.kwargs.eval_fraction / eval_path)")
         rng = random.Random(f"{self.name}:{split}:{seed}")
         out: list[Problem] = []
         while len(out) < n:

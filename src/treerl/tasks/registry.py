@@ -6,7 +6,7 @@ import difflib
 from typing import Any, Callable
 
 from ..config import ConfigError
-from .base import Task
+from .base import DatasetError, Task
 from .calculator_env import CalculatorTask
 from .math import JsonlTask
 from .synthetic import AdditionTask, CountdownTask, SortingTask
@@ -52,5 +52,7 @@ def get_task(name: str, **kwargs: Any) -> Task:
                         "(set task.kwargs.path=FILE)")
     try:
         return factory(**kwargs)
-    except TypeError as e:
+    except DatasetError:
+        raise
+    except (TypeError, ValueError) as e:  # a constructor refusing its arguments (eval_fraction=1.0, ...)
         raise TaskArgumentError(f"task.kwargs: task {name!r}: {e}") from None
