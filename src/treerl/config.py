@@ -98,8 +98,8 @@ def _num(x: float) -> str:
 
 
 # Choices (one list each; tests/test_config_validation.py checks them against their modules).
-FAMILIES = ("qwen3", "qwen2", "llama")  # treerl.models.FAMILIES
-SHAPES = ("tiny", "small", "qwen3-0.6b", "qwen3-1.7b")  # treerl.models.SHAPES
+FAMILIES = ("qwen3", "qwen2", "llama", "qwen3_moe")  # treerl.models.FAMILIES
+SHAPES = ("tiny", "small", "qwen3-0.6b", "qwen3-1.7b", "tiny-moe", "qwen3-30b-a3b")  # treerl.models.SHAPES
 DTYPES = ("float32", "float64", "bfloat16", "float16")  # treerl.models.DTYPES
 BACKENDS = ("embedded", "serve", "remote")  # treerl.agents.rollout.BACKENDS
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")  # treerl.learner.ADVANTAGES
