@@ -53,7 +53,7 @@ def run(args, mode: str, model) -> dict:
         f"engine.mode={mode}", f"engine.max_tokens={args.max_tokens}", f"train.device={args.device}",
         "algorithm.kl_coef=0.001", "algorithm.minibatches=2", "rollout.temperature=1.0",
         f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group}",
-        "train.tensorboard=false", "optim.lr=1e-6",
+        "train.tensorboard=false", "optim.lr=1e-6", *args.set,
     ])
     trainer = Trainer(cfg, model=model, tokenizer=RandomTokens(model.config.vocab_size), task=RandomTask())
     gen = torch.Generator().manual_seed(0)
@@ -105,6 +105,7 @@ def main():
     p.add_argument("--modes", default="auto,flat")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", type=Path)
+    p.add_argument("--set", nargs="*", default=[], help="more config overrides, e.g. rollout.keep_stream_buffers=false")
     args = p.parse_args()
     if args.device == "cpu" and args.shape == "tiny":
         args.prompt_len, args.new_tokens, args.prompts, args.group = min(args.prompt_len, 64), min(args.new_tokens, 32), 4, 4
