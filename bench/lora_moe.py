@@ -17,8 +17,11 @@ and an error in one part is recorded and the next part runs):
   layer under uniform routing, ``E (1 - (1 - k/E)^B)`` — each prompt's K/V once, each row's
   own K/V; over the measured copy bandwidth).
 - ``lora_rollout`` (last): the 1.7B-shape rollout with LoRA r=64 (merged weights in the
-  decode blocks' fused copies) against the base model, tok/s, and the seconds of refreshing
-  the merged copies after an optimizer step (``update_weights``).
+  decode blocks' fused copies) against the base model: tok/s of a warm ``generate``, split
+  into the refresh of the (merged) copies (at each stream's start, and after an optimizer
+  step: ``update_weights``), the prompts' prefill (a forward of the prompts) and the decode
+  steps (ms per step: what is left, over the steps); whether CUDA graphs and compiled
+  decode blocks ran.
 - ``stability``: on a GRPO batch of the MoE model, max/mean |logprob| difference of bf16
   ``auto`` (tree) vs bf16 ``flat``, against bf16 ``flat`` vs float32 ``flat`` (DESIGN: the
   first must be <= 1.5 x the second), and routing agreement between rollout and trainer:
@@ -29,6 +32,8 @@ and an error in one part is recorded and the next part runs):
 
 GPU (one H100, ~6-8 min):
     python bench/lora_moe.py --device cuda --out $OUT/lora_moe.json
+the LoRA parts only (~3.5 min):
+    python bench/lora_moe.py --device cuda --parts lora,lora_rollout --out $OUT/lora_moe_lora.json
 CPU smoke run (tiny shapes, seconds):
     python bench/lora_moe.py --smoke --out /tmp/lora_moe.json
 """
@@ -158,7 +163,7 @@ def part_lora(a, device, results):
             seconds, peak = time_step(engine, tree, loss_fn, optimizer, a.repeats)
             rows.append(dict(kind=kind, mode=mode, seconds=seconds, peak_gib=peak, plan=engine.stats.plan,
                              trainable_params=sum(p.numel() for p in trainable), flat_tokens=tree.num_flat_tokens,
-                             tree_tokens=tree.num_tree_tokens))
+                             tree_tokens=tree.num_tree_tokens, trainable_dtype=str(trainable[0].dtype)))
             print(f"lora part: {kind:>4} {mode:>4}: {seconds:.3f} s/step, peak {peak} GiB", flush=True)
         del model, optimizer, engine, trainable
         free()
@@ -173,7 +178,10 @@ def part_lora(a, device, results):
 
 def part_lora_rollout(a, device, results):
     """Rollout of the LoRA model (merged weights in the decode blocks' copies) against the
-    base model, and the cost of refreshing the merged copies after an optimizer step."""
+    base model: tok/s of a warm ``generate`` (best of ``--repeats``), split into its parts:
+    the stream-start refresh of the (merged) copies (also the cost of ``update_weights``
+    after an optimizer step), the prompts' prefill (one Hugging Face forward of all prompts:
+    the LoRA model's runs PEFT's layers) and the rest, the decode steps (per step)."""
     out = {}
     for kind in ("base", "lora"):
         model = build_model("qwen3", a.lora_shape, dtype=a.dtype, device=device, seed=0)
@@ -185,23 +193,45 @@ def part_lora_rollout(a, device, results):
         prompts = [torch.randint(0, vocab, (a.rollout_prompt_len,), generator=g).tolist()
                    for _ in range(a.rollout_prompts)]
         params = SamplingParams(n=a.rollout_group, temperature=1.0, max_new_tokens=a.rollout_new_tokens // 2, seed=0)
-        engine.generate(prompts, params)
-        sync(device)
-        t0 = time.perf_counter()
-        groups = engine.generate(prompts, params)
-        sync(device)
-        seconds = time.perf_counter() - t0
+        engine.generate(prompts, params)  # compile + capture
+        seconds = float("inf")
+        for _ in range(a.repeats):
+            sync(device)
+            t0 = time.perf_counter()
+            groups = engine.generate(prompts, params)
+            sync(device)
+            seconds = min(seconds, time.perf_counter() - t0)
+        stats = engine.stats
         tokens = sum(len(c.completion_ids) for grp in groups for c in grp.completions)
-        sync(device)
-        t0 = time.perf_counter()
-        engine.update_weights(model)  # the trainer's path after each optimizer step: refresh the (merged) copies
-        sync(device)
-        out[kind] = dict(tok_per_s=tokens / seconds, refresh_seconds=time.perf_counter() - t0)
+        refresh = best_of(a.repeats, device, lambda: engine.update_weights(model))  # refresh the (merged) copies
+        ids = torch.tensor(prompts, device=device)
+        with torch.no_grad():
+            prefill = best_of(a.repeats, device, lambda: model(input_ids=ids, logits_to_keep=1))
+        decode = seconds - refresh - prefill
+        out[kind] = dict(tok_per_s=tokens / seconds, seconds=seconds, refresh_seconds=refresh, prefill_seconds=prefill,
+                         decode_ms_per_step=1e3 * decode / max(1, stats.decode_steps), decode_steps=stats.decode_steps,
+                         step_builds=stats.step_builds, cuda_graphs=engine.cuda_graphs,
+                         decode_compiled=engine.decode_forward.compiled if engine.decode_forward else None,
+                         adapter_dtype=str(next((p.dtype for n, p in model.named_parameters() if "lora_" in n), None)))
         print(f"lora_rollout part: {kind}: {out[kind]}", flush=True)
         del model, engine
         free()
     out["lora_vs_base_tok_per_s"] = out["lora"]["tok_per_s"] / out["base"]["tok_per_s"]
+    out["lora_vs_base_decode_step"] = out["lora"]["decode_ms_per_step"] / out["base"]["decode_ms_per_step"]
     results["lora_rollout"] = out
+
+
+def best_of(repeats: int, device, fn) -> float:
+    """Fewest seconds of ``fn()`` over ``repeats`` calls (after one warm-up call)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def moe_model(a, device, dtype=None):
@@ -366,11 +396,15 @@ def routing_agreement(a, model, device) -> dict:
                 note="eager decode blocks (no CUDA graphs) vs eager trainer blocks, bf16")
 
 
+PARTS = ("lora", "moe", "rollout", "stability", "lora_rollout")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--parts", default="lora,moe,rollout,stability,lora_rollout")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help="comma-separated parts to run, in this order (e.g. lora,lora_rollout: the LoRA ones only)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (a check that the script runs)")
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--moe-layers", type=int, default=4)
@@ -390,8 +424,13 @@ def main(argv=None) -> int:
     device = torch.device(a.device)
     results: dict = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                          torch=torch.__version__, date=time.strftime("%Y-%m-%d"), smoke=a.smoke, errors={})
-    results["matmul_peak_tflops"] = matmul_peak_tflops(device)
-    results["copy_bandwidth_Bps"] = copy_bandwidth(device)
+    names = a.parts.split(",")
+    unknown = [n for n in names if n not in PARTS]
+    if unknown:
+        p.error(f"--parts: unknown part {unknown[0]!r}; the parts are {','.join(PARTS)}")
+    # measured only when a part uses them (a short call of --parts lora,lora_rollout skips both)
+    results["matmul_peak_tflops"] = matmul_peak_tflops(device) if "moe" in names else None
+    results["copy_bandwidth_Bps"] = copy_bandwidth(device) if "rollout" in names else None
 
     def save():
         if a.out is not None:
@@ -403,7 +442,7 @@ def main(argv=None) -> int:
                  rollout=lambda: part_rollout(a, device, results, results["copy_bandwidth_Bps"]),
                  stability=lambda: part_stability(a, device, results),
                  lora_rollout=lambda: part_lora_rollout(a, device, results))
-    for name in a.parts.split(","):
+    for name in names:
         t0 = time.perf_counter()
         try:
             parts[name]()

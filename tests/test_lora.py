@@ -128,6 +128,62 @@ def test_effective_weight_is_the_merged_weight(gen):
     assert not torch.equal(effective_weight(q), q.base_layer.weight)  # the adapter really changes it
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     assert torch.allclose(model(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=0, atol=1e-12)
+    # written in place into rows of a larger tensor (the decode blocks' fused copies)
+    room = torch.full((q.out_features + 3, q.in_features), float("nan"), dtype=torch.float64)
+    out = effective_weight(q, out=room[3:])
+    assert out.data_ptr() == room[3:].data_ptr() and torch.isnan(room[:3]).all()
+    assert torch.allclose(room[3:], merged.model.layers[1].self_attn.q_proj.weight, rtol=0, atol=1e-14)
+    plain = merged.model.layers[1].self_attn.q_proj
+    assert effective_weight(plain) is plain.weight
+    assert torch.equal(effective_weight(plain, out=torch.empty_like(plain.weight)), plain.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_adapters_are_kept_in_the_model_dtype(tmp_path, dtype):
+    """A bf16 model trains bf16 adapters (PEFT would upcast them to float32, and every
+    adapter product would run in float32 on an input cast to float32), fresh or loaded."""
+    from treerl.lora import load_adapter
+    from treerl.models import build_model
+
+    model = apply_lora(build_model("qwen3", "tiny", dtype=dtype), {"rank": 4})
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {dtype}
+    model.save_pretrained(tmp_path)
+    loaded = load_adapter(build_model("qwen3", "tiny", dtype=dtype), tmp_path, trainable=True)
+    assert {p.dtype for n, p in loaded.named_parameters() if "lora_" in n} == {dtype}
+
+
+def test_a_decode_step_runs_no_adapter_product(gen):
+    """The decode blocks use the merged copies only: no PEFT LoRA layer runs in a decode
+    step (the prefill, the Hugging Face forward, runs them)."""
+    model = lora_model(tiny(torch.float64, seed=3), gen)
+    engine = RolloutEngine(model, max_batch_tokens=4096)
+    calls = {"decode": 0, "other": 0}
+    where = ["other"]
+
+    def count(module, args):
+        calls[where[0]] += 1
+
+    hooks = [m.register_forward_pre_hook(count) for m in model.modules() if hasattr(m, "base_layer")]
+    decode = engine.decode_forward
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(decode, name)
+
+        def __call__(self, *args):
+            where[0] = "decode"
+            try:
+                return decode(*args)
+            finally:
+                where[0] = "other"
+
+    engine.decode_forward = Counting()
+    try:
+        engine.generate(random_prompts([5, 9], seed=4), sampling(6, n=2))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert engine.stats.decode_steps > 0 and calls == {"decode": 0, "other": calls["other"]} and calls["other"] > 0
 
 
 def test_rollout_greedy_equals_full_forwards_before_and_after_an_update(gen):
@@ -137,7 +193,7 @@ def test_rollout_greedy_equals_full_forwards_before_and_after_an_update(gen):
     base = tiny(torch.float64, seed=3)
     model = lora_model(base, gen, rank=8)
     engine = RolloutEngine(model, max_batch_tokens=4096)
-    assert engine.decode_forward is not None and engine.decode_forward.fused.lora
+    assert engine.decode_forward is not None and all(w is not None for w in engine.decode_forward.fused.o_w)  # merged copies
     prompts = random_prompts([5, 9, 3], seed=4)
     params = sampling(16, n=1)
     for step in range(2):

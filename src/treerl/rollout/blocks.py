@@ -28,10 +28,12 @@ weight updates and a model shared with the trainer all keep working); the math i
 modules' own forward, reordered. Any other causal LM decodes through its HF forward.
 
 LoRA (a PEFT model): the fused copies hold the *merged* weights ``W + scaling x B @ A``
-(:func:`treerl.lora.effective_weight`), and so do copies of the output and down
-projections; they are refreshed with the other copies (every stream, every
-``update_weights``: after each optimizer step), so a decode step costs what the base
-model's does. Mixture of experts (Qwen3-MoE): the sparse MLP runs through
+(:func:`treerl.lora.effective_weight`, one ``addmm`` into the copy per projection), and so
+do copies of the output and down projections; they are refreshed with the other copies
+(every stream, every ``update_weights``: after each optimizer step), so a decode step is
+the base model's, kernel for kernel (no adapter product runs in it). The prompts' prefill
+runs the model's Hugging Face forward, through PEFT's layers (base product + the two
+adapter products, in the model's dtype: :mod:`treerl.lora`). Mixture of experts (Qwen3-MoE): the sparse MLP runs through
 :func:`treerl.moe.moe_forward` (routing, grouped expert GEMMs; bf16 on CUDA for graph capture).
 """
 
@@ -94,33 +96,36 @@ def _post(layer: torch.nn.Module, hidden: torch.Tensor, o_own: torch.Tensor, l_o
 
 
 def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
-    return getattr(getattr(linear, "base_layer", linear), "bias", None)
+    return getattr(_base(linear), "bias", None)
 
 
 class FusedProjections:
     """Per layer, the Q/K/V projection weights (and biases) concatenated into one matrix, and
     the MLP's gate/up (dense MLPs only): one matrix product each instead of three and two (a
     decode step's small products are latency-bound); with LoRA adapters the weights are the
-    merged ones, and the output and down projections get merged copies too. Copies of the
-    model's parameters (memory: those weights once more), copied again in place at the start
-    of every stream and after ``update_weights``: the only points where the parameters can
-    have changed (a shared policy is trained between streams; a fused optimizer step bumps no
-    version counter, so a change cannot be detected cheaply and is not guessed at)."""
+    merged ones (:func:`treerl.lora.effective_weight`: one ``addmm`` per projection, written
+    straight into the copy's rows), and the output and down projections get merged copies
+    too. Copies of the model's parameters (memory: those weights once more), written again
+    in place at the start of every stream and after ``update_weights``: the only points where
+    the parameters can have changed (a shared policy is trained between streams; a fused
+    optimizer step bumps no version counter, so a change cannot be detected cheaply and is
+    not guessed at). Building and refreshing are one path: the copies are allocated, then
+    :meth:`refresh` fills them."""
 
     def __init__(self, layers):
         self.layers = list(layers)
-        self.lora = any(hasattr(m, "base_layer") for layer in self.layers for m in layer.modules())
         self.qkv_w, self.qkv_b, self.gate_up_w, self.gate_up_b, self.o_w, self.down_w = [], [], [], [], [], []
         for layer in self.layers:
-            w, bias = self._cat(self._qkv(layer))
+            w, bias = self._alloc(self._qkv(layer))
             self.qkv_w.append(w)
             self.qkv_b.append(bias)
             dense = self._gate_up(layer)
-            w, bias = self._cat(dense) if dense else (None, None)
+            w, bias = self._alloc(dense) if dense else (None, None)
             self.gate_up_w.append(w)
             self.gate_up_b.append(bias)
-            self.o_w.append(self._merged(layer.self_attn.o_proj))
-            self.down_w.append(self._merged(layer.mlp.down_proj) if dense else None)
+            self.o_w.append(self._alloc_merged(layer.self_attn.o_proj))
+            self.down_w.append(self._alloc_merged(layer.mlp.down_proj) if dense else None)
+        self.refresh()
 
     @staticmethod
     def _qkv(layer) -> list:
@@ -132,35 +137,44 @@ class FusedProjections:
         mlp = layer.mlp
         return None if is_moe_block(mlp) else [mlp.gate_proj, mlp.up_proj]
 
-    def _merged(self, linear) -> torch.Tensor | None:
-        """A merged copy of a LoRA layer's weight (None for a plain layer: called as it is)."""
-        if not hasattr(linear, "base_layer"):
-            return None
-        with torch.no_grad():
-            return effective_weight(linear).detach().clone()
+    @staticmethod
+    def _alloc_merged(linear) -> torch.Tensor | None:
+        """Room for a merged copy of a LoRA layer's weight (None for a plain layer: called as it is)."""
+        return torch.empty_like(_base(linear).weight) if hasattr(linear, "base_layer") else None
 
     @staticmethod
-    def _cat(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
-        with torch.no_grad():
-            w = torch.cat([effective_weight(m) for m in linears])
-            if all(_bias(m) is None for m in linears):
-                return w, None
-            return w, torch.cat([_bias(m) if _bias(m) is not None else w.new_zeros(m.out_features) for m in linears])
+    def _alloc(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Room for the concatenated weights ``[sum out, in]`` and biases (None: no layer has one)."""
+        w = _base(linears[0]).weight
+        rows = sum(_base(m).weight.shape[0] for m in linears)
+        bias = None if all(_bias(m) is None for m in linears) else w.new_empty(rows)
+        return w.new_empty(rows, w.shape[1]), bias
 
     def refresh(self) -> None:
-        """Copy the parameters again, in place (captured CUDA graphs keep their pointers)."""
+        """Write the (merged) weights into the copies again, in place (captured CUDA graphs keep
+        their pointers)."""
         with torch.no_grad():
             for i, layer in enumerate(self.layers):
                 pairs = [(self.qkv_w[i], self.qkv_b[i], self._qkv(layer))]
                 if self.gate_up_w[i] is not None:
                     pairs.append((self.gate_up_w[i], self.gate_up_b[i], self._gate_up(layer)))
                 for dst_w, dst_b, linears in pairs:
-                    torch.cat([effective_weight(m) for m in linears], out=dst_w)
-                    if dst_b is not None:
-                        dst_b.copy_(self._cat(linears)[1])
+                    row = 0
+                    for m in linears:
+                        n = _base(m).weight.shape[0]
+                        effective_weight(m, out=dst_w[row:row + n])
+                        if dst_b is not None:
+                            bias = _bias(m)
+                            dst_b[row:row + n].copy_(bias if bias is not None else torch.zeros_like(dst_b[:n]))
+                        row += n
                 for dst, linear in ((self.o_w[i], layer.self_attn.o_proj), (self.down_w[i], getattr(layer.mlp, "down_proj", None))):
                     if dst is not None:
-                        dst.copy_(effective_weight(linear))
+                        effective_weight(linear, out=dst)
+
+
+def _base(linear: torch.nn.Module) -> torch.nn.Module:
+    """A PEFT LoRA layer's base layer, or the layer itself."""
+    return getattr(linear, "base_layer", linear)
 
 
 _PRE, _POST = LazyCompiled(_pre, "decode blocks"), LazyCompiled(_post, "decode blocks")
