@@ -258,6 +258,6 @@ def test_a_trainer_step_with_the_router_aux_loss(tmp_path):
     assert metrics["loss/router_aux"] > 0 and not torch.equal(gate, before)
     with pytest.raises(ConfigError, match="router_aux_coef > 0 needs a mixture-of-experts model"):
         Trainer(Config.from_yaml(None, base + ["algorithm.router_aux_coef=0.01"]))
-    with pytest.raises(ConfigError, match="router_aux_coef must be >= 0"):
+    with pytest.raises(ConfigError, match="algorithm.router_aux_coef: -1.0 is not allowed; allowed: >= 0"):
         Trainer(Config.from_yaml(None, base + ["model.family=qwen3_moe", "model.shape=tiny-moe",
                                                "algorithm.router_aux_coef=-1"]))

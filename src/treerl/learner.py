@@ -341,11 +341,9 @@ class Learner:
 
 # ------------------------------------------------------------------ functions
 def check_router_aux(cfg: Config, model: torch.nn.Module, dist) -> float:
-    """``algorithm.router_aux_coef``, checked: >= 0; > 0 needs a mixture-of-experts policy
-    and one process (the routing counts are not yet reduced over ranks)."""
+    """``algorithm.router_aux_coef`` (its range is the config's): > 0 needs a mixture-of-experts
+    policy and one process (the routing counts are not yet reduced over ranks)."""
     coef = cfg.algorithm.router_aux_coef
-    if coef < 0:
-        raise ConfigError(f"algorithm.router_aux_coef must be >= 0, got {coef}")
     if coef and not is_moe_model(model):
         raise ConfigError("algorithm.router_aux_coef > 0 needs a mixture-of-experts model (e.g. model.family=qwen3_moe)")
     if coef and dist is not None:
