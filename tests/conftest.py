@@ -382,3 +382,11 @@ def after_each_forward(model: torch.nn.Module, fn) -> _Handles:
     pre = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
     post = model.get_output_embeddings().register_forward_hook(lambda module, args, output: fn(seen.pop()))
     return _Handles(pre, post)
+
+
+# A small forest (every engine mode exercised: chains, fans, 1-token nodes) and per-mode settings
+# that split it into several calls: the exactness tests of model variants (LoRA, MoE) share them.
+SMALL_SPEC = [(6, [(3, [(4, []), (2, [(3, []), (3, [])])]), (5, []), (1, [(1, []), (1, [])])]), (4, []),
+              (9, [(2, []), (3, [])])]
+SMALL_MODE_KW = {"flat": dict(max_tokens=20), "packed": dict(max_tokens=48), "dfs": dict(chunk_tokens=4),
+                 "auto": dict(max_tokens=11, chunk_tokens=4)}

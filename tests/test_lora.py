@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from conftest import (
+    SMALL_MODE_KW,
+    SMALL_SPEC,
     FLOOR,
     TOL,
     RandomLoss,
@@ -31,9 +33,7 @@ from treerl.models import decoder_of
 from treerl.rollout import RolloutEngine
 from treerl.trainer import Trainer
 
-SPEC = [(6, [(3, [(4, []), (2, [(3, []), (3, [])])]), (5, []), (1, [(1, []), (1, [])])]), (4, []), (9, [(2, []), (3, [])])]
-MODE_KW = {"flat": dict(max_tokens=20), "packed": dict(max_tokens=48), "dfs": dict(chunk_tokens=4),
-           "auto": dict(max_tokens=11, chunk_tokens=4)}
+SPEC, MODE_KW = SMALL_SPEC, SMALL_MODE_KW
 
 
 def lora_model(base: torch.nn.Module, gen: torch.Generator, rank: int = 4, targets=None) -> torch.nn.Module:

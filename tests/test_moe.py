@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from conftest import (
+    SMALL_MODE_KW,
+    SMALL_SPEC,
     FLOOR,
     TOL,
     VOCAB,
@@ -30,9 +32,7 @@ from treerl import TreeEngine, moe
 from treerl.models import build_model, load_model, rmsnorm_in_input_precision, runs_own_loop
 from treerl.rollout import RolloutEngine
 
-SPEC = [(6, [(3, [(4, []), (2, [(3, []), (3, [])])]), (5, []), (1, [(1, []), (1, [])])]), (4, []), (9, [(2, []), (3, [])])]
-MODE_KW = {"flat": dict(max_tokens=20), "packed": dict(max_tokens=48), "dfs": dict(chunk_tokens=4),
-           "auto": dict(max_tokens=11, chunk_tokens=4)}
+SPEC, MODE_KW = SMALL_SPEC, SMALL_MODE_KW
 
 
 def moe_model(dtype=torch.float64, seed=0, vocab_size=VOCAB, **overrides):
