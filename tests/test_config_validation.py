@@ -54,6 +54,9 @@ from treerl.config import Config, ConfigError
     ("rollout.max_batch_tokens=0", "rollout.max_batch_tokens: 0 is not allowed; allowed: >= 1"),
     ("rollout.prefill_chunk_tokens=-8", "rollout.prefill_chunk_tokens: -8 is not allowed; allowed: >= 1"),
     ("rollout.cuda_graphs=maybe", "rollout.cuda_graphs: expected true or false, got 'maybe'"),
+    ("rollout.keep_stream_buffers=sometimes", "rollout.keep_stream_buffers: expected true or false, got 'sometimes'"),
+    ("train.trust_checkpoint=perhaps", "train.trust_checkpoint: expected true or false, got 'perhaps'"),
+    ("algorithm.router_aux_coef=-0.5", "algorithm.router_aux_coef: -0.5 is not allowed; allowed: >= 0"),
     ("async.workers=0", "async.workers: 0 is not allowed; allowed: >= 1"),
     ("task.agent_timeout_s=0", "task.agent_timeout_s: 0.0 is not allowed; allowed: > 0"),
 ])
