@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from treerl.rollout import SamplingParams, StopChecker, apply_top_k, apply_top_p, sample, sampling_distribution
-from treerl.rollout.sampling import apply_min_p, row_seed, sample_rows
+from treerl.rollout.sampling import apply_min_p, row_seed, sample_rows, seeded_exponential
 
 NEG = float("-inf")
 
@@ -218,3 +218,27 @@ def test_seeded_rows_do_not_depend_on_the_batch():
              for s in range(40)}
     assert len(draws) > 3  # the seed matters
     assert row_seed(7, (0,), 3) != row_seed(7, (1,), 3) != row_seed(7, (0,), 4)
+
+
+def test_seeded_noise_is_the_splitmix_hash_of_seed_and_token_and_exponential():
+    """Seeded rows' noise, batched in torch int64 (products wrap), equals splitmix64 of
+    (seed, token) computed with Python integers, and is Exp(1) distributed."""
+    import math
+
+    mask = (1 << 64) - 1
+
+    def reference(seed: int, token: int) -> float:
+        x = (seed + (token + 1) * 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        x ^= x >> 31
+        return -math.log(((x >> 11) + 0.5) / 2**53)
+
+    seeds = [row_seed(7, (0,), 3), row_seed(7, (1,), 3), row_seed(123, (2, 1), 0)]
+    noise = seeded_exponential(torch.tensor(seeds), 50_000)
+    for i, seed in enumerate(seeds):
+        for token in (0, 1, 777, 49_999):
+            assert noise[i, token].item() == reference(seed, token)
+    assert (noise[:, 0] != noise[:, 1]).all() and not torch.equal(noise[0], noise[1])
+    assert torch.allclose(noise.mean(dim=1), torch.ones(3, dtype=torch.float64), atol=0.03)
+    assert torch.allclose(noise.var(dim=1), torch.ones(3, dtype=torch.float64), atol=0.06)

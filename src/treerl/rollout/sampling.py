@@ -122,9 +122,10 @@ def sample_rows(
         kept = scaled.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
         kept = apply_min_p(kept, min_p.to(logits.dtype))
     race = torch.empty_like(logp_all).exponential_(generator=generator)
-    for row, seed in (seeds or {}).items():
-        own = torch.Generator(device=race.device).manual_seed(seed)
-        race[row] = torch.empty_like(race[row]).exponential_(generator=own)
+    if seeds:  # seeded rows: their own noise, from their seeds alone, in one batched pass
+        rows = torch.tensor(list(seeds), dtype=torch.int64, device=race.device)
+        row_seeds = torch.tensor(list(seeds.values()), dtype=torch.int64, device=race.device)
+        race[rows] = seeded_exponential(row_seeds, V).to(race.dtype)
     race.clamp_(min=torch.finfo(race.dtype).tiny)
     tokens = torch.where(greedy, logits.argmax(dim=-1), (kept - race.log()).argmax(dim=-1))
     return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
@@ -143,6 +144,29 @@ def row_seed(seed: int, branch: tuple[int, ...], step: int) -> int:
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
         x ^= x >> 31
     return x >> 1
+
+
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 torch holds it (two's complement)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 ``x`` (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def seeded_exponential(row_seeds: torch.Tensor, V: int) -> torch.Tensor:
+    """``[R, V]`` float64 Exp(1) noise that depends only on each row's seed (``row_seeds
+    [R]`` int64, from :func:`row_seed`) and the token index: a splitmix64 hash of (seed,
+    token) per element (int64 products wrap, as the hash wants), its top 53 bits a uniform
+    ``u`` in (0, 1), noise ``-log u``. No generator, no loop over rows."""
+    x = row_seeds[:, None] + torch.arange(1, V + 1, dtype=torch.int64, device=row_seeds.device) * _signed(0x9E3779B97F4A7C15)
+    x = (x ^ _shift_right(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _shift_right(x, 27)) * _signed(0x94D049BB133111EB)
+    x = x ^ _shift_right(x, 31)
+    u = (_shift_right(x, 11).to(torch.float64) + 0.5) / float(1 << 53)
+    return -torch.log(u)
 
 
 def _race_argmax(logp: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
