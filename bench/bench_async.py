@@ -1,5 +1,5 @@
 """Asynchronous vs synchronous RL: wall-clock time to train the same number of samples on
-a workload with long-tailed generation lengths (``treerl.async_rl.longtail``: Pareto
+a workload with long-tailed generation lengths (``treerl.devtools.longtail``: Pareto
 lengths, most completions short, a few up to ``--max-tokens``), same model, task and
 hardware.
 
@@ -36,7 +36,7 @@ import time
 import torch
 
 from treerl.async_rl import AsyncOptions, AsyncRunner
-from treerl.async_rl.longtail import register
+from treerl.devtools.longtail import register
 from treerl.config import Config
 from treerl.models import SHAPES
 from treerl.trainer import Trainer
@@ -87,7 +87,7 @@ def run_async(args, eta: int) -> dict:
     cfg = make_config(args, args.trainer_device, eta)
     trainer = Trainer(cfg)
     options = AsyncOptions(worker_devices=args.worker_devices, worker_threads=1, proximal=args.proximal,
-                           setup="treerl.async_rl.longtail:register", deadline_s=args.deadline)
+                           setup="treerl.devtools.longtail:register", deadline_s=args.deadline)
     runner = AsyncRunner(cfg, trainer, options, out_dir=args.out)
     stale, train_s, lengths = [], [0.0], []
 

@@ -55,7 +55,7 @@ from treerl.distributed import (
     tree_features,
 )
 from treerl.models import SHAPES
-from treerl.workloads import SCALES, make_workload
+from treerl.devtools.workloads import SCALES, make_workload
 
 BASELINES = ("greedy", "contiguous", "trees")
 
@@ -126,8 +126,8 @@ def make_engine(args):
 
 
 def time_tree(engine, tree: PrefixTree, repeats: int, warmup: int, seed: int = 0) -> float:
-    """Median seconds of one forward_backward (CUDA-synchronised), as treerl.benchmark."""
-    from treerl.benchmark import time_forward_backward, weighted_logprob_loss
+    """Median seconds of one forward_backward (CUDA-synchronised), as treerl.devtools.benchmark."""
+    from treerl.devtools.benchmark import time_forward_backward, weighted_logprob_loss
 
     seconds, _, _ = time_forward_backward(engine, tree, weighted_logprob_loss(tree, seed), repeats, warmup)
     return seconds

@@ -14,7 +14,7 @@
     and ``auto-fixed`` (``auto`` with ``max_tokens`` fixed below the trees' sizes, 8192 at
     ``paper``, the previous default: the prefix nodes run as chains of chunks, the
     subtrees below packed) on the ``agentic`` and ``long`` workloads of
-    :mod:`treerl.workloads` with half their groups (to fit a GPU run in ~6 minutes):
+    :mod:`treerl.devtools.workloads` with half their groups (to fit a GPU run in ~6 minutes):
     seconds, peak memory, and the FLOPs recomputed. (``auto`` with ``max_tokens`` = the
     chunk would plan exactly as ``dfs``.) Recomputed FLOPs =
     tokens the plan runs beyond the unique tree tokens (the two-phase no-grad forward,
@@ -25,7 +25,7 @@
     chunk size leaves the plan unchanged from the previous point, the row is that point's
     measurement again (marked ``same_plan_as``), not a new run.
 
-Useful FLOPs and TFLOP/s follow DESIGN.md (:func:`treerl.benchmark.useful_flops`): matmuls
+Useful FLOPs and TFLOP/s follow DESIGN.md (:func:`treerl.devtools.benchmark.useful_flops`): matmuls
 6 x (non-embedding + LM head params) per unique token, attention 12 x heads x head_dim x
 layers per visible (query, key) pair; % of ``--peak-tflops``.
 
@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from treerl import PrefixTree, TreeEngine
-from treerl.benchmark import (
+from treerl.devtools.benchmark import (
     DEFAULT_PEAK_TFLOPS,
     matmul_params,
     time_forward_backward,
@@ -61,7 +61,7 @@ from treerl.benchmark import (
     weighted_logprob_loss,
 )
 from treerl.models import SHAPES, build_model
-from treerl.workloads import SCALES, distinct_starts, make_workload
+from treerl.devtools.workloads import SCALES, distinct_starts, make_workload
 
 # (groups, G samples, sequence length L) of the sharing sweep, per workload scale.
 SHARING_SHAPES = {"paper": (1, 32, 1024), "small": (1, 32, 96), "tiny": (1, 24, 48)}

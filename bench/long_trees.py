@@ -15,15 +15,15 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    take what the budget leaves beside a recomputed call) and the budget, against the measured
    peak of activations (``max_memory_allocated`` above weights and gradients) for trees shaped
    like the 32k-token prefix (``workloads.memory_sweep_tree``) of 4k..64k tokens, at defaults.
-3. **workloads**: ``long_prefix`` and ``episodes`` (``treerl.workloads``) through ``auto``
+3. **workloads**: ``long_prefix`` and ``episodes`` (``treerl.devtools.workloads``) through ``auto``
    and ``dfs`` at defaults, plus A/B variants: ``auto-noreuse`` (phase 2 recomputes the K/V
    of phase 1's last path, as before), ``auto-tiles`` / ``dfs-tiles`` (calls after a prefix
-   on whole flex tiles, ``treerl.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget).
+   on whole flex tiles, ``treerl.engine.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget).
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan.
 4. **attention**: one layer's attention forward+backward (Qwen3-1.7B heads: 16 query / 8 KV
    of 128, bf16) on one causal sequence of 8k/16k/32k tokens: the engine's tree attention
-   (flex on whole tiles with the tree block mask, ``treerl.attention.flex_tree_attention``)
+   (flex on whole tiles with the tree block mask, ``treerl.engine.attention.flex_tree_attention``)
    against SDPA's causal cuDNN and flash kernels; and a chain piece after a long prefix
    (2,048 queries after 30,720 keys: the engine's prefix call) through flex (as the engine
    calls it, and on whole tiles: ``PREFIX_AS_TILES``) against SDPA flash with the causal mask
@@ -52,11 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_engine import matmul_peak  # noqa: E402
 
 from treerl import PrefixTree, TreeEngine  # noqa: E402
-from treerl.benchmark import time_forward_backward, useful_flops, weighted_logprob_loss  # noqa: E402
+from treerl.devtools.benchmark import time_forward_backward, useful_flops, weighted_logprob_loss  # noqa: E402
 from treerl.models import build_model  # noqa: E402
-from treerl.workloads import SCALES, make_workload, memory_sweep_tree  # noqa: E402
+from treerl.devtools.workloads import SCALES, make_workload, memory_sweep_tree  # noqa: E402
 
-VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, treerl.attention switches)
+VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, treerl.engine.attention switches)
     "auto": (dict(mode="auto"), {}, {}),
     "dfs": (dict(mode="dfs"), {}, {}),
     "auto-noreuse": (dict(mode="auto"), dict(reuse_forward_kv=False), {}),
@@ -68,8 +68,8 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
 
 @contextlib.contextmanager
 def switches(name: str):
-    """The variant's ``treerl.attention`` switches for the duration of its rows."""
-    import treerl.attention as attention
+    """The variant's ``treerl.engine.attention`` switches for the duration of its rows."""
+    import treerl.engine.attention as attention
 
     before = {key: getattr(attention, key) for key in VARIANTS[name][2]}
     for key, value in VARIANTS[name][2].items():
@@ -201,7 +201,7 @@ def attention(run: Run, device, dtype) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
-    from treerl.attention import flex_block_mask, flex_tree_attention
+    from treerl.engine.attention import flex_block_mask, flex_tree_attention
 
     heads, kv_heads, dim = 16, 8, 128
     rows = []

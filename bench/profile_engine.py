@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from treerl import PrefixTree, TreeEngine
-from treerl.benchmark import NaiveLoop, time_forward_backward, useful_flops, weighted_logprob_loss
+from treerl.devtools.benchmark import NaiveLoop, time_forward_backward, useful_flops, weighted_logprob_loss
 from treerl.models import build_model
-from treerl.workloads import SCALES, make_workload
+from treerl.devtools.workloads import SCALES, make_workload
 
 CONFIGS = {
     "auto-8192-eager": dict(mode="auto", max_tokens=8192, compile=False),

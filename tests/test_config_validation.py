@@ -116,10 +116,10 @@ def test_choices_match_the_modules_that_use_them():
     from treerl import config as c
     from treerl.agents.rollout import BACKENDS
     from treerl.async_rl.weights import TRANSFERS
-    from treerl.attention import BACKENDS as ATTENTION
+    from treerl.engine.attention import BACKENDS as ATTENTION
     from treerl.learner import lr_lambda
     from treerl.models import DTYPES, FAMILIES, SHAPES
-    from treerl.plan import MODES
+    from treerl.engine.plan import MODES
     from treerl.rl.aggregation import AGGREGATIONS
     from treerl.rl.kl import KL_ESTIMATORS
     from treerl.rl.losses import RATIO_LEVELS

@@ -80,7 +80,7 @@ def test_every_mode_equals_the_reference(mode, gen):
 def test_block_recompute_runs_the_adapters(gen):
     """A memory budget small enough that calls recompute their blocks in the backward,
     with adapters on some projections only (a layer's K/V then depend on no trained weight)."""
-    from treerl.memory import MemoryModel
+    from treerl.engine.memory import MemoryModel
 
     # 16 layers: recomputing blocks holds far fewer bytes per token than not (test_engine_memory)
     model = lora_model(get_model("qwen3", num_hidden_layers=16), gen, targets=["q_proj", "v_proj", "down_proj"])
@@ -164,7 +164,7 @@ def test_a_decode_step_runs_no_adapter_product(gen):
         calls[where[0]] += 1
 
     hooks = [m.register_forward_pre_hook(count) for m in model.modules() if hasattr(m, "base_layer")]
-    decode = engine.decode_forward
+    decode = engine.decode_blocks
 
     class Counting:
         def __getattr__(self, name):
@@ -177,7 +177,7 @@ def test_a_decode_step_runs_no_adapter_product(gen):
             finally:
                 where[0] = "other"
 
-    engine.decode_forward = Counting()
+    engine.decode_blocks = Counting()
     try:
         engine.generate(random_prompts([5, 9], seed=4), sampling(6, n=2))
     finally:
@@ -193,7 +193,7 @@ def test_rollout_greedy_equals_full_forwards_before_and_after_an_update(gen):
     base = tiny(torch.float64, seed=3)
     model = lora_model(base, gen, rank=8)
     engine = RolloutEngine(model, max_batch_tokens=4096)
-    assert engine.decode_forward is not None and all(w is not None for w in engine.decode_forward.fused.o_w)  # merged copies
+    assert engine.decode_blocks is not None and all(w is not None for w in engine.decode_blocks.fused.o_w)  # merged copies
     prompts = random_prompts([5, 9, 3], seed=4)
     params = sampling(16, n=1)
     for step in range(2):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .config import Config
-from .engine import TreeEngine
+from .engine.tree_engine import TreeEngine
 from .models import build_model, load_model
 from .tasks.base import Task
 

@@ -19,7 +19,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from .config import ConfigError
     from .learner import NonFiniteError
     from .tasks.base import DatasetError, RewardError
-    from .tree_stats import RolloutsError
+    from .devtools.tree_stats import RolloutsError
 
     return (ConfigError, CheckpointError, DatasetError, RewardError, RolloutsError, NonFiniteError, FileNotFoundError)
 
@@ -115,7 +115,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .benchmark import main as bench_main, parser as bench_parser
+    from .devtools.benchmark import main as bench_main, parser as bench_parser
 
     if "-h" in args.rest or "--help" in args.rest:
         bench_parser().print_help()
@@ -139,7 +139,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_tree_stats(args: argparse.Namespace) -> int:
-    from .tree_stats import main as stats_main
+    from .devtools.tree_stats import main as stats_main
 
     return stats_main(args.rollouts, plot=args.plot)
 

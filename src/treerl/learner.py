@@ -31,7 +31,7 @@ from .build import Engines
 from .config import PROXIMAL, Config, ConfigError
 from .distributed import ranks
 from .distributed.data_parallel import DistContext, all_gather_objects, all_reduce_sum, gathered, gradient_step
-from .engine import TreeEngine
+from .engine.tree_engine import TreeEngine
 from .moe import is_moe_model
 from .moe_aux import forward_backward_with_router_aux
 from .rl import (
@@ -51,7 +51,7 @@ from .rl import (
 )
 from .rl.batch import TOKEN_FIELDS
 from .samples import Sample
-from .tree import PrefixTree
+from .engine.tree import PrefixTree
 
 
 

@@ -14,9 +14,9 @@ from typing import Sequence, TypeVar
 import torch
 
 from ..config import Config, ConfigError
-from ..engine import TreeEngine
+from ..engine.tree_engine import TreeEngine
 from ..samples import Sample
-from ..tree import PrefixTree
+from ..engine.tree import PrefixTree
 from . import data_parallel as dp
 from .partitioner import partition
 

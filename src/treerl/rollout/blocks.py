@@ -180,7 +180,7 @@ def _base(linear: torch.nn.Module) -> torch.nn.Module:
 _PRE, _POST = LazyCompiled(_pre, "decode blocks"), LazyCompiled(_post, "decode blocks")
 
 
-class DecodeForward:
+class DecodeBlocks:
     """One decode step of the running batch through the model's own modules (see the
     module docstring). ``compile``: the ``pre``/``post`` parts through ``torch.compile``.
     Call :meth:`applies` first: other families decode through their HF forward."""

@@ -10,7 +10,7 @@ from it into its :class:`~treerl.rollout.shared.SharedPrefixCache`.
 
 Decode steps of models decoded through their HF forward pass ``rollout_prefix=<that
 cache>`` through the model's kwargs, and :func:`rollout_attention` then runs
-:func:`~treerl.rollout.shared.tree_attention` (the prompt, the fork segments and the rows'
+:func:`~treerl.rollout.shared.fork_attention` (the prompt, the fork segments and the rows'
 own tokens, merged by log-sum-exp).
 
 The engine always passes a ready 4-D additive mask ``[rows, 1, q, length + q]``, so the
@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .shared import tree_attention
+from .shared import fork_attention
 
 ATTN_NAME = "treerl_rollout"
 
@@ -155,7 +155,7 @@ def rollout_attention(
     if shared is not None:
         groups = query.shape[0] // shared.G
         pk, pv = shared.prefix(module.layer_idx, groups)
-        return tree_attention(query, key, value, attention_mask, pk, pv, shared.prefix_mask,
+        return fork_attention(query, key, value, attention_mask, pk, pv, shared.prefix_mask,
                               shared.fork_levels(module.layer_idx, groups),
                               scaling if scaling is not None else query.shape[-1] ** -0.5, shared.G,
                               shared.backend(key.shape[2], pk.shape[2])), None
