@@ -218,43 +218,54 @@ def grad_batches(vocab: int, scale: str, block: int) -> dict:
     }
 
 
+def grad_row(model, ref_model, seqs, args, dta, row: dict) -> None:
+    """One batch of the gradient check into ``row`` (gradients held only in this call)."""
+    tree = PrefixTree.from_sequences(seqs)
+    loss_fn = weighted_logprob_loss(tree, args.seed)
+
+    def live(m) -> dict:
+        return {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    for m in (model, ref_model):
+        m.zero_grad(set_to_none=False)
+    reference = TreeEngine(ref_model, "auto", attention="sdpa", compile=False)
+    row["loss_ref"] = reference.forward_backward(tree, loss_fn, separable=True)
+    g_ref = grads(ref_model)
+    ref_model.zero_grad(set_to_none=False)
+    row["loss_treerl"] = TreerlRunner(model, "auto").step(seqs, loss_fn)
+    g_treerl = grads(model)
+    model.zero_grad(set_to_none=False)
+    row["treerl_vs_ref"] = rel_diff(g_treerl, g_ref)
+    if dta is None:
+        return
+    row["loss_dta"] = DTARunner(model, seqs, args.dta_block_size, dta).step(inputs_for("dta", seqs), loss_fn)
+    row["dta_vs_treerl"] = rel_diff(live(model), g_treerl)
+    row["dta_vs_ref"] = rel_diff(live(model), g_ref)
+    model.zero_grad(set_to_none=False)
+    del g_treerl
+    row["loss_dta_ref_dtype"] = DTARunner(ref_model, seqs, args.dta_block_size, dta).step(
+        inputs_for("dta", seqs), loss_fn)
+    row["dta_ref_dtype_vs_ref"] = rel_diff(live(ref_model), g_ref)
+
+
 def grad_check(model, device, args, dta, results, save) -> None:
     ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
     ref_model = copy.deepcopy(model).to(ref_dtype)
     vocab = model.get_input_embeddings().num_embeddings
     rows = results.setdefault("grad_check", [])
     for name, seqs in grad_batches(vocab, args.scale, args.dta_block_size).items():
+        longest = max(len(s) for s in seqs)
         tree = PrefixTree.from_sequences(seqs)
-        loss_fn = weighted_logprob_loss(tree, args.seed)
-        row = dict(batch=name, sequences=tree.num_sequences, flat_tokens=tree.num_flat_tokens,
-                   tree_tokens=tree.num_tree_tokens, longest=int(tree.seq_lengths.max()),
-                   dtype=str(next(model.parameters()).dtype), reference=f"treerl auto sdpa uncompiled {ref_dtype}")
+        row = dict(batch=name, sequences=len(seqs), flat_tokens=tree.num_flat_tokens, tree_tokens=tree.num_tree_tokens,
+                   longest=longest, dtype=str(next(model.parameters()).dtype),
+                   reference=f"treerl auto, SDPA, uncompiled, {ref_dtype}")
         try:
-            for m in (model, ref_model):
-                m.zero_grad(set_to_none=False)
-            row["loss_ref"] = TreeEngine(ref_model, "auto", attention="sdpa", compile=False).forward_backward(
-                tree, loss_fn, separable=True)
-            g_ref = grads(ref_model)
-            ref_model.zero_grad(set_to_none=False)
-            row["loss_treerl"] = TreerlRunner(model, "auto").step(seqs, loss_fn)
-            g_treerl = grads(model)
-            model.zero_grad(set_to_none=False)
-            row["treerl_vs_ref"] = rel_diff(g_treerl, g_ref)
-            if dta is not None:
-                row["loss_dta"] = DTARunner(model, seqs, args.dta_block_size, dta).step(inputs_for("dta", seqs), loss_fn)
-                g_dta = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-                row["dta_vs_treerl"] = rel_diff(g_dta, g_treerl)
-                row["dta_vs_ref"] = rel_diff(g_dta, g_ref)
-                del g_dta
-                model.zero_grad(set_to_none=False)
-                row["loss_dta_ref_dtype"] = DTARunner(ref_model, seqs, args.dta_block_size, dta).step(
-                    inputs_for("dta", seqs), loss_fn)
-                row["dta_ref_dtype_vs_ref"] = rel_diff(grads(ref_model), g_ref)
-            del g_ref, g_treerl
+            grad_row(model, ref_model, seqs, args, dta, row)
         except Exception as exc:  # a result, not a crash
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             traceback.print_exc()
-        model.zero_grad(set_to_none=False)
+        for m in (model, ref_model):
+            m.zero_grad(set_to_none=False)
         rows.append(row)
         print("grad_check", json.dumps(row), flush=True)
         save()
