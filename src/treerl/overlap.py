@@ -44,7 +44,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .engine.tree import PrefixTree
-from .engine.tree_engine import TreeEngine
+from .engine.tree_engine import TreeEngine, TreeOutputs
 
 __all__ = ["GroupForwards", "stream_groups"]
 
@@ -64,8 +64,8 @@ class GroupForwards:
         self.engines, self.autocast, self.device = dict(engines), autocast, device
         self.modes = {name: e.model.training for name, e in self.engines.items()}  # as the step began
         cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if cuda and side_stream else None
-        self._batches: list[tuple[list[tuple[int, ...]], dict[str, list[torch.Tensor]]]] = []
+        self.stream = _side_stream(device) if cuda and side_stream else None
+        self._batches: list[tuple[list[tuple[int, ...]], dict[str, TreeOutputs]]] = []
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._previous_turn: list[tuple[int, ...]] = []
         self.sequences = 0
@@ -75,7 +75,8 @@ class GroupForwards:
     # ----------------------------------------------------------------- during the rollout
     def add(self, seqs: Sequence[Sequence[int] | torch.Tensor]) -> None:
         """Launch the forwards of ``seqs`` (token ids; e.g. a finished group's samples) as
-        one tree. On a side stream the call returns once the kernels are queued."""
+        one tree. No host synchronisation: the call returns once the kernels are queued (the
+        per-tree-token values stay on the device; :meth:`take` splits them per sequence)."""
         if not seqs:
             return
         t0 = time.perf_counter()
@@ -85,7 +86,7 @@ class GroupForwards:
         with self._on_stream() as events, self.autocast(), torch.no_grad():
             for name, engine in self.engines.items():
                 with _mode(engine.model, self.modes[name]):
-                    outs[name] = engine.logprobs(tree)
+                    outs[name] = engine.forward(tree)  # engine.logprobs(tree) without its host sync
         if events is not None:
             self._events.append(events)
         self._batches.append((keys, outs))
@@ -137,9 +138,8 @@ class GroupForwards:
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         host = []
-        for keys, outs in self._batches:  # one device-to-host copy per batch and field
-            sizes = [len(k) - 1 for k in keys]
-            host.append({n: torch.cat(outs[n]).cpu().to(dtype).split(sizes) for n in names})
+        for _, outs in self._batches:  # one device-to-host copy per batch and field
+            host.append({n: [t.to(dtype) for t in outs[n].per_sequence(outs[n].logprob.cpu())] for n in names})
         if self._events:
             torch.cuda.synchronize(self.device)
             self.gpu_seconds = sum(a.elapsed_time(b) for a, b in self._events) / 1e3
@@ -171,6 +171,18 @@ def stream_groups(rollout, prompts: list[list[int]], params, ready: GroupForward
         if ready is not None:
             ready.add([c.token_ids for c in g.completions])
     return [groups[i] for i in range(len(prompts))]
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the process: the caching allocator keeps each stream's
+    freed blocks for that stream, so a new stream every step would hold memory again."""
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 @contextlib.contextmanager

@@ -81,3 +81,40 @@ def test_overlapped_logprobs_bf16_within_the_bf16_error():
         bf16_error = float((w - fp32).abs().max())
         assert bf16_error > 0  # autocast was on
         assert float((x - w).abs().max()) <= 1.5 * bf16_error, name
+
+
+def test_launching_a_groups_forwards_does_not_synchronise_the_host():
+    """``GroupForwards.add`` only queues kernels on the side stream (no host sync: the
+    rollout's decode loop goes on at once), and ``take`` then gives the logprobs of a
+    sequential forward of the same sequences."""
+    import warnings
+    from contextlib import nullcontext
+
+    from treerl.engine.tree_engine import TreeEngine
+    from treerl.models import build_model
+    from treerl.overlap import GroupForwards
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build_model("qwen3", "tiny", dtype=torch.float32, device="cuda", seed=1)
+    engine = TreeEngine(model, "auto")
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (40, 70)]
+    groups = [[p + torch.randint(0, vocab, (int(k),), generator=gen).tolist() for k in (5, 9, 9, 30)] for p in prompts]
+    ready = GroupForwards({"x": engine}, nullcontext, torch.device("cuda"))
+    ready.add(groups[0])  # warm-up: compilation, the engine's memory model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            ready.add(groups[1])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert not syncs, syncs
+    seqs = [torch.tensor(s) for g in groups for s in g]
+    out, missing = ready.take(seqs, ["x"], torch.float64)
+    assert missing == []
+    want = engine.logprobs(seqs)
+    for x, y in zip(out["x"], want):
+        assert (x - y.cpu().double()).abs().max() <= 2e-5 * max(1.0, float(y.abs().max()))
