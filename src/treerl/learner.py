@@ -145,7 +145,7 @@ class Learner:
                                            for s in samples]
         fields.update(self.forwards(forwards, seqs, tree, dtype, ready))
         out.timings["forward"] = time.perf_counter() - t1
-        if ready is not None:  # host seconds the rollout spent launching them, device seconds of them
+        if ready is not None and ready.sequences:  # host seconds the rollout spent launching them, their device seconds
             out.timings["forward_in_rollout"], out.timings["forward_in_rollout_gpu"] = ready.seconds, ready.gpu_seconds
         if "proximal_logprobs" in forwards:
             out.mismatch = rollout_mismatch(samples, fields, version)

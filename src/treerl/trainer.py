@@ -130,7 +130,9 @@ class Trainer:
     def step(self) -> dict[str, float]:
         """One synchronous RL step (rollout, then training on it); returns its metrics."""
         t0 = time.perf_counter()
-        ready = self.learner.group_forwards()  # rollout.overlap_forwards: run during the rollout
+        # rollout.overlap_forwards: the forwards of each finished group run during the rollout
+        # (the embedded engine's groups; agent rollouts hand over none)
+        ready = self.learner.group_forwards() if self.agents is None else None
         samples = self.sampler.step_samples(self.next_problems(self.cfg.rollout.prompts_per_step),
                                             self.cfg.rollout.group_size, ready)
         metrics = self.train_on(samples, rollout_seconds=time.perf_counter() - t0, ready=ready)
