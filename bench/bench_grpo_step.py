@@ -16,7 +16,7 @@ different steps (a long tail, as RL rollouts have).
 
     python bench/bench_grpo_step.py --device cuda --shape qwen3-0.6b --dtype bfloat16
     python bench/bench_grpo_step.py --device cuda --shape qwen3-0.6b,qwen3-1.7b --dtype bfloat16 --modes auto \
-        --overlap after,stream,inline --stop-every 0,128 --repeats 2
+        --overlap after,stream,stream-nopriority,inline --stop-every 0,128 --repeats 2
     python bench/bench_grpo_step.py --overlap after,stream --stop-every 0,8   # CPU, tiny shape, seconds
 """
 
@@ -31,6 +31,7 @@ from treerl.config import Config
 from treerl.models import build_model
 from treerl.rollout import SamplingParams
 from treerl.tasks.base import Problem, Task
+from treerl import overlap as overlap_module
 from treerl.overlap import stream_groups
 from treerl.trainer import Sample, Trainer
 
@@ -73,13 +74,14 @@ def run(args, mode: str, model) -> dict:
     prompts = [torch.randint(0, model.config.vocab_size - 1, (args.prompt_len,), generator=gen).tolist()
                for _ in range(args.prompts)]
     best = {}
-    for every in args.stop_every:
+    for w, every in enumerate(args.stop_every):
         # every-th token id stops a row: lengths ~ geometric with mean `every` (capped), so groups
         # finish at different steps (a long tail); 0: no stops, every row runs to --new-tokens
         stops = list(range(0, model.config.vocab_size, every)) if every else []
         params = SamplingParams(n=args.group, max_new_tokens=args.new_tokens, temperature=1.0, seed=0,
                                 stop_token_ids=stops)
-        one_step(trainer, prompts, params, args.overlap[0], gen, args.device)  # warm-up (compilation, arena)
+        for how in args.overlap if w == 0 else args.overlap[:1]:  # warm-up: compilation, arena, streams' memory
+            one_step(trainer, prompts, params, how, gen, args.device)
         for _ in range(args.repeats):
             for how in args.overlap:
                 m = one_step(trainer, prompts, params, how, gen, args.device)
@@ -93,7 +95,8 @@ def run(args, mode: str, model) -> dict:
 def one_step(trainer, prompts, params, overlap: str, gen, device) -> dict:
     """One GRPO step as :meth:`Trainer.step` runs it (rollout through the stream, the forwards of
     finished groups during it per ``rollout.overlap_forwards``, then the update), timed."""
-    trainer.cfg.rollout.overlap_forwards = overlap
+    overlap_module.DECODE_PRIORITY = overlap != "stream-nopriority"  # the rollout on a high-priority stream
+    trainer.cfg.rollout.overlap_forwards = "stream" if overlap == "stream-nopriority" else overlap
     sync(device)
     t0 = time.perf_counter()
     ready = trainer.learner.group_forwards()
@@ -107,11 +110,16 @@ def one_step(trainer, prompts, params, overlap: str, gen, device) -> dict:
             samples.append(Sample(c.token_ids.tolist(), [False] * (p - 1) + [True] * t,
                                   [0.0] * (p - 1) + c.logprobs.tolist(), [trainer.rollout.version] * (p - 1 + t),
                                   float(torch.rand((), generator=gen)), g.prompt_index, len(samples)))
+    peak_rollout = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     m = trainer.train_on(samples, rollout_seconds=rollout_s, ready=ready)
     sync(device)
     m["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+    m["peak_rollout_gib"] = peak_rollout  # the rollout's (with the forwards run during it)
+    m["reserved_gib"] = torch.cuda.memory_reserved() / 2**30 if device.startswith("cuda") else None
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
     lengths = [len(c.completion_ids) for g in groups for c in g.completions]
     m["generated_tokens"] = sum(lengths)
     m["group_lengths"] = sorted(max(len(c.completion_ids) for c in g.completions) for g in groups)
@@ -135,7 +143,8 @@ def main():
     p.add_argument("--max-tokens", type=int, default=16384)
     p.add_argument("--modes", default="auto,flat")
     p.add_argument("--overlap", default="after", help="rollout.overlap_forwards settings to compare "
-                   "(comma-separated: after, stream, inline), interleaved step by step")
+                   "(comma-separated: after, stream, inline; stream-nopriority: stream with the rollout on the "
+                   "caller's stream, not a high-priority one), interleaved step by step")
     p.add_argument("--stop-every", default="0", help="workloads (comma-separated): 0 = no stops (every row "
                    "runs to --new-tokens, the issue's); K = every K-th token id stops a row (a long tail)")
     p.add_argument("--repeats", type=int, default=1)
@@ -170,7 +179,8 @@ def report(args, rows: dict) -> None:
           f"prompt {args.prompt_len}, up to {args.new_tokens} new tokens; KL reference + 2 minibatches; "
           f"best of {args.repeats}")
     print(f"{'shape/engine/workload/overlap':44} {'rollout s':>9} {'tok/s':>7} {'forward s':>9} {'update s':>8} "
-          f"{'total s':>7} {'fwd launch s':>12} {'fwd GPU s':>9} {'hidden s':>8} {'share':>6} {'peak GiB':>8}")
+          f"{'total s':>7} {'fwd launch s':>12} {'fwd GPU s':>9} {'hidden s':>8} {'share':>6} {'peak GiB':>8} "
+          f"{'rollout peak':>12} {'reserved':>8}")
     for key, m in rows.items():
         base = rows.get(key.rsplit("/", 1)[0] + "/after")
         launch = m.get("time/forward_in_rollout_s")
@@ -183,7 +193,8 @@ def report(args, rows: dict) -> None:
         fmt = lambda x, w, f: ("-" if x is None else format(x, f)).rjust(w)  # noqa: E731
         print(f"{key:44} {m['time/rollout_s']:9.2f} {m['generated_tokens'] / m['time/rollout_s']:7.0f} "
               f"{m['time/forward_s']:9.2f} {m['time/update_s']:8.2f} {m['total_s']:7.2f} {fmt(launch, 12, '.2f')} "
-              f"{fmt(gpu, 9, '.2f')} {fmt(hidden, 8, '.2f')} {fmt(share, 6, '.0%')} {peak:>8}")
+              f"{fmt(gpu, 9, '.2f')} {fmt(hidden, 8, '.2f')} {fmt(share, 6, '.0%')} {peak:>8} "
+              f"{fmt(m['peak_rollout_gib'], 12, '.1f')} {fmt(m['reserved_gib'], 8, '.1f')}")
     for key, m in rows.items():
         if key.endswith("/after"):
             lengths = m["group_lengths"]

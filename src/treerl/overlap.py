@@ -162,27 +162,67 @@ class GroupForwards:
         return out, missing
 
 
+# On CUDA with a side stream, the rollout runs on a high-priority stream: when the forwards'
+# kernels (side stream, default = lowest priority) hold the SMs, the block scheduler gives
+# the decode's kernels the next free ones instead of queueing them behind whole forward
+# kernels (the decode is a chain of ~500 small kernels a step: each wait adds up). False:
+# the rollout on the caller's stream (bench/bench_grpo_step.py's ``stream-nopriority``).
+DECODE_PRIORITY = True
+
+
 def stream_groups(rollout, prompts: list[list[int]], params, ready: GroupForwards | None) -> list:
     """``rollout.generate(prompts, params)`` through its stream: each group, as it finishes,
     goes to ``ready.add`` (when given) while the others still decode."""
     groups = {}
-    for g in rollout.generate_stream(prompts, params):
-        groups[g.prompt_index] = g
-        if ready is not None:
-            ready.add([c.token_ids for c in g.completions])
+    with _rollout_stream(ready):
+        for g in rollout.generate_stream(prompts, params):
+            groups[g.prompt_index] = g
+            if ready is not None:
+                ready.add([c.token_ids for c in g.completions])
     return [groups[i] for i in range(len(prompts))]
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+@contextlib.contextmanager
+def _rollout_stream(ready: GroupForwards | None) -> Iterator[None]:
+    """With ``ready``'s side stream (and :data:`DECODE_PRIORITY`): the block runs on a
+    high-priority stream that first waits for the caller's (the weights the optimizer just
+    wrote), and the caller's stream waits for it after. Whatever the rollout allocates there
+    and keeps (``keep_stream_buffers``' arena) is used only after a stream synchronisation
+    (``generate_stream`` ends with one), so it may be used on any stream later."""
+    if ready is None or ready.stream is None or not DECODE_PRIORITY:
+        yield
+        return
+    device = ready.stream.device
+    caller = torch.cuda.current_stream(device)
+    high = _high_priority_stream(device)
+    high.wait_stream(caller)
+    try:
+        with torch.cuda.stream(high):
+            yield
+    finally:
+        caller.wait_stream(high)
+
+
+_STREAMS: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+
+
+def _stream(device: torch.device, priority: int) -> torch.cuda.Stream:
+    """One stream per (device, priority) for the process: the caching allocator keeps each
+    stream's freed blocks for that stream, so a new stream every step would hold memory again."""
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if (device, priority) not in _STREAMS:
+        _STREAMS[device, priority] = torch.cuda.Stream(device, priority=priority)
+    return _STREAMS[device, priority]
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the process: the caching allocator keeps each stream's
-    freed blocks for that stream, so a new stream every step would hold memory again."""
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
+    """The forwards' stream: the lowest priority (0, as the default stream)."""
+    return _stream(device, 0)
+
+
+def _high_priority_stream(device: torch.device) -> torch.cuda.Stream:
+    """The rollout's stream beside the forwards: a higher priority (-1) than theirs."""
+    return _stream(device, -1)
 
 
 @contextlib.contextmanager

@@ -55,8 +55,12 @@ def run_step(how: str, bf16: bool):
     return got, [s.token_ids for s in trainer.last_samples], readies[0]
 
 
-@pytest.mark.parametrize("how", ["stream", "inline"])
-def test_overlapped_logprobs_equal_the_sequential_ones_float32(how, monkeypatch):
+@pytest.mark.parametrize("how,priority", [("stream", True), ("stream", False), ("inline", True)])
+def test_overlapped_logprobs_equal_the_sequential_ones_float32(how, priority, monkeypatch):
+    """(``priority``: the rollout on a high-priority stream beside the forwards' side stream.)"""
+    import treerl.overlap
+
+    monkeypatch.setattr(treerl.overlap, "DECODE_PRIORITY", priority)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     seq, seq_samples, none = run_step("after", bf16=False)
