@@ -165,3 +165,17 @@ def test_take_covers_prefixes_and_reports_what_it_lacks():
 def test_overlap_forwards_setting_is_checked():
     with pytest.raises(ConfigError, match="rollout.overlap_forwards"):
         Config.from_yaml(None, ["rollout.overlap_forwards=sometimes"])
+
+
+def test_the_policy_runs_its_forwards_in_the_mode_the_sequential_ones_see():
+    """The rollout puts the policy in eval mode; its forwards during the rollout run in train
+    mode, as those after it (Sampler.generate puts it back), from the very first step."""
+    modes = {}
+    for how in ("after", "inline"):
+        trainer = Trainer(config(f"rollout.overlap_forwards={how}"))
+        trainer.model.eval()  # as a model fresh from from_pretrained
+        seen, forward = [], trainer.engine.forward
+        trainer.engine.forward = lambda *a, **k: seen.append(trainer.model.training) or forward(*a, **k)
+        trainer.step()
+        modes[how] = seen
+    assert modes["after"] and set(modes["after"]) == set(modes["inline"]) == {True}

@@ -224,7 +224,9 @@ class Learner:
         engines = self.forward_engines(stale=False)
         if how == "after" or not engines or self.dist is not None:
             return None
-        return GroupForwards(engines, self.autocast, self.device, side_stream=how == "stream")
+        # the modes the forwards after the rollout see: Sampler.generate leaves the policy in train mode
+        modes = {name: True if e.model is self.model else e.model.training for name, e in engines.items()}
+        return GroupForwards(engines, self.autocast, self.device, side_stream=how == "stream", modes=modes)
 
     def forwards(self, engines: dict[str, TreeEngine], seqs: list[torch.Tensor], tree: PrefixTree,
                  dtype: torch.dtype, ready: GroupForwards | None = None) -> dict[str, list[torch.Tensor]]:

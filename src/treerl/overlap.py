@@ -26,8 +26,8 @@ side stream first waits for the work queued on the rollout's stream (the weights
 were written there); it reads the weights only (read-only during a rollout) and nothing of
 the rollout's K/V arena; its outputs are read after the rollout, once the learner's stream
 has waited for it (:meth:`GroupForwards.take`; ``generate_stream`` itself ends with a device
-synchronisation). Each engine's model runs in the train/eval mode it had when the step
-began (the rollout puts the policy in eval mode), as the sequential forwards do.
+synchronisation). Each engine's model runs in the train/eval mode the sequential forwards
+see (the rollout puts the policy in eval mode; after it, the sampler puts it back in train mode).
 
 Where it applies: the embedded rollout engine, single-turn groups (as each finishes) and
 multi-turn episodes (the sequences of episodes that ended at a turn, during the next turn's
@@ -60,9 +60,10 @@ class GroupForwards:
     known after :meth:`take`; on CPU the host time)."""
 
     def __init__(self, engines: dict[str, TreeEngine], autocast: Callable[[], contextlib.AbstractContextManager],
-                 device: torch.device, side_stream: bool = True):
+                 device: torch.device, side_stream: bool = True, modes: dict[str, bool] | None = None):
         self.engines, self.autocast, self.device = dict(engines), autocast, device
-        self.modes = {name: e.model.training for name, e in self.engines.items()}  # as the step began
+        # train (True) or eval mode per engine's model during its forwards: ``modes``, else the present one
+        self.modes = {name: (modes or {}).get(name, e.model.training) for name, e in self.engines.items()}
         cuda = device.type == "cuda"
         self.stream = _side_stream(device) if cuda and side_stream else None
         self._batches: list[tuple[list[tuple[int, ...]], dict[str, TreeOutputs]]] = []
