@@ -346,10 +346,15 @@ class TreeEngine:
                          memory=self.call_budget)
         dev = self.device
         self.stats = StepStats(mode=self.mode, plan=plan.describe())
-        # All index arrays in one host-to-device copy (each pageable copy synchronises the host).
+        # All index arrays in one host-to-device copy, from pinned memory: no host sync (a
+        # pageable copy synchronises the host with the stream; treerl.overlap runs forwards
+        # beside a rollout and must not wait for them).
         arrays = [layout.token_ids, layout.position, layout.parent, layout.subtree_end, _seq_targets(layout),
                   *plan.targets]
-        on_device = torch.cat(arrays).to(dev).split([len(a) for a in arrays])
+        host = torch.cat(arrays)
+        if dev.type == "cuda":
+            host = host.pin_memory()
+        on_device = host.to(dev, non_blocking=True).split([len(a) for a in arrays])
         token_ids, position, parent, subtree_end, seq_targets, *targets = on_device
         return _Batch(
             tree=layout,
