@@ -64,7 +64,7 @@ def run(args, mode: str, model) -> dict:
     for rep in range(args.repeats + 1):  # the first is a warm-up (compilation)
         sync(args.device)
         t0 = time.perf_counter()
-        groups = trainer.rollout.generate(prompts, params)
+        groups = trainer.sampler.rollout.generate(prompts, params)
         sync(args.device)
         rollout_s = time.perf_counter() - t0
         samples = []
@@ -73,7 +73,7 @@ def run(args, mode: str, model) -> dict:
                 p, t = len(c.prompt_ids), len(c.completion_ids)
                 samples.append(Sample(c.token_ids.tolist(), [False] * (p - 1) + [True] * t,
                                       [0.0] * (p - 1) + c.logprobs.tolist(),
-                                      [trainer.rollout.version] * (p - 1 + t),
+                                      [trainer.sampler.rollout.version] * (p - 1 + t),
                                       float(torch.rand((), generator=gen)), g.prompt_index, len(samples)))
         if args.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()

@@ -137,7 +137,7 @@ def test_rollout_engine_keys_reach_the_rollout_engine():
     cfg = Config.from_yaml(None, ["model.overrides={num_hidden_layers: 1}", "rollout.max_batch_tokens=4096",
                                   "rollout.kv_block_size=32", "rollout.prefill_chunk_tokens=256",
                                   "rollout.cuda_graphs=false", "train.eval_problems=2"])
-    engine = Trainer(cfg).rollout
+    engine = Trainer(cfg).sampler.rollout
     assert (engine.max_batch_tokens, engine.kv_block_size, engine.prefill_chunk_tokens) == (4096, 32, 256)
 
 

@@ -53,7 +53,7 @@ def test_tree_and_flat_give_the_same_parameters_after_an_rl_step(extra):
         if mode == "auto":
             rng = torch.get_rng_state()
             plan = trainer.engine.plan(treerl.PrefixTree.from_sequences(
-                [s.token_ids for s in trainer.generate_samples(trainer.task.train_problems(3), 4)]))
+                [s.token_ids for s in trainer.sampler.generate(trainer.task.train_problems(3), 4)]))
             assert any(plan.children), "the tree plan must contain chains, or the test proves little"
             torch.set_rng_state(rng)  # undo the RNG use of this look
         before = params(trainer.model).clone()
@@ -206,18 +206,18 @@ def test_multi_turn_turns_reuse_the_previous_turns_kv():
         trainer = Trainer(config(*base, *extra), task=task)
         rmsnorm_in_input_precision(trainer.model)
         hits, turns = [], []
-        generate = trainer.rollout.generate
+        generate = trainer.sampler.rollout.generate
 
         def counting(contexts, p, generate=generate, trainer=trainer, hits=hits, turns=turns):
             groups = generate(contexts, p)
-            hits.append(trainer.rollout.stats.prefix_cache_hit_tokens)
+            hits.append(trainer.sampler.rollout.stats.prefix_cache_hit_tokens)
             turns.append(len(contexts))
             return groups
 
-        trainer.rollout.generate = counting
+        trainer.sampler.rollout.generate = counting
         torch.manual_seed(0)
-        samples = trainer.generate_samples(trainer.next_problems(2), 3)
-        runs.append((samples, hits, turns, trainer.rollout.prefix_cache))
+        samples = trainer.sampler.generate(trainer.sampler.next_problems(2), 3)
+        runs.append((samples, hits, turns, trainer.sampler.rollout.prefix_cache))
     (cached, hits, turns, cache), (plain, plain_hits, _, no_cache) = runs
     assert cache is not None and no_cache is None
     assert len(turns) > 1 and hits[0] == 0 and all(h > 0 for h in hits[1:]) and not any(plain_hits)
