@@ -239,9 +239,13 @@ def serving_rollout_config(config: str | None, overrides: list[str], args) -> Ro
     the keys are); ``keep_stream_buffers`` off: a server's streams end when idle, their
     arenas are not kept."""
     cfg = Config.from_yaml(config, overrides)
-    cfg.set("rollout.prefix_cache_tokens", args.prefix_cache_tokens)
-    if args.prefill_chunk_tokens is not None:
-        cfg.set("rollout.prefill_chunk_tokens", args.prefill_chunk_tokens)
+    for option, key, value in (("--prefix-cache-tokens", "rollout.prefix_cache_tokens", args.prefix_cache_tokens),
+                               ("--prefill-chunk-tokens", "rollout.prefill_chunk_tokens", args.prefill_chunk_tokens)):
+        if value is not None:
+            try:
+                cfg.set(key, value)
+            except ConfigError as err:
+                raise ConfigError(f"{option}: {err}") from None
     cfg.rollout.keep_stream_buffers = False
     return cfg.rollout
 
