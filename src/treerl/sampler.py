@@ -4,8 +4,8 @@ held-out evaluation.
 
 Owns the rollout engine (:class:`~treerl.rollout.RolloutEngine`: its weights and version)
 and the data order (problems, epoch, cursor), and saves them (:meth:`Sampler.state_dict`:
-the order and the version; the weights are the policy's). One process: the rollout engine shares the
-policy's parameters. Data parallel: the policy is sharded, so each rank's rollout engine
+the order and the version; the weights are the policy's). One process: the rollout engine
+shares the policy's parameters. Data parallel: the policy is sharded, so each rank's rollout engine
 holds a whole copy, refreshed by :meth:`Sampler.sync_weights` after every optimizer step;
 each rank rolls out a contiguous slice of a step's prompts and the samples are gathered.
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import importlib
 import os
 import queue
+import random
 import threading
 import time
 import traceback
@@ -151,6 +152,8 @@ def build_worker_sampler(cfg: Config, device: str) -> Sampler:
     data-parallel group: a worker only generates)."""
     seed = cfg.train.seed
     torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
     task, tokenizer, model = build_task_policy(cfg.model, cfg.task, seed, torch.device(device))
     return Sampler(cfg.rollout, cfg.task, task, tokenizer, model, None, seed=seed,
                    eval_problems=cfg.train.eval_problems)
