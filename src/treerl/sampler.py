@@ -5,9 +5,10 @@ held-out evaluation.
 Owns the rollout engine (:class:`~treerl.rollout.RolloutEngine`: its weights and version)
 and the data order (problems, epoch, cursor), and saves them (:meth:`Sampler.state_dict`:
 the order and the version; the weights are the policy's). One process: the rollout engine
-shares the policy's parameters. Data parallel: the policy is sharded, so each rank's rollout engine
-holds a whole copy, refreshed by :meth:`Sampler.sync_weights` after every optimizer step;
-each rank rolls out a contiguous slice of a step's prompts and the samples are gathered.
+shares the policy's parameters. Data parallel: the policy is sharded, so each rank's
+rollout engine holds a whole copy, refreshed by :meth:`Sampler.sync_weights` after every
+optimizer step; each rank rolls out a contiguous slice of a step's prompts and the
+samples are gathered.
 
 Takes config sections ``rollout`` (sampling, the engine's settings) and ``task`` (episode
 limits, agents); the seed and the held-out problems per evaluation (``train.seed``,
@@ -37,24 +38,24 @@ from .tasks.env import ChatFormat, run_episode, run_episodes, scripted_policy
 class Sampler:
     """Rollout and data order for one trainer (see the module docstring)."""
 
-    def __init__(self, rollout: RolloutConfig, task_cfg: TaskConfig, task: Task, tokenizer: Any,
+    def __init__(self, rollout_cfg: RolloutConfig, task_cfg: TaskConfig, task: Task, tokenizer: Any,
                  model: torch.nn.Module, dist: DistContext | None, *, seed: int = 0, eval_problems: int = 100,
                  weights_root: str | Path = "weights_for_server"):
         """``seed``: the data order's and the tasks' splits'; ``eval_problems``: held-out
         problems per evaluation; ``weights_root``: where a remote rollout backend's weights
         are written (``train.out_dir/weights_for_server``)."""
-        self.rollout_cfg, self.task_cfg, self.seed, self.n_eval = rollout, task_cfg, seed, eval_problems
+        self.rollout_cfg, self.task_cfg, self.seed, self.n_eval = rollout_cfg, task_cfg, seed, eval_problems
         self.task, self.tokenizer, self.model, self.dist = task, tokenizer, model, dist
         self.format = ChatFormat.for_tokenizer(tokenizer)
         self.multi_turn = task.max_turns > 1
-        self.rollout = build_rollout_engine(rollout, copy.deepcopy(model) if dist else model,
+        self.rollout = build_rollout_engine(rollout_cfg, copy.deepcopy(model) if dist else model,
                                             prefix_cache_tokens=self._prefix_cache_tokens())
-        self.max_new_tokens = rollout.max_new_tokens or task.max_new_tokens
+        self.max_new_tokens = rollout_cfg.max_new_tokens or task.max_new_tokens
         self.agents = None  # agent episodes / a served or remote rollout backend (treerl.agents)
-        if task_cfg.agent or rollout.backend != "embedded":
+        if task_cfg.agent or rollout_cfg.backend != "embedded":
             from .agents import AgentRollout
 
-            self.agents = AgentRollout(rollout, task_cfg, self.rollout, tokenizer, task, self.max_new_tokens, model,
+            self.agents = AgentRollout(rollout_cfg, task_cfg, self.rollout, tokenizer, task, self.max_new_tokens, model,
                                        weights_root=weights_root)
         self.skipped_prompts = {"train": 0, "eval": 0}  # too long for the context (skipped, with a warning)
         self.train_problems = self._fitting(task.train_problems(seed=seed), "train")
