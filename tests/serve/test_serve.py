@@ -425,7 +425,8 @@ def test_serve_on_a_busy_or_invalid_port_is_one_line(capsys):
 
 def test_serve_options_are_the_rollout_keys_and_the_engine_comes_from_the_one_builder():
     """``treerl serve``'s --prefix-cache-tokens / --prefill-chunk-tokens set the ``rollout``
-    keys of the same names (checked as the keys are: one line naming the option and the key);
+    keys of the same names (checked as the keys are: one line naming the option and the key;
+    without them, the config's keys; a server's default prefix cache when neither is set);
     the rest of the section comes from the config; the engine is ``build_rollout_engine``'s,
     with its arena not kept between streams."""
     from argparse import Namespace
@@ -440,6 +441,9 @@ def test_serve_options_are_the_rollout_keys_and_the_engine_comes_from_the_one_bu
     assert r.keep_stream_buffers is False
     r = serving_rollout_config(None, overrides, Namespace(prefix_cache_tokens=0, prefill_chunk_tokens=256))
     assert r.prefill_chunk_tokens == 256 and r.prefix_cache_tokens == 0
+    none = Namespace(prefix_cache_tokens=None, prefill_chunk_tokens=None)
+    assert serving_rollout_config(None, ["rollout.prefix_cache_tokens=96"], none).prefix_cache_tokens == 96
+    assert serving_rollout_config(None, [], none).prefix_cache_tokens == 1 << 16
     engine = build_rollout_engine(r, tiny_model(), version=3)
     assert (engine.version, engine.max_batch_tokens, engine.kv_block_size, engine.prefill_chunk_tokens) == (3, 4096, 32, 256)
     assert engine.keep_stream_buffers is False and engine.prefix_cache is None

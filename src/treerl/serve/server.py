@@ -210,9 +210,10 @@ def serve(args) -> int:
     api_key, limits, root = security_options(args)
     model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype,
                                                  trust=args.trust_checkpoint, lora=args.lora)
-    engine = build_rollout_engine(serving_rollout_config(config, overrides, args), model, version=version)
+    rollout = serving_rollout_config(config, overrides, args)
+    engine = build_rollout_engine(rollout, model, version=version)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
-                           prefix_cache_tokens=args.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s,
+                           prefix_cache_tokens=rollout.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s,
                            tool_call_parser=args.tool_call_parser, history_tokens=args.history_tokens,
                            limits=limits, weights_root=None if root is None else str(root))
     server = ServerThread(make_state(engine, tokenizer, options), host=args.host, port=args.port, api_key=api_key)
@@ -232,13 +233,18 @@ def serve(args) -> int:
     return 0
 
 
+SERVE_PREFIX_CACHE_TOKENS = 1 << 16  # a server's prefix cache unless --prefix-cache-tokens or the config sets one
+
+
 def serving_rollout_config(config: str | None, overrides: list[str], args) -> RolloutConfig:
     """The served engine's ``rollout`` section: the config's (``rollout.max_batch_tokens``,
-    ...), with ``--prefix-cache-tokens`` as ``rollout.prefix_cache_tokens`` and
-    ``--prefill-chunk-tokens`` (when given) as ``rollout.prefill_chunk_tokens`` (checked as
-    the keys are); ``keep_stream_buffers`` off: a server's streams end when idle, their
-    arenas are not kept."""
+    ...), with ``--prefix-cache-tokens`` as ``rollout.prefix_cache_tokens`` (neither set:
+    :data:`SERVE_PREFIX_CACHE_TOKENS`) and ``--prefill-chunk-tokens`` as
+    ``rollout.prefill_chunk_tokens`` when given (checked as the keys are);
+    ``keep_stream_buffers`` off: a server's streams end when idle, their arenas are not kept."""
     cfg = Config.from_yaml(config, overrides)
+    if args.prefix_cache_tokens is None and cfg.rollout.prefix_cache_tokens is None:
+        cfg.rollout.prefix_cache_tokens = SERVE_PREFIX_CACHE_TOKENS
     for option, key, value in (("--prefix-cache-tokens", "rollout.prefix_cache_tokens", args.prefix_cache_tokens),
                                ("--prefill-chunk-tokens", "rollout.prefill_chunk_tokens", args.prefill_chunk_tokens)):
         if value is not None:
