@@ -99,8 +99,8 @@ def one_step(trainer, prompts, params, overlap: str, gen, device) -> dict:
     trainer.cfg.rollout.overlap_forwards = "stream" if overlap == "stream-nopriority" else overlap
     sync(device)
     t0 = time.perf_counter()
-    ready = trainer.learner.group_forwards()
-    groups = stream_groups(trainer.rollout, prompts, params, ready)
+    ready = trainer.learner.group_forwards(trainer.cfg.rollout.overlap_forwards)
+    groups = stream_groups(trainer.sampler.rollout, prompts, params, ready)
     sync(device)
     rollout_s = time.perf_counter() - t0
     samples = []
@@ -108,7 +108,7 @@ def one_step(trainer, prompts, params, overlap: str, gen, device) -> dict:
         for c in g.completions:
             p, t = len(c.prompt_ids), len(c.completion_ids)
             samples.append(Sample(c.token_ids.tolist(), [False] * (p - 1) + [True] * t,
-                                  [0.0] * (p - 1) + c.logprobs.tolist(), [trainer.rollout.version] * (p - 1 + t),
+                                  [0.0] * (p - 1) + c.logprobs.tolist(), [trainer.sampler.rollout.version] * (p - 1 + t),
                                   float(torch.rand((), generator=gen)), g.prompt_index, len(samples)))
     peak_rollout = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
     if device.startswith("cuda"):

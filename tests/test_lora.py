@@ -239,7 +239,7 @@ def test_a_trainer_step_changes_only_the_adapters(tmp_path):
     model = trainer.model
     assert is_peft(model)
     adapters = {id(p) for n, p in model.named_parameters() if "lora_" in n}
-    in_optimizer = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    in_optimizer = [p for g in trainer.learner.optimizer.param_groups for p in g["params"]]
     assert {id(p) for p in in_optimizer} == adapters  # only adapter weights in the optimizer
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.step()
@@ -324,7 +324,7 @@ def test_serve_loads_a_base_model_plus_an_adapter(tmp_path):
         assert torch.allclose(model(input_ids=ids).logits, want(input_ids=ids).logits, atol=1e-5)
     # --weights of a LoRA run's checkpoint: the base rebuilt from its config, plus its adapter
     model, _, version = load_for_serving(None, [], str(path), "cpu", None)
-    assert version == trainer.rollout.version
+    assert version == trainer.sampler.rollout.version
     with torch.no_grad():
         assert torch.allclose(model(input_ids=ids).logits, want(input_ids=ids).logits, atol=1e-5)
     with pytest.raises(ConfigError, match="not a LoRA adapter directory"):

@@ -55,8 +55,8 @@ def run_steps(cfg, task=None, steps=2):
             fields.append(out)
         return out
 
-    def recording_group_forwards():
-        ready = group_forwards()
+    def recording_group_forwards(how):
+        ready = group_forwards(how)
         readies.append(ready)
         return ready
 

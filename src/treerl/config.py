@@ -165,12 +165,6 @@ class RolloutConfig:
                                 "second stream beside the decode), inline (between decode steps, on the rollout's "
                                 "stream), after (the forwards after the rollout); results equal (treerl.overlap)")
 
-    def engine_kwargs(self) -> dict:
-        """The rollout engine's own settings (``RolloutEngine(model, **these)``)."""
-        return dict(max_batch_tokens=self.max_batch_tokens, kv_block_size=self.kv_block_size,
-                    prefill_chunk_tokens=self.prefill_chunk_tokens, cuda_graphs=self.cuda_graphs,
-                    keep_stream_buffers=self.keep_stream_buffers)
-
 
 @dataclass
 class AlgorithmConfig:
@@ -320,6 +314,9 @@ class Config:
             raise ConfigError(f"algorithm.advantage={a.advantage} needs rollout.group_size >= 2 (got "
                               f"{r.group_size}: every advantage would be 0); raise rollout.group_size or use "
                               f"reinforce_pp / gae")
+        if self.async_.enabled and (self.task.agent or r.backend != "embedded"):
+            raise ConfigError("task.agent and rollout.backend=serve/remote run in one synchronous process: they do "
+                              "not work with async.enabled=true yet; set async.enabled=false")
         return self
 
     def set(self, dotted: str, value: Any) -> None:

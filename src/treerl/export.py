@@ -23,7 +23,7 @@ def export_merged(checkpoint: str | Path, out: str | Path) -> Path:
         raise CheckpointError(f"{path} holds a full model, not a LoRA adapter (its run had no model.lora): "
                               f"{path / 'model'} is already a Hugging Face model directory")
     tokenizer = saved_tokenizer(path, cfg)
-    model = load_adapter(build_base(cfg, tokenizer), path / "model").merge_and_unload()
+    model = load_adapter(build_base(cfg.model, tokenizer, cfg.train.seed), path / "model").merge_and_unload()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -50,7 +50,7 @@ def run_step(how: str, bf16: bool):
         return out
 
     trainer.learner.forwards = recording
-    trainer.learner.group_forwards = lambda: readies.append(group_forwards()) or readies[-1]
+    trainer.learner.group_forwards = lambda how: readies.append(group_forwards(how)) or readies[-1]
     trainer.step()
     return got, [s.token_ids for s in trainer.last_samples], readies[0]
 

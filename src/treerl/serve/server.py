@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..config import Config, ConfigError
-from ..rollout import RolloutEngine
+from ..config import Config, ConfigError, RolloutConfig
+from ..rollout import RolloutEngine, build_rollout_engine
 from .app import ServeState, create_app
 from .chat import ChatRenderer
 from .limits import ServeLimits
@@ -167,7 +167,7 @@ def _load_base_for_serving(config_path, overrides, weights, device, dtype, trust
 
             cfg.model.dtype = dtype or cfg.model.dtype
             tokenizer = saved_tokenizer(root, cfg)
-            model = load_adapter(build_base(cfg, tokenizer).to(device), model_dir).merge_and_unload()
+            model = load_adapter(build_base(cfg.model, tokenizer, cfg.train.seed).to(device), model_dir).merge_and_unload()
             return model, tokenizer, version
         model = load_model(model_dir, dtype=dtype or cfg.model.dtype, device=device)
         tok_dir = root / "tokenizer" if root is not None else model_dir
@@ -210,13 +210,10 @@ def serve(args) -> int:
     api_key, limits, root = security_options(args)
     model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype,
                                                  trust=args.trust_checkpoint, lora=args.lora)
-    rollout = Config.from_yaml(config, overrides).rollout.engine_kwargs()  # rollout.max_batch_tokens, ...
-    if args.prefill_chunk_tokens is not None:
-        rollout["prefill_chunk_tokens"] = args.prefill_chunk_tokens
-    rollout["keep_stream_buffers"] = False  # a server's streams end when idle; their arenas are not kept
-    engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens, **rollout)
+    rollout = serving_rollout_config(config, overrides, args)
+    engine = build_rollout_engine(rollout, model, version=version)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
-                           prefix_cache_tokens=args.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s,
+                           prefix_cache_tokens=rollout.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s,
                            tool_call_parser=args.tool_call_parser, history_tokens=args.history_tokens,
                            limits=limits, weights_root=None if root is None else str(root))
     server = ServerThread(make_state(engine, tokenizer, options), host=args.host, port=args.port, api_key=api_key)
@@ -234,6 +231,29 @@ def serve(args) -> int:
             signal.signal(sig, handler)
         server.stop()
     return 0
+
+
+SERVE_PREFIX_CACHE_TOKENS = 1 << 16  # a server's prefix cache unless --prefix-cache-tokens or the config sets one
+
+
+def serving_rollout_config(config: str | None, overrides: list[str], args) -> RolloutConfig:
+    """The served engine's ``rollout`` section: the config's (``rollout.max_batch_tokens``,
+    ...), with ``--prefix-cache-tokens`` as ``rollout.prefix_cache_tokens`` (neither set:
+    :data:`SERVE_PREFIX_CACHE_TOKENS`) and ``--prefill-chunk-tokens`` as
+    ``rollout.prefill_chunk_tokens`` when given (checked as the keys are);
+    ``keep_stream_buffers`` off: a server's streams end when idle, their arenas are not kept."""
+    cfg = Config.from_yaml(config, overrides)
+    if args.prefix_cache_tokens is None and cfg.rollout.prefix_cache_tokens is None:
+        cfg.rollout.prefix_cache_tokens = SERVE_PREFIX_CACHE_TOKENS
+    for option, key, value in (("--prefix-cache-tokens", "rollout.prefix_cache_tokens", args.prefix_cache_tokens),
+                               ("--prefill-chunk-tokens", "rollout.prefill_chunk_tokens", args.prefill_chunk_tokens)):
+        if value is not None:
+            try:
+                cfg.set(key, value)
+            except ConfigError as err:
+                raise ConfigError(f"{option}: {err}") from None
+    cfg.rollout.keep_stream_buffers = False
+    return cfg.rollout
 
 
 def security_options(args) -> tuple[str | None, ServeLimits, Path | None]:
