@@ -155,7 +155,7 @@ class Sweeps:
 
     def measure(self, row: Row, engine: TreeEngine, tree: PrefixTree) -> Row:
         plan = engine.plan(tree)
-        row.max_tokens, row.chunk_tokens = engine.max_tokens, engine.chunk_tokens
+        row.max_tokens, row.chunk_tokens = engine.memory.max_tokens, engine.chunk_tokens
         row.peak_live_tokens = plan.peak_live_tokens()
         row.useful_tflop = useful_flops(self.model, tree) / 1e12
         if self.out_of_time():

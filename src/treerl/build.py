@@ -1,5 +1,7 @@
 """Building what a trainer trains: the tokenizer, the policy model, and the tree engines
-over it (policy; a frozen reference for the KL term; a critic with a value head for GAE).
+over it (policy; a frozen reference for the KL term; a critic with a value head for GAE);
+and loading a saved model with its tokenizer (:func:`load_saved`: a checkpoint's or a
+Hugging Face directory's), the one way ``train``, ``serve``, ``eval`` and ``export`` load.
 
 Reads config sections ``model`` (path / family / shape / dtype / overrides / lora), ``engine``
 (the tree engines' settings), ``algorithm`` (which extra engines exist) and
@@ -10,28 +12,60 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .config import Config
 from .engine.tree_engine import TreeEngine
+from .lora import is_adapter_dir, load_adapter
 from .models import build_model, load_model
 from .tasks.base import Task
+from .tasks.tokenizer import CharTokenizer
 
 
-def default_tokenizer(cfg: Config, task: Task) -> Any:
+def default_tokenizer(cfg: Config, task: Task | None = None) -> Any:
     """The model directory's tokenizer, else the task's character tokenizer, else a
-    character tokenizer over printable ASCII (tasks of free text, e.g. JSONL math)."""
+    character tokenizer over printable ASCII (tasks of free text, e.g. JSONL math).
+    ``task``: the run's task (default: built from the ``task`` section)."""
     if cfg.model.path:
-        from transformers import AutoTokenizer
+        return load_tokenizer(cfg.model.path)
+    if task is None:
+        from .tasks.registry import get_task
 
-        return AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
-    if task.alphabet:
-        return task.tokenizer()
-    from .tasks.tokenizer import CharTokenizer
+        task = get_task(cfg.task.name, **cfg.task.kwargs)
+    return task.tokenizer() if task.alphabet else CharTokenizer()
 
-    return CharTokenizer()
+
+def load_tokenizer(directory: str | Path) -> Any:
+    """The tokenizer saved in ``directory``: treerl's character tokenizer, else a Hugging
+    Face tokenizer (local files only)."""
+    if CharTokenizer.is_saved_in(directory):
+        return CharTokenizer.from_pretrained(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def load_saved(model_dir: str | Path, cfg: Config, *, checkpoint: Path | None = None,
+               device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Any]:
+    """A saved model and its tokenizer, in ``cfg.model.dtype``.
+
+    ``model_dir``: a Hugging Face model directory (its tokenizer beside it), or with
+    ``checkpoint`` that treerl checkpoint's ``model/`` (``cfg``: the checkpoint's run
+    config): full weights, or the adapter of a run with ``model.lora``, which is applied
+    to the base rebuilt from ``cfg`` and merged into it. A checkpoint's tokenizer is its
+    ``tokenizer/``, else the run's own (:func:`default_tokenizer`)."""
+    model_dir = Path(model_dir)
+    if checkpoint is None:
+        tokenizer = load_tokenizer(model_dir)
+    else:
+        saved = Path(checkpoint) / "tokenizer"
+        tokenizer = load_tokenizer(saved) if saved.is_dir() else default_tokenizer(cfg)
+        if is_adapter_dir(model_dir):
+            return load_adapter(build_base(cfg, tokenizer, device), model_dir).merge_and_unload(), tokenizer
+    return load_model(model_dir, dtype=cfg.model.dtype, device=device), tokenizer
 
 
 def build_policy(cfg: Config, tokenizer: Any) -> torch.nn.Module:
@@ -45,17 +79,17 @@ def build_policy(cfg: Config, tokenizer: Any) -> torch.nn.Module:
     return model
 
 
-def build_base(cfg: Config, tokenizer: Any) -> torch.nn.Module:
-    """The model before any adapter: loaded from ``model.path``, else a fresh
+def build_base(cfg: Config, tokenizer: Any, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The model before any adapter, on ``device``: loaded from ``model.path``, else a fresh
     ``model.family``/``model.shape`` with the tokenizer's vocabulary (and special-token ids)
     and ``model.overrides`` (seeded by ``train.seed``: rebuilt identically)."""
     m = cfg.model
     if m.path:
-        return load_model(m.path, dtype=m.dtype)
+        return load_model(m.path, dtype=m.dtype, device=device)
     extra = dict(tokenizer.hf_config_kwargs()) if hasattr(tokenizer, "hf_config_kwargs") else {}
     extra.update(vocab_size=tokenizer.vocab_size)
     extra.update(m.overrides)
-    return build_model(m.family, m.shape, dtype=m.dtype, seed=cfg.train.seed, **extra)
+    return build_model(m.family, m.shape, dtype=m.dtype, seed=cfg.train.seed, device=device, **extra)
 
 
 @dataclass

@@ -240,7 +240,7 @@ def run(cfg: BenchConfig, model: torch.nn.Module | None = None, progress: bool =
             seconds, times, peak = time_forward_backward(engine, tree, loss_fn, cfg.repeats, cfg.warmup)
             row.seconds, row.times, row.calls = seconds, times, engine.stats.model_calls
             row.tokens_run, row.plan = engine.stats.tokens_run, engine.stats.plan
-            row.max_tokens = getattr(engine, "max_tokens", None)
+            row.max_tokens = engine.memory.max_tokens if isinstance(engine, TreeEngine) else None
             row.peak_gib = None if peak is None else peak / 2**30
             row.tflops = useful_flops(model, tree) / seconds / 1e12
             row.pct_of_peak = 100 * row.tflops / cfg.peak_tflops if cfg.peak_tflops else None
