@@ -16,7 +16,8 @@ import torch
 
 from ..config import Config, ConfigError
 from ..rollout import RolloutEngine
-from .app import ServeState, create_app
+from .app import create_app
+from .state import ServeState
 from .chat import ChatRenderer
 from .limits import ServeLimits
 from .tools import get_tool_format
