@@ -27,7 +27,7 @@ import torch
 
 from ..engine.tree_engine import StepStats, TreeEngine
 from ..engine.loss_head import token_logprobs
-from ..models import SHAPES, build_model, decoder_of
+from ..models import FAMILIES, SHAPES, build_model, decoder_of
 from ..engine.plan import MODES as ENGINE_MODES, TreeTooLargeError
 from ..engine.tree import PrefixTree
 from .workloads import SCALES, WORKLOADS, make_workload
@@ -297,7 +297,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="treerl bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = BenchConfig()
-    p.add_argument("--family", default=d.family, choices=["qwen3", "qwen2", "llama"])
+    p.add_argument("--family", default=d.family, choices=list(FAMILIES))
     p.add_argument("--shape", default=d.shape, choices=list(SHAPES))
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float64"])
     p.add_argument("--device", default=d.device)

@@ -116,12 +116,15 @@ class TreeEngine:
             no block recompute (``None``: from ``memory_budget``).
         chunk_tokens: largest piece of a node in one call when nodes are split; also
             the batch budget of ``dfs``.
-        compile: compile each decoder block (``None``: on CUDA; Qwen2/Qwen3/Llama).
+        compile: compile each decoder block (``None``: on CUDA; the families of :data:`treerl.models.FAMILIES`).
         attention: ``"auto"`` (flex on CUDA, SDPA elsewhere), ``"sdpa"`` or ``"flex"``.
         temperature: logits are divided by it before the softmax (match the sampler's).
         value_head: make this a critic engine: a module mapping hidden states [T, H] to
             values [T, 1]; every method then yields values where it would yield logprobs
             (the value at element t is read at token t: the state before token t + 1).
+
+    ``memory`` is the engine's memory policy (:class:`~treerl.engine.memory.MemoryPolicy`:
+    tokens per call, packing, recompute, kept attentions).
     """
 
     def __init__(

@@ -71,7 +71,7 @@ class RolloutEngine:
     slots in device tensors); without it, steps cover exactly the live span.
 
     ``compile_decode`` (default: on for CUDA devices): the streaming decode step of the
-    families treerl runs itself (Qwen2, Qwen3, Llama) goes block by block through the model's
+    families treerl runs itself (:data:`treerl.models.FAMILIES`) goes block by block through the model's
     own modules (:mod:`~treerl.rollout.blocks`: ~18 kernels per layer instead of ~70), and
     with ``compile_decode`` each block's parts are compiled (regional ``torch.compile``,
     dynamic shapes: compiled once, in seconds, for every layer and batch bucket), then
