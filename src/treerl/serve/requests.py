@@ -38,7 +38,6 @@ def encode(state: ServeState, text: str, param: str, add_special_tokens: bool = 
     """Token ids of a text prompt, with the tokenizer's special tokens (e.g. bos) as
     ``encode(text)`` adds them."""
     state.limits.check_chars(len(text), param)  # before tokenizing
-    state.limits.check_chars(len(text), param)  # before tokenizing
     try:
         return [int(t) for t in state.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
     except ValueError as err:
