@@ -112,6 +112,7 @@ ATTENTIONS = ("auto", "sdpa", "flex")  # auto + treerl.engine.attention.BACKENDS
 SCHEDULES = ("cosine", "constant")  # treerl.learner.lr_lambda
 TRANSFERS = ("auto", "shared", "files", "nccl", "gloo")  # treerl.async_rl.weights.TRANSFERS
 PROXIMAL = ("recompute", "loglinear")  # treerl.learner.PROXIMAL
+OVERLAP = ("stream", "inline", "after")  # treerl.overlap: where a step's forwards run during its rollout
 LAUNCHERS = ("process", "ray")  # treerl.async_rl.runner.make_pool
 
 
@@ -159,6 +160,10 @@ class RolloutConfig:
     tool_call_parser: str | None = key(None, help="embedded/serve: the served policy's tool-call format (hermes, tag)")
     keep_stream_buffers: bool = key(True, help="rollout engine: keep the running batch's K/V arena and its CUDA "
                                     "graphs between steps (no re-capture per step; false frees them for training)")
+    overlap_forwards: str = key("stream", choices=OVERLAP, help="the step's no-grad forwards (proximal, reference, "
+                                "critic) of each finished group run while the others decode: stream (on CUDA a "
+                                "second stream beside the decode), inline (between decode steps, on the rollout's "
+                                "stream), after (the forwards after the rollout); results equal (treerl.overlap)")
 
     def engine_kwargs(self) -> dict:
         """The rollout engine's own settings (``RolloutEngine(model, **these)``)."""

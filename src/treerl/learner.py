@@ -34,6 +34,7 @@ from .distributed.data_parallel import DistContext, all_gather_objects, all_redu
 from .engine.tree_engine import TreeEngine
 from .moe import is_moe_model
 from .moe_aux import forward_backward_with_router_aux
+from .overlap import GroupForwards
 from .rl import (
     LogLinearPolicyLoss,
     Normalisers,
@@ -113,7 +114,8 @@ class Learner:
         self.nonfinite_total = 0
 
     # ------------------------------------------------------------------ RL step
-    def train_on(self, samples: list[Sample], version: int, step: int, proximal: str = "recompute") -> Update:
+    def train_on(self, samples: list[Sample], version: int, step: int, proximal: str = "recompute",
+                 ready: GroupForwards | None = None) -> Update:
         """Forwards, advantages and ``ppo_epochs x minibatches`` optimizer steps on
         ``samples``, whose newest tokens come from weights ``version``; ``step`` (the
         trainer's step count) seeds the minibatch order. Ends with a scheduler step.
@@ -122,7 +124,10 @@ class Learner:
         (stale samples, several updates, a behaviour-weight cap): ``"recompute"`` (a tree
         forward of the current weights, exact) or ``"loglinear"`` (AReaL's per-token
         interpolation between behaviour and current logprobs by version, no forward;
-        :mod:`treerl.rl.proximal`)."""
+        :mod:`treerl.rl.proximal`).
+
+        ``ready``: forwards already run during the rollout (:meth:`group_forwards`); what
+        they do not cover is computed here."""
         alg = self.cfg.algorithm
         t1 = time.perf_counter()
         seqs = [torch.tensor(s.token_ids) for s in samples]
@@ -133,19 +138,15 @@ class Learner:
         }
         out = Update(tree=tree, updates=alg.ppo_epochs * alg.minibatches)
         stale = any(v < version for s in samples for v in s.versions)
-        forwards = {}
-        if out.updates > 1 or stale or alg.behaviour_weight_cap is not None or alg.advantage == "reinforce_pp":
-            forwards["proximal_logprobs"] = self.engine
+        forwards = self.forward_engines(stale)
         loglinear = proximal == "loglinear" and forwards.pop("proximal_logprobs", None) is not None
         if loglinear:  # the per-token interpolation weights stand in the proximal field
             fields["proximal_logprobs"] = [loglinear_alpha(torch.tensor(s.versions, dtype=torch.int64), version).to(dtype)
                                            for s in samples]
-        if self.reference is not None:
-            forwards["reference_logprobs"] = self.reference
-        if self.critic is not None:
-            forwards["values"] = self.critic
-        fields.update(self.forwards(forwards, seqs, tree, dtype))
+        fields.update(self.forwards(forwards, seqs, tree, dtype, ready))
         out.timings["forward"] = time.perf_counter() - t1
+        if ready is not None and ready.sequences:  # host seconds the rollout spent launching them, their device seconds
+            out.timings["forward_in_rollout"], out.timings["forward_in_rollout_gpu"] = ready.seconds, ready.gpu_seconds
         if "proximal_logprobs" in forwards:
             out.mismatch = rollout_mismatch(samples, fields, version)
         advantages = sample_advantages(samples, fields, self.cfg)
@@ -201,13 +202,51 @@ class Learner:
         )
 
     # ------------------------------------------------------ forwards, updates
+    def forward_engines(self, stale: bool) -> dict[str, TreeEngine]:
+        """The no-grad forwards a step needs (field name -> engine): proximal logprobs when
+        the samples are ``stale``, with several updates, a behaviour-weight cap or
+        REINFORCE++; reference logprobs with a reference; values with a critic."""
+        alg, out = self.cfg.algorithm, {}
+        if (alg.ppo_epochs * alg.minibatches > 1 or stale or alg.behaviour_weight_cap is not None
+                or alg.advantage == "reinforce_pp"):
+            out["proximal_logprobs"] = self.engine
+        if self.reference is not None:
+            out["reference_logprobs"] = self.reference
+        if self.critic is not None:
+            out["values"] = self.critic
+        return out
+
+    def group_forwards(self) -> GroupForwards | None:
+        """The forwards of a synchronous step (fresh samples, proximal recomputed), to run on
+        its groups as they finish (``rollout.overlap_forwards``, :mod:`treerl.overlap`); None
+        when off, when none is needed, or data parallel (forwards sharded after the rollout)."""
+        how = self.cfg.rollout.overlap_forwards
+        engines = self.forward_engines(stale=False)
+        if how == "after" or not engines or self.dist is not None:
+            return None
+        # the modes the forwards after the rollout see: Sampler.generate leaves the policy in train mode
+        modes = {name: True if e.model is self.model else e.model.training for name, e in engines.items()}
+        return GroupForwards(engines, self.autocast, self.device, side_stream=how == "stream", modes=modes)
+
     def forwards(self, engines: dict[str, TreeEngine], seqs: list[torch.Tensor], tree: PrefixTree,
-                 dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
+                 dtype: torch.dtype, ready: GroupForwards | None = None) -> dict[str, list[torch.Tensor]]:
         """No-grad per-sequence forwards (proximal / reference logprobs, critic values; one
-        ``[L - 1]`` tensor per sequence) of the whole batch. Data parallel: each rank runs
-        its share, then every rank gets all."""
+        ``[L - 1]`` tensor per sequence) of the whole batch; those ``ready`` ran during the
+        rollout are taken from it (the sequences it does not cover computed now). Data
+        parallel: each rank runs its share, then every rank gets all."""
         if not engines:
             return {}
+        done = [name for name in engines if ready is not None and ready.sequences and name in ready.engines]
+        if done:
+            out, missing = ready.take(seqs, done, dtype)
+            if missing:
+                rest = [seqs[i] for i in missing]
+                late = self.forwards({n: engines[n] for n in done}, rest, PrefixTree.from_sequences(rest), dtype)
+                for name in done:
+                    for j, i in enumerate(missing):
+                        out[name][i] = late[name][j]
+            others = {n: e for n, e in engines.items() if n not in done}
+            return {**out, **self.forwards(others, seqs, tree, dtype)}
         if not self.dist:
             with self.autocast():
                 return {name: [t.cpu().to(dtype) for t in engine.logprobs(tree)] for name, engine in engines.items()}
@@ -431,6 +470,9 @@ def step_metrics(samples: list[Sample], update: Update, version: int, lr: float,
         "perf/train_tokens_per_s": tree.num_flat_tokens * update.updates / max(timings["update"], 1e-9),
         "completion/mean_tokens": rollout_tokens / max(1, len(samples)),
     }
+    if "forward_in_rollout" in timings:  # rollout.overlap_forwards: the forwards run during the rollout
+        out["time/forward_in_rollout_s"] = timings["forward_in_rollout"]  # host (launch) seconds, in the rollout's
+        out["time/forward_in_rollout_gpu_s"] = timings["forward_in_rollout_gpu"]  # their device seconds
     out.update({("loss/" + k if "/" not in k else k): float(np.mean(v)) for k, v in update.losses.items()})
     out["train/skipped_updates"] = float(update.skipped)
     out.update(update.mismatch)

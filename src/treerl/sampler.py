@@ -25,6 +25,7 @@ import torch
 from .config import Config, ConfigError
 from .distributed import ranks
 from .distributed.data_parallel import DistContext, full_state_dict
+from .overlap import GroupForwards, stream_groups
 from .rollout import RolloutEngine, SamplingParams
 from .samples import Sample
 from .tasks.base import DatasetError, Problem, Task, score_problems
@@ -125,29 +126,32 @@ class Sampler:
             branch_every=0 if greedy else r.branch_every, branch_factor=r.branch_factor,
         )
 
-    def step_samples(self, problems: list[Problem], n: int) -> list[Sample]:
+    def step_samples(self, problems: list[Problem], n: int, ready: GroupForwards | None = None) -> list[Sample]:
         """A step's samples: ``n`` per problem. Data parallel: each rank rolls out its
-        slice of ``problems`` and every rank returns the whole batch, in problem order."""
+        slice of ``problems`` and every rank returns the whole batch, in problem order.
+        ``ready``: gets the finished groups' sequences during the rollout (:mod:`treerl.overlap`)."""
         mine, _ = ranks.my_slice(self.dist, problems)
-        samples = self.generate(mine, n) if mine else []
+        samples = self.generate(mine, n, ready=ready) if mine else []
         return ranks.gather_samples(samples) if self.dist else samples
 
     @torch.no_grad()
-    def generate(self, problems: list[Problem], n: int, greedy: bool = False) -> list[Sample]:
-        """Roll out ``n`` samples (episodes) per problem and score them."""
+    def generate(self, problems: list[Problem], n: int, greedy: bool = False,
+                 ready: GroupForwards | None = None) -> list[Sample]:
+        """Roll out ``n`` samples (episodes) per problem and score them; ``ready`` (embedded
+        engine) gets each group's (each ended episode's) sequences as soon as they are final."""
         self.model.eval()
         try:
             if self.agents is not None:
                 return [Sample(**fields) for fields in self.agents.generate(problems, n, greedy)]
             if self.multi_turn:
-                return self._episodes(problems, n, greedy)
-            return self._single_turn(problems, n, greedy)
+                return self._episodes(problems, n, greedy, ready)
+            return self._single_turn(problems, n, greedy, ready)
         finally:
             self.model.train()
 
-    def _single_turn(self, problems: list[Problem], n: int, greedy: bool) -> list[Sample]:
+    def _single_turn(self, problems: list[Problem], n: int, greedy: bool, ready: GroupForwards | None) -> list[Sample]:
         prompts = [self.format.prompt_ids(self.tokenizer, p.prompt) for p in problems]
-        groups = self.rollout.generate(prompts, self.sampling_params(n, greedy))  # one per prompt, in order
+        groups = stream_groups(self.rollout, prompts, self.sampling_params(n, greedy), ready)  # in prompt order
         return self.group_samples(problems, groups, self.rollout.version)
 
     def group_samples(self, problems: list[Problem], groups: list, version: int) -> list[Sample]:
@@ -169,11 +173,15 @@ class Sampler:
             ))
         return samples
 
-    def _episodes(self, problems: list[Problem], n: int, greedy: bool) -> list[Sample]:
+    def _episodes(self, problems: list[Problem], n: int, greedy: bool, ready: GroupForwards | None) -> list[Sample]:
         params = self.sampling_params(1, greedy)
 
         def policy(contexts):
+            if ready is not None:  # the episodes that ended last turn: their forwards beside this turn's rollout
+                ready.turn_starts(contexts)
             groups = self.rollout.generate(contexts, params)
+            if ready is not None:
+                ready.turn_ends([g.completions[0].token_ids for g in groups])
             return [(g.completions[0].completion_ids, g.completions[0].logprobs) for g in groups]
 
         expanded = [p for p in problems for _ in range(n)]

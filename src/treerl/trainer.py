@@ -32,6 +32,7 @@ from .build import build_engines, build_policy, default_tokenizer
 from .config import Config
 from .distributed import ranks
 from .learner import Learner, check_proximal, step_metrics
+from .overlap import GroupForwards
 from .preflight import check_tokenizer_fits
 from .rollout import SamplingParams
 from .sampler import Sampler
@@ -129,23 +130,26 @@ class Trainer:
     def step(self) -> dict[str, float]:
         """One synchronous RL step (rollout, then training on it); returns its metrics."""
         t0 = time.perf_counter()
+        # rollout.overlap_forwards: the forwards of each finished group run during the rollout
+        # (the embedded engine's groups; agent rollouts hand over none)
+        ready = self.learner.group_forwards() if self.agents is None else None
         samples = self.sampler.step_samples(self.next_problems(self.cfg.rollout.prompts_per_step),
-                                            self.cfg.rollout.group_size)
-        metrics = self.train_on(samples, rollout_seconds=time.perf_counter() - t0)
+                                            self.cfg.rollout.group_size, ready)
+        metrics = self.train_on(samples, rollout_seconds=time.perf_counter() - t0, ready=ready)
         if self.agents is not None:
             metrics.update(self.agents.pop_metrics())
         return metrics
 
     def train_on(self, samples: list[Sample], rollout_seconds: float = 0.0,
-                 proximal: str = "recompute") -> dict[str, float]:
+                 proximal: str = "recompute", ready: GroupForwards | None = None) -> dict[str, float]:
         """Train on a batch of scored samples (from this trainer's rollout or from
         asynchronous workers: behaviour logprobs and versions come with the samples), then
         give the rollout engine the new weights. ``proximal``: see
         :meth:`treerl.learner.Learner.train_on`. Data parallel: every rank passes the same
-        global batch."""
+        global batch. ``ready``: forwards run during the rollout (:mod:`treerl.overlap`)."""
         check_proximal(proximal, self.cfg.algorithm.advantage)
         self.last_samples = samples
-        update = self.learner.train_on(samples, self.rollout.version, self.step_count, proximal)
+        update = self.learner.train_on(samples, self.rollout.version, self.step_count, proximal, ready)
         t = time.perf_counter()
         self.sampler.sync_weights(self.model)
         update.timings["update"] += time.perf_counter() - t

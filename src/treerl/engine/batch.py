@@ -33,10 +33,15 @@ class Batch:
 
 def prepare_batch(layout: PrefixTree, plan: Plan, device: torch.device) -> Batch:
     """``layout`` and ``plan`` as a :class:`Batch` on ``device``."""
-    # All index arrays in one host-to-device copy (each pageable copy synchronises the host).
+    # All index arrays in one host-to-device copy, from pinned memory: no host sync (a
+    # pageable copy synchronises the host with the stream; treerl.overlap runs forwards
+    # beside a rollout and must not wait for them).
     arrays = [layout.token_ids, layout.position, layout.parent, layout.subtree_end, seq_targets(layout),
               *plan.targets]
-    on_device = torch.cat(arrays).to(device).split([len(a) for a in arrays])
+    host = torch.cat(arrays)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    on_device = host.to(device, non_blocking=True).split([len(a) for a in arrays])
     token_ids, position, parent, subtree_end, targets_of_seqs, *targets = on_device
     return Batch(tree=layout, plan=plan, token_ids=token_ids, position=position, parent=parent,
                  subtree_end=subtree_end, targets=list(targets), seq_targets=targets_of_seqs,
