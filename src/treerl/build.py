@@ -1,6 +1,7 @@
 """Building what a trainer trains: the task, the tokenizer, the policy model, and the tree
 engines over it (policy; a frozen reference for the KL term; a critic with a value head
-for GAE).
+for GAE); and loading a saved model with its tokenizer (:func:`load_saved`: a checkpoint's
+or a Hugging Face directory's), the one way ``train``, ``serve``, ``eval`` and ``export`` load.
 
 Each function takes the config section it reads: ``model`` (:class:`ModelConfig`: path /
 family / shape / dtype / overrides / lora), ``task`` (:class:`TaskConfig`: which task),
@@ -12,16 +13,19 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .config import EngineConfig, ModelConfig, TaskConfig
+from .config import Config, EngineConfig, ModelConfig, TaskConfig
 from .engine.tree_engine import TreeEngine
+from .lora import is_adapter_dir, load_adapter
 from .models import build_model, load_model
 from .preflight import check_tokenizer_fits
 from .tasks import get_task
 from .tasks.base import Task
+from .tasks.tokenizer import CharTokenizer
 
 
 def build_task_policy(model_cfg: ModelConfig, task_cfg: TaskConfig, seed: int, device: torch.device, *,
@@ -41,14 +45,42 @@ def default_tokenizer(model_cfg: ModelConfig, task: Task) -> Any:
     """The model directory's tokenizer, else the task's character tokenizer, else a
     character tokenizer over printable ASCII (tasks of free text, e.g. JSONL math)."""
     if model_cfg.path:
-        from transformers import AutoTokenizer
+        return load_tokenizer(model_cfg.path)
+    return task.tokenizer() if task.alphabet else CharTokenizer()
 
-        return AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
-    if task.alphabet:
-        return task.tokenizer()
-    from .tasks.tokenizer import CharTokenizer
 
-    return CharTokenizer()
+def load_tokenizer(directory: str | Path) -> Any:
+    """The tokenizer saved in ``directory``: treerl's character tokenizer, else a Hugging
+    Face tokenizer (local files only)."""
+    if CharTokenizer.is_saved_in(directory):
+        return CharTokenizer.from_pretrained(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def load_saved(model_dir: str | Path, cfg: Config, *, checkpoint: Path | None = None,
+               device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Any]:
+    """A saved model and its tokenizer, in ``cfg.model.dtype``.
+
+    ``model_dir``: a Hugging Face model directory (its tokenizer beside it), or with
+    ``checkpoint`` that treerl checkpoint's ``model/`` (``cfg``: the checkpoint's run
+    config): full weights, or the adapter of a run with ``model.lora``, which is applied
+    to the base rebuilt from ``cfg`` and merged into it. A checkpoint's tokenizer is its
+    ``tokenizer/``, else the run's own (:func:`default_tokenizer`)."""
+    model_dir = Path(model_dir)
+    if checkpoint is None:
+        tokenizer = load_tokenizer(model_dir)
+    else:
+        saved = Path(checkpoint) / "tokenizer"
+        if saved.is_dir():
+            tokenizer = load_tokenizer(saved)
+        else:
+            tokenizer = default_tokenizer(cfg.model, get_task(cfg.task.name, **cfg.task.kwargs))
+        if is_adapter_dir(model_dir):
+            base = build_base(cfg.model, tokenizer, cfg.train.seed, device)
+            return load_adapter(base, model_dir).merge_and_unload(), tokenizer
+    return load_model(model_dir, dtype=cfg.model.dtype, device=device), tokenizer
 
 
 def build_policy(model_cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
@@ -62,18 +94,18 @@ def build_policy(model_cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.
     return model
 
 
-def build_base(model_cfg: ModelConfig, tokenizer: Any, seed: int) -> torch.nn.Module:
-    """The model before any adapter: loaded from ``model.path``, else a fresh
+def build_base(model_cfg: ModelConfig, tokenizer: Any, seed: int, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The model before any adapter, on ``device``: loaded from ``model.path``, else a fresh
     ``model.family``/``model.shape`` with the tokenizer's vocabulary (and special-token ids)
     and ``model.overrides`` (its weights seeded by ``seed``, the run's ``train.seed``:
     rebuilt identically)."""
     m = model_cfg
     if m.path:
-        return load_model(m.path, dtype=m.dtype)
+        return load_model(m.path, dtype=m.dtype, device=device)
     extra = dict(tokenizer.hf_config_kwargs()) if hasattr(tokenizer, "hf_config_kwargs") else {}
     extra.update(vocab_size=tokenizer.vocab_size)
     extra.update(m.overrides)
-    return build_model(m.family, m.shape, dtype=m.dtype, seed=seed, **extra)
+    return build_model(m.family, m.shape, dtype=m.dtype, seed=seed, device=device, **extra)
 
 
 @dataclass

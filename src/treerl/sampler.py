@@ -171,18 +171,25 @@ class Sampler:
 
     def _single_turn(self, problems: list[Problem], n: int, greedy: bool, ready: GroupForwards | None) -> list[Sample]:
         prompts = [self.format.prompt_ids(self.tokenizer, p.prompt) for p in problems]
-        groups = stream_groups(self.rollout, prompts, self.sampling_params(n, greedy), ready)
-        flat = [(g, c) for g in groups for c in g.completions]
+        groups = stream_groups(self.rollout, prompts, self.sampling_params(n, greedy), ready)  # in prompt order
+        return self.group_samples(problems, groups, self.rollout.version)
+
+    def group_samples(self, problems: list[Problem], groups: list, version: int) -> list[Sample]:
+        """The scored samples of single-turn ``groups`` (``groups[i]``: the rollout
+        :class:`~treerl.rollout.Group` of ``problems[i]``): per completion, the prompt
+        (untrained, stamped ``version``) then the completion's tokens, logprobs and versions;
+        ``group`` is the problem's index, ``episode`` the completion's in the list."""
+        flat = [(i, c) for i, g in enumerate(groups) for c in g.completions]
         texts = [self.tokenizer.decode(c.completion_ids.tolist(), skip_special_tokens=True) for _, c in flat]
-        rewards = score_problems(self.task.reward, [problems[g.prompt_index] for g, _ in flat], texts)
+        rewards = score_problems(self.task.reward, [problems[i] for i, _ in flat], texts)
         samples = []
-        for k, ((g, c), text, reward) in enumerate(zip(flat, texts, rewards)):
+        for k, ((i, c), text, reward) in enumerate(zip(flat, texts, rewards)):
             p, t = len(c.prompt_ids), len(c.completion_ids)
             samples.append(Sample(
                 token_ids=c.token_ids.tolist(), loss_mask=[False] * (p - 1) + [True] * t,
                 behaviour_logprobs=[0.0] * (p - 1) + c.logprobs.tolist(),
-                versions=[self.rollout.version] * (p - 1) + c.versions.tolist(),
-                reward=reward, group=g.prompt_index, episode=k, completion=text,
+                versions=[version] * (p - 1) + c.versions.tolist(),
+                reward=reward, group=i, episode=k, completion=text,
             ))
         return samples
 

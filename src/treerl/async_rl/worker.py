@@ -349,27 +349,6 @@ class RolloutWorker:
         if session.pending:
             raise RuntimeError(f"worker {self.spec.index}: the stream ended with units {sorted(session.pending)} unfinished")
 
-    def score_groups(self, problems: list, groups: list, version: int) -> list:
-        """Samples of one unit's groups (one per problem, in order), exactly as
-        ``Sampler.generate`` builds them for a synchronous step."""
-        from ..tasks.base import score_problems
-        from ..samples import Sample
-
-        flat = [(i, c) for i, g in enumerate(groups) for c in g.completions]
-        tok = self.sampler.tokenizer
-        texts = [tok.decode(c.completion_ids.tolist(), skip_special_tokens=True) for _, c in flat]
-        rewards = score_problems(self.sampler.task.reward, [problems[i] for i, _ in flat], texts)
-        samples = []
-        for k, ((i, c), text, reward) in enumerate(zip(flat, texts, rewards)):
-            p, t = len(c.prompt_ids), len(c.completion_ids)
-            samples.append(Sample(
-                token_ids=c.token_ids.tolist(), loss_mask=[False] * (p - 1) + [True] * t,
-                behaviour_logprobs=[0.0] * (p - 1) + c.logprobs.tolist(),
-                versions=[version] * (p - 1) + c.versions.tolist(),
-                reward=reward, group=i, episode=k, completion=text,
-            ))
-        return samples
-
     def _wait_for_version(self, version: int) -> None:
         deadline = time.monotonic() + self.spec.weights_timeout_s
         with self.state.weights:
@@ -471,5 +450,6 @@ class _Session:
                 return None
             del self.units[uid]
         groups = [st.groups[i] for i in range(len(st.unit.problems))]
-        samples = self.worker.score_groups(st.unit.problems, groups, self.worker.engine.version)
+        # scored exactly as a synchronous step's samples are (Sampler.group_samples)
+        samples = self.worker.trainer.sampler.group_samples(st.unit.problems, groups, self.worker.engine.version)
         return st.unit, samples, st.first_version

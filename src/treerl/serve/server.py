@@ -16,7 +16,8 @@ import torch
 
 from ..config import Config, ConfigError, RolloutConfig
 from ..rollout import RolloutEngine, build_rollout_engine
-from .app import ServeState, create_app
+from .app import create_app
+from .state import ServeState
 from .chat import ChatRenderer
 from .limits import ServeLimits
 from .tools import get_tool_format
@@ -140,55 +141,29 @@ def load_for_serving(config_path: str | None, overrides: list[str], weights: str
 
 def _load_base_for_serving(config_path, overrides, weights, device, dtype, trust: bool
                            ) -> tuple[torch.nn.Module, Any, int]:
+    from ..build import build_base, default_tokenizer, load_saved
     from ..checkpoint import META
-    from ..models import build_model, load_model
     from ..tasks import get_task
-    from ..tasks.tokenizer import CharTokenizer
 
     cfg = Config.from_yaml(config_path, overrides)
-    if weights is not None:
-        from .weights import weights_dir
+    if weights is None:
+        cfg.model.dtype = dtype or cfg.model.dtype
+        tokenizer = default_tokenizer(cfg.model, get_task(cfg.task.name, **cfg.task.kwargs))
+        return build_base(cfg.model, tokenizer, cfg.train.seed, device), tokenizer, 0
+    from .weights import weights_dir
 
-        model_dir = weights_dir(weights)
-        root = model_dir.parent if (model_dir.parent / META).is_file() else None
-        if root is not None:
-            from ..checkpoint import load_state
+    model_dir = weights_dir(weights)
+    root = model_dir.parent if (model_dir.parent / META).is_file() else None
+    version = 0
+    if root is not None:  # a treerl checkpoint: its run's config
+        from ..checkpoint import load_state
 
-            state = load_state(root, trust=trust)
-            cfg = Config.from_dict(state["config"])
-            version = int(state.get("version", 0))
-        else:
-            version = 0
-        from ..lora import is_adapter_dir, load_adapter
-
-        if root is not None and is_adapter_dir(model_dir):  # a LoRA run: base from its config + adapter
-            from ..build import build_base
-            from ..export import saved_tokenizer
-
-            cfg.model.dtype = dtype or cfg.model.dtype
-            tokenizer = saved_tokenizer(root, cfg)
-            model = load_adapter(build_base(cfg.model, tokenizer, cfg.train.seed).to(device), model_dir).merge_and_unload()
-            return model, tokenizer, version
-        model = load_model(model_dir, dtype=dtype or cfg.model.dtype, device=device)
-        tok_dir = root / "tokenizer" if root is not None else model_dir
-        if CharTokenizer.is_saved_in(tok_dir):
-            tokenizer = CharTokenizer.from_pretrained(tok_dir)
-        else:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
-        return model, tokenizer, version
-    m = cfg.model
-    if m.path:
-        from transformers import AutoTokenizer
-
-        return (load_model(m.path, dtype=dtype or m.dtype, device=device),
-                AutoTokenizer.from_pretrained(m.path, local_files_only=True), 0)
-    task = get_task(cfg.task.name, **cfg.task.kwargs)
-    tokenizer = task.tokenizer() if task.alphabet else CharTokenizer()
-    extra = dict(tokenizer.hf_config_kwargs(), vocab_size=tokenizer.vocab_size, **m.overrides)
-    model = build_model(m.family, m.shape, dtype=dtype or m.dtype, seed=cfg.train.seed, device=device, **extra)
-    return model, tokenizer, 0
+        state = load_state(root, trust=trust)
+        cfg = Config.from_dict(state["config"])
+        version = int(state.get("version", 0))
+    cfg.model.dtype = dtype or cfg.model.dtype
+    model, tokenizer = load_saved(model_dir, cfg, checkpoint=root, device=device)
+    return model, tokenizer, version
 
 
 def serve(args) -> int:
