@@ -99,7 +99,7 @@ class TreerlRunner:
 
     def __init__(self, model, mode: str, **kwargs):
         self.engine = TreeEngine(model, mode, **kwargs)
-        self.engine.memory_model  # the probe's allocations are not a step's
+        self.engine.memory.model  # the probe's allocations are not a step's
         self.settings = dict(mode=mode, **kwargs)
 
     def step(self, seqs, loss_fn) -> float:
