@@ -17,8 +17,7 @@ import treerl.engine.attention as attention
 import treerl.engine.chain_attention as chain
 from conftest import RandomLoss, get_model, random_seq
 from test_engine_exact import check_engine
-from treerl import TreeEngine
-from treerl.engine.memory import MemoryModel
+from treerl.engine.memory import MemoryModel, MemoryPolicy
 
 
 def dense_reference(q, k, v, prefix, scale):
@@ -170,8 +169,8 @@ def test_engine_exact_on_long_prefixes_split_in_pieces(mode, kw, separable, gen,
 def test_engine_chain_pieces_with_kept_attention(variant, gen, monkeypatch):
     """Recomputed chain pieces that keep every layer's attention (their backward reads the
     recomputed q/k/v): exact."""
-    monkeypatch.setattr(TreeEngine, "kept_attention_layers",
-                        lambda self, queries, keys, copies, spare: frozenset(range(self.num_layers)))
+    monkeypatch.setattr(MemoryPolicy, "kept_attention_layers",
+                        lambda self, queries, keys, copies, spare: frozenset(range(self.layers)))
     model = get_model(variant, num_hidden_layers=4)
     m = MemoryModel.estimate(model.config, torch.float64, dense_mask=True)
     budget = int(m.fixed + 12 * m.recompute_per_token + 12**2 * m.per_pair) + 1  # calls of up to 12 tokens

@@ -279,7 +279,7 @@ class TreeEngine:
         else:
             k_index, per_layer = q_index, None
         # one chain: every token's subtree, the prefix's included, reaches the segment's end
-        spans = [b.plan.segments[a] for a in b.plan.ancestors(i)] if prefix else []
+        spans = [b.plan.segments[a] for a in ancestors] if prefix else []
         chain = all(int(b.tree.subtree_end[s.start : s.end].min()) >= seg.end for s in spans + [seg])
         ctx = TreeAttention(
             self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture, causal=chain
