@@ -25,6 +25,14 @@ returns ``None`` after one warning, and the caller runs the tree mask as before.
 same merge and backward run with the plain-torch parts (:data:`MATH`: what the float64 tests
 check exactly). On CUDA only half-precision inputs take the fused kernels (the kernels' dtypes);
 float32/float64 calls return ``None`` without a warning (the tree mask path is exact there).
+
+Costs beside the two kernels: the merge (elementwise over [N, H, D] in float32), dQ summed
+and the prefix's and own dK/dV concatenated (a copy of the keys' gradients, ~126 MB for 30k
+keys of 8 x 128 in bf16). A kernel without GQA gets K/V repeated to every query head (a copy
+of 2 x keys x heads x head dim per layer and call, ~250 MB at 30k keys, made again in the
+backward, and dK/dV summed back): the probe prefers the heads as they are. cuDNN builds (and
+caches) an execution plan per new shape and strides: the first call of each (queries, prefix)
+length pays it (bench/chain_attention.py's ``first_ms``).
 """
 
 from __future__ import annotations
