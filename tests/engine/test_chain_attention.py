@@ -187,3 +187,20 @@ def test_switch_off_runs_the_tree_mask(gen, monkeypatch):
     seqs = [random_seq(gen, 20)]
     check_engine(get_model("qwen3"), seqs, "flat", RandomLoss.make(seqs, gen), max_tokens=6)
     assert prefixes == []
+
+
+@pytest.mark.parametrize("name", chain.KERNELS)
+@pytest.mark.parametrize("expand_kv", [False, True], ids=["gqa", "kv-expanded"])
+def test_fused_kernel_calls_on_meta_tensors(name, expand_kv):
+    """The aten ops take the arguments as chain_attention passes them (order, types) and
+    their outputs unpack as it reads them: run through their meta kernels, no GPU needed
+    (the values: tests/cuda/test_chain_attention.py)."""
+    kernel = chain.Kernel(name, *chain.FUSED[name], expand_kv=expand_kv)
+    q = torch.empty(1, 77, 16, 128, device="meta", dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.empty(1, 8, 131 + 77, 128, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    out, lse, extras = chain.chain_forward(kernel, q, k, v, 131, 128 ** -0.5)
+    assert out.shape == q.shape and chain.lse_rows(lse, 77).shape == (1, 16, 77)
+    dq, dk, dv = chain.chain_backward(kernel, torch.empty_like(out), q, k, v, out, lse, extras, 131, 128 ** -0.5)
+    assert dq.shape == q.shape
+    if expand_kv or name != "efficient":  # (the memory-efficient kernel has no GQA: the probe rejects its dK shape)
+        assert dk.shape == k.shape and dv.shape == v.shape
