@@ -194,7 +194,7 @@ def test_switch_off_runs_the_tree_mask(gen, monkeypatch):
 def test_fused_kernel_calls_on_meta_tensors(name, expand_kv):
     """The aten ops take the arguments as chain_attention passes them (order, types) and
     their outputs unpack as it reads them: run through their meta kernels, no GPU needed
-    (the values: tests/cuda/test_chain_attention.py)."""
+    (the values: tests/cuda/test_chain_attention_cuda.py)."""
     kernel = chain.Kernel(name, *chain.FUSED[name], expand_kv=expand_kv)
     q = torch.empty(1, 77, 16, 128, device="meta", dtype=torch.bfloat16).transpose(1, 2)
     k, v = (torch.empty(1, 8, 131 + 77, 128, device="meta", dtype=torch.bfloat16) for _ in range(2))
