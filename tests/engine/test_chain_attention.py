@@ -140,7 +140,9 @@ def test_no_kernel_warns_once_and_the_engine_masks(gen, monkeypatch):
 
 # ------------------------------------------------------------------ the engine
 def count_chain_calls(monkeypatch) -> list[int]:
-    """Prefix lengths of the chain attentions run (forward)."""
+    """Prefix lengths of the chain attentions run (forward), with the path switched on (off
+    by default until it is faster end to end on a GPU: treerl.engine.attention)."""
+    monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", True)
     prefixes = []
     apply = chain.ChainAttention.apply
     monkeypatch.setattr(chain.ChainAttention, "apply",
@@ -182,8 +184,8 @@ def test_engine_chain_pieces_with_kept_attention(variant, gen, monkeypatch):
 
 
 def test_switch_off_runs_the_tree_mask(gen, monkeypatch):
-    monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", False)
     prefixes = count_chain_calls(monkeypatch)
+    monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", False)  # the default
     seqs = [random_seq(gen, 20)]
     check_engine(get_model("qwen3"), seqs, "flat", RandomLoss.make(seqs, gen), max_tokens=6)
     assert prefixes == []

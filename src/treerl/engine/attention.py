@@ -123,8 +123,12 @@ FLEX_KERNEL = {"BACKEND": "TRITON"}
 PREFIX_AS_TILES = False
 # A chain piece after a prefix as two fused SDPA kernels merged by their log-sum-exp
 # (treerl.engine.chain_attention; issue 24, an A/B switch of bench/long_trees.py): full
-# attention to the prefix, causal to its own keys. Off: the tree mask, as any call after a prefix.
-CHAIN_AFTER_PREFIX = True
+# attention to the prefix, causal to its own keys. Off (the default): the tree mask, as any call after
+# a prefix. Off because on the H100 (2026-11-24) the kernels were 1.9x flex's rate in isolation but
+# long_prefix did not get faster end to end (5.64 s on, 5.69 s off), its CUDA tests crashed the test
+# process (the probe's odd shapes through cuDNN, not yet diagnosed) and cuDNN builds a plan per new
+# shape (~270 ms): see bench/RESULTS.md.
+CHAIN_AFTER_PREFIX = False
 
 
 def prefix_as_tiles() -> bool:
