@@ -11,21 +11,10 @@ import copy
 import pytest
 import torch
 
-from conftest import (
-    SMALL_MODE_KW,
-    SMALL_SPEC,
-    FLOOR,
-    TOL,
-    RandomLoss,
-    assert_grads_close,
-    assert_seq_close,
-    get_model,
-    grads_of,
-    reference_step,
-    shaped_forest,
-    zero_grads,
-)
-from rollout_util import greedy_reference, random_prompts, sampling, tiny
+from helpers.forests import RandomLoss, SMALL_MODE_KW, SMALL_SPEC, shaped_forest
+from helpers.models import get_model, tiny_model
+from helpers.reference import FLOOR, TOL, assert_grads_close, assert_seq_close, grads_of, reference_step, zero_grads
+from helpers.rollout import greedy_reference, random_prompts, sampling
 from treerl import TreeEngine
 from treerl.config import Config, ConfigError
 from treerl.lora import apply_lora, effective_weight, is_peft, merged_model, peft_config
@@ -155,7 +144,7 @@ def test_adapters_are_kept_in_the_model_dtype(tmp_path, dtype):
 def test_a_decode_step_runs_no_adapter_product(gen):
     """The decode blocks use the merged copies only: no PEFT LoRA layer runs in a decode
     step (the prefill, the Hugging Face forward, runs them)."""
-    model = lora_model(tiny(torch.float64, seed=3), gen)
+    model = lora_model(tiny_model(dtype=torch.float64, seed=3), gen)
     engine = RolloutEngine(model, max_batch_tokens=4096)
     calls = {"decode": 0, "other": 0}
     where = ["other"]
@@ -190,7 +179,7 @@ def test_rollout_greedy_equals_full_forwards_before_and_after_an_update(gen):
     """The decode blocks run merged copies of the adapted weights: greedy output equals a
     per-prompt full forward of the PEFT model, and still does after the adapters change
     and ``update_weights`` (the trainer's path after each optimizer step) refreshes them."""
-    base = tiny(torch.float64, seed=3)
+    base = tiny_model(dtype=torch.float64, seed=3)
     model = lora_model(base, gen, rank=8)
     engine = RolloutEngine(model, max_batch_tokens=4096)
     assert engine.decode_blocks is not None and all(w is not None for w in engine.decode_blocks.fused.o_w)  # merged copies
@@ -206,7 +195,7 @@ def test_rollout_greedy_equals_full_forwards_before_and_after_an_update(gen):
                     p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
         engine.update_weights(model)
     # the outputs depend on the adapters (else the check above proves nothing)
-    plain = RolloutEngine(tiny(torch.float64, seed=3), max_batch_tokens=4096).generate(prompts, params)
+    plain = RolloutEngine(tiny_model(dtype=torch.float64, seed=3), max_batch_tokens=4096).generate(prompts, params)
     assert any(a.completions[0].completion_ids.tolist() != b.completions[0].completion_ids.tolist()
                for a, b in zip(plain, groups))
 

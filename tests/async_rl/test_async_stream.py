@@ -19,7 +19,7 @@ from treerl.async_rl.runner import AsyncRunner, WorkerInfo
 from treerl.async_rl.weights import SharedMemoryPublisher
 from treerl.async_rl.worker import Ready, Result, RolloutWorker, WorkerSpec, _Session, rollout_only_config
 from treerl.config import Config
-from conftest import after_each_forward
+from helpers.models import after_each_forward
 
 TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
         "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 128}")

@@ -16,7 +16,7 @@ from treerl.async_rl.worker import RolloutWorker, WorkerSpec, rollout_only_confi
 from treerl.config import Config
 from treerl.models import build_model
 from treerl.rollout import RolloutEngine
-from conftest import after_each_forward
+from helpers.models import after_each_forward
 
 TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
         "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}")

@@ -14,7 +14,7 @@ import json
 
 import openai
 import pytest
-from chat_util import CALL, CALL_HEAD, CALL_TAIL, CALL_WHOLE, TOOLS, chat_tokenizer, tool_call_model
+from helpers.chat import CALL, CALL_HEAD, CALL_TAIL, CALL_WHOLE, TOOLS, chat_tokenizer, tool_call_model
 
 from treerl.rollout import RolloutEngine
 from treerl.serve import ServeOptions, ServerThread, make_state
