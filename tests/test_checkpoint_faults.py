@@ -19,6 +19,7 @@ from treerl import checkpoint as ckpt
 from treerl.cli import main
 from treerl.run import train
 
+
 RUN = ("model.dtype=float64", "rollout.prompts_per_step=2", "rollout.group_size=3", "train.eval_problems=4",
        "train.eval_every=0", "train.keep_last=3")  # run_overrides(out, *RUN, ...)
 

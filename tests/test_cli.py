@@ -13,6 +13,7 @@ from treerl.cli import main
 from treerl.config import Config, ConfigError
 from treerl.run import train
 
+
 RUN = ("model.dtype=float64", "rollout.prompts_per_step=2", "rollout.group_size=3", "train.eval_problems=4",
        "train.eval_every=0", "sft.batch_size=4")  # run_overrides(out, *RUN, ...)
 

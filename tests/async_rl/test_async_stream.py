@@ -18,11 +18,12 @@ from treerl.async_rl.ledger import WorkUnit
 from treerl.async_rl.runner import AsyncRunner, WorkerInfo
 from treerl.async_rl.weights import SharedMemoryPublisher
 from treerl.async_rl.worker import Ready, Result, RolloutWorker, WorkerSpec, _Session, rollout_only_config
-from treerl.config import Config
+from helpers.configs import run_config
 from helpers.models import after_each_forward
 
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 128}")
+
+RUN = ("rollout.max_new_tokens=24", "rollout.temperature=1.0", "rollout.group_size=3", "rollout.prompts_per_step=2",
+       "async.max_staleness=2")  # run_config(None, *RUN, ..., layers=2, context=128)
 
 
 class _Sink:
@@ -31,12 +32,6 @@ class _Sink:
 
     def put(self, item):
         self.items.put(item)
-
-
-def make_config(*extra):
-    return Config.from_yaml(None, ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}",
-                                   "rollout.max_new_tokens=24", "rollout.temperature=1.0", "rollout.group_size=3",
-                                   "rollout.prompts_per_step=2", "async.max_staleness=2", *extra])
 
 
 def rng_state(seed):
@@ -56,7 +51,7 @@ def results_until(sink, n, timeout=120):
 
 
 def test_streaming_worker_admits_units_while_generating_and_returns_each_once(monkeypatch):
-    cfg = make_config()
+    cfg = run_config(None, *RUN, layers=2, context=128)
     trainer_cfg = rollout_only_config(cfg.to_dict(), "cpu")
     from treerl.trainer import Trainer
 
@@ -140,7 +135,7 @@ def test_streaming_session_reproduces_a_synchronous_generate():
     """One session over the prompts of one unit, seeded from the unit's RNG state, gives
     exactly the samples that ``Trainer.generate_samples`` gives from the same RNG state
     (what eta = 0 relies on)."""
-    cfg = make_config("rollout.prompts_per_step=3", "async.max_staleness=0")
+    cfg = run_config(None, *RUN, "rollout.prompts_per_step=3", "async.max_staleness=0", layers=2, context=128)
     from treerl.trainer import Trainer
 
     trainer = Trainer(rollout_only_config(cfg.to_dict(), "cpu"))

@@ -13,13 +13,10 @@ from treerl.async_rl.ledger import WorkUnit
 from treerl.async_rl.weights import (FilePublisher, SharedMemoryPublisher, choose_transfer, list_weight_files,
                                      model_state)
 from treerl.async_rl.worker import RolloutWorker, WorkerSpec, rollout_only_config
-from treerl.config import Config
 from treerl.models import build_model
 from treerl.rollout import RolloutEngine
+from helpers.configs import run_config
 from helpers.models import after_each_forward
-
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}")
 
 
 def tiny(seed: int, tied: bool = True):
@@ -86,8 +83,7 @@ def test_weight_update_interrupts_generation_and_tokens_keep_both_versions():
     trainer publishes new weights. The listener applies them mid-generation: every
     completion that outlived the update has tokens of version 0 then version 1, and each
     part is exactly what that version's greedy decoding gives."""
-    cfg = Config.from_yaml(None, ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}",
-                                 "rollout.max_new_tokens=12", "rollout.temperature=0"])
+    cfg = run_config(None, "rollout.max_new_tokens=12", "rollout.temperature=0", layers=2)
     old = rollout_only_config(cfg.to_dict(), "cpu")
     from treerl.trainer import Trainer
 
