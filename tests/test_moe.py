@@ -14,7 +14,8 @@ import torch
 
 from helpers.forests import RandomLoss, SMALL_MODE_KW, SMALL_SPEC, shaped_forest
 from helpers.models import VOCAB, tiny_model
-from helpers.reference import FLOOR, TOL, assert_grads_close, assert_seq_close, grads_of, reference_step, zero_grads
+from helpers.reference import (FLOOR, TOL, assert_grads_close, assert_seq_close, grads_of, reference_logprobs,
+                               reference_step, zero_grads)
 from helpers.rollout import greedy_reference, random_prompts, sampling
 from treerl import TreeEngine, moe
 from treerl.models import load_model, runs_own_loop
@@ -210,7 +211,7 @@ def test_router_aux_loss_is_exact(mode, gen):
     loss = RandomLoss.make(seqs, gen)
     coef = 0.37
     zero_grads(ref)
-    lps, _ = __import__("conftest").reference_logprobs(ref, seqs)
+    lps, _ = reference_logprobs(ref, seqs)
     want_aux = reference_aux(ref, seqs, coef)
     (loss(lps) + want_aux).backward()
     ref_grads = grads_of(ref)

@@ -35,3 +35,17 @@ def run_overrides(out: str | Path | None = None, *extra: str, task: str | None =
 def run_config(out: str | Path | None = None, *extra: str, **kw) -> Config:
     """:func:`run_overrides` as a :class:`Config`."""
     return Config.from_yaml(None, run_overrides(out, *extra, **kw))
+
+
+# The agent tests' runs: the default task and the `tiny` model shape (64 positions), 2 prompts x 2
+# samples of up to 4 tokens: run_overrides(out, *AGENT_RUN, ..., task=None, layers=None).
+AGENT_RUN = ("model.overrides.max_position_embeddings=64", "rollout.prompts_per_step=2", "rollout.group_size=2",
+             "rollout.max_new_tokens=4")
+
+
+def make_trainer(tmp_path: Path, *overrides: str):
+    """A :class:`~treerl.trainer.Trainer` of an agent test's run (:data:`AGENT_RUN`) writing to
+    ``tmp_path / "run"``; ``overrides`` come last."""
+    from treerl.trainer import Trainer
+
+    return Trainer(run_config(tmp_path / "run", *AGENT_RUN, *overrides, task=None, layers=None))
