@@ -8,19 +8,16 @@ import pytest
 import torch
 
 import treerl
-from treerl.config import Config
-from treerl.models import build_model, rmsnorm_in_input_precision
+from helpers.configs import run_config
+from helpers.models import tiny_model
+from treerl.models import rmsnorm_in_input_precision
 from treerl.tasks import get_task
 from treerl.tasks.base import DatasetError, RewardError
 from treerl.trainer import Trainer
 
-TINY = "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}"
-
-
 def config(*overrides):
-    base = ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "rollout.prompts_per_step=3",
-            "rollout.group_size=4", "train.eval_problems=8", "train.tensorboard=false", "train.progress=false"]
-    return Config.from_yaml(None, base + list(overrides))
+    return run_config(None, "rollout.prompts_per_step=3", "rollout.group_size=4", "train.eval_problems=8", *overrides,
+                      layers=2)
 
 
 def params(model):
@@ -161,7 +158,7 @@ def test_bad_algorithm_names_are_config_errors():
 @pytest.mark.parametrize("mode", ["packed", "dfs"])
 def test_critic_value_head_matches_per_sequence_forward(mode):
     """A critic engine (value head) gives the values and gradients of a per-sequence forward."""
-    model = rmsnorm_in_input_precision(build_model("qwen3", "tiny", dtype=torch.float64, vocab_size=40, seed=2))
+    model = tiny_model(vocab_size=40, seed=2)
     head = torch.nn.Linear(model.config.hidden_size, 1, dtype=torch.float64)
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 40, (6,), generator=gen).tolist()

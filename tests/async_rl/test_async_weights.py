@@ -13,14 +13,12 @@ from treerl.async_rl.ledger import WorkUnit
 from treerl.async_rl.weights import (FilePublisher, SharedMemoryPublisher, choose_transfer, list_weight_files,
                                      model_state)
 from treerl.async_rl.worker import RolloutWorker, WorkerSpec, rollout_only_config
-from treerl.models import build_model
 from treerl.rollout import RolloutEngine
 from helpers.configs import run_config
-from helpers.models import after_each_forward
+from helpers.models import after_each_forward, tiny_model
 
 
-def tiny(seed: int, tied: bool = True):
-    return build_model("qwen3", "tiny", vocab_size=40, seed=seed, tie_word_embeddings=tied)
+SMALL = dict(dtype=torch.float32, vocab_size=40, tie_word_embeddings=True)  # tiny_model(seed=..., **SMALL)
 
 
 def same(state: dict, model: torch.nn.Module) -> bool:
@@ -34,7 +32,7 @@ def publishers(tmp_path, model):
 
 @pytest.mark.parametrize("kind", ["shared", "files"])
 def test_publish_receive_versions(tmp_path, kind):
-    a, b = tiny(0), tiny(1)
+    a, b = tiny_model(seed=0, **SMALL), tiny_model(seed=1, **SMALL)
     pub = {p.kind: p for p in publishers(tmp_path, a)}[kind]
     pub.publish(a, 0)
     rx = pub.source(0).open(torch.device("cpu"), a)
@@ -45,13 +43,13 @@ def test_publish_receive_versions(tmp_path, kind):
     pub.publish(b, 7)
     version, state = rx.receive(timeout=5)
     assert version == 7 and same(state, b) and not same(state, a)
-    engine = RolloutEngine(tiny(2), version=-1)
+    engine = RolloutEngine(tiny_model(seed=2, **SMALL), version=-1)
     assert engine.update_weights(state, version=version) == 7
     assert same(model_state(b), engine.model) and torch.equal(engine.model.lm_head.weight, b.lm_head.weight)
 
 
 def test_files_are_atomic_and_pruned(tmp_path):
-    a = tiny(0, tied=False)
+    a = tiny_model(seed=0, **{**SMALL, "tie_word_embeddings": False})
     pub = FilePublisher(tmp_path / "w", keep=2)
     for v in range(5):
         pub.publish(a, v)
@@ -143,7 +141,7 @@ def test_broadcast_transport_over_gloo(tmp_path):
 
     from treerl.async_rl.nccl import CollectivePublisher
 
-    a, b, c = tiny(0), tiny(1), tiny(2)
+    a, b, c = tiny_model(seed=0, **SMALL), tiny_model(seed=1, **SMALL), tiny_model(seed=2, **SMALL)
     pub = CollectivePublisher(a, 0, backend="gloo", timeout_s=30)
     got = []
 

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers.models import tiny_model
 from treerl.config import Config
-from treerl.models import build_model, rmsnorm_in_input_precision
 from treerl.tasks import get_task
 from treerl.trainer import Sample, Trainer
 
@@ -50,8 +50,7 @@ def config(name: str) -> Config:
 
 def model(cfg: Config):
     tok = get_task(cfg.task.name).tokenizer()
-    return rmsnorm_in_input_precision(build_model("qwen3", "tiny", dtype=torch.float64,
-                                                  seed=1, **tok.hf_config_kwargs()))
+    return tiny_model(seed=1, **tok.hf_config_kwargs())
 
 
 def samples(vocab: int, chain: bool = False) -> list[Sample]:
