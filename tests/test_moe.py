@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+from helpers.configs import run_config
 from helpers.forests import RandomLoss, SMALL_MODE_KW, SMALL_SPEC, shaped_forest
 from helpers.models import VOCAB, tiny_model
 from helpers.reference import (FLOOR, TOL, assert_grads_close, assert_seq_close, grads_of, reference_logprobs,
@@ -230,20 +231,19 @@ def test_router_aux_loss_is_exact(mode, gen):
 
 
 def test_a_trainer_step_with_the_router_aux_loss(tmp_path):
-    from treerl.config import Config, ConfigError
+    from treerl.config import ConfigError
     from treerl.trainer import Trainer
 
-    base = ["task.name=addition", "task.kwargs={digits: 2}", "rollout.prompts_per_step=2", "rollout.group_size=3",
-            "train.tensorboard=false", "train.progress=false", f"train.out_dir={tmp_path}"]
-    cfg = Config.from_yaml(None, base + ["model.family=qwen3_moe", "model.shape=tiny-moe",
-                                         "algorithm.router_aux_coef=0.01"])
+    base = ("rollout.prompts_per_step=2", "rollout.group_size=3")  # run_config(tmp_path, *base, ..., layers=None)
+    cfg = run_config(tmp_path, *base, "model.family=qwen3_moe", "model.shape=tiny-moe", "algorithm.router_aux_coef=0.01",
+                     layers=None)
     trainer = Trainer(cfg)
     gate = trainer.model.model.layers[0].mlp.gate.weight
     before = gate.detach().clone()
     metrics = trainer.step()
     assert metrics["loss/router_aux"] > 0 and not torch.equal(gate, before)
     with pytest.raises(ConfigError, match="router_aux_coef > 0 needs a mixture-of-experts model"):
-        Trainer(Config.from_yaml(None, base + ["algorithm.router_aux_coef=0.01"]))
+        Trainer(run_config(tmp_path, *base, "algorithm.router_aux_coef=0.01", layers=None))
     with pytest.raises(ConfigError, match="algorithm.router_aux_coef: -1.0 is not allowed; allowed: >= 0"):
-        Trainer(Config.from_yaml(None, base + ["model.family=qwen3_moe", "model.shape=tiny-moe",
-                                               "algorithm.router_aux_coef=-1"]))
+        Trainer(run_config(tmp_path, *base, "model.family=qwen3_moe", "model.shape=tiny-moe", "algorithm.router_aux_coef=-1",
+                           layers=None))

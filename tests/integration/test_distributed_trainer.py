@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers.configs import run_config
 from helpers.models import tiny_model
 from treerl.config import Config
 from treerl.tasks import get_task
@@ -42,10 +43,8 @@ CHAIN = "grpo-kl-2mb"  # config of the one-chain batch (c)
 
 
 def config(name: str) -> Config:
-    return Config.from_yaml(None, [
-        "task.name=sorting", "model.dtype=float64", "engine.mode=auto", "engine.max_tokens=24",
-        "engine.chunk_tokens=6", "optim.lr=0.01", "optim.schedule=constant", "train.progress=false",
-        "train.tensorboard=false", *CONFIGS[name]])
+    return run_config(None, "model.dtype=float64", "engine.mode=auto", "engine.max_tokens=24", "engine.chunk_tokens=6",
+                      "optim.lr=0.01", "optim.schedule=constant", *CONFIGS[name], task="sorting", layers=None)
 
 
 def model(cfg: Config):
