@@ -12,7 +12,8 @@ import zlib
 import pytest
 import torch
 
-from helpers.seed import SESSION_SEED
+pytest.register_assert_rewrite("helpers")  # the helpers' asserts explain their failures as the tests' do
+from helpers.seed import SESSION_SEED  # noqa: E402
 
 # Tiny models do not gain from intra-op threads, and with a busy 2-core machine the
 # OpenMP threads of 2 torch threads spin against each other (16 ms per small matmul).
