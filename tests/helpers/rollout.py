@@ -1,6 +1,7 @@
-"""Shared pieces of the rollout tests (their model: :func:`helpers.models.tiny_model`): prompts, and a completion-length
-rule that ends every greedy completion with a stop string at a length set by its first
-token (so the stops are exercised without a trained model)."""
+"""Shared pieces of the rollout tests (their model: :func:`helpers.models.tiny_model`): prompts,
+greedy references by full forwards, and completion-length rules that end every greedy
+completion with a stop string at a length set by its first token (so the stops are exercised
+without a trained model)."""
 
 from __future__ import annotations
 
