@@ -116,13 +116,13 @@ def make_engine(model, name: str, smoke_budget: int | None) -> TreeEngine:
 def sweep(run: Run, model, device, smoke_budget) -> list[dict]:
     rows = []
     engine = make_engine(model, "auto", smoke_budget)
-    engine.memory_model  # the probe's allocations are not a step's
+    engine.memory.model  # the probe's allocations are not a step's
     sizes = [64, 128, 256] if run.args.smoke else [4096, 16384, 32768, 65536]
     for tokens in sizes:
         if run.over():
             break
         tree = PrefixTree.from_sequences(memory_sweep_tree(tokens, model.config.vocab_size))
-        row = dict(tokens=tokens, longest=int(tree.seq_lengths.max()), budget_gib=engine.memory_budget / 2**30)
+        row = dict(tokens=tokens, longest=int(tree.seq_lengths.max()), budget_gib=engine.memory.budget / 2**30)
         try:
             plan = engine.plan(tree)
             row.update(predicted_gib=plan.peak_bytes / 2**30, plan=plan.describe())
@@ -169,7 +169,7 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
             row = dict(workload=wl, config=name, tree_tokens=tree.num_tree_tokens, flat_tokens=tree.num_flat_tokens)
             try:
                 engine = make_engine(model, name, smoke_budget)
-                engine.memory_model
+                engine.memory.model
                 sync(device)
                 base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
                 with switches(name):
@@ -178,7 +178,7 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                 row.update(seconds=seconds, times=times, tflops=flops / seconds / 1e12, calls=engine.stats.model_calls,
                            recomputed_calls=engine.stats.recomputed_calls,
                            kept_attention_layers=engine.stats.kept_attention_layers, plan=plan.describe(),
-                           predicted_gib=plan.peak_bytes / 2**30, budget_gib=engine.memory_budget / 2**30)
+                           predicted_gib=plan.peak_bytes / 2**30, budget_gib=engine.memory.budget / 2**30)
                 if peak:
                     row["pct_peak"] = 100 * row["tflops"] / peak
                 if peak_bytes is not None:
@@ -318,8 +318,8 @@ def main(argv=None):
     smoke_budget = None
     if args.smoke:  # a budget under which the small shapes chain, recompute and keep attentions
         probe = TreeEngine(model)
-        m = probe.memory_model
-        smoke_budget = int(m.fixed + 1.5 * (probe.call_budget.path_needs(600)[0] - m.fixed))
+        m = probe.memory.model
+        smoke_budget = int(m.fixed + 1.5 * (probe.memory.call_budget.path_needs(600)[0] - m.fixed))
     run.results.update(model=shape, dtype=str(dtype))
     if "sweep" in sections:
         sweep(run, model, device, smoke_budget)

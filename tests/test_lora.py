@@ -223,7 +223,7 @@ def test_a_trainer_step_changes_only_the_adapters(tmp_path):
     model = trainer.model
     assert is_peft(model)
     adapters = {id(p) for n, p in model.named_parameters() if "lora_" in n}
-    in_optimizer = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    in_optimizer = [p for g in trainer.learner.optimizer.param_groups for p in g["params"]]
     assert {id(p) for p in in_optimizer} == adapters  # only adapter weights in the optimizer
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.step()
@@ -276,6 +276,25 @@ def test_merge_export_is_a_plain_hf_model_with_equal_logits(tmp_path):
     assert (out / "tokenizer_config.json").is_file() or any(out.glob("*.json"))
 
 
+def test_eval_of_a_lora_run_loads_the_merged_model(tmp_path, capsys):
+    """``treerl eval`` loads a LoRA run's checkpoint as serve and export do (treerl.build.load_saved:
+    the base rebuilt from the run's config, its adapter merged) and scores it."""
+    from treerl.build import load_saved
+    from treerl.cli import main
+
+    trainer = lora_trainer(run_config(tmp_path / "run", *RUN, "model.dtype=float64", layers=2))
+    trainer.step()
+    path = trainer.save()
+    model, tokenizer = load_saved(path / "model", trainer.cfg, checkpoint=path)
+    assert not is_peft(model) and tokenizer.get_vocab() == trainer.tokenizer.get_vocab()
+    ids = torch.tensor([[2, 7, 1, 8, 2, 8]])
+    with torch.no_grad():
+        want = merged_model(trainer.model)(input_ids=ids).logits
+        assert torch.allclose(model(input_ids=ids).logits, want, rtol=0, atol=1e-10)
+    assert main(["eval", str(tmp_path / "run"), "-n", "4"]) == 0
+    assert "4 held-out problems: accuracy" in capsys.readouterr().out
+
+
 def test_export_of_a_full_model_run_is_refused(tmp_path, capsys):
     from treerl.cli import main
 
@@ -303,7 +322,7 @@ def test_serve_loads_a_base_model_plus_an_adapter(tmp_path):
         assert torch.allclose(model(input_ids=ids).logits, want(input_ids=ids).logits, atol=1e-5)
     # --weights of a LoRA run's checkpoint: the base rebuilt from its config, plus its adapter
     model, _, version = load_for_serving(None, [], str(path), "cpu", None)
-    assert version == trainer.rollout.version
+    assert version == trainer.sampler.rollout.version
     with torch.no_grad():
         assert torch.allclose(model(input_ids=ids).logits, want(input_ids=ids).logits, atol=1e-5)
     with pytest.raises(ConfigError, match="not a LoRA adapter directory"):

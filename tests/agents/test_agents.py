@@ -90,13 +90,13 @@ def test_agent_episodes_train_as_prefix_trees(tmp_path, monkeypatch, backend):
         try:
             logprobs = old.engine.logprobs(PrefixTree.from_sequences(seqs))
         finally:
-            old.agents.close()
+            old.sampler.agents.close()
         for s, lp in zip(samples, logprobs):
             mask = torch.tensor(s.loss_mask)
             assert torch.allclose(lp[mask].double(), torch.tensor(s.behaviour_logprobs).double()[mask], atol=1e-4)
         assert trainer.evaluate(4)["eval/accuracy"] >= 0  # greedy episodes through the same backend
     finally:
-        trainer.agents.close()
+        trainer.sampler.agents.close()
 
 
 FAILING_AGENT = """
@@ -125,7 +125,7 @@ def test_agent_that_raises_or_hangs_is_dropped_and_counted(tmp_path, monkeypatch
         assert "ValueError: boom in episode 1" in err and "TimeoutError" in err and "dropped from this step" in err
         assert trainer.step_count == 1
     finally:
-        trainer.agents.close()
+        trainer.sampler.agents.close()
 
 
 def test_every_episode_failing_fails_the_step_with_the_error(tmp_path, monkeypatch):
@@ -138,7 +138,7 @@ def test_every_episode_failing_fails_the_step_with_the_error(tmp_path, monkeypat
         with pytest.raises(AgentError, match="every agent episode of the step failed.*no tool named calc"):
             trainer.step()
     finally:
-        trainer.agents.close()
+        trainer.sampler.agents.close()
 
 
 def test_remote_backend_pushes_the_weights_before_each_rollout(tmp_path):
@@ -155,8 +155,8 @@ def test_remote_backend_pushes_the_weights_before_each_rollout(tmp_path):
                            "rollout.server_model=policy")
     try:
         trainer.step()  # pushes version 0 (the trainer's initial weights), rolls out, updates
-        assert engine.version == 0 and trainer.rollout.version == 1
-        samples = trainer.generate_samples(trainer.next_problems(2), 2)  # pushes version 1 first
+        assert engine.version == 0 and trainer.sampler.rollout.version == 1
+        samples = trainer.sampler.generate(trainer.sampler.next_problems(2), 2)  # pushes version 1 first
         assert engine.version == 1
         for (k, a), b in zip(engine.model.state_dict().items(), trainer.model.state_dict().values()):
             assert torch.equal(a, b), k
@@ -167,7 +167,7 @@ def test_remote_backend_pushes_the_weights_before_each_rollout(tmp_path):
             assert torch.allclose(lp[mask].double(), torch.tensor(s.behaviour_logprobs).double()[mask], atol=1e-4)
         assert len(list((tmp_path / "run" / "weights_for_server").glob("v*"))) == 2  # the newest kept
     finally:
-        trainer.agents.close()
+        trainer.sampler.agents.close()
         server.stop()
 
 
@@ -261,7 +261,7 @@ def test_calculator_agent_trains_through_the_served_tool_parser(tmp_path):
         metrics = trainer.step()
         assert metrics["agent/failed_episodes"] == 0 and metrics["agent/calls"] >= 4
         assert 0 <= metrics["agent/exact_turn_share"] <= 1
-        stats = trainer.agents.state.chat.stats()
+        stats = trainer.sampler.agents.state.chat.stats()
         assert stats["tool_calls"]["replies"] == metrics["agent/calls"]
     finally:
-        trainer.agents.close()
+        trainer.sampler.agents.close()

@@ -41,8 +41,8 @@ def test_exact_for_fresh_tokens_against_recompute():
     """Versions equal to the trainer's: the approximation is the behaviour logprob, which
     is what a tree forward of the current weights recomputes (float64, 1e-9)."""
     t = trainer()
-    samples = t.generate_samples(t.next_problems(3), 4)
-    V = t.rollout.version
+    samples = t.sampler.generate(t.sampler.next_problems(3), 4)
+    V = t.sampler.rollout.version
     recomputed = t.engine.logprobs(PrefixTree.from_sequences([torch.tensor(s.token_ids) for s in samples]))
     for s, rec in zip(samples, recomputed):
         mask = torch.tensor(s.loss_mask)
@@ -55,7 +55,7 @@ def test_exact_for_fresh_tokens_against_recompute():
 def test_fresh_training_step_equals_the_recompute_step():
     a, b = trainer(), trainer()
     b.model.load_state_dict(a.model.state_dict())
-    samples = a.generate_samples(a.next_problems(3), 4)
+    samples = a.sampler.generate(a.sampler.next_problems(3), 4)
     before = torch.cat([p.detach().flatten() for p in a.model.parameters()]).clone()
     m_rec = a.train_on(copy.deepcopy(samples))
     m_log = b.train_on(copy.deepcopy(samples), proximal="loglinear")
@@ -95,7 +95,7 @@ def test_train_on_refuses_unknown_or_unusable_proximal_methods():
     from treerl.config import ConfigError
 
     t = trainer()
-    samples = t.generate_samples(t.next_problems(2), 2)
+    samples = t.sampler.generate(t.sampler.next_problems(2), 2)
     with pytest.raises(ConfigError, match="unknown 'forward'"):
         t.train_on(samples, proximal="forward")
     t.cfg.algorithm.advantage = "reinforce_pp"

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from treerl.async_rl.ledger import WorkUnit
 from treerl.async_rl.weights import (FilePublisher, SharedMemoryPublisher, choose_transfer, list_weight_files,
                                      model_state)
-from treerl.async_rl.worker import RolloutWorker, WorkerSpec, rollout_only_config
+from treerl.async_rl.worker import RolloutWorker, WorkerSpec, build_worker_sampler
 from treerl.rollout import RolloutEngine
 from helpers.configs import run_config
 from helpers.models import after_each_forward, tiny_model
@@ -82,14 +82,11 @@ def test_weight_update_interrupts_generation_and_tokens_keep_both_versions():
     completion that outlived the update has tokens of version 0 then version 1, and each
     part is exactly what that version's greedy decoding gives."""
     cfg = run_config(None, "rollout.max_new_tokens=12", "rollout.temperature=0", layers=2)
-    old = rollout_only_config(cfg.to_dict(), "cpu")
-    from treerl.trainer import Trainer
-
-    trainer_a, trainer_b = Trainer(old), Trainer(old)
+    sampler_a, sampler_b = build_worker_sampler(cfg, "cpu"), build_worker_sampler(cfg, "cpu")
     with torch.no_grad():  # version 1: different weights
-        for p in trainer_b.model.parameters():
+        for p in sampler_b.model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    pub = SharedMemoryPublisher(trainer_a.model, 0, mp.get_context("spawn"))
+    pub = SharedMemoryPublisher(sampler_a.model, 0, mp.get_context("spawn"))
     worker = RolloutWorker(WorkerSpec(0, 0, cfg.to_dict(), "cpu", pub.source(0)), _Sink())
     worker._threads[0].start()  # the weight listener only
     try:
@@ -100,14 +97,14 @@ def test_weight_update_interrupts_generation_and_tokens_keep_both_versions():
             if query_length == 1:
                 decode_calls.append(1)
                 if len(decode_calls) == 4:
-                    pub.publish(trainer_b.model, 1)
+                    pub.publish(sampler_b.model, 1)
                     deadline = time.monotonic() + 60  # a condition wait; generous under CPU load
                     while not engine._pending_updates and time.monotonic() < deadline:
                         time.sleep(1e-3)
                     assert engine._pending_updates, "the listener did not pick the new weights up"
 
-        problems = trainer_a.task.train_problems(4, seed=1)
-        handle = after_each_forward(worker.trainer.model, hook)
+        problems = sampler_a.task.train_problems(4, seed=1)
+        handle = after_each_forward(worker.sampler.model, hook)
         try:
             result = worker.generate([WorkUnit(0, problems, 2, min_version=0)])
         finally:
@@ -125,7 +122,7 @@ def test_weight_update_interrupts_generation_and_tokens_keep_both_versions():
             P = len(s.loss_mask) - len(gen) + 1
             ids = s.token_ids
             for t in range(len(gen)):
-                model = trainer_a.model if gen[t] == 0 else trainer_b.model
+                model = sampler_a.model if gen[t] == 0 else sampler_b.model
                 with torch.no_grad():
                     logits = model(input_ids=torch.tensor([ids[: P + t]])).logits[0, -1]
                 assert int(logits.argmax()) == ids[P + t]

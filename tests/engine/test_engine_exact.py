@@ -515,7 +515,8 @@ def test_square_flex_mask_matches_the_tree_mask(prefix, queries, gen, monkeypatc
 
     import treerl.engine.attention as attention
 
-    monkeypatch.setattr(attention, "_compiled", lambda name, fn: fn)  # eager flex: no CPU compile
+    monkeypatch.setattr(attention, "_FLEX_TILES", attention._flex_whole_tiles)  # eager flex: no CPU compile
+    monkeypatch.setattr(attention, "_FLEX_ANY", attention._flex_any)
     seqs = [list(range(2, 300)) + [5, 6, 7], list(range(2, 300)) + [9] * 140, list(range(2, 200)) + [11] * 50]
     end = PrefixTree.from_sequences(seqs).subtree_end
     qi, ki = torch.arange(prefix, prefix + queries), torch.arange(prefix + queries)

@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from helpers.configs import run_config
 from helpers.models import tiny_model
 from treerl.config import Config
+from treerl.distributed import ranks
 from treerl.tasks import get_task
 from treerl.trainer import Sample, Trainer
 
@@ -92,11 +93,11 @@ def worker(rank, world, init_file, out_dir):
     for name, chain in runs:
         trainer, metrics = train_once(name, chain)
         assert trainer.dist is not None and trainer.dist.world_size == world
-        share = len(trainer._share([torch.tensor(s.token_ids) for s in samples(trainer.tokenizer.vocab_size, chain)]))
+        share = len(ranks.share(trainer.dist, [torch.tensor(s.token_ids) for s in samples(trainer.tokenizer.vocab_size, chain)]))
         params = full_state_dict(trainer.model)
         if trainer.critic is not None:
             params.update({"critic." + k: v for k, v in full_state_dict(trainer.critic.model).items()})
-        rollout = trainer.rollout.model.state_dict()
+        rollout = trainer.sampler.rollout.model.state_dict()
         assert all(torch.equal(params[k], rollout[k]) for k in rollout), "rollout copy is not the new policy"
         if rank == 0:
             torch.save({"params": params, "metrics": metrics}, os.path.join(out_dir, f"{name}-{chain}.pt"))

@@ -416,3 +416,34 @@ def test_serve_on_a_busy_or_invalid_port_is_one_line(capsys):
     assert "cannot listen on 127.0.0.1:70000 (a port is 0-65535)" in capsys.readouterr().err
     assert main(["serve", "--host", "256.1.1.1", "--port", "0"]) == 2
     assert "cannot listen on 256.1.1.1:0" in capsys.readouterr().err
+
+
+def test_serve_options_are_the_rollout_keys_and_the_engine_comes_from_the_one_builder():
+    """``treerl serve``'s --prefix-cache-tokens / --prefill-chunk-tokens set the ``rollout``
+    keys of the same names (checked as the keys are: one line naming the option and the key;
+    without them, the config's keys; a server's default prefix cache when neither is set);
+    the rest of the section comes from the config; the engine is ``build_rollout_engine``'s,
+    with its arena not kept between streams."""
+    from argparse import Namespace
+
+    from treerl.config import ConfigError
+    from treerl.rollout import build_rollout_engine
+    from treerl.serve.server import serving_rollout_config
+
+    overrides = ["rollout.max_batch_tokens=4096", "rollout.kv_block_size=32", "rollout.prefill_chunk_tokens=512"]
+    r = serving_rollout_config(None, overrides, Namespace(prefix_cache_tokens=128, prefill_chunk_tokens=None))
+    assert (r.max_batch_tokens, r.kv_block_size, r.prefill_chunk_tokens, r.prefix_cache_tokens) == (4096, 32, 512, 128)
+    assert r.keep_stream_buffers is False
+    r = serving_rollout_config(None, overrides, Namespace(prefix_cache_tokens=0, prefill_chunk_tokens=256))
+    assert r.prefill_chunk_tokens == 256 and r.prefix_cache_tokens == 0
+    none = Namespace(prefix_cache_tokens=None, prefill_chunk_tokens=None)
+    assert serving_rollout_config(None, ["rollout.prefix_cache_tokens=96"], none).prefix_cache_tokens == 96
+    assert serving_rollout_config(None, [], none).prefix_cache_tokens == 1 << 16
+    engine = build_rollout_engine(r, tiny_model(), version=3)
+    assert (engine.version, engine.max_batch_tokens, engine.kv_block_size, engine.prefill_chunk_tokens) == (3, 4096, 32, 256)
+    assert engine.keep_stream_buffers is False and engine.prefix_cache is None
+    engine = build_rollout_engine(r, tiny_model(), prefix_cache_tokens=64)
+    assert engine.prefix_cache.max_tokens == 64 and engine.version == 0
+    with pytest.raises(ConfigError) as err:
+        serving_rollout_config(None, [], Namespace(prefix_cache_tokens=16, prefill_chunk_tokens=0))
+    assert str(err.value) == "--prefill-chunk-tokens: rollout.prefill_chunk_tokens: 0 is not allowed; allowed: >= 1"

@@ -138,13 +138,13 @@ def test_serve_command_reads_the_key_from_the_environment(monkeypatch):
 def test_serve_backend_uses_a_key_of_its_own(tmp_path):
     trainer = make_trainer(tmp_path, "rollout.backend=serve")
     try:
-        server = trainer.agents.server
-        assert trainer.agents.api_key and len(trainer.agents.api_key) >= 32
+        server = trainer.sampler.agents.server
+        assert trainer.sampler.agents.api_key and len(trainer.sampler.agents.api_key) >= 32
         assert_error(post(server, "/v1/completions", key="treerl", json={"model": "treerl", "prompt": "1"}), 401)
-        samples = trainer.generate_samples(trainer.next_problems(1), 2)  # the agents send the key
+        samples = trainer.sampler.generate(trainer.sampler.next_problems(1), 2)  # the agents send the key
         assert len(samples) == 2
     finally:
-        trainer.agents.close()
+        trainer.sampler.agents.close()
 
 
 def test_remote_backend_sends_the_key_from_the_environment(tmp_path, monkeypatch):
@@ -160,16 +160,16 @@ def test_remote_backend_sends_the_key_from_the_environment(tmp_path, monkeypatch
         trainer = make_trainer(tmp_path, "rollout.backend=remote", f"rollout.server_url={server.url}")
         try:
             with pytest.raises(RuntimeError, match="HTTP 401"):  # the weights push, without the key
-                trainer.generate_samples(trainer.next_problems(1), 2)
+                trainer.sampler.generate(trainer.sampler.next_problems(1), 2)
         finally:
-            trainer.agents.close()
+            trainer.sampler.agents.close()
         monkeypatch.setenv("TREERL_API_KEY", "remote-key")
         trainer = make_trainer(tmp_path, "rollout.backend=remote", f"rollout.server_url={server.url}")
         try:
-            samples = trainer.generate_samples(trainer.next_problems(1), 2)
+            samples = trainer.sampler.generate(trainer.sampler.next_problems(1), 2)
             assert len(samples) == 2 and engine.version == 0
         finally:
-            trainer.agents.close()
+            trainer.sampler.agents.close()
     finally:
         server.stop()
 

@@ -29,8 +29,9 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
+from ..compiled import FLEX_OFF, LazyCompiled
+from ..hf_attention import attention_routed, register
 from .kept_attention import KeptAttention
 
 ATTN_NAME = "treerl"
@@ -111,7 +112,6 @@ FLEX_BLOCK = 128
 # The main Triton kernel always: with dynamic shapes, segments under 128 queries would
 # otherwise be routed to the decoding kernel, which has no valid config for them.
 FLEX_KERNEL = {"BACKEND": "TRITON"}
-_flex_compiled: dict[str, object] = {}
 # Calls after a prefix as whole tiles too (issue 24, an A/B switch of bench/long_trees.py,
 # off by default until measured): the queries are padded at the front to the keys' length
 # (the padded rows see nothing, so flex skips their tiles) and the call takes the
@@ -144,10 +144,14 @@ def whole_tile_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return tiles
 
 
-def _compiled(name: str, fn):
-    if name not in _flex_compiled:
-        _flex_compiled[name] = torch.compile(fn, dynamic=True)
-    return _flex_compiled[name]
+def _flex_any(*args, **kwargs):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(*args, **kwargs)
+
+
+_FLEX_TILES = LazyCompiled(_flex_whole_tiles, "flex tree attention (whole tiles)", FLEX_OFF)
+_FLEX_ANY = LazyCompiled(_flex_any, "flex tree attention", FLEX_OFF)
 
 
 def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask,
@@ -167,20 +171,17 @@ def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """
     nq, gqa = query.shape[2], query.shape[1] != key.shape[1]
     if nq == key.shape[2] and nq % FLEX_BLOCK == 0:
-        return _compiled("tiles", _flex_whole_tiles)(*whole_tile_views(query, key, value), block_mask, scale, gqa)
+        return _FLEX_TILES(*whole_tile_views(query, key, value), block_mask, scale, gqa)
     q_len, kv_len = block_mask.seq_lengths
     if q_len == kv_len and nq < key.shape[2]:  # a square mask (PREFIX_AS_TILES): queries last, padded in front
         front = q_len - -(-nq // FLEX_BLOCK) * FLEX_BLOCK
         q = F.pad(query, (0, 0, front, q_len - front - nq))
         k, v = (F.pad(x, (0, 0, 0, kv_len - x.shape[2])) if x.shape[2] != kv_len else x for x in (key, value))
-        out = _compiled("tiles", _flex_whole_tiles)(*whole_tile_views(q, k, v), block_mask, scale, gqa)
+        out = _FLEX_TILES(*whole_tile_views(q, k, v), block_mask, scale, gqa)
         return out[:, :, front:front + nq]
-    from torch.nn.attention.flex_attention import flex_attention
-
     q, k, v = (F.pad(x, (0, 0, 0, -x.shape[2] % FLEX_BLOCK)) if x.shape[2] % FLEX_BLOCK else x
                for x in (query, key, value))
-    out = _compiled("any", flex_attention)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                                           kernel_options=FLEX_KERNEL)
+    out = _FLEX_ANY(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=FLEX_KERNEL)
     return out[:, :, :nq]
 
 
@@ -317,7 +318,7 @@ def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: t
     return flex_tree_attention(query, key, value, ctx.mask(), scaling)
 
 
-AttentionInterface.register(ATTN_NAME, tree_attention_forward)
+register(ATTN_NAME, tree_attention_forward)
 
 
 def active_tree_attention() -> TreeAttention | None:
@@ -330,12 +331,10 @@ def tree_attention_enabled(model: torch.nn.Module, ctx: TreeAttention | None = N
     """Route the model's attention through treerl for the duration of the block, with
     ``ctx`` as the tree attention of every call in it (or pass ``tree_attention=ctx`` to
     the model)."""
-    config = model.config
-    previous, previous_ctx = config._attn_implementation, getattr(_active, "ctx", None)
-    config._attn_implementation = ATTN_NAME
+    previous_ctx = getattr(_active, "ctx", None)
     _active.ctx = ctx
     try:
-        yield
+        with attention_routed(model, ATTN_NAME):
+            yield
     finally:
-        config._attn_implementation = previous
         _active.ctx = previous_ctx

@@ -71,12 +71,12 @@ class RolloutEngine:
     slots in device tensors); without it, steps cover exactly the live span.
 
     ``compile_decode`` (default: on for CUDA devices): the streaming decode step of the
-    families treerl runs itself (Qwen2, Qwen3, Llama) goes block by block through the model's
+    families treerl runs itself (:data:`treerl.models.FAMILIES`) goes block by block through the model's
     own modules (:mod:`~treerl.rollout.blocks`: ~18 kernels per layer instead of ~70), and
     with ``compile_decode`` each block's parts are compiled (regional ``torch.compile``,
     dynamic shapes: compiled once, in seconds, for every layer and batch bucket), then
-    captured in the step's CUDA graph. Falls back to eager (with a warning) if compilation
-    fails. In float64 the fused kernels differ from eager by ~1e-8 (float32: within 1e-5).
+    captured in the step's CUDA graph. A compiler failure is a
+    :class:`~treerl.compiled.CompileError` naming this switch (no eager fallback). In float64 the fused kernels differ from eager by ~1e-8 (float32: within 1e-5).
 
     ``prefix_cache_tokens`` (default 0: off): the engine keeps the K/V of prompts it
     prefilled, up to this many tokens (LRU, :mod:`~treerl.rollout.prefix_cache`); a prompt
