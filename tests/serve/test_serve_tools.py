@@ -3,7 +3,7 @@ template getting whole messages, and, end to end with the `openai` package on a 
 server, tools in -> tool_calls out, a history holding a tool call whose prompt token ids
 hold the call, and turn 2's prompt extending turn 1's prompt + completion token for token.
 
-The served model is the tiny Qwen3 of ``chat_util`` whose weights make greedy decoding emit
+The served model is the tiny Qwen3 of ``helpers.chat`` whose weights make greedy decoding emit
 one fixed tool call (a last-token lookup built into its weights: deterministic, no stub in
 the server)."""
 
@@ -14,7 +14,7 @@ import json
 
 import openai
 import pytest
-from chat_util import CALL, CALL_HEAD, CALL_TAIL, CALL_WHOLE, TOOLS, chat_tokenizer, tool_call_model
+from helpers.chat import CALL, CALL_HEAD, CALL_TAIL, CALL_WHOLE, TOOLS, chat_tokenizer, tool_call_model
 
 from treerl.rollout import RolloutEngine
 from treerl.serve import ServeOptions, ServerThread, make_state
