@@ -15,8 +15,9 @@ import torch
 
 import treerl.engine.attention as attention
 import treerl.engine.chain_attention as chain
-from conftest import RandomLoss, get_model, random_seq
-from test_engine_exact import check_engine
+from helpers.engine import check_engine
+from helpers.forests import RandomLoss, random_seq
+from helpers.models import get_model
 from treerl.engine.memory import MemoryModel, MemoryPolicy
 
 
