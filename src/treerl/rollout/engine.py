@@ -39,6 +39,7 @@ from .blocks import DecodeForward
 from .kv import rollout_attention_enabled
 from .params import SamplingParams
 from .prefill import Prefiller
+from .prefill_blocks import PrefillForward
 from .prefix_cache import PrefixCache
 from .prompts import PromptQueue
 from .stream import RunningBatch, group_slots
@@ -140,7 +141,9 @@ class RolloutEngine:
         self.compile_decode = self.device.type == "cuda" if compile_decode is None else bool(compile_decode)
         self.decode_forward = DecodeForward(model, self.compile_decode) if DecodeForward.applies(model) else None
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
-        self.prefiller = Prefiller(model, self.num_layers, self.prefill_chunk_tokens, self.logit_dtype)
+        own_prefill = PrefillForward(self.decode_forward, self.compile_decode) \
+            if PrefillForward.applies(self.decode_forward) else None
+        self.prefiller = Prefiller(model, self.num_layers, self.prefill_chunk_tokens, self.logit_dtype, own_prefill)
         self._stream_arena = None  # (shapes, device state) of the last stream, kept for the next
         self.stats = RolloutStats()
         self._lock = threading.RLock()
@@ -291,7 +294,7 @@ class RolloutEngine:
         tree = TreeLayout.of(params)
         G = tree.rows
         prefix_capacity = round_up(max(waiting, default=1))
-        groups = group_slots(tree, prefix_capacity, self.max_batch_tokens, self.kv_block_size)
+        groups = group_slots(tree, prefix_capacity, self.max_batch_tokens, self.kv_block_size, self.max_positions)
         if max_rows is not None:
             groups = min(groups, max(1, max_rows // G))
         if queue.closed:

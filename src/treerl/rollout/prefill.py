@@ -10,7 +10,7 @@ others (its cached K/V copied in first).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -22,10 +22,14 @@ from .types import RolloutStats
 
 class Prefiller:
     """Batched prefill of ``model`` (``num_layers`` layers) in forwards of at most
-    ``chunk_tokens`` (padded) query tokens; logits in ``logit_dtype``."""
+    ``chunk_tokens`` (padded) query tokens; logits in ``logit_dtype``. ``forward``: the
+    model's forward through treerl's own blocks
+    (:class:`~treerl.rollout.prefill_blocks.PrefillForward`; None: its Hugging Face forward)."""
 
-    def __init__(self, model: torch.nn.Module, num_layers: int, chunk_tokens: int, logit_dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, num_layers: int, chunk_tokens: int, logit_dtype: torch.dtype,
+                 forward: Callable | None = None):
         self.model, self.num_layers, self.chunk_tokens, self.logit_dtype = model, num_layers, chunk_tokens, logit_dtype
+        self.forward = forward
 
     def __call__(self, seqs: list[list[int]], cached: Sequence[PrefixEntry | None] | None = None,
                  stats: RolloutStats | None = None) -> tuple[SlotCache, torch.Tensor, torch.Tensor]:
@@ -68,9 +72,12 @@ class Prefiller:
         for a in range(0, W, chunk):
             b = min(W, a + chunk)
             mask, cache.write_index = self.mask(first, pad[:, a:b], C - W + a, C - W + b)
-            out = self.model(input_ids=ids[:, a:b], position_ids=position[:, a:b], attention_mask=mask,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1].to(self.logit_dtype)
+            if self.forward is not None:
+                logits = self.forward(ids[:, a:b], position[:, a:b], mask, cache).to(self.logit_dtype)
+            else:
+                out = self.model(input_ids=ids[:, a:b], position_ids=position[:, a:b], attention_mask=mask,
+                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+                logits = out.logits[:, -1].to(self.logit_dtype)
             stats.prefill_calls += 1
         cache.write_index = None
         full = [i for i, c in enumerate(cached) if c is not None and len(c) == len(seqs[i])]
