@@ -91,7 +91,7 @@ def parse_args(argv=None):
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--tool-tokens", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens per call (--mixed: the most)")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per call (--mixed: the most; the issue's 16-512)")
     p.add_argument("--mixed", action="store_true", help="max_tokens and temperature drawn per call")
     p.add_argument("--min-tokens", type=int, default=16, help="--mixed: the fewest tokens per call")
     p.add_argument("--temperatures", default="0,0.6,1.0", help="--mixed: temperatures drawn from")

@@ -290,6 +290,45 @@ def test_groups_of_one_row_keep_their_prompts_in_own_blocks(static_kv):
     assert s.kv_slots <= budget
 
 
+def test_admissions_while_rows_decode_prefill_at_most_a_chunk(model):
+    """While rows decode, one admission prefills at most ``prefill_chunk_tokens`` new tokens:
+    four 12-token prompts and a 3-token one arrive together behind a running group
+    (chunk: 20 tokens) and are admitted one 12-token prompt per admission, the short prompt
+    with the first (it fits what is left, so it passes the longer ones); with nothing
+    decoding, everything waiting is admitted at once. Greedy outputs equal the reference."""
+    prompts = random_prompts([5, 12, 12, 12, 12, 3], seed=36)
+    engine = RolloutEngine(model, sync_every=1, prefill_chunk_tokens=20)
+    sizes = []
+    prefill = engine.prefiller
+
+    def recording(seqs, cached=None, stats=None):
+        sizes.append(sorted(len(x) for x in seqs))
+        return prefill(seqs, cached, stats)
+
+    engine.prefiller = recording
+    queue = PromptQueue()
+    arrived = threading.Event()
+
+    def first_tokens(delta):  # (the stream's thread, at a sync: the others arrive while group 0 decodes)
+        if not arrived.is_set():
+            arrived.set()
+            queue.put_many([(i, p) for i, p in enumerate(prompts) if i])
+            queue.close()
+
+    long = SamplingParams(n=1, temperature=0, max_new_tokens=MAX_NEW)  # no stop: decodes MAX_NEW steps
+    queue.put(prompts[0], 0, params=long, listener=first_tokens)
+    groups = {g.prompt_index: g for g in engine.generate_stream(queue, params(n=1), max_rows=8)}
+    assert sizes == [[5], [3, 12], [12], [12], [12]]
+    no_stop = _greedy_reference(model, prompts[0], MAX_NEW, length=lambda ids: MAX_NEW + 1)
+    assert groups[0][0].completion_ids.tolist() == no_stop and len(no_stop) == MAX_NEW
+    for i in range(1, 6):
+        assert groups[i][0].completion_ids.tolist() == greedy_reference(model, prompts[i]), i
+    assert engine.stats.admissions == 5
+    # nothing decoding: one admission of everything waiting (in prefill pieces of <= 20 tokens)
+    list(engine.generate_stream(prompts[1:], params(n=1), max_rows=8))
+    assert engine.stats.admissions == 1
+
+
 def test_stream_input_errors(model):
     engine = RolloutEngine(model)
     with pytest.raises(ValueError, match="branch point"):

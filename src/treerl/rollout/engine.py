@@ -63,7 +63,11 @@ class RolloutEngine:
     larger than the budget runs alone. ``prefill_chunk_tokens`` bounds the (padded) query
     tokens of one prefill forward and the prompt tokens prefilled together (the prompts
     admitted together are prefilled in batched pieces of about that many tokens,
-    prefix-cache hits included: their cached K/V is part of the piece). ``sync_every``:
+    prefix-cache hits included: their cached K/V is part of the piece) and, while rows are
+    decoding, the new tokens prefilled between two decode steps (chunked admission: the
+    oldest waiting prompt always, others while they fit; a longer wait for the rest instead
+    of a long stall for every running row). Groups of one row (``n = 1``: a serving batch)
+    keep their prompts in their own blocks, not in a prompt store. ``sync_every``:
     decode steps between host syncs (stop checks); stops are exact whatever its value.
 
     ``cuda_graphs`` (default: on for CUDA devices) replays each decode step as a CUDA graph,

@@ -223,7 +223,7 @@ class RunningBatch:
                 if items:
                     waited = None
                     with e.generation_turn():
-                        items = self._fit(items)
+                        items = self._chunk(self._fit(items))
                         if items:
                             rows = self._admit(items, np.asarray(h.free()[: len(items)]))
                             if len(rows):
@@ -305,6 +305,33 @@ class RunningBatch:
         if longest > self.P:
             self._grow_prefix(self._capacity_for(longest, self.NG, self._tokens_needed(0, 0)))
         return self.host.fit_blocks(items)
+
+    def _chunk(self, items: list) -> list:
+        """Chunked admission: while rows are decoding, the prefill between two decode steps
+        computes at most ``prefill_chunk_tokens`` new tokens (after prefix-cache hits; a
+        preempted group: its prompt and tokens so far). The items that fit, in order, are
+        admitted (the first always: the oldest waiting group progresses); the others wait, in
+        order, at the front of the deferred groups, so a short prompt may pass a long one."""
+        if len(items) < 2 or not self.host.live.any():
+            return items
+        left, keep, wait = self.e.prefill_chunk_tokens, [], []
+        for item in items:
+            n = self._new_tokens(item)
+            if not keep or n <= left:
+                keep.append(item)
+                left -= n
+            else:
+                wait.append(item)
+        self.host.deferred.extendleft(reversed(wait))
+        return keep
+
+    def _new_tokens(self, item) -> int:
+        """Tokens admitting ``item`` prefills."""
+        if isinstance(item, Preempted):
+            return len(item.prompt) + int(item.rows["fed_h"].max(initial=0))
+        cache, n = self.e.prefix_cache, len(item.prompt)
+        hit = cache.lookup(item.prompt, self.e.version) if cache is not None else None
+        return n - (len(hit) if hit is not None else 0)
 
     def _capacity_for(self, need: int, groups: int, pool: int) -> int:
         """Prompt slots per group to grow to for a prompt of ``need`` slots: twice the present

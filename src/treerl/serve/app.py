@@ -172,7 +172,7 @@ def create_app(state: ServeState) -> FastAPI:
         if req.stream:
             return _stream(state, req, prompts, chat=False)
         params = [_sampling_params(state, req, len(ids)) for ids in prompts] if req.max_tokens != 0 else None
-        results = await _run(state, prompts, params) if params is not None else [[] for _ in prompts]
+        results = await _run(state, prompts, params, request) if params is not None else [[] for _ in prompts]
         return await run_in_threadpool(_completion_body, state, req, prompts, results)
 
     @app.post("/v1/chat/completions")
@@ -183,7 +183,7 @@ def create_app(state: ServeState) -> FastAPI:
         ids = _check_ids(state, turn.ids, "messages")
         if req.stream:
             return _stream(state, req, [ids], chat=True, turn=turn)
-        [samples] = await _run(state, [ids], [_sampling_params(state, req, len(ids))])
+        [samples] = await _run(state, [ids], [_sampling_params(state, req, len(ids))], request)
 
         def body() -> dict:
             choices = [chat_choice(state, req, turn, j, c) for j, c in enumerate(samples)]
@@ -351,19 +351,66 @@ def _submit(state: ServeState, futures: list[Future], ids: list[int], params: Sa
         raise APIError(str(err), param) from None
 
 
-async def _run(state: ServeState, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
-    """Submit each prompt; wait for all (a cancelled handler cancels its rows)."""
+async def _run(state: ServeState, prompts: list[list[int]], params: list[SamplingParams],
+               request: Request) -> list[list[Completion]]:
+    """Submit each prompt; wait for all. A client that disconnects before they finish (or a
+    cancelled handler) cancels its rows: they stop at the engine's next host sync and free
+    their K/V; the answer (499) goes nowhere."""
     futures: list[Future] = []
     for ids, p in zip(prompts, params):
         _submit(state, futures, ids, p)
+    results = asyncio.gather(*(_awaitable(f) for f in futures))
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not results.done() and gone.exception() is None:
+            _cancel(state, futures)
+            results.cancel()
+            raise APIError("the client disconnected before its completions finished", None, status=499,
+                           code="client_disconnected")
+        return list(await results)  # (a receive that failed: no disconnect seen, the results awaited)
     except asyncio.CancelledError:
         _cancel(state, futures)
+        results.cancel()
+        raise
+    except APIError:
         raise
     except Exception as err:  # noqa: BLE001 - the client gets a JSON error, the server goes on
         _cancel(state, futures)
         raise _generation_error(err) from None
+    finally:
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client of ``request`` (whose body was read) has disconnected."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _awaitable(f: Future) -> asyncio.Future:
+    """An asyncio future with ``f``'s outcome; cancelling it leaves ``f`` to the engine loop
+    (``asyncio.wrap_future`` would cancel ``f`` itself: :meth:`EngineLoop.cancel` would then
+    see it done and leave its rows running)."""
+    aloop = asyncio.get_running_loop()
+    out = aloop.create_future()
+
+    def copy(done: Future) -> None:
+        if out.cancelled():
+            return
+        if done.exception() is not None:
+            out.set_exception(done.exception())
+        else:
+            out.set_result(done.result())
+
+    def on_done(done: Future) -> None:  # (the engine thread, or this one if already done)
+        try:
+            aloop.call_soon_threadsafe(copy, done)
+        except RuntimeError:  # the event loop is closed: nobody waits any more
+            pass
+
+    f.add_done_callback(on_done)
+    return out
 
 
 def _cancel(state: ServeState, futures: list[Future]) -> None:
