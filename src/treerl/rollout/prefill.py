@@ -17,7 +17,7 @@ import torch
 
 from .kv import SlotCache
 from .prefix_cache import PrefixEntry
-from .types import RolloutStats
+from .types import RolloutStats, to_device
 
 
 class Prefiller:
@@ -62,11 +62,11 @@ class Prefiller:
         for i, s in enumerate(seqs):
             if len(s) > m[i]:
                 ids[i, W - (len(s) - m[i]) :] = s[m[i] :]
-        ids = torch.as_tensor(ids, device=dev)
-        first = torch.as_tensor(C - lens, device=dev)[:, None]  # [B, 1] each sequence's first slot
+        ids = to_device(ids, dev)
+        first = to_device(C - lens, dev)[:, None]  # [B, 1] each sequence's first slot
         window = torch.arange(C - W, C, device=dev)
         position = (window[None, :] - first).clamp(min=0)  # [B, W]
-        pad = window[None, :] < torch.as_tensor(C - lens + m, device=dev)[:, None]  # [B, W] not a new token
+        pad = window[None, :] < to_device(C - lens + m, dev)[:, None]  # [B, W] not a new token
         logits = None
         chunk = max(1, self.chunk_tokens // B)
         for a in range(0, W, chunk):
@@ -84,10 +84,10 @@ class Prefiller:
         if logits is None:  # nothing new at all
             logits = torch.stack([c.logits for c in cached]).to(self.logit_dtype)
         elif full:  # nothing new in these rows: the entry's logits
-            logits[torch.as_tensor(full, device=dev)] = torch.stack([cached[i].logits for i in full]).to(logits.dtype)
+            logits[to_device(np.asarray(full, dtype=np.int64), dev)] = torch.stack([cached[i].logits for i in full]).to(logits.dtype)
         stats.prefill_tokens += int((lens - m).sum())
         stats.prefix_cache_hit_tokens += int(m.sum())
-        return cache, torch.as_tensor(lens, device=dev), logits
+        return cache, to_device(lens, dev), logits
 
     def mask(self, first: torch.Tensor, pad: torch.Tensor, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One prefill forward's additive mask ``[B, 1, c, q1]`` and write slots ``[B, c]`` for

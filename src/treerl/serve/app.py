@@ -173,7 +173,8 @@ def create_app(state: ServeState) -> FastAPI:
             return _stream(state, req, prompts, chat=False)
         params = [_sampling_params(state, req, len(ids)) for ids in prompts] if req.max_tokens != 0 else None
         results = await _run(state, prompts, params, request) if params is not None else [[] for _ in prompts]
-        return await run_in_threadpool(_completion_body, state, req, prompts, results)
+        # (a JSONResponse: FastAPI's encoder would walk every token id and logprob in Python, on the event loop)
+        return JSONResponse(await run_in_threadpool(_completion_body, state, req, prompts, results))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -189,7 +190,7 @@ def create_app(state: ServeState) -> FastAPI:
             choices = [chat_choice(state, req, turn, j, c) for j, c in enumerate(samples)]
             return _response("chatcmpl", "chat.completion", state, [ids], [samples], choices)
 
-        return await run_in_threadpool(body)
+        return JSONResponse(await run_in_threadpool(body))
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):
@@ -271,9 +272,9 @@ def _check_ids(state: ServeState, ids: list[int], param: str, *, check_context: 
     if not ids and not allow_empty:
         raise APIError(f"{param} is empty", param)
     vocab = state.engine.vocab_size
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab:
-            raise APIError(f"{param}: token id {t} at position {i} is outside the vocabulary [0, {vocab})", param)
+    if ids and not (min(ids) >= 0 and max(ids) < vocab):
+        i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
+        raise APIError(f"{param}: token id {t} at position {i} is outside the vocabulary [0, {vocab})", param)
     context = state.engine.max_positions
     if check_context and context is not None and len(ids) > context - room:
         why = " (room for one generated token)" if room == 1 else ""
