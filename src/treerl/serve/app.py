@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,7 +51,7 @@ from .loop import EngineLoop
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
                        TokenizeRequest, WeightsRequest, validation_error)
-from .scoring import PromptScores, score_prompt
+from .scoring import PromptScores, score_forced, score_prompt
 
 
 @dataclass
@@ -72,6 +73,8 @@ class ServeState:
             self.chat = ChatRenderer(self.tokenizer)
         self.metrics = ServeMetrics(lambda: (self.loop.stats, self.loop.engine_stats(), self.engine.version,
                                              self.loop.busy))
+        self.metrics.counters_from("chat_tool_calls", "tool-call parsing of chat replies (ToolStats)",
+                                   self.chat.tool_stats.snapshot)
 
     @property
     def engine(self):
@@ -181,14 +184,19 @@ def create_app(state: ServeState) -> FastAPI:
         req = _parse(ChatRequest, await request.body())
         _check_model(state, req.model)
         turn = await run_in_threadpool(chat_prompt, state, req)
-        ids = _check_ids(state, turn.ids, "messages")
+        ids = _check_ids(state, turn.ids + turn.forced, "messages")
         if req.stream:
+            if turn.forced:
+                raise APIError(f"tool_choice={json.dumps(req.tool_choice)} is not served with stream=true (a forced "
+                               "call is answered whole): send stream=false", "tool_choice")
             return _stream(state, req, [ids], chat=True, turn=turn)
-        [samples] = await _run(state, [ids], [_sampling_params(state, req, len(ids))], request)
+        params = _sampling_params(state, req, len(ids))
+        [samples] = await _run(state, [ids], [params], request)
 
         def body() -> dict:
-            choices = [chat_choice(state, req, turn, j, c) for j, c in enumerate(samples)]
-            return _response("chatcmpl", "chat.completion", state, [ids], [samples], choices)
+            done = _with_forced(state, turn, samples, params) if turn.forced else samples
+            choices = [chat_choice(state, req, turn, j, c) for j, c in enumerate(done)]
+            return _response("chatcmpl", "chat.completion", state, [turn.ids], [done], choices)
 
         return JSONResponse(await run_in_threadpool(body))
 
@@ -491,6 +499,28 @@ def chat_logprobs(state: ServeState, ids: list[int], lps: list[float],
 def _text(state: ServeState, req: SamplingRequest, c: Completion) -> str:
     return completion_text(state.tokenizer, c.completion_ids.tolist(), c.stop,
                            skip_special_tokens=req.skip_special_tokens, include_stop_str=req.include_stop_str_in_output)
+
+
+def _with_forced(state: ServeState, turn: ChatTurn, samples: list[Completion], params: SamplingParams) -> list[Completion]:
+    """The samples of a forced tool call (``turn.forced``) with the forced opening as the
+    first tokens of their completions, as the model was conditioned on them (the prompt is
+    the conversation's; the next turn's prompt extends prompt + completion). Their logprobs
+    are the model's at the request's temperature (:func:`~treerl.serve.scoring.score_forced`:
+    one more forward of the prompt), their version the weights that scored them."""
+    k = len(turn.forced)
+    scores, version = score_forced(state.engine, turn.ids, turn.forced, params.temperature, params.top_logprobs)
+    ids = torch.as_tensor(turn.forced, dtype=torch.int64)
+    out = []
+    for c in samples:
+        top = c.top_logprobs
+        if top is not None:
+            top = (torch.cat([torch.as_tensor(scores.top_ids, dtype=top[0].dtype).reshape(k, -1), top[0]]),
+                   torch.cat([torch.as_tensor(scores.top_logprobs, dtype=top[1].dtype).reshape(k, -1), top[1]]))
+        out.append(dataclasses.replace(
+            c, prompt_ids=torch.as_tensor(turn.ids, dtype=torch.int64), completion_ids=torch.cat([ids, c.completion_ids]),
+            logprobs=torch.cat([torch.as_tensor(scores.logprobs, dtype=c.logprobs.dtype), c.logprobs]),
+            versions=torch.cat([torch.full((k,), version, dtype=c.versions.dtype), c.versions]), top_logprobs=top))
+    return out
 
 
 def chat_choice(state: ServeState, req: ChatRequest, turn: ChatTurn, index: int, c: Completion) -> dict:
