@@ -37,8 +37,10 @@ rows per step, decode steps built (on CUDA: graph captures), prompt-store growth
 reallocations, preemptions (own K/V blocks ran out) and streams started (a stream ends after
 ``--idle-timeout-s`` idle); then served / in-process.
 
-GPU:
-    python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --mixed --probe --json mixed.json
+GPU (the issue's workload: max_tokens 16-512, temperatures per call; where the engine loop's
+time goes: ``bench/profile_serve.py``):
+    python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --mixed --probe --repeats 1 \
+        --client-procs 4 --json mixed.json
     python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --json out.json
     python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --client-procs 8 --json out8.json
 CPU smoke run:
