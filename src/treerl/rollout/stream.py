@@ -327,8 +327,8 @@ class RunningBatch:
 
     def _new_tokens(self, item) -> int:
         """Tokens admitting ``item`` prefills."""
-        if isinstance(item, Preempted):
-            return len(item.prompt) + int(item.rows["fed_h"].max(initial=0))
+        if isinstance(item, Preempted):  # (own prompts: the tokens fed count the prompt)
+            return int(item.rows["fed_h"].max(initial=0)) + (0 if self.own_prompts else len(item.prompt))
         cache, n = self.e.prefix_cache, len(item.prompt)
         hit = cache.lookup(item.prompt, self.e.version) if cache is not None else None
         return n - (len(hit) if hit is not None else 0)
