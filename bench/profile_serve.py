@@ -12,6 +12,8 @@ CPU (the issue's workload; the timings are this machine's, the counters are not)
     python bench/profile_serve.py --static-kv --mixed --probe
     python bench/profile_serve.py --static-kv --mixed --probe --max-tokens 128
 ``--static-kv``: fixed-shape decode steps as on a GPU (the same buckets and scheduling).
+A CPU tool: on a GPU the counting mode would run inside CUDA-graph captures and compiled
+regions and change what it measures (use ``bench_serve.py`` there).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def main(argv=None) -> None:
                         max_position_embeddings=context)
     vocab = model.get_input_embeddings().num_embeddings
     engine = RolloutEngine(model, prefix_cache_tokens=args.prefix_cache_tokens,
-                           prefill_chunk_tokens=args.prefill_chunk_tokens, static_kv=own.static_kv,
+                           prefill_chunk_tokens=args.prefill_chunk_tokens, static_kv=True if own.static_kv else None,
                            max_batch_tokens=own.max_batch_tokens)
     loop = EngineLoop(engine, max_rows=args.max_rows, idle_timeout_s=args.idle_timeout_s)
     turn = engine.generation_turn
