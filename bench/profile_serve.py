@@ -39,8 +39,8 @@ from treerl.rollout import prefill, stream  # noqa: E402
 from treerl.serve import EngineLoop  # noqa: E402
 
 PHASES = [(stream.RunningBatch, name, name) for name in
-          ("_sync", "_fit", "_chunk", "_admit", "_sample", "_decode", "_ensure_blocks", "_compact", "_cancel", "_take")]
-PHASES += [(device_batch.DeviceBatch, "decode", "decode step (model)"), (prefill.Prefiller, "__call__", "prefill forward"),
+          ("_sync", "_fit", "_admit", "_sample", "_decode", "_ensure_blocks", "_compact", "_cancel", "_take")]
+PHASES += [(stream, "chunk_admission", "chunk_admission"), (device_batch.DeviceBatch, "decode", "decode step (model)"), (prefill.Prefiller, "__call__", "prefill forward"),
            (stream.RunningBatch, "_store_prompts", "prefix-cache store")]
 
 

@@ -24,8 +24,8 @@ import sys
 
 import torch
 
-from .blocks import DecodeForward, _tail
-from .compiled import LazyCompiled
+from .blocks import DecodeBlocks, _tail
+from ..compiled import DECODE_OFF, LazyCompiled
 from .kv import SlotCache, rollout_attention
 
 
@@ -47,21 +47,21 @@ def _prefill_pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor
     return q, k, v
 
 
-_PRE, _TAIL = LazyCompiled(_prefill_pre, "prefill blocks"), LazyCompiled(_tail, "prefill blocks")
+_PRE, _TAIL = LazyCompiled(_prefill_pre, "prefill blocks", DECODE_OFF), LazyCompiled(_tail, "prefill blocks", DECODE_OFF)
 
 
 class PrefillForward:
     """A prefill forward through the model's own modules and the decode step's fused
-    projection copies (``decode``: the engine's :class:`~treerl.rollout.blocks.DecodeForward`,
+    projection copies (``decode``: the engine's :class:`~treerl.rollout.blocks.DecodeBlocks`,
     refreshed whenever the parameters may have changed). ``compile``: ``pre`` and the
     block's rest through ``torch.compile``. Call :meth:`applies` first."""
 
-    def __init__(self, decode: DecodeForward, compile: bool):
+    def __init__(self, decode: DecodeBlocks, compile: bool):
         self.decode = decode
         self.pre, self.tail = (_PRE, _TAIL) if compile else (_prefill_pre, _tail)
 
     @staticmethod
-    def applies(decode: DecodeForward | None) -> bool:
+    def applies(decode: DecodeBlocks | None) -> bool:
         """Dense blocks only (a mixture-of-experts layer prefills through its HF forward)."""
         return decode is not None and all(w is not None for w in decode.fused.gate_up_w)
 

@@ -3,7 +3,7 @@
 :meth:`RolloutEngine.generate_stream <treerl.rollout.RolloutEngine.generate_stream>` (and
 ``generate``, which collects it) keeps a *running batch* of group slots of ``G`` rows each:
 ``G = params.n`` for plain groups, the complete tree ``params.max_leaves`` for tree rollouts
-(rows laid out by :class:`~treerl.rollout.tree.TreeLayout`). Whenever every sample of a
+(rows laid out by :class:`~treerl.rollout.forks.ForkLayout`). Whenever every sample of a
 group has finished (stop token, stop string or ``max_new_tokens``) the group is yielded and
 its slot freed, and prompt groups waiting in the :class:`~treerl.rollout.prompts.PromptQueue`
 are admitted into free slots: each prompt is prefilled once (deduplicated with the other
@@ -107,7 +107,7 @@ from .paging import block_size_for
 from .prefix_cache import PrefixEntry
 from .prompts import PromptQueue, Waiting
 from .scheduler import Preempted, Scheduler, group_bucket, own_bucket
-from .tree import TreeLayout
+from .forks import ForkLayout
 from .types import Group, round_up
 
 __all__ = ["PromptQueue", "RunningBatch", "group_slots", "own_prompts"]
@@ -115,7 +115,7 @@ __all__ = ["PromptQueue", "RunningBatch", "group_slots", "own_prompts"]
 OWN_PROMPT_STORE = 16  # prompt slots per group slot when prompts live in the rows' own blocks (all masked)
 
 
-def own_prompts(tree: TreeLayout, max_positions: int | None) -> bool:
+def own_prompts(tree: ForkLayout, max_positions: int | None) -> bool:
     """Whether a stream keeps each prompt in its row's own blocks instead of the prompt
     store: groups of one row (a serving batch: nothing to share, and a prompt store sized
     for the longest prompt would hold that much for every group slot, so growing prompts
@@ -124,12 +124,12 @@ def own_prompts(tree: TreeLayout, max_positions: int | None) -> bool:
     return tree.rows == 1 and tree.depth == 0 and max_positions is not None
 
 
-def own_capacity(tree: TreeLayout, max_positions: int | None) -> int:
+def own_capacity(tree: ForkLayout, max_positions: int | None) -> int:
     """Own slots per row: its completion's, or with :func:`own_prompts` the whole context."""
     return round_up(max_positions) if own_prompts(tree, max_positions) else tree.own_capacity
 
 
-def group_slots(tree: TreeLayout, prefix_capacity: int, budget: int, block_size: int,
+def group_slots(tree: ForkLayout, prefix_capacity: int, budget: int, block_size: int,
                 max_positions: int | None = None) -> int:
     """Group slots a K/V ``budget`` (token slots) affords, overcommitted: each slot's shared
     levels (prompt store, fork segments) and one own block (``block_size`` slots, see
@@ -152,7 +152,7 @@ class RunningBatch:
     def __init__(self, engine, queue: PromptQueue, params: SamplingParams, generator: torch.Generator,
                  groups: int, prefix_capacity: int, budget: int, arena: tuple | None = None):
         self.e, self.q, self.p, self.gen = engine, queue, params, generator
-        self.tree = tree = TreeLayout.of(params)
+        self.tree = tree = ForkLayout.of(params)
         self.G, self.max_new, self.budget = tree.rows, params.max_new_tokens, budget
         # a group of one row keeps its prompt in its own blocks (own_prompts: the prompt store is unused)
         self.own_prompts = own_prompts(tree, engine.max_positions)
@@ -223,7 +223,7 @@ class RunningBatch:
                 if items:
                     waited = None
                     with e.generation_turn():
-                        items = self._chunk(self._fit(items))
+                        items = chunk_admission(self, self._fit(items))
                         if items:
                             rows = self._admit(items, np.asarray(h.free()[: len(items)]))
                             if len(rows):
@@ -305,33 +305,6 @@ class RunningBatch:
         if longest > self.P:
             self._grow_prefix(self._capacity_for(longest, self.NG, self._tokens_needed(0, 0)))
         return self.host.fit_blocks(items)
-
-    def _chunk(self, items: list) -> list:
-        """Chunked admission: while rows are decoding, the prefill between two decode steps
-        computes at most ``prefill_chunk_tokens`` new tokens (after prefix-cache hits; a
-        preempted group: its prompt and tokens so far). The items that fit, in order, are
-        admitted (the first always: the oldest waiting group progresses); the others wait, in
-        order, at the front of the deferred groups, so a short prompt may pass a long one."""
-        if len(items) < 2 or not self.host.live.any():
-            return items
-        left, keep, wait = self.e.prefill_chunk_tokens, [], []
-        for item in items:
-            n = self._new_tokens(item)
-            if not keep or n <= left:
-                keep.append(item)
-                left -= n
-            else:
-                wait.append(item)
-        self.host.deferred.extendleft(reversed(wait))
-        return keep
-
-    def _new_tokens(self, item) -> int:
-        """Tokens admitting ``item`` prefills."""
-        if isinstance(item, Preempted):  # (own prompts: the tokens fed count the prompt)
-            return int(item.rows["fed_h"].max(initial=0)) + (0 if self.own_prompts else len(item.prompt))
-        cache, n = self.e.prefix_cache, len(item.prompt)
-        hit = cache.lookup(item.prompt, self.e.version) if cache is not None else None
-        return n - (len(hit) if hit is not None else 0)
 
     def _capacity_for(self, need: int, groups: int, pool: int) -> int:
         """Prompt slots per group to grow to for a prompt of ``need`` slots: twice the present
@@ -554,3 +527,32 @@ class RunningBatch:
         e.stats.decode_steps += 1
         e.stats.decode_rows += hi
         e.stats.live_rows += int(h.live.sum())
+
+
+def chunk_admission(batch: RunningBatch, items: list) -> list:
+    """Chunked admission: while rows are decoding, the prefill between two decode steps
+    computes at most ``prefill_chunk_tokens`` new tokens (after prefix-cache hits; a
+    preempted group: its prompt and tokens so far). The items that fit, in order, are
+    admitted (the first always: the oldest waiting group progresses); the others wait, in
+    order, at the front of the deferred groups, so a short prompt may pass a long one."""
+    if len(items) < 2 or not batch.host.live.any():
+        return items
+    left, keep, wait = batch.e.prefill_chunk_tokens, [], []
+    for item in items:
+        n = _new_tokens(batch, item)
+        if not keep or n <= left:
+            keep.append(item)
+            left -= n
+        else:
+            wait.append(item)
+    batch.host.deferred.extendleft(reversed(wait))
+    return keep
+
+
+def _new_tokens(batch: RunningBatch, item) -> int:
+    """Tokens admitting ``item`` prefills."""
+    if isinstance(item, Preempted):  # (own prompts: the tokens fed count the prompt)
+        return int(item.rows["fed_h"].max(initial=0)) + (0 if batch.own_prompts else len(item.prompt))
+    cache, n = batch.e.prefix_cache, len(item.prompt)
+    hit = cache.lookup(item.prompt, batch.e.version) if cache is not None else None
+    return n - (len(hit) if hit is not None else 0)
