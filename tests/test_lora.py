@@ -143,8 +143,9 @@ def test_adapters_are_kept_in_the_model_dtype(tmp_path, dtype):
 
 
 def test_a_decode_step_runs_no_adapter_product(gen):
-    """The decode blocks use the merged copies only: no PEFT LoRA layer runs in a decode
-    step (the prefill, the Hugging Face forward, runs them)."""
+    """The decode and prefill blocks use the merged copies only: no PEFT LoRA layer runs in
+    a decode step or a prefill (the model's Hugging Face forward runs them: the hooks see
+    it)."""
     model = lora_model(tiny_model(dtype=torch.float64, seed=3), gen)
     engine = RolloutEngine(model, max_batch_tokens=4096)
     calls = {"decode": 0, "other": 0}
@@ -170,10 +171,14 @@ def test_a_decode_step_runs_no_adapter_product(gen):
     engine.decode_blocks = Counting()
     try:
         engine.generate(random_prompts([5, 9], seed=4), sampling(6, n=2))
+        assert engine.stats.decode_steps > 0 and engine.stats.prefill_calls > 0
+        assert calls == {"decode": 0, "other": 0}
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3]]))
+        assert calls["other"] > 0
     finally:
         for h in hooks:
             h.remove()
-    assert engine.stats.decode_steps > 0 and calls == {"decode": 0, "other": calls["other"]} and calls["other"] > 0
 
 
 def test_rollout_greedy_equals_full_forwards_before_and_after_an_update(gen):

@@ -128,11 +128,14 @@ def test_cuda_two_level_attention_kernel(dtype, D):
         assert (out.double() - ref).abs().max() <= tol, page
 
 
+@pytest.mark.parametrize("n", [2, 1], ids=["groups", "own-prompts"])
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
-def test_cuda_graph_stream_kept_buffers_prefix_cache(compile_decode):
+def test_cuda_graph_stream_kept_buffers_prefix_cache(compile_decode, n):
     """CUDA graphs per (group slots, own slots) bucket, reused by a second stream through
-    keep_stream_buffers, prefix-cache hits, compaction; optionally compiled: greedy equals
-    the eager stream and float32 logprobs equal a float64 full forward to 2e-4 (TF32 off)."""
+    keep_stream_buffers, prefix-cache hits, compaction; optionally compiled (decode and
+    prefill blocks); ``n = 1``: prompts in the rows' own blocks (read by the split kernel
+    through the block table): greedy equals the eager stream and float32 logprobs equal a
+    float64 full forward to 2e-4 (TF32 off)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = tiny_model(dtype=torch.float32, seed=2).cuda()
     prompts = random_prompts([9, 30, 3, 17, 5, 12, 21, 2, 8, 14], seed=6)
@@ -140,15 +143,15 @@ def test_cuda_graph_stream_kept_buffers_prefix_cache(compile_decode):
                             prefix_cache_tokens=4096)
     eager = RolloutEngine(model, cuda_graphs=False)
     key = lambda gs: [[c.completion_ids.tolist() for c in g] for g in sorted(gs, key=lambda g: g.prompt_index)]  # noqa: E731
-    a = list(graphed.generate_stream(prompts, sampling(24, n=2), max_rows=8))
-    b = list(eager.generate_stream(prompts, sampling(24, n=2), max_rows=8))
+    a = list(graphed.generate_stream(prompts, sampling(24, n=n), max_rows=8))
+    b = list(eager.generate_stream(prompts, sampling(24, n=n), max_rows=8))
     assert key(a) == key(b)
     turn2 = [p + [1, 2, 3] for p in prompts]
-    c = list(graphed.generate_stream(turn2, sampling(24, n=2), max_rows=8))  # same shapes: buffers, graphs reused
+    c = list(graphed.generate_stream(turn2, sampling(24, n=n), max_rows=8))  # same shapes: buffers, graphs reused
     assert graphed.stats.prefix_cache_hit_tokens == sum(len(p) for p in prompts)
-    assert key(c) == key(eager.generate_stream(turn2, sampling(24, n=2), max_rows=8))
+    assert key(c) == key(eager.generate_stream(turn2, sampling(24, n=n), max_rows=8))
     if compile_decode:
-        assert graphed.decode_blocks.compiled, "compilation fell back to eager"
+        assert graphed.decode_blocks.compiled and graphed.prefiller.forward.pre.compiled, "not compiled"
     reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
     for g in c:
         for comp in g:

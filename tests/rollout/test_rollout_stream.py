@@ -265,6 +265,69 @@ def test_prompt_store_grows_geometrically(model, budget, max_new, grows, realloc
     assert engine.stats.kv_slots <= budget
 
 
+@pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
+def test_groups_of_one_row_keep_their_prompts_in_own_blocks(static_kv):
+    """Groups of one row (a serving batch: ``n = 1``) keep their prompts in their rows' own
+    blocks, not in a prompt store sized for the longest prompt: prompts of 5 ... 113 tokens
+    never grow or rebuild a prompt store, admission is by the blocks a prompt takes, and a
+    pool too small for four such rows at a time preempts rows (prompt and tokens so far
+    recomputed into new blocks). Every greedy completion and its logprobs equal a forward of
+    the sequence alone, in float64."""
+    model = tiny_model(max_position_embeddings=144)  # own capacity per row: 144 slots, 9 blocks of 16
+    prompts = random_prompts([5, 17, 33, 49, 65, 81, 97, 113, 90, 40, 7, 100], seed=34)
+    budget = 288  # 4 group slots (of 16 prompt slots, unused) and a pool of 14 blocks
+    engine = RolloutEngine(model, sync_every=1, max_batch_tokens=budget, static_kv=static_kv, kv_block_size=16)
+    queue = PromptQueue([prompts[0]])  # (the group slots are sized for the prompts waiting at the start)
+    stream = engine.generate_stream(queue, params(n=1), max_rows=4)
+    groups = [next(stream)]
+    queue.put_many([(i, p) for i, p in enumerate(prompts) if i])
+    queue.close()
+    groups += list(stream)
+    check_greedy(model, groups, prompts, 1)
+    s = engine.stats
+    assert (s.prefix_grows, s.reallocations) == (0, 0) and s.preemptions > 0, s
+    assert s.kv_slots <= budget
+
+
+def test_admissions_while_rows_decode_prefill_at_most_a_chunk(model):
+    """While rows decode, one admission prefills at most ``prefill_chunk_tokens`` new tokens:
+    four 12-token prompts and a 3-token one arrive together behind a running group
+    (chunk: 20 tokens) and are admitted one 12-token prompt per admission, the short prompt
+    with the first (it fits what is left, so it passes the longer ones); with nothing
+    decoding, everything waiting is admitted at once. Greedy outputs equal the reference."""
+    prompts = random_prompts([5, 12, 12, 12, 12, 3], seed=36)
+    engine = RolloutEngine(model, sync_every=1, prefill_chunk_tokens=20)
+    sizes = []
+    prefill = engine.prefiller
+
+    def recording(seqs, cached=None, stats=None):
+        sizes.append(sorted(len(x) for x in seqs))
+        return prefill(seqs, cached, stats)
+
+    engine.prefiller = recording
+    queue = PromptQueue()
+    arrived = threading.Event()
+
+    def first_tokens(delta):  # (the stream's thread, at a sync: the others arrive while group 0 decodes)
+        if not arrived.is_set():
+            arrived.set()
+            queue.put_many([(i, p) for i, p in enumerate(prompts) if i])
+            queue.close()
+
+    long = SamplingParams(n=1, temperature=0, max_new_tokens=MAX_NEW)  # no stop: decodes MAX_NEW steps
+    queue.put(prompts[0], 0, params=long, listener=first_tokens)
+    groups = {g.prompt_index: g for g in engine.generate_stream(queue, params(n=1), max_rows=8)}
+    assert sizes == [[5], [3, 12], [12], [12], [12]]
+    no_stop = _greedy_reference(model, prompts[0], MAX_NEW, length=lambda ids: MAX_NEW + 1)
+    assert groups[0][0].completion_ids.tolist() == no_stop and len(no_stop) == MAX_NEW
+    for i in range(1, 6):
+        assert groups[i][0].completion_ids.tolist() == greedy_reference(model, prompts[i]), i
+    assert engine.stats.admissions == 5
+    # nothing decoding: one admission of everything waiting (in prefill pieces of <= 20 tokens)
+    list(engine.generate_stream(prompts[1:], params(n=1), max_rows=8))
+    assert engine.stats.admissions == 1
+
+
 def test_stream_input_errors(model):
     engine = RolloutEngine(model)
     with pytest.raises(ValueError, match="branch point"):
@@ -456,10 +519,13 @@ def _full_forward(model, tokens):
             out.logits[0, -1])
 
 
-def test_batched_prefill_of_cached_prefixes_equals_each_sequence_alone(model):
+@pytest.mark.parametrize("forward", ["own", "hf"])
+def test_batched_prefill_of_cached_prefixes_equals_each_sequence_alone(model, forward):
     """One batched prefill (in chunks of 4 query slots) of prefix-cache hits with different
     cached and new lengths (one with nothing new), and misses: every sequence's K/V and
-    last logits equal an independent forward of it alone, in float64."""
+    last logits equal an independent forward of it alone, in float64 — through treerl's own
+    blocks (:class:`~treerl.rollout.prefill_blocks.PrefillForward`, the Qwen3 default) and
+    through the model's HF forward (other families)."""
     from treerl.rollout.kv import rollout_attention_enabled
     from treerl.rollout.prefix_cache import PrefixEntry
 
@@ -467,6 +533,9 @@ def test_batched_prefill_of_cached_prefixes_equals_each_sequence_alone(model):
     cut = [7, 0, 30, 5, 16, 0]  # cached tokens (0: a miss; 5 of 5: nothing new)
     cached = [PrefixEntry(tuple(s[:c]), *_full_forward(model, s[:c]), 0) if c else None for s, c in zip(seqs, cut)]
     engine = RolloutEngine(model, prefill_chunk_tokens=24)  # 24 // 6 rows: 4 query slots per forward
+    assert engine.prefiller.forward is not None
+    if forward == "hf":
+        engine.prefiller.forward = None
     with rollout_attention_enabled(model), torch.no_grad():
         cache, lens, logits = engine.prefiller(seqs, cached, engine.stats)
     C = cache.length
