@@ -4,7 +4,9 @@ Every mode is a :mod:`plan <treerl.engine.plan>` of segments run by the one exec
 
 - a *single-level* plan (``flat``, ``packed``, or ``auto``/``dfs`` when every tree fits)
   runs each segment's forward and backward once; a loss that is not ``separable`` across
-  segments goes through the two-phase path instead, unless there is one segment;
+  segments goes through the two-phase path instead, unless there is one segment
+  (:mod:`.two_phase`: the general path, which holds the graphs of the calls that fit the
+  budget until the loss, so that only the others pay the extra forward);
 - otherwise, two phases (DESIGN.md, "Loss semantics"): a no-grad forward over the
   segments in depth-first order gives every tree token's logprob (and entropy); the loss
   runs on leaf copies of the per-sequence tensors, giving dL/dlogp per sequence token;
@@ -14,9 +16,8 @@ Every mode is a :mod:`plan <treerl.engine.plan>` of segments run by the one exec
 
 Gradients equal those of running every sequence alone, shared tokens computed once.
 
-One module (~560 lines) because it is one executor: the single-level and the two-phase
-paths share the batch layout (``_Batch``), the segment call, the output buffers and the
-per-segment sequence maps, and neither half reads on its own.
+The phases' order and the general path's choice of held graphs are in :mod:`.two_phase`;
+the segment call, the depth-first phase 1 and phase 2 are here.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from .memory import CallBudget, MemoryModel, device_memory, resolve_budget
 from ..models import decoder_of
 from .plan import MODES, Plan, make_plan
 from .tree import PrefixTree, TokenSequence
+from . import two_phase
+from .two_phase import check_loss, flat_positions, segment_of_sequences
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -64,6 +67,7 @@ class StepStats:
     tokens_run: int = 0
     recomputed_calls: int = 0  # calls whose decoder blocks are recomputed in the backward
     kept_attention_layers: int = 0  # summed over those calls: layers whose attention is not recomputed
+    kept_graphs: int = 0  # general path: calls whose graph is held until the loss (no extra forward)
     seconds: float = 0.0
 
 
@@ -72,21 +76,6 @@ def _seq_targets(tree: PrefixTree) -> torch.Tensor:
     keep = torch.ones(tree.num_flat_tokens, dtype=torch.bool)
     keep[tree.seq_offsets[:-1]] = False
     return tree.seq_index[keep]
-
-
-def _segment_of_sequences(b: "_Batch") -> tuple[torch.Tensor, torch.Tensor]:
-    """Segment starts [S] and, per sequence, the segment holding its first token [num_sequences] (CPU)."""
-    starts = torch.tensor([s.start for s in b.plan.segments])
-    tree = b.tree
-    return starts, torch.searchsorted(starts, tree.seq_index[tree.seq_offsets[:-1]], right=True) - 1
-
-
-def _flat_positions(lengths: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
-    """Positions in the concatenated per-sequence tensors (tokens 1..L-1, ``lengths`` = L-1
-    each) of the sequences ``seqs``, in that order (CPU, vectorised)."""
-    sizes = lengths[seqs]
-    within = torch.arange(int(sizes.sum())) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
-    return torch.repeat_interleave((torch.cumsum(lengths, 0) - lengths)[seqs], sizes) + within
 
 
 @dataclass
@@ -327,9 +316,9 @@ class TreeEngine:
             # Trees that run as one call go through once; only the chained ones take two phases.
             chained = plan.chained_segments()
             loss = self._forward_backward_segments(batch, loss_fn, entropy, separable, skip=chained)
-            loss += self._forward_backward_two_phase(batch, loss_fn, entropy, separable, only=chained)
-        else:
-            loss = self._forward_backward_two_phase(batch, loss_fn, entropy, separable)
+            loss += two_phase.forward_backward(self, batch, loss_fn, entropy, separable, only=chained)
+        else:  # the general path (two_phase: graphs held where the budget has room)
+            loss = two_phase.forward_backward(self, batch, loss_fn, entropy, separable)
         self.stats.seconds = time.perf_counter() - t0
         return loss
 
@@ -486,7 +475,7 @@ class TreeEngine:
             if entropy:
                 outs.append(self._scatter_gather(ent, local_index, seg.size, flat_index, sizes))
             loss = loss_fn(*outs, index=seqs) if separable else loss_fn(*outs)
-            _check_loss(loss)
+            check_loss(loss)
             loss.backward()
             total += loss.detach().reshape(()).to(torch.float64)
         return float(total)
@@ -494,13 +483,13 @@ class TreeEngine:
     def _sequences_by_segment(self, b: _Batch) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
         """Single-level plans: per segment, its sequences (input indices, CPU), the
         segment-local tree positions of their tokens 1..L-1 (device) and their lengths."""
-        starts, seg_of_seq = _segment_of_sequences(b)
+        starts, seg_of_seq = segment_of_sequences(b)
         lengths = torch.tensor(b.seq_lengths)
         # Sequences grouped by segment (stable: input order within a segment); the flat
         # positions of their tokens 1..L-1 gathered in one vectorised step.
         order = torch.argsort(seg_of_seq, stable=True)
         sizes = lengths[order]
-        flat_pos = _flat_positions(lengths, order)
+        flat_pos = flat_positions(lengths, order)
         local = _seq_targets(b.tree)[flat_pos] - torch.repeat_interleave(starts[seg_of_seq[order]], sizes)
         local = local.to(self.device).split(
             torch.bincount(seg_of_seq, weights=lengths.double(), minlength=len(starts)).long().tolist())
@@ -512,49 +501,6 @@ class TreeEngine:
     def _scatter_gather(values, local_index, size, flat_index, sizes) -> list[torch.Tensor]:
         local = values.new_zeros(size).index_copy(0, local_index, values)
         return list(local[flat_index].split(sizes))
-
-    # ------------------------------------------------------------------ two phases
-    def _forward_backward_two_phase(self, b: _Batch, loss_fn: LossFn, entropy: bool, separable: bool,
-                                    only: set[int] | None = None) -> float:
-        """Two phases over every segment, or over the whole trees of ``only`` (a separable
-        loss then sees just their sequences)."""
-        seqs = torch.arange(b.tree.num_sequences)
-        targets, lengths = b.seq_targets, b.seq_lengths
-        if only is not None:
-            seqs, targets, lengths = self._sequences_in(b, only)
-            if len(seqs) == 0:
-                return 0.0
-        reuse: dict[int, list[KV]] | None = {} if self.reuse_forward_kv else None
-        with torch.no_grad():
-            lp_all, ent_all = self._forward_all(b, entropy, only, reuse)
-        leaves = [lp_all[targets].requires_grad_()]
-        if entropy:
-            leaves.append(ent_all[targets].requires_grad_())
-        outs = [list(leaf.split(lengths)) for leaf in leaves]
-        if separable:
-            loss = loss_fn(*outs, index=seqs)
-        else:
-            loss = loss_fn(*outs)
-        _check_loss(loss)
-        loss.backward()
-        grads = []
-        for leaf, buf in zip(leaves, (lp_all, ent_all)):
-            g = torch.zeros_like(buf)
-            if leaf.grad is not None:
-                g.index_add_(0, targets, leaf.grad)
-            grads.append(g)
-        self._backward_all(b, grads[0], grads[1] if entropy else None, only, reuse)
-        return float(loss.detach())
-
-    @staticmethod
-    def _sequences_in(b: _Batch, segments: set[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """The sequences whose first token lies in ``segments`` (input order), their tree
-        tokens 1..L-1 (device) and their lengths L-1."""
-        _, seg_of_seq = _segment_of_sequences(b)
-        seqs = torch.isin(seg_of_seq, torch.tensor(sorted(segments), dtype=seg_of_seq.dtype)).nonzero()[:, 0]
-        lengths = torch.tensor(b.seq_lengths, dtype=torch.long)
-        flat = _flat_positions(lengths, seqs)
-        return seqs, b.seq_targets[flat.to(b.seq_targets.device)], lengths[seqs].tolist()
 
     def _backward_all(self, b: _Batch, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
                       only: set[int] | None = None, reuse: dict[int, list[KV]] | None = None) -> None:
@@ -623,13 +569,6 @@ def _mirrored_preorder(plan: Plan) -> list[int]:
         order.append(i)
         stack.extend(plan.children[i])
     return order
-
-
-def _check_loss(loss: torch.Tensor) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-    if not loss.requires_grad:
-        raise ValueError("loss_fn returned a tensor that does not depend on the logprobs it was given")
 
 
 def _check_supported(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
