@@ -304,3 +304,30 @@ def test_tight_budgets_on_a_long_prefix_are_exact(mode, slack, gen):
         loss = RandomLoss.make(seqs, gen, coupled=not separable)
         check_engine(model, seqs, mode, loss, entropy=not separable, chunk_tokens=6, memory_budget=budget,
                      separable=separable)
+
+
+@pytest.mark.parametrize("workload", ["grpo", "agentic", "long"])
+def test_general_path_holds_every_medium_call_at_the_default_budget(workload):
+    """A loss that is not separable, on the medium batches at the Qwen3-1.7B shape and the
+    H100's default budget: every call holds its graph until the loss (GRPO's two calls of
+    ~25k tokens regrouped into smaller ones for it), so none pays phase 1's extra forward,
+    and the held graphs stay within the budget (walked independently)."""
+    import dataclasses
+
+    from test_engine_exact import general_peak
+    from treerl.engine import two_phase
+    from treerl.engine.plan import make_plan
+    from treerl.devtools.workloads import SCALES, make_workload
+
+    m, config = h100_like()
+    device = 85_029_158_912
+    budget = CallBudget(m, 0.2 * device, recompute=True, device_bytes=device)
+    tree = PrefixTree.from_sequences(make_workload(workload, SCALES["paper"], config.vocab_size))
+    plan = make_plan(tree, "auto", budget.tokens(), 2048, budget.pack(), memory=budget)
+    cap = two_phase.pack_for_keeping(plan, budget, 2048)
+    if len(two_phase.keep_graphs(plan, budget)) < len(two_phase.standalone_segments(plan)):
+        assert workload == "grpo" and cap is not None
+        plan = make_plan(tree, "auto", budget.tokens(), 2048, cap, memory=dataclasses.replace(budget, pack_cap=cap))
+    kept = two_phase.keep_graphs(plan, budget)
+    assert len(kept) == len(two_phase.standalone_segments(plan)) == len(plan.segments) > 1
+    assert general_peak(plan, kept, m) <= budget.budget
