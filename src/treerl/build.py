@@ -71,7 +71,8 @@ def build_engines(cfg: Config, model: torch.nn.Module, device: torch.device) -> 
     """Tree engines over ``model`` (already on ``device``) and over copies of it."""
     e = cfg.engine
     kw = dict(mode=e.mode, memory_budget=e.memory_budget, max_tokens=e.max_tokens, chunk_tokens=e.chunk_tokens,
-              compile=e.compile, attention=e.attention, temperature=max(cfg.rollout.temperature, 1e-6))
+              compile=e.compile, attention=e.attention, temperature=max(cfg.rollout.temperature, 1e-6),
+              compile_cache_dir=e.compile_cache_dir)
     policy = TreeEngine(model, **kw)
     reference = critic = None
     if cfg.algorithm.kl_coef > 0:

@@ -36,7 +36,7 @@ from .memory import CallBudget, MemoryModel, device_memory, resolve_budget
 from ..models import decoder_of
 from .plan import MODES, Plan, make_plan
 from .tree import PrefixTree, TokenSequence
-from . import two_phase
+from . import compile_cache, two_phase
 from .two_phase import check_loss, flat_positions, segment_of_sequences
 
 LossFn = Callable[..., torch.Tensor]
@@ -146,6 +146,9 @@ class TreeEngine:
         value_head: make this a critic engine: a module mapping hidden states [T, H] to
             values [T, 1]; every method then yields values where it would yield logprobs
             (the value at element t is read at token t: the state before token t + 1).
+        compile_cache_dir: with ``compile``, where compiled kernels are kept for later runs
+            (:mod:`treerl.engine.compile_cache`; None: ``~/.cache/treerl/compile``, ``""``:
+            torch's defaults).
     """
 
     def __init__(
@@ -161,6 +164,7 @@ class TreeEngine:
         temperature: float = 1.0,
         logits_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
         value_head: torch.nn.Module | None = None,
+        compile_cache_dir: str | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -187,6 +191,8 @@ class TreeEngine:
         if compile is None:
             compile = self.device.type == "cuda"
         self.runner = SegmentRunner(model, value_head, temperature, logits_chunk_elements, compile)
+        if self.runner.stack.compile:
+            compile_cache.enable(compile_cache_dir, self.device)
         self.memory_budget = None if max_tokens is not None else resolve_budget(memory_budget, self.device)
         self._fixed_tokens = max_tokens
         self._memory_model: MemoryModel | None = None
@@ -320,6 +326,8 @@ class TreeEngine:
         else:  # the general path (two_phase: graphs held where the budget has room)
             loss = two_phase.forward_backward(self, batch, loss_fn, entropy, separable)
         self.stats.seconds = time.perf_counter() - t0
+        if self.runner.stack.compile:
+            compile_cache.save()  # (only when this step compiled something new)
         return loss
 
     # ------------------------------------------------------------------- preparing
