@@ -73,3 +73,20 @@ def test_an_empty_directory_leaves_torch_defaults(tmp_path, env):
     out = run("", env, compile=False)
     assert out["dir"] == "None" and out["saved"] is None
     assert not (tmp_path / "xdg").exists()
+
+
+def test_the_config_key_reaches_the_engine(monkeypatch, tmp_path):
+    """``engine.compile_cache_dir`` is handed to the compile cache by every compiled engine
+    (in-process: the directory is recorded, not enabled)."""
+    import torch
+
+    from treerl.build import build_engines
+    from treerl.config import Config
+    from treerl.engine import compile_cache
+    from treerl.models import build_model
+
+    seen = []
+    monkeypatch.setattr(compile_cache, "enable", lambda directory, device=None: seen.append(directory))
+    cfg = Config.from_yaml(None, ["engine.compile=true", f"engine.compile_cache_dir={tmp_path}"])
+    build_engines(cfg, build_model("qwen3", "tiny", dtype=torch.float32, seed=0), torch.device("cpu"))
+    assert seen == [str(tmp_path)]
