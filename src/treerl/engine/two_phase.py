@@ -207,17 +207,17 @@ def forward_backward(engine: "TreeEngine", b: "_Batch", loss_fn: LossFn, entropy
     """Two phases over the whole trees of ``only`` (a separable loss then sees just their
     sequences), or over every segment — the general path, holding the graphs of the
     standalone segments that fit (:func:`keep_graphs`)."""
+    kept: dict[int, Segment] = {}
     if only is None:
-        b = general_plan(engine, b)
-        budget = engine.call_budget or CallBudget.tokens_only(b.plan.budget)
-        kept = keep_graphs(b.plan, budget)
-        if kept:
+        if not engine.runner.stack.sharded:  # (FSDP-sharded blocks: one forward per backward)
+            b = general_plan(engine, b)
+            kept = keep_graphs(b.plan, engine.call_budget or CallBudget.tokens_only(b.plan.budget))
             segments = [kept.get(i, s) for i, s in enumerate(b.plan.segments)]
             b = dataclasses.replace(b, plan=dataclasses.replace(b.plan, segments=segments))
         rest = set(range(len(b.plan.segments))) - set(kept)
         seqs, targets, lengths = torch.arange(b.tree.num_sequences), b.seq_targets, b.seq_lengths
     else:
-        kept, rest = {}, only
+        rest = only
         seqs, targets, lengths = sequences_in(b, only)
         if len(seqs) == 0:
             return 0.0
