@@ -82,11 +82,11 @@ def test_the_config_key_reaches_the_engine(monkeypatch, tmp_path):
 
     from treerl.build import build_engines
     from treerl.config import Config
-    from treerl.engine import compile_cache
+    from treerl.engine import tree_engine
     from treerl.models import build_model
 
     seen = []
-    monkeypatch.setattr(compile_cache, "enable", lambda directory, device=None: seen.append(directory))
+    monkeypatch.setattr(tree_engine, "enable_compile_cache", lambda directory, device=None: seen.append(directory))
     cfg = Config.from_yaml(None, ["engine.compile=true", f"engine.compile_cache_dir={tmp_path}"])
     build_engines(cfg, build_model("qwen3", "tiny", dtype=torch.float32, seed=0), torch.device("cpu"))
     assert seen == [str(tmp_path)]

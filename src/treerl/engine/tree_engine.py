@@ -36,8 +36,8 @@ from .memory import CallBudget, MemoryModel, device_memory, resolve_budget
 from ..models import decoder_of
 from .plan import MODES, Plan, make_plan
 from .tree import PrefixTree, TokenSequence
-from . import compile_cache, two_phase
-from .two_phase import check_loss, flat_positions, segment_of_sequences
+from .compile_cache import enable as enable_compile_cache, save as save_compile_cache
+from .two_phase import check_loss, flat_positions, forward_backward as two_phase, segment_of_sequences
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -192,7 +192,7 @@ class TreeEngine:
             compile = self.device.type == "cuda"
         self.runner = SegmentRunner(model, value_head, temperature, logits_chunk_elements, compile)
         if self.runner.stack.compile:
-            compile_cache.enable(compile_cache_dir, self.device)
+            enable_compile_cache(compile_cache_dir, self.device)
         self.memory_budget = None if max_tokens is not None else resolve_budget(memory_budget, self.device)
         self._fixed_tokens = max_tokens
         self._memory_model: MemoryModel | None = None
@@ -322,12 +322,12 @@ class TreeEngine:
             # Trees that run as one call go through once; only the chained ones take two phases.
             chained = plan.chained_segments()
             loss = self._forward_backward_segments(batch, loss_fn, entropy, separable, skip=chained)
-            loss += two_phase.forward_backward(self, batch, loss_fn, entropy, separable, only=chained)
+            loss += two_phase(self, batch, loss_fn, entropy, separable, only=chained)
         else:  # the general path (two_phase: graphs held where the budget has room)
-            loss = two_phase.forward_backward(self, batch, loss_fn, entropy, separable)
+            loss = two_phase(self, batch, loss_fn, entropy, separable)
         self.stats.seconds = time.perf_counter() - t0
         if self.runner.stack.compile:
-            compile_cache.save()  # (only when this step compiled something new)
+            save_compile_cache()  # (only when this step compiled something new)
         return loss
 
     # ------------------------------------------------------------------- preparing
