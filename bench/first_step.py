@@ -1,6 +1,6 @@
 """The first forward_backward of a process, cold and with compiled kernels kept (issue 24 item 4).
 
-    PYTHONPATH=src python bench/first_step.py --out results/first_step_h100.json     # H100, ~4-6 min
+    PYTHONPATH=src python bench/first_step.py --out bench/results/first_step_h100.json     # H100, ~4-6 min
     PYTHONPATH=src python bench/first_step.py --smoke                                 # CPU, tiny model
 
 Runs fresh Python processes one after another, each timing its first ``forward_backward``

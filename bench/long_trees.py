@@ -4,7 +4,7 @@ speed, and tree attention against the best causal kernels.
     python bench/long_trees.py --out results/long_trees_h100.json          # H100, ~6-7 min
     python bench/long_trees.py --smoke --out /tmp/long_trees_smoke.json    # CPU, tiny sizes
     python bench/long_trees.py --sections workloads --workloads grpo,agentic,long,tree \
-        --configs auto,auto-general --repeats 3 --out results/general_path_h100.json   # item 3, ~4-5 min
+        --configs auto,auto-general --repeats 3 --out bench/results/general_path_h100.json   # item 3, ~4-5 min
 
 Sections, each written to ``--out`` as soon as it is measured (run in the order peak, sweep,
 attention, workloads; a section is skipped once ``--max-seconds`` have passed):
