@@ -94,8 +94,10 @@ def test_recomputed_blocks_keep_attention_within_the_budget(mode, gen, monkeypat
         return attend(ctx, *args, **kwargs)
 
     monkeypatch.setattr(attention, "_attend", spy)
-    loss = RandomLoss.make(seqs, gen, coupled=True)
-    engine = check_engine(model, seqs, mode, loss, entropy=True, chunk_tokens=4, memory_budget=budget)
+    # (separable: each call's kept attentions as the plan sizes them; a non-separable loss holds
+    # several calls' graphs at once and shares the spare bytes among them, test_engine_exact.py)
+    loss = RandomLoss.make(seqs, gen)
+    engine = check_engine(model, seqs, mode, loss, entropy=True, chunk_tokens=4, memory_budget=budget, separable=True)
     assert 5 <= engine.stats.kept_attention_layers <= 16 * engine.stats.recomputed_calls, engine.stats
     if mode == "auto":  # the 39-token tree's call keeps 5; flat packs its sequences into calls that keep all 16
         assert 5 in {k for k, _ in attends.values()}

@@ -122,11 +122,15 @@ def keep_graphs(plan: Plan, budget: CallBudget) -> dict[int, Segment]:
                 held += held_bytes(model, s.size, r)
         return kept
 
+    def saved(kept: dict[int, tuple[bool, float]]) -> int:
+        """Tokens of forward saved: each held call's phase-1 forward, less a recompute
+        forward where holding it adds one the plan did not have."""
+        return sum(plan.segments[i].size * (1 - (r and not plan.segments[i].recompute)) for i, (r, _) in kept.items())
+
     kept = greedy(None)
     if len(kept) < len(standalone) and budget.recompute:
         recomputing = greedy(True)
-        if len(recomputing) > len(kept) or sum(plan.segments[i].size for i in recomputing) > sum(
-                plan.segments[i].size for i in kept):
+        if saved(recomputing) > saved(kept):
             kept = recomputing
     # Kept attentions: a held call's spare bytes stay held until its backward, so they come
     # out of every later held call's slack too.
