@@ -101,6 +101,14 @@ def _reused_path_bytes(plan: Plan, model: MemoryModel, chained: set[int]) -> flo
         (plan.prefix_tokens(i) + plan.segments[i].size for i in chained if plan.children[i]), default=0)
 
 
+def forward_saved(plan: Plan, kept: dict) -> int:
+    """Tokens of forward that holding the graphs of ``kept`` (index -> recompute first) saves:
+    each held call's phase-1 forward, less a recompute forward where holding it adds one
+    the plan did not have (then it costs what two phases cost)."""
+    recomputes = {i: (k.recompute if isinstance(k, Segment) else k[0]) for i, k in kept.items()}
+    return sum(plan.segments[i].size for i, r in recomputes.items() if not (r and not plan.segments[i].recompute))
+
+
 def keep_graphs(plan: Plan, budget: CallBudget) -> dict[int, Segment]:
     """The standalone segments (no prefix, no children) whose phase 1 runs with grad and
     holds its graph until the loss, as they run then (``recompute`` and ``spare`` set):
@@ -122,15 +130,10 @@ def keep_graphs(plan: Plan, budget: CallBudget) -> dict[int, Segment]:
                 held += held_bytes(model, s.size, r)
         return kept
 
-    def saved(kept: dict[int, tuple[bool, float]]) -> int:
-        """Tokens of forward saved: each held call's phase-1 forward, less a recompute
-        forward where holding it adds one the plan did not have."""
-        return sum(plan.segments[i].size * (1 - (r and not plan.segments[i].recompute)) for i, (r, _) in kept.items())
-
     kept = greedy(None)
     if len(kept) < len(standalone) and budget.recompute:
         recomputing = greedy(True)
-        if saved(recomputing) > saved(kept):
+        if forward_saved(plan, recomputing) > forward_saved(plan, kept):
             kept = recomputing
     # Kept attentions: a held call's spare bytes stay held until its backward, so they come
     # out of every later held call's slack too.
@@ -172,13 +175,16 @@ def general_plan(engine: "TreeEngine", b: "_Batch") -> "_Batch":
     budget = engine.call_budget
     if budget is None or b.plan.single_level and len(b.plan.segments) == 1:
         return b
-    if len(keep_graphs(b.plan, budget)) == len(standalone_segments(b.plan)):
+    kept = keep_graphs(b.plan, budget)
+    if len(kept) == len(standalone_segments(b.plan)):
         return b
     cap = pack_for_keeping(b.plan, budget, engine.chunk_tokens)
     if cap is None:
         return b
     plan = make_plan(b.tree, engine.mode, engine.max_tokens, engine.chunk_tokens, cap,
                      memory=dataclasses.replace(budget, pack_cap=cap))
+    if forward_saved(plan, keep_graphs(plan, budget)) <= forward_saved(b.plan, kept):
+        return b  # (smaller calls that need no recompute: holding them saves nothing)
     on_device = torch.cat(plan.targets).to(engine.device).split([len(t) for t in plan.targets])
     engine.stats.plan = plan.describe()
     return dataclasses.replace(b, plan=plan, targets=list(on_device))
