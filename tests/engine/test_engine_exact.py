@@ -333,9 +333,10 @@ def general_model():
                        kv_per_token=2e4, layers=8)
 
 
-def general_peak(plan, kept, model, layers: int) -> float:
+def general_peak(plan, kept, model) -> float:
     """The general path's live bytes at their highest, walked independently: each held
-    call's peak (with the kept attentions its spare buys) after the graphs held before it
+    call's peak plus the attentions it keeps (at most its spare bytes, which is all the
+    engine lets them take), after the graphs held before it (with their kept attentions)
     and the keys/values phase 1 leaves for phase 2 (one chained path at most)."""
     from treerl.engine.two_phase import held_bytes
 
@@ -344,8 +345,7 @@ def general_peak(plan, kept, model, layers: int) -> float:
     held, peak = reused, reused
     for i in sorted(kept):
         s = kept[i]
-        kept_layers = model.kept_attention_layers(s.spare, s.size, s.size, layers, True) if s.recompute else 0
-        attention = kept_layers * s.size * (model.attention_per_query + model.attention_copies_per_query)
+        attention = s.spare if s.recompute else 0.0
         peak = max(peak, held + model.call_bytes(s.size, 0, s.recompute) + attention)
         held += held_bytes(model, s.size, s.recompute) + attention
     return peak
@@ -399,7 +399,7 @@ def test_general_path_holds_graphs_within_the_budget(mode, case, gen, monkeypatc
             break
     assert found, f"no budget gives the case {case}"
     kw = dict(memory_budget=budget, chunk_tokens=chunk)
-    assert general_peak(plan, kept, engine.memory_model, model.config.num_hidden_layers) <= budget
+    assert general_peak(plan, kept, engine.memory_model) <= budget
 
     runs = {}
     for separable in (True, False):

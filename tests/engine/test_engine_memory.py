@@ -332,4 +332,4 @@ def test_general_path_holds_every_medium_call_at_the_default_budget(workload):
         plan = make_plan(tree, "auto", budget.tokens(), 2048, cap, memory=dataclasses.replace(budget, pack_cap=cap))
     kept = two_phase.keep_graphs(plan, budget)
     assert len(kept) == len(two_phase.standalone_segments(plan)) == len(plan.segments) > 1
-    assert general_peak(plan, kept, m, config.num_hidden_layers) <= budget.budget
+    assert general_peak(plan, kept, m) <= budget.budget

@@ -144,7 +144,12 @@ def keep_graphs(plan: Plan, budget: CallBudget) -> dict[int, Segment]:
         spares[i] = floor
     used, out = 0.0, {}
     for i in order:
-        spare = max(0.0, spares[i] - used) if kept[i][0] else 0.0
+        size = plan.segments[i].size
+        # at most what keeping every layer's attention takes (the engine keeps the layers
+        # whose bytes fit the spare it gets, whatever its kernel copies)
+        copies = (model.attention_copies_per_query + model.attention_copies_per_key) if budget.copies else 0.0
+        every_layer = model.layers * size * (model.attention_per_query + copies + size * model.attention_per_pair)
+        spare = min(max(0.0, spares[i] - used), every_layer) if kept[i][0] else 0.0
         used += spare
         out[i] = dataclasses.replace(plan.segments[i], recompute=kept[i][0], spare=spare)
     return out
