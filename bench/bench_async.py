@@ -121,9 +121,9 @@ def run_rollout(args) -> list[dict]:
 
     torch.set_num_threads(args.threads[-1])
     trainer = Trainer(make_config(args, args.trainer_device))
-    params = trainer.sampling_params(args.group)
-    prompts = [trainer.format.prompt_ids(trainer.tokenizer, p.prompt)
-               for p in trainer.next_problems(args.steps * args.prompts)]
+    params = trainer.sampler.sampling_params(args.group)
+    prompts = [trainer.sampler.format.prompt_ids(trainer.tokenizer, p.prompt)
+               for p in trainer.sampler.next_problems(args.steps * args.prompts)]
     steps = [prompts[i * args.prompts:(i + 1) * args.prompts] for i in range(args.steps)]
     rows = []
 

@@ -54,7 +54,7 @@ from treerl.distributed import (
     partition,
     tree_features,
 )
-from treerl.models import SHAPES
+from treerl.models import FAMILIES, SHAPES
 from treerl.devtools.workloads import SCALES, make_workload
 
 BASELINES = ("greedy", "contiguous", "trees")
@@ -324,7 +324,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fit", action="store_true", help="measure random trees and fit the cost model")
     p.add_argument("--measure", action="store_true", help="time each rank's share (N ranks on one device)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen2", "llama"])
+    p.add_argument("--family", default="qwen3", choices=list(FAMILIES))
     p.add_argument("--shape", default="qwen3-1.7b", choices=list(SHAPES))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float64"])
     p.add_argument("--mode", default="auto", choices=["auto", "packed", "dfs", "flat"], help="engine mode")

@@ -60,7 +60,7 @@ from treerl.devtools.benchmark import (
     useful_flops,
     weighted_logprob_loss,
 )
-from treerl.models import SHAPES, build_model
+from treerl.models import FAMILIES, SHAPES, build_model
 from treerl.devtools.workloads import SCALES, distinct_starts, make_workload
 
 # (groups, G samples, sequence length L) of the sharing sweep, per workload scale.
@@ -155,7 +155,7 @@ class Sweeps:
 
     def measure(self, row: Row, engine: TreeEngine, tree: PrefixTree) -> Row:
         plan = engine.plan(tree)
-        row.max_tokens, row.chunk_tokens = engine.max_tokens, engine.chunk_tokens
+        row.max_tokens, row.chunk_tokens = engine.memory.max_tokens, engine.chunk_tokens
         row.peak_live_tokens = plan.peak_live_tokens()
         row.useful_tflop = useful_flops(self.model, tree) / 1e12
         if self.out_of_time():
@@ -348,7 +348,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen2", "llama"])
+    p.add_argument("--family", default="qwen3", choices=list(FAMILIES))
     p.add_argument("--shape", default="small", choices=list(SHAPES))
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     p.add_argument("--device", default="cpu")

@@ -21,7 +21,10 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    and ``dfs`` at defaults, plus A/B variants: ``auto-general`` (the same loss not declared
    separable: the general path, printed as a ratio to ``auto``), ``auto-noreuse`` (phase 2 recomputes the K/V
    of phase 1's last path, as before), ``auto-tiles`` / ``dfs-tiles`` (calls after a prefix
-   on whole flex tiles, ``treerl.engine.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget).
+   on whole flex tiles, ``treerl.engine.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget),
+   ``auto-nochain`` / ``dfs-nochain`` (chain pieces after a prefix with the tree mask instead of
+   ``treerl.engine.chain_attention``'s fused kernels: ``CHAIN_AFTER_PREFIX`` off), ``auto-chainflash``
+   (the chain attention through flash's kernels only, not cuDNN's).
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan.
 4. **attention**: one layer's attention forward+backward (Qwen3-1.7B heads: 16 query / 8 KV
@@ -66,6 +69,11 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
     "auto-tiles": (dict(mode="auto"), {}, dict(PREFIX_AS_TILES=True)),
     "dfs-tiles": (dict(mode="dfs"), {}, dict(PREFIX_AS_TILES=True)),
     "auto-b0.3": (dict(mode="auto", memory_budget=0.3), {}, {}),
+    # chain pieces after a prefix with the tree mask, as before treerl.engine.chain_attention
+    "auto-nochain": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=False)),
+    "dfs-nochain": (dict(mode="dfs"), {}, dict(CHAIN_AFTER_PREFIX=False)),
+    # the chain attention through flash's kernels only (cuDNN builds a graph per new shape)
+    "auto-chainflash": (dict(mode="auto"), {}, {"chain_attention.KERNELS": ("flash",)}),
     "auto-general": (dict(mode="auto"), {}, {}),  # the same loss, not declared separable (issue 24 item 3)
 }
 GENERAL = {"auto-general"}  # variants timed with separable=False
@@ -73,17 +81,22 @@ GENERAL = {"auto-general"}  # variants timed with separable=False
 
 @contextlib.contextmanager
 def switches(name: str):
-    """The variant's ``treerl.engine.attention`` switches for the duration of its rows."""
-    import treerl.engine.attention as attention
+    """The variant's switches for the duration of its rows: attributes of ``treerl.engine.attention``,
+    or ``module.NAME`` of another ``treerl.engine`` module."""
+    import importlib
 
-    before = {key: getattr(attention, key) for key in VARIANTS[name][2]}
+    def where(key):
+        module, _, attr = key.rpartition(".")
+        return importlib.import_module(f"treerl.engine.{module or 'attention'}"), attr
+
+    before = {key: getattr(*where(key)) for key in VARIANTS[name][2]}
     for key, value in VARIANTS[name][2].items():
-        setattr(attention, key, value)
+        setattr(*where(key), value)
     try:
         yield
     finally:
         for key, value in before.items():
-            setattr(attention, key, value)
+            setattr(*where(key), value)
 
 
 class Run:
@@ -121,13 +134,13 @@ def make_engine(model, name: str, smoke_budget: int | None) -> TreeEngine:
 def sweep(run: Run, model, device, smoke_budget) -> list[dict]:
     rows = []
     engine = make_engine(model, "auto", smoke_budget)
-    engine.memory_model  # the probe's allocations are not a step's
+    engine.memory.model  # the probe's allocations are not a step's
     sizes = [64, 128, 256] if run.args.smoke else [4096, 16384, 32768, 65536]
     for tokens in sizes:
         if run.over():
             break
         tree = PrefixTree.from_sequences(memory_sweep_tree(tokens, model.config.vocab_size))
-        row = dict(tokens=tokens, longest=int(tree.seq_lengths.max()), budget_gib=engine.memory_budget / 2**30)
+        row = dict(tokens=tokens, longest=int(tree.seq_lengths.max()), budget_gib=engine.memory.budget / 2**30)
         try:
             plan = engine.plan(tree)
             row.update(predicted_gib=plan.peak_bytes / 2**30, plan=plan.describe())
@@ -174,7 +187,7 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
             row = dict(workload=wl, config=name, tree_tokens=tree.num_tree_tokens, flat_tokens=tree.num_flat_tokens)
             try:
                 engine = make_engine(model, name, smoke_budget)
-                engine.memory_model
+                engine.memory.model
                 sync(device)
                 base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
                 with switches(name):
@@ -185,7 +198,7 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                            recomputed_calls=engine.stats.recomputed_calls, kept_graphs=engine.stats.kept_graphs,
                            tokens_run=engine.stats.tokens_run,
                            kept_attention_layers=engine.stats.kept_attention_layers, plan=plan.describe(),
-                           predicted_gib=plan.peak_bytes / 2**30, budget_gib=engine.memory_budget / 2**30)
+                           predicted_gib=plan.peak_bytes / 2**30, budget_gib=engine.memory.budget / 2**30)
                 if peak:
                     row["pct_peak"] = 100 * row["tflops"] / peak
                 if peak_bytes is not None:
@@ -325,8 +338,8 @@ def main(argv=None):
     smoke_budget = None
     if args.smoke:  # a budget under which the small shapes chain, recompute and keep attentions
         probe = TreeEngine(model)
-        m = probe.memory_model
-        smoke_budget = int(m.fixed + 1.5 * (probe.call_budget.path_needs(600)[0] - m.fixed))
+        m = probe.memory.model
+        smoke_budget = int(m.fixed + 1.5 * (probe.memory.call_budget.path_needs(600)[0] - m.fixed))
     run.results.update(model=shape, dtype=str(dtype))
     if "sweep" in sections:
         sweep(run, model, device, smoke_budget)

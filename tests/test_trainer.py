@@ -8,19 +8,16 @@ import pytest
 import torch
 
 import treerl
-from treerl.config import Config
-from treerl.models import build_model, rmsnorm_in_input_precision
+from helpers.configs import run_config, tiny_model_overrides
+from helpers.models import tiny_model
+from treerl.models import rmsnorm_in_input_precision
 from treerl.tasks import get_task
 from treerl.tasks.base import DatasetError, RewardError
 from treerl.trainer import Trainer
 
-TINY = "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}"
-
-
 def config(*overrides):
-    base = ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "rollout.prompts_per_step=3",
-            "rollout.group_size=4", "train.eval_problems=8", "train.tensorboard=false", "train.progress=false"]
-    return Config.from_yaml(None, base + list(overrides))
+    return run_config(None, "rollout.prompts_per_step=3", "rollout.group_size=4", "train.eval_problems=8", *overrides,
+                      layers=2)
 
 
 def params(model):
@@ -53,7 +50,7 @@ def test_tree_and_flat_give_the_same_parameters_after_an_rl_step(extra):
         if mode == "auto":
             rng = torch.get_rng_state()
             plan = trainer.engine.plan(treerl.PrefixTree.from_sequences(
-                [s.token_ids for s in trainer.generate_samples(trainer.task.train_problems(3), 4)]))
+                [s.token_ids for s in trainer.sampler.generate(trainer.task.train_problems(3), 4)]))
             assert any(plan.children), "the tree plan must contain chains, or the test proves little"
             torch.set_rng_state(rng)  # undo the RNG use of this look
         before = params(trainer.model).clone()
@@ -84,7 +81,7 @@ def test_grpo_raises_the_reward_of_a_builtin_task():
 def test_multi_turn_calculator_step_shares_the_conversation():
     cfg = config("task.name=calculator", "task.kwargs={}", "task.max_turns=3", "task.max_episode_tokens=60",
                  "rollout.max_new_tokens=12", "rollout.prompts_per_step=2", "rollout.group_size=3",
-                 "model.overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 128}")
+                 f"model.overrides={tiny_model_overrides(1, 128)}")
     trainer = Trainer(cfg)
     metrics = trainer.step()
     samples = trainer.last_samples
@@ -127,7 +124,7 @@ def test_reward_that_raises_is_an_error_naming_the_sample():
 
 def test_prompt_longer_than_the_context_is_refused():
     """Every prompt too long: one line at build time naming the limit and the fix."""
-    cfg = config("model.overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 8}")
+    cfg = config(f"model.overrides={tiny_model_overrides(1, 8)}")
     with pytest.raises(DatasetError, match=r"every train prompt \(10000\) is longer than 4 tokens .* lower rollout.max_new_tokens"):
         Trainer(cfg)
 
@@ -161,7 +158,7 @@ def test_bad_algorithm_names_are_config_errors():
 @pytest.mark.parametrize("mode", ["packed", "dfs"])
 def test_critic_value_head_matches_per_sequence_forward(mode):
     """A critic engine (value head) gives the values and gradients of a per-sequence forward."""
-    model = rmsnorm_in_input_precision(build_model("qwen3", "tiny", dtype=torch.float64, vocab_size=40, seed=2))
+    model = tiny_model(vocab_size=40, seed=2)
     head = torch.nn.Linear(model.config.hidden_size, 1, dtype=torch.float64)
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 40, (6,), generator=gen).tolist()
@@ -198,7 +195,7 @@ def test_multi_turn_turns_reuse_the_previous_turns_kv():
 
     base = ["task.name=calculator", "task.kwargs={}", "task.max_turns=3", "task.max_episode_tokens=60",
             "rollout.max_new_tokens=12", "rollout.prompts_per_step=2", "rollout.group_size=3", "model.dtype=float64",
-            "model.overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 128}"]
+            f"model.overrides={tiny_model_overrides(1, 128)}"]
     runs = []
     for extra in ([], ["rollout.prefix_cache_tokens=0"]):
         task = get_task("calculator")
@@ -206,18 +203,18 @@ def test_multi_turn_turns_reuse_the_previous_turns_kv():
         trainer = Trainer(config(*base, *extra), task=task)
         rmsnorm_in_input_precision(trainer.model)
         hits, turns = [], []
-        generate = trainer.rollout.generate
+        generate = trainer.sampler.rollout.generate
 
         def counting(contexts, p, generate=generate, trainer=trainer, hits=hits, turns=turns):
             groups = generate(contexts, p)
-            hits.append(trainer.rollout.stats.prefix_cache_hit_tokens)
+            hits.append(trainer.sampler.rollout.stats.prefix_cache_hit_tokens)
             turns.append(len(contexts))
             return groups
 
-        trainer.rollout.generate = counting
+        trainer.sampler.rollout.generate = counting
         torch.manual_seed(0)
-        samples = trainer.generate_samples(trainer.next_problems(2), 3)
-        runs.append((samples, hits, turns, trainer.rollout.prefix_cache))
+        samples = trainer.sampler.generate(trainer.sampler.next_problems(2), 3)
+        runs.append((samples, hits, turns, trainer.sampler.rollout.prefix_cache))
     (cached, hits, turns, cache), (plain, plain_hits, _, no_cache) = runs
     assert cache is not None and no_cache is None
     assert len(turns) > 1 and hits[0] == 0 and all(h > 0 for h in hits[1:]) and not any(plain_hits)
@@ -225,3 +222,29 @@ def test_multi_turn_turns_reuse_the_previous_turns_kv():
     for a, b in zip(cached, plain):
         assert a.loss_mask == b.loss_mask
         assert torch.allclose(torch.tensor(a.behaviour_logprobs), torch.tensor(b.behaviour_logprobs), rtol=1e-9, atol=1e-12)
+
+
+def test_each_part_saves_and_restores_its_own_state():
+    """``Trainer.state_dict`` is the counters, RNG and config plus the learner's and the
+    sampler's own ``state_dict`` (disjoint keys: the checkpoint's flat layout); each part's
+    ``load_state_dict`` gives a fresh part the saved state (optimizers, schedule, critic,
+    data order, version)."""
+    cfg = config("algorithm.advantage=gae", "rollout.prompts_per_step=2", "rollout.group_size=2")
+    a = Trainer(cfg)
+    a.step()
+    a.sampler.next_problems(3)
+    learner, sampler = a.learner.state_dict(), a.sampler.state_dict()
+    assert sampler == {"cursor": 5, "epoch": 0, "version": 1}
+    assert set(learner) == {"optimizer", "scheduler", "critic", "critic_opt", "reference"} and learner["reference"] is None
+    assert set(a.state_dict()) == {"step", "sft_steps", "rng", "config"} | set(learner) | set(sampler)
+    b = Trainer(cfg)
+    b.sampler.load_state_dict(sampler)
+    b.learner.load_state_dict(learner)
+    assert b.sampler.state_dict() == sampler and b.sampler.rollout.version == 1
+    assert [p.prompt for p in b.sampler.next_problems(4)] == [p.prompt for p in a.sampler.next_problems(4)]
+    assert b.learner.scheduler.state_dict() == a.learner.scheduler.state_dict()
+    for opt in ("optimizer", "critic_opt"):
+        mine, theirs = getattr(b.learner, opt).state_dict()["state"], getattr(a.learner, opt).state_dict()["state"]
+        assert mine.keys() == theirs.keys() and len(mine) > 0
+        assert all(torch.equal(mine[k]["exp_avg"], theirs[k]["exp_avg"]) for k in mine)
+    assert torch.equal(params(b.critic.model), params(a.critic.model))

@@ -105,7 +105,7 @@ def forward_backward_with_router_aux(engine, tree, loss_fn, coef: float, **kwarg
 
     if not isinstance(tree, PrefixTree):
         tree = PrefixTree.from_sequences(tree)
-    engine.max_tokens  # noqa: B018 - the memory model's probe forwards (CUDA) run before any router is recorded
+    engine.memory.max_tokens  # noqa: B018 - the memory model's probe forwards (CUDA) run before any router is recorded
     aux = RouterAux(engine, tree, coef)
     with router_hook(aux.count):
         engine.forward(tree)

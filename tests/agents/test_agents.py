@@ -10,24 +10,18 @@ import textwrap
 import pytest
 import torch
 
+from helpers.configs import AGENT_RUN, make_trainer, run_overrides
 from treerl import PrefixTree
 from treerl.agents import AgentError, EpisodeReward, episode_sequences
 from treerl.agents.record import CallRecord, RecordedChoice
-from treerl.config import Config, ConfigError
-from treerl.trainer import Trainer
+from treerl.config import ConfigError
 
-BASE = ["model.overrides.max_position_embeddings=64", "rollout.prompts_per_step=2", "rollout.group_size=2",
-        "rollout.max_new_tokens=4", "train.progress=false", "train.tensorboard=false"]
 
 
 def agent_module(tmp_path, monkeypatch, name: str, source: str) -> str:
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
     monkeypatch.syspath_prepend(str(tmp_path))
     return f"{name}:agent"
-
-
-def make_trainer(tmp_path, *overrides: str) -> Trainer:
-    return Trainer(Config.from_yaml(None, [*BASE, f"train.out_dir={tmp_path / 'run'}", *overrides]))
 
 
 # --------------------------------------------------------------- episode -> tree
@@ -96,13 +90,13 @@ def test_agent_episodes_train_as_prefix_trees(tmp_path, monkeypatch, backend):
         try:
             logprobs = old.engine.logprobs(PrefixTree.from_sequences(seqs))
         finally:
-            old.agents.close()
+            old.sampler.agents.close()
         for s, lp in zip(samples, logprobs):
             mask = torch.tensor(s.loss_mask)
             assert torch.allclose(lp[mask].double(), torch.tensor(s.behaviour_logprobs).double()[mask], atol=1e-4)
         assert trainer.evaluate(4)["eval/accuracy"] >= 0  # greedy episodes through the same backend
     finally:
-        trainer.agents.close()
+        trainer.sampler.agents.close()
 
 
 FAILING_AGENT = """
@@ -131,7 +125,7 @@ def test_agent_that_raises_or_hangs_is_dropped_and_counted(tmp_path, monkeypatch
         assert "ValueError: boom in episode 1" in err and "TimeoutError" in err and "dropped from this step" in err
         assert trainer.step_count == 1
     finally:
-        trainer.agents.close()
+        trainer.sampler.agents.close()
 
 
 def test_every_episode_failing_fails_the_step_with_the_error(tmp_path, monkeypatch):
@@ -144,7 +138,7 @@ def test_every_episode_failing_fails_the_step_with_the_error(tmp_path, monkeypat
         with pytest.raises(AgentError, match="every agent episode of the step failed.*no tool named calc"):
             trainer.step()
     finally:
-        trainer.agents.close()
+        trainer.sampler.agents.close()
 
 
 def test_remote_backend_pushes_the_weights_before_each_rollout(tmp_path):
@@ -153,15 +147,16 @@ def test_remote_backend_pushes_the_weights_before_each_rollout(tmp_path):
     from treerl.serve.server import load_for_serving
 
     # the "remote" server: the same architecture with other random weights, another model name
-    model, tok, _ = load_for_serving(None, [*BASE, "train.seed=5"], None, "cpu", None)
+    model, tok, _ = load_for_serving(None, run_overrides(None, *AGENT_RUN, "train.seed=5", task=None, layers=None), None,
+                                     "cpu", None)
     engine = RolloutEngine(model)
     server = ServerThread(make_state(engine, tok, ServeOptions(model_name="policy", weights_root=str(tmp_path)))).start()
     trainer = make_trainer(tmp_path, "rollout.backend=remote", f"rollout.server_url={server.url}",
                            "rollout.server_model=policy")
     try:
         trainer.step()  # pushes version 0 (the trainer's initial weights), rolls out, updates
-        assert engine.version == 0 and trainer.rollout.version == 1
-        samples = trainer.generate_samples(trainer.next_problems(2), 2)  # pushes version 1 first
+        assert engine.version == 0 and trainer.sampler.rollout.version == 1
+        samples = trainer.sampler.generate(trainer.sampler.next_problems(2), 2)  # pushes version 1 first
         assert engine.version == 1
         for (k, a), b in zip(engine.model.state_dict().items(), trainer.model.state_dict().values()):
             assert torch.equal(a, b), k
@@ -172,7 +167,7 @@ def test_remote_backend_pushes_the_weights_before_each_rollout(tmp_path):
             assert torch.allclose(lp[mask].double(), torch.tensor(s.behaviour_logprobs).double()[mask], atol=1e-4)
         assert len(list((tmp_path / "run" / "weights_for_server").glob("v*"))) == 2  # the newest kept
     finally:
-        trainer.agents.close()
+        trainer.sampler.agents.close()
         server.stop()
 
 
@@ -266,7 +261,7 @@ def test_calculator_agent_trains_through_the_served_tool_parser(tmp_path):
         metrics = trainer.step()
         assert metrics["agent/failed_episodes"] == 0 and metrics["agent/calls"] >= 4
         assert 0 <= metrics["agent/exact_turn_share"] <= 1
-        stats = trainer.agents.state.chat.stats()
+        stats = trainer.sampler.agents.state.chat.stats()
         assert stats["tool_calls"]["replies"] == metrics["agent/calls"]
     finally:
-        trainer.agents.close()
+        trainer.sampler.agents.close()

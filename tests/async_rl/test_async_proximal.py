@@ -8,22 +8,18 @@ import copy
 import pytest
 import torch
 
+from helpers.configs import run_config
 from treerl import PrefixTree
 from treerl.rl import LogLinearPolicyLoss, loglinear_alpha, loglinear_proximal_logprobs
-from treerl.config import Config
 from treerl.models import rmsnorm_in_input_precision
 from treerl.rl import PolicyLossConfig, TokenBatch
 from treerl.tasks import get_task
 from treerl.trainer import Trainer
 
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}")
-
 
 def trainer(*extra) -> Trainer:
-    cfg = Config.from_yaml(None, ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}",
-                                 "model.dtype=float64", "rollout.prompts_per_step=3", "rollout.group_size=4",
-                                 "optim.lr=1e-2", "algorithm.behaviour_weight_cap=5.0", *extra])
+    cfg = run_config(None, "model.dtype=float64", "rollout.prompts_per_step=3", "rollout.group_size=4", "optim.lr=1e-2",
+                     "algorithm.behaviour_weight_cap=5.0", *extra, layers=2)
     task = get_task("addition", digits=2)
     task.reward = lambda prompt, completion, **f: sum(ch in "13579" for ch in completion) / max(1, len(completion))
     t = Trainer(cfg, task=task)
@@ -45,8 +41,8 @@ def test_exact_for_fresh_tokens_against_recompute():
     """Versions equal to the trainer's: the approximation is the behaviour logprob, which
     is what a tree forward of the current weights recomputes (float64, 1e-9)."""
     t = trainer()
-    samples = t.generate_samples(t.next_problems(3), 4)
-    V = t.rollout.version
+    samples = t.sampler.generate(t.sampler.next_problems(3), 4)
+    V = t.sampler.rollout.version
     recomputed = t.engine.logprobs(PrefixTree.from_sequences([torch.tensor(s.token_ids) for s in samples]))
     for s, rec in zip(samples, recomputed):
         mask = torch.tensor(s.loss_mask)
@@ -59,7 +55,7 @@ def test_exact_for_fresh_tokens_against_recompute():
 def test_fresh_training_step_equals_the_recompute_step():
     a, b = trainer(), trainer()
     b.model.load_state_dict(a.model.state_dict())
-    samples = a.generate_samples(a.next_problems(3), 4)
+    samples = a.sampler.generate(a.sampler.next_problems(3), 4)
     before = torch.cat([p.detach().flatten() for p in a.model.parameters()]).clone()
     m_rec = a.train_on(copy.deepcopy(samples))
     m_log = b.train_on(copy.deepcopy(samples), proximal="loglinear")
@@ -99,7 +95,7 @@ def test_train_on_refuses_unknown_or_unusable_proximal_methods():
     from treerl.config import ConfigError
 
     t = trainer()
-    samples = t.generate_samples(t.next_problems(2), 2)
+    samples = t.sampler.generate(t.sampler.next_problems(2), 2)
     with pytest.raises(ConfigError, match="unknown 'forward'"):
         t.train_on(samples, proximal="forward")
     t.cfg.algorithm.advantage = "reinforce_pp"

@@ -17,12 +17,13 @@ from treerl.async_rl import StalenessController, WorkLedger
 from treerl.async_rl.ledger import WorkUnit
 from treerl.async_rl.runner import AsyncRunner, WorkerInfo
 from treerl.async_rl.weights import SharedMemoryPublisher
-from treerl.async_rl.worker import Ready, Result, RolloutWorker, WorkerSpec, _Session, rollout_only_config
-from treerl.config import Config
-from conftest import after_each_forward
+from treerl.async_rl.worker import Ready, Result, RolloutWorker, WorkerSpec, _Session, build_worker_sampler
+from helpers.configs import run_config
+from helpers.models import after_each_forward
 
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 128}")
+
+RUN = ("rollout.max_new_tokens=24", "rollout.temperature=1.0", "rollout.group_size=3", "rollout.prompts_per_step=2",
+       "async.max_staleness=2")  # run_config(None, *RUN, ..., layers=2, context=128)
 
 
 class _Sink:
@@ -31,12 +32,6 @@ class _Sink:
 
     def put(self, item):
         self.items.put(item)
-
-
-def make_config(*extra):
-    return Config.from_yaml(None, ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}",
-                                   "rollout.max_new_tokens=24", "rollout.temperature=1.0", "rollout.group_size=3",
-                                   "rollout.prompts_per_step=2", "async.max_staleness=2", *extra])
 
 
 def rng_state(seed):
@@ -56,12 +51,9 @@ def results_until(sink, n, timeout=120):
 
 
 def test_streaming_worker_admits_units_while_generating_and_returns_each_once(monkeypatch):
-    cfg = make_config()
-    trainer_cfg = rollout_only_config(cfg.to_dict(), "cpu")
-    from treerl.trainer import Trainer
-
-    trainer = Trainer(trainer_cfg)
-    pub = SharedMemoryPublisher(trainer.model, 0, mp.get_context("spawn"))
+    cfg = run_config(None, *RUN, layers=2, context=128)
+    sampler = build_worker_sampler(cfg, "cpu")
+    pub = SharedMemoryPublisher(sampler.model, 0, mp.get_context("spawn"))
     sink, tasks = _Sink(), queue.Queue()
     worker = RolloutWorker(WorkerSpec(0, 0, cfg.to_dict(), "cpu", pub.source(0), heartbeat_s=0.05), sink)
     assert worker.streaming
@@ -88,7 +80,7 @@ def test_streaming_worker_admits_units_while_generating_and_returns_each_once(mo
         return added
 
     monkeypatch.setattr(_Session, "add", tracked_add)
-    problems = trainer.task.train_problems(7, seed=2)
+    problems = sampler.task.train_problems(7, seed=2)
 
     def hook(query_length):  # at the end of every forward
         if query_length == 1:
@@ -99,7 +91,7 @@ def test_streaming_worker_admits_units_while_generating_and_returns_each_once(mo
                 # hold this decode step until the feeder has queued them into the running stream
                 assert joined.wait(60), "units 1 and 2 did not reach the running stream"
 
-    handle = after_each_forward(worker.trainer.model, hook)
+    handle = after_each_forward(worker.sampler.model, hook)
     thread = threading.Thread(target=worker.serve, args=(tasks,), daemon=True)
     try:
         thread.start()
@@ -128,7 +120,7 @@ def test_streaming_worker_admits_units_while_generating_and_returns_each_once(mo
         assert [s.group for s in samples] == [g for g in range(len(unit_problems)) for _ in range(3)]
         assert [s.episode for s in samples] == list(range(len(samples)))
         for s in samples:
-            prompt = trainer.format.prompt_ids(trainer.tokenizer, unit_problems[s.group].prompt)
+            prompt = sampler.format.prompt_ids(sampler.tokenizer, unit_problems[s.group].prompt)
             assert s.token_ids[: len(prompt)] == prompt
             assert len(s.loss_mask) == len(s.token_ids) - 1 == len(s.versions) == len(s.behaviour_logprobs)
             assert sum(s.loss_mask) == len(s.token_ids) - len(prompt)
@@ -138,17 +130,15 @@ def test_streaming_worker_admits_units_while_generating_and_returns_each_once(mo
 
 def test_streaming_session_reproduces_a_synchronous_generate():
     """One session over the prompts of one unit, seeded from the unit's RNG state, gives
-    exactly the samples that ``Trainer.generate_samples`` gives from the same RNG state
+    exactly the samples that a synchronous ``Sampler.generate`` gives from the same RNG state
     (what eta = 0 relies on)."""
-    cfg = make_config("rollout.prompts_per_step=3", "async.max_staleness=0")
-    from treerl.trainer import Trainer
-
-    trainer = Trainer(rollout_only_config(cfg.to_dict(), "cpu"))
-    problems = trainer.task.train_problems(3, seed=5)
+    cfg = run_config(None, *RUN, "rollout.prompts_per_step=3", "async.max_staleness=0", layers=2, context=128)
+    sampler = build_worker_sampler(cfg, "cpu")
+    problems = sampler.task.train_problems(3, seed=5)
     state = rng_state(11)
     torch.set_rng_state(torch.from_numpy(np.frombuffer(state, dtype=np.uint8).copy()))
-    expected = trainer.generate_samples(problems, 3)
-    pub = SharedMemoryPublisher(trainer.model, 0, mp.get_context("spawn"))
+    expected = sampler.generate(problems, 3)
+    pub = SharedMemoryPublisher(sampler.model, 0, mp.get_context("spawn"))
     sink, tasks = _Sink(), queue.Queue()
     worker = RolloutWorker(WorkerSpec(0, 0, cfg.to_dict(), "cpu", pub.source(0)), sink)
     thread = threading.Thread(target=worker.serve, args=(tasks,), daemon=True)

@@ -12,18 +12,13 @@ import torch.multiprocessing as mp
 from treerl.async_rl.ledger import WorkUnit
 from treerl.async_rl.weights import (FilePublisher, SharedMemoryPublisher, choose_transfer, list_weight_files,
                                      model_state)
-from treerl.async_rl.worker import RolloutWorker, WorkerSpec, rollout_only_config
-from treerl.config import Config
-from treerl.models import build_model
+from treerl.async_rl.worker import RolloutWorker, WorkerSpec, build_worker_sampler
 from treerl.rollout import RolloutEngine
-from conftest import after_each_forward
-
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}")
+from helpers.configs import run_config
+from helpers.models import after_each_forward, tiny_model
 
 
-def tiny(seed: int, tied: bool = True):
-    return build_model("qwen3", "tiny", vocab_size=40, seed=seed, tie_word_embeddings=tied)
+SMALL = dict(dtype=torch.float32, vocab_size=40, tie_word_embeddings=True)  # tiny_model(seed=..., **SMALL)
 
 
 def same(state: dict, model: torch.nn.Module) -> bool:
@@ -37,7 +32,7 @@ def publishers(tmp_path, model):
 
 @pytest.mark.parametrize("kind", ["shared", "files"])
 def test_publish_receive_versions(tmp_path, kind):
-    a, b = tiny(0), tiny(1)
+    a, b = tiny_model(seed=0, **SMALL), tiny_model(seed=1, **SMALL)
     pub = {p.kind: p for p in publishers(tmp_path, a)}[kind]
     pub.publish(a, 0)
     rx = pub.source(0).open(torch.device("cpu"), a)
@@ -48,13 +43,13 @@ def test_publish_receive_versions(tmp_path, kind):
     pub.publish(b, 7)
     version, state = rx.receive(timeout=5)
     assert version == 7 and same(state, b) and not same(state, a)
-    engine = RolloutEngine(tiny(2), version=-1)
+    engine = RolloutEngine(tiny_model(seed=2, **SMALL), version=-1)
     assert engine.update_weights(state, version=version) == 7
     assert same(model_state(b), engine.model) and torch.equal(engine.model.lm_head.weight, b.lm_head.weight)
 
 
 def test_files_are_atomic_and_pruned(tmp_path):
-    a = tiny(0, tied=False)
+    a = tiny_model(seed=0, **{**SMALL, "tie_word_embeddings": False})
     pub = FilePublisher(tmp_path / "w", keep=2)
     for v in range(5):
         pub.publish(a, v)
@@ -86,16 +81,12 @@ def test_weight_update_interrupts_generation_and_tokens_keep_both_versions():
     trainer publishes new weights. The listener applies them mid-generation: every
     completion that outlived the update has tokens of version 0 then version 1, and each
     part is exactly what that version's greedy decoding gives."""
-    cfg = Config.from_yaml(None, ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}",
-                                 "rollout.max_new_tokens=12", "rollout.temperature=0"])
-    old = rollout_only_config(cfg.to_dict(), "cpu")
-    from treerl.trainer import Trainer
-
-    trainer_a, trainer_b = Trainer(old), Trainer(old)
+    cfg = run_config(None, "rollout.max_new_tokens=12", "rollout.temperature=0", layers=2)
+    sampler_a, sampler_b = build_worker_sampler(cfg, "cpu"), build_worker_sampler(cfg, "cpu")
     with torch.no_grad():  # version 1: different weights
-        for p in trainer_b.model.parameters():
+        for p in sampler_b.model.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    pub = SharedMemoryPublisher(trainer_a.model, 0, mp.get_context("spawn"))
+    pub = SharedMemoryPublisher(sampler_a.model, 0, mp.get_context("spawn"))
     worker = RolloutWorker(WorkerSpec(0, 0, cfg.to_dict(), "cpu", pub.source(0)), _Sink())
     worker._threads[0].start()  # the weight listener only
     try:
@@ -106,14 +97,14 @@ def test_weight_update_interrupts_generation_and_tokens_keep_both_versions():
             if query_length == 1:
                 decode_calls.append(1)
                 if len(decode_calls) == 4:
-                    pub.publish(trainer_b.model, 1)
+                    pub.publish(sampler_b.model, 1)
                     deadline = time.monotonic() + 60  # a condition wait; generous under CPU load
                     while not engine._pending_updates and time.monotonic() < deadline:
                         time.sleep(1e-3)
                     assert engine._pending_updates, "the listener did not pick the new weights up"
 
-        problems = trainer_a.task.train_problems(4, seed=1)
-        handle = after_each_forward(worker.trainer.model, hook)
+        problems = sampler_a.task.train_problems(4, seed=1)
+        handle = after_each_forward(worker.sampler.model, hook)
         try:
             result = worker.generate([WorkUnit(0, problems, 2, min_version=0)])
         finally:
@@ -131,7 +122,7 @@ def test_weight_update_interrupts_generation_and_tokens_keep_both_versions():
             P = len(s.loss_mask) - len(gen) + 1
             ids = s.token_ids
             for t in range(len(gen)):
-                model = trainer_a.model if gen[t] == 0 else trainer_b.model
+                model = sampler_a.model if gen[t] == 0 else sampler_b.model
                 with torch.no_grad():
                     logits = model(input_ids=torch.tensor([ids[: P + t]])).logits[0, -1]
                 assert int(logits.argmax()) == ids[P + t]
@@ -147,7 +138,7 @@ def test_broadcast_transport_over_gloo(tmp_path):
 
     from treerl.async_rl.nccl import CollectivePublisher
 
-    a, b, c = tiny(0), tiny(1), tiny(2)
+    a, b, c = tiny_model(seed=0, **SMALL), tiny_model(seed=1, **SMALL), tiny_model(seed=2, **SMALL)
     pub = CollectivePublisher(a, 0, backend="gloo", timeout_s=30)
     got = []
 

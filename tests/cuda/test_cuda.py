@@ -7,7 +7,7 @@ import torch
 
 import treerl
 from treerl.models import build_model
-from conftest import tree_sizes
+from helpers.forests import tree_sizes
 from treerl.devtools.workloads import SCALES, make_workload
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -103,16 +103,16 @@ def test_compiled_and_recomputed_blocks_float32(mode, compile, keep):
     loss_fn(reference_logprobs(model, seqs)).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     engine = treerl.TreeEngine(model, mode, attention="flex", compile=compile)
-    m = engine.memory_model
+    m = engine.memory.model
     assert m.measured and m.recompute_per_token < m.per_token
     # the largest tree fits one call only with its blocks recomputed (packed runs trees whole)
     largest = max(tree_sizes(treerl.PrefixTree.from_sequences([s.tolist() for s in seqs])))
     per_layer = largest * m.attention_per_query  # flex reads q/k/v as they are: only its output is held
     # half a layer: rounding (the budget still fits the largest tree with recompute)
-    engine.memory_budget = int(m.fixed + largest * m.recompute_per_token + (keep + 0.5) * per_layer)
-    assert engine.recomputes(64)
-    spare = engine.memory_budget - m.call_bytes(largest, recompute=True)
-    assert len(engine.kept_attention_layers(largest, largest, copies=False, spare=spare)) == keep  # flex, no prefix
+    engine.memory.budget = int(m.fixed + largest * m.recompute_per_token + (keep + 0.5) * per_layer)
+    assert engine.memory.recomputes(64)
+    spare = engine.memory.budget - m.call_bytes(largest, recompute=True)
+    assert len(engine.memory.kept_attention_layers(largest, largest, copies=False, spare=spare)) == keep  # flex, no prefix
     model.zero_grad()
     engine.forward_backward(seqs, loss_fn)
     assert engine.stats.recomputed_calls >= 1
@@ -146,15 +146,15 @@ def test_long_trees_stay_within_the_default_budget(fraction):
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         engine = treerl.TreeEngine(model)
-        engine.memory_model  # the probe's own allocations are not the step's
-        budget = engine.memory_budget
+        engine.memory.model  # the probe's own allocations are not the step's
+        budget = engine.memory.budget
         scale = torch.cuda.get_device_properties(0).total_memory * (fraction or 1.0) / 80e9
         rows, refused = [], []
         for tokens in (4096, 16384, 32768, 49152, 65536):
             tokens = max(1024, int(tokens * min(1.0, scale)) // 128 * 128)
             seqs = memory_sweep_tree(tokens, model.config.vocab_size)
             tree = treerl.PrefixTree.from_sequences(seqs)
-            if engine.call_budget.path_needs(max(map(len, seqs)))[0] > budget:
+            if engine.memory.call_budget.path_needs(max(map(len, seqs)))[0] > budget:
                 with pytest.raises(TreeTooLargeError, match="root-to-leaf path"):
                     engine.plan(tree)
                 refused.append(tokens)

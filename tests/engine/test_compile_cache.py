@@ -88,5 +88,6 @@ def test_the_config_key_reaches_the_engine(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(tree_engine, "enable_compile_cache", lambda directory, device=None: seen.append(directory))
     cfg = Config.from_yaml(None, ["engine.compile=true", f"engine.compile_cache_dir={tmp_path}"])
-    build_engines(cfg, build_model("qwen3", "tiny", dtype=torch.float32, seed=0), torch.device("cpu"))
+    build_engines(cfg.engine, build_model("qwen3", "tiny", dtype=torch.float32, seed=0), torch.device("cpu"),
+                  temperature=1.0)
     assert seen == [str(tmp_path)]

@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import VARIANTS, RandomLoss, get_model, shaped_forest
-from test_engine_exact import MODES, SPEC, check_engine
+from helpers.engine import MODES, SPEC, check_engine, general_peak
+from helpers.forests import RandomLoss, shaped_forest
+from helpers.models import VARIANTS, get_model
 from treerl import PrefixTree, TreeEngine
-from treerl.engine.memory import CallBudget, MemoryModel, resolve_budget
+from treerl.engine.memory import CallBudget, MemoryModel, MemoryPolicy, resolve_budget
 from treerl.engine.two_phase import keep_graphs
 
 
@@ -33,8 +34,8 @@ def test_recomputed_blocks_are_exact(mode, variant, dtype, gen):
     budget = budget_for(model, 6)  # calls over 6 tokens recompute their blocks
     chunk = 12 if mode == "dfs" else 4  # dfs batches up to chunk_tokens: calls over 6 tokens
     engine = TreeEngine(model, mode, memory_budget=budget, chunk_tokens=chunk)
-    assert engine.recomputes(7) and not engine.recomputes(6)
-    assert engine.max_tokens >= 39  # every tree (and sequence) fits one call with recompute
+    assert engine.memory.recomputes(7) and not engine.memory.recomputes(6)
+    assert engine.memory.max_tokens >= 39  # every tree (and sequence) fits one call with recompute
     loss = RandomLoss.make(seqs, gen, coupled=True, one_sign=dtype == torch.float32)
     engine = check_engine(model, seqs, mode, loss, entropy=True, chunk_tokens=chunk, memory_budget=budget)
     assert engine.stats.recomputed_calls >= 1, engine.stats
@@ -46,8 +47,8 @@ def test_budget_splits_trees_with_recomputed_chains(separable, keep_all, gen, mo
     """With ``keep_all`` every recomputed call keeps every layer's attention, whatever the
     budget: chained calls attend over their prefix (concatenated K/V) exactly too."""
     if keep_all:
-        monkeypatch.setattr(TreeEngine, "kept_attention_layers",
-                            lambda self, queries, keys, copies, spare: frozenset(range(self.num_layers)))
+        monkeypatch.setattr(MemoryPolicy, "kept_attention_layers",
+                            lambda self, queries, keys, copies, spare: frozenset(range(self.layers)))
     seqs = shaped_forest(gen, SPEC)
     tree = PrefixTree.from_sequences(seqs)
     model = get_model("qwen3", num_hidden_layers=16)
@@ -56,7 +57,7 @@ def test_budget_splits_trees_with_recomputed_chains(separable, keep_all, gen, mo
     # without, only ~2 (so every call over that recomputes)
     budget = int(m.fixed + 13 * m.recompute_per_token + 13**2 * m.per_pair) + 1
     engine = TreeEngine(model, "auto", memory_budget=budget, chunk_tokens=4)
-    assert engine.max_tokens == 13 and engine.recomputes(4)
+    assert engine.memory.max_tokens == 13 and engine.memory.recomputes(4)
     plan = engine.plan(tree)
     assert any(plan.children) and max(s.size for s in plan.segments) <= 13
     loss = RandomLoss.make(seqs, gen)
@@ -84,8 +85,8 @@ def test_recomputed_blocks_keep_attention_within_the_budget(mode, gen, monkeypat
     spare = budget - m.call_bytes(largest, recompute=True)
     assert m.kept_attention_layers(spare, largest, largest, 16, copies=True) == 5
     engine = TreeEngine(model, mode, memory_budget=budget, chunk_tokens=4)
-    assert engine.kept_attention_layers(largest, largest, copies=True, spare=spare) == frozenset(range(11, 16))
-    assert engine.recomputes(largest) and engine.max_tokens >= largest
+    assert engine.memory.kept_attention_layers(largest, largest, copies=True, spare=spare) == frozenset(range(11, 16))
+    assert engine.memory.recomputes(largest) and engine.memory.max_tokens >= largest
     attends = {}  # per call (its TreeAttention, held): layers kept, attention runs
     attend = attention._attend
 
@@ -138,8 +139,8 @@ def test_budget_forms():
     assert resolve_budget(0.5, cpu) > resolve_budget(0.1, cpu) > 0
     assert resolve_budget(None, cpu) == resolve_budget(0.2, cpu)
     model = get_model("qwen3")
-    assert TreeEngine(model, max_tokens=77).max_tokens == 77  # the override: no budget
-    assert not TreeEngine(model, max_tokens=77).recomputes(10**6)
+    assert TreeEngine(model, max_tokens=77).memory.max_tokens == 77  # the override: no budget
+    assert not TreeEngine(model, max_tokens=77).memory.recomputes(10**6)
 
 
 def test_single_chain_segments_run_plain_causal_attention(gen, monkeypatch):
@@ -274,13 +275,13 @@ def test_a_path_too_long_for_the_budget_is_refused_with_what_it_needs(gen):
     prompt = torch.randint(1, 60, (40,), generator=gen).tolist()
     seqs = [prompt + torch.randint(1, 60, (n,), generator=gen).tolist() for n in (3, 9)] + [[5, 6, 7]]
     engine = TreeEngine(model, "auto", memory_budget=1 << 20, chunk_tokens=8)
-    need, _ = engine.call_budget.path_needs(49)
-    engine.memory_budget = int(need) - 1
+    need, _ = engine.memory.call_budget.path_needs(49)
+    engine.memory.budget = int(need) - 1
     with pytest.raises(TreeTooLargeError, match=r"sequence 1 has a root-to-leaf path of 49 tokens .* GiB"):
         engine.plan(seqs)
-    engine.memory_budget = int(need) + 1
+    engine.memory.budget = int(need) + 1
     plan = engine.plan(seqs)
-    assert any(plan.children) and plan.peak_bytes <= engine.memory_budget
+    assert any(plan.children) and plan.peak_bytes <= engine.memory.budget
     loss = RandomLoss.make(seqs, gen, coupled=True)
     check_engine(model, seqs, "auto", loss, entropy=True, chunk_tokens=8, memory_budget=int(need) + 1)
 
@@ -296,9 +297,9 @@ def test_tight_budgets_on_a_long_prefix_are_exact(mode, slack, gen):
     seqs = [prompt + torch.randint(1, 60, (n,), generator=gen).tolist() for n in (4, 7, 2)]
     seqs += [seqs[1] + torch.randint(1, 60, (5,), generator=gen).tolist(), [9, 8, 7, 6]]
     probe = TreeEngine(model, mode, memory_budget=1 << 20, chunk_tokens=6)
-    m = probe.memory_model
-    budget = int(m.fixed + (probe.call_budget.path_needs(max(map(len, seqs)))[0] - m.fixed) * slack) + 1
-    probe.memory_budget = budget
+    m = probe.memory.model
+    budget = int(m.fixed + (probe.memory.call_budget.path_needs(max(map(len, seqs)))[0] - m.fixed) * slack) + 1
+    probe.memory.budget = budget
     plan = probe.plan(seqs)
     assert simulated_peak(plan, m, 4, copies=True) <= budget
     assert any(plan.children)
@@ -316,7 +317,6 @@ def test_general_path_holds_every_medium_call_at_the_default_budget(workload):
     and the held graphs stay within the budget (walked independently)."""
     import dataclasses
 
-    from test_engine_exact import general_peak
     from treerl.engine import two_phase
     from treerl.engine.plan import make_plan
     from treerl.devtools.workloads import SCALES, make_workload

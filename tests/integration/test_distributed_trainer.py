@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers.configs import run_config
+from helpers.models import tiny_model
 from treerl.config import Config
-from treerl.models import build_model, rmsnorm_in_input_precision
+from treerl.distributed import ranks
 from treerl.tasks import get_task
 from treerl.trainer import Sample, Trainer
 
@@ -42,16 +44,13 @@ CHAIN = "grpo-kl-2mb"  # config of the one-chain batch (c)
 
 
 def config(name: str) -> Config:
-    return Config.from_yaml(None, [
-        "task.name=sorting", "model.dtype=float64", "engine.mode=auto", "engine.max_tokens=24",
-        "engine.chunk_tokens=6", "optim.lr=0.01", "optim.schedule=constant", "train.progress=false",
-        "train.tensorboard=false", *CONFIGS[name]])
+    return run_config(None, "model.dtype=float64", "engine.mode=auto", "engine.max_tokens=24", "engine.chunk_tokens=6",
+                      "optim.lr=0.01", "optim.schedule=constant", *CONFIGS[name], task="sorting", layers=None)
 
 
 def model(cfg: Config):
     tok = get_task(cfg.task.name).tokenizer()
-    return rmsnorm_in_input_precision(build_model("qwen3", "tiny", dtype=torch.float64,
-                                                  seed=1, **tok.hf_config_kwargs()))
+    return tiny_model(seed=1, **tok.hf_config_kwargs())
 
 
 def samples(vocab: int, chain: bool = False) -> list[Sample]:
@@ -94,11 +93,11 @@ def worker(rank, world, init_file, out_dir):
     for name, chain in runs:
         trainer, metrics = train_once(name, chain)
         assert trainer.dist is not None and trainer.dist.world_size == world
-        share = len(trainer._share([torch.tensor(s.token_ids) for s in samples(trainer.tokenizer.vocab_size, chain)]))
+        share = len(ranks.share(trainer.dist, [torch.tensor(s.token_ids) for s in samples(trainer.tokenizer.vocab_size, chain)]))
         params = full_state_dict(trainer.model)
         if trainer.critic is not None:
             params.update({"critic." + k: v for k, v in full_state_dict(trainer.critic.model).items()})
-        rollout = trainer.rollout.model.state_dict()
+        rollout = trainer.sampler.rollout.model.state_dict()
         assert all(torch.equal(params[k], rollout[k]) for k in rollout), "rollout copy is not the new policy"
         if rank == 0:
             torch.save({"params": params, "metrics": metrics}, os.path.join(out_dir, f"{name}-{chain}.pt"))

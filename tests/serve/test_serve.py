@@ -22,26 +22,21 @@ import openai
 import pytest
 import torch
 
+from helpers.models import tiny_model
+from helpers.serve import CONTEXT, served_config
 from treerl.serve.client import http_module
 from treerl.checkpoint import save_checkpoint
-from treerl.models import build_model
 from treerl.rollout import RolloutEngine
 from treerl.serve import ServeOptions, ServerThread, make_state
 from treerl.tasks.tokenizer import CharTokenizer
 
-CONTEXT = 64
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def tiny_model(seed: int = 0, tok: CharTokenizer | None = None):
-    tok = tok or CharTokenizer()
-    return build_model("qwen3", "tiny", seed=seed, max_position_embeddings=CONTEXT, **tok.hf_config_kwargs())
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tok = CharTokenizer()
-    engine = RolloutEngine(tiny_model(tok=tok), prefix_cache_tokens=4096)
+    engine = RolloutEngine(tiny_model(**served_config(tok)), prefix_cache_tokens=4096)
     root = str(tmp_path_factory.getbasetemp())  # reloads from the tests' tmp_path
     server = ServerThread(make_state(engine, tok, ServeOptions(default_max_tokens=8, weights_root=root))).start()
     engine._test_loop = server.state.loop
@@ -111,7 +106,7 @@ def test_in_process_client_has_the_same_api():
     from treerl.serve import in_process_client
 
     tok = CharTokenizer()
-    state = make_state(RolloutEngine(tiny_model(tok=tok)), tok)
+    state = make_state(RolloutEngine(tiny_model(**served_config(tok))), tok)
 
     async def main():
         c = in_process_client(state)
@@ -228,7 +223,7 @@ class BlockAfter:
 def test_weight_update_endpoint_interrupts_generation(served, tmp_path):
     server, engine, tok = served
     prompt = greedy_text_without_eos(engine, tok, 24)
-    new = tiny_model(seed=1, tok=tok)
+    new = tiny_model(seed=1, **served_config(tok))
     ckpt = save_checkpoint(tmp_path / "checkpoints", 3, new, tok, {"step": 3})
     v0 = engine.version
     # block the engine after a few decode steps until the update is waiting for it
@@ -263,7 +258,7 @@ def test_weight_update_endpoint_interrupts_generation(served, tmp_path):
 
 def test_server_stopped_mid_request_client_errors_and_retries():
     tok = CharTokenizer()
-    engine = RolloutEngine(tiny_model(tok=tok))
+    engine = RolloutEngine(tiny_model(**served_config(tok)))
     server = ServerThread(make_state(engine, tok)).start()
     stopped = threading.Event()
     hook = BlockAfter(engine.model, 2, until=stopped.is_set)
@@ -348,7 +343,7 @@ def test_engine_loop_sums_the_engine_counters_over_streams():
     from treerl.rollout import SamplingParams
     from treerl.serve import EngineLoop
 
-    engine = RolloutEngine(tiny_model())
+    engine = RolloutEngine(tiny_model(**served_config()))
     loop = EngineLoop(engine)
     key = SamplingParams(temperature=0.0, max_new_tokens=3)
     try:
@@ -370,7 +365,7 @@ def _render(tok, role, text):
 
 def test_treerl_serve_command_serves_a_checkpoint_until_sigterm(tmp_path):
     tok = CharTokenizer()
-    model = tiny_model(tok=tok)
+    model = tiny_model(**served_config(tok))
     from treerl.config import Config
 
     cfg = Config.from_dict({"task": {"name": "math_jsonl", "kwargs": {"path": "x.jsonl"}}})
@@ -421,3 +416,34 @@ def test_serve_on_a_busy_or_invalid_port_is_one_line(capsys):
     assert "cannot listen on 127.0.0.1:70000 (a port is 0-65535)" in capsys.readouterr().err
     assert main(["serve", "--host", "256.1.1.1", "--port", "0"]) == 2
     assert "cannot listen on 256.1.1.1:0" in capsys.readouterr().err
+
+
+def test_serve_options_are_the_rollout_keys_and_the_engine_comes_from_the_one_builder():
+    """``treerl serve``'s --prefix-cache-tokens / --prefill-chunk-tokens set the ``rollout``
+    keys of the same names (checked as the keys are: one line naming the option and the key;
+    without them, the config's keys; a server's default prefix cache when neither is set);
+    the rest of the section comes from the config; the engine is ``build_rollout_engine``'s,
+    with its arena not kept between streams."""
+    from argparse import Namespace
+
+    from treerl.config import ConfigError
+    from treerl.rollout import build_rollout_engine
+    from treerl.serve.server import serving_rollout_config
+
+    overrides = ["rollout.max_batch_tokens=4096", "rollout.kv_block_size=32", "rollout.prefill_chunk_tokens=512"]
+    r = serving_rollout_config(None, overrides, Namespace(prefix_cache_tokens=128, prefill_chunk_tokens=None))
+    assert (r.max_batch_tokens, r.kv_block_size, r.prefill_chunk_tokens, r.prefix_cache_tokens) == (4096, 32, 512, 128)
+    assert r.keep_stream_buffers is False
+    r = serving_rollout_config(None, overrides, Namespace(prefix_cache_tokens=0, prefill_chunk_tokens=256))
+    assert r.prefill_chunk_tokens == 256 and r.prefix_cache_tokens == 0
+    none = Namespace(prefix_cache_tokens=None, prefill_chunk_tokens=None)
+    assert serving_rollout_config(None, ["rollout.prefix_cache_tokens=96"], none).prefix_cache_tokens == 96
+    assert serving_rollout_config(None, [], none).prefix_cache_tokens == 1 << 16
+    engine = build_rollout_engine(r, tiny_model(), version=3)
+    assert (engine.version, engine.max_batch_tokens, engine.kv_block_size, engine.prefill_chunk_tokens) == (3, 4096, 32, 256)
+    assert engine.keep_stream_buffers is False and engine.prefix_cache is None
+    engine = build_rollout_engine(r, tiny_model(), prefix_cache_tokens=64)
+    assert engine.prefix_cache.max_tokens == 64 and engine.version == 0
+    with pytest.raises(ConfigError) as err:
+        serving_rollout_config(None, [], Namespace(prefix_cache_tokens=16, prefill_chunk_tokens=0))
+    assert str(err.value) == "--prefill-chunk-tokens: rollout.prefill_chunk_tokens: 0 is not allowed; allowed: >= 1"

@@ -27,7 +27,7 @@ import torch
 
 from ..engine.tree_engine import StepStats, TreeEngine
 from ..engine.loss_head import token_logprobs
-from ..models import SHAPES, build_model, decoder_of
+from ..models import FAMILIES, SHAPES, build_model, decoder_of
 from ..engine.plan import MODES as ENGINE_MODES, TreeTooLargeError
 from ..engine.tree import PrefixTree
 from .workloads import SCALES, WORKLOADS, make_workload
@@ -241,7 +241,7 @@ def run(cfg: BenchConfig, model: torch.nn.Module | None = None, progress: bool =
             seconds, times, peak = time_forward_backward(engine, tree, loss_fn, cfg.repeats, cfg.warmup)
             row.seconds, row.times, row.calls = seconds, times, engine.stats.model_calls
             row.tokens_run, row.plan = engine.stats.tokens_run, engine.stats.plan
-            row.max_tokens = getattr(engine, "max_tokens", None)
+            row.max_tokens = engine.memory.max_tokens if isinstance(engine, TreeEngine) else None
             row.peak_gib = None if peak is None else peak / 2**30
             row.tflops = useful_flops(model, tree) / seconds / 1e12
             row.pct_of_peak = 100 * row.tflops / cfg.peak_tflops if cfg.peak_tflops else None
@@ -298,7 +298,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="treerl bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = BenchConfig()
-    p.add_argument("--family", default=d.family, choices=["qwen3", "qwen2", "llama"])
+    p.add_argument("--family", default=d.family, choices=list(FAMILIES))
     p.add_argument("--shape", default=d.shape, choices=list(SHAPES))
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float64"])
     p.add_argument("--device", default=d.device)

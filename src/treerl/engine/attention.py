@@ -29,8 +29,10 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
+from ..compiled import FLEX_OFF, LazyCompiled
+from ..hf_attention import attention_routed, register
+from .chain_attention import chain_attention
 from .kept_attention import KeptAttention
 
 ATTN_NAME = "treerl"
@@ -45,8 +47,10 @@ class TreeAttention:
 
     ``q_index`` [Nq] and ``k_index`` [Nk] are global tree indices (keys = prefix tokens
     then the queries themselves), ``k_end`` [Nk] the keys' subtree ends. ``causal``: the
-    caller knows the segment is one chain without prefix (every key visible to every later
-    query), so plain causal attention is exact. ``prefix[l]`` is
+    caller knows the segment is one chain (every key visible to every later query, the
+    prefix's to all queries): without prefix plain causal attention is exact, after one the
+    chain attention of :mod:`treerl.engine.chain_attention` (with :data:`CHAIN_AFTER_PREFIX`);
+    either needs no mask. ``prefix[l]`` is
     the list of (K, V) pieces of layer ``l`` that precede this call's own keys. With
     ``capture``, each layer's own (K, V) lands in ``captured[layer]``.
 
@@ -65,8 +69,9 @@ class TreeAttention:
         self.backend, self.q_index, self.k_index, self.k_end = backend, q_index, k_index, k_end
         self.prefix, self.capture = prefix, capture
         # one chain, no prefix: the tree mask is the causal mask, and SDPA's causal kernels
-        # (flash attention on CUDA) run it without any mask tensor
-        self.causal = causal and not prefix
+        # (flash attention on CUDA) run it without any mask tensor; one chain after a prefix:
+        # full attention to the prefix merged with causal attention to its own keys
+        self.causal = causal and (not prefix or CHAIN_AFTER_PREFIX)
         self.captured: dict[int, KV] = {}
         self.keep_layers: frozenset[int] = frozenset()
         self.kept: dict[int, KeptAttention] = {}
@@ -111,12 +116,19 @@ FLEX_BLOCK = 128
 # The main Triton kernel always: with dynamic shapes, segments under 128 queries would
 # otherwise be routed to the decoding kernel, which has no valid config for them.
 FLEX_KERNEL = {"BACKEND": "TRITON"}
-_flex_compiled: dict[str, object] = {}
 # Calls after a prefix as whole tiles too (issue 24, an A/B switch of bench/long_trees.py,
 # off by default until measured): the queries are padded at the front to the keys' length
 # (the padded rows see nothing, so flex skips their tiles) and the call takes the
 # whole-tile kernel of equal lengths. Costs a padded query and output per key in every layer.
 PREFIX_AS_TILES = False
+# A chain piece after a prefix as two fused SDPA kernels merged by their log-sum-exp
+# (treerl.engine.chain_attention; issue 24, an A/B switch of bench/long_trees.py): full
+# attention to the prefix, causal to its own keys. Off (the default): the tree mask, as any call after
+# a prefix. Off because on the H100 (2026-11-24) the kernels were 1.9x flex's rate in isolation but
+# long_prefix did not get faster end to end (5.64 s on, 5.69 s off), its CUDA tests crashed the test
+# process (the probe's odd shapes through cuDNN, not yet diagnosed) and cuDNN builds a plan per new
+# shape (~270 ms): see bench/RESULTS.md.
+CHAIN_AFTER_PREFIX = False
 
 
 def prefix_as_tiles() -> bool:
@@ -144,10 +156,14 @@ def whole_tile_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return tiles
 
 
-def _compiled(name: str, fn):
-    if name not in _flex_compiled:
-        _flex_compiled[name] = torch.compile(fn, dynamic=True)
-    return _flex_compiled[name]
+def _flex_any(*args, **kwargs):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(*args, **kwargs)
+
+
+_FLEX_TILES = LazyCompiled(_flex_whole_tiles, "flex tree attention (whole tiles)", FLEX_OFF)
+_FLEX_ANY = LazyCompiled(_flex_any, "flex tree attention", FLEX_OFF)
 
 
 def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask,
@@ -167,20 +183,17 @@ def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """
     nq, gqa = query.shape[2], query.shape[1] != key.shape[1]
     if nq == key.shape[2] and nq % FLEX_BLOCK == 0:
-        return _compiled("tiles", _flex_whole_tiles)(*whole_tile_views(query, key, value), block_mask, scale, gqa)
+        return _FLEX_TILES(*whole_tile_views(query, key, value), block_mask, scale, gqa)
     q_len, kv_len = block_mask.seq_lengths
     if q_len == kv_len and nq < key.shape[2]:  # a square mask (PREFIX_AS_TILES): queries last, padded in front
         front = q_len - -(-nq // FLEX_BLOCK) * FLEX_BLOCK
         q = F.pad(query, (0, 0, front, q_len - front - nq))
         k, v = (F.pad(x, (0, 0, 0, kv_len - x.shape[2])) if x.shape[2] != kv_len else x for x in (key, value))
-        out = _compiled("tiles", _flex_whole_tiles)(*whole_tile_views(q, k, v), block_mask, scale, gqa)
+        out = _FLEX_TILES(*whole_tile_views(q, k, v), block_mask, scale, gqa)
         return out[:, :, front:front + nq]
-    from torch.nn.attention.flex_attention import flex_attention
-
     q, k, v = (F.pad(x, (0, 0, 0, -x.shape[2] % FLEX_BLOCK)) if x.shape[2] % FLEX_BLOCK else x
                for x in (query, key, value))
-    out = _compiled("any", flex_attention)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                                           kernel_options=FLEX_KERNEL)
+    out = _FLEX_ANY(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=FLEX_KERNEL)
     return out[:, :, :nq]
 
 
@@ -308,8 +321,13 @@ def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: t
             scaling: float | None) -> torch.Tensor:
     """query [1, H, Nq, D], key/value [1, H_kv, Nk, D] -> [1, H, Nq, D] by ``ctx``'s backend."""
     gqa = query.shape[1] != key.shape[1]
-    if ctx.causal:
+    if ctx.causal and key.shape[2] == query.shape[2]:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    if ctx.causal:  # one chain after a prefix
+        out = chain_attention(query, key, value, scaling)
+        if out is not None:
+            return out
+        # no fused kernel takes these inputs (chain_attention says so once): the tree mask
     if ctx.backend == "sdpa":
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=ctx.additive_mask(query.dtype), scale=scaling, enable_gqa=gqa
@@ -317,7 +335,7 @@ def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: t
     return flex_tree_attention(query, key, value, ctx.mask(), scaling)
 
 
-AttentionInterface.register(ATTN_NAME, tree_attention_forward)
+register(ATTN_NAME, tree_attention_forward)
 
 
 def active_tree_attention() -> TreeAttention | None:
@@ -330,12 +348,10 @@ def tree_attention_enabled(model: torch.nn.Module, ctx: TreeAttention | None = N
     """Route the model's attention through treerl for the duration of the block, with
     ``ctx`` as the tree attention of every call in it (or pass ``tree_attention=ctx`` to
     the model)."""
-    config = model.config
-    previous, previous_ctx = config._attn_implementation, getattr(_active, "ctx", None)
-    config._attn_implementation = ATTN_NAME
+    previous_ctx = getattr(_active, "ctx", None)
     _active.ctx = ctx
     try:
-        yield
+        with attention_routed(model, ATTN_NAME):
+            yield
     finally:
-        config._attn_implementation = previous
         _active.ctx = previous_ctx

@@ -1,6 +1,6 @@
 """The decoder stack of one engine call, run block by block.
 
-For the supported families (:data:`treerl.models.OWN_LOOP_MODELS`: Qwen2, Qwen3, Llama,
+For the supported families (:data:`treerl.models.FAMILIES`: Qwen2, Qwen3, Llama,
 Qwen3-MoE; embed -> rotary -> blocks -> norm) treerl runs the stack itself, which lets it
 
 - **compile each decoder block** on its own (regional ``torch.compile``, dynamic shapes):
@@ -28,8 +28,9 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..compiled import ENGINE_OFF, LazyCompiled
 from .attention import TreeAttention, active_tree_attention, tree_attention_enabled
-from ..models import OWN_LOOP_MODELS
+from ..models import FAMILIES, is_own_loop_decoder
 from ..moe import install as install_moe
 
 try:
@@ -45,14 +46,7 @@ def _run_block(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, 
     return out[0] if isinstance(out, tuple) else out
 
 
-_compiled_block = None
-
-
-def _compiled():
-    global _compiled_block
-    if _compiled_block is None:
-        _compiled_block = torch.compile(_run_block, dynamic=True)
-    return _compiled_block
+_BLOCK = LazyCompiled(_run_block, "training engine's decoder blocks", ENGINE_OFF)
 
 
 def _run_block_in(base: torch.nn.Module, ctx: TreeAttention, run, *args) -> torch.Tensor:
@@ -77,7 +71,7 @@ class DecoderStack:
 
     def __init__(self, base: torch.nn.Module, compile: bool):
         self.base = install_moe(base)
-        self.own_loop = type(base).__name__ in OWN_LOOP_MODELS
+        self.own_loop = is_own_loop_decoder(base)
         self.compile = compile and self.own_loop
 
     @property
@@ -97,14 +91,15 @@ class DecoderStack:
         base = self.base
         if not self.own_loop:
             if checkpoint_blocks:
-                raise ValueError(f"activation checkpointing needs one of {', '.join(OWN_LOOP_MODELS)}")
+                raise ValueError(f"activation checkpointing needs a model of a family treerl runs itself "
+                                 f"({', '.join(FAMILIES)}), got {type(base).__name__}")
             return base(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         hidden = base.embed_tokens(input_ids)
         cos, sin = base.rotary_emb(hidden, position_ids)
         recompute = checkpoint_blocks and torch.is_grad_enabled()
         ctx = active_tree_attention()
         for layer in base.layers:
-            run = _compiled() if self.compile and not _is_sharded(layer) else _run_block
+            run = _BLOCK if self.compile and not _is_sharded(layer) else _run_block
             if recompute:
                 if ctx is None:
                     raise RuntimeError("recomputed blocks need the tree attention of the call (tree_attention_enabled)")

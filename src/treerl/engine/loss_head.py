@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..compiled import ENGINE_OFF, LazyCompiled
+
 DEFAULT_CHUNK_ELEMENTS = 1 << 27  # logits elements per chunk (512 MiB in float32)
 
 
@@ -49,18 +51,14 @@ def _chunk_grad_logits(hidden, weight, targets, lse, grad_logprob, grad_entropy,
     return (grad_logits * inv_temperature).to(weight.dtype)
 
 
-_compiled: dict = {}
+_COMPILED = (LazyCompiled(_chunk_forward, "loss head's chunk forward", ENGINE_OFF),
+             LazyCompiled(_chunk_grad_logits, "loss head's chunk gradient", ENGINE_OFF))
 
 
 def _kernels(compiled: bool):
     """The chunk functions, eager or compiled (CUDA: one fused pass over the logits
     instead of ~6 eager ones)."""
-    if not compiled:
-        return _chunk_forward, _chunk_grad_logits
-    if not _compiled:
-        _compiled["fwd"] = torch.compile(_chunk_forward, dynamic=True)
-        _compiled["grad"] = torch.compile(_chunk_grad_logits, dynamic=True)
-    return _compiled["fwd"], _compiled["grad"]
+    return _COMPILED if compiled else (_chunk_forward, _chunk_grad_logits)
 
 
 class _TokenLogprobs(torch.autograd.Function):

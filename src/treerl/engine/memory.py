@@ -1,4 +1,5 @@
-"""Memory budget -> tokens per call: the engine's memory model.
+"""Memory budget -> tokens per call: the engine's memory model and policy
+(:class:`MemoryPolicy`, one per engine).
 
 One engine call (a segment of ``n`` tree tokens) holds, for its backward, activations that
 grow linearly in ``n``: ``fixed + n * per_token`` (plus ``n^2 * per_pair`` with the dense
@@ -13,10 +14,17 @@ gradient touched); elsewhere they are estimated from the config (bf16/float32 HF
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from .attention import TreeAttention, prefix_as_tiles, tree_attention_enabled
+
+if TYPE_CHECKING:
+    from .decoder import DecoderStack
 
 DEFAULT_BUDGET_FRACTION = 0.2  # of the device's total memory, for activations
 MIN_BUDGET_BYTES = 1 << 20
@@ -183,38 +191,6 @@ class MemoryModel:
                    recompute_per_token=size * h * layers + 2 * block, per_pair=per_pair,
                    **attention_held(config, dtype, dense_mask), **keys_values(config, dtype))
 
-    @classmethod
-    def for_engine(cls, engine) -> "MemoryModel":
-        """Measured on CUDA (see the module docstring), estimated elsewhere. The decoder
-        stack is measured alone; the loss head adds its logits chunks (fixed) and the
-        hidden rows it keeps (per token)."""
-        model = engine.model
-        dtype = engine.head.weight.dtype
-        estimate = cls.estimate(model.config, dtype, dense_mask=engine.attention == "sdpa")
-        if engine.device.type != "cuda" or engine.attention == "sdpa" or engine.runner.stack.sharded:
-            return estimate  # (sharded blocks: a probe forward would run FSDP's collectives)
-        small, large = 1024, 3072
-        h, inter = model.config.hidden_size, model.config.intermediate_size
-        size = engine.head.weight.element_size()
-        head_fixed = 3 * engine.runner.chunk_elements * 4  # float32 logits, probabilities, gradients
-        head_per_token = h * size
-        full = [_stack_forward_peak(engine, n, recompute=False) for n in (small, large)]
-        # a frozen model (reference engine) holds nothing: still count a call's transients
-        floor = 2 * (h + inter) * size
-        per_token = max(floor, (full[1] - full[0]) / (large - small))
-        fixed = max(0.0, full[0] - small * per_token) + head_fixed
-        if engine.head.weight.requires_grad:
-            fixed += weight_gradient_transients(model.config, size)
-        recompute_per_token = estimate.recompute_per_token
-        if engine.can_recompute:
-            ckpt = [_stack_forward_peak(engine, n, recompute=True) for n in (small, large)]
-            layers = model.config.num_hidden_layers
-            # held block inputs + one block's activations and their gradients while it recomputes
-            recompute_per_token = max(floor, (ckpt[1] - ckpt[0]) / (large - small)) + 2 * per_token / layers
-        return cls(fixed=fixed, per_token=(per_token + head_per_token) * BACKWARD_MARGIN,
-                   recompute_per_token=(recompute_per_token + head_per_token) * BACKWARD_MARGIN, measured=True,
-                   **attention_held(model.config, dtype, dense_mask=False), **keys_values(model.config, dtype))
-
 
 @dataclass(frozen=True)
 class CallBudget:
@@ -302,29 +278,6 @@ def _largest_call(room: float, per_token: float, per_pair: float) -> int:
     return max(1, int(room // per_token))
 
 
-def _stack_forward_peak(engine, n: int, recompute: bool) -> float:
-    """Peak CUDA bytes above the start of the decoder stack's forward with grad over ``n``
-    random tokens (one chain), until its output is freed. No backward: no gradient is
-    touched."""
-    from .attention import TreeAttention, tree_attention_enabled
-
-    device = engine.device
-    gen = torch.Generator(device="cpu").manual_seed(n)
-    ids = torch.randint(0, engine.vocab_size, (1, n), generator=gen).to(device)
-    index = torch.arange(n, device=device)
-    ctx = TreeAttention(engine.attention, index, index, torch.full((n,), n, device=device))
-    ctx.mask()
-    torch.cuda.synchronize(device)
-    start = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    with torch.enable_grad(), tree_attention_enabled(engine.model, ctx):
-        hidden = engine.runner.stack(ids, index[None], checkpoint_blocks=recompute)
-    peak = torch.cuda.max_memory_allocated(device) - start
-    del hidden
-    torch.cuda.synchronize(device)
-    return float(peak)
-
-
 def attention_held(config, dtype: torch.dtype, dense_mask: bool) -> dict[str, float]:
     """Bytes one kept attention holds (:mod:`treerl.engine.kept_attention`): its output and float32
     log-sum-exp per query; input copies: the query and K/V (expanded to every head by
@@ -336,6 +289,142 @@ def attention_held(config, dtype: torch.dtype, dense_mask: bool) -> dict[str, fl
     return dict(attention_per_query=(size * head_dim + 4) * heads, attention_copies_per_query=size * heads * head_dim,
                 attention_copies_per_key=2 * size * kv_heads * head_dim,
                 attention_per_pair=size * heads if dense_mask else 0.0)
+
+
+class MemoryPolicy:
+    """The engine's memory policy: how many tokens one call may hold, how many trees pack
+    into one, which calls recompute their decoder blocks and which layers keep their
+    attention. The :class:`MemoryModel` of the engine's model (measured on CUDA at the first
+    question, estimated elsewhere) under the budget, or the ``max_tokens`` override (then
+    no budget and no recompute).
+
+    Args:
+        stack: the engine's decoder stack (it runs the probe forwards on CUDA and says
+            whether blocks may be recomputed, :attr:`DecoderStack.can_checkpoint`).
+        head: the LM head (the activations' dtype; whether its weight trains).
+        attention: the engine's attention backend, ``"sdpa"`` or ``"flex"``.
+        device: the engine's device.
+        budget: ``memory_budget`` as :func:`resolve_budget` takes it.
+        max_tokens: the override: most tree tokens in one call (``None``: from the budget).
+        chunk_elements: logits elements per chunk of the loss head.
+    """
+
+    def __init__(self, stack: "DecoderStack", head: torch.nn.Module, attention: str, device: torch.device, *,
+                 budget: int | float | None, max_tokens: int | None, chunk_elements: int):
+        self.stack, self.head, self.attention, self.device = stack, head, attention, device
+        self.fixed_tokens, self.chunk_elements = max_tokens, chunk_elements
+        self.budget = None if max_tokens is not None else resolve_budget(budget, device)
+        self.config = stack.base.config
+        self.layers = self.config.num_hidden_layers
+        self._model: MemoryModel | None = None
+
+    @property
+    def model(self) -> MemoryModel:
+        """Activation bytes of a call, with and without block recompute (measured once)."""
+        if self._model is None:
+            self._model = self._measure()
+        return self._model
+
+    @property
+    def can_recompute(self) -> bool:
+        return self.stack.can_checkpoint
+
+    @property
+    def call_budget(self) -> CallBudget | None:
+        """The memory model under the budget, as the planner reads it (None with the
+        ``max_tokens`` override)."""
+        if self.fixed_tokens is not None:
+            return None
+        model = self.model
+        if self.attention == "flex" and prefix_as_tiles():
+            pad = model.attention_copies_per_query + model.attention_per_query  # padded query, output, lse
+            model = dataclasses.replace(model, prefix_pad_per_key=pad)
+        return CallBudget(model, self.budget, recompute=self.can_recompute, copies=self.attention == "sdpa",
+                          device_bytes=device_memory(self.device))
+
+    @property
+    def max_tokens(self) -> int:
+        """Most tree tokens in one call: the override, or what the budget allows (with
+        block recompute where the model supports it)."""
+        if self.fixed_tokens is not None:
+            return self.fixed_tokens
+        return max(1, self.call_budget.tokens())
+
+    @property
+    def pack_tokens(self) -> int:
+        """Most tokens of several trees (or sequences) packed into one call: up to the
+        size at which a recomputed call still keeps every layer's attention (or fits
+        without recompute). A larger call would recompute attentions, which on long
+        sequences costs more than another call; one tree up to :attr:`max_tokens` still
+        runs whole. (A packed call has no prefix: its kernel reads copies only with SDPA.)"""
+        if self.fixed_tokens is not None:
+            return self.fixed_tokens
+        return max(1, self.call_budget.pack())
+
+    def recomputes(self, size: int, prefix: int = 0) -> bool:
+        """Whether a call of ``size`` tokens after ``prefix`` tokens recomputes its decoder
+        blocks in the backward: only under a budget, and only when the call would not fit
+        it otherwise (the plan decides it per segment: :attr:`Segment.recompute`)."""
+        budget = self.call_budget
+        return budget is not None and budget.recomputes(size, prefix)
+
+    def kept_attention_layers(self, queries: int, keys: int, copies: bool, spare: float) -> frozenset[int]:
+        """The layers of a recomputed call whose attention runs once (not again in the
+        recompute, :mod:`treerl.engine.kept_attention`): the last ones (their held tensors
+        are freed first in the backward), as many as fit the ``spare`` bytes the plan leaves
+        beside the call (:attr:`Segment.spare`). ``copies``: :attr:`TreeAttention.input_copies`."""
+        count = self.model.kept_attention_layers(spare, queries, keys, self.layers, copies)
+        return frozenset(range(self.layers - count, self.layers))
+
+    def _measure(self) -> MemoryModel:
+        """Measured on CUDA (see the module docstring), estimated elsewhere. The decoder
+        stack is measured alone; the loss head adds its logits chunks (fixed) and the
+        hidden rows it keeps (per token)."""
+        config, weight = self.config, self.head.weight
+        estimate = MemoryModel.estimate(config, weight.dtype, dense_mask=self.attention == "sdpa")
+        if self.device.type != "cuda" or self.attention == "sdpa" or self.stack.sharded:
+            return estimate  # (sharded blocks: a probe forward would run FSDP's collectives)
+        small, large = 1024, 3072
+        h, inter = config.hidden_size, config.intermediate_size
+        size = weight.element_size()
+        head_fixed = 3 * self.chunk_elements * 4  # float32 logits, probabilities, gradients
+        head_per_token = h * size
+        full = [self._forward_peak(n, recompute=False) for n in (small, large)]
+        # a frozen model (reference engine) holds nothing: still count a call's transients
+        floor = 2 * (h + inter) * size
+        per_token = max(floor, (full[1] - full[0]) / (large - small))
+        fixed = max(0.0, full[0] - small * per_token) + head_fixed
+        if weight.requires_grad:
+            fixed += weight_gradient_transients(config, size)
+        recompute_per_token = estimate.recompute_per_token
+        if self.can_recompute:
+            ckpt = [self._forward_peak(n, recompute=True) for n in (small, large)]
+            # held block inputs + one block's activations and their gradients while it recomputes
+            recompute_per_token = max(floor, (ckpt[1] - ckpt[0]) / (large - small)) + 2 * per_token / self.layers
+        return MemoryModel(fixed=fixed, per_token=(per_token + head_per_token) * BACKWARD_MARGIN,
+                           recompute_per_token=(recompute_per_token + head_per_token) * BACKWARD_MARGIN,
+                           measured=True, **attention_held(config, weight.dtype, dense_mask=False),
+                           **keys_values(config, weight.dtype))
+
+    def _forward_peak(self, n: int, recompute: bool) -> float:
+        """Peak CUDA bytes above the start of the decoder stack's forward with grad over
+        ``n`` random tokens (one chain), until its output is freed. No backward: no
+        gradient is touched."""
+        device, base = self.device, self.stack.base
+        gen = torch.Generator(device="cpu").manual_seed(n)
+        ids = torch.randint(0, base.get_input_embeddings().num_embeddings, (1, n), generator=gen).to(device)
+        index = torch.arange(n, device=device)
+        ctx = TreeAttention(self.attention, index, index, torch.full((n,), n, device=device))
+        ctx.mask()
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.enable_grad(), tree_attention_enabled(base, ctx):
+            hidden = self.stack(ids, index[None], checkpoint_blocks=recompute)
+        peak = torch.cuda.max_memory_allocated(device) - start
+        del hidden
+        torch.cuda.synchronize(device)
+        return float(peak)
 
 
 # ------------------------------------------------------------- mixture of experts

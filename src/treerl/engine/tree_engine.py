@@ -16,28 +16,33 @@ Every mode is a :mod:`plan <treerl.engine.plan>` of segments run by the one exec
 
 Gradients equal those of running every sequence alone, shared tokens computed once.
 
-The phases' order and the general path's choice of held graphs are in :mod:`.two_phase`;
-the segment call, the depth-first phase 1 and phase 2 are here.
+One executor: the single-level and the two-phase paths share the segment call and the
+output buffers, and neither half reads on its own. Around it: the batch layout and the
+per-sequence maps (:mod:`.batch`), the input checks (:mod:`.checks`), the memory
+policy that sizes the calls (:class:`~treerl.engine.memory.MemoryPolicy`), the phases'
+order and the general path's held graphs (:mod:`.two_phase`) and the compiled kernels kept
+across runs (:mod:`.compile_cache`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, prefix_as_tiles, tree_attention_enabled
+from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, tree_attention_enabled
+from .batch import Batch, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
+from .checks import check_inputs, check_loss, check_supported
+from .compile_cache import enable as enable_compile_cache, save as save_compile_cache
 from .decoder import DecoderStack
 from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
-from .memory import CallBudget, MemoryModel, device_memory, resolve_budget
+from .memory import MemoryPolicy
 from ..models import decoder_of
 from .plan import MODES, Plan, make_plan
 from .tree import PrefixTree, TokenSequence
-from .compile_cache import enable as enable_compile_cache, save as save_compile_cache
-from .two_phase import check_loss, flat_positions, forward_backward as two_phase, segment_of_sequences
+from .two_phase import forward_backward as two_phase
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -53,7 +58,7 @@ class TreeOutputs:
 
     def per_sequence(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Split a [N] tree-token tensor into per-sequence tensors for tokens 1..L-1."""
-        index = _seq_targets(self.tree).to(values.device)
+        index = seq_targets(self.tree).to(values.device)
         return list(values[index].split((self.tree.seq_lengths - 1).tolist()))
 
 
@@ -69,28 +74,6 @@ class StepStats:
     kept_attention_layers: int = 0  # summed over those calls: layers whose attention is not recomputed
     kept_graphs: int = 0  # general path: calls whose graph is held until the loss (no extra forward)
     seconds: float = 0.0
-
-
-def _seq_targets(tree: PrefixTree) -> torch.Tensor:
-    """Tree tokens of positions 1..L-1 of every sequence, concatenated in input order."""
-    keep = torch.ones(tree.num_flat_tokens, dtype=torch.bool)
-    keep[tree.seq_offsets[:-1]] = False
-    return tree.seq_index[keep]
-
-
-@dataclass
-class _Batch:
-    """A tree laid out for one mode, its plan, and its index tensors on the device."""
-
-    tree: PrefixTree
-    plan: Plan
-    token_ids: torch.Tensor
-    position: torch.Tensor
-    parent: torch.Tensor
-    subtree_end: torch.Tensor
-    targets: list[torch.Tensor]
-    seq_targets: torch.Tensor
-    seq_lengths: list[int]  # L - 1 per sequence
 
 
 class SegmentRunner(torch.nn.Module):
@@ -140,15 +123,19 @@ class TreeEngine:
             no block recompute (``None``: from ``memory_budget``).
         chunk_tokens: largest piece of a node in one call when nodes are split; also
             the batch budget of ``dfs``.
-        compile: compile each decoder block (``None``: on CUDA; Qwen2/Qwen3/Llama).
+        compile: compile each decoder block (``None``: on CUDA; the families of :data:`treerl.models.FAMILIES`).
         attention: ``"auto"`` (flex on CUDA, SDPA elsewhere), ``"sdpa"`` or ``"flex"``.
         temperature: logits are divided by it before the softmax (match the sampler's).
         value_head: make this a critic engine: a module mapping hidden states [T, H] to
             values [T, 1]; every method then yields values where it would yield logprobs
             (the value at element t is read at token t: the state before token t + 1).
+
         compile_cache_dir: with ``compile``, where compiled kernels are kept for later runs
             (:mod:`treerl.engine.compile_cache`; None: ``~/.cache/treerl/compile``, ``""``:
             torch's defaults).
+
+    ``memory`` is the engine's memory policy (:class:`~treerl.engine.memory.MemoryPolicy`:
+    tokens per call, packing, recompute, kept attentions).
     """
 
     def __init__(
@@ -177,7 +164,7 @@ class TreeEngine:
         self.model = model
         self.base = decoder_of(model)
         self.head = model.get_output_embeddings()
-        _check_supported(model, self.head)
+        check_supported(model, self.head)
         self.device = self.head.weight.device
         if attention == "auto":
             attention = "flex" if self.device.type == "cuda" else "sdpa"
@@ -193,9 +180,8 @@ class TreeEngine:
         self.runner = SegmentRunner(model, value_head, temperature, logits_chunk_elements, compile)
         if self.runner.stack.compile:
             enable_compile_cache(compile_cache_dir, self.device)
-        self.memory_budget = None if max_tokens is not None else resolve_budget(memory_budget, self.device)
-        self._fixed_tokens = max_tokens
-        self._memory_model: MemoryModel | None = None
+        self.memory = MemoryPolicy(self.runner.stack, self.head, attention, self.device, budget=memory_budget,
+                                   max_tokens=max_tokens, chunk_elements=logits_chunk_elements)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.stats = StepStats()
@@ -204,71 +190,10 @@ class TreeEngine:
     # the first that phase 2 opens) instead of running those calls again without grad.
     reuse_forward_kv = True
 
-    # ------------------------------------------------------------------ budgets
-    @property
-    def memory_model(self) -> MemoryModel:
-        """Activation bytes per token of one call, with and without block recompute."""
-        if self._memory_model is None:
-            self._memory_model = MemoryModel.for_engine(self)
-        return self._memory_model
-
-    @property
-    def can_recompute(self) -> bool:
-        return self.runner.stack.can_checkpoint
-
-    @property
-    def call_budget(self) -> CallBudget | None:
-        """The memory model under the budget, as the planner reads it (None with the
-        ``max_tokens`` override)."""
-        if self._fixed_tokens is not None:
-            return None
-        model = self.memory_model
-        if self.attention == "flex" and prefix_as_tiles():
-            pad = model.attention_copies_per_query + model.attention_per_query  # padded query, output, lse
-            model = dataclasses.replace(model, prefix_pad_per_key=pad)
-        return CallBudget(model, self.memory_budget, recompute=self.can_recompute,
-                          copies=self.attention == "sdpa", device_bytes=device_memory(self.device))
-
-    @property
-    def max_tokens(self) -> int:
-        """Most tree tokens in one call: the override, or what the memory budget allows
-        (with block recompute where the model supports it)."""
-        if self._fixed_tokens is not None:
-            return self._fixed_tokens
-        return max(1, self.call_budget.tokens())
-
-    @property
-    def pack_tokens(self) -> int:
-        """Most tokens of several trees (or sequences) packed into one call: up to the
-        size at which a recomputed call still keeps every layer's attention (or fits
-        without recompute). A larger call would recompute attentions, which on long
-        sequences costs more than another call; one tree up to ``max_tokens`` still runs
-        whole."""
-        if self._fixed_tokens is not None:
-            return self.max_tokens
-        # a packed call has no prefix: its kernel reads copies only with SDPA (TreeAttention.input_copies)
-        return max(1, self.call_budget.pack())
-
-    def recomputes(self, size: int, prefix: int = 0) -> bool:
-        """Whether a call of ``size`` tokens after ``prefix`` tokens recomputes its decoder
-        blocks in the backward: only under a memory budget, and only when the call would
-        not fit it otherwise (the plan decides it per segment: :attr:`Segment.recompute`)."""
-        budget = self.call_budget
-        return budget is not None and budget.recomputes(size, prefix)
-
-    def kept_attention_layers(self, queries: int, keys: int, copies: bool, spare: float) -> frozenset[int]:
-        """The layers of a recomputed call whose attention runs once (not again in the
-        recompute, :mod:`treerl.engine.kept_attention`): the last ones (their held tensors are
-        freed first in the backward), as many as fit the ``spare`` bytes the plan leaves
-        beside the call (:attr:`Segment.spare`). ``copies``: :attr:`TreeAttention.input_copies`."""
-        count = self.memory_model.kept_attention_layers(spare, queries, keys, self.num_layers, copies)
-        return frozenset(range(self.num_layers - count, self.num_layers))
-
     # ------------------------------------------------------------------ public API
     def plan(self, tree: PrefixTree | Sequence[TokenSequence]) -> Plan:
         """The segments this engine would run for ``tree``."""
-        return make_plan(self._layout(tree), self.mode, self.max_tokens, self.chunk_tokens, self.pack_tokens,
-                         memory=self.call_budget)
+        return self._plan(self._layout(tree))
 
     @torch.no_grad()
     def forward(self, tree: PrefixTree | Sequence[TokenSequence], entropy: bool = False) -> TreeOutputs:
@@ -336,52 +261,20 @@ class TreeEngine:
             return PrefixTree.from_sequences(tree, share_prefixes=self.mode != "flat")
         return tree.unshared() if self.mode == "flat" else tree
 
-    def _prepare(self, tree: PrefixTree | Sequence[TokenSequence]) -> _Batch:
-        layout = self._layout(tree)
-        self._check_inputs(layout)
-        plan = make_plan(layout, self.mode, self.max_tokens, self.chunk_tokens, self.pack_tokens,
-                         memory=self.call_budget)
-        dev = self.device
-        self.stats = StepStats(mode=self.mode, plan=plan.describe())
-        # All index arrays in one host-to-device copy (each pageable copy synchronises the host).
-        arrays = [layout.token_ids, layout.position, layout.parent, layout.subtree_end, _seq_targets(layout),
-                  *plan.targets]
-        on_device = torch.cat(arrays).to(dev).split([len(a) for a in arrays])
-        token_ids, position, parent, subtree_end, seq_targets, *targets = on_device
-        return _Batch(
-            tree=layout,
-            plan=plan,
-            token_ids=token_ids,
-            position=position,
-            parent=parent,
-            subtree_end=subtree_end,
-            targets=list(targets),
-            seq_targets=seq_targets,
-            seq_lengths=(layout.seq_lengths - 1).tolist(),
-        )
+    def _plan(self, layout: PrefixTree) -> Plan:
+        m = self.memory
+        return make_plan(layout, self.mode, m.max_tokens, self.chunk_tokens, m.pack_tokens, memory=m.call_budget)
 
-    def _check_inputs(self, tree: PrefixTree) -> None:
-        bad = tree.token_ids[tree.seq_index] >= self.vocab_size
-        if bad.any():
-            pos = int(bad.nonzero()[0, 0])
-            seq = int(torch.searchsorted(tree.seq_offsets, pos, right=True)) - 1
-            token = int(tree.token_ids[tree.seq_index[pos]])
-            raise ValueError(
-                f"sequence {seq}: token id {token} at position {pos - int(tree.seq_offsets[seq])} is "
-                f"outside the model's vocabulary (size {self.vocab_size})"
-            )
-        if self.max_positions is not None:
-            too_long = (tree.seq_lengths > self.max_positions).nonzero()
-            if len(too_long):
-                seq = int(too_long[0, 0])
-                raise ValueError(
-                    f"sequence {seq} has {int(tree.seq_lengths[seq])} tokens, more than the model's "
-                    f"context of {self.max_positions} positions (max_position_embeddings): shorten it"
-                )
+    def _prepare(self, tree: PrefixTree | Sequence[TokenSequence]) -> Batch:
+        layout = self._layout(tree)
+        check_inputs(layout, self.vocab_size, self.max_positions)
+        plan = self._plan(layout)
+        self.stats = StepStats(mode=self.mode, plan=plan.describe())
+        return prepare_batch(layout, plan, self.device)
 
     # ------------------------------------------------------------ one model call
     def _call(
-        self, b: _Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool,
+        self, b: Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool,
         head: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, list[KV] | None]:
         """Run segment ``i`` after ``prefix`` (per ancestor, per layer K/V).
@@ -401,14 +294,15 @@ class TreeEngine:
             per_layer = [[piece[layer] for piece in prefix] for layer in range(self.num_layers)]
         else:
             k_index, per_layer = q_index, None
-        # one chain (every token's subtree reaches the segment's end) and no prefix: causal
-        chain = not prefix and int(b.tree.subtree_end[seg.start : seg.end].min()) >= seg.end
+        # one chain: every token's subtree, the prefix's included, reaches the segment's end
+        spans = [b.plan.segments[a] for a in ancestors] if prefix else []
+        chain = all(int(b.tree.subtree_end[s.start : s.end].min()) >= seg.end for s in spans + [seg])
         ctx = TreeAttention(
             self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture, causal=chain
         )
         recompute = grad and seg.recompute
         if recompute:
-            ctx.keep_layers = self.kept_attention_layers(seg.size, len(k_index), ctx.input_copies, seg.spare)
+            ctx.keep_layers = self.memory.kept_attention_layers(seg.size, len(k_index), ctx.input_copies, seg.spare)
         if not ctx.causal:  # built once, before the blocks (not inside a block that is recomputed)
             ctx.additive_mask(self.head.weight.dtype) if self.attention == "sdpa" else ctx.mask()
         self.stats.model_calls += 1
@@ -431,14 +325,14 @@ class TreeEngine:
         kv = [ctx.captured[layer] for layer in range(self.num_layers)] if capture else None
         return lp, ent, kv
 
-    def _buffers(self, b: _Batch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _buffers(self, b: Batch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         dtype = compute_dtype(self.head.weight.dtype)
         n = b.tree.num_tree_tokens
         lp = torch.zeros(n, dtype=dtype, device=self.device)
         return lp, (torch.zeros(n, dtype=dtype, device=self.device) if entropy else None)
 
     # ------------------------------------------------------- phase 1: no-grad forward
-    def _forward_all(self, b: _Batch, entropy: bool, only: set[int] | None = None,
+    def _forward_all(self, b: Batch, entropy: bool, only: set[int] | None = None,
                      reuse: dict[int, list[KV]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Depth-first over segments (or those in ``only``: whole trees), keeping only the
         current path's K/V. With ``reuse``, children are visited last-first, so that the
@@ -469,48 +363,26 @@ class TreeEngine:
         return lp_all, ent_all
 
     # ------------------------------------------------- single-level: one pass each
-    def _forward_backward_segments(self, b: _Batch, loss_fn: LossFn, entropy: bool, separable: bool,
+    def _forward_backward_segments(self, b: Batch, loss_fn: LossFn, entropy: bool, separable: bool,
                                    skip: set[int] = frozenset()) -> float:
         """One forward and backward per segment without prefix or children (all but ``skip``)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (seqs, flat_index, sizes) in enumerate(self._sequences_by_segment(b)):
+        for i, (seqs, flat_index, sizes) in enumerate(sequences_by_segment(b, self.device)):
             if len(seqs) == 0 or i in skip:
                 continue
             seg = b.plan.segments[i]
             lp, ent, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy)
             local_index = b.targets[i] - seg.start
-            outs = [self._scatter_gather(lp, local_index, seg.size, flat_index, sizes)]
+            outs = [scatter_gather(lp, local_index, seg.size, flat_index, sizes)]
             if entropy:
-                outs.append(self._scatter_gather(ent, local_index, seg.size, flat_index, sizes))
+                outs.append(scatter_gather(ent, local_index, seg.size, flat_index, sizes))
             loss = loss_fn(*outs, index=seqs) if separable else loss_fn(*outs)
             check_loss(loss)
             loss.backward()
             total += loss.detach().reshape(()).to(torch.float64)
         return float(total)
 
-    def _sequences_by_segment(self, b: _Batch) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
-        """Single-level plans: per segment, its sequences (input indices, CPU), the
-        segment-local tree positions of their tokens 1..L-1 (device) and their lengths."""
-        starts, seg_of_seq = segment_of_sequences(b)
-        lengths = torch.tensor(b.seq_lengths)
-        # Sequences grouped by segment (stable: input order within a segment); the flat
-        # positions of their tokens 1..L-1 gathered in one vectorised step.
-        order = torch.argsort(seg_of_seq, stable=True)
-        sizes = lengths[order]
-        flat_pos = flat_positions(lengths, order)
-        local = _seq_targets(b.tree)[flat_pos] - torch.repeat_interleave(starts[seg_of_seq[order]], sizes)
-        local = local.to(self.device).split(
-            torch.bincount(seg_of_seq, weights=lengths.double(), minlength=len(starts)).long().tolist())
-        counts = torch.bincount(seg_of_seq, minlength=len(starts)).tolist()
-        groups = order.split(counts)
-        return [(g, idx, lengths[g].tolist()) for g, idx in zip(groups, local)]
-
-    @staticmethod
-    def _scatter_gather(values, local_index, size, flat_index, sizes) -> list[torch.Tensor]:
-        local = values.new_zeros(size).index_copy(0, local_index, values)
-        return list(local[flat_index].split(sizes))
-
-    def _backward_all(self, b: _Batch, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
+    def _backward_all(self, b: Batch, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
                       only: set[int] | None = None, reuse: dict[int, list[KV]] | None = None) -> None:
         """Phase 2: recompute each segment with grad and inject the loss gradients.
         ``reuse``: K/V of chain segments from phase 1 (:meth:`_forward_all`), taken instead
@@ -577,16 +449,3 @@ def _mirrored_preorder(plan: Plan) -> list[int]:
         order.append(i)
         stack.extend(plan.children[i])
     return order
-
-
-def _check_supported(model: torch.nn.Module, head: torch.nn.Module | None) -> None:
-    config = model.config
-    if head is None or not hasattr(head, "weight"):
-        raise TypeError(f"{type(model).__name__} has no output embedding (LM head): pass a causal LM")
-    if getattr(head, "bias", None) is not None:
-        raise NotImplementedError("LM heads with a bias are not supported")
-    for name in ("final_logit_softcapping", "logit_scale", "attn_logit_softcapping"):
-        if getattr(config, name, None) not in (None, 0, 1, 1.0):
-            raise NotImplementedError(f"models with {name}={getattr(config, name)} are not supported yet")
-    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
-        raise NotImplementedError("models with sliding-window attention layers are not supported yet")

@@ -34,46 +34,15 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from .batch import Batch, sequences_in
+from .checks import check_loss
 from .memory import BACKWARD_MARGIN, CallBudget, MemoryModel
 from .plan import Plan, Segment, make_plan
 
 if TYPE_CHECKING:
-    from .tree_engine import TreeEngine, _Batch
+    from .tree_engine import TreeEngine
 
 LossFn = Callable[..., torch.Tensor]
-
-
-# ----------------------------------------------------------------- the batch's indices
-def segment_of_sequences(b: "_Batch") -> tuple[torch.Tensor, torch.Tensor]:
-    """Segment starts [S] and, per sequence, the segment holding its first token [num_sequences] (CPU)."""
-    starts = torch.tensor([s.start for s in b.plan.segments])
-    tree = b.tree
-    return starts, torch.searchsorted(starts, tree.seq_index[tree.seq_offsets[:-1]], right=True) - 1
-
-
-def flat_positions(lengths: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:
-    """Positions in the concatenated per-sequence tensors (tokens 1..L-1, ``lengths`` = L-1
-    each) of the sequences ``seqs``, in that order (CPU, vectorised)."""
-    sizes = lengths[seqs]
-    within = torch.arange(int(sizes.sum())) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
-    return torch.repeat_interleave((torch.cumsum(lengths, 0) - lengths)[seqs], sizes) + within
-
-
-def sequences_in(b: "_Batch", segments: set[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """The sequences whose first token lies in ``segments`` (input order), their tree
-    tokens 1..L-1 (device) and their lengths L-1."""
-    _, seg_of_seq = segment_of_sequences(b)
-    seqs = torch.isin(seg_of_seq, torch.tensor(sorted(segments), dtype=seg_of_seq.dtype)).nonzero()[:, 0]
-    lengths = torch.tensor(b.seq_lengths, dtype=torch.long)
-    flat = flat_positions(lengths, seqs)
-    return seqs, b.seq_targets[flat.to(b.seq_targets.device)], lengths[seqs].tolist()
-
-
-def check_loss(loss: torch.Tensor) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-    if not loss.requires_grad:
-        raise ValueError("loss_fn returned a tensor that does not depend on the logprobs it was given")
 
 
 # --------------------------------------------------------------- held graphs, in bytes
@@ -174,10 +143,10 @@ def pack_for_keeping(plan: Plan, budget: CallBudget, min_tokens: int) -> int | N
     return cap if min_tokens <= cap < max(sizes, default=0) else None
 
 
-def general_plan(engine: "TreeEngine", b: "_Batch") -> "_Batch":
+def general_plan(engine: "TreeEngine", b: Batch) -> Batch:
     """The batch regrouped by :func:`pack_for_keeping` where the engine's plan has
     standalone calls too large for all of them to hold their graphs (and regrouping helps)."""
-    budget = engine.call_budget
+    budget = engine.memory.call_budget
     if budget is None or b.plan.single_level and len(b.plan.segments) == 1:
         return b
     kept = keep_graphs(b.plan, budget)
@@ -186,7 +155,7 @@ def general_plan(engine: "TreeEngine", b: "_Batch") -> "_Batch":
     cap = pack_for_keeping(b.plan, budget, engine.chunk_tokens)
     if cap is None:
         return b
-    plan = make_plan(b.tree, engine.mode, engine.max_tokens, engine.chunk_tokens, cap,
+    plan = make_plan(b.tree, engine.mode, engine.memory.max_tokens, engine.chunk_tokens, cap,
                      memory=dataclasses.replace(budget, pack_cap=cap))
     if forward_saved(plan, keep_graphs(plan, budget)) <= forward_saved(b.plan, kept):
         return b  # (smaller calls that need no recompute: holding them saves nothing)
@@ -196,7 +165,7 @@ def general_plan(engine: "TreeEngine", b: "_Batch") -> "_Batch":
 
 
 # --------------------------------------------------------------------- the executor
-def loss_gradients(b: "_Batch", lp_all: torch.Tensor, ent_all: torch.Tensor | None, loss_fn: LossFn,
+def loss_gradients(b: Batch, lp_all: torch.Tensor, ent_all: torch.Tensor | None, loss_fn: LossFn,
                    separable: bool, seqs: torch.Tensor, targets: torch.Tensor, lengths: list[int]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The loss on leaf copies of the per-sequence tensors of ``seqs`` (tree tokens
@@ -217,7 +186,7 @@ def loss_gradients(b: "_Batch", lp_all: torch.Tensor, ent_all: torch.Tensor | No
     return loss.detach(), grads[0], grads[1] if ent_all is not None else None
 
 
-def forward_backward(engine: "TreeEngine", b: "_Batch", loss_fn: LossFn, entropy: bool, separable: bool,
+def forward_backward(engine: "TreeEngine", b: Batch, loss_fn: LossFn, entropy: bool, separable: bool,
                      only: set[int] | None = None) -> float:
     """Two phases over the whole trees of ``only`` (a separable loss then sees just their
     sequences), or over every segment — the general path, holding the graphs of the
@@ -226,7 +195,7 @@ def forward_backward(engine: "TreeEngine", b: "_Batch", loss_fn: LossFn, entropy
     if only is None:
         if not engine.runner.stack.sharded:  # (FSDP-sharded blocks: one forward per backward)
             b = general_plan(engine, b)
-            kept = keep_graphs(b.plan, engine.call_budget or CallBudget.tokens_only(b.plan.budget))
+            kept = keep_graphs(b.plan, engine.memory.call_budget or CallBudget.tokens_only(b.plan.budget))
             segments = [kept.get(i, s) for i, s in enumerate(b.plan.segments)]
             b = dataclasses.replace(b, plan=dataclasses.replace(b.plan, segments=segments))
         rest = set(range(len(b.plan.segments))) - set(kept)

@@ -16,6 +16,7 @@ streamed tokens (``TokenDelta`` listeners) and cancellation; per-token behaviour
 """
 
 from .engine import RolloutEngine
+from .build import build_rollout_engine
 from .kv import SlotCache, rollout_attention
 from .prefix_cache import PrefixCache
 from .shared import SharedPrefixCache, fork_attention, two_level_attention
@@ -28,6 +29,7 @@ from .stops import StopChecker
 
 __all__ = [
     "RolloutEngine",
+    "build_rollout_engine",
     "SamplingParams",
     "Completion",
     "TokenDelta",

@@ -1,5 +1,5 @@
 """The streaming decode step's forward for the families treerl runs itself (Qwen2, Qwen3,
-Llama, Qwen3-MoE: :data:`treerl.models.OWN_LOOP_MODELS`), block by block.
+Llama, Qwen3-MoE: :data:`treerl.models.FAMILIES`), block by block.
 
 Through Hugging Face's modules one decode step of a 28-layer model launches ~1,900
 kernels (norms, RoPE, reshapes and the two-level attention's merge are dozens of small
@@ -32,8 +32,8 @@ LoRA (a PEFT model): the fused copies hold the *merged* weights ``W + scaling x 
 do copies of the output and down projections; they are refreshed with the other copies
 (every stream, every ``update_weights``: after each optimizer step), so a decode step is
 the base model's, kernel for kernel (no adapter product runs in it). The prompts' prefill
-runs the model's Hugging Face forward, through PEFT's layers (base product + the two
-adapter products, in the model's dtype: :mod:`treerl.lora`). Mixture of experts (Qwen3-MoE): the sparse MLP runs through
+runs the same blocks and copies (:mod:`treerl.rollout.prefill_blocks`; a mixture-of-experts
+model's prefill runs its Hugging Face forward). Mixture of experts (Qwen3-MoE): the sparse MLP runs through
 :func:`treerl.moe.moe_forward` (routing, grouped expert GEMMs; bf16 on CUDA for graph capture).
 """
 
@@ -43,10 +43,10 @@ import sys
 
 import torch
 
+from ..compiled import DECODE_OFF, LazyCompiled
 from ..lora import effective_weight
 from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
-from .compiled import LazyCompiled
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, shared_part, split_queries
 
 
@@ -83,7 +83,14 @@ def _post(layer: torch.nn.Module, hidden: torch.Tensor, o_own: torch.Tensor, l_o
     block, run as :func:`treerl.moe.moe_forward`). ``w_o``/``w_down``: merged LoRA weights
     of the output/down projections (None: the modules themselves)."""
     attn = merge_parts(o_own, l_own, o_pre, l_pre, G, hidden.dtype)
-    attn = attn.reshape(*hidden.shape[:-1], -1)
+    return _tail(layer, hidden, attn.reshape(*hidden.shape[:-1], -1), w_gate_up, b_gate_up, w_o, w_down)
+
+
+def _tail(layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, w_gate_up: torch.Tensor | None,
+          b_gate_up: torch.Tensor | None, w_o: torch.Tensor | None, w_down: torch.Tensor | None) -> torch.Tensor:
+    """The rest of a block after attention: ``hidden [B, T, H]`` and the attention output
+    ``attn [B, T, Hq x Dv]`` -> ``hidden [B, T, H]`` (output projection, residual, norm, MLP,
+    residual; the weights as in :func:`_post`)."""
     o_proj = layer.self_attn.o_proj
     hidden = hidden + (o_proj(attn) if w_o is None else torch.nn.functional.linear(attn, w_o, _bias(o_proj)))
     mlp = layer.mlp
@@ -177,7 +184,7 @@ def _base(linear: torch.nn.Module) -> torch.nn.Module:
     return getattr(linear, "base_layer", linear)
 
 
-_PRE, _POST = LazyCompiled(_pre, "decode blocks"), LazyCompiled(_post, "decode blocks")
+_PRE, _POST = LazyCompiled(_pre, "decode blocks", DECODE_OFF), LazyCompiled(_post, "decode blocks", DECODE_OFF)
 
 
 class DecodeBlocks:
@@ -200,7 +207,7 @@ class DecodeBlocks:
 
     @property
     def compiled(self) -> bool:
-        """Both parts run compiled (False before the first step, or after a fallback)."""
+        """Both parts run compiled (False before the first step, or without ``compile``)."""
         return all(getattr(f, "compiled", False) for f in (self.pre, self.post))
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, cache: SharedPrefixCache, own_mask: torch.Tensor,

@@ -7,6 +7,8 @@ import warnings
 
 import torch
 
+from ..compiled import CompileError
+
 
 def capture_decode_step(engine, forward, owner) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
     """Capture ``forward`` (a decode step with static inputs) as a CUDA graph: eager warm-up
@@ -40,6 +42,8 @@ def capture_decode_step(engine, forward, owner) -> tuple[torch.cuda.CUDAGraph | 
                 with torch.cuda.graph(graph, pool=owner.graph_pool):
                     out = forward()
                 return graph, out
+            except CompileError:
+                raise  # not a capture problem: never hidden behind the eager fallback
             except RuntimeError as err:
                 error = err
         # a model that cannot be captured: run its steps eagerly

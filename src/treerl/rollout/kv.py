@@ -22,15 +22,12 @@ query folds the query heads of each KV head into the query-length axis
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..hf_attention import attention_routed, register
 from .shared import fork_attention
 
 ATTN_NAME = "treerl_rollout"
@@ -175,18 +172,10 @@ def rollout_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(ATTN_NAME, rollout_attention)
+register(ATTN_NAME, rollout_attention)
 
 
-@contextlib.contextmanager
-def rollout_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
-    """Route every attention module of ``model`` through :func:`rollout_attention`."""
-    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()] if c is not None}
-    previous = {k: c._attn_implementation for k, c in configs.items()}
-    try:
-        for c in configs.values():
-            c._attn_implementation = ATTN_NAME
-        yield
-    finally:
-        for k, c in configs.items():
-            c._attn_implementation = previous[k]
+def rollout_attention_enabled(model: torch.nn.Module):
+    """Route every attention module of ``model`` through :func:`rollout_attention` (a
+    context manager: :func:`treerl.hf_attention.attention_routed`)."""
+    return attention_routed(model, ATTN_NAME)
