@@ -3,6 +3,8 @@ speed, and tree attention against the best causal kernels.
 
     python bench/long_trees.py --out results/long_trees_h100.json          # H100, ~6-7 min
     python bench/long_trees.py --smoke --out /tmp/long_trees_smoke.json    # CPU, tiny sizes
+    python bench/long_trees.py --sections workloads --workloads grpo,agentic,long,tree \
+        --configs auto,auto-general --repeats 3 --out bench/results/general_path_h100.json   # item 3, ~4-5 min
 
 Sections, each written to ``--out`` as soon as it is measured (run in the order peak, sweep,
 attention, workloads; a section is skipped once ``--max-seconds`` have passed):
@@ -16,7 +18,8 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    peak of activations (``max_memory_allocated`` above weights and gradients) for trees shaped
    like the 32k-token prefix (``workloads.memory_sweep_tree``) of 4k..64k tokens, at defaults.
 3. **workloads**: ``long_prefix`` and ``episodes`` (``treerl.devtools.workloads``) through ``auto``
-   and ``dfs`` at defaults, plus A/B variants: ``auto-noreuse`` (phase 2 recomputes the K/V
+   and ``dfs`` at defaults, plus A/B variants: ``auto-general`` (the same loss not declared
+   separable: the general path, printed as a ratio to ``auto``), ``auto-noreuse`` (phase 2 recomputes the K/V
    of phase 1's last path, as before), ``auto-tiles`` / ``dfs-tiles`` (calls after a prefix
    on whole flex tiles, ``treerl.engine.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget),
    ``auto-nochain`` / ``dfs-nochain`` (chain pieces after a prefix with the tree mask instead of
@@ -71,7 +74,9 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
     "dfs-nochain": (dict(mode="dfs"), {}, dict(CHAIN_AFTER_PREFIX=False)),
     # the chain attention through flash's kernels only (cuDNN builds a graph per new shape)
     "auto-chainflash": (dict(mode="auto"), {}, {"chain_attention.KERNELS": ("flash",)}),
+    "auto-general": (dict(mode="auto"), {}, {}),  # the same loss, not declared separable (issue 24 item 3)
 }
+GENERAL = {"auto-general"}  # variants timed with separable=False
 
 
 @contextlib.contextmanager
@@ -186,10 +191,12 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                 sync(device)
                 base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
                 with switches(name):
-                    seconds, times, peak_bytes = time_forward_backward(engine, tree, loss, run.args.repeats, 1)
+                    seconds, times, peak_bytes = time_forward_backward(engine, tree, loss, run.args.repeats, 1,
+                                                                       separable=name not in GENERAL)
                     plan = engine.plan(tree)
                 row.update(seconds=seconds, times=times, tflops=flops / seconds / 1e12, calls=engine.stats.model_calls,
-                           recomputed_calls=engine.stats.recomputed_calls,
+                           recomputed_calls=engine.stats.recomputed_calls, kept_graphs=engine.stats.kept_graphs,
+                           tokens_run=engine.stats.tokens_run,
                            kept_attention_layers=engine.stats.kept_attention_layers, plan=plan.describe(),
                            predicted_gib=plan.peak_bytes / 2**30, budget_gib=engine.memory.budget / 2**30)
                 if peak:
@@ -369,6 +376,10 @@ def print_tables(results: dict) -> None:
         print(f"| {r['workload']} | {r['config']} | {r['seconds']:.3f} | {r['tflops']:.1f} | {r.get('pct_peak', float('nan')):.1f} | "
               f"{r.get('peak_gib', float('nan')):.1f} | {r.get('activation_gib', float('nan')):.1f} | {r['predicted_gib']:.1f} | "
               f"{r['calls']} | |")
+    timed = {(r["workload"], r["config"]): r["seconds"] for r in sections.get("workloads", []) if "seconds" in r}
+    for (wl, config), seconds in timed.items():
+        if config in GENERAL and (wl, "auto") in timed:
+            print(f"{wl}: {config} / auto = {seconds / timed[(wl, 'auto')]:.3f}x (non-separable / separable)")
     print("\n| shape | kernel | ms | TFLOP/s | max diff vs first | error |")
     print("|---|---|---|---|---|---|")
     for r in sections.get("attention", []):

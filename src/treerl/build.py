@@ -124,7 +124,8 @@ def build_engines(engine_cfg: EngineConfig, model: torch.nn.Module, device: torc
     = gae``). ``temperature``: ``rollout.temperature``, which the engines' logprobs use."""
     e = engine_cfg
     kw = dict(mode=e.mode, memory_budget=e.memory_budget, max_tokens=e.max_tokens, chunk_tokens=e.chunk_tokens,
-              compile=e.compile, attention=e.attention, temperature=max(temperature, 1e-6))
+              compile=e.compile, attention=e.attention, temperature=max(temperature, 1e-6),
+              compile_cache_dir=e.compile_cache_dir)
     policy = TreeEngine(model, **kw)
     reference_engine = critic_engine = None
     if reference:

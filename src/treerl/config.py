@@ -197,6 +197,9 @@ class EngineConfig:
     max_tokens: int | None = key(None, ge=1, help="advanced: fixed tokens per call instead of the memory budget")
     chunk_tokens: int = key(2048, ge=1, help="tokens per chunk of a long node (dfs)")
     compile: bool | None = key(None, help="compiled decoder blocks; null: on CUDA")
+    compile_cache_dir: str | None = key(None, help="where compiled kernels are kept for later runs (torch's "
+                                        "compile caches and an artifacts file); null: ~/.cache/treerl/compile, "
+                                        "\"\": torch's defaults")
     attention: str = key("auto", choices=ATTENTIONS, help="attention backend (auto: flex on CUDA, else sdpa)")
 
 

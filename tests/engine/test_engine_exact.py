@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers.engine import MODES, SPEC, check_engine, plan_features
+from helpers.engine import MODES, SPEC, check_engine, general_peak, plan_features
 from helpers.forests import RandomLoss, forests, longest_node, random_seq, shaped_forest, tree_sizes
 from helpers.models import VARIANTS, VOCAB, get_model
 from helpers.reference import (
@@ -23,7 +23,7 @@ from helpers.reference import (
     reference_step,
     zero_grads,
 )
-from treerl import PrefixTree, TreeEngine, make_plan
+from treerl import PrefixTree, TreeEngine, TreeTooLargeError, make_plan
 from treerl.engine.attention import TreeAttention, dense_tree_mask, tree_attention_enabled
 
 HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -212,6 +212,86 @@ def test_dfs_chunk_sizes(chunk, gen):
         assert not split_nodes
     loss = RandomLoss.make(seqs, gen, coupled=True)
     check_engine(model, seqs, "dfs", loss, chunk_tokens=chunk, entropy=chunk % 2 == 1)
+
+
+# ------------------------------------ the general path: graphs held within the budget
+# Six trees of 14, 9, 16, 12, 15 and 15 tokens (81 in all), and one of 30 that splits into
+# chains under the budgets below.
+GENERAL_SPEC = [(6, [(4, []), (5, [])]), (7, [(3, []), (2, []), (4, [])]), (9, []), (5, [(6, []), (3, [])]),
+                (8, [(2, []), (5, [])]), (3, [(9, [])])]
+CHAINED_SPEC = [(18, [(6, []), (6, [])])]
+
+
+def general_model():
+    """A memory model in round numbers (per token: 1 MB held, 220 kB with block recompute,
+    of which 20 kB between a recomputing call's forward and its backward, as for 8 layers),
+    so that budgets of a few MB make the choices of the general path (the planning is all
+    they change)."""
+    from treerl.engine.memory import MemoryModel
+
+    return MemoryModel(fixed=0.0, per_token=1e6, recompute_per_token=2.2e5, attention_per_query=2e3,
+                       kv_per_token=2e4, layers=8)
+
+
+@pytest.mark.parametrize("mode", ["packed", "auto", "flat"])
+@pytest.mark.parametrize("case", ["as_planned", "regrouped", "fallback", "chained"])
+def test_general_path_holds_graphs_within_the_budget(mode, case, gen, monkeypatch):
+    """A loss that is not separable over several calls: the calls whose graphs fit the
+    budget hold them until the loss (no phase-1 forward), recomputing their blocks where
+    that lets more of them fit, regrouped into smaller calls where the plan's are too large
+    for all (``regrouped``), the rest through two phases (``fallback``: a budget too tight
+    for all of them; ``chained``: beside a tree that splits into chains). Exact in float64
+    against the per-sequence reference, and the held graphs within the budget."""
+    from treerl.engine import two_phase
+    from treerl.engine.memory import MemoryPolicy
+
+    if case == "chained" and mode != "auto":
+        pytest.skip("chains under a budget: auto")
+    model = get_model("qwen3")
+    monkeypatch.setattr(MemoryPolicy, "_measure", lambda self: general_model())
+    seqs = shaped_forest(gen, GENERAL_SPEC + (CHAINED_SPEC if case == "chained" else []))
+
+    def outcome(budget: int, chunk: int):
+        engine = TreeEngine(model, mode, memory_budget=budget, chunk_tokens=chunk)
+        try:
+            batch = engine._prepare(seqs)
+        except TreeTooLargeError:  # packed: a tree larger than a call
+            return (False,) * 5
+        regrouped = two_phase.general_plan(engine, batch)
+        plan = regrouped.plan
+        kept = two_phase.keep_graphs(plan, engine.memory.call_budget)
+        standalone = two_phase.standalone_segments(plan)
+        every = len(kept) == len(standalone) > 1 and not any(plan.children)
+        found = {
+            "as_planned": every and regrouped is batch
+            and all(kept[i].recompute == plan.segments[i].recompute for i in kept),
+            # (regrouped only where it saves forward tokens: held graphs, usually all of them)
+            "regrouped": regrouped is not batch and len(kept) > 1 and not any(plan.children),
+            "fallback": 0 < len(kept) < len(standalone) and regrouped is batch and not any(plan.children),
+            "chained": len(kept) > 0 and any(plan.children),
+        }[case]
+        return found, engine, plan, kept, standalone
+
+    # The layout order (and so the grouping) depends on the random tokens: the budget of
+    # the case is found by the planner's own choices. chunk_tokens bounds regrouped calls
+    # from below (2 or 30 tokens).
+    for budget, chunk in ((int(x * 5e5), c) for x in range(4, 140) for c in (2, 30)):
+        found, engine, plan, kept, standalone = outcome(budget, chunk)
+        if found:
+            break
+    assert found, f"no budget gives the case {case}"
+    kw = dict(memory_budget=budget, chunk_tokens=chunk)
+    assert general_peak(plan, kept, engine.memory.model) <= budget
+
+    runs = {}
+    for separable in (True, False):
+        loss = RandomLoss.make(seqs, gen, coupled=not separable)
+        run = check_engine(model, seqs, mode, loss, entropy=True, separable=separable, **kw)
+        runs[separable] = run.stats
+    assert runs[False].kept_graphs == len(kept)
+    if case != "chained":  # every call once, and phase 1's forward of the calls not held
+        extra = sum(plan.segments[i].size for i in standalone if i not in kept)
+        assert runs[False].tokens_run == sum(s.size for s in plan.segments) + extra
 
 
 # ---------------------------------------------------------------- loss variants

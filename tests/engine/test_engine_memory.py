@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.engine import MODES, SPEC, check_engine
+from helpers.engine import MODES, SPEC, check_engine, general_peak
 from helpers.forests import RandomLoss, shaped_forest
 from helpers.models import VARIANTS, get_model
 from treerl import PrefixTree, TreeEngine
-from treerl.engine.memory import MemoryModel, MemoryPolicy, resolve_budget
+from treerl.engine.memory import CallBudget, MemoryModel, MemoryPolicy, resolve_budget
+from treerl.engine.two_phase import keep_graphs
 
 
 def budget_for(model, full_tokens: int) -> int:
@@ -94,8 +95,10 @@ def test_recomputed_blocks_keep_attention_within_the_budget(mode, gen, monkeypat
         return attend(ctx, *args, **kwargs)
 
     monkeypatch.setattr(attention, "_attend", spy)
-    loss = RandomLoss.make(seqs, gen, coupled=True)
-    engine = check_engine(model, seqs, mode, loss, entropy=True, chunk_tokens=4, memory_budget=budget)
+    # (separable: each call's kept attentions as the plan sizes them; a non-separable loss holds
+    # several calls' graphs at once and shares the spare bytes among them, test_engine_exact.py)
+    loss = RandomLoss.make(seqs, gen)
+    engine = check_engine(model, seqs, mode, loss, entropy=True, chunk_tokens=4, memory_budget=budget, separable=True)
     assert 5 <= engine.stats.kept_attention_layers <= 16 * engine.stats.recomputed_calls, engine.stats
     if mode == "auto":  # the 39-token tree's call keeps 5; flat packs its sequences into calls that keep all 16
         assert 5 in {k for k, _ in attends.values()}
@@ -176,7 +179,11 @@ def test_separable_mixed_plan_runs_whole_trees_once(gen, monkeypatch):
         loss = RandomLoss.make(seqs, gen)
         engine = check_engine(model, seqs, "auto", loss, max_tokens=20, chunk_tokens=4, separable=separable)
         runs[separable] = engine.stats.tokens_run
-    assert runs[False] - runs[True] == sum(s.size for s in standalone)
+    # non-separable: the standalone trees whose graph the budget cannot hold until the loss
+    # (5 + 17 tokens > 20) pay phase 1's extra forward; the one held does not
+    kept = keep_graphs(plan, CallBudget.tokens_only(20))
+    assert 0 < len(kept) < len(standalone)
+    assert runs[False] - runs[True] == sum(s.size for i, s in enumerate(plan.segments) if s in standalone and i not in kept)
 
 
 # ------------------------------------------------------------- long trees in bytes
@@ -300,3 +307,29 @@ def test_tight_budgets_on_a_long_prefix_are_exact(mode, slack, gen):
         loss = RandomLoss.make(seqs, gen, coupled=not separable)
         check_engine(model, seqs, mode, loss, entropy=not separable, chunk_tokens=6, memory_budget=budget,
                      separable=separable)
+
+
+@pytest.mark.parametrize("workload", ["grpo", "agentic", "long"])
+def test_general_path_holds_every_medium_call_at_the_default_budget(workload):
+    """A loss that is not separable, on the medium batches at the Qwen3-1.7B shape and the
+    H100's default budget: every call holds its graph until the loss (GRPO's two calls of
+    ~25k tokens regrouped into smaller ones for it), so none pays phase 1's extra forward,
+    and the held graphs stay within the budget (walked independently)."""
+    import dataclasses
+
+    from treerl.engine import two_phase
+    from treerl.engine.plan import make_plan
+    from treerl.devtools.workloads import SCALES, make_workload
+
+    m, config = h100_like()
+    device = 85_029_158_912
+    budget = CallBudget(m, 0.2 * device, recompute=True, device_bytes=device)
+    tree = PrefixTree.from_sequences(make_workload(workload, SCALES["paper"], config.vocab_size))
+    plan = make_plan(tree, "auto", budget.tokens(), 2048, budget.pack(), memory=budget)
+    cap = two_phase.pack_for_keeping(plan, budget, 2048)
+    if len(two_phase.keep_graphs(plan, budget)) < len(two_phase.standalone_segments(plan)):
+        assert workload == "grpo" and cap is not None
+        plan = make_plan(tree, "auto", budget.tokens(), 2048, cap, memory=dataclasses.replace(budget, pack_cap=cap))
+    kept = two_phase.keep_graphs(plan, budget)
+    assert len(kept) == len(two_phase.standalone_segments(plan)) == len(plan.segments) > 1
+    assert general_peak(plan, kept, m) <= budget.budget

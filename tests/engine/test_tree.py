@@ -315,3 +315,135 @@ def test_ragged_nested_sequence_names_the_sequence():
 def test_float_message_quotes_the_offending_value():
     with pytest.raises(TypeError, match="2.5"):
         PrefixTree.from_sequences([[1], [1, 2.5]])
+
+
+# ------------------------------------------------ the build before issue 24, as a reference
+def _ref_segment_arange(lengths: np.ndarray) -> np.ndarray:
+    """[sum(lengths)] position within its segment: 0..len-1 for each segment in turn."""
+    total = int(lengths.sum())
+    starts = np.cumsum(lengths) - lengths
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+
+
+def _ref_sorted_order(arrays: list[np.ndarray]) -> np.ndarray:
+    """Lexicographic order of the sequences (a prefix sorts before its extensions)."""
+    keys = [a.astype(">u8").tobytes() for a in arrays]  # big-endian bytes sort like the ints
+    return np.array(sorted(range(len(arrays)), key=keys.__getitem__), dtype=np.int64)
+
+
+def _ref_longest_common_prefixes(flat: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """lcp[k] = common prefix length of sequences k-1 and k (lcp[0] = 0)."""
+    n = len(lengths)
+    lcp = np.zeros(n, dtype=np.int64)
+    if n < 2:
+        return lcp
+    common = np.minimum(lengths[1:], lengths[:-1])  # comparable positions per pair k=1..n-1
+    d = _ref_segment_arange(common)
+    pair = np.repeat(np.arange(1, n), common)
+    differs = flat[offsets[pair] + d] != flat[offsets[pair - 1] + d]
+    lcp[1:] = common
+    first_pair, first_at = np.unique(pair[differs], return_index=True)
+    lcp[first_pair] = d[differs][first_at]
+    return lcp
+
+
+def _ref_next_not_deeper(depth: np.ndarray) -> np.ndarray:
+    """For each i, the first j > i with depth[j] <= depth[i] (len(depth) if none).
+
+    Binary lifting over a sparse table of range minima: O(M log M), all vectorised.
+    """
+    m = len(depth)
+    tables = [depth]
+    while (1 << len(tables)) <= m:
+        prev, half = tables[-1], 1 << (len(tables) - 1)
+        nxt = prev.copy()
+        nxt[: m - half] = np.minimum(prev[: m - half], prev[half:])
+        tables.append(nxt)
+    pos = np.arange(1, m + 1, dtype=np.int64)
+    for level in range(len(tables) - 1, -1, -1):
+        width = 1 << level
+        ok = pos + width <= m
+        idx = np.where(ok, pos, 0)
+        deeper = ok & (tables[level][idx] > depth)
+        pos = np.where(deeper, pos + width, pos)
+    return pos
+
+
+def reference_build(arrays: list[np.ndarray], share_prefixes: bool) -> dict[str, np.ndarray]:
+    """The build before issue 24 (forward fills over every flat token), kept as a reference."""
+    n = len(arrays)
+    in_lengths = np.array([len(a) for a in arrays], dtype=np.int64)
+    order = _ref_sorted_order(arrays) if share_prefixes else np.arange(n, dtype=np.int64)
+    lengths = in_lengths[order]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    flat = np.concatenate([arrays[k] for k in order])
+    lcp = _ref_longest_common_prefixes(flat, lengths, offsets) if share_prefixes else np.zeros(n, np.int64)
+
+    # Every flat position (k, d) of the sorted sequences: new tokens are d >= lcp[k].
+    depth = _ref_segment_arange(lengths)
+    seq_of = np.repeat(np.arange(n), lengths)
+    is_new = depth >= lcp[seq_of]
+    tree_of_flat = np.cumsum(is_new) - 1  # valid where is_new
+    # A shared position (k, d) is the tree token of the last sequence <= k that created
+    # depth d: a forward fill within each depth, in (depth, k) order. The first entry of
+    # each depth is always new, so the fill never crosses depths.
+    by_depth = np.argsort(depth, kind="stable")
+    marks = np.where(is_new[by_depth], np.arange(len(flat)), 0)
+    last_new = np.maximum.accumulate(marks)
+    tree_of_flat[by_depth] = tree_of_flat[by_depth][last_new]
+
+    token_ids = flat[is_new]
+    position = depth[is_new]
+    prev_flat = np.concatenate([[0], tree_of_flat[:-1]])
+    parent = np.where(depth > 0, prev_flat, -1)[is_new]
+    num_tokens = len(token_ids)
+
+    # Nodes: a token starts one at a root, after a branch point, or after a sequence end.
+    children = np.bincount(parent[parent >= 0], minlength=num_tokens)
+    ends_here = np.zeros(num_tokens, dtype=bool)
+    ends_here[tree_of_flat[offsets[1:] - 1]] = True
+    safe_parent = np.maximum(parent, 0)
+    starts = (parent < 0) | (children[safe_parent] != 1) | ends_here[safe_parent]
+    node_start = np.flatnonzero(starts)
+    node_end = np.append(node_start[1:], num_tokens)
+    node_of = np.cumsum(starts) - 1
+    node_parent = np.where(parent[node_start] >= 0, node_of[safe_parent[node_start]], -1)
+    next_outside = _ref_next_not_deeper(position[node_start])
+    node_subtree_end = np.append(node_start, num_tokens)[next_outside]
+    subtree_end = node_subtree_end[node_of]
+
+    # Gather maps in input order.
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    in_seq = np.repeat(np.arange(n), in_lengths)
+    in_depth = _ref_segment_arange(in_lengths)
+    seq_index = tree_of_flat[offsets[rank[in_seq]] + in_depth]
+    seq_offsets = np.concatenate([[0], np.cumsum(in_lengths)])
+
+    return dict(token_ids=token_ids, position=position, parent=parent, subtree_end=subtree_end,
+                node_start=node_start, node_end=node_end, node_parent=node_parent, seq_index=seq_index,
+                seq_offsets=seq_offsets)
+
+
+@SETTINGS
+@given(forests(max_seqs=16, max_len=40), st.booleans())
+def test_build_equals_the_forward_fill_build(seqs, share):
+    """The per-sequence build (slice copies) gives every array of the build it replaced."""
+    from treerl.engine.tree import _validated_arrays
+
+    tree = PrefixTree.from_sequences(seqs, share_prefixes=share)
+    ref = reference_build(_validated_arrays(seqs), share)
+    for name, want in ref.items():
+        assert np.array_equal(getattr(tree, name).numpy(), want), name
+
+
+@pytest.mark.parametrize("workload", ["grpo", "agentic", "tree", "episodes"])
+def test_build_equals_the_forward_fill_build_on_workloads(workload):
+    from treerl.devtools.workloads import SCALES, make_workload
+    from treerl.engine.tree import _validated_arrays
+
+    seqs = make_workload(workload, SCALES["small"], 1000)
+    seqs += [seqs[0], seqs[1][: len(seqs[1]) // 2]]  # a duplicate and a strict prefix
+    tree = PrefixTree.from_sequences(seqs)
+    for name, want in reference_build(_validated_arrays(seqs), True).items():
+        assert np.array_equal(getattr(tree, name).numpy(), want), name

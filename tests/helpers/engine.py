@@ -103,3 +103,21 @@ def check_engine(
     assert model.config._attn_implementation == "sdpa", "engine left the model switched to treerl attention"
     zero_grads(model)
     return engine
+
+
+def general_peak(plan, kept, model) -> float:
+    """The general path's live bytes at their highest, walked independently: each held
+    call's peak plus the attentions it keeps (at most its spare bytes, which is all the
+    engine lets them take), after the graphs held before it (with their kept attentions)
+    and the keys/values phase 1 leaves for phase 2 (one chained path at most)."""
+    from treerl.engine.two_phase import held_bytes
+
+    reused = model.kv_per_token * max((plan.prefix_tokens(i) + s.size for i, s in enumerate(plan.segments)
+                                       if plan.children[i]), default=0)
+    held, peak = reused, reused
+    for i in sorted(kept):
+        s = kept[i]
+        attention = s.spare if s.recompute else 0.0
+        peak = max(peak, held + model.call_bytes(s.size, 0, s.recompute) + attention)
+        held += held_bytes(model, s.size, s.recompute) + attention
+    return peak

@@ -185,13 +185,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_forward_backward(engine, tree: PrefixTree, loss_fn, repeats: int, warmup: int):
+def time_forward_backward(engine, tree: PrefixTree, loss_fn, repeats: int, warmup: int, separable: bool = True):
     """Median seconds of forward_backward (a TreeEngine or NaiveLoop), the samples, and peak
-    CUDA bytes over the timed repeats (None on CPU)."""
+    CUDA bytes over the timed repeats (None on CPU). ``separable=False``: the general path
+    (the loss called once on every sequence)."""
     device = engine.device
     model = engine.model
     for _ in range(warmup):
-        engine.forward_backward(tree, loss_fn, separable=True)
+        engine.forward_backward(tree, loss_fn, separable=separable)
     model.zero_grad(set_to_none=False)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -199,7 +200,7 @@ def time_forward_backward(engine, tree: PrefixTree, loss_fn, repeats: int, warmu
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
-        engine.forward_backward(tree, loss_fn, separable=True)
+        engine.forward_backward(tree, loss_fn, separable=separable)
         _sync(device)
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

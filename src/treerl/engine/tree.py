@@ -9,7 +9,8 @@ the same set of sequences. Every sequence keeps its identity through a gather ma
 duplicates and strict prefixes of other sequences are legal.
 
 Building is vectorised (one sort of the sequences, longest common prefixes of sorted
-neighbours, forward fills): it runs every training step.
+neighbours, per-sequence slice copies; no per-token Python): it runs every training step
+(1-9 ms on the issue-24 batches of 0.1-1M flat tokens, bench/tree_build.py).
 """
 
 from __future__ import annotations
@@ -164,10 +165,13 @@ def _validated_arrays(seqs: Sequence[TokenSequence]) -> list[np.ndarray]:
                 arr = seq
                 bad = ok if arr.dtype.kind in "iu" else arr.dtype
             else:  # a list: every element must be an int (not a bool, float, str, None or list)
-                bad = next((x for x in seq if isinstance(x, (bool, np.bool_))
-                            or not isinstance(x, (int, np.integer))), ok)
-                if bad is ok:
-                    arr = np.asarray(seq) if len(seq) else np.zeros(0, dtype=np.int64)
+                arr = _int_list(seq)
+                bad = ok
+                if arr is None:  # find the offending element (one pass in Python)
+                    bad = next((x for x in seq if isinstance(x, (bool, np.bool_))
+                                or not isinstance(x, (int, np.integer))), ok)
+                    if bad is ok:
+                        arr = np.asarray(seq) if len(seq) else np.zeros(0, dtype=np.int64)
             if isinstance(bad, (list, tuple, np.ndarray)):
                 try:
                     shape = f" of shape {np.asarray(seq).shape}"
@@ -190,33 +194,36 @@ def _validated_arrays(seqs: Sequence[TokenSequence]) -> list[np.ndarray]:
     return arrays
 
 
+def _int_list(seq) -> np.ndarray | None:
+    """A list whose elements are all Python or numpy ints (no bools) as int64, in C loops
+    (the element types collected by ``map``); None when any is not, or is too large."""
+    if not all(t is int or issubclass(t, np.integer) for t in set(map(type, seq))):
+        return None
+    try:
+        return np.array(seq, dtype=np.int64) if len(seq) else np.zeros(0, dtype=np.int64)
+    except OverflowError:
+        return None
+
+
 # --------------------------------------------------------------------------- building
-def _segment_arange(lengths: np.ndarray) -> np.ndarray:
-    """[sum(lengths)] position within its segment: 0..len-1 for each segment in turn."""
-    total = int(lengths.sum())
-    starts = np.cumsum(lengths) - lengths
-    return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
-
-
 def _sorted_order(arrays: list[np.ndarray]) -> np.ndarray:
     """Lexicographic order of the sequences (a prefix sorts before its extensions)."""
-    keys = [a.astype(">u8").tobytes() for a in arrays]  # big-endian bytes sort like the ints
+    wide = any(a.max() > np.iinfo(np.uint32).max for a in arrays)
+    dtype = ">u8" if wide else ">u4"  # big-endian bytes sort like the ints
+    keys = [a.astype(dtype).tobytes() for a in arrays]
     return np.array(sorted(range(len(arrays)), key=keys.__getitem__), dtype=np.int64)
 
 
-def _longest_common_prefixes(flat: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """lcp[k] = common prefix length of sequences k-1 and k (lcp[0] = 0)."""
-    n = len(lengths)
-    lcp = np.zeros(n, dtype=np.int64)
-    if n < 2:
-        return lcp
-    common = np.minimum(lengths[1:], lengths[:-1])  # comparable positions per pair k=1..n-1
-    d = _segment_arange(common)
-    pair = np.repeat(np.arange(1, n), common)
-    differs = flat[offsets[pair] + d] != flat[offsets[pair - 1] + d]
-    lcp[1:] = common
-    first_pair, first_at = np.unique(pair[differs], return_index=True)
-    lcp[first_pair] = d[differs][first_at]
+def _longest_common_prefixes(sorted_arrays: list[np.ndarray]) -> np.ndarray:
+    """lcp[k] = common prefix length of sorted sequences k-1 and k (lcp[0] = 0): one
+    vectorised comparison per neighbour pair."""
+    lcp = np.zeros(len(sorted_arrays), dtype=np.int64)
+    for k in range(1, len(sorted_arrays)):
+        a, b = sorted_arrays[k - 1], sorted_arrays[k]
+        m = min(len(a), len(b))
+        differs = a[:m] != b[:m]
+        first = int(differs.argmax())
+        lcp[k] = first if differs[first] else m
     return lcp
 
 
@@ -243,37 +250,46 @@ def _next_not_deeper(depth: np.ndarray) -> np.ndarray:
 
 
 def _build(arrays: list[np.ndarray], share_prefixes: bool) -> PrefixTree:
+    """Sort the sequences; each one's tokens past its common prefix with the previous one
+    are new tree tokens, appended in that order (= DFS preorder), and its path is the
+    previous path's first ``lcp`` tokens then its new ones: per-sequence slice copies,
+    no per-token Python and no pass over the flat tokens beyond those copies."""
     n = len(arrays)
     in_lengths = np.array([len(a) for a in arrays], dtype=np.int64)
+    in_offsets = np.concatenate([[0], np.cumsum(in_lengths)])
     order = _sorted_order(arrays) if share_prefixes else np.arange(n, dtype=np.int64)
+    sorted_arrays = [arrays[k] for k in order]
+    lcp = _longest_common_prefixes(sorted_arrays) if share_prefixes else np.zeros(n, np.int64)
     lengths = in_lengths[order]
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    flat = np.concatenate([arrays[k] for k in order])
-    lcp = _longest_common_prefixes(flat, lengths, offsets) if share_prefixes else np.zeros(n, np.int64)
+    new = lengths - lcp  # new tree tokens of each sorted sequence
+    first_new = np.concatenate([[0], np.cumsum(new)])  # tree index of each one's first new token
+    num_tokens = int(first_new[-1])
 
-    # Every flat position (k, d) of the sorted sequences: new tokens are d >= lcp[k].
-    depth = _segment_arange(lengths)
-    seq_of = np.repeat(np.arange(n), lengths)
-    is_new = depth >= lcp[seq_of]
-    tree_of_flat = np.cumsum(is_new) - 1  # valid where is_new
-    # A shared position (k, d) is the tree token of the last sequence <= k that created
-    # depth d: a forward fill within each depth, in (depth, k) order. The first entry of
-    # each depth is always new, so the fill never crosses depths.
-    by_depth = np.argsort(depth, kind="stable")
-    marks = np.where(is_new[by_depth], np.arange(len(flat)), 0)
-    last_new = np.maximum.accumulate(marks)
-    tree_of_flat[by_depth] = tree_of_flat[by_depth][last_new]
+    # Paths (tree token of every position), written in input order.
+    seq_index = np.empty(int(in_offsets[-1]), dtype=np.int64)
+    prev = 0
+    for k in range(n):
+        at, shared = int(in_offsets[order[k]]), int(lcp[k])
+        if shared:
+            seq_index[at : at + shared] = seq_index[prev : prev + shared]
+        seq_index[at + shared : at + int(lengths[k])] = np.arange(first_new[k], first_new[k + 1])
+        prev = at
 
-    token_ids = flat[is_new]
-    position = depth[is_new]
-    prev_flat = np.concatenate([[0], tree_of_flat[:-1]])
-    parent = np.where(depth > 0, prev_flat, -1)[is_new]
-    num_tokens = len(token_ids)
+    token_ids = np.concatenate([a[int(c):] for a, c in zip(sorted_arrays, lcp)])
+    position = np.arange(num_tokens, dtype=np.int64) - np.repeat(first_new[:-1] - lcp, new)
+    # a new token's parent is the token before it, except the first new one of a sequence:
+    # the last shared token of its path (-1 at a root)
+    parent = np.arange(num_tokens, dtype=np.int64) - 1
+    creates = np.flatnonzero(new > 0)
+    heads = first_new[creates]
+    branch = lcp[creates]
+    parent[heads] = np.where(branch > 0, seq_index[in_offsets[order[creates]] + branch - 1], -1)
+    tree_of_end = seq_index[in_offsets[1:] - 1]  # the last token of every sequence
 
     # Nodes: a token starts one at a root, after a branch point, or after a sequence end.
     children = np.bincount(parent[parent >= 0], minlength=num_tokens)
     ends_here = np.zeros(num_tokens, dtype=bool)
-    ends_here[tree_of_flat[offsets[1:] - 1]] = True
+    ends_here[tree_of_end] = True
     safe_parent = np.maximum(parent, 0)
     starts = (parent < 0) | (children[safe_parent] != 1) | ends_here[safe_parent]
     node_start = np.flatnonzero(starts)
@@ -284,13 +300,7 @@ def _build(arrays: list[np.ndarray], share_prefixes: bool) -> PrefixTree:
     node_subtree_end = np.append(node_start, num_tokens)[next_outside]
     subtree_end = node_subtree_end[node_of]
 
-    # Gather maps in input order.
-    rank = np.empty(n, dtype=np.int64)
-    rank[order] = np.arange(n)
-    in_seq = np.repeat(np.arange(n), in_lengths)
-    in_depth = _segment_arange(in_lengths)
-    seq_index = tree_of_flat[offsets[rank[in_seq]] + in_depth]
-    seq_offsets = np.concatenate([[0], np.cumsum(in_lengths)])
+    seq_offsets = in_offsets
 
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
     return PrefixTree(

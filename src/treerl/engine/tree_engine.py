@@ -4,7 +4,9 @@ Every mode is a :mod:`plan <treerl.engine.plan>` of segments run by the one exec
 
 - a *single-level* plan (``flat``, ``packed``, or ``auto``/``dfs`` when every tree fits)
   runs each segment's forward and backward once; a loss that is not ``separable`` across
-  segments goes through the two-phase path instead, unless there is one segment;
+  segments goes through the two-phase path instead, unless there is one segment
+  (:mod:`.two_phase`: the general path, which holds the graphs of the calls that fit the
+  budget until the loss, so that only the others pay the extra forward);
 - otherwise, two phases (DESIGN.md, "Loss semantics"): a no-grad forward over the
   segments in depth-first order gives every tree token's logprob (and entropy); the loss
   runs on leaf copies of the per-sequence tensors, giving dL/dlogp per sequence token;
@@ -16,8 +18,10 @@ Gradients equal those of running every sequence alone, shared tokens computed on
 
 One executor: the single-level and the two-phase paths share the segment call and the
 output buffers, and neither half reads on its own. Around it: the batch layout and the
-per-sequence maps (:mod:`.batch`), the input checks (:mod:`.checks`) and the memory
-policy that sizes the calls (:class:`~treerl.engine.memory.MemoryPolicy`).
+per-sequence maps (:mod:`.batch`), the input checks (:mod:`.checks`), the memory
+policy that sizes the calls (:class:`~treerl.engine.memory.MemoryPolicy`), the phases'
+order and the general path's held graphs (:mod:`.two_phase`) and the compiled kernels kept
+across runs (:mod:`.compile_cache`).
 """
 
 from __future__ import annotations
@@ -29,14 +33,16 @@ from typing import Callable, Sequence
 import torch
 
 from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, tree_attention_enabled
-from .batch import Batch, prepare_batch, scatter_gather, seq_targets, sequences_by_segment, sequences_in
+from .batch import Batch, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
 from .checks import check_inputs, check_loss, check_supported
+from .compile_cache import enable as enable_compile_cache, save as save_compile_cache
 from .decoder import DecoderStack
 from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
 from .memory import MemoryPolicy
 from ..models import decoder_of
 from .plan import MODES, Plan, make_plan
 from .tree import PrefixTree, TokenSequence
+from .two_phase import forward_backward as two_phase
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -66,6 +72,7 @@ class StepStats:
     tokens_run: int = 0
     recomputed_calls: int = 0  # calls whose decoder blocks are recomputed in the backward
     kept_attention_layers: int = 0  # summed over those calls: layers whose attention is not recomputed
+    kept_graphs: int = 0  # general path: calls whose graph is held until the loss (no extra forward)
     seconds: float = 0.0
 
 
@@ -123,6 +130,10 @@ class TreeEngine:
             values [T, 1]; every method then yields values where it would yield logprobs
             (the value at element t is read at token t: the state before token t + 1).
 
+        compile_cache_dir: with ``compile``, where compiled kernels are kept for later runs
+            (:mod:`treerl.engine.compile_cache`; None: ``~/.cache/treerl/compile``, ``""``:
+            torch's defaults).
+
     ``memory`` is the engine's memory policy (:class:`~treerl.engine.memory.MemoryPolicy`:
     tokens per call, packing, recompute, kept attentions).
     """
@@ -140,6 +151,7 @@ class TreeEngine:
         temperature: float = 1.0,
         logits_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
         value_head: torch.nn.Module | None = None,
+        compile_cache_dir: str | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -166,6 +178,8 @@ class TreeEngine:
         if compile is None:
             compile = self.device.type == "cuda"
         self.runner = SegmentRunner(model, value_head, temperature, logits_chunk_elements, compile)
+        if self.runner.stack.compile:
+            enable_compile_cache(compile_cache_dir, self.device)
         self.memory = MemoryPolicy(self.runner.stack, self.head, attention, self.device, budget=memory_budget,
                                    max_tokens=max_tokens, chunk_elements=logits_chunk_elements)
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -233,10 +247,12 @@ class TreeEngine:
             # Trees that run as one call go through once; only the chained ones take two phases.
             chained = plan.chained_segments()
             loss = self._forward_backward_segments(batch, loss_fn, entropy, separable, skip=chained)
-            loss += self._forward_backward_two_phase(batch, loss_fn, entropy, separable, only=chained)
-        else:
-            loss = self._forward_backward_two_phase(batch, loss_fn, entropy, separable)
+            loss += two_phase(self, batch, loss_fn, entropy, separable, only=chained)
+        else:  # the general path (two_phase: graphs held where the budget has room)
+            loss = two_phase(self, batch, loss_fn, entropy, separable)
         self.stats.seconds = time.perf_counter() - t0
+        if self.runner.stack.compile:
+            save_compile_cache()  # (only when this step compiled something new)
         return loss
 
     # ------------------------------------------------------------------- preparing
@@ -365,39 +381,6 @@ class TreeEngine:
             loss.backward()
             total += loss.detach().reshape(()).to(torch.float64)
         return float(total)
-
-    # ------------------------------------------------------------------ two phases
-    def _forward_backward_two_phase(self, b: Batch, loss_fn: LossFn, entropy: bool, separable: bool,
-                                    only: set[int] | None = None) -> float:
-        """Two phases over every segment, or over the whole trees of ``only`` (a separable
-        loss then sees just their sequences)."""
-        seqs = torch.arange(b.tree.num_sequences)
-        targets, lengths = b.seq_targets, b.seq_lengths
-        if only is not None:
-            seqs, targets, lengths = sequences_in(b, only)
-            if len(seqs) == 0:
-                return 0.0
-        reuse: dict[int, list[KV]] | None = {} if self.reuse_forward_kv else None
-        with torch.no_grad():
-            lp_all, ent_all = self._forward_all(b, entropy, only, reuse)
-        leaves = [lp_all[targets].requires_grad_()]
-        if entropy:
-            leaves.append(ent_all[targets].requires_grad_())
-        outs = [list(leaf.split(lengths)) for leaf in leaves]
-        if separable:
-            loss = loss_fn(*outs, index=seqs)
-        else:
-            loss = loss_fn(*outs)
-        check_loss(loss)
-        loss.backward()
-        grads = []
-        for leaf, buf in zip(leaves, (lp_all, ent_all)):
-            g = torch.zeros_like(buf)
-            if leaf.grad is not None:
-                g.index_add_(0, targets, leaf.grad)
-            grads.append(g)
-        self._backward_all(b, grads[0], grads[1] if entropy else None, only, reuse)
-        return float(loss.detach())
 
     def _backward_all(self, b: Batch, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
                       only: set[int] | None = None, reuse: dict[int, list[KV]] | None = None) -> None:
