@@ -15,8 +15,11 @@ cache sizes of the block's frames:
 A variant that PASSES where as-is FAILS names the suspect it switched off.
 
 ``--no-prelude``: the cases alone (expected PASS), to compare the printed memory model and plans.
+``--chain``: run tests/cuda/test_chain_attention_cuda.py first, as ``pytest -m cuda tests/cuda``
+does (that file sorts before test_cuda.py: bf16 engines on the same ``small`` shape, fused
+SDPA kernels on odd shapes, the ones that once crashed the test process).
 
-    PYTHONPATH=src:tests:tests/cuda python3 bench/gradbug_probe.py [--no-prelude]
+    PYTHONPATH=src:tests:tests/cuda python3 bench/gradbug_probe.py [--no-prelude] [--chain]
 """
 
 from __future__ import annotations
@@ -113,12 +116,35 @@ def cases(variant: str) -> None:
             print(f"    recompile limits hit: {limit_hits()}", flush=True)
 
 
+def chain_prelude() -> None:
+    import pytest
+    import test_chain_attention_cuda as tc
+    import treerl.engine.chain_attention as chain
+
+    for name in chain.KERNELS:
+        for expand_kv in (False, True):
+            for n, prefix in [(1, 1), (77, 0), (77, 1), (200, 333), (256, 1024)]:
+                try:
+                    tc.test_fused_kernels_against_float64(name, expand_kv, n, prefix)
+                except pytest.skip.Exception:
+                    pass
+    tc.test_probe_picks_a_fused_kernel_for_qwen3_heads()
+    for mode, kw in [("flat", {"max_tokens": 256}), ("dfs", {"chunk_tokens": 200}),
+                     ("auto", {"max_tokens": 300, "chunk_tokens": 64})]:
+        with pytest.MonkeyPatch.context() as mp:
+            tc.test_engine_bf16_chain_path_as_accurate_as_the_tree_mask(mode, kw, mp)
+    print(f"chain prelude done; dynamo cache entries: {cache_sizes()}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-prelude", action="store_true")
+    ap.add_argument("--chain", action="store_true")
     args = ap.parse_args()
     treerl.TreeEngine.forward_backward = logged_forward_backward
     logging.getLogger("torch._dynamo").addHandler(_LimitHits())
+    if args.chain:
+        chain_prelude()
     if not args.no_prelude:
         for workload in ("grpo", "agentic"):
             for mode, kw in [("flat", {}), ("packed", {}), ("dfs", {"chunk_tokens": 7}),
