@@ -19,7 +19,7 @@ A variant that PASSES where as-is FAILS names the suspect it switched off.
 does (that file sorts before test_cuda.py: bf16 engines on the same ``small`` shape, fused
 SDPA kernels on odd shapes, the ones that once crashed the test process).
 
-    PYTHONPATH=src:tests:tests/cuda python3 bench/gradbug_probe.py [--no-prelude] [--chain]
+    PYTHONPATH=src:tests:tests/cuda python3 bench/gradbug_probe.py [--no-prelude] [--chain] [--variants as-is,...]
 """
 
 from __future__ import annotations
@@ -140,6 +140,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-prelude", action="store_true")
     ap.add_argument("--chain", action="store_true")
+    ap.add_argument("--variants", default="as-is,sync-copy,eager-head,eager-blocks,dynamo-reset",
+                    help="comma-separated, in this order")
     args = ap.parse_args()
     treerl.TreeEngine.forward_backward = logged_forward_backward
     logging.getLogger("torch._dynamo").addHandler(_LimitHits())
@@ -155,19 +157,13 @@ def main() -> None:
         print(f"prelude done; dynamo cache entries: {cache_sizes()}", flush=True)
         print(f"prelude's recompile limits hit: {limit_hits()}", flush=True)
     from treerl.engine import decoder, loss_head
-    cases("as-is")
-    tree_engine.prepare_batch = sync_prepare
-    cases("sync-copy")
-    tree_engine.prepare_batch = prepare_batch
-    compiled_head = loss_head._COMPILED
-    loss_head._COMPILED = (loss_head._chunk_forward, loss_head._chunk_grad_logits)
-    cases("eager-head")
-    loss_head._COMPILED = compiled_head
-    compiled_block = decoder._BLOCK
-    decoder._BLOCK = decoder._run_block
-    cases("eager-blocks")
-    decoder._BLOCK = compiled_block
-    cases("dynamo-reset")
+    compiled_head, compiled_block = loss_head._COMPILED, decoder._BLOCK
+    for variant in args.variants.split(","):
+        tree_engine.prepare_batch = sync_prepare if variant == "sync-copy" else prepare_batch
+        loss_head._COMPILED = ((loss_head._chunk_forward, loss_head._chunk_grad_logits) if variant == "eager-head"
+                               else compiled_head)
+        decoder._BLOCK = decoder._run_block if variant == "eager-blocks" else compiled_block
+        cases(variant)
 
 
 if __name__ == "__main__":
