@@ -79,7 +79,7 @@ _orig_fb = treerl.TreeEngine.forward_backward
 
 def logged_forward_backward(self, *args, **kwargs):
     loss = _orig_fb(self, *args, **kwargs)
-    if self.runner.stack.compile and self.memory.budget is not None and self.memory.budget < 2**33:
+    if self.stats.recomputed_calls:  # the recompute test's calls (the prelude's never recompute)
         m = self.memory.model
         print(f"    memory model: fixed={m.fixed:.0f} per_token={m.per_token:.0f} "
               f"recompute_per_token={m.recompute_per_token:.0f} budget={self.memory.budget}", flush=True)
