@@ -23,15 +23,16 @@ from .partitioner import partition
 T = TypeVar("T")
 
 
-def setup(config: Config) -> dp.DistContext | None:
+def setup(config: Config, store=None) -> dp.DistContext | None:
     """Under torchrun (WORLD_SIZE > 1): join the process group, one rank per GPU (NCCL)
-    when ``train.device`` is CUDA, gloo on CPU otherwise. One process: ``None``."""
+    when ``train.device`` is CUDA, gloo on CPU otherwise. One process: ``None``.
+    ``store``: the rendezvous store, when the launcher holds one (see :func:`dp.setup`)."""
     if not dp.launched():
         return None
     cuda = torch.device(config.train.device).type == "cuda"
     if cuda and not torch.cuda.is_available():
         raise ConfigError(f"train.device={config.train.device} but CUDA is not available")
-    return dp.setup("nccl" if cuda else "gloo")
+    return dp.setup("nccl" if cuda else "gloo", store=store)
 
 
 def shard(engines: Sequence[TreeEngine], device: torch.device, autocast_bf16: bool) -> None:
