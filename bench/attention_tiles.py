@@ -3,7 +3,7 @@
 Compiled with dynamic shapes, flex attention cannot prove a sequence length divides its
 128-token tiles, so every tile pays bounds checks, index wrapping and extra masking
 (``IS_DIVISIBLE=False``). The engine now pads each call to whole tiles and hands the
-tile over as an axis of its own (:func:`treerl.attention.flex_tree_attention`), which
+tile over as an axis of its own (:func:`treerl.engine.attention.flex_tree_attention`), which
 keeps one compiled kernel for every length (results of 2026-11-24 were taken with the
 padding inside the attention call; it now happens on the call's tokens). This script times, on the first ``--tokens``
 tree tokens of each workload (Qwen3-1.7B heads: 16 query / 8 KV heads of 128, bf16), one
@@ -35,8 +35,8 @@ from torch.nn.attention.flex_attention import flex_attention
 from triton.testing import do_bench
 
 from treerl import PrefixTree
-from treerl.attention import FLEX_BLOCK, FLEX_KERNEL, flex_block_mask, flex_tree_attention
-from treerl.workloads import SCALES, make_workload
+from treerl.engine.attention import FLEX_BLOCK, FLEX_KERNEL, flex_block_mask, flex_tree_attention
+from treerl.devtools.workloads import SCALES, make_workload
 
 H, HKV, D = 16, 8, 128
 

@@ -1,5 +1,5 @@
 """Asynchronous vs synchronous RL: wall-clock time to train the same number of samples on
-a workload with long-tailed generation lengths (``treerl.async_rl.longtail``: Pareto
+a workload with long-tailed generation lengths (``treerl.devtools.longtail``: Pareto
 lengths, most completions short, a few up to ``--max-tokens``), same model, task and
 hardware.
 
@@ -36,7 +36,7 @@ import time
 import torch
 
 from treerl.async_rl import AsyncOptions, AsyncRunner
-from treerl.async_rl.longtail import register
+from treerl.devtools.longtail import register
 from treerl.config import Config
 from treerl.models import SHAPES
 from treerl.trainer import Trainer
@@ -87,7 +87,7 @@ def run_async(args, eta: int) -> dict:
     cfg = make_config(args, args.trainer_device, eta)
     trainer = Trainer(cfg)
     options = AsyncOptions(worker_devices=args.worker_devices, worker_threads=1, proximal=args.proximal,
-                           setup="treerl.async_rl.longtail:register", deadline_s=args.deadline)
+                           setup="treerl.devtools.longtail:register", deadline_s=args.deadline)
     runner = AsyncRunner(cfg, trainer, options, out_dir=args.out)
     stale, train_s, lengths = [], [0.0], []
 
@@ -121,9 +121,9 @@ def run_rollout(args) -> list[dict]:
 
     torch.set_num_threads(args.threads[-1])
     trainer = Trainer(make_config(args, args.trainer_device))
-    params = trainer.sampling_params(args.group)
-    prompts = [trainer.format.prompt_ids(trainer.tokenizer, p.prompt)
-               for p in trainer.next_problems(args.steps * args.prompts)]
+    params = trainer.sampler.sampling_params(args.group)
+    prompts = [trainer.sampler.format.prompt_ids(trainer.tokenizer, p.prompt)
+               for p in trainer.sampler.next_problems(args.steps * args.prompts)]
     steps = [prompts[i * args.prompts:(i + 1) * args.prompts] for i in range(args.steps)]
     rows = []
 

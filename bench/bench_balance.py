@@ -54,8 +54,8 @@ from treerl.distributed import (
     partition,
     tree_features,
 )
-from treerl.models import SHAPES
-from treerl.workloads import SCALES, make_workload
+from treerl.models import FAMILIES, SHAPES
+from treerl.devtools.workloads import SCALES, make_workload
 
 BASELINES = ("greedy", "contiguous", "trees")
 
@@ -126,8 +126,8 @@ def make_engine(args):
 
 
 def time_tree(engine, tree: PrefixTree, repeats: int, warmup: int, seed: int = 0) -> float:
-    """Median seconds of one forward_backward (CUDA-synchronised), as treerl.benchmark."""
-    from treerl.benchmark import time_forward_backward, weighted_logprob_loss
+    """Median seconds of one forward_backward (CUDA-synchronised), as treerl.devtools.benchmark."""
+    from treerl.devtools.benchmark import time_forward_backward, weighted_logprob_loss
 
     seconds, _, _ = time_forward_backward(engine, tree, weighted_logprob_loss(tree, seed), repeats, warmup)
     return seconds
@@ -324,7 +324,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fit", action="store_true", help="measure random trees and fit the cost model")
     p.add_argument("--measure", action="store_true", help="time each rank's share (N ranks on one device)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen2", "llama"])
+    p.add_argument("--family", default="qwen3", choices=list(FAMILIES))
     p.add_argument("--shape", default="qwen3-1.7b", choices=list(SHAPES))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float64"])
     p.add_argument("--mode", default="auto", choices=["auto", "packed", "dfs", "flat"], help="engine mode")

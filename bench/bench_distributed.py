@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 import treerl
-from treerl.benchmark import weighted_logprob_loss
+from treerl.devtools.benchmark import weighted_logprob_loss
 from treerl.distributed import equal_token_partition, partition
 from treerl.distributed.data_parallel import gradient_step, setup, shard
 from treerl.models import build_model
-from treerl.workloads import SCALES, make_workload
+from treerl.devtools.workloads import SCALES, make_workload
 
 
 def timed_step(engine, seqs, mine, loss_fn, device):

@@ -14,7 +14,7 @@ naive, fraction of the ideal ratio, peak memory (CUDA), unique-token TFLOP/s and
         --repeats 2 --json $OUT/bench_engines.json
 """
 
-from treerl.benchmark import main
+from treerl.devtools.benchmark import main
 
 if __name__ == "__main__":
     main()

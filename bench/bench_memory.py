@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import treerl
-from treerl.benchmark import weighted_logprob_loss
+from treerl.devtools.benchmark import weighted_logprob_loss
 from treerl.models import build_model
 
 

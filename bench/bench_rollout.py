@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
                     prefill_chunk_tokens=8192,
                 )
                 if opt.get("hf_step"):
-                    engine.decode_forward = None  # the decode step through the model's HF forward
+                    engine.decode_blocks = None  # the decode step through the model's HF forward
                 run = _engine_runner(engine, prompts, G, args)
             t0 = time.perf_counter()
             run()  # warm-up: CUDA graphs captured (and compiled) here
@@ -218,7 +218,7 @@ def _engine_runner(engine: RolloutEngine, prompts, G, args):
         params = SamplingParams(n=G, temperature=args.temperature, max_new_tokens=args.new_tokens, seed=args.seed)
         groups = engine.generate(prompts, params)
         run.stats = engine.stats
-        run.compiled = engine.decode_forward is not None and engine.decode_forward.compiled
+        run.compiled = engine.decode_blocks is not None and engine.decode_blocks.compiled
         return sum(len(c) for grp in groups for c in grp)
 
     return run

@@ -14,7 +14,7 @@
     and ``auto-fixed`` (``auto`` with ``max_tokens`` fixed below the trees' sizes, 8192 at
     ``paper``, the previous default: the prefix nodes run as chains of chunks, the
     subtrees below packed) on the ``agentic`` and ``long`` workloads of
-    :mod:`treerl.workloads` with half their groups (to fit a GPU run in ~6 minutes):
+    :mod:`treerl.devtools.workloads` with half their groups (to fit a GPU run in ~6 minutes):
     seconds, peak memory, and the FLOPs recomputed. (``auto`` with ``max_tokens`` = the
     chunk would plan exactly as ``dfs``.) Recomputed FLOPs =
     tokens the plan runs beyond the unique tree tokens (the two-phase no-grad forward,
@@ -25,7 +25,7 @@
     chunk size leaves the plan unchanged from the previous point, the row is that point's
     measurement again (marked ``same_plan_as``), not a new run.
 
-Useful FLOPs and TFLOP/s follow DESIGN.md (:func:`treerl.benchmark.useful_flops`): matmuls
+Useful FLOPs and TFLOP/s follow DESIGN.md (:func:`treerl.devtools.benchmark.useful_flops`): matmuls
 6 x (non-embedding + LM head params) per unique token, attention 12 x heads x head_dim x
 layers per visible (query, key) pair; % of ``--peak-tflops``.
 
@@ -53,15 +53,15 @@ import numpy as np
 import torch
 
 from treerl import PrefixTree, TreeEngine
-from treerl.benchmark import (
+from treerl.devtools.benchmark import (
     DEFAULT_PEAK_TFLOPS,
     matmul_params,
     time_forward_backward,
     useful_flops,
     weighted_logprob_loss,
 )
-from treerl.models import SHAPES, build_model
-from treerl.workloads import SCALES, distinct_starts, make_workload
+from treerl.models import FAMILIES, SHAPES, build_model
+from treerl.devtools.workloads import SCALES, distinct_starts, make_workload
 
 # (groups, G samples, sequence length L) of the sharing sweep, per workload scale.
 SHARING_SHAPES = {"paper": (1, 32, 1024), "small": (1, 32, 96), "tiny": (1, 24, 48)}
@@ -155,7 +155,7 @@ class Sweeps:
 
     def measure(self, row: Row, engine: TreeEngine, tree: PrefixTree) -> Row:
         plan = engine.plan(tree)
-        row.max_tokens, row.chunk_tokens = engine.max_tokens, engine.chunk_tokens
+        row.max_tokens, row.chunk_tokens = engine.memory.max_tokens, engine.chunk_tokens
         row.peak_live_tokens = plan.peak_live_tokens()
         row.useful_tflop = useful_flops(self.model, tree) / 1e12
         if self.out_of_time():
@@ -348,7 +348,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--family", default="qwen3", choices=["qwen3", "qwen2", "llama"])
+    p.add_argument("--family", default="qwen3", choices=list(FAMILIES))
     p.add_argument("--shape", default="small", choices=list(SHAPES))
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     p.add_argument("--device", default="cpu")

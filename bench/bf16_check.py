@@ -12,7 +12,7 @@ import torch
 
 import treerl
 from treerl.models import build_model
-from treerl.workloads import WorkloadSpec, make_workload
+from treerl.devtools.workloads import WorkloadSpec, make_workload
 
 
 # "auto-default": TreeEngine(model) as a user gets it; "auto-lean": a 2.5 GB budget, so

@@ -18,8 +18,8 @@ from torch.nn.attention.flex_attention import flex_attention
 from triton.testing import do_bench
 
 from treerl import PrefixTree
-from treerl.attention import FLEX_BLOCK, FLEX_KERNEL, flex_block_mask, whole_tile_views
-from treerl.workloads import SCALES, make_workload
+from treerl.engine.attention import FLEX_BLOCK, FLEX_KERNEL, flex_block_mask, whole_tile_views
+from treerl.devtools.workloads import SCALES, make_workload
 
 OPTIONS = {  # on whole tiles (the engine's call); bwd_/fwd_ prefixes apply to one pass only
     "default": {},
@@ -34,7 +34,7 @@ OPTIONS = {  # on whole tiles (the engine's call); bwd_/fwd_ prefixes apply to o
 
 
 def tiles_call(opts: dict):
-    """The engine's whole-tile flex call (treerl.attention.flex_tree_attention) with extra
+    """The engine's whole-tile flex call (treerl.engine.attention.flex_tree_attention) with extra
     kernel options; q/k/v [1, H, N, D] with N a multiple of FLEX_BLOCK."""
     def whole_tiles(query, key, value, block_mask):
         q, k, v = (x.flatten(2, 3) for x in (query, key, value))

@@ -15,15 +15,15 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    take what the budget leaves beside a recomputed call) and the budget, against the measured
    peak of activations (``max_memory_allocated`` above weights and gradients) for trees shaped
    like the 32k-token prefix (``workloads.memory_sweep_tree``) of 4k..64k tokens, at defaults.
-3. **workloads**: ``long_prefix`` and ``episodes`` (``treerl.workloads``) through ``auto``
+3. **workloads**: ``long_prefix`` and ``episodes`` (``treerl.devtools.workloads``) through ``auto``
    and ``dfs`` at defaults, plus A/B variants: ``auto-noreuse`` (phase 2 recomputes the K/V
    of phase 1's last path, as before), ``auto-tiles`` / ``dfs-tiles`` (calls after a prefix
-   on whole flex tiles, ``treerl.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget).
+   on whole flex tiles, ``treerl.engine.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget).
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan.
 4. **attention**: one layer's attention forward+backward (Qwen3-1.7B heads: 16 query / 8 KV
    of 128, bf16) on one causal sequence of 8k/16k/32k tokens: the engine's tree attention
-   (flex on whole tiles with the tree block mask, ``treerl.attention.flex_tree_attention``)
+   (flex on whole tiles with the tree block mask, ``treerl.engine.attention.flex_tree_attention``)
    against SDPA's causal cuDNN and flash kernels; and a chain piece after a long prefix
    (2,048 queries after 30,720 keys: the engine's prefix call) through flex (as the engine
    calls it, and on whole tiles: ``PREFIX_AS_TILES``) against SDPA flash with the causal mask
@@ -52,11 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_engine import matmul_peak  # noqa: E402
 
 from treerl import PrefixTree, TreeEngine  # noqa: E402
-from treerl.benchmark import time_forward_backward, useful_flops, weighted_logprob_loss  # noqa: E402
+from treerl.devtools.benchmark import time_forward_backward, useful_flops, weighted_logprob_loss  # noqa: E402
 from treerl.models import build_model  # noqa: E402
-from treerl.workloads import SCALES, make_workload, memory_sweep_tree  # noqa: E402
+from treerl.devtools.workloads import SCALES, make_workload, memory_sweep_tree  # noqa: E402
 
-VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, treerl.attention switches)
+VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, treerl.engine.attention switches)
     "auto": (dict(mode="auto"), {}, {}),
     "dfs": (dict(mode="dfs"), {}, {}),
     "auto-noreuse": (dict(mode="auto"), dict(reuse_forward_kv=False), {}),
@@ -68,8 +68,8 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
 
 @contextlib.contextmanager
 def switches(name: str):
-    """The variant's ``treerl.attention`` switches for the duration of its rows."""
-    import treerl.attention as attention
+    """The variant's ``treerl.engine.attention`` switches for the duration of its rows."""
+    import treerl.engine.attention as attention
 
     before = {key: getattr(attention, key) for key in VARIANTS[name][2]}
     for key, value in VARIANTS[name][2].items():
@@ -116,13 +116,13 @@ def make_engine(model, name: str, smoke_budget: int | None) -> TreeEngine:
 def sweep(run: Run, model, device, smoke_budget) -> list[dict]:
     rows = []
     engine = make_engine(model, "auto", smoke_budget)
-    engine.memory_model  # the probe's allocations are not a step's
+    engine.memory.model  # the probe's allocations are not a step's
     sizes = [64, 128, 256] if run.args.smoke else [4096, 16384, 32768, 65536]
     for tokens in sizes:
         if run.over():
             break
         tree = PrefixTree.from_sequences(memory_sweep_tree(tokens, model.config.vocab_size))
-        row = dict(tokens=tokens, longest=int(tree.seq_lengths.max()), budget_gib=engine.memory_budget / 2**30)
+        row = dict(tokens=tokens, longest=int(tree.seq_lengths.max()), budget_gib=engine.memory.budget / 2**30)
         try:
             plan = engine.plan(tree)
             row.update(predicted_gib=plan.peak_bytes / 2**30, plan=plan.describe())
@@ -169,7 +169,7 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
             row = dict(workload=wl, config=name, tree_tokens=tree.num_tree_tokens, flat_tokens=tree.num_flat_tokens)
             try:
                 engine = make_engine(model, name, smoke_budget)
-                engine.memory_model
+                engine.memory.model
                 sync(device)
                 base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
                 with switches(name):
@@ -178,7 +178,7 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                 row.update(seconds=seconds, times=times, tflops=flops / seconds / 1e12, calls=engine.stats.model_calls,
                            recomputed_calls=engine.stats.recomputed_calls,
                            kept_attention_layers=engine.stats.kept_attention_layers, plan=plan.describe(),
-                           predicted_gib=plan.peak_bytes / 2**30, budget_gib=engine.memory_budget / 2**30)
+                           predicted_gib=plan.peak_bytes / 2**30, budget_gib=engine.memory.budget / 2**30)
                 if peak:
                     row["pct_peak"] = 100 * row["tflops"] / peak
                 if peak_bytes is not None:
@@ -201,7 +201,7 @@ def attention(run: Run, device, dtype) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
-    from treerl.attention import flex_block_mask, flex_tree_attention
+    from treerl.engine.attention import flex_block_mask, flex_tree_attention
 
     heads, kv_heads, dim = 16, 8, 128
     rows = []
@@ -318,8 +318,8 @@ def main(argv=None):
     smoke_budget = None
     if args.smoke:  # a budget under which the small shapes chain, recompute and keep attentions
         probe = TreeEngine(model)
-        m = probe.memory_model
-        smoke_budget = int(m.fixed + 1.5 * (probe.call_budget.path_needs(600)[0] - m.fixed))
+        m = probe.memory.model
+        smoke_budget = int(m.fixed + 1.5 * (probe.memory.call_budget.path_needs(600)[0] - m.fixed))
     run.results.update(model=shape, dtype=str(dtype))
     if "sweep" in sections:
         sweep(run, model, device, smoke_budget)

@@ -54,12 +54,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from treerl import PrefixTree, TreeEngine, moe  # noqa: E402
-from treerl.benchmark import attention_flops_per_pair, matmul_params, weighted_logprob_loss  # noqa: E402
+from treerl.devtools.benchmark import attention_flops_per_pair, matmul_params, weighted_logprob_loss  # noqa: E402
 from treerl.lora import apply_lora  # noqa: E402
-from treerl.memory import expert_weight_bytes  # noqa: E402
+from treerl.engine.memory import expert_weight_bytes  # noqa: E402
 from treerl.models import build_model  # noqa: E402
 from treerl.rollout import RolloutEngine, SamplingParams  # noqa: E402
-from treerl.workloads import WorkloadSpec, make_workload  # noqa: E402
+from treerl.devtools.workloads import WorkloadSpec, make_workload  # noqa: E402
 
 
 def sync(device):
@@ -211,7 +211,7 @@ def part_lora_rollout(a, device, results):
         out[kind] = dict(tok_per_s=tokens / seconds, seconds=seconds, refresh_seconds=refresh, prefill_seconds=prefill,
                          decode_ms_per_step=1e3 * decode / max(1, stats.decode_steps), decode_steps=stats.decode_steps,
                          step_builds=stats.step_builds, cuda_graphs=engine.cuda_graphs,
-                         decode_compiled=engine.decode_forward.compiled if engine.decode_forward else None,
+                         decode_compiled=engine.decode_blocks.compiled if engine.decode_blocks else None,
                          adapter_dtype=str(next((p.dtype for n, p in model.named_parameters() if "lora_" in n), None)))
         print(f"lora_rollout part: {kind}: {out[kind]}", flush=True)
         del model, engine
@@ -324,7 +324,7 @@ def part_rollout(a, device, results, bandwidth):
                               floor_tok_per_s=None if not floor_s else rows * T / floor_s,
                               fraction_of_floor=None if not floor_s else (tokens / best) / (rows * T / floor_s),
                               expected_experts_per_layer=distinct, weight_bytes_per_step=weights_step,
-                              decode_compiled=engine.decode_forward.compiled if engine.decode_forward else None)
+                              decode_compiled=engine.decode_blocks.compiled if engine.decode_blocks else None)
     print(f"rollout part: {tokens / best:.0f} tok/s, floor {results['rollout']['floor_tok_per_s']}", flush=True)
     del model, engine
     free()

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from treerl import PrefixTree, TreeEngine
-from treerl.benchmark import NaiveLoop, time_forward_backward, useful_flops, weighted_logprob_loss
+from treerl.devtools.benchmark import NaiveLoop, time_forward_backward, useful_flops, weighted_logprob_loss
 from treerl.models import build_model
-from treerl.workloads import SCALES, make_workload
+from treerl.devtools.workloads import SCALES, make_workload
 
 CONFIGS = {
     "auto-8192-eager": dict(mode="auto", max_tokens=8192, compile=False),
@@ -55,7 +55,7 @@ def make_engine(model, name: str) -> TreeEngine:
     name = name.replace("-nokeep", "").replace("-maxpack", "")
     engine = (_PackedToMaxTokens if maxpack else TreeEngine)(model, **engine_config(name))
     if nokeep:
-        engine.kept_attention_layers = lambda queries, keys, copies, spare: frozenset()
+        engine.memory.kept_attention_layers = lambda queries, keys, copies, spare: frozenset()
     return engine
 
 
@@ -186,10 +186,10 @@ def main(argv=None):
                     row.update(seconds=seconds, times=times, peak_gib=peak_bytes / 2**30, calls=engine.stats.model_calls,
                                recomputed_calls=engine.stats.recomputed_calls,
                                kept_attention_layers=engine.stats.kept_attention_layers, plan=engine.stats.plan,
-                               max_tokens=engine.max_tokens)
-                    if engine.memory_budget is not None:
-                        m = engine.memory_model
-                        row.update(budget_gib=engine.memory_budget / 2**30, bytes_per_token=m.per_token,
+                               max_tokens=engine.memory.max_tokens)
+                    if engine.memory.budget is not None:
+                        m = engine.memory.model
+                        row.update(budget_gib=engine.memory.budget / 2**30, bytes_per_token=m.per_token,
                                    recompute_bytes_per_token=m.recompute_per_token, fixed_bytes=m.fixed)
                 row.update(tflops=flops / row["seconds"] / 1e12)
                 row["pct_peak"] = 100 * row["tflops"] / peak

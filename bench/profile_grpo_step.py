@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
     prompts = [torch.randint(0, model.config.vocab_size - 1, (args.prompt_len,), generator=gen).tolist()
                for _ in range(args.prompts)]
     params = SamplingParams(n=args.group, max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
-    engine = trainer.rollout
+    engine = trainer.sampler.rollout
 
     def generate(label: str) -> tuple[list, dict]:
         sync(args.device)

@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
             shape_now = shape
         engine = RolloutEngine(model, sync_every=16, keep_stream_buffers=True, compile_decode=bool(args.compile))
         if args.hf_step:
-            engine.decode_forward = None
+            engine.decode_blocks = None
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, model.config.vocab_size, (P, args.prompt_len), generator=g).tolist()
         params = SamplingParams(n=G, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
                      ms_per_step_by_class=dict(by_class), kernels_per_step=dict(count),
                      kernels_per_step_total=sum(count.values()),
                      top_kernels_ms=dict(sorted(top.items(), key=lambda kv: -kv[1])[:25]),
-                     compiled=engine.decode_forward is not None and engine.decode_forward.compiled)
+                     compiled=engine.decode_blocks is not None and engine.decode_blocks.compiled)
         report["cases"].append(entry)
         print(f"\n== {case} ({P * G} rows) warm-up {warm:.1f} s, compiled={entry['compiled']}: "
               f"{entry['ms_per_step_wall']:.2f} ms/step wall (incl. prefill), "

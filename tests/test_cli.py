@@ -109,9 +109,9 @@ def test_resume_is_exact(tmp_path, monkeypatch):
     monkeypatch.undo()
     resumed = Trainer(cfg)
     train(cfg, resume=tmp_path / "half", trainer=resumed)
-    assert resumed.step_count == 4 and resumed.rollout.version == full.rollout.version
+    assert resumed.step_count == 4 and resumed.sampler.rollout.version == full.sampler.rollout.version
     assert torch.equal(params(resumed.model), params(full.model))
-    for a, b in zip(resumed.optimizer.state.values(), full.optimizer.state.values()):
+    for a, b in zip(resumed.learner.optimizer.state.values(), full.learner.optimizer.state.values()):
         assert torch.equal(a["exp_avg"], b["exp_avg"])
     full_log = [json.loads(l) for l in (tmp_path / "full" / "rollouts.jsonl").read_text().splitlines()]
     half_log = [json.loads(l) for l in (tmp_path / "half" / "rollouts.jsonl").read_text().splitlines()]

@@ -116,10 +116,10 @@ def test_choices_match_the_modules_that_use_them():
     from treerl import config as c
     from treerl.agents.rollout import BACKENDS
     from treerl.async_rl.weights import TRANSFERS
-    from treerl.attention import BACKENDS as ATTENTION
+    from treerl.engine.attention import BACKENDS as ATTENTION
     from treerl.learner import lr_lambda
     from treerl.models import DTYPES, FAMILIES, SHAPES
-    from treerl.plan import MODES
+    from treerl.engine.plan import MODES
     from treerl.rl.aggregation import AGGREGATIONS
     from treerl.rl.kl import KL_ESTIMATORS
     from treerl.rl.losses import RATIO_LEVELS
@@ -137,7 +137,7 @@ def test_rollout_engine_keys_reach_the_rollout_engine():
     cfg = Config.from_yaml(None, ["model.overrides={num_hidden_layers: 1}", "rollout.max_batch_tokens=4096",
                                   "rollout.kv_block_size=32", "rollout.prefill_chunk_tokens=256",
                                   "rollout.cuda_graphs=false", "train.eval_problems=2"])
-    engine = Trainer(cfg).rollout
+    engine = Trainer(cfg).sampler.rollout
     assert (engine.max_batch_tokens, engine.kv_block_size, engine.prefill_chunk_tokens) == (4096, 32, 256)
 
 
@@ -147,3 +147,11 @@ def test_zero_layers_and_other_zero_sizes_in_model_overrides_are_one_line():
     for name in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
         with pytest.raises(ConfigError, match=f"model.overrides.{name}: 0 is not allowed; allowed: a whole number >= 1"):
             check_run_config(Config.from_yaml(None, [f"model.overrides.{name}=0"]))
+
+
+@pytest.mark.parametrize("agent", ["task.agent=treerl.agents.calculator:agent", "rollout.backend=serve"])
+def test_agents_with_asynchronous_training_are_refused_by_the_config(agent):
+    with pytest.raises(ConfigError) as err:
+        Config.from_yaml(None, [agent, "async.enabled=true"])
+    assert str(err.value) == ("task.agent and rollout.backend=serve/remote run in one synchronous process: they do "
+                              "not work with async.enabled=true yet; set async.enabled=false")

@@ -1,5 +1,6 @@
 """The package has no import cycles (issue 16): every module can be read, imported and
-tested below the modules that use it.
+tested below the modules that use it. And its rooms stay small (issue 27): no class over
+:data:`MAX_CLASS_LINES` lines, no module over :data:`MAX_MODULE_LINES`.
 
 The graph is built from the source with ``ast`` (nothing is imported). An edge ``A -> B``
 is any ``import`` / ``from ... import`` in module ``A`` that names module ``B`` (or a
@@ -139,6 +140,42 @@ def test_no_import_cycles():
     assert not new, "import cycles:\n" + "\n".join(_path(graph, c) for c in new)
     stale = [sorted(c) for c in KNOWN_CYCLES if list(sorted(c)) not in found]
     assert not stale, f"these known cycles are gone: remove them from KNOWN_CYCLES: {stale}"
+
+
+MAX_CLASS_LINES, MAX_MODULE_LINES = 400, 600
+
+
+def oversized(src: Path = SRC) -> list[str]:
+    """``path: what`` for every module over :data:`MAX_MODULE_LINES` lines and every class
+    (decorators included) over :data:`MAX_CLASS_LINES` under ``src``."""
+    out = []
+    for path in sorted(src.rglob("*.py")):
+        text, name = path.read_text(), path.relative_to(src)
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            out.append(f"{name}: module of {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - min([node.lineno] + [d.lineno for d in node.decorator_list]) + 1
+                if lines > MAX_CLASS_LINES:
+                    out.append(f"{name}: class {node.name} of {lines} lines")
+    return out
+
+
+def test_no_class_over_400_lines_no_module_over_600():
+    found = oversized()
+    assert not found, "split these along their seams:\n" + "\n".join(found)
+
+
+def test_the_size_check_counts_classes_and_modules(tmp_path):
+    """The checker itself: a class one line over the limit (with its decorator) and a
+    module one line over are found; ones at the limit are not."""
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_CLASS_LINES - 2))
+    (tmp_path / "a.py").write_text(f"@dataclass\nclass Big:\n{body}\n    y = 0\n")
+    (tmp_path / "b.py").write_text(f"@dataclass\nclass Fits:\n{body}\n")
+    (tmp_path / "c.py").write_text("\n".join(["x = 0"] * (MAX_MODULE_LINES + 1)))
+    (tmp_path / "d.py").write_text("\n".join(["x = 0"] * MAX_MODULE_LINES))
+    assert oversized(tmp_path) == [f"a.py: class Big of {MAX_CLASS_LINES + 1} lines",
+                                   f"c.py: module of {MAX_MODULE_LINES + 1} lines"]
 
 
 def test_the_scan_sees_lazy_and_relative_imports(tmp_path):

@@ -33,15 +33,15 @@ def test_a_non_finite_gradient_skips_the_update_with_a_warning_and_a_counter(tmp
     trainer = Trainer(Config.from_yaml(None, BASE + [f"train.out_dir={tmp_path}", "optim.max_nonfinite_updates=2"]))
     bad = [True]
     poison(trainer.model, lambda: bad[0])
-    before, adam = params(trainer.model), dict(trainer.optimizer.state)
+    before, adam = params(trainer.model), dict(trainer.learner.optimizer.state)
     metrics = trainer.step()
     assert metrics["train/skipped_updates"] == 1.0
-    assert torch.equal(params(trainer.model), before) and dict(trainer.optimizer.state) == adam
+    assert torch.equal(params(trainer.model), before) and dict(trainer.learner.optimizer.state) == adam
     assert all(p.grad is None for p in trainer.model.parameters())
     assert "skipping an update with a non-finite loss or gradient at RL step 1" in capsys.readouterr().err
     bad[0] = False
     metrics = trainer.step()  # a good update resets the count and steps the optimizer
-    assert metrics["train/skipped_updates"] == 0.0 and len(trainer.optimizer.state) > 0
+    assert metrics["train/skipped_updates"] == 0.0 and len(trainer.learner.optimizer.state) > 0
     assert trainer.learner.nonfinite_in_a_row == 0 and trainer.learner.nonfinite_total == 1
 
 

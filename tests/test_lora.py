@@ -80,7 +80,7 @@ def test_every_mode_equals_the_reference(mode, gen):
 def test_block_recompute_runs_the_adapters(gen):
     """A memory budget small enough that calls recompute their blocks in the backward,
     with adapters on some projections only (a layer's K/V then depend on no trained weight)."""
-    from treerl.memory import MemoryModel
+    from treerl.engine.memory import MemoryModel
 
     # 16 layers: recomputing blocks holds far fewer bytes per token than not (test_engine_memory)
     model = lora_model(get_model("qwen3", num_hidden_layers=16), gen, targets=["q_proj", "v_proj", "down_proj"])
@@ -164,7 +164,7 @@ def test_a_decode_step_runs_no_adapter_product(gen):
         calls[where[0]] += 1
 
     hooks = [m.register_forward_pre_hook(count) for m in model.modules() if hasattr(m, "base_layer")]
-    decode = engine.decode_forward
+    decode = engine.decode_blocks
 
     class Counting:
         def __getattr__(self, name):
@@ -177,7 +177,7 @@ def test_a_decode_step_runs_no_adapter_product(gen):
             finally:
                 where[0] = "other"
 
-    engine.decode_forward = Counting()
+    engine.decode_blocks = Counting()
     try:
         engine.generate(random_prompts([5, 9], seed=4), sampling(6, n=2))
     finally:
@@ -193,7 +193,7 @@ def test_rollout_greedy_equals_full_forwards_before_and_after_an_update(gen):
     base = tiny(torch.float64, seed=3)
     model = lora_model(base, gen, rank=8)
     engine = RolloutEngine(model, max_batch_tokens=4096)
-    assert engine.decode_forward is not None and all(w is not None for w in engine.decode_forward.fused.o_w)  # merged copies
+    assert engine.decode_blocks is not None and all(w is not None for w in engine.decode_blocks.fused.o_w)  # merged copies
     prompts = random_prompts([5, 9, 3], seed=4)
     params = sampling(16, n=1)
     for step in range(2):
@@ -239,7 +239,7 @@ def test_a_trainer_step_changes_only_the_adapters(tmp_path):
     model = trainer.model
     assert is_peft(model)
     adapters = {id(p) for n, p in model.named_parameters() if "lora_" in n}
-    in_optimizer = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+    in_optimizer = [p for g in trainer.learner.optimizer.param_groups for p in g["params"]]
     assert {id(p) for p in in_optimizer} == adapters  # only adapter weights in the optimizer
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.step()
@@ -297,6 +297,26 @@ def test_merge_export_is_a_plain_hf_model_with_equal_logits(tmp_path):
     assert (out / "tokenizer_config.json").is_file() or any(out.glob("*.json"))
 
 
+
+def test_eval_of_a_lora_run_loads_the_merged_model(tmp_path, capsys):
+    """``treerl eval`` loads a LoRA run's checkpoint as serve and export do (treerl.build.load_saved:
+    the base rebuilt from the run's config, its adapter merged) and scores it."""
+    from treerl.build import load_saved
+    from treerl.cli import main
+
+    trainer = lora_trainer(config(tmp_path / "run", "model.dtype=float64"))
+    trainer.step()
+    path = trainer.save()
+    model, tokenizer = load_saved(path / "model", trainer.cfg, checkpoint=path)
+    assert not is_peft(model) and tokenizer.get_vocab() == trainer.tokenizer.get_vocab()
+    ids = torch.tensor([[2, 7, 1, 8, 2, 8]])
+    with torch.no_grad():
+        want = merged_model(trainer.model)(input_ids=ids).logits
+        assert torch.allclose(model(input_ids=ids).logits, want, rtol=0, atol=1e-10)
+    assert main(["eval", str(tmp_path / "run"), "-n", "4"]) == 0
+    assert "4 held-out problems: accuracy" in capsys.readouterr().out
+
+
 def test_export_of_a_full_model_run_is_refused(tmp_path, capsys):
     from treerl.cli import main
 
@@ -324,7 +344,7 @@ def test_serve_loads_a_base_model_plus_an_adapter(tmp_path):
         assert torch.allclose(model(input_ids=ids).logits, want(input_ids=ids).logits, atol=1e-5)
     # --weights of a LoRA run's checkpoint: the base rebuilt from its config, plus its adapter
     model, _, version = load_for_serving(None, [], str(path), "cpu", None)
-    assert version == trainer.rollout.version
+    assert version == trainer.sampler.rollout.version
     with torch.no_grad():
         assert torch.allclose(model(input_ids=ids).logits, want(input_ids=ids).logits, atol=1e-5)
     with pytest.raises(ConfigError, match="not a LoRA adapter directory"):

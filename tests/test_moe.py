@@ -91,7 +91,7 @@ def test_every_mode_equals_the_hf_reference(mode, gen):
 def test_block_recompute_equals_the_hf_reference(gen):
     """Calls whose decoder blocks are recomputed in the backward (a small memory budget, 16
     layers): the routing is recomputed identically."""
-    from treerl.memory import MemoryModel
+    from treerl.engine.memory import MemoryModel
 
     model = moe_model(seed=7, num_hidden_layers=16)
     ref = hf_reference(model)
@@ -154,8 +154,8 @@ def test_rollout_greedy_equals_full_forwards(gen):
     the HF prefill: greedy output equals a per-prompt full forward of the same model."""
     model = moe_model(seed=11, vocab_size=512)
     engine = RolloutEngine(model, max_batch_tokens=4096)
-    assert engine.decode_forward is not None
-    assert all(w is None for w in engine.decode_forward.fused.gate_up_w)  # every MLP is sparse
+    assert engine.decode_blocks is not None
+    assert all(w is None for w in engine.decode_blocks.fused.gate_up_w)  # every MLP is sparse
     prompts = random_prompts([5, 9, 3, 12], seed=2)
     groups = engine.generate(prompts, sampling(16, n=2))
     for prompt, group in zip(prompts, groups):
@@ -165,7 +165,7 @@ def test_rollout_greedy_equals_full_forwards(gen):
 
 
 def test_memory_model_counts_routed_activations_and_expert_weights():
-    from treerl.memory import MemoryModel, expert_weight_bytes, mlp_activation_bytes
+    from treerl.engine.memory import MemoryModel, expert_weight_bytes, mlp_activation_bytes
     from treerl.models import make_config
 
     cfg = make_config("qwen3_moe", "qwen3-30b-a3b", num_hidden_layers=4)

@@ -53,7 +53,7 @@ def test_tree_and_flat_give_the_same_parameters_after_an_rl_step(extra):
         if mode == "auto":
             rng = torch.get_rng_state()
             plan = trainer.engine.plan(treerl.PrefixTree.from_sequences(
-                [s.token_ids for s in trainer.generate_samples(trainer.task.train_problems(3), 4)]))
+                [s.token_ids for s in trainer.sampler.generate(trainer.task.train_problems(3), 4)]))
             assert any(plan.children), "the tree plan must contain chains, or the test proves little"
             torch.set_rng_state(rng)  # undo the RNG use of this look
         before = params(trainer.model).clone()
@@ -206,18 +206,18 @@ def test_multi_turn_turns_reuse_the_previous_turns_kv():
         trainer = Trainer(config(*base, *extra), task=task)
         rmsnorm_in_input_precision(trainer.model)
         hits, turns = [], []
-        generate = trainer.rollout.generate
+        generate = trainer.sampler.rollout.generate
 
         def counting(contexts, p, generate=generate, trainer=trainer, hits=hits, turns=turns):
             groups = generate(contexts, p)
-            hits.append(trainer.rollout.stats.prefix_cache_hit_tokens)
+            hits.append(trainer.sampler.rollout.stats.prefix_cache_hit_tokens)
             turns.append(len(contexts))
             return groups
 
-        trainer.rollout.generate = counting
+        trainer.sampler.rollout.generate = counting
         torch.manual_seed(0)
-        samples = trainer.generate_samples(trainer.next_problems(2), 3)
-        runs.append((samples, hits, turns, trainer.rollout.prefix_cache))
+        samples = trainer.sampler.generate(trainer.sampler.next_problems(2), 3)
+        runs.append((samples, hits, turns, trainer.sampler.rollout.prefix_cache))
     (cached, hits, turns, cache), (plain, plain_hits, _, no_cache) = runs
     assert cache is not None and no_cache is None
     assert len(turns) > 1 and hits[0] == 0 and all(h > 0 for h in hits[1:]) and not any(plain_hits)
@@ -225,3 +225,29 @@ def test_multi_turn_turns_reuse_the_previous_turns_kv():
     for a, b in zip(cached, plain):
         assert a.loss_mask == b.loss_mask
         assert torch.allclose(torch.tensor(a.behaviour_logprobs), torch.tensor(b.behaviour_logprobs), rtol=1e-9, atol=1e-12)
+
+
+def test_each_part_saves_and_restores_its_own_state():
+    """``Trainer.state_dict`` is the counters, RNG and config plus the learner's and the
+    sampler's own ``state_dict`` (disjoint keys: the checkpoint's flat layout); each part's
+    ``load_state_dict`` gives a fresh part the saved state (optimizers, schedule, critic,
+    data order, version)."""
+    cfg = config("algorithm.advantage=gae", "rollout.prompts_per_step=2", "rollout.group_size=2")
+    a = Trainer(cfg)
+    a.step()
+    a.sampler.next_problems(3)
+    learner, sampler = a.learner.state_dict(), a.sampler.state_dict()
+    assert sampler == {"cursor": 5, "epoch": 0, "version": 1}
+    assert set(learner) == {"optimizer", "scheduler", "critic", "critic_opt", "reference"} and learner["reference"] is None
+    assert set(a.state_dict()) == {"step", "sft_steps", "rng", "config"} | set(learner) | set(sampler)
+    b = Trainer(cfg)
+    b.sampler.load_state_dict(sampler)
+    b.learner.load_state_dict(learner)
+    assert b.sampler.state_dict() == sampler and b.sampler.rollout.version == 1
+    assert [p.prompt for p in b.sampler.next_problems(4)] == [p.prompt for p in a.sampler.next_problems(4)]
+    assert b.learner.scheduler.state_dict() == a.learner.scheduler.state_dict()
+    for opt in ("optimizer", "critic_opt"):
+        mine, theirs = getattr(b.learner, opt).state_dict()["state"], getattr(a.learner, opt).state_dict()["state"]
+        assert mine.keys() == theirs.keys() and len(mine) > 0
+        assert all(torch.equal(mine[k]["exp_avg"], theirs[k]["exp_avg"]) for k in mine)
+    assert torch.equal(params(b.critic.model), params(a.critic.model))

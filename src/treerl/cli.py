@@ -19,7 +19,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from .config import ConfigError
     from .learner import NonFiniteError
     from .tasks.base import DatasetError, RewardError
-    from .tree_stats import RolloutsError
+    from .devtools.tree_stats import RolloutsError
 
     return (ConfigError, CheckpointError, DatasetError, RewardError, RolloutsError, NonFiniteError, FileNotFoundError)
 
@@ -85,11 +85,10 @@ def _terminate_as_interrupt():
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
+    from .build import load_saved
     from .checkpoint import load_state, resolve_checkpoint
     from .config import Config, ConfigError
-    from .models import load_model
     from .preflight import check_device
-    from .tasks.tokenizer import CharTokenizer
     from .trainer import Trainer
 
     if args.n is not None and args.n < 1:
@@ -104,8 +103,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise ConfigError(f"override {item!r} is not key=value (e.g. task.kwargs.path=my.jsonl)")
         cfg.set(key, __import__("yaml").safe_load(value))
     cfg.train.device = args.device
-    model = load_model(path / "model", dtype=cfg.model.dtype, device=args.device)
-    tokenizer = CharTokenizer.from_pretrained(path / "tokenizer") if (path / "tokenizer").exists() else None
+    model, tokenizer = load_saved(path / "model", cfg, checkpoint=path, device=args.device)
+    if cfg.model.lora:  # a LoRA run: its adapter is merged into the loaded model, evaluated as a plain one
+        cfg.model.lora = {}
+        model.requires_grad_(True)  # (merging left the weights frozen; the trainer's optimizer is never stepped)
     trainer = Trainer(cfg, model=model, tokenizer=tokenizer)
     torch.manual_seed(cfg.train.seed)
     result = trainer.evaluate(args.n)
@@ -115,7 +116,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .benchmark import main as bench_main, parser as bench_parser
+    from .devtools.benchmark import main as bench_main, parser as bench_parser
 
     if "-h" in args.rest or "--help" in args.rest:
         bench_parser().print_help()
@@ -139,7 +140,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_tree_stats(args: argparse.Namespace) -> int:
-    from .tree_stats import main as stats_main
+    from .devtools.tree_stats import main as stats_main
 
     return stats_main(args.rollouts, plot=args.plot)
 
@@ -154,8 +155,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default="treerl", help="the name clients pass as model")
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     p.add_argument("--max-rows", type=int, default=256, help="most rows of the running batch")
-    p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16,
-                   help="K/V tokens of prompts kept for later turns that extend them (0: off)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=None,
+                   help="K/V tokens of prompts kept for later turns that extend them (0: off); "
+                        "default: the config's rollout.prefix_cache_tokens, else 65536")
     p.add_argument("--prefill-chunk-tokens", type=int, default=None,
                    help="prompt tokens prefilled together in one piece (bounds the temporary K/V); "
                         "default: the config's rollout.prefill_chunk_tokens (8192)")

@@ -107,11 +107,12 @@ GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")  # advantages relative to the gro
 RATIOS = ("token", "sequence")  # treerl.rl.losses.RATIO_LEVELS
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")  # treerl.rl.aggregation
 KL_ESTIMATORS = ("k1", "k2", "k3")  # treerl.rl.kl
-ENGINE_MODES = ("flat", "packed", "dfs", "auto")  # treerl.plan.MODES
-ATTENTIONS = ("auto", "sdpa", "flex")  # auto + treerl.attention.BACKENDS
+ENGINE_MODES = ("flat", "packed", "dfs", "auto")  # treerl.engine.plan.MODES
+ATTENTIONS = ("auto", "sdpa", "flex")  # auto + treerl.engine.attention.BACKENDS
 SCHEDULES = ("cosine", "constant")  # treerl.learner.lr_lambda
 TRANSFERS = ("auto", "shared", "files", "nccl", "gloo")  # treerl.async_rl.weights.TRANSFERS
 PROXIMAL = ("recompute", "loglinear")  # treerl.learner.PROXIMAL
+OVERLAP = ("stream", "inline", "after")  # treerl.overlap: where a step's forwards run during its rollout
 LAUNCHERS = ("process", "ray")  # treerl.async_rl.runner.make_pool
 
 
@@ -159,12 +160,10 @@ class RolloutConfig:
     tool_call_parser: str | None = key(None, help="embedded/serve: the served policy's tool-call format (hermes, tag)")
     keep_stream_buffers: bool = key(True, help="rollout engine: keep the running batch's K/V arena and its CUDA "
                                     "graphs between steps (no re-capture per step; false frees them for training)")
-
-    def engine_kwargs(self) -> dict:
-        """The rollout engine's own settings (``RolloutEngine(model, **these)``)."""
-        return dict(max_batch_tokens=self.max_batch_tokens, kv_block_size=self.kv_block_size,
-                    prefill_chunk_tokens=self.prefill_chunk_tokens, cuda_graphs=self.cuda_graphs,
-                    keep_stream_buffers=self.keep_stream_buffers)
+    overlap_forwards: str = key("stream", choices=OVERLAP, help="the step's no-grad forwards (proximal, reference, "
+                                "critic) of each finished group run while the others decode: stream (on CUDA a "
+                                "second stream beside the decode), inline (between decode steps, on the rollout's "
+                                "stream), after (the forwards after the rollout); results equal (treerl.overlap)")
 
 
 @dataclass
@@ -315,6 +314,9 @@ class Config:
             raise ConfigError(f"algorithm.advantage={a.advantage} needs rollout.group_size >= 2 (got "
                               f"{r.group_size}: every advantage would be 0); raise rollout.group_size or use "
                               f"reinforce_pp / gae")
+        if self.async_.enabled and (self.task.agent or r.backend != "embedded"):
+            raise ConfigError("task.agent and rollout.backend=serve/remote run in one synchronous process: they do "
+                              "not work with async.enabled=true yet; set async.enabled=false")
         return self
 
     def set(self, dotted: str, value: Any) -> None:

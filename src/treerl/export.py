@@ -4,12 +4,11 @@ its base model and written as a full Hugging Face model directory, the tokenizer
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from .build import build_base
+from .build import load_saved
 from .checkpoint import CheckpointError, load_state, resolve_checkpoint
 from .config import Config
-from .lora import is_adapter_dir, load_adapter
+from .lora import is_adapter_dir
 
 
 def export_merged(checkpoint: str | Path, out: str | Path) -> Path:
@@ -22,23 +21,10 @@ def export_merged(checkpoint: str | Path, out: str | Path) -> Path:
     if not is_adapter_dir(path / "model"):
         raise CheckpointError(f"{path} holds a full model, not a LoRA adapter (its run had no model.lora): "
                               f"{path / 'model'} is already a Hugging Face model directory")
-    tokenizer = saved_tokenizer(path, cfg)
-    model = load_adapter(build_base(cfg, tokenizer), path / "model").merge_and_unload()
+    model, tokenizer = load_saved(path / "model", cfg, checkpoint=path)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(out)
     return out
-
-
-def saved_tokenizer(checkpoint: Path, cfg) -> Any:
-    """The tokenizer saved in a checkpoint (``tokenizer/``), else the run's model directory's."""
-    from .tasks.tokenizer import CharTokenizer
-
-    tok_dir = checkpoint / "tokenizer"
-    if CharTokenizer.is_saved_in(tok_dir):
-        return CharTokenizer.from_pretrained(tok_dir)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tok_dir if tok_dir.is_dir() else cfg.model.path, local_files_only=True)

@@ -5,14 +5,15 @@ engine; also the supervised (SFT) update.
     samples -> prefix tree -> no-grad forwards -> advantages
             -> for each epoch and minibatch: loss -> forward_backward -> optimizer step
 
-Owns the optimizers (policy, critic) and the learning-rate schedule. Data parallel: every
+Owns the optimizers (policy, critic) and the learning-rate schedule, and saves them (with
+the critic's and the reference's weights) in :meth:`Learner.state_dict`. Data parallel: every
 rank passes the same global batch; forwards and minibatch updates are split over the
 ranks (tree-aware), losses are normalised over the global minibatch and gradients summed,
 so an update equals the one-process update of the same batch.
 
-Reads config sections ``algorithm`` (advantages, losses, epochs, minibatches), ``optim``
-(AdamW, schedule, clipping), ``sft.lr``, ``train.autocast_bf16`` / ``train.steps`` /
-``train.seed``.
+Takes config sections ``algorithm`` (advantages, losses, epochs, minibatches) and ``optim``
+(AdamW, schedule, clipping); the run's length, seed, SFT learning rate and bf16 autocast
+(``train.steps``, ``train.seed``, ``sft.lr``, ``train.autocast_bf16``) are passed explicitly.
 """
 
 from __future__ import annotations
@@ -28,12 +29,23 @@ import numpy as np
 import torch
 
 from .build import Engines
-from .config import PROXIMAL, Config, ConfigError
+from .config import PROXIMAL, AlgorithmConfig, ConfigError, OptimConfig
 from .distributed import ranks
-from .distributed.data_parallel import DistContext, all_gather_objects, all_reduce_sum, gathered, gradient_step
-from .engine import TreeEngine
+from .distributed.data_parallel import (
+    DistContext,
+    all_gather_objects,
+    all_reduce_sum,
+    full_optimizer_state,
+    full_state_dict,
+    gathered,
+    gradient_step,
+    load_full_optimizer_state,
+    load_full_state_dict,
+)
+from .engine.tree_engine import TreeEngine
 from .moe import is_moe_model
 from .moe_aux import forward_backward_with_router_aux
+from .overlap import GroupForwards
 from .rl import (
     LogLinearPolicyLoss,
     Normalisers,
@@ -51,8 +63,7 @@ from .rl import (
 )
 from .rl.batch import TOKEN_FIELDS
 from .samples import Sample
-from .tree import PrefixTree
-
+from .engine.tree import PrefixTree
 
 
 class NonFiniteError(RuntimeError):
@@ -93,27 +104,69 @@ class Update:
 class Learner:
     """The RL (and SFT) update of one trainer (see the module docstring)."""
 
-    def __init__(self, cfg: Config, engines: Engines, device: torch.device, dist: DistContext | None):
-        self.cfg, self.device, self.dist = cfg, device, dist
+    def __init__(self, algorithm: AlgorithmConfig, optim: OptimConfig, engines: Engines, device: torch.device,
+                 dist: DistContext | None, *, total_steps: int, seed: int = 0, sft_lr: float = 3e-3,
+                 autocast_bf16: bool = False):
+        """``total_steps``: RL steps of the run (the schedule's length); ``seed``: the
+        minibatch order's; ``sft_lr``: :meth:`sft_update`'s learning rate; ``autocast_bf16``:
+        bf16 autocast on CUDA (:meth:`autocast`)."""
+        self.algorithm, self.optim, self.device, self.dist = algorithm, optim, device, dist
+        self.seed, self.sft_lr, self.autocast_bf16 = seed, sft_lr, autocast_bf16
         self.engine, self.reference, self.critic = engines.policy, engines.reference, engines.critic
         self.model = self.engine.model
-        o = cfg.optim
+        o = optim
         self.critic_opt = None
         if self.critic is not None:
-            self.critic_opt = torch.optim.AdamW(trainable(self.critic.model), lr=cfg.algorithm.critic_lr,
+            self.critic_opt = torch.optim.AdamW(trainable(self.critic.model), lr=algorithm.critic_lr,
                                                 weight_decay=o.weight_decay)
         # a LoRA (PEFT) model: its adapters only (the base is frozen)
         self.optimizer = torch.optim.AdamW(trainable(self.model), lr=o.lr, betas=(o.beta1, o.beta2),
                                            weight_decay=o.weight_decay)
-        self.router_aux_coef = check_router_aux(cfg, self.model, dist)
-        total = cfg.train.steps
+        self.router_aux_coef = check_router_aux(algorithm.router_aux_coef, self.model, dist)
+        total = total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, o.warmup_steps, total, o.schedule, o.min_lr_ratio))
         self.nonfinite_in_a_row = 0  # updates skipped in a row (optim.max_nonfinite_updates stops the run)
         self.nonfinite_total = 0
 
+    # --------------------------------------------------------------- its state
+    def state_dict(self) -> dict:
+        """The learner's part of a checkpoint: the optimizers (``optimizer``, ``critic_opt``),
+        the schedule (``scheduler``), and the weights of the critic and of the frozen
+        reference (``critic``, ``reference``; None without them; the policy's weights are the
+        checkpoint's ``model/``). Data parallel: a collective; sharded state is gathered
+        whole, so the layout is a one-process run's."""
+        dist = self.dist is not None
+        whole = full_state_dict if dist else (lambda m: m.state_dict())
+        optim = full_optimizer_state if dist else (lambda o: o.state_dict())
+        return {
+            "optimizer": optim(self.optimizer), "scheduler": self.scheduler.state_dict(),
+            "critic": None if self.critic is None else whole(self.critic.model),
+            "critic_opt": None if self.critic_opt is None else optim(self.critic_opt),
+            "reference": None if self.reference is None else self.reference.model.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s keys (the policy's weights already loaded: data
+        parallel, the optimizer state is resharded onto them)."""
+        if self.dist:
+            load_full_optimizer_state(self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None and state.get("critic") is not None:
+            if self.dist:
+                load_full_state_dict(self.critic.model, state["critic"])
+                load_full_optimizer_state(self.critic_opt, state["critic_opt"])
+            else:
+                self.critic.model.load_state_dict(state["critic"])
+                self.critic_opt.load_state_dict(state["critic_opt"])
+        if self.reference is not None and state.get("reference") is not None:
+            self.reference.model.load_state_dict(state["reference"])
+
     # ------------------------------------------------------------------ RL step
-    def train_on(self, samples: list[Sample], version: int, step: int, proximal: str = "recompute") -> Update:
+    def train_on(self, samples: list[Sample], version: int, step: int, proximal: str = "recompute",
+                 ready: GroupForwards | None = None) -> Update:
         """Forwards, advantages and ``ppo_epochs x minibatches`` optimizer steps on
         ``samples``, whose newest tokens come from weights ``version``; ``step`` (the
         trainer's step count) seeds the minibatch order. Ends with a scheduler step.
@@ -122,8 +175,11 @@ class Learner:
         (stale samples, several updates, a behaviour-weight cap): ``"recompute"`` (a tree
         forward of the current weights, exact) or ``"loglinear"`` (AReaL's per-token
         interpolation between behaviour and current logprobs by version, no forward;
-        :mod:`treerl.rl.proximal`)."""
-        alg = self.cfg.algorithm
+        :mod:`treerl.rl.proximal`).
+
+        ``ready``: forwards already run during the rollout (:meth:`group_forwards`); what
+        they do not cover is computed here."""
+        alg = self.algorithm
         t1 = time.perf_counter()
         seqs = [torch.tensor(s.token_ids) for s in samples]
         tree = PrefixTree.from_sequences(seqs)
@@ -133,22 +189,18 @@ class Learner:
         }
         out = Update(tree=tree, updates=alg.ppo_epochs * alg.minibatches)
         stale = any(v < version for s in samples for v in s.versions)
-        forwards = {}
-        if out.updates > 1 or stale or alg.behaviour_weight_cap is not None or alg.advantage == "reinforce_pp":
-            forwards["proximal_logprobs"] = self.engine
+        forwards = self.forward_engines(stale)
         loglinear = proximal == "loglinear" and forwards.pop("proximal_logprobs", None) is not None
         if loglinear:  # the per-token interpolation weights stand in the proximal field
             fields["proximal_logprobs"] = [loglinear_alpha(torch.tensor(s.versions, dtype=torch.int64), version).to(dtype)
                                            for s in samples]
-        if self.reference is not None:
-            forwards["reference_logprobs"] = self.reference
-        if self.critic is not None:
-            forwards["values"] = self.critic
-        fields.update(self.forwards(forwards, seqs, tree, dtype))
+        fields.update(self.forwards(forwards, seqs, tree, dtype, ready))
         out.timings["forward"] = time.perf_counter() - t1
+        if ready is not None and ready.sequences:  # host seconds the rollout spent launching them, their device seconds
+            out.timings["forward_in_rollout"], out.timings["forward_in_rollout_gpu"] = ready.seconds, ready.gpu_seconds
         if "proximal_logprobs" in forwards:
             out.mismatch = rollout_mismatch(samples, fields, version)
-        advantages = sample_advantages(samples, fields, self.cfg)
+        advantages = sample_advantages(samples, fields, alg)
 
         t2 = time.perf_counter()
         masks = [torch.tensor(s.loss_mask) for s in samples]
@@ -185,12 +237,12 @@ class Learner:
             groups.setdefault(s.group, []).append(i)
         keys = list(groups)
         if epoch > 0:
-            random.Random(self.cfg.train.seed + 7919 * step + epoch).shuffle(keys)
-        k = min(self.cfg.algorithm.minibatches, len(keys))
+            random.Random(self.seed + 7919 * step + epoch).shuffle(keys)
+        k = min(self.algorithm.minibatches, len(keys))
         return [[i for key in keys[j::k] for i in groups[key]] for j in range(k)]
 
     def loss_config(self) -> PolicyLossConfig:
-        a = self.cfg.algorithm
+        a = self.algorithm
         return PolicyLossConfig(
             ratio=a.ratio, eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip,
             behaviour_weight_cap=a.behaviour_weight_cap, aggregation=a.aggregation, norm_constant=a.norm_constant,
@@ -201,13 +253,50 @@ class Learner:
         )
 
     # ------------------------------------------------------ forwards, updates
+    def forward_engines(self, stale: bool) -> dict[str, TreeEngine]:
+        """The no-grad forwards a step needs (field name -> engine): proximal logprobs when
+        the samples are ``stale``, with several updates, a behaviour-weight cap or
+        REINFORCE++; reference logprobs with a reference; values with a critic."""
+        alg, out = self.algorithm, {}
+        if (alg.ppo_epochs * alg.minibatches > 1 or stale or alg.behaviour_weight_cap is not None
+                or alg.advantage == "reinforce_pp"):
+            out["proximal_logprobs"] = self.engine
+        if self.reference is not None:
+            out["reference_logprobs"] = self.reference
+        if self.critic is not None:
+            out["values"] = self.critic
+        return out
+
+    def group_forwards(self, how: str) -> GroupForwards | None:
+        """The forwards of a synchronous step (fresh samples, proximal recomputed), to run on
+        its groups as they finish (``how``: ``rollout.overlap_forwards``, :mod:`treerl.overlap`);
+        None when ``"after"``, when none is needed, or data parallel (forwards sharded after the rollout)."""
+        engines = self.forward_engines(stale=False)
+        if how == "after" or not engines or self.dist is not None:
+            return None
+        # the modes the forwards after the rollout see: Sampler.generate leaves the policy in train mode
+        modes = {name: True if e.model is self.model else e.model.training for name, e in engines.items()}
+        return GroupForwards(engines, self.autocast, self.device, side_stream=how == "stream", modes=modes)
+
     def forwards(self, engines: dict[str, TreeEngine], seqs: list[torch.Tensor], tree: PrefixTree,
-                 dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
+                 dtype: torch.dtype, ready: GroupForwards | None = None) -> dict[str, list[torch.Tensor]]:
         """No-grad per-sequence forwards (proximal / reference logprobs, critic values; one
-        ``[L - 1]`` tensor per sequence) of the whole batch. Data parallel: each rank runs
-        its share, then every rank gets all."""
+        ``[L - 1]`` tensor per sequence) of the whole batch; those ``ready`` ran during the
+        rollout are taken from it (the sequences it does not cover computed now). Data
+        parallel: each rank runs its share, then every rank gets all."""
         if not engines:
             return {}
+        done = [name for name in engines if ready is not None and ready.sequences and name in ready.engines]
+        if done:
+            out, missing = ready.take(seqs, done, dtype)
+            if missing:
+                rest = [seqs[i] for i in missing]
+                late = self.forwards({n: engines[n] for n in done}, rest, PrefixTree.from_sequences(rest), dtype)
+                for name in done:
+                    for j, i in enumerate(missing):
+                        out[name][i] = late[name][j]
+            others = {n: e for n, e in engines.items() if n not in done}
+            return {**out, **self.forwards(others, seqs, tree, dtype)}
         if not self.dist:
             with self.autocast():
                 return {name: [t.cpu().to(dtype) for t in engine.logprobs(tree)] for name, engine in engines.items()}
@@ -274,7 +363,7 @@ class Learner:
         the weights and optimizer state stay as they were) with a warning, and returns
         NaN; ``optim.max_nonfinite_updates`` skipped in a row raise :class:`NonFiniteError`.
         The norm is global over ranks, so every rank makes the same decision."""
-        clip = self.cfg.optim.grad_clip
+        clip = self.optim.grad_clip
         # Sharded (DTensor) gradients: clip_grad_norm_ reduces the norm over all ranks.
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))
         if hasattr(norm, "full_tensor"):
@@ -288,7 +377,7 @@ class Learner:
         optimizer.zero_grad(set_to_none=True)
         self.nonfinite_in_a_row += 1
         self.nonfinite_total += 1
-        limit = self.cfg.optim.max_nonfinite_updates
+        limit = self.optim.max_nonfinite_updates
         what = f"loss {loss}, gradient norm {norm}"
         if self.nonfinite_in_a_row >= limit:
             raise NonFiniteError(
@@ -303,7 +392,7 @@ class Learner:
 
     def autocast(self):
         """bf16 autocast on CUDA with ``train.autocast_bf16``; off otherwise."""
-        if self.cfg.train.autocast_bf16 and self.device.type == "cuda":
+        if self.autocast_bf16 and self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast(self.device.type, enabled=False)
 
@@ -318,7 +407,7 @@ class Learner:
             return -sum((lp * masks[i].to(lp.device, lp.dtype)).sum() for lp, i in zip(logprobs, index.tolist())) / n_tokens
 
         for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.sft.lr
+            group["lr"] = self.sft_lr
         if self.dist:  # every rank built the same batch: each runs its share
             local = ranks.share(self.dist, seqs)
             loss = 0.0
@@ -340,10 +429,9 @@ class Learner:
 
 
 # ------------------------------------------------------------------ functions
-def check_router_aux(cfg: Config, model: torch.nn.Module, dist) -> float:
+def check_router_aux(coef: float, model: torch.nn.Module, dist) -> float:
     """``algorithm.router_aux_coef`` (its range is the config's): > 0 needs a mixture-of-experts
     policy and one process (the routing counts are not yet reduced over ranks)."""
-    coef = cfg.algorithm.router_aux_coef
     if coef and not is_moe_model(model):
         raise ConfigError("algorithm.router_aux_coef > 0 needs a mixture-of-experts model (e.g. model.family=qwen3_moe)")
     if coef and dist is not None:
@@ -357,12 +445,11 @@ def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def sample_advantages(samples: list[Sample], fields: dict[str, list[torch.Tensor]],
-                      cfg: Config) -> torch.Tensor | list[torch.Tensor]:
+                      alg: AlgorithmConfig) -> torch.Tensor | list[torch.Tensor]:
     """Advantages of ``algorithm.advantage``: one per sequence ``[N]`` (GRPO, Dr.GRPO,
     RLOO: one reward and one group per *episode*, per-turn sequences inherit their
     episode's), or one ``[L_i - 1]`` tensor per sequence (REINFORCE++, GAE; GAE also puts
     ``returns`` into ``fields``)."""
-    alg = cfg.algorithm
     episode_ids = sorted({s.episode for s in samples})
     first = {}
     for s in samples:
@@ -431,6 +518,9 @@ def step_metrics(samples: list[Sample], update: Update, version: int, lr: float,
         "perf/train_tokens_per_s": tree.num_flat_tokens * update.updates / max(timings["update"], 1e-9),
         "completion/mean_tokens": rollout_tokens / max(1, len(samples)),
     }
+    if "forward_in_rollout" in timings:  # rollout.overlap_forwards: the forwards run during the rollout
+        out["time/forward_in_rollout_s"] = timings["forward_in_rollout"]  # host (launch) seconds, in the rollout's
+        out["time/forward_in_rollout_gpu_s"] = timings["forward_in_rollout_gpu"]  # their device seconds
     out.update({("loss/" + k if "/" not in k else k): float(np.mean(v)) for k, v in update.losses.items()})
     out["train/skipped_updates"] = float(update.skipped)
     out.update(update.mismatch)

@@ -7,14 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import ConfigError
+from .config import FAMILIES, ConfigError
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-# model_type in config.json -> the families treerl runs (treerl.models.FAMILIES, checked equal there)
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe")
 
 
 class ModelDirError(ConfigError):
@@ -45,13 +41,13 @@ def check_model_dir(path: str | Path, *, what: str = "model directory", tokenize
     if not isinstance(config, dict):
         raise ModelDirError(f"{what}: {cfg_file} must hold a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type")
-    supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    supported = ", ".join(FAMILIES)  # model_type in config.json: the families of treerl.models.FAMILIES
     if model_type is None:
         raise ModelDirError(f"{what}: {cfg_file} has no model_type; treerl supports {supported}")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in FAMILIES:
         arch = ", ".join(config.get("architectures") or []) or model_type
         raise ModelDirError(f"{what}: {p} holds a {arch} model (model_type {model_type!r}), which treerl does "
-                            f"not support; supported model types: {supported} (Qwen3, Qwen2, Llama, Qwen3-MoE families)")
+                            f"not support; supported model types: {supported}")
     if not any(next(p.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
         raise ModelDirError(f"{what}: {p} has no weights (*.safetensors or pytorch_model*.bin)")
     if tokenizer and not any((p / name).is_file() for name in TOKENIZER_FILES):

@@ -1,10 +1,11 @@
 """Building and loading Hugging Face causal LMs for treerl (no downloads: configs or
-local directories only), named model shapes, the families treerl runs itself (the one
-list), the unwrapping of PEFT (LoRA) models, and the float64 RMSNorm fix."""
+local directories only), named model shapes, the families treerl supports and runs itself
+(the one table, :data:`FAMILIES`), the unwrapping of PEFT (LoRA) models, and the float64 RMSNorm fix."""
 
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,29 +13,45 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    LlamaModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2Model,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3Model,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3MoeModel,
 )
 
-from .model_dir import SUPPORTED_MODEL_TYPES
+from .config import FAMILIES as FAMILY_NAMES
 from .moe import install as install_moe
 
-# The families treerl supports: config.json model_type -> (config, causal LM). treerl runs
-# their decoder blocks itself (compiled training blocks, own decode blocks); any other HF
-# causal LM handed to an engine goes through its own forward.
-FAMILIES = {
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),  # mixture of experts (treerl.moe)
+
+@dataclass(frozen=True)
+class Family:
+    """A model family treerl supports: its HF config and causal LM classes, and the class of
+    its decoder stack (``model.base_model``), whose blocks treerl runs itself (the training
+    engine's own, compiled block loop, :mod:`treerl.engine.decoder`; the rollout's own
+    decode blocks, :mod:`treerl.rollout.blocks`). Any other HF causal LM handed to an
+    engine goes through its own forward."""
+
+    config: type
+    causal_lm: type
+    decoder: type
+
+
+# The one table of families: config.json model_type -> Family. (treerl.config.FAMILIES, the
+# config's choices, and treerl.model_dir's check read the names; checked equal below.)
+FAMILIES: dict[str, Family] = {
+    "qwen3": Family(Qwen3Config, Qwen3ForCausalLM, Qwen3Model),
+    "qwen2": Family(Qwen2Config, Qwen2ForCausalLM, Qwen2Model),
+    "llama": Family(LlamaConfig, LlamaForCausalLM, LlamaModel),
+    "qwen3_moe": Family(Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeModel),  # mixture of experts (treerl.moe)
 }
-assert tuple(FAMILIES) == SUPPORTED_MODEL_TYPES, "treerl.model_dir.SUPPORTED_MODEL_TYPES lists the same families"
-# their base models (``model.base_model``): what the own loops recognise
-OWN_LOOP_MODELS = ("Qwen2Model", "Qwen3Model", "LlamaModel", "Qwen3MoeModel")
+assert tuple(FAMILIES) == FAMILY_NAMES, "treerl.config.FAMILIES names the families of treerl.models.FAMILIES"
+_DECODERS = tuple(f.decoder for f in FAMILIES.values())
 
 # Named shapes (random weights): what the benchmarks use.
 SHAPES: dict[str, dict] = {
@@ -81,7 +98,7 @@ def make_config(family: str = "qwen3", shape: str | None = "tiny", **overrides):
         raise ValueError(f"unknown model shape {shape!r}: choose one of {', '.join(SHAPES)}")
     kwargs = dict(SHAPES[shape]) if shape else {}
     kwargs.update(overrides)
-    return FAMILIES[family][0](**kwargs)
+    return FAMILIES[family].config(**kwargs)
 
 
 def build_model(
@@ -98,7 +115,7 @@ def build_model(
     config = make_config(family, shape, **overrides)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = FAMILIES[family][1](config)
+        model = FAMILIES[family].causal_lm(config)
     return install_moe(model.to(dtype=dtype))
 
 
@@ -133,8 +150,14 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def runs_own_loop(model: torch.nn.Module) -> bool:
-    """Whether treerl runs ``model``'s decoder blocks itself (:data:`OWN_LOOP_MODELS`)."""
-    return type(decoder_of(model)).__name__ in OWN_LOOP_MODELS
+    """Whether treerl runs the decoder blocks of ``model`` (a causal LM or a PEFT model
+    wrapping one) itself: its decoder stack is one of :data:`FAMILIES`'."""
+    return is_own_loop_decoder(decoder_of(model))
+
+
+def is_own_loop_decoder(decoder: torch.nn.Module) -> bool:
+    """Whether ``decoder`` (a decoder stack, :func:`decoder_of`) is one of :data:`FAMILIES`'."""
+    return isinstance(decoder, _DECODERS)
 
 
 def rmsnorm_in_input_precision(model: torch.nn.Module) -> torch.nn.Module:

@@ -4,7 +4,7 @@ precision and the experts as grouped GEMMs.
 :func:`install` replaces the ``forward`` of every sparse MoE block of a model (in place,
 idempotent) with :func:`moe_forward`, so every path that calls the block — the Hugging Face
 forward (the rollout's prefill, a reference), treerl's compiled training blocks
-(:mod:`treerl.decoder`) and its own decode blocks (:mod:`treerl.rollout.blocks`) — runs the
+(:mod:`treerl.engine.decoder`) and its own decode blocks (:mod:`treerl.rollout.blocks`) — runs the
 same math, which is Hugging Face's ``Qwen3MoeSparseMoeBlock`` reordered:
 
 - the router: ``softmax(x W_r^T)`` in ``promote(dtype, float32)`` (HF: float32 always,

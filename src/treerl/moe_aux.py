@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention import active_tree_attention
-from .memory import sparse_layers
+from .engine.attention import active_tree_attention
+from .engine.memory import sparse_layers
 from .moe import router_hook
 
 
@@ -101,11 +101,11 @@ class RouterAux:
 def forward_backward_with_router_aux(engine, tree, loss_fn, coef: float, **kwargs) -> tuple[float, float]:
     """``engine.forward_backward(tree, loss_fn, **kwargs)`` with ``coef x aux`` added to the
     loss (its gradient accumulated too). Returns (loss + coef x aux, aux)."""
-    from .tree import PrefixTree
+    from .engine.tree import PrefixTree
 
     if not isinstance(tree, PrefixTree):
         tree = PrefixTree.from_sequences(tree)
-    engine.max_tokens  # noqa: B018 - the memory model's probe forwards (CUDA) run before any router is recorded
+    engine.memory.max_tokens  # noqa: B018 - the memory model's probe forwards (CUDA) run before any router is recorded
     aux = RouterAux(engine, tree, coef)
     with router_hook(aux.count):
         engine.forward(tree)

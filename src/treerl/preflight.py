@@ -62,10 +62,10 @@ def check_run_config(cfg: Config) -> None:
                           f"(or set model.path to a local model directory)")
     if m.shape is not None and m.shape not in SHAPES:
         raise ConfigError(f"model.shape: unknown {m.shape!r}; choose one of {', '.join(SHAPES)} (or null)")
-    unknown = _unknown_config_keys(FAMILIES[m.family][0], m.overrides)
+    unknown = _unknown_config_keys(FAMILIES[m.family].config, m.overrides)
     if unknown:
         key = unknown[0]
-        close = difflib.get_close_matches(key, list(FAMILIES[m.family][0]().to_dict()), n=1, cutoff=0.6)
+        close = difflib.get_close_matches(key, list(FAMILIES[m.family].config().to_dict()), n=1, cutoff=0.6)
         hint = f": did you mean 'model.overrides.{close[0]}'?" if close else ""
         raise ConfigError(f"model.overrides: {key!r} is not a {m.family} config field{hint}")
     for name in POSITIVE_MODEL_FIELDS:

@@ -42,7 +42,7 @@ def train(cfg: Config, resume: str | Path | None = None, trainer: Trainer | None
     if resume:
         path = trainer.load(resolve_checkpoint(resume))
         if trainer.is_main:
-            print(f"resumed from {path} (step {trainer.step_count}, version {trainer.rollout.version})", file=sys.stderr)
+            print(f"resumed from {path} (step {trainer.step_count}, version {trainer.sampler.rollout.version})", file=sys.stderr)
     run = RunLog(cfg, trainer, resumed=bool(resume))
     try:
         run.warm_up()

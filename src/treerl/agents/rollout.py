@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from ..config import Config, ConfigError
+from ..config import ConfigError, RolloutConfig, TaskConfig
 from ..tasks.base import Problem, Task, _short
 from ..tasks.env import ChatFormat
 from .episode import EpisodeReward, as_reward, episode_sequences, exact_turn_share
@@ -98,34 +98,36 @@ class EpisodeResult:
 
 
 class AgentRollout:
-    """Episodes of ``cfg.task.agent`` (or :class:`TaskAgent`) through ``cfg.rollout.backend``.
+    """Episodes of ``task_cfg.agent`` (or :class:`TaskAgent`) through ``rollout.backend``.
     ``engine``: the trainer's rollout engine (served by the embedded and serve backends; its
-    ``version`` is the policy's); ``model``: the policy (remote: its weights are pushed)."""
+    ``version`` is the policy's); ``model``: the policy (remote: its weights are pushed, written
+    under ``weights_root``). (``async.enabled=true`` is refused by the config's validation.)"""
 
-    def __init__(self, cfg: Config, engine: Any, tokenizer: Any, task: Task, max_new_tokens: int, model: Any = None):
+    def __init__(self, rollout: RolloutConfig, task_cfg: TaskConfig, engine: Any, tokenizer: Any, task: Task,
+                 max_new_tokens: int, model: Any = None, *, weights_root: str | Path = "weights_for_server"):
         from ..distributed.data_parallel import launched
 
-        r = cfg.rollout
-        if cfg.async_.enabled or launched():
+        r = rollout
+        if launched():
             raise ConfigError("task.agent and rollout.backend=serve/remote run in one synchronous process: "
-                              "they do not work with async.enabled=true or under torchrun yet")
+                              "they do not work under torchrun yet")
         if r.backend not in BACKENDS:
             raise ConfigError(f"rollout.backend: unknown {r.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if cfg.task.agent:
-            self.agent = load_agent(cfg.task.agent)
+        if task_cfg.agent:
+            self.agent = load_agent(task_cfg.agent)
         elif task.max_turns > 1:
             raise ConfigError(f"rollout.backend={r.backend} with the multi-turn task {task.name!r} needs an agent: "
                               f"set task.agent=module:function")
         else:
             self.agent = TaskAgent(task, tokenizer)
-        if cfg.task.agent_timeout_s <= 0:
+        if task_cfg.agent_timeout_s <= 0:
             raise ConfigError("task.agent_timeout_s must be > 0")
-        self.timeout_s = cfg.task.agent_timeout_s
+        self.timeout_s = task_cfg.agent_timeout_s
         self.engine, self.tokenizer, self.model = engine, tokenizer, model
         self.backend, self.model_name = r.backend, r.server_model
         self.defaults = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_tokens": max_new_tokens}
         self.state = self.server = None
-        self.weights_root = Path(cfg.train.out_dir) / "weights_for_server"
+        self.weights_root = Path(weights_root)
         self.api_key: str | None = None  # sent as 'Authorization: Bearer KEY' (remote: TREERL_API_KEY)
         self._pushed_version: int | None = None
         self.failures: list[EpisodeResult] = []  # of the last generate call

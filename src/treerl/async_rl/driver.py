@@ -28,7 +28,7 @@ def save_async_checkpoint(trainer: Trainer, out_dir: str | Path, ledger: WorkLed
     gathered on every rank) and writes the whole weights of its rollout copy."""
     root = Path(out_dir) / "checkpoints"
     state = {**trainer.state_dict(), "async": ledger.state_dict()}
-    weights = trainer.rollout.model if trainer.dist else trainer.model
+    weights = trainer.sampler.rollout.model if trainer.dist else trainer.model
     return save_checkpoint(root, trainer.step_count, weights, trainer.tokenizer, state,
                            keep_last=trainer.cfg.train.keep_last)
 
@@ -59,7 +59,7 @@ def _train_async(cfg: Config, trainer: Trainer, path: Path | None, options: Asyn
         saved = load_state(path, trust=cfg.train.trust_checkpoint).get("async")
         if saved is not None:
             ledger = WorkLedger.from_state(saved)
-        print(f"resumed from {path} (step {trainer.step_count}, version {trainer.rollout.version}, "
+        print(f"resumed from {path} (step {trainer.step_count}, version {trainer.sampler.rollout.version}, "
               f"{len(ledger.queued)} pending unit(s))", file=sys.stderr)
     run = RunLog(cfg, trainer, resumed=bool(resume))
     runner = None

@@ -36,7 +36,7 @@ class Leader:
         def call(*args, **kwargs):
             if name == "sft_step" and not args and kwargs.get("problems") is None:
                 # the leader picks the batch: the followers' data order is not advanced
-                kwargs["problems"] = self._trainer.next_problems(self._trainer.cfg.sft.batch_size)
+                kwargs["problems"] = self._trainer.sampler.next_problems(self._trainer.cfg.sft.batch_size)
             broadcast_object((name, args, kwargs))
             return value(*args, **kwargs)
 

@@ -54,7 +54,7 @@ class TrainerRank:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")  # Ray gives a GPU actor cuda:0
             store = self.store if rank == 0 else dist.TCPStore(master[0], master[1], is_master=False,
                                                                timeout=datetime.timedelta(seconds=600))
-            ranks.setup(cfg, store=store)  # the Trainer then finds the group joined
+            ranks.setup(cfg.train.device, store=store)  # the Trainer then finds the group joined
         try:
             return train_async(cfg, resume=resume, options=options)
         finally:

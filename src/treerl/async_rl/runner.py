@@ -141,14 +141,14 @@ class AsyncRunner:
         devices = list(o.worker_devices or [cfg.train.device] * a.workers)
         if len(devices) != a.workers:
             raise ConfigError(f"{len(devices)} worker devices given for async.workers={a.workers}")
-        self.controller = StalenessController(a.max_staleness, P // o.prompts_per_unit, version=trainer.rollout.version)
+        self.controller = StalenessController(a.max_staleness, P // o.prompts_per_unit, version=trainer.sampler.rollout.version)
         self.buffer: SampleBuffer[tuple[WorkUnit, list[Sample]]] = SampleBuffer()
         self.ledger = ledger or WorkLedger()
         self.transfer = choose_transfer(a.weight_transfer, cfg.train.device, devices, o.launcher)
         self.out_dir = Path(out_dir or cfg.train.out_dir)
         # the whole weights to publish: data parallel, the policy is sharded and each rank's
         # rollout copy holds them (gathered after every optimizer step)
-        self.weights = trainer.rollout.model if trainer.dist else trainer.model
+        self.weights = trainer.sampler.rollout.model if trainer.dist else trainer.model
         self.publisher = self._publisher()
         self.pool: WorkerPool = make_pool(o.launcher, **(o.ray_worker if o.launcher == "ray" else {}))
         self.workers = {i: WorkerInfo(i, d) for i, d in enumerate(devices)}
@@ -160,7 +160,7 @@ class AsyncRunner:
 
     # ----------------------------------------------------------------- set-up
     def _publisher(self) -> WeightPublisher:
-        version = self.trainer.rollout.version
+        version = self.trainer.sampler.rollout.version
         if self.transfer == "shared":
             return SharedMemoryPublisher(self.weights, version, mp.get_context("spawn"))
         if self.transfer in ("nccl", "gloo"):
@@ -173,7 +173,7 @@ class AsyncRunner:
     def start(self) -> None:
         """Publish the current weights and start every worker."""
         if self.transfer not in ("nccl", "gloo"):  # push transports send on each worker's Ready
-            self.publisher.publish(self.weights, self.trainer.rollout.version)
+            self.publisher.publish(self.weights, self.trainer.sampler.rollout.version)
         for i in self.workers:
             self._start_worker(i)
         self._started = True
@@ -242,7 +242,7 @@ class AsyncRunner:
         if isinstance(msg, Ready):
             info.ready = True
             info.streaming = msg.streaming
-            self.publisher.worker_ready(msg.worker, self.weights, self.trainer.rollout.version)
+            self.publisher.worker_ready(msg.worker, self.weights, self.trainer.sampler.rollout.version)
         elif isinstance(msg, Result):
             self._collect(msg)
         elif isinstance(msg, WorkerFailed):
@@ -327,7 +327,7 @@ class AsyncRunner:
         # by the one draw its generate would make (eta = 0 reproduces synchronous samples).
         state = torch.get_rng_state().numpy().tobytes()
         torch.randint(0, 2**62, ())
-        problems = self.trainer.next_problems(self.options.prompts_per_unit)
+        problems = self.trainer.sampler.next_problems(self.options.prompts_per_unit)
         return self.ledger.new_unit(problems, self.cfg.rollout.group_size, state)
 
     # ---------------------------------------------------------------- training
@@ -343,8 +343,8 @@ class AsyncRunner:
         t0 = time.perf_counter()
         metrics = self.trainer.train_on(samples, rollout_seconds=waited, proximal=self.options.proximal)
         version = self.controller.step()
-        if version != self.trainer.rollout.version:
-            raise RuntimeError(f"controller version {version} != trainer version {self.trainer.rollout.version}")
+        if version != self.trainer.sampler.rollout.version:
+            raise RuntimeError(f"controller version {version} != trainer version {self.trainer.sampler.rollout.version}")
         self.ledger.mark_trained([f.uid for f in batch])
         publish_s = self.publisher.publish(self.weights, version)
         self.train_time.add(time.perf_counter() - t0)

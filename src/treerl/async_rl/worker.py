@@ -1,6 +1,7 @@
 """A rollout worker: its own model copy and :class:`~treerl.rollout.RolloutEngine`
-(through a rollout-only :class:`~treerl.trainer.Trainer`, so samples are built and scored
-exactly as in synchronous training), a weight-listener thread and a heartbeat thread.
+(through a :class:`~treerl.sampler.Sampler` built as a synchronous trainer's is,
+:func:`build_worker_sampler`, so samples are built and scored exactly as in synchronous
+training), a weight-listener thread and a heartbeat thread.
 
 Protocol (one task queue and one result queue per worker incarnation):
 
@@ -35,17 +36,20 @@ from __future__ import annotations
 import importlib
 import os
 import queue
+import random
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..rollout.prompts import PromptQueue
-
 import numpy as np
 import torch
 
+from ..build import build_task_policy
+from ..config import Config
+from ..rollout.prompts import PromptQueue
+from ..sampler import Sampler
 from .ledger import WorkUnit
 from .weights import WeightSource
 
@@ -141,18 +145,18 @@ TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
                 "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
 
-def rollout_only_config(config: dict, device: str):
-    """The run's config for a worker's rollout-only Trainer: same model/task/rollout
-    settings, on ``device``, without the reference model or critic (never used there)."""
-    from ..config import Config
-
-    cfg = Config.from_dict(config)
-    cfg.train.device = device
-    cfg.algorithm.kl_coef = 0.0
-    if cfg.algorithm.advantage == "gae":  # no critic (reinforce_pp builds no extra engine)
-        cfg.algorithm.advantage = "reinforce_pp"
-    cfg.train.tensorboard = cfg.train.wandb = cfg.train.progress = False
-    return cfg
+def build_worker_sampler(cfg: Config, device: str) -> Sampler:
+    """A worker's :class:`~treerl.sampler.Sampler` on ``device``: the run's task, tokenizer
+    and policy (seeded as the trainer's: the same initial weights) and its rollout engine,
+    from the same config sections as the trainer's sampler (no tree engines, optimizers or
+    data-parallel group: a worker only generates)."""
+    seed = cfg.train.seed
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    task, tokenizer, model = build_task_policy(cfg.model, cfg.task, seed, torch.device(device))
+    return Sampler(cfg.rollout, cfg.task, task, tokenizer, model, None, seed=seed,
+                   eval_problems=cfg.train.eval_problems)
 
 
 def run_setup(setup: str | None) -> None:
@@ -178,7 +182,8 @@ def worker_main(spec: WorkerSpec, tasks: Any, results: Any) -> None:
 
 
 class RolloutWorker:
-    """The worker's state: a rollout-only Trainer, the weight receiver and threads."""
+    """The worker's state: its sampler (``sampler``: model, rollout ``engine``), the weight
+    receiver and threads."""
 
     def __init__(self, spec: WorkerSpec, results: Any):
         self.spec, self.results = spec, results
@@ -191,21 +196,19 @@ class RolloutWorker:
         device = torch.device(spec.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        from ..trainer import Trainer
-
-        self.trainer = Trainer(rollout_only_config(spec.config, spec.device))
-        self.engine = self.trainer.rollout
+        cfg = Config.from_dict(spec.config)
+        self.sampler = build_worker_sampler(cfg, spec.device)
+        self.engine = self.sampler.rollout
         self.engine.version = -1  # no published weights yet
         self.state = _State()
         # the input embedding runs once per forward: prefill (HF forward) and decode steps (own blocks) alike
-        self.trainer.model.get_input_embeddings().register_forward_hook(self._on_model_call)
-        self.receiver = spec.weights.open(device, self.trainer.model)
+        self.sampler.model.get_input_embeddings().register_forward_hook(self._on_model_call)
+        self.receiver = spec.weights.open(device, self.sampler.model)
         self._threads = [threading.Thread(target=self._listen, name="weights", daemon=True),
                          threading.Thread(target=self._beat, name="heartbeat", daemon=True)]
-        self.streaming = not self.trainer.multi_turn
-        cfg = self.trainer.cfg
+        self.streaming = not self.sampler.multi_turn
         # the most prompt groups ever in flight: (eta + 1) batches, each group its rows (tree rollouts: leaves)
-        leaves = self.trainer.sampling_params(cfg.rollout.group_size).max_leaves
+        leaves = self.sampler.sampling_params(cfg.rollout.group_size).max_leaves
         self.max_rows = (cfg.async_.max_staleness + 1) * cfg.rollout.prompts_per_step * leaves
 
     # ------------------------------------------------------------------ threads
@@ -327,8 +330,8 @@ class RolloutWorker:
     def _run_session(self, session: "_Session", first: WorkUnit) -> None:
         if first.rng_state:
             torch.set_rng_state(torch.from_numpy(np.frombuffer(first.rng_state, dtype=np.uint8).copy()))
-        params = self.trainer.sampling_params(session.group_size)
-        self.trainer.model.eval()
+        params = self.sampler.sampling_params(session.group_size)
+        self.sampler.model.eval()
         self.state.busy = True
         mark, recomputes = time.perf_counter(), 0
         try:
@@ -348,27 +351,6 @@ class RolloutWorker:
         if session.pending:
             raise RuntimeError(f"worker {self.spec.index}: the stream ended with units {sorted(session.pending)} unfinished")
 
-    def score_groups(self, problems: list, groups: list, version: int) -> list:
-        """Samples of one unit's groups (one per problem, in order), exactly as
-        ``Trainer.generate_samples`` builds them for a synchronous step."""
-        from ..tasks.base import score_problems
-        from ..samples import Sample
-
-        flat = [(i, c) for i, g in enumerate(groups) for c in g.completions]
-        tok = self.trainer.tokenizer
-        texts = [tok.decode(c.completion_ids.tolist(), skip_special_tokens=True) for _, c in flat]
-        rewards = score_problems(self.trainer.task.reward, [problems[i] for i, _ in flat], texts)
-        samples = []
-        for k, ((i, c), text, reward) in enumerate(zip(flat, texts, rewards)):
-            p, t = len(c.prompt_ids), len(c.completion_ids)
-            samples.append(Sample(
-                token_ids=c.token_ids.tolist(), loss_mask=[False] * (p - 1) + [True] * t,
-                behaviour_logprobs=[0.0] * (p - 1) + c.logprobs.tolist(),
-                versions=[version] * (p - 1) + c.versions.tolist(),
-                reward=reward, group=i, episode=k, completion=text,
-            ))
-        return samples
-
     def _wait_for_version(self, version: int) -> None:
         deadline = time.monotonic() + self.spec.weights_timeout_s
         with self.state.weights:
@@ -384,18 +366,18 @@ class RolloutWorker:
         self._wait_for_version(max(max(u.min_version for u in units), 0))
         if units[0].rng_state:
             torch.set_rng_state(torch.from_numpy(np.frombuffer(units[0].rng_state, dtype=np.uint8).copy()))
-        if self.trainer.multi_turn:  # several generate calls per episode: a stream of their own
+        if self.sampler.multi_turn:  # several generate calls per episode: a stream of their own
             torch.manual_seed(int(torch.randint(0, 2**62, ())) ^ 0x5EED)
         problems = [p for u in units for p in u.problems]
         first_version = self.engine.version
         self.state.busy = True
         t0 = time.perf_counter()
         try:
-            samples = self.trainer.generate_samples(problems, units[0].group_size)
+            samples = self.sampler.generate(problems, units[0].group_size)
         finally:
             self.state.busy = False
         seconds = time.perf_counter() - t0
-        if self.trainer.multi_turn:
+        if self.sampler.multi_turn:
             # Sampler._episodes stamps every token with the version at the end of the
             # episode; the oldest version seen is the safe (never too fresh) stamp.
             for s in samples:
@@ -440,14 +422,14 @@ class _Session:
         has ended (or the group size differs): they go to a new session."""
         if any(u.group_size != self.group_size for u in units):
             return False
-        trainer = self.worker.trainer
+        sampler = self.worker.sampler
         items = []
         with self.lock:
             for u in units:
                 if u.uid in self.units:
                     raise RuntimeError(f"unit {u.uid} sent twice to the same worker")
                 for j, problem in enumerate(u.problems):
-                    items.append((self.next_key + len(items), trainer.format.prompt_ids(trainer.tokenizer, problem.prompt)))
+                    items.append((self.next_key + len(items), sampler.format.prompt_ids(sampler.tokenizer, problem.prompt)))
             if not self.queue.put_many(items):
                 return False
             version = self.worker.engine.version
@@ -470,5 +452,6 @@ class _Session:
                 return None
             del self.units[uid]
         groups = [st.groups[i] for i in range(len(st.unit.problems))]
-        samples = self.worker.score_groups(st.unit.problems, groups, self.worker.engine.version)
+        # scored exactly as a synchronous step's samples are (Sampler.group_samples)
+        samples = self.worker.trainer.sampler.group_samples(st.unit.problems, groups, self.worker.engine.version)
         return st.unit, samples, st.first_version

@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..engine import TreeEngine
+from ..engine.tree_engine import TreeEngine
 
 
 @dataclass(frozen=True)

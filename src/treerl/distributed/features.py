@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..tree import PrefixTree
+from ..engine.tree import PrefixTree
 
 __all__ = ["TreeFeatures", "Forest", "tree_features", "root_features", "sequence_set_features"]
 

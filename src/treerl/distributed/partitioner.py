@@ -52,7 +52,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..tree import PrefixTree, TokenSequence
+from ..engine.tree import PrefixTree, TokenSequence
 from .cost_model import DEFAULT_COST_MODEL, CostModel
 from .features import Forest, TreeFeatures
 

@@ -1,6 +1,6 @@
 """Which rank does what in the synchronous trainer (README, "Multi-GPU").
 
-Joining the process group from the config, FSDP2 sharding of the policy and critic, each
+Joining the process group (on ``train.device``'s kind), FSDP2 sharding of the policy and critic, each
 rank's slice of a step's prompts, its tree-aware share of a batch every rank holds, and
 the gathering of every rank's samples. ``dist`` is the
 :class:`~treerl.distributed.data_parallel.DistContext`, or ``None`` in one process (where
@@ -13,25 +13,25 @@ from typing import Sequence, TypeVar
 
 import torch
 
-from ..config import Config, ConfigError
-from ..engine import TreeEngine
+from ..config import ConfigError
+from ..engine.tree_engine import TreeEngine
 from ..samples import Sample
-from ..tree import PrefixTree
+from ..engine.tree import PrefixTree
 from . import data_parallel as dp
 from .partitioner import partition
 
 T = TypeVar("T")
 
 
-def setup(config: Config, store=None) -> dp.DistContext | None:
+def setup(device: str, store=None) -> dp.DistContext | None:
     """Under torchrun (WORLD_SIZE > 1): join the process group, one rank per GPU (NCCL)
-    when ``train.device`` is CUDA, gloo on CPU otherwise. One process: ``None``.
+    when ``device`` (``train.device``) is CUDA, gloo on CPU otherwise. One process: ``None``.
     ``store``: the rendezvous store, when the launcher holds one (see :func:`dp.setup`)."""
     if not dp.launched():
         return None
-    cuda = torch.device(config.train.device).type == "cuda"
+    cuda = torch.device(device).type == "cuda"
     if cuda and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={config.train.device} but CUDA is not available")
+        raise ConfigError(f"train.device={device} but CUDA is not available")
     return dp.setup("nccl" if cuda else "gloo", store=store)
 
 

@@ -16,18 +16,20 @@ streamed tokens (``TokenDelta`` listeners) and cancellation; per-token behaviour
 """
 
 from .engine import RolloutEngine
+from .build import build_rollout_engine
 from .kv import SlotCache, rollout_attention
 from .prefix_cache import PrefixCache
-from .shared import SharedPrefixCache, tree_attention, two_level_attention
+from .shared import SharedPrefixCache, fork_attention, two_level_attention
 from .params import SamplingParams
 from .prompts import PromptQueue
-from .tree import TreeLayout
+from .forks import ForkLayout
 from .types import Completion, Group, RolloutStats, TokenDelta
 from .sampling import apply_top_k, apply_top_p, sample, sampling_distribution
 from .stops import StopChecker
 
 __all__ = [
     "RolloutEngine",
+    "build_rollout_engine",
     "SamplingParams",
     "Completion",
     "TokenDelta",
@@ -38,8 +40,8 @@ __all__ = [
     "SharedPrefixCache",
     "PrefixCache",
     "two_level_attention",
-    "tree_attention",
-    "TreeLayout",
+    "fork_attention",
+    "ForkLayout",
     "StopChecker",
     "apply_top_k",
     "apply_top_p",

@@ -20,8 +20,8 @@ from .paging import BlockTable
 from .sampling import sample, sample_rows
 from .scheduler import RowSampling
 from .shared import SharedPrefixCache
-from .step import BatchStep
-from .tree import TreeLayout
+from .step import DecodeStep
+from .forks import ForkLayout
 from .types import RolloutStats
 
 
@@ -42,7 +42,7 @@ class DeviceBatch:
     STATE = ("cache", "prefix_mask", "own_mask", "table", "fill", "fed", "pos", "live_d", "last", "logits",
              "log_tok", "log_lp", "fork_mask", "fork_node", "fork_slot", "steps_cache", "graph_pool")
 
-    def __init__(self, engine, tree: TreeLayout, block: int, max_blocks: int, stats: RolloutStats):
+    def __init__(self, engine, tree: ForkLayout, block: int, max_blocks: int, stats: RolloutStats):
         self.e, self.tree, self.G, self.block, self.max_blocks = engine, tree, tree.rows, block, max_blocks
         self.N = max_blocks * block
         self.stats = stats
@@ -81,7 +81,7 @@ class DeviceBatch:
             return
         del kept
         self.cache = None  # SharedPrefixCache, allocated at the first load (shapes from the prefill)
-        self.steps_cache: dict[tuple[int, int], BatchStep] = {}
+        self.steps_cache: dict[tuple[int, int], DecodeStep] = {}
         self.graph_pool = None  # the CUDA graphs' memory pool (graphs.capture_decode_step)
         self.prefix_mask = torch.full((groups, prefix_capacity), self.neg, dtype=self.dtype, device=dev)
         self.own_mask = torch.full((S, self.N), self.neg, dtype=self.dtype, device=dev)
@@ -237,7 +237,7 @@ class DeviceBatch:
             self.own_mask[:hi].scatter_(1, self.fill[:hi, None], 0.0)
         step = self.steps_cache.get((hg, own_len))
         if step is None or step.cache is not self.cache:
-            step = self.steps_cache[(hg, own_len)] = BatchStep(self.e, self, hg, own_len, pre_len)
+            step = self.steps_cache[(hg, own_len)] = DecodeStep(self.e, self, hg, own_len, pre_len)
             self.stats.step_builds += 1
         elif not self.e.static_kv:  # exact shapes: the attended prompt slots change
             step.prefix_mask = self.prefix_mask[:hg, None, None, :pre_len]

@@ -1,5 +1,5 @@
 """The streaming decode step's forward for the families treerl runs itself (Qwen2, Qwen3,
-Llama, Qwen3-MoE: :data:`treerl.models.OWN_LOOP_MODELS`), block by block.
+Llama, Qwen3-MoE: :data:`treerl.models.FAMILIES`), block by block.
 
 Through Hugging Face's modules one decode step of a 28-layer model launches ~1,900
 kernels (norms, RoPE, reshapes and the two-level attention's merge are dozens of small
@@ -43,10 +43,10 @@ import sys
 
 import torch
 
+from ..compiled import DECODE_OFF, LazyCompiled
 from ..lora import effective_weight
 from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
-from .compiled import LazyCompiled
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, shared_part, split_queries
 
 
@@ -177,10 +177,10 @@ def _base(linear: torch.nn.Module) -> torch.nn.Module:
     return getattr(linear, "base_layer", linear)
 
 
-_PRE, _POST = LazyCompiled(_pre, "decode blocks"), LazyCompiled(_post, "decode blocks")
+_PRE, _POST = LazyCompiled(_pre, "decode blocks", DECODE_OFF), LazyCompiled(_post, "decode blocks", DECODE_OFF)
 
 
-class DecodeForward:
+class DecodeBlocks:
     """One decode step of the running batch through the model's own modules (see the
     module docstring). ``compile``: the ``pre``/``post`` parts through ``torch.compile``.
     Call :meth:`applies` first: other families decode through their HF forward."""
@@ -200,7 +200,7 @@ class DecodeForward:
 
     @property
     def compiled(self) -> bool:
-        """Both parts run compiled (False before the first step, or after a fallback)."""
+        """Both parts run compiled (False before the first step, or without ``compile``)."""
         return all(getattr(f, "compiled", False) for f in (self.pre, self.post))
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, cache: SharedPrefixCache, own_mask: torch.Tensor,

@@ -5,7 +5,7 @@ One generation path, continuous batching (:mod:`treerl.rollout.stream`):
 finished groups free their slots and waiting prompt groups are admitted into them; each
 group is yielded as soon as all its samples finish. :meth:`RolloutEngine.generate` collects
 that stream for a list of prompts. Plain groups (``n`` samples), tree rollouts (forks at
-chosen completion lengths, :mod:`treerl.rollout.tree`) and the turns of multi-turn
+chosen completion lengths, :mod:`treerl.rollout.forks`) and the turns of multi-turn
 episodes (with ``prefix_cache_tokens``, a turn prefills only its new tokens) all go through
 it. A group's prompt is prefilled once and its K/V stored once; a fork point's tokens are
 stored once for the rows below it; decode attention reads each shared level once per step
@@ -35,14 +35,14 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from .blocks import DecodeForward
+from .blocks import DecodeBlocks
 from .kv import rollout_attention_enabled
 from .params import SamplingParams
 from .prefill import Prefiller
 from .prefix_cache import PrefixCache
 from .prompts import PromptQueue
 from .stream import RunningBatch, group_slots
-from .tree import TreeLayout
+from .forks import ForkLayout
 from .types import Completion, Group, PromptLike, RolloutStats, round_up
 
 __all__ = ["RolloutEngine", "Completion", "Group", "RolloutStats", "PromptLike"]
@@ -71,12 +71,12 @@ class RolloutEngine:
     slots in device tensors); without it, steps cover exactly the live span.
 
     ``compile_decode`` (default: on for CUDA devices): the streaming decode step of the
-    families treerl runs itself (Qwen2, Qwen3, Llama) goes block by block through the model's
+    families treerl runs itself (:data:`treerl.models.FAMILIES`) goes block by block through the model's
     own modules (:mod:`~treerl.rollout.blocks`: ~18 kernels per layer instead of ~70), and
     with ``compile_decode`` each block's parts are compiled (regional ``torch.compile``,
     dynamic shapes: compiled once, in seconds, for every layer and batch bucket), then
-    captured in the step's CUDA graph. Falls back to eager (with a warning) if compilation
-    fails. In float64 the fused kernels differ from eager by ~1e-8 (float32: within 1e-5).
+    captured in the step's CUDA graph. A compiler failure is a
+    :class:`~treerl.compiled.CompileError` naming this switch (no eager fallback). In float64 the fused kernels differ from eager by ~1e-8 (float32: within 1e-5).
 
     ``prefix_cache_tokens`` (default 0: off): the engine keeps the K/V of prompts it
     prefilled, up to this many tokens (LRU, :mod:`~treerl.rollout.prefix_cache`); a prompt
@@ -138,7 +138,7 @@ class RolloutEngine:
             raise ValueError("cuda_graphs needs static_kv")
         self.keep_stream_buffers = bool(keep_stream_buffers)
         self.compile_decode = self.device.type == "cuda" if compile_decode is None else bool(compile_decode)
-        self.decode_forward = DecodeForward(model, self.compile_decode) if DecodeForward.applies(model) else None
+        self.decode_blocks = DecodeBlocks(model, self.compile_decode) if DecodeBlocks.applies(model) else None
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self.prefiller = Prefiller(model, self.num_layers, self.prefill_chunk_tokens, self.logit_dtype)
         self._stream_arena = None  # (shapes, device state) of the last stream, kept for the next
@@ -184,8 +184,8 @@ class RolloutEngine:
                     if own[k].shape != t.shape:
                         raise ValueError(f"{k}: shape {tuple(t.shape)} does not match the model's {tuple(own[k].shape)}")
                     own[k].copy_(t)
-            if self.decode_forward is not None:
-                self.decode_forward.refresh()
+            if self.decode_blocks is not None:
+                self.decode_blocks.refresh()
             self.version = self.version + 1 if version is None else int(version)
             return self.version
 
@@ -273,8 +273,8 @@ class RolloutEngine:
         slots of ``G = params.max_leaves`` rows (``n``, or a tree rollout's leaves); each
         group's prompt K/V is stored once, each fork point's once, and each row stores only
         its own tokens, in blocks it takes as it grows (:mod:`treerl.rollout.paging`), so a
-        group slot costs ``P + fork segments`` K/V slots (:meth:`TreeLayout.shared_tokens
-        <treerl.rollout.tree.TreeLayout.shared_tokens>`; ``P``: the longest prompt waiting at
+        group slot costs ``P + fork segments`` K/V slots (:meth:`ForkLayout.shared_tokens
+        <treerl.rollout.forks.ForkLayout.shared_tokens>`; ``P``: the longest prompt waiting at
         the start, rounded up to 16) and its rows' blocks. Group slots: as many as
         ``max_batch_tokens`` allows with one block per row (:func:`~treerl.rollout.stream.group_slots`),
         at most ``max_rows // G``, no more than a finite input needs, at least one; the
@@ -288,7 +288,7 @@ class RolloutEngine:
         queue = prompts if isinstance(prompts, PromptQueue) else PromptQueue(prompts, close=True)
         waiting = [len(self.check_prompt(w.key, w.prompt, params if w.params is None else w.params))
                    for w in queue.items()]
-        tree = TreeLayout.of(params)
+        tree = ForkLayout.of(params)
         G = tree.rows
         prefix_capacity = round_up(max(waiting, default=1))
         groups = group_slots(tree, prefix_capacity, self.max_batch_tokens, self.kv_block_size)
@@ -300,9 +300,9 @@ class RolloutEngine:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         self.stats = RolloutStats()
         start = time.perf_counter()
-        if self.decode_forward is not None:  # the model may have changed in place since the last stream
+        if self.decode_blocks is not None:  # the model may have changed in place since the last stream
             with self._device_lock, torch.no_grad():
-                self.decode_forward.refresh()
+                self.decode_blocks.refresh()
         kept, self._stream_arena = self._stream_arena, None
         if kept is not None:  # a kept arena with room for these prompts is reused, captured decode steps and all
             kept_groups, kept_tree, kept_capacity = kept[0][:3]

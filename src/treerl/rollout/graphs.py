@@ -1,12 +1,13 @@
 """One decode step with static inputs, run eagerly or as a CUDA graph captured at its
-first use (the running batch's :class:`~treerl.rollout.step.BatchStep`)."""
+first use (the running batch's :class:`~treerl.rollout.step.DecodeStep`)."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Callable
 
 import torch
+
+from ..compiled import CompileError
 
 
 def capture_decode_step(engine, forward, owner) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
@@ -41,32 +42,11 @@ def capture_decode_step(engine, forward, owner) -> tuple[torch.cuda.CUDAGraph | 
                 with torch.cuda.graph(graph, pool=owner.graph_pool):
                     out = forward()
                 return graph, out
+            except CompileError:
+                raise  # not a capture problem: never hidden behind the eager fallback
             except RuntimeError as err:
                 error = err
         # a model that cannot be captured: run its steps eagerly
         warnings.warn(f"CUDA graph capture failed twice ({error}); decoding without CUDA graphs")
         engine.cuda_graphs = False
         return None, forward()
-
-
-class DecodeStep:
-    """``forward`` (a decode step whose inputs live in fixed tensors) run eagerly, or on
-    CUDA (``engine.cuda_graphs``) captured at the first call and replayed after."""
-
-    def __init__(self, engine, forward: Callable[[], torch.Tensor], owner=None):
-        self.owner = self if owner is None else owner  # holds the graphs' memory pool
-        self.engine, self.forward = engine, forward
-        self.use_graph = engine.cuda_graphs
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
-
-    def __call__(self) -> torch.Tensor:
-        if not self.use_graph:
-            return self.forward()
-        if self.graph is None:
-            self.graph, self.logits = capture_decode_step(self.engine, self.forward, self.owner)
-            if self.graph is None:
-                self.use_graph = False
-                return self.logits
-        self.graph.replay()
-        return self.logits

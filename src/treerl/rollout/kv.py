@@ -10,7 +10,7 @@ from it into its :class:`~treerl.rollout.shared.SharedPrefixCache`.
 
 Decode steps of models decoded through their HF forward pass ``rollout_prefix=<that
 cache>`` through the model's kwargs, and :func:`rollout_attention` then runs
-:func:`~treerl.rollout.shared.tree_attention` (the prompt, the fork segments and the rows'
+:func:`~treerl.rollout.shared.fork_attention` (the prompt, the fork segments and the rows'
 own tokens, merged by log-sum-exp).
 
 The engine always passes a ready 4-D additive mask ``[rows, 1, q, length + q]``, so the
@@ -22,16 +22,13 @@ query folds the query heads of each KV head into the query-length axis
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .shared import tree_attention
+from ..hf_attention import attention_routed, register
+from .shared import fork_attention
 
 ATTN_NAME = "treerl_rollout"
 
@@ -155,7 +152,7 @@ def rollout_attention(
     if shared is not None:
         groups = query.shape[0] // shared.G
         pk, pv = shared.prefix(module.layer_idx, groups)
-        return tree_attention(query, key, value, attention_mask, pk, pv, shared.prefix_mask,
+        return fork_attention(query, key, value, attention_mask, pk, pv, shared.prefix_mask,
                               shared.fork_levels(module.layer_idx, groups),
                               scaling if scaling is not None else query.shape[-1] ** -0.5, shared.G,
                               shared.backend(key.shape[2], pk.shape[2])), None
@@ -175,18 +172,10 @@ def rollout_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(ATTN_NAME, rollout_attention)
+register(ATTN_NAME, rollout_attention)
 
 
-@contextlib.contextmanager
-def rollout_attention_enabled(model: torch.nn.Module) -> Iterator[None]:
-    """Route every attention module of ``model`` through :func:`rollout_attention`."""
-    configs = {id(c): c for c in [model.config] + [getattr(m, "config", None) for m in model.modules()] if c is not None}
-    previous = {k: c._attn_implementation for k, c in configs.items()}
-    try:
-        for c in configs.values():
-            c._attn_implementation = ATTN_NAME
-        yield
-    finally:
-        for k, c in configs.items():
-            c._attn_implementation = previous[k]
+def rollout_attention_enabled(model: torch.nn.Module):
+    """Route every attention module of ``model`` through :func:`rollout_attention` (a
+    context manager: :func:`treerl.hf_attention.attention_routed`)."""
+    return attention_routed(model, ATTN_NAME)

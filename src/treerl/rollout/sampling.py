@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .compiled import LazyCompiled
+from ..compiled import SAMPLING_OFF, LazyCompiled
 from .params import SamplingParams
 
 
@@ -174,4 +174,5 @@ def _race_argmax(logp: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
     return (logp - race.clamp(min=torch.finfo(race.dtype).tiny).log()).argmax(dim=-1)
 
 
-_race_argmax_compiled = LazyCompiled(_race_argmax, "sampling race")  # one fused pass on CUDA
+# one fused pass on CUDA (sampling with top_k, top_p or min_p runs eagerly)
+_race_argmax_compiled = LazyCompiled(_race_argmax, "sampling race", SAMPLING_OFF)

@@ -3,9 +3,9 @@ which blocks each row owns, admission, preemption, forks, stops and compaction p
 
 :class:`Scheduler` holds no device tensor and calls no model: the running batch
 (:class:`~treerl.rollout.stream.RunningBatch`) asks it what to do and applies the device side
-(:class:`~treerl.rollout.batch.DeviceBatch`). Testable alone (``tests/test_rollout_scheduler.py``).
+(:class:`~treerl.rollout.batch.DeviceBatch`). Testable alone (``tests/rollout/test_rollout_scheduler.py``).
 
-Rows: ``groups`` group slots of ``G = tree.rows`` rows (:class:`~treerl.rollout.tree.TreeLayout`).
+Rows: ``groups`` group slots of ``G = tree.rows`` rows (:class:`~treerl.rollout.forks.ForkLayout`).
 Per row (:data:`ROW_STATE`): live, tokens sampled (``steps``), tokens checked for stops,
 tokens fed (``fed_h``: the host copy of the device's ``fed``), the weight versions of its
 K/V and of its pending logits, and its sampled tokens, logprobs and versions. Per group
@@ -29,7 +29,7 @@ from .params import SamplingParams
 from .prompts import Waiting
 from .requests import RowSampling, abort, emit, plan_sampling, row_completion
 from .stops import StopChecker
-from .tree import TreeLayout
+from .forks import ForkLayout
 from .types import Group, RolloutStats
 
 # host state per row: what a row carries through forks, compaction and preemption
@@ -90,7 +90,7 @@ class Scheduler:
     blocks are taken for); ``exact``: decode steps cover exactly the live span (no
     fixed-shape buckets); ``stats``: counters to add to."""
 
-    def __init__(self, tree: TreeLayout, params: SamplingParams, block: int, max_blocks: int,
+    def __init__(self, tree: ForkLayout, params: SamplingParams, block: int, max_blocks: int,
                  sync_every: int, exact: bool, stats: RolloutStats, logit_dtype: torch.dtype = torch.float32):
         self.tree, self.G, self.p, self.max_new = tree, tree.rows, params, params.max_new_tokens
         self.stopper = StopChecker(params.stop_token_ids, params.stop_strings, params.decoder())

@@ -11,7 +11,7 @@ rows ``[g*G, (g+1)*G)`` are the samples of the prompt held by group slot ``g``. 
   ``j`` of row ``r`` (the token at position ``P_g + j``; tree rollouts ``P_g + t_m + j``)
   is slot ``j % B`` of block ``table[r, j // B]``; a row owns only the blocks it has
   reached, the rest of its entries name the trash block (the pool's last);
-- tree rollouts (:mod:`~treerl.rollout.tree`) add one **fork-segment store** per fork
+- tree rollouts (:mod:`~treerl.rollout.forks`) add one **fork-segment store** per fork
   level ``k < m``, ``[NG x c_k, Hkv, cap_k, D]``: the tokens ``[t_k, t_{k+1})`` of each
   node, stored once and read by the ``r_k`` consecutive rows below it.
 
@@ -408,7 +408,7 @@ def two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefi
     return merge_parts(o_own, l_own, o_pre, l_pre, G, query.dtype)
 
 
-def tree_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefix_mask, forks, scale, G,
+def fork_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefix_mask, forks, scale, G,
                    backend: str = "math"):
     """:func:`two_level_attention` with fork levels between the prompt and the rows' own
     tokens (``forks``: ``(keys, values, mask, r_k)`` per level, see

@@ -1,16 +1,16 @@
 """The running batch's one-token decode step with fixed shapes (per bucket of group slots
 and own slots), whose inputs and output are views of the batch's persistent device
-tensors: run eagerly, or on CUDA captured as a graph at its first use and replayed after
-(:class:`~treerl.rollout.graphs.DecodeStep`)."""
+tensors: run eagerly, or on CUDA (``engine.cuda_graphs``) captured as a graph at its first
+use and replayed after (:func:`~treerl.rollout.graphs.capture_decode_step`)."""
 
 from __future__ import annotations
 
 import torch
 
-from .graphs import DecodeStep
+from .graphs import capture_decode_step
 
 
-class BatchStep:
+class DecodeStep:
     """Decode step over group slots ``[:hg]`` (rows ``[:hg x G]``) attending to ``own_len``
     own slots per row, ``pre_len`` prompt slots per group and every fork segment, writing
     the next-token logits into the batch's ``logits[:hi]``. ``batch``: a
@@ -29,15 +29,18 @@ class BatchStep:
         self.fork_index = [(node[:hi], slot[:hi]) for node, slot in zip(batch.fork_node, batch.fork_slot)]
         self.fork_masks = [mask[: hg * c, None, None, :] for mask, (c, _, _) in zip(batch.fork_mask, batch.cache.forks)]
         self.out = batch.logits[:hi]
-        self.step = DecodeStep(engine, self._forward, owner=batch)
+        self.batch = batch  # holds the graphs' memory pool
+        self.use_graph = engine.cuda_graphs
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
 
     def _forward(self) -> torch.Tensor:
         cache = self.cache
         # own_len from a shape (not a Python int attribute): compiled steps stay shape-generic
         cache.begin_step(self.index, self.own_mask.shape[-1], self.prefix_mask, self.fork_index, self.fork_masks)
         try:
-            if self.engine.decode_forward is not None:  # treerl's own blocks (Qwen2/Qwen3/Llama)
-                logits = self.engine.decode_forward(self.ids, self.pos, cache, self.own_mask, self.prefix_mask)
+            if self.engine.decode_blocks is not None:  # treerl's own blocks (Qwen2/Qwen3/Llama)
+                logits = self.engine.decode_blocks(self.ids, self.pos, cache, self.own_mask, self.prefix_mask)
             else:
                 logits = self.engine.model(
                     input_ids=self.ids, position_ids=self.pos, attention_mask=self.own_mask,
@@ -50,4 +53,12 @@ class BatchStep:
             cache.end_step()
 
     def __call__(self) -> torch.Tensor:
-        return self.step()
+        if not self.use_graph:
+            return self._forward()
+        if self.graph is None:
+            self.graph, self.logits = capture_decode_step(self.engine, self._forward, self.batch)
+            if self.graph is None:  # could not be captured: eager from now on
+                self.use_graph = False
+                return self.logits
+        self.graph.replay()
+        return self.logits

@@ -3,7 +3,7 @@
 :meth:`RolloutEngine.generate_stream <treerl.rollout.RolloutEngine.generate_stream>` (and
 ``generate``, which collects it) keeps a *running batch* of group slots of ``G`` rows each:
 ``G = params.n`` for plain groups, the complete tree ``params.max_leaves`` for tree rollouts
-(rows laid out by :class:`~treerl.rollout.tree.TreeLayout`). Whenever every sample of a
+(rows laid out by :class:`~treerl.rollout.forks.ForkLayout`). Whenever every sample of a
 group has finished (stop token, stop string or ``max_new_tokens``) the group is yielded and
 its slot freed, and prompt groups waiting in the :class:`~treerl.rollout.prompts.PromptQueue`
 are admitted into free slots: each prompt is prefilled once (deduplicated with the other
@@ -107,13 +107,13 @@ from .paging import block_size_for
 from .prefix_cache import PrefixEntry
 from .prompts import PromptQueue, Waiting
 from .scheduler import Preempted, Scheduler, group_bucket, own_bucket
-from .tree import TreeLayout
+from .forks import ForkLayout
 from .types import Group, round_up
 
 __all__ = ["PromptQueue", "RunningBatch", "group_slots"]
 
 
-def group_slots(tree: TreeLayout, prefix_capacity: int, budget: int, block_size: int) -> int:
+def group_slots(tree: ForkLayout, prefix_capacity: int, budget: int, block_size: int) -> int:
     """Group slots a K/V ``budget`` (token slots) affords, overcommitted: each slot's shared
     levels (prompt store, fork segments) and one own block (``block_size`` slots, see
     :func:`~treerl.rollout.paging.block_size_for`) per row; at least one."""
@@ -134,7 +134,7 @@ class RunningBatch:
     def __init__(self, engine, queue: PromptQueue, params: SamplingParams, generator: torch.Generator,
                  groups: int, prefix_capacity: int, budget: int, arena: tuple | None = None):
         self.e, self.q, self.p, self.gen = engine, queue, params, generator
-        self.tree = tree = TreeLayout.of(params)
+        self.tree = tree = ForkLayout.of(params)
         self.G, self.max_new, self.budget = tree.rows, params.max_new_tokens, budget
         self.block = block_size_for(tree.own_capacity, engine.kv_block_size)  # own slots per block
         self.max_blocks = -(-tree.own_capacity // self.block)  # own blocks per row at most

@@ -3,6 +3,9 @@
 - :mod:`~treerl.serve.loop`: :class:`EngineLoop`, one continuous batch fed by many clients;
 - :mod:`~treerl.serve.app`: the FastAPI app (``/v1/completions``, ``/v1/chat/completions``,
   ``/health``, ``/update_weights_from_disk``), token ids / logprobs / versions in responses;
+  its parts: :mod:`~treerl.serve.state` (what the handlers share), :mod:`~treerl.serve.requests`
+  (requests checked, turned into prompts and settings, submitted), :mod:`~treerl.serve.choices`
+  (completions -> choices and bodies), :mod:`~treerl.serve.streaming` (server-sent events);
 - :mod:`~treerl.serve.chat`: chat messages -> prompt ids (the whole conversation to the chat
   template), replies -> assistant messages; :mod:`~treerl.serve.tools`: tool-call formats
   (``--tool-call-parser``); :mod:`~treerl.serve.history`: token-exact histories;

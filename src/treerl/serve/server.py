@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from ..config import Config, ConfigError
-from ..rollout import RolloutEngine
-from .app import ServeState, create_app
+from ..config import Config, ConfigError, RolloutConfig
+from ..rollout import RolloutEngine, build_rollout_engine
+from .app import create_app
+from .state import ServeState
 from .chat import ChatRenderer
 from .limits import ServeLimits
 from .tools import get_tool_format
@@ -140,55 +141,29 @@ def load_for_serving(config_path: str | None, overrides: list[str], weights: str
 
 def _load_base_for_serving(config_path, overrides, weights, device, dtype, trust: bool
                            ) -> tuple[torch.nn.Module, Any, int]:
+    from ..build import build_base, default_tokenizer, load_saved
     from ..checkpoint import META
-    from ..models import build_model, load_model
     from ..tasks import get_task
-    from ..tasks.tokenizer import CharTokenizer
 
     cfg = Config.from_yaml(config_path, overrides)
-    if weights is not None:
-        from .weights import weights_dir
+    if weights is None:
+        cfg.model.dtype = dtype or cfg.model.dtype
+        tokenizer = default_tokenizer(cfg.model, get_task(cfg.task.name, **cfg.task.kwargs))
+        return build_base(cfg.model, tokenizer, cfg.train.seed, device), tokenizer, 0
+    from .weights import weights_dir
 
-        model_dir = weights_dir(weights)
-        root = model_dir.parent if (model_dir.parent / META).is_file() else None
-        if root is not None:
-            from ..checkpoint import load_state
+    model_dir = weights_dir(weights)
+    root = model_dir.parent if (model_dir.parent / META).is_file() else None
+    version = 0
+    if root is not None:  # a treerl checkpoint: its run's config
+        from ..checkpoint import load_state
 
-            state = load_state(root, trust=trust)
-            cfg = Config.from_dict(state["config"])
-            version = int(state.get("version", 0))
-        else:
-            version = 0
-        from ..lora import is_adapter_dir, load_adapter
-
-        if root is not None and is_adapter_dir(model_dir):  # a LoRA run: base from its config + adapter
-            from ..build import build_base
-            from ..export import saved_tokenizer
-
-            cfg.model.dtype = dtype or cfg.model.dtype
-            tokenizer = saved_tokenizer(root, cfg)
-            model = load_adapter(build_base(cfg, tokenizer).to(device), model_dir).merge_and_unload()
-            return model, tokenizer, version
-        model = load_model(model_dir, dtype=dtype or cfg.model.dtype, device=device)
-        tok_dir = root / "tokenizer" if root is not None else model_dir
-        if CharTokenizer.is_saved_in(tok_dir):
-            tokenizer = CharTokenizer.from_pretrained(tok_dir)
-        else:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
-        return model, tokenizer, version
-    m = cfg.model
-    if m.path:
-        from transformers import AutoTokenizer
-
-        return (load_model(m.path, dtype=dtype or m.dtype, device=device),
-                AutoTokenizer.from_pretrained(m.path, local_files_only=True), 0)
-    task = get_task(cfg.task.name, **cfg.task.kwargs)
-    tokenizer = task.tokenizer() if task.alphabet else CharTokenizer()
-    extra = dict(tokenizer.hf_config_kwargs(), vocab_size=tokenizer.vocab_size, **m.overrides)
-    model = build_model(m.family, m.shape, dtype=dtype or m.dtype, seed=cfg.train.seed, device=device, **extra)
-    return model, tokenizer, 0
+        state = load_state(root, trust=trust)
+        cfg = Config.from_dict(state["config"])
+        version = int(state.get("version", 0))
+    cfg.model.dtype = dtype or cfg.model.dtype
+    model, tokenizer = load_saved(model_dir, cfg, checkpoint=root, device=device)
+    return model, tokenizer, version
 
 
 def serve(args) -> int:
@@ -210,13 +185,10 @@ def serve(args) -> int:
     api_key, limits, root = security_options(args)
     model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype,
                                                  trust=args.trust_checkpoint, lora=args.lora)
-    rollout = Config.from_yaml(config, overrides).rollout.engine_kwargs()  # rollout.max_batch_tokens, ...
-    if args.prefill_chunk_tokens is not None:
-        rollout["prefill_chunk_tokens"] = args.prefill_chunk_tokens
-    rollout["keep_stream_buffers"] = False  # a server's streams end when idle; their arenas are not kept
-    engine = RolloutEngine(model, version=version, prefix_cache_tokens=args.prefix_cache_tokens, **rollout)
+    rollout = serving_rollout_config(config, overrides, args)
+    engine = build_rollout_engine(rollout, model, version=version)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
-                           prefix_cache_tokens=args.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s,
+                           prefix_cache_tokens=rollout.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s,
                            tool_call_parser=args.tool_call_parser, history_tokens=args.history_tokens,
                            limits=limits, weights_root=None if root is None else str(root))
     server = ServerThread(make_state(engine, tokenizer, options), host=args.host, port=args.port, api_key=api_key)
@@ -234,6 +206,29 @@ def serve(args) -> int:
             signal.signal(sig, handler)
         server.stop()
     return 0
+
+
+SERVE_PREFIX_CACHE_TOKENS = 1 << 16  # a server's prefix cache unless --prefix-cache-tokens or the config sets one
+
+
+def serving_rollout_config(config: str | None, overrides: list[str], args) -> RolloutConfig:
+    """The served engine's ``rollout`` section: the config's (``rollout.max_batch_tokens``,
+    ...), with ``--prefix-cache-tokens`` as ``rollout.prefix_cache_tokens`` (neither set:
+    :data:`SERVE_PREFIX_CACHE_TOKENS`) and ``--prefill-chunk-tokens`` as
+    ``rollout.prefill_chunk_tokens`` when given (checked as the keys are);
+    ``keep_stream_buffers`` off: a server's streams end when idle, their arenas are not kept."""
+    cfg = Config.from_yaml(config, overrides)
+    if args.prefix_cache_tokens is None and cfg.rollout.prefix_cache_tokens is None:
+        cfg.rollout.prefix_cache_tokens = SERVE_PREFIX_CACHE_TOKENS
+    for option, key, value in (("--prefix-cache-tokens", "rollout.prefix_cache_tokens", args.prefix_cache_tokens),
+                               ("--prefill-chunk-tokens", "rollout.prefill_chunk_tokens", args.prefill_chunk_tokens)):
+        if value is not None:
+            try:
+                cfg.set(key, value)
+            except ConfigError as err:
+                raise ConfigError(f"{option}: {err}") from None
+    cfg.rollout.keep_stream_buffers = False
+    return cfg.rollout
 
 
 def security_options(args) -> tuple[str | None, ServeLimits, Path | None]:

@@ -1,0 +1,340 @@
+"""Tree attention for Hugging Face models.
+
+One model call runs a *segment*: a contiguous range of tree tokens (the queries), after
+an optional prefix of ancestor keys/values computed by earlier calls. Every key and query
+carries its global tree index, and one rule decides visibility everywhere (DESIGN.md):
+
+    query q sees key k  iff  k <= q < subtree_end[k]
+
+The function registered with ``transformers.AttentionInterface`` reads a
+:class:`TreeAttention` from the keyword ``tree_attention`` (HF forwards it to every
+attention call); it refuses to run without one, because a custom attention function
+receives ``attention_mask=None`` and would otherwise silently attend everything.
+It also records each layer's keys/values (post-RoPE, one per KV head) when asked, so
+later segments can use them as their prefix, and it can keep a layer's attention out of a
+block recompute (:attr:`TreeAttention.keep_layers`).
+
+The engine hands the :class:`TreeAttention` over through :func:`tree_attention_enabled`
+(a thread-local, not a keyword argument) so that compiled decoder blocks
+(:mod:`treerl.engine.decoder`) never see it as an input to guard on; the attention call itself is
+excluded from compilation (it runs its own compiled flex kernel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..compiled import FLEX_OFF, LazyCompiled
+from ..hf_attention import attention_routed, register
+from .kept_attention import KeptAttention
+
+ATTN_NAME = "treerl"
+KWARG = "tree_attention"
+BACKENDS = ("sdpa", "flex")
+
+KV = tuple[torch.Tensor, torch.Tensor]  # ([1, kv_heads, n, head_dim], same)
+
+
+class TreeAttention:
+    """Everything one model call needs to attend over a tree segment.
+
+    ``q_index`` [Nq] and ``k_index`` [Nk] are global tree indices (keys = prefix tokens
+    then the queries themselves), ``k_end`` [Nk] the keys' subtree ends. ``causal``: the
+    caller knows the segment is one chain without prefix (every key visible to every later
+    query), so plain causal attention is exact. ``prefix[l]`` is
+    the list of (K, V) pieces of layer ``l`` that precede this call's own keys. With
+    ``capture``, each layer's own (K, V) lands in ``captured[layer]``.
+
+    ``keep_layers``: layers whose decoder block is recomputed in the backward (activation
+    checkpointing) but whose attention runs once (:mod:`treerl.engine.kept_attention`): it holds
+    its output for the recompute and its backward, at the memory of
+    ``MemoryModel.kept_attention_layers``, and the recompute skips the attention forward
+    (the most expensive part of it on long trees).
+
+    A plain class, not a dataclass: module wrappers (FSDP) copy dataclass arguments,
+    and the engine must read ``captured`` from this very object.
+    """
+
+    def __init__(self, backend: str, q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor,
+                 prefix: list[list[KV]] | None = None, capture: bool = False, causal: bool = False):
+        self.backend, self.q_index, self.k_index, self.k_end = backend, q_index, k_index, k_end
+        self.prefix, self.capture = prefix, capture
+        # one chain, no prefix: the tree mask is the causal mask, and SDPA's causal kernels
+        # (flash attention on CUDA) run it without any mask tensor
+        self.causal = causal and not prefix
+        self.captured: dict[int, KV] = {}
+        self.keep_layers: frozenset[int] = frozenset()
+        self.kept: dict[int, KeptAttention] = {}
+        self._mask = None
+
+    @property
+    def input_copies(self) -> bool:
+        """Whether the attention kernel reads copies of q/k/v rather than the tensors
+        themselves (held by a kept attention): K/V concatenated after a prefix, SDPA's
+        kernels (the math kernel expands K/V to every head). Flex on a call without prefix
+        reads them as they are."""
+        return bool(self.prefix) or self.causal or self.backend == "sdpa"
+
+    def mask(self) -> object:
+        """The visibility mask, built once per call and shared by all layers."""
+        if self._mask is None:
+            if self.backend == "sdpa":
+                self._mask = dense_tree_mask(self.q_index, self.k_index, self.k_end)[None, None]
+            else:
+                square = PREFIX_AS_TILES and len(self.k_index) > len(self.q_index)
+                self._mask = flex_block_mask(self.q_index, self.k_index, self.k_end, square=square)
+        return self._mask
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The SDPA mask as 0 / -inf of ``dtype``, built once per call. SDPA would convert
+        a boolean mask itself, in every layer, and differently when a block is recomputed
+        in the backward than in its forward (which activation checkpointing refuses)."""
+        if getattr(self, "_additive", None) is None or self._additive.dtype != dtype:
+            mask = self.mask()
+            self._additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return self._additive
+
+
+def dense_tree_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor) -> torch.Tensor:
+    """[Nq, Nk] boolean visibility. O(Nq * Nk): for the SDPA backend and small segments."""
+    q = q_index[:, None]
+    return (k_index[None, :] <= q) & (q < k_end[None, :])
+
+
+# ----------------------------------------------------------------------------- flex
+FLEX_BLOCK = 128
+# The main Triton kernel always: with dynamic shapes, segments under 128 queries would
+# otherwise be routed to the decoding kernel, which has no valid config for them.
+FLEX_KERNEL = {"BACKEND": "TRITON"}
+# Calls after a prefix as whole tiles too (issue 24, an A/B switch of bench/long_trees.py,
+# off by default until measured): the queries are padded at the front to the keys' length
+# (the padded rows see nothing, so flex skips their tiles) and the call takes the
+# whole-tile kernel of equal lengths. Costs a padded query and output per key in every layer.
+PREFIX_AS_TILES = False
+
+
+def prefix_as_tiles() -> bool:
+    """:data:`PREFIX_AS_TILES` as it is now (the memory model counts its padding)."""
+    return PREFIX_AS_TILES
+
+
+def _flex_whole_tiles(query, key, value, block_mask, scale, enable_gqa):
+    """[1, H, T, FLEX_BLOCK, D] tensors: the sequence axis as whole tiles, so that the
+    compiled kernel knows its lengths are multiples of the tile (see flex_tree_attention)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = (x.flatten(2, 3) for x in (query, key, value))
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                          kernel_options=FLEX_KERNEL)
+
+
+def whole_tile_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """[1, H, N, D] (N a multiple of FLEX_BLOCK) -> [1, H, N / FLEX_BLOCK, FLEX_BLOCK, D]
+    views with every axis but the tile count marked static for dynamo."""
+    tiles = [x.unflatten(2, (-1, FLEX_BLOCK)) for x in tensors]
+    for x in tiles:
+        for dim in (0, 1, 3, 4):  # only the number of tiles varies
+            torch._dynamo.mark_static(x, dim)
+    return tiles
+
+
+def _flex_any(*args, **kwargs):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(*args, **kwargs)
+
+
+_FLEX_TILES = LazyCompiled(_flex_whole_tiles, "flex tree attention (whole tiles)", FLEX_OFF)
+_FLEX_ANY = LazyCompiled(_flex_any, "flex tree attention", FLEX_OFF)
+
+
+def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask,
+                        scale: float | None) -> torch.Tensor:
+    """query [1, H, Nq, D], key/value [1, H_kv, Nk, D], ``block_mask`` from
+    :func:`flex_block_mask` (whole tiles of :data:`FLEX_BLOCK`) -> [1, H, Nq, D].
+
+    A call without prefix arrives on whole tiles (the engine pads its tokens; padded
+    queries see nothing, padded keys are seen by nobody) and is handed over with the tile
+    as an axis of its own: compiled with dynamic shapes, flex's kernels then know the
+    lengths divide their tiles (``IS_DIVISIBLE``) and skip the bounds checks, index
+    wrapping and masking that an unknown length costs every tile (1.3-1.4x faster
+    forward+backward on an H100, bench/RESULTS.md), with one compiled kernel for every
+    length. Calls with a prefix (keys longer than queries, lengths in every relation) are
+    padded here and run with lengths unknown: the tile view would recompile per relation
+    of the two lengths until dynamo gives up and runs flex eagerly.
+    """
+    nq, gqa = query.shape[2], query.shape[1] != key.shape[1]
+    if nq == key.shape[2] and nq % FLEX_BLOCK == 0:
+        return _FLEX_TILES(*whole_tile_views(query, key, value), block_mask, scale, gqa)
+    q_len, kv_len = block_mask.seq_lengths
+    if q_len == kv_len and nq < key.shape[2]:  # a square mask (PREFIX_AS_TILES): queries last, padded in front
+        front = q_len - -(-nq // FLEX_BLOCK) * FLEX_BLOCK
+        q = F.pad(query, (0, 0, front, q_len - front - nq))
+        k, v = (F.pad(x, (0, 0, 0, kv_len - x.shape[2])) if x.shape[2] != kv_len else x for x in (key, value))
+        out = _FLEX_TILES(*whole_tile_views(q, k, v), block_mask, scale, gqa)
+        return out[:, :, front:front + nq]
+    q, k, v = (F.pad(x, (0, 0, 0, -x.shape[2] % FLEX_BLOCK)) if x.shape[2] % FLEX_BLOCK else x
+               for x in (query, key, value))
+    out = _FLEX_ANY(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=FLEX_KERNEL)
+    return out[:, :, :nq]
+
+
+def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor, block: int = FLEX_BLOCK,
+                    square: bool = False):
+    """Block-sparse tree mask for flex attention, built in O(N + blocks), never N x N.
+
+    ``square``: as many query tiles as key tiles, the queries' tiles last and empty tiles
+    (rows that see nothing) before them (:data:`PREFIX_AS_TILES`).
+
+    A segment's queries are one contiguous range of tree indices, so the queries that key
+    ``k`` is visible to form one interval of rows ``[k - q0, k_end - q0)``. A (query
+    block, key block) tile is skipped when no key's interval meets its rows, runs without
+    the mask function when every key's interval covers all of them, and is masked
+    elementwise otherwise.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = q_index.device
+    nq_tok, nk_tok = len(q_index), len(k_index)
+    nq, nk = -(-nq_tok // block), -(-nk_tok // block)
+    q0 = q_index[0]
+    lo = (k_index - q0).clamp(0, nq_tok)  # first query row that sees key k
+    hi = (k_end - q0).clamp(0, nq_tok)  # one past the last
+    seen = hi > lo
+    key_block = torch.arange(nk_tok, device=device) // block
+    # Tiles touched by some key: +1/-1 at each key's first/past-last query block, cumsum.
+    touch = torch.zeros(nq + 1, nk, dtype=torch.int32, device=device)
+    ones = seen.to(torch.int32)
+    touch.index_put_((lo // block, key_block), ones, accumulate=True)
+    touch.index_put_((-(-hi // block), key_block), -ones, accumulate=True)
+    touched = touch.cumsum(0)[:nq] > 0
+    # Tiles where every key sees every row (partial edge tiles never count as full).
+    pad = nk * block - nk_tok
+    lo_p = F.pad(torch.where(seen, lo, nq_tok), (0, pad), value=nq_tok).view(nk, block)
+    hi_p = F.pad(torch.where(seen, hi, 0), (0, pad), value=0).view(nk, block)
+    row_start = torch.arange(nq, device=device) * block
+    row_end = row_start + block
+    full = (lo_p.amax(1)[None, :] <= row_start[:, None]) & (hi_p.amin(1)[None, :] >= row_end[:, None])
+    partial = touched & ~full
+
+    def blocks(which: torch.Tensor):
+        count = which.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~which).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return count[None, None], order[None, None]
+
+    # Index tensors padded to whole blocks so the mask function never reads past them:
+    # padded queries see nothing, padded keys are seen by nobody.
+    q_pad = F.pad(q_index, (0, nq * block - nq_tok), value=-1)
+    k_pad = F.pad(k_index, (0, pad), value=torch.iinfo(k_index.dtype).max)
+    end_pad = F.pad(k_end, (0, pad), value=0)
+
+    def tree_mask_mod(b, h, q, kv):
+        qi = q_pad[q]
+        return (k_pad[kv] <= qi) & (qi < end_pad[kv])
+
+    if square and nk > nq:  # empty query tiles in front: no key tile at all
+        empty = nk - nq
+        partial = F.pad(partial, (0, 0, empty, 0), value=False)
+        full = F.pad(full, (0, 0, empty, 0), value=False)
+        q_pad = F.pad(q_pad, (empty * block, 0), value=-1)
+        nq = nk
+    kv_num, kv_idx = blocks(partial)
+    full_num, full_idx = blocks(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=tree_mask_mod,
+        seq_lengths=(nq * block, nk * block),
+    )
+
+
+# ------------------------------------------------------------------- the HF function
+_active = threading.local()  # .ctx: the TreeAttention of the model call in progress
+
+
+@torch.compiler.disable
+def tree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [1, H, Nq, D], key/value [1, H_kv, Nq, D] -> ([1, Nq, H, D], None)."""
+    ctx: TreeAttention | None = kwargs.get(KWARG) or getattr(_active, "ctx", None)
+    if ctx is None:
+        raise RuntimeError(
+            "treerl attention was called without a tree mask: run the model through "
+            "treerl.TreeEngine (it passes tree_attention=...), or switch the model back "
+            "to its own attention implementation"
+        )
+    if attention_mask is not None:
+        raise RuntimeError("treerl attention got an HF attention_mask too; pass only the tree mask")
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError("sliding-window attention is not supported by treerl")
+    layer = module.layer_idx
+    kept = ctx.kept.get(layer)
+    if kept is not None and torch.is_grad_enabled():  # the block's recompute in the backward
+        out = kept.recompute(*_inputs(ctx, layer, query, key, value))
+        return out.transpose(1, 2).contiguous().requires_grad_(), None  # saves what the forward's saved
+    if ctx.capture:
+        ctx.captured[layer] = (key, value)
+    inputs = _inputs(ctx, layer, query, key, value)
+    if layer in ctx.keep_layers and torch.is_grad_enabled():
+        ctx.kept[layer] = KeptAttention(inputs)
+        out = ctx.kept[layer].run(functools.partial(_attend, ctx, scaling=scaling), *inputs)
+    else:
+        out = _attend(ctx, *inputs, scaling=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _inputs(ctx: TreeAttention, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's query, and its keys/values after the prefix's."""
+    if ctx.prefix:
+        pieces = ctx.prefix[layer]
+        key = torch.cat([k for k, _ in pieces] + [key], dim=2)
+        value = torch.cat([v for _, v in pieces] + [value], dim=2)
+    return query, key, value
+
+
+def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            scaling: float | None) -> torch.Tensor:
+    """query [1, H, Nq, D], key/value [1, H_kv, Nk, D] -> [1, H, Nq, D] by ``ctx``'s backend."""
+    gqa = query.shape[1] != key.shape[1]
+    if ctx.causal:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    if ctx.backend == "sdpa":
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=ctx.additive_mask(query.dtype), scale=scaling, enable_gqa=gqa
+        )
+    return flex_tree_attention(query, key, value, ctx.mask(), scaling)
+
+
+register(ATTN_NAME, tree_attention_forward)
+
+
+def active_tree_attention() -> TreeAttention | None:
+    """The tree attention set by the innermost :func:`tree_attention_enabled` of this thread."""
+    return getattr(_active, "ctx", None)
+
+
+@contextlib.contextmanager
+def tree_attention_enabled(model: torch.nn.Module, ctx: TreeAttention | None = None) -> Iterator[None]:
+    """Route the model's attention through treerl for the duration of the block, with
+    ``ctx`` as the tree attention of every call in it (or pass ``tree_attention=ctx`` to
+    the model)."""
+    previous_ctx = getattr(_active, "ctx", None)
+    _active.ctx = ctx
+    try:
+        with attention_routed(model, ATTN_NAME):
+            yield
+    finally:
+        _active.ctx = previous_ctx

@@ -1,0 +1,467 @@
+"""TreeEngine: exact forward and backward of a Hugging Face causal LM over a prefix tree.
+
+Every mode is a :mod:`plan <treerl.engine.plan>` of segments run by the one executor below:
+
+- a *single-level* plan (``flat``, ``packed``, or ``auto``/``dfs`` when every tree fits)
+  runs each segment's forward and backward once; a loss that is not ``separable`` across
+  segments goes through the two-phase path instead, unless there is one segment;
+- otherwise, two phases (DESIGN.md, "Loss semantics"): a no-grad forward over the
+  segments in depth-first order gives every tree token's logprob (and entropy); the loss
+  runs on leaf copies of the per-sequence tensors, giving dL/dlogp per sequence token;
+  these are summed per tree token and injected into a backward that recomputes each
+  segment with its ancestors' keys/values as detached leaves. A chain segment's backward
+  runs after all its descendants, with the key/value gradients they accumulated.
+
+Gradients equal those of running every sequence alone, shared tokens computed once.
+
+One executor: the single-level and the two-phase paths share the segment call and the
+output buffers, and neither half reads on its own. Around it: the batch layout and the
+per-sequence maps (:mod:`.batch`), the input checks (:mod:`.checks`) and the memory
+policy that sizes the calls (:class:`~treerl.engine.memory.MemoryPolicy`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, tree_attention_enabled
+from .batch import Batch, prepare_batch, scatter_gather, seq_targets, sequences_by_segment, sequences_in
+from .checks import check_inputs, check_loss, check_supported
+from .decoder import DecoderStack
+from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
+from .memory import MemoryPolicy
+from ..models import decoder_of
+from .plan import MODES, Plan, make_plan
+from .tree import PrefixTree, TokenSequence
+
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass
+class TreeOutputs:
+    """Per tree token: the logprob of the token given its path, and the entropy of the
+    distribution it was drawn from (no grad). Root tokens hold 0."""
+
+    tree: PrefixTree
+    logprob: torch.Tensor  # [N]
+    entropy: torch.Tensor | None  # [N] or None
+
+    def per_sequence(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Split a [N] tree-token tensor into per-sequence tensors for tokens 1..L-1."""
+        index = seq_targets(self.tree).to(values.device)
+        return list(values[index].split((self.tree.seq_lengths - 1).tolist()))
+
+
+@dataclass
+class StepStats:
+    """What the last engine call did: model calls, tokens, plan, seconds."""
+
+    mode: str = ""
+    plan: str = ""
+    model_calls: int = 0
+    tokens_run: int = 0
+    recomputed_calls: int = 0  # calls whose decoder blocks are recomputed in the backward
+    kept_attention_layers: int = 0  # summed over those calls: layers whose attention is not recomputed
+    seconds: float = 0.0
+
+
+class SegmentRunner(torch.nn.Module):
+    """One model call as one module forward: the base model over a segment, then the
+    loss head (chunked logprobs/entropies) or a value head on the rows that predict the
+    segment's targets. Being a module lets FSDP wrap it as the root, so the LM head's
+    weight is unsharded exactly while the head uses it."""
+
+    def __init__(self, model: torch.nn.Module, value_head: torch.nn.Module | None, temperature: float,
+                 chunk_elements: int, compile: bool):
+        super().__init__()
+        self.model = model
+        self.value_head = value_head
+        self.temperature, self.chunk_elements = temperature, chunk_elements
+        self.stack = DecoderStack(decoder_of(model), compile)
+
+    def forward(self, input_ids, position_ids, rows, targets, *, entropy: bool, recompute: bool = False):
+        """input_ids/position_ids [1, n]; rows [T] hidden rows to read; targets [T] token ids.
+        The tree attention of the call is set by the caller (``tree_attention_enabled``).
+        ``recompute``: keep only each decoder block's input for the backward.
+        Returns (logprobs or values [T], entropies [T] or None)."""
+        hidden = self.stack(input_ids, position_ids, checkpoint_blocks=recompute)[0]
+        picked = hidden[rows]
+        if self.value_head is not None:
+            if entropy:
+                raise ValueError("a critic engine (value_head) has no entropies")
+            return self.value_head(picked)[:, 0].to(compute_dtype(picked.dtype)), None
+        return token_logprobs(
+            picked, self.model.get_output_embeddings().weight, targets, temperature=self.temperature,
+            with_entropy=entropy, chunk_elements=self.chunk_elements, compiled=self.stack.compile,
+        )
+
+
+class TreeEngine:
+    """Forward/backward of ``model`` over prefix trees.
+
+    Args:
+        model: a Hugging Face causal LM (Qwen2, Qwen3, Llama families and alike).
+        mode: ``"auto"`` (default), ``"packed"``, ``"dfs"`` or ``"flat"`` (no sharing).
+        memory_budget: bytes of activations one step may hold (beside weights, gradients
+            and optimizer state): an int, a fraction of the device's total memory (a float
+            in (0, 1]), or None for the default (:func:`treerl.engine.memory.resolve_budget`).
+            The planner turns it into tokens per call with a memory model of this model
+            (measured on CUDA, estimated elsewhere) and recomputes the decoder blocks of a
+            call in its backward where that lets a whole tree run in one call.
+        max_tokens: advanced override of the budget: most tree tokens in one model call,
+            no block recompute (``None``: from ``memory_budget``).
+        chunk_tokens: largest piece of a node in one call when nodes are split; also
+            the batch budget of ``dfs``.
+        compile: compile each decoder block (``None``: on CUDA; the families of :data:`treerl.models.FAMILIES`).
+        attention: ``"auto"`` (flex on CUDA, SDPA elsewhere), ``"sdpa"`` or ``"flex"``.
+        temperature: logits are divided by it before the softmax (match the sampler's).
+        value_head: make this a critic engine: a module mapping hidden states [T, H] to
+            values [T, 1]; every method then yields values where it would yield logprobs
+            (the value at element t is read at token t: the state before token t + 1).
+
+    ``memory`` is the engine's memory policy (:class:`~treerl.engine.memory.MemoryPolicy`:
+    tokens per call, packing, recompute, kept attentions).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mode: str = "auto",
+        *,
+        memory_budget: int | float | None = None,
+        max_tokens: int | None = None,
+        chunk_tokens: int = 2048,
+        compile: bool | None = None,
+        attention: str = "auto",
+        temperature: float = 1.0,
+        logits_chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+        value_head: torch.nn.Module | None = None,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"max_tokens must be a whole number of at least 1 token, got {max_tokens!r}")
+        if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be a whole number of at least 1 token, got {chunk_tokens!r}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        self.model = model
+        self.base = decoder_of(model)
+        self.head = model.get_output_embeddings()
+        check_supported(model, self.head)
+        self.device = self.head.weight.device
+        if attention == "auto":
+            attention = "flex" if self.device.type == "cuda" else "sdpa"
+        if attention not in BACKENDS:
+            raise ValueError(f"unknown attention backend {attention!r}: choose auto, {', '.join(BACKENDS)}")
+        if attention == "flex" and self.device.type != "cuda":
+            raise ValueError("the flex attention backend needs a CUDA model here (CPU flex has no backward)")
+        self.mode, self.attention = mode, attention
+        self.chunk_tokens = chunk_tokens
+        self.num_layers = model.config.num_hidden_layers
+        if compile is None:
+            compile = self.device.type == "cuda"
+        self.runner = SegmentRunner(model, value_head, temperature, logits_chunk_elements, compile)
+        self.memory = MemoryPolicy(self.runner.stack, self.head, attention, self.device, budget=memory_budget,
+                                   max_tokens=max_tokens, chunk_elements=logits_chunk_elements)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.stats = StepStats()
+
+    # The two-phase backward takes the K/V of the path phase 1 ends on (the leftmost one,
+    # the first that phase 2 opens) instead of running those calls again without grad.
+    reuse_forward_kv = True
+
+    # ------------------------------------------------------------------ public API
+    def plan(self, tree: PrefixTree | Sequence[TokenSequence]) -> Plan:
+        """The segments this engine would run for ``tree``."""
+        return self._plan(self._layout(tree))
+
+    @torch.no_grad()
+    def forward(self, tree: PrefixTree | Sequence[TokenSequence], entropy: bool = False) -> TreeOutputs:
+        """No-grad forward: logprob (and entropy) of every tree token."""
+        batch = self._prepare(tree)
+        t0 = time.perf_counter()
+        lp, ent = self._forward_all(batch, entropy)
+        self.stats.seconds = time.perf_counter() - t0
+        return TreeOutputs(batch.tree, lp, ent)
+
+    def logprobs(
+        self, tree: PrefixTree | Sequence[TokenSequence], entropy: bool = False
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per input sequence (input order): log p(token t | tokens < t) for t = 1..L-1.
+
+        With ``entropy=True`` also returns the entropies of those distributions.
+        """
+        out = self.forward(tree, entropy)
+        lps = out.per_sequence(out.logprob)
+        return (lps, out.per_sequence(out.entropy)) if entropy else lps
+
+    def values(self, tree: PrefixTree | Sequence[TokenSequence]) -> list[torch.Tensor]:
+        """Critic engines: per input sequence, the values at tokens 0..L-2 (no grad)."""
+        if self.runner.value_head is None:
+            raise ValueError("values() needs an engine built with value_head=...")
+        return self.logprobs(tree)
+
+    def forward_backward(
+        self,
+        tree: PrefixTree | Sequence[TokenSequence],
+        loss_fn: LossFn,
+        *,
+        entropy: bool = False,
+        separable: bool = False,
+    ) -> float:
+        """Accumulate d loss / d parameters into ``.grad`` and return the loss.
+
+        ``loss_fn(logprobs)`` (or ``loss_fn(logprobs, entropies)`` with ``entropy=True``)
+        gets the per-sequence tensors of :meth:`logprobs`, with grad, and returns a scalar.
+        ``separable=True`` promises the loss is a sum of per-sequence terms (global
+        normalisers fixed in advance); it is then called once per micro-batch with the
+        sequences of that micro-batch and ``index=`` their input indices, which saves the
+        no-grad forward when the plan is single-level.
+        """
+        batch = self._prepare(tree)
+        t0 = time.perf_counter()
+        plan = batch.plan
+        if plan.single_level and (separable or len(plan.segments) == 1):
+            loss = self._forward_backward_segments(batch, loss_fn, entropy, separable)
+        elif separable:
+            # Trees that run as one call go through once; only the chained ones take two phases.
+            chained = plan.chained_segments()
+            loss = self._forward_backward_segments(batch, loss_fn, entropy, separable, skip=chained)
+            loss += self._forward_backward_two_phase(batch, loss_fn, entropy, separable, only=chained)
+        else:
+            loss = self._forward_backward_two_phase(batch, loss_fn, entropy, separable)
+        self.stats.seconds = time.perf_counter() - t0
+        return loss
+
+    # ------------------------------------------------------------------- preparing
+    def _layout(self, tree: PrefixTree | Sequence[TokenSequence]) -> PrefixTree:
+        if not isinstance(tree, PrefixTree):
+            return PrefixTree.from_sequences(tree, share_prefixes=self.mode != "flat")
+        return tree.unshared() if self.mode == "flat" else tree
+
+    def _plan(self, layout: PrefixTree) -> Plan:
+        m = self.memory
+        return make_plan(layout, self.mode, m.max_tokens, self.chunk_tokens, m.pack_tokens, memory=m.call_budget)
+
+    def _prepare(self, tree: PrefixTree | Sequence[TokenSequence]) -> Batch:
+        layout = self._layout(tree)
+        check_inputs(layout, self.vocab_size, self.max_positions)
+        plan = self._plan(layout)
+        self.stats = StepStats(mode=self.mode, plan=plan.describe())
+        return prepare_batch(layout, plan, self.device)
+
+    # ------------------------------------------------------------ one model call
+    def _call(
+        self, b: Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool,
+        head: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[KV] | None]:
+        """Run segment ``i`` after ``prefix`` (per ancestor, per layer K/V).
+
+        Returns the logprobs (and entropies) of the segment's targets (none without
+        ``head``: a call for its K/V only skips the LM head), and its own per-layer K/V if
+        ``capture``.
+        """
+        seg = b.plan.segments[i]
+        q_index = torch.arange(seg.start, seg.end, device=self.device)
+        if prefix:
+            ancestors = b.plan.ancestors(i)
+            k_index = torch.cat(
+                [torch.arange(b.plan.segments[a].start, b.plan.segments[a].end, device=self.device) for a in ancestors]
+                + [q_index]
+            )
+            per_layer = [[piece[layer] for piece in prefix] for layer in range(self.num_layers)]
+        else:
+            k_index, per_layer = q_index, None
+        # one chain (every token's subtree reaches the segment's end) and no prefix: causal
+        chain = not prefix and int(b.tree.subtree_end[seg.start : seg.end].min()) >= seg.end
+        ctx = TreeAttention(
+            self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture, causal=chain
+        )
+        recompute = grad and seg.recompute
+        if recompute:
+            ctx.keep_layers = self.memory.kept_attention_layers(seg.size, len(k_index), ctx.input_copies, seg.spare)
+        if not ctx.causal:  # built once, before the blocks (not inside a block that is recomputed)
+            ctx.additive_mask(self.head.weight.dtype) if self.attention == "sdpa" else ctx.mask()
+        self.stats.model_calls += 1
+        self.stats.tokens_run += seg.size
+        self.stats.recomputed_calls += int(recompute)
+        self.stats.kept_attention_layers += len(ctx.keep_layers)
+        ids, pos = b.token_ids[seg.start : seg.end], b.position[seg.start : seg.end]
+        if self.attention == "flex" and not (prefix or capture or ctx.causal):
+            # Whole flex tiles from the input on: padded queries see nothing and padded keys
+            # are seen by nobody (flex_block_mask), no row reads them, so the attention of
+            # every layer runs on whole tiles without copying q/k/v to pad them.
+            pad = -seg.size % FLEX_BLOCK
+            ids, pos = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(pos, (0, pad))
+        with torch.set_grad_enabled(grad), tree_attention_enabled(self.model, ctx):
+            targets = b.targets[i] if head else b.targets[i][:0]
+            lp, ent = self.runner(
+                ids[None], pos[None], b.parent[targets] - seg.start, b.token_ids[targets], entropy=entropy,
+                recompute=recompute,
+            )
+        kv = [ctx.captured[layer] for layer in range(self.num_layers)] if capture else None
+        return lp, ent, kv
+
+    def _buffers(self, b: Batch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        dtype = compute_dtype(self.head.weight.dtype)
+        n = b.tree.num_tree_tokens
+        lp = torch.zeros(n, dtype=dtype, device=self.device)
+        return lp, (torch.zeros(n, dtype=dtype, device=self.device) if entropy else None)
+
+    # ------------------------------------------------------- phase 1: no-grad forward
+    def _forward_all(self, b: Batch, entropy: bool, only: set[int] | None = None,
+                     reuse: dict[int, list[KV]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Depth-first over segments (or those in ``only``: whole trees), keeping only the
+        current path's K/V. With ``reuse``, children are visited last-first, so that the
+        path still open at the end is the leftmost one, the path the backward opens first:
+        its K/V are left in ``reuse`` for :meth:`_backward_all` instead of computed again."""
+        lp_all, ent_all = self._buffers(b, entropy)
+        path: list[tuple[int, list[KV]]] = []
+        order = range(len(b.plan.segments)) if reuse is None else _mirrored_preorder(b.plan)
+        for i in order:
+            seg = b.plan.segments[i]
+            if only is not None and i not in only:
+                continue
+            while path and path[-1][0] != seg.parent:
+                path.pop()
+            has_children = bool(b.plan.children[i])
+            if not has_children and len(b.targets[i]) == 0:
+                continue  # nothing predicted from here and nobody attends it
+            lp, ent, kv = self._call(
+                b, i, [kv for _, kv in path], capture=has_children, grad=False, entropy=entropy
+            )
+            lp_all[b.targets[i]] = lp
+            if entropy:
+                ent_all[b.targets[i]] = ent
+            if has_children:
+                path.append((i, kv))
+        if reuse is not None:
+            reuse.update(path)
+        return lp_all, ent_all
+
+    # ------------------------------------------------- single-level: one pass each
+    def _forward_backward_segments(self, b: Batch, loss_fn: LossFn, entropy: bool, separable: bool,
+                                   skip: set[int] = frozenset()) -> float:
+        """One forward and backward per segment without prefix or children (all but ``skip``)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, (seqs, flat_index, sizes) in enumerate(sequences_by_segment(b, self.device)):
+            if len(seqs) == 0 or i in skip:
+                continue
+            seg = b.plan.segments[i]
+            lp, ent, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy)
+            local_index = b.targets[i] - seg.start
+            outs = [scatter_gather(lp, local_index, seg.size, flat_index, sizes)]
+            if entropy:
+                outs.append(scatter_gather(ent, local_index, seg.size, flat_index, sizes))
+            loss = loss_fn(*outs, index=seqs) if separable else loss_fn(*outs)
+            check_loss(loss)
+            loss.backward()
+            total += loss.detach().reshape(()).to(torch.float64)
+        return float(total)
+
+    # ------------------------------------------------------------------ two phases
+    def _forward_backward_two_phase(self, b: Batch, loss_fn: LossFn, entropy: bool, separable: bool,
+                                    only: set[int] | None = None) -> float:
+        """Two phases over every segment, or over the whole trees of ``only`` (a separable
+        loss then sees just their sequences)."""
+        seqs = torch.arange(b.tree.num_sequences)
+        targets, lengths = b.seq_targets, b.seq_lengths
+        if only is not None:
+            seqs, targets, lengths = sequences_in(b, only)
+            if len(seqs) == 0:
+                return 0.0
+        reuse: dict[int, list[KV]] | None = {} if self.reuse_forward_kv else None
+        with torch.no_grad():
+            lp_all, ent_all = self._forward_all(b, entropy, only, reuse)
+        leaves = [lp_all[targets].requires_grad_()]
+        if entropy:
+            leaves.append(ent_all[targets].requires_grad_())
+        outs = [list(leaf.split(lengths)) for leaf in leaves]
+        if separable:
+            loss = loss_fn(*outs, index=seqs)
+        else:
+            loss = loss_fn(*outs)
+        check_loss(loss)
+        loss.backward()
+        grads = []
+        for leaf, buf in zip(leaves, (lp_all, ent_all)):
+            g = torch.zeros_like(buf)
+            if leaf.grad is not None:
+                g.index_add_(0, targets, leaf.grad)
+            grads.append(g)
+        self._backward_all(b, grads[0], grads[1] if entropy else None, only, reuse)
+        return float(loss.detach())
+
+    def _backward_all(self, b: Batch, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
+                      only: set[int] | None = None, reuse: dict[int, list[KV]] | None = None) -> None:
+        """Phase 2: recompute each segment with grad and inject the loss gradients.
+        ``reuse``: K/V of chain segments from phase 1 (:meth:`_forward_all`), taken instead
+        of a no-grad call (the same call, bit for bit)."""
+        reuse = {} if reuse is None else reuse
+        entropy = g_ent is not None
+        plan = b.plan
+        # Stack of open chain segments on the current path: (index, K/V leaves, graph).
+        path: list[tuple[int, list[KV], tuple | None]] = []
+
+        def outputs_and_grads(i, lp, ent):
+            outs, grads = [lp], [g_lp[b.targets[i]]]
+            if entropy:
+                outs.append(ent)
+                grads.append(g_ent[b.targets[i]])
+            return outs, grads
+
+        def close(entry) -> None:
+            i, leaves, graph = entry
+            if graph is None:  # recompute: ancestors' leaves are the rest of the path
+                graph = self._call(b, i, [lv for _, lv, _ in path], capture=True, grad=True, entropy=entropy)
+            lp, ent, kv = graph
+            outs, grads = outputs_and_grads(i, lp, ent)
+            for (k, v), (leaf_k, leaf_v) in zip(kv, leaves):
+                for out, leaf in ((k, leaf_k), (v, leaf_v)):
+                    # (frozen parameters, e.g. a LoRA model's: a layer's K/V may depend on none that train)
+                    if leaf.grad is not None and out.requires_grad:
+                        outs.append(out)
+                        grads.append(leaf.grad)
+            torch.autograd.backward(outs, grads)
+
+        for i, seg in enumerate(plan.segments):
+            if only is not None and i not in only:
+                continue
+            while path and path[-1][0] != seg.parent:
+                close(path.pop())
+            prefix = [lv for _, lv, _ in path]
+            if plan.children[i]:
+                kv = reuse.pop(i, None)
+                if seg.retain:
+                    kv = None  # its graph comes from a call with grad
+                    graph = self._call(b, i, prefix, capture=True, grad=True, entropy=entropy)
+                    kv = graph[2]
+                else:
+                    graph = None
+                    if kv is None:
+                        with torch.no_grad():
+                            kv = self._call(b, i, prefix, capture=True, grad=False, entropy=False, head=False)[2]
+                leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
+                path.append((i, leaves, graph))
+            elif len(b.targets[i]):
+                lp, ent, _ = self._call(b, i, prefix, capture=False, grad=True, entropy=entropy)
+                torch.autograd.backward(*outputs_and_grads(i, lp, ent))
+        while path:
+            close(path.pop())
+
+
+def _mirrored_preorder(plan: Plan) -> list[int]:
+    """Segments depth-first with roots and children last-first: the leftmost root-to-leaf
+    path (segments 0, its first child, ...) is visited last."""
+    order, stack = [], [i for i, s in enumerate(plan.segments) if s.parent < 0]
+    while stack:
+        i = stack.pop()
+        order.append(i)
+        stack.extend(plan.children[i])
+    return order

@@ -1,0 +1,153 @@
+"""Streamed responses (server-sent events): chunks as tokens reach the host, the same
+per-choice fields as a whole response, ``data: [DONE]`` last; a client that disconnects
+has its rows cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from .chat import ChatTurn
+from .choices import (chat_logprobs, choice_text, completion_logprobs, prompt_ids_field, token_fields, tolist,
+                      top_lists, usage)
+from .detok import TextStream
+from .protocol import SamplingRequest
+from .requests import cancel, generation_error, sampling_params, submit
+from .state import ServeState
+
+
+@dataclass
+class _StreamChoice:
+    text: TextStream
+    sent_tokens: int = 0
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class _Stream(StreamingResponse):
+    """A streaming response that runs ``on_close`` however it ends (finished, the client
+    gone, or cancelled before the first chunk)."""
+
+    def __init__(self, content, on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def stream_response(state: ServeState, req: SamplingRequest, prompts: list[list[int]], *, chat: bool,
+            turn: ChatTurn | None = None) -> StreamingResponse:
+    """An SSE response: chunks as tokens reach the host, ``data: [DONE]`` last. The prompts
+    are submitted before the response starts (a refused setting is still a 400)."""
+    params = [sampling_params(state, req, len(ids)) for ids in prompts]
+    aloop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def post(item) -> None:  # from the engine thread
+        try:
+            aloop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody listens any more
+            pass
+
+    futures: list[Future] = []
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        submit(state, futures, ids, p, lambda delta, i=i: post((i, delta)))
+        futures[-1].add_done_callback(lambda f, i=i: post((i, None)))
+    return _Stream(_chunks(state, req, prompts, futures, queue, chat, turn), lambda: cancel(state, futures))
+
+
+async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[int]], futures: list[Future],
+                  queue: asyncio.Queue, chat: bool, turn: ChatTurn | None) -> AsyncIterator[str]:
+    """The chunks. A chat request with tools streams its tokens but holds its text: the whole
+    reply (content and parsed ``tool_calls``) comes in the last chunk of each choice."""
+    n, k = req.n, req.top_logprobs_k
+    rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    choices = [_StreamChoice(TextStream(state.tokenizer, req.stop_strings, skip_special_tokens=req.skip_special_tokens,
+                                        include_stop_str=req.include_stop_str_in_output))
+               for _ in range(len(prompts) * n)]
+    first = [True]
+    hold = chat and turn is not None and bool(turn.tools)
+
+    def chunk(choice_list: list[dict], **extra) -> str:
+        body = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choice_list}
+        if req.include_usage:
+            body["usage"] = None
+        if first[0]:
+            body["prompt_token_ids"] = prompt_ids_field(prompts)
+            first[0] = False
+        return _sse(body | extra)
+
+    def choice(index: int, text: str, ids: list, lps: list, versions: list, top, finish=None, stop=None,
+               tool_calls=None) -> dict:
+        if chat:
+            delta = {"content": text} if text else {}
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i} | call for i, call in enumerate(tool_calls)]
+            out = {"index": index, "delta": delta,
+                   "logprobs": chat_logprobs(state, ids, lps, top) if req.logprobs and ids else None}
+        else:
+            out = {"index": index, "text": text,
+                   "logprobs": completion_logprobs(state, ids, lps, top, k) if req.logprobs is not None and ids
+                   else None}
+        out |= {"finish_reason": finish}
+        if finish is not None:
+            out["stop_reason"] = stop
+        return out | token_fields(ids, lps, versions)
+
+    if chat:  # the role first, as OpenAI does
+        yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for j in range(len(choices))])
+    pending, generated = len(futures), 0
+    while pending:
+        i, delta = await queue.get()
+        if delta is not None:
+            index = i * n + delta.branch[0]
+            sc = choices[index]
+            ids = tolist(delta.token_ids)
+            text = "" if hold else sc.text.push(ids)
+            sc.sent_tokens += len(ids)
+            yield chunk([choice(index, text, ids, tolist(delta.logprobs), tolist(delta.versions),
+                                top_lists(delta.top_logprobs))])
+            continue
+        pending -= 1
+        f = futures[i]
+        if f.cancelled() or f.exception() is not None:
+            err = generation_error(f.exception() if not f.cancelled() else RuntimeError("cancelled"))
+            yield _sse(err.body())
+            break
+        for j, c in enumerate(f.result()):  # what no delta brought: the rest of the text and tokens
+            index, sc = i * n + j, choices[i * n + j]
+            rest = slice(sc.sent_tokens, None)
+            top = top_lists(getattr(c, "top_logprobs", None))
+            top = (top[0][rest], top[1][rest]) if top else None
+            final = await run_in_threadpool(choice_text, state, req, c)
+            finish, calls = c.finish_reason, None
+            if chat:  # tool calls parsed, the tokens recorded for the next turn
+                message, finish = await run_in_threadpool(state.chat.reply, turn, final, c.finish_reason,
+                                                          c.completion_ids.tolist())
+                calls = message.get("tool_calls")
+                text = (message.get("content") or "") if hold else sc.text.finish(final)
+            else:
+                text = sc.text.finish(final)
+            yield chunk([choice(index, text, c.completion_ids[rest].tolist(), c.logprobs[rest].tolist(),
+                                c.versions[rest].tolist(), top, finish, c.stop, calls)])
+            generated += len(c)
+    else:
+        if req.include_usage:
+            yield chunk([], usage=usage(prompts, generated))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,632 @@
+"""Every engine mode against an independent per-sequence Hugging Face forward.
+
+float64: logprobs, entropies and every parameter's gradient agree to 1e-9 (relative);
+float32: to 1e-5. Plans are checked so that the configurations claimed to be exercised
+(chains, several segments, recomputed and retained chains, split nodes) really are.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import (
+    FLOOR,
+    TOL,
+    VARIANTS,
+    VOCAB,
+    RandomLoss,
+    assert_grads_close,
+    assert_seq_close,
+    forests,
+    get_model,
+    grads_of,
+    longest_node,
+    random_seq,
+    reference_logprobs,
+    reference_step,
+    shaped_forest,
+    tree_sizes,
+    zero_grads,
+)
+from treerl import PrefixTree, TreeEngine, make_plan
+from treerl.engine.attention import TreeAttention, dense_tree_mask, tree_attention_enabled
+
+MODES = ("flat", "packed", "dfs", "auto")
+HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# A forest with a fixed topology (random tokens): three trees, a 12-token node, fans,
+# a sequence ending at an inner node, 1-token nodes. 61 tree tokens, 127 flat tokens.
+SPEC = [
+    (6, [
+        (3, [(4, []), (5, []), (2, [(3, []), (3, [])])]),
+        (8, []),
+        (2, [], True),
+        (1, [(1, []), (1, [])]),
+    ]),
+    (5, []),
+    (12, [(2, []), (3, [])]),
+]
+
+
+def plan_features(plan) -> dict[str, int]:
+    chains = [i for i, c in enumerate(plan.children) if c]
+    return dict(
+        segments=len(plan.segments),
+        chains=len(chains),
+        recomputed=sum(1 for i in chains if not plan.segments[i].retain),
+        retained=sum(1 for i in chains if plan.segments[i].retain),
+        with_prefix=sum(1 for s in plan.segments if s.parent >= 0),
+    )
+
+
+def check_engine(
+    model,
+    seqs,
+    mode,
+    loss,
+    *,
+    max_tokens=8192,
+    chunk_tokens=2048,
+    entropy=False,
+    separable=False,
+    temperature=1.0,
+    tree_input="list",
+    logits_chunk_elements=None,
+    memory_budget=None,
+):
+    """Engine logprobs/entropies/loss/gradients vs the per-sequence reference.
+    With ``memory_budget``, the engine plans by it (``max_tokens`` unused)."""
+    dtype = next(model.parameters()).dtype
+    tol, floor = TOL[dtype], FLOOR[dtype]
+    loss_dtype = getattr(loss, "dtype", None)
+    if loss_dtype is not None:
+        loss.dtype = None  # the reference hands float64 log-softmax values to the loss
+    ref_loss, ref_grads, ref_lps, ref_ents = reference_step(
+        model, seqs, loss, entropy=entropy, temperature=temperature
+    )
+    if loss_dtype is not None:
+        loss.dtype = loss_dtype  # the engine: float32, or float64 for a float64 model
+    extra = {} if logits_chunk_elements is None else dict(logits_chunk_elements=logits_chunk_elements)
+    if memory_budget is not None:
+        extra.update(memory_budget=memory_budget)
+        max_tokens = None
+    engine = TreeEngine(model, mode, max_tokens=max_tokens, chunk_tokens=chunk_tokens, temperature=temperature, **extra)
+    given_tree = {
+        "list": lambda: seqs,
+        "tensors": lambda: [torch.tensor(s) for s in seqs],
+        "tree": lambda: PrefixTree.from_sequences(seqs),
+        "unshared_tree": lambda: PrefixTree.from_sequences(seqs, share_prefixes=False),
+    }[tree_input]()
+
+    lps, ents = engine.logprobs(given_tree, entropy=True)
+    assert_seq_close(lps, ref_lps, tol, "logprobs")
+    assert_seq_close(ents, ref_ents, tol, "entropies")
+    n_tree = (PrefixTree.from_sequences(seqs, share_prefixes=mode != "flat" and tree_input != "unshared_tree")).num_tree_tokens
+    assert 0 < engine.stats.tokens_run <= n_tree or all(len(s) == 1 for s in seqs), engine.stats
+    lps_only = engine.logprobs(given_tree)
+    assert all(torch.equal(a, b) for a, b in zip(lps_only, lps))
+
+    zero_grads(model)
+    loss.calls.clear()
+    value = engine.forward_backward(given_tree, loss, entropy=entropy, separable=separable)
+    # Each sequence reaches the loss exactly once; non-separable losses see all at once.
+    seen = sorted(i for call in loss.calls for i in call)
+    assert seen == list(range(len(seqs))), loss.calls
+    if not separable:
+        assert len(loss.calls) == 1
+    # the loss is a sum of terms that cancel: its error scales with the terms' size
+    scale = 1 + sum(float(x.abs().sum()) for x in ref_lps + (ref_ents if entropy else []))
+    assert value == pytest.approx(ref_loss, rel=tol, abs=tol * scale)
+    if sum(len(s) - 1 for s in seqs) == 0:  # nothing predicted: no gradient at all
+        assert all(g.abs().max() == 0 for g in grads_of(model).values())
+    else:
+        assert_grads_close(grads_of(model), ref_grads, tol, floor)
+    assert model.config._attn_implementation == "sdpa", "engine left the model switched to treerl attention"
+    zero_grads(model)
+    return engine
+
+
+@st.composite
+def engine_setups(draw, mode, alphabets=None):
+    seqs = draw(forests(max_seqs=6, max_len=14, alphabets=alphabets))
+    tree = PrefixTree.from_sequences(seqs)
+    longest_seq = max(map(len, seqs))
+    if mode == "flat":  # half the time below the longest sequence: it runs as a chain of pieces
+        short = st.integers(1, max(1, longest_seq - 1))
+        max_tokens = draw(st.one_of(short, st.integers(longest_seq, sum(map(len, seqs)) + 2)))
+    elif mode == "packed":
+        max_tokens = draw(st.integers(max(tree_sizes(tree)), tree.num_tree_tokens + 2))
+    else:
+        max_tokens = draw(st.integers(1, tree.num_tree_tokens + 2))
+    chunk_tokens = draw(st.integers(1, longest_node(tree) + 2))
+    separable = draw(st.booleans())
+    return dict(
+        seqs=seqs,
+        variant=draw(st.sampled_from(list(VARIANTS))),
+        max_tokens=max_tokens,
+        chunk_tokens=chunk_tokens,
+        entropy=draw(st.booleans()),
+        separable=separable,
+        coupled=not separable and draw(st.booleans()),
+        temperature=draw(st.sampled_from([1.0, 1.0, 0.7, 1.6])),
+        tree_input=draw(st.sampled_from(["list", "tensors", "tree", "unshared_tree"])),
+        # loss head in chunks of 1, 3 or all rows of logits
+        logits_chunk_elements=draw(st.sampled_from([None, VOCAB, 3 * VOCAB + 5])),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+def run_setup(setup, mode, dtype):
+    model = get_model(setup["variant"], dtype)
+    loss = RandomLoss.make(
+        setup["seqs"], torch.Generator().manual_seed(setup["seed"]), coupled=setup["coupled"],
+        dtype=torch.promote_types(dtype, torch.float32), one_sign=dtype == torch.float32,
+    )
+    check_engine(
+        model, setup["seqs"], mode, loss,
+        **{k: setup[k] for k in ("max_tokens", "chunk_tokens", "entropy", "separable", "temperature", "tree_input", "logits_chunk_elements")},
+    )
+
+
+# ------------------------------------------------------------------ random forests
+@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=50, **HYP)
+@given(data=st.data())
+def test_float64_random_forests(mode, data):
+    run_setup(data.draw(engine_setups(mode)), mode, torch.float64)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@settings(max_examples=20, **HYP)
+@given(data=st.data())
+def test_float32_random_forests(mode, data):
+    # Full alphabet: degenerate repeated-token inputs make some float32 gradients pure
+    # cancellation noise in the reference too (covered in float64 above).
+    run_setup(data.draw(engine_setups(mode, alphabets=[VOCAB])), mode, torch.float32)
+
+
+# ---------------------------------------------------- every family, every mode
+MODE_KW = {
+    "flat": dict(max_tokens=20),  # several micro-batches of whole sequences
+    # trees of 39, 17 and 5 tokens -> at least two calls; loss head 2 rows at a time
+    "packed": dict(max_tokens=48, logits_chunk_elements=2 * VOCAB),
+    # nodes split in pieces, chains retained and recomputed; loss head 1 row at a time
+    "dfs": dict(chunk_tokens=5, logits_chunk_elements=VOCAB),
+    "auto": dict(max_tokens=13, chunk_tokens=4),  # chains, retained and recomputed
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_every_family_and_mode(mode, variant, dtype, gen):
+    seqs = shaped_forest(gen, SPEC)
+    model = get_model(variant, dtype)
+    engine = TreeEngine(model, mode, **MODE_KW[mode])
+    feats = plan_features(engine.plan(seqs))
+    assert feats["segments"] >= 2, feats
+    if mode in ("dfs", "auto"):
+        assert feats["chains"] >= 2 and feats["recomputed"] >= 1 and feats["retained"] >= 1, feats
+    loss = RandomLoss.make(seqs, gen, coupled=True, one_sign=dtype == torch.float32)
+    check_engine(model, seqs, mode, loss, entropy=True, **MODE_KW[mode])
+
+
+# ------------------------------------------------------------ plan-specific runs
+def test_auto_plan_chains_segments_and_both_chain_kinds(gen):
+    seqs = shaped_forest(gen, SPEC)
+    tree = PrefixTree.from_sequences(seqs)
+    model = get_model("qwen3")
+    seen = set()
+    for max_tokens, chunk in [(13, 4), (25, 4), (9, 3), (17, 100), (5, 2), (tree.num_tree_tokens, 7)]:
+        plan = TreeEngine(model, "auto", max_tokens=max_tokens, chunk_tokens=chunk).plan(tree)
+        f = plan_features(plan)
+        seen |= {k for k, v in f.items() if v and k != "segments"}
+        assert max(s.size for s in plan.segments) <= max_tokens
+        assert plan.peak_live_tokens() <= max_tokens
+        for separable in (False, True):
+            loss = RandomLoss.make(seqs, gen)
+            check_engine(model, seqs, "auto", loss, max_tokens=max_tokens, chunk_tokens=chunk, separable=separable, entropy=separable)
+    # the sweep covered every kind of segment
+    assert seen == {"chains", "recomputed", "retained", "with_prefix"}, seen
+    # max_tokens = the whole forest: every tree runs packed, one call per tree group
+    assert TreeEngine(model, "auto", max_tokens=tree.num_tree_tokens).plan(tree).single_level
+
+
+def test_packed_and_flat_several_micro_batches(gen):
+    seqs = shaped_forest(gen, SPEC)
+    tree = PrefixTree.from_sequences(seqs)
+    model = get_model("qwen2")
+    assert sorted(tree_sizes(tree)) == [5, 17, 39]
+    for mode, max_tokens in [("packed", 39), ("packed", 44), ("flat", 15), ("flat", 30)]:
+        engine = TreeEngine(model, mode, max_tokens=max_tokens)
+        plan = engine.plan(tree)
+        assert plan.single_level and len(plan.segments) >= 2
+        assert all(s.size <= max_tokens for s in plan.segments)
+        covered = sorted(t for s in plan.segments for t in range(s.start, s.end))
+        n = tree.num_tree_tokens if mode == "packed" else tree.num_flat_tokens
+        assert covered == list(range(n))
+        for separable in (False, True):
+            loss = RandomLoss.make(seqs, gen)
+            check_engine(model, seqs, mode, loss, max_tokens=max_tokens, separable=separable)
+            if separable:  # one loss call per micro-batch, each with its own sequences
+                assert len(loss.calls) == len(plan.segments)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4, 10, 14])
+@pytest.mark.parametrize("loss_kind", ["separable", "coupled", "gspo"])
+def test_flat_sequences_longer_than_max_tokens(max_tokens, loss_kind, gen):
+    """flat runs a sequence longer than max_tokens as a chain of pieces (each after the
+    earlier pieces' K/V); sequences that fit are still packed several per call. Both the
+    two-phase path (non-separable loss) and separable losses, with entropies."""
+    seqs = sorted(shaped_forest(gen, SPEC), key=len)  # flat keeps the input order: short ones adjacent
+    lengths = list(map(len, seqs))
+    assert lengths[-1] == 15 and lengths[:4] == [5, 8, 8, 8]
+    model = get_model("qwen3")
+    plan = TreeEngine(model, "flat", max_tokens=max_tokens).plan(seqs)
+    f = plan_features(plan)
+    long = [n for n in lengths if n > max_tokens]
+    assert f["chains"] == sum(-(-n // max_tokens) - 1 for n in long) >= 1, f
+    assert f["recomputed"] == f["chains"] and f["with_prefix"] == f["chains"], f
+    assert max(s.size for s in plan.segments) <= max_tokens
+    assert plan.peak_live_tokens() <= max_tokens
+    whole = [i for i, s in enumerate(plan.segments) if s.parent < 0 and not plan.children[i]]
+    if max_tokens >= 13:  # sequences that fit still share calls (5 + 8 tokens)
+        assert len(whole) < sum(1 for n in lengths if n <= max_tokens), plan.describe()
+    if loss_kind == "gspo":
+        lps, _ = reference_logprobs(model, seqs)
+        old = [lp.detach() + 0.05 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype) for lp in lps]
+        loss, entropy = GSPO(seqs, gen, old), False
+    else:
+        loss, entropy = RandomLoss.make(seqs, gen, coupled=loss_kind == "coupled"), True
+    for separable in (False, True) if loss_kind != "coupled" else (False,):
+        check_engine(model, seqs, "flat", loss, max_tokens=max_tokens, separable=separable, entropy=entropy)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_flat_chained_every_family(variant, dtype, gen):
+    seqs = shaped_forest(gen, SPEC)
+    model = get_model(variant, dtype)
+    loss = RandomLoss.make(seqs, gen, coupled=True, one_sign=dtype == torch.float32)
+    check_engine(model, seqs, "flat", loss, max_tokens=6, entropy=True, logits_chunk_elements=VOCAB)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 11, 12, 40])
+def test_dfs_chunk_sizes(chunk, gen):
+    seqs = shaped_forest(gen, SPEC)
+    tree = PrefixTree.from_sequences(seqs)
+    assert longest_node(tree) == 12
+    model = get_model("llama")
+    engine = TreeEngine(model, "dfs", chunk_tokens=chunk, max_tokens=8)  # max_tokens unused by dfs
+    plan = engine.plan(tree)
+    assert max(s.size for s in plan.segments) <= chunk
+    assert plan.peak_live_tokens() <= chunk
+    node_of = tree.node_of_token()
+    split_nodes = {int(node_of[s.start]) for s in plan.segments if s.start > 0 and node_of[s.start] == node_of[s.start - 1]}
+    if chunk < 12:
+        assert split_nodes, "no node was split in chunks"
+    else:
+        assert not split_nodes
+    loss = RandomLoss.make(seqs, gen, coupled=True)
+    check_engine(model, seqs, "dfs", loss, chunk_tokens=chunk, entropy=chunk % 2 == 1)
+
+
+# ---------------------------------------------------------------- loss variants
+@pytest.mark.parametrize("mode", MODES)
+def test_separable_equals_non_separable(mode, gen):
+    seqs = shaped_forest(gen, SPEC)
+    model = get_model("qwen3-tied")
+    kw = MODE_KW[mode]
+    loss = RandomLoss.make(seqs, gen)
+    out = {}
+    for separable in (False, True):
+        engine = TreeEngine(model, mode, **kw)
+        zero_grads(model)
+        loss.calls.clear()
+        value = engine.forward_backward(seqs, loss, separable=separable, entropy=True)
+        out[separable] = (value, grads_of(model), list(loss.calls))
+    assert out[True][0] == pytest.approx(out[False][0], rel=1e-12)
+    assert_grads_close(out[True][1], out[False][1], 1e-12, 1e-6)
+    if mode in ("flat", "packed"):  # single-level: the separable path is per micro-batch
+        assert len(out[True][2]) >= 2 and len(out[False][2]) == 1
+    zero_grads(model)
+
+
+class OnlyEntropy:
+    """A loss of the entropies alone (the logprobs get no gradient)."""
+
+    def __init__(self, seqs, gen):
+        self.w = [torch.randn(len(s) - 1, generator=gen, dtype=torch.float64) for s in seqs]
+        self.calls = []
+
+    def __call__(self, lps, ents, index=None):
+        idx = range(len(lps)) if index is None else index.tolist()
+        self.calls.append(list(idx))
+        return sum((self.w[i] * h).sum() for i, h in zip(idx, ents))
+
+
+class OnlyLogprobsWithEntropy(OnlyEntropy):
+    """entropy=True, but the loss ignores the entropies."""
+
+    def __call__(self, lps, ents, index=None):
+        idx = range(len(lps)) if index is None else index.tolist()
+        self.calls.append(list(idx))
+        return sum(torch.exp((self.w[i] * lp).sum() / 10) for i, lp in zip(idx, lps))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", [OnlyEntropy, OnlyLogprobsWithEntropy])
+def test_entropy_losses(mode, kind, gen):
+    seqs = shaped_forest(gen, SPEC)
+    model = get_model("llama-tied-mha")
+    for separable in (False, True):
+        check_engine(model, seqs, mode, kind(seqs, gen), entropy=True, separable=separable, **MODE_KW[mode])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature(mode, temperature, gen):
+    seqs = shaped_forest(gen, SPEC)
+    model = get_model("qwen3")
+    plain = TreeEngine(model, mode, **MODE_KW[mode]).logprobs(seqs)
+    hot = TreeEngine(model, mode, temperature=temperature, **MODE_KW[mode]).logprobs(seqs)
+    # the temperature really changes the numbers (else this test proves nothing)
+    assert (torch.cat(plain) - torch.cat(hot)).abs().max() > 1e-2
+    loss = RandomLoss.make(seqs, gen)
+    check_engine(model, seqs, mode, loss, entropy=True, temperature=temperature, **MODE_KW[mode])
+
+
+class GSPO:
+    """GSPO-style sequence-level clipped ratio: exp(mean(lp - lp_old)) per sequence."""
+
+    def __init__(self, seqs, gen, old):
+        self.adv = torch.randn(len(seqs), generator=gen, dtype=torch.float64)
+        self.old = old
+        self.calls = []
+
+    def __call__(self, lps, index=None):
+        idx = range(len(lps)) if index is None else index.tolist()
+        self.calls.append(list(idx))
+        total = 0
+        for i, lp in zip(idx, lps):
+            if len(lp) == 0:
+                continue
+            ratio = torch.exp((lp - self.old[i]).mean())
+            a = self.adv[i]
+            total = total - torch.minimum(ratio * a, ratio.clamp(0.97, 1.03) * a)
+        return total / len(self.adv)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gspo_sequence_level_loss(mode, gen):
+    seqs = shaped_forest(gen, SPEC)
+    model = get_model("qwen2-tied-mqa")
+    lps, _ = reference_logprobs(model, seqs)
+    # per sequence: a log-ratio of about +-0.06 (clipped) or +-0.01 (not clipped), plus noise
+    shift = [(0.06 if i % 2 else 0.01) * (1 if i % 4 < 2 else -1) for i in range(len(lps))]
+    old = [lp.detach() - d + 0.01 * torch.randn(lp.shape, generator=gen, dtype=lp.dtype) for lp, d in zip(lps, shift)]
+    loss = GSPO(seqs, gen, old)
+    ratios = torch.stack([torch.exp((lp.detach() - o).mean()) for lp, o in zip(lps, old)])
+    assert ((ratios < 0.97) | (ratios > 1.03)).any() and ((ratios > 0.97) & (ratios < 1.03)).any()  # clip matters
+    for separable in (False, True):
+        check_engine(model, seqs, mode, loss, separable=separable, **MODE_KW[mode])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_accumulate(mode, gen):
+    seqs = shaped_forest(gen, SPEC)
+    model = get_model("qwen3")
+    loss = RandomLoss.make(seqs, gen)
+    _, ref, _, _ = reference_step(model, seqs, loss)
+    engine = TreeEngine(model, mode, **MODE_KW[mode])
+    # existing gradients are added to, never overwritten
+    start = {n: torch.randn(p.shape, generator=gen, dtype=p.dtype) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = start[n].clone()
+    engine.forward_backward(seqs, loss)
+    assert_grads_close({n: g - start[n] for n, g in grads_of(model).items()}, ref, 1e-9, 1e-5)
+    engine.forward_backward(seqs, loss, separable=True)
+    assert_grads_close({n: g - start[n] for n, g in grads_of(model).items()}, {n: 2 * g for n, g in ref.items()}, 1e-9, 1e-5)
+    zero_grads(model)
+
+
+def test_forward_outputs_per_tree_token(gen):
+    seqs = shaped_forest(gen, SPEC)
+    tree = PrefixTree.from_sequences(seqs)
+    model = get_model("qwen3")
+    ref_lps, ref_ents = reference_logprobs(model, seqs)
+    for mode in ("packed", "dfs", "auto"):
+        out = TreeEngine(model, mode, **MODE_KW[mode]).forward(tree, entropy=True)
+        assert out.logprob.shape == (tree.num_tree_tokens,) and out.logprob.dtype == torch.float64
+        roots = tree.parent < 0
+        assert (out.logprob[roots] == 0).all() and (out.entropy[roots] == 0).all()
+        for i in range(len(seqs)):  # a shared tree token holds every sharing sequence's value
+            assert_seq_close([out.logprob[tree.path(i)[1:]]], [ref_lps[i].detach()], 1e-9)
+            assert_seq_close([out.entropy[tree.path(i)[1:]]], [ref_ents[i].detach()], 1e-9, "entropies")
+        assert TreeEngine(model, mode, **MODE_KW[mode]).forward(tree).entropy is None
+        assert out.logprob.requires_grad is False
+
+
+def test_single_token_sequences_only():
+    seqs = [[3], [7], [3], [60]]
+    model = get_model("qwen3")
+    for mode in MODES:
+        engine = TreeEngine(model, mode, max_tokens=4, chunk_tokens=1)
+        lps, ents = engine.logprobs(seqs, entropy=True)
+        assert [len(x) for x in lps] == [0] * 4 and [len(x) for x in ents] == [0] * 4
+        zero_grads(model)
+        value = engine.forward_backward(seqs, lambda lps: sum(lp.sum() for lp in lps))
+        assert value == 0.0
+        assert all(p.grad is None or (p.grad == 0).all() for p in model.parameters())
+
+
+# --------------------------------------------------------------- plan invariants
+@settings(max_examples=120, **HYP)
+@given(
+    forests(max_seqs=10, max_len=20),
+    st.sampled_from(MODES),
+    st.integers(1, 40),
+    st.integers(1, 15),
+    st.one_of(st.none(), st.integers(1, 40)),
+)
+def test_plan_invariants(seqs, mode, max_tokens, chunk, pack):
+    tree = PrefixTree.from_sequences(seqs, share_prefixes=mode != "flat")
+    if mode == "packed":
+        max_tokens = max(max_tokens, max(tree_sizes(tree)))
+    plan = make_plan(tree, mode, max_tokens, chunk, pack)
+    n = tree.num_tree_tokens
+    segs = plan.segments
+    # Segments partition the layout, in order.
+    assert [s.start for s in segs] == sorted(s.start for s in segs)
+    assert sorted(t for s in segs for t in range(s.start, s.end)) == list(range(n))
+    budget = chunk if mode == "dfs" else max_tokens
+    assert all(0 < s.size <= budget for s in segs)
+    # several trees share a call only up to pack tokens (a larger tree runs alone)
+    roots = (tree.parent < 0).nonzero()[:, 0]
+    for s in segs:
+        if int(((roots >= s.start) & (roots < s.end)).sum()) > 1:
+            assert s.size <= min(budget, pack or budget)
+    if mode == "packed":
+        assert plan.single_level
+    else:
+        assert plan.peak_live_tokens() <= budget
+    if mode == "flat":  # chains exactly for the sequences longer than the budget
+        assert plan.single_level == (max(tree_sizes(tree)) <= max_tokens)
+        assert sum(map(bool, plan.children)) == sum(max(0, -(-size // max_tokens) - 1) for size in tree_sizes(tree))
+    parent = tree.parent.tolist()
+    for i, s in enumerate(segs):
+        assert plan.children[i] == [j for j, c in enumerate(segs) if c.parent == i]
+        prefix = [t for a in plan.ancestors(i) for t in range(segs[a].start, segs[a].end)]
+        assert len(prefix) == plan.prefix_tokens(i)
+        for q in range(s.start, s.end):
+            anc, k = set(), parent[q]
+            while k >= 0:
+                anc.add(k)
+                k = parent[k]
+            # every ancestor of q is in the segment or its prefix; every prefix token is one
+            assert set(prefix) <= anc
+            assert anc <= set(prefix) | set(range(s.start, q))
+        if s.retain:
+            assert plan.children[i]
+    # Targets: every non-root token exactly once, in the segment holding its parent.
+    targets = torch.cat(plan.targets).tolist()
+    assert sorted(targets) == [t for t in range(n) if parent[t] >= 0]
+    for i, s in enumerate(segs):
+        assert all(s.start <= parent[t] < s.end for t in plan.targets[i].tolist())
+
+
+# ------------------------------------------------------------------ mask pitfalls
+def _tree_token_reference(tree, seqs, model):
+    ref = torch.full((tree.num_tree_tokens,), float("nan"), dtype=torch.float64)
+    lps, _ = reference_logprobs(model, seqs)
+    for i, lp in enumerate(lps):
+        ref[tree.path(i)[1:]] = lp.detach()
+    return ref
+
+
+def _logprobs_from_packed_logits(tree, logits):
+    logp = torch.log_softmax(logits[0].to(torch.float64), -1)
+    child = (tree.parent >= 0).nonzero()[:, 0]
+    out = torch.full((tree.num_tree_tokens,), float("nan"), dtype=torch.float64)
+    out[child] = logp[tree.parent[child]].gather(1, tree.token_ids[child, None])[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "llama"])
+def test_depth_positions_without_tree_mask_are_wrong(variant, gen):
+    prompt = random_seq(gen, 6)
+    seqs = [prompt + random_seq(gen, 7) for _ in range(4)] + [random_seq(gen, 5)]
+    tree = PrefixTree.from_sequences(seqs)
+    model = get_model(variant)
+    ref = _tree_token_reference(tree, seqs, model)
+    child = tree.parent >= 0
+    ids, pos = tree.token_ids[None], tree.position[None]
+    with torch.no_grad():
+        # the packed layout with depth position ids through HF's own attention, no mask
+        no_mask = _logprobs_from_packed_logits(tree, model(input_ids=ids, position_ids=pos).logits)
+        # positive control: the same call with the tree mask as a 4-D boolean mask is right
+        idx = torch.arange(tree.num_tree_tokens)
+        mask = dense_tree_mask(idx, idx, tree.subtree_end)[None, None]
+        masked = _logprobs_from_packed_logits(tree, model(input_ids=ids, position_ids=pos, attention_mask=mask).logits)
+    assert (masked[child] - ref[child]).abs().max() < 1e-12
+    assert (no_mask[child] - ref[child]).abs().max() > 1e-2, "without the tree mask the result should be wrong"
+    engine_lp = TreeEngine(model, "packed").forward(tree).logprob
+    assert (engine_lp[child] - ref[child]).abs().max() < 1e-12
+
+
+def test_treerl_attention_refuses_to_run_without_tree_mask(gen):
+    model = get_model("qwen3")
+    tree = PrefixTree.from_sequences([random_seq(gen, 5) + [1, 2], random_seq(gen, 5)])
+    ids, pos = tree.token_ids[None], tree.position[None]
+    with pytest.raises(RuntimeError, match="without a tree mask"):
+        with tree_attention_enabled(model):
+            model(input_ids=ids, position_ids=pos)
+    assert model.config._attn_implementation == "sdpa"  # restored after the error
+    idx = torch.arange(tree.num_tree_tokens)
+    ctx = TreeAttention("sdpa", idx, idx, tree.subtree_end)
+    four_d = torch.ones(1, 1, len(idx), len(idx), dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="attention_mask too"):
+        with tree_attention_enabled(model):
+            model(input_ids=ids, position_ids=pos, attention_mask=four_d, tree_attention=ctx)
+    assert model.config._attn_implementation == "sdpa"
+    # and with the kwarg, the direct call is exact
+    with torch.no_grad(), tree_attention_enabled(model):
+        direct = _logprobs_from_packed_logits(tree, model(input_ids=ids, position_ids=pos, tree_attention=ctx).logits)
+    ref = _tree_token_reference(tree, tree.sequences(), model)
+    child = tree.parent >= 0
+    assert (direct[child] - ref[child]).abs().max() < 1e-12
+
+
+# --------------------------------------------- phase 1's last path reused by phase 2
+@pytest.mark.parametrize("mode", ["auto", "dfs"])
+@pytest.mark.parametrize("separable", [False, True])
+def test_two_phase_reuses_the_forward_path_keys_values(mode, separable, gen, monkeypatch):
+    """Phase 1 ends on the leftmost path, the one phase 2 opens first: its recomputed
+    chains take phase 1's K/V instead of a no-grad call each, exactly (and without it the
+    same plan makes exactly those calls more)."""
+    seqs = shaped_forest(gen, SPEC[:1])  # one tree: its leftmost path is where both phases meet
+    model = get_model("qwen3")
+    calls = {}
+    for reuse in (True, False):
+        monkeypatch.setattr(TreeEngine, "reuse_forward_kv", reuse)
+        loss = RandomLoss.make(seqs, gen, coupled=not separable)
+        engine = check_engine(model, seqs, mode, loss, max_tokens=13, chunk_tokens=4, separable=separable)
+        calls[reuse] = engine.stats.model_calls
+    plan = engine.plan(seqs)
+    leftmost, i = [], 0  # the first tree's leftmost path: segment 0, its first child, ...
+    while plan.children[i]:
+        leftmost.append(i)
+        i = plan.children[i][0]
+    saved = sum(1 for i in leftmost if not plan.segments[i].retain)
+    assert saved >= 1, plan.describe()
+    assert calls[False] - calls[True] == saved
+
+
+@pytest.mark.parametrize("prefix,queries", [(256, 45), (130, 300), (200, 200)])
+def test_square_flex_mask_matches_the_tree_mask(prefix, queries, gen, monkeypatch):
+    """``PREFIX_AS_TILES``'s square block mask (empty query tiles in front) gives the tree
+    attention of a call after a prefix, as the dense mask does (flex forward, eager, CPU;
+    its backward runs on CUDA: tests/cuda/test_cuda.py)."""
+    import torch.nn.functional as F
+    import warnings
+
+    import treerl.engine.attention as attention
+
+    monkeypatch.setattr(attention, "_FLEX_TILES", attention._flex_whole_tiles)  # eager flex: no CPU compile
+    monkeypatch.setattr(attention, "_FLEX_ANY", attention._flex_any)
+    seqs = [list(range(2, 300)) + [5, 6, 7], list(range(2, 300)) + [9] * 140, list(range(2, 200)) + [11] * 50]
+    end = PrefixTree.from_sequences(seqs).subtree_end
+    qi, ki = torch.arange(prefix, prefix + queries), torch.arange(prefix + queries)
+    q = torch.randn(1, 4, queries, 16, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(1, 2, prefix + queries, 16, dtype=torch.float64, generator=gen) for _ in range(2))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_tree_mask(qi, ki, end[ki])[None, None],
+                                         enable_gqa=True)
+    mask = attention.flex_block_mask(qi, ki, end[ki], square=True)
+    assert mask.seq_lengths[0] == mask.seq_lengths[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex warns that it is not compiled
+        out = attention.flex_tree_attention(q, k, v, mask, None)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

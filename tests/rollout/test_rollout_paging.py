@@ -1,0 +1,306 @@
+"""The paged own store of the continuous-batching stream (CPU, float64, tiny random Qwen3):
+rows own only the K/V blocks they write; with a K/V budget far below the worst case, groups
+are preempted (whole groups, whole trees) and readmitted with their K/V recomputed, and
+greedy samples still equal a per-prompt full forward, token by token and logprob by
+logprob, every sample delivered once; with a weight update between, every token keeps the
+version of the weights that produced it. The block allocator's accounting (no block lost or
+shared), and the split-key kernel reading keys through a block table (Triton; run on CPU
+with ``TRITON_INTERPRET=1``, else on a GPU)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from itertools import product
+
+import numpy as np
+import pytest
+import torch
+
+from rollout_util import greedy_reference as _greedy_reference
+from rollout_util import random_prompts, sampling, tiny
+from conftest import completion_logprobs
+from treerl.models import rmsnorm_in_input_precision
+from treerl.rollout import PromptQueue, RolloutEngine, SamplingParams, ForkLayout
+from treerl.rollout.kv import rollout_attention_enabled
+from treerl.rollout.paging import BlockTable
+from treerl.rollout.stream import RunningBatch
+
+MAX_NEW = 40
+
+
+def length_rule(ids) -> int:
+    """Completion length set by its first token: 4..40 (long rows need several blocks)."""
+    return 4 + (int(ids[0]) * 7) % 37
+
+
+def params(**kw) -> SamplingParams:
+    return sampling(MAX_NEW, length=length_rule, **{"n": 3, **kw})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+def greedy_reference(model, prompt, max_new=MAX_NEW):
+    return _greedy_reference(model, prompt, max_new, length=length_rule)
+
+
+def check_greedy(model, groups, prompts, p: SamplingParams, refs: dict):
+    """Every prompt's group once, with exactly its branches; every completion equals the
+    prompt's greedy full-forward reference, logprobs to 1e-9."""
+    assert sorted(g.prompt_index for g in groups) == list(range(len(prompts)))
+    for g in groups:
+        prompt = prompts[g.prompt_index]
+        ref = refs.setdefault(g.prompt_index, greedy_reference(model, prompt))
+        passed = [f for t, f in p.branch_schedule().items() if len(ref) > t]
+        assert [c.branch for c in g] == list(product(range(p.n), *(range(f) for f in passed))), g.prompt_index
+        lp = completion_logprobs(model, prompt, ref)
+        for c in g:
+            assert c.prompt_ids.tolist() == prompt
+            assert c.completion_ids.tolist() == ref, (g.prompt_index, c.branch)
+            assert c.finish_reason == ("stop" if length_rule(ref) <= MAX_NEW else "length")
+            assert torch.allclose(c.logprobs, lp, rtol=1e-9, atol=1e-12), (c.logprobs - lp).abs().max()
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return {}  # greedy references by prompt index (the prompts below are the same in every test)
+
+
+PROMPTS = random_prompts([7, 1, 13, 4, 10, 3, 9, 16, 5, 12], seed=24)  # completions of 4..40 tokens
+
+
+@pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
+@pytest.mark.parametrize("sync_every", [1, 4])
+def test_preempted_groups_equal_per_prompt_full_forward(model, refs, static_kv, sync_every):
+    """n=3, blocks of 16 own slots (3 per row at most), a budget of 12 blocks for 4 group
+    slots that could fill 36: groups are preempted again and again, and every sample still
+    equals the full forward and comes out exactly once."""
+    p = params()
+    engine = RolloutEngine(model, static_kv=static_kv, sync_every=sync_every, kv_block_size=16,
+                           max_batch_tokens=4 * 16 + 12 * 16)
+    groups = list(engine.generate_stream(PROMPTS, p))
+    lengths = [len(refs.setdefault(i, greedy_reference(model, q))) for i, q in enumerate(PROMPTS)]
+    assert max(lengths) > 32 and min(lengths) < 16, lengths  # rows of 1..3 blocks
+    check_greedy(model, groups, PROMPTS, p, refs)
+    s = engine.stats
+    assert s.preemptions > 0 and s.kv_slots == 4 * 16 + 12 * 16
+    assert s.generated_tokens == 3 * sum(lengths)
+
+
+@pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
+def test_preempted_trees_equal_per_prompt_full_forward(model, refs, static_kv):
+    """Tree rollouts (forks at 2 and 5, 8 leaves per tree) with too few blocks: whole trees
+    are preempted (before, between and after their forks) and readmitted; every leaf equals
+    the full forward, every branch comes out once."""
+    p = params(n=2, branch_points=[2, 5], branch_factor=[2, 2])
+    tree = ForkLayout.of(p)
+    shared = tree.shared_tokens(16)
+    budget = 3 * (shared + tree.rows * 16)  # 3 trees of one block per leaf: 24 blocks (they may fill 72)
+    engine = RolloutEngine(model, static_kv=static_kv, sync_every=3, kv_block_size=16, max_batch_tokens=budget)
+    groups = list(engine.generate_stream(PROMPTS, p))
+    check_greedy(model, groups, PROMPTS, p, refs)
+    assert engine.stats.preemptions > 0 and engine.stats.forks > 0
+
+
+def test_preemption_with_a_weight_update_keeps_versions(refs):
+    """Weights change while groups are preempted and running: a preempted group is
+    recomputed under the weights of its readmission; every token records the version that
+    produced it, and each logprob equals a full forward of that version on the same prefix."""
+    a, b = tiny(seed=0), tiny(seed=7)
+    prompts = random_prompts([9, 4, 15, 6, 11, 2, 13, 8], seed=22)
+    engine = RolloutEngine(copy.deepcopy(a), version=0, sync_every=2, kv_block_size=16,
+                           max_batch_tokens=4 * 16 + 12 * 16)
+    groups, before = [], 0
+    for g in engine.generate_stream(prompts, params()):
+        groups.append(g)
+        if engine.stats.preemptions and engine.version == 0:  # the first group out after a preemption
+            before = engine.stats.preemptions
+            engine.update_weights(b)
+    assert before > 0 and engine.version == 1, "no preemption before the update"
+    assert sorted(g.prompt_index for g in groups) == list(range(len(prompts)))
+    switched = 0
+    for g in groups:
+        prompt = prompts[g.prompt_index]
+        assert [c.branch for c in g] == [(0,), (1,), (2,)]
+        for c in g:
+            ids = c.completion_ids.tolist()
+            k = int((c.versions == 0).sum())
+            assert c.versions.tolist() == [0] * k + [1] * (len(ids) - k)
+            switched += 0 < k < len(ids)
+            assert len(ids) == min(length_rule(ids), MAX_NEW)
+            assert torch.allclose(c.logprobs[:k], completion_logprobs(a, prompt, ids[:k]), rtol=1e-9, atol=1e-12)
+            assert torch.allclose(c.logprobs[k:], completion_logprobs(b, prompt + ids[:k], ids[k:]),
+                                  rtol=1e-9, atol=1e-12)
+            with torch.no_grad():  # greedy under the version of each token
+                for t in range(len(ids)):
+                    m = a if t < k else b
+                    assert int(m(torch.tensor([prompt + ids[:t]])).logits[0, -1].argmax()) == ids[t]
+    assert switched >= 2
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["plain", "tree"])
+def test_hf_forward_path_under_preemption(model, refs, tree):
+    """The decode step through the model's HF forward (what families treerl does not run
+    itself use: ``SharedPrefixCache.update`` writes through the block table and returns the
+    gathered own keys), with preemption and forks: greedy equals the full forward."""
+    p = params(n=2, branch_points=[2, 5], branch_factor=[2, 2]) if tree else params()
+    layout = ForkLayout.of(p)
+    engine = RolloutEngine(model, static_kv=True, sync_every=2, kv_block_size=16,
+                           max_batch_tokens=3 * (layout.shared_tokens(16) + layout.rows * 16))
+    engine.decode_blocks = None
+    groups = list(engine.generate_stream(PROMPTS, p))
+    check_greedy(model, groups, PROMPTS, p, refs)
+    assert engine.stats.preemptions > 0
+
+
+def test_block_accounting_no_leak(model):
+    """Through a stream with preemptions, forks, finished rows and compaction: at every
+    group it yields, each block is free or owned by one row, live rows own the blocks their
+    own tokens fill, idle rows own none; at the end every block is free."""
+    p = params(n=2, branch_points=[5], branch_factor=2)
+    engine = RolloutEngine(model, sync_every=3, kv_block_size=16, max_batch_tokens=400)
+    tree = ForkLayout.of(p)
+    batch = RunningBatch(engine, PromptQueue(PROMPTS, close=True), p, torch.Generator().manual_seed(0), 4, 16,
+                         engine.max_batch_tokens)
+    assert batch.blocks.num_blocks < 4 * tree.rows * batch.max_blocks  # overcommitted
+    seen = []
+    with rollout_attention_enabled(engine.model), torch.no_grad():
+        for g in batch.run():
+            seen.append(g.prompt_index)
+            h = batch.host
+            t = h.blocks
+            t.check()
+            own = np.clip(h.fed_h - tree.own_start, 0, None)
+            assert (t.missing(np.arange(h.S), own)[h.live] == 0).all()
+            assert (t.owned[~h.live] == 0).all()
+            assert (batch.dev.table.cpu().numpy() == t.table).all() or t.dirty
+    assert sorted(seen) == list(range(len(PROMPTS))) and engine.stats.preemptions > 0
+    batch.blocks.check()
+    assert batch.blocks.free == batch.blocks.num_blocks
+
+
+def test_group_larger_than_the_budget_runs_alone(model, refs):
+    """A budget below one group's worst case: one group slot whose pool holds that group's
+    worst case (over the budget, by its own needs only); nothing is preempted."""
+    p = params()
+    engine = RolloutEngine(model, sync_every=2, kv_block_size=16, max_batch_tokens=50)
+    groups = list(engine.generate_stream(PROMPTS[:3], p))
+    check_greedy(model, groups, PROMPTS[:3], p, refs)
+    assert engine.stats.preemptions == 0 and engine.stats.kv_slots == 16 + 3 * 48
+
+
+def test_block_table():
+    t = BlockTable(rows=4, max_blocks=3, num_blocks=5, block_size=16)
+    assert t.trash == 5 and t.free == 5
+    assert t.grow(np.array([0, 2]), np.array([17, 1]))  # row 0: 2 blocks, row 2: 1
+    assert t.owned.tolist() == [2, 0, 1, 0] and t.free == 2 and t.table[0].tolist() == [0, 1, 5]
+    assert not t.grow(np.array([1, 3]), np.array([48, 1]))  # 4 wanted, 2 free: nothing changes
+    assert t.owned.tolist() == [2, 0, 1, 0] and t.free == 2
+    assert t.missing(np.array([0, 1]), np.array([40, 20])).tolist() == [1, 2]
+    t.move(np.array([1]), np.array([0]))
+    assert t.owned.tolist() == [0, 2, 1, 0] and t.table[0].tolist() == [5, 5, 5] and t.table[1].tolist() == [0, 1, 5]
+    t.release(np.array([1]))
+    t.check()
+    assert t.free == 4 and t.grow(np.array([3]), np.array([48])) and t.table[3].tolist() == [0, 1, 3]
+    t.check()
+    t.upload(dev := torch.zeros(4, 3, dtype=torch.int64))
+    assert (dev.numpy() == t.table).all() and not t.dirty
+
+
+# ------------------------------------------------------------------ the kernel through a block table
+def _triton_runs() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # pragma: no cover - CPU-only installs
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernel_dtypes():
+    if torch.cuda.is_available():
+        return [torch.bfloat16, torch.float16, torch.float32]
+    return [torch.float32, torch.float16]  # (the interpreter's bf16 dot is broken)
+
+
+@pytest.mark.skipif(not _triton_runs(), reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("page", [64, 16, 48, 128])
+@pytest.mark.parametrize("dtype", _kernel_dtypes(), ids=str)
+def test_split_kernel_reads_own_keys_through_the_block_table(page, dtype):
+    """The split-key kernel over a block pool (blocks in random order, trash block and
+    unowned entries included) equals exact attention over the row's dense keys, with the
+    two-level merge; through :meth:`SharedPrefixCache.attend_own` too."""
+    from treerl.rollout.decode_attention import split_attention, to_pages
+    from treerl.rollout.shared import SharedPrefixCache, merge_parts, split_queries, two_level_attention
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(page)
+    NG, G, Hkv, gq, D, P = 2, 3, 2, 2, 32, 70
+    L = 2 * page if page < 128 else 128  # own slots attended: several blocks, or part of one
+    B, Hq = NG * G, Hkv * gq
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float64)
+
+    q, pk, pv = rnd(B, Hq, 1, D), rnd(NG, Hkv, P, D), rnd(NG, Hkv, P, D)
+    cap = -(-L // page) * page + page  # one more block than attended: unowned (trash) entries
+    ok, ov = rnd(B, Hkv, cap, D), rnd(B, Hkv, cap, D)
+    olen = torch.randint(1, L + 1, (B,), generator=g, device=dev)
+    plen = torch.tensor([P, 9], device=dev)
+
+    def masks(dt):
+        zero, neg = torch.zeros((), dtype=dt, device=dev), torch.tensor(torch.finfo(dt).min, dtype=dt, device=dev)
+        om = torch.where(torch.arange(L, device=dev)[None] < olen[:, None], zero, neg)[:, None, None]
+        pm = torch.where(torch.arange(P, device=dev)[None] < plen[:, None], zero, neg)[:, None, None]
+        return om, pm
+
+    c = [t.to(dtype) for t in (q, ok, ov, pk, pv)]
+    r = [t.double() for t in c]
+    om64, pm64 = masks(torch.float64)
+    ref = two_level_attention(r[0], r[1][:, :, :L], r[2][:, :, :L], om64, r[3], r[4], pm64, D ** -0.5, G)
+    om, pm = masks(dtype)
+    pool_k, pool_v, table = to_pages(c[1], c[2], page, g)
+    table[:, -1] = pool_k.shape[0] - 1  # the last block of every row: the trash block
+    q_own, q_pre = split_queries(c[0], Hkv, G)
+    o_own, l_own = split_attention(q_own, pool_k, pool_v, om, D ** -0.5, table=table)
+    o_pre, l_pre = split_attention(q_pre, c[3], c[4], pm, D ** -0.5)
+    out = merge_parts(o_own, l_own, o_pre, l_pre, G, dtype)
+    tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}[dtype]
+    assert (out.double() - ref).abs().max() <= tol
+    # the cache's own part: split kernel and the gathered fallback agree
+    cache = SharedPrefixCache(1, NG, G, P, table, pool_k.shape[0] - 1, page, Hkv, D, D, dtype, torch.device(dev))
+    cache.layers[0].ok, cache.layers[0].ov = pool_k, pool_v
+    cache.own_len = L
+    for backend in ("split", "math"):
+        o, lse = cache.attend_own(0, q_own, om, D ** -0.5, backend)
+        out = merge_parts(o, lse, o_pre, l_pre, G, dtype)
+        assert (out.double() - ref).abs().max() <= tol, backend
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tree", [False, True], ids=["plain", "tree"])
+def test_cuda_graphs_under_preemption(tree):
+    """CUDA graphs and compiled decode blocks (the split kernel reading own keys through the
+    block table, updated in place between replays) with groups preempted again and again:
+    greedy equals an eager engine with room for everything, float32 logprobs equal a
+    float64 full forward to 2e-4 (TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny(torch.float32, seed=3).cuda()
+    p = params(n=2, branch_points=[2, 5], branch_factor=[2, 2]) if tree else params()
+    layout = ForkLayout.of(p)
+    graphed = RolloutEngine(model, sync_every=4, kv_block_size=16,
+                            max_batch_tokens=3 * (layout.shared_tokens(16) + layout.rows * 16))
+    eager = RolloutEngine(model, cuda_graphs=False, compile_decode=False)
+    key = lambda gs: sorted((g.prompt_index, [(c.branch, c.completion_ids.tolist()) for c in g]) for g in gs)  # noqa: E731
+    groups = list(graphed.generate_stream(PROMPTS, p))
+    assert key(groups) == key(eager.generate_stream(PROMPTS, p))
+    assert graphed.stats.preemptions > 0 and graphed.cuda_graphs and eager.stats.preemptions == 0
+    assert graphed.decode_blocks.compiled, "compilation fell back to eager"
+    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
+    for g in groups:
+        for c in g:
+            ref = completion_logprobs(reference, PROMPTS[g.prompt_index], c.completion_ids.tolist())
+            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()

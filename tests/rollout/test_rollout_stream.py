@@ -1,0 +1,713 @@
+"""Continuous batching (RolloutEngine.generate_stream) on tiny random Qwen3 models (CPU):
+greedy streams equal per-prompt greedy decoding by plain full forwards, token by token and
+logprob by logprob; freed slots take new prompts (fewer decode steps than waves); groups
+come out as they finish; versions and KV after a mid-stream weight update; prompts added
+from another thread are each generated exactly once; fixed-shape (CUDA-graph) steps,
+compaction and capacity growth."""
+
+import copy
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from rollout_util import VOCAB, random_prompts, sampling, target_length, tiny
+from rollout_util import greedy_reference as _greedy_reference
+from conftest import after_each_forward, completion_logprobs
+from treerl.models import build_model, rmsnorm_in_input_precision
+from treerl.rollout import PromptQueue, RolloutEngine, SamplingParams
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+def params(**kw):
+    return sampling(MAX_NEW, **kw)
+
+
+def greedy_reference(model, prompt, max_new=MAX_NEW):
+    return _greedy_reference(model, prompt, max_new)
+
+
+def check_greedy(model, groups, prompts, n, rtol=1e-9, atol=1e-12):
+    assert sorted(g.prompt_index for g in groups) == list(range(len(prompts)))
+    for g in groups:
+        p = prompts[g.prompt_index]
+        ref = greedy_reference(model, p)
+        assert g.prompt_ids.tolist() == p
+        assert [c.branch for c in g] == [(j,) for j in range(n)]
+        for c in g:
+            assert c.completion_ids.tolist() == ref, g.prompt_index
+            assert c.finish_reason == ("stop" if len(ref) < MAX_NEW or target_length(ref) <= MAX_NEW else "length")
+            lp = completion_logprobs(model, p, ref)
+            assert torch.allclose(c.logprobs.double(), lp, rtol=rtol, atol=atol), (c.logprobs - lp).abs().max()
+
+
+@pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_stream_greedy_equals_per_prompt_reference(model, static_kv, sync_every):
+    prompts = random_prompts([7, 1, 13, 4, 10, 3, 9, 5, 12, 2], seed=1)
+    engine = RolloutEngine(model, static_kv=static_kv, sync_every=sync_every, prefill_chunk_tokens=16)
+    groups = list(engine.generate_stream(prompts, params(), max_rows=4))  # 2 groups at a time
+    lengths = {g.prompt_index: len(g[0]) for g in groups}
+    assert len(set(lengths.values())) > 3, "the length rule should give varied lengths"
+    check_greedy(model, groups, prompts, 2)
+    assert engine.stats.admissions > 2  # admissions into freed slots
+    assert engine.stats.generated_tokens == 2 * sum(lengths.values())
+
+
+def test_float32_stream_matches_reference():
+    model = tiny(torch.float32, seed=3)
+    prompts = random_prompts([5, 17, 2, 8, 11, 6], seed=4)
+    groups = list(RolloutEngine(model, sync_every=2).generate_stream(prompts, params(n=1), max_rows=3))
+    check_greedy(model, groups, prompts, 1, rtol=1e-5, atol=1e-5)
+
+
+def test_freed_slots_take_new_prompts_fewer_steps_than_waves(model):
+    prompts = random_prompts([6] * 12, seed=2)
+    G, rows = 2, 6  # 3 groups at a time
+    engine = RolloutEngine(model, sync_every=1)
+    groups = list(engine.generate_stream(prompts, params(n=G), max_rows=rows))
+    check_greedy(model, groups, prompts, G)
+    lengths = [max(len(c) for c in g) for g in sorted(groups, key=lambda g: g.prompt_index)]
+    # waves of 3 groups, in order: each wave decodes until its longest row is done
+    waves = sum(max(lengths[i : i + 3]) - 1 for i in range(0, 12, 3))
+    assert engine.stats.decode_steps < waves, (engine.stats.decode_steps, waves, lengths)
+
+
+def test_groups_come_out_as_they_finish(model):
+    prompts = random_prompts([5, 8, 3, 9, 4, 7, 6, 2], seed=6)
+    length = [len(greedy_reference(model, p)) for p in prompts]
+    engine = RolloutEngine(model, sync_every=1)
+    seen = []
+    for g in engine.generate_stream(prompts, params(n=2), max_rows=4):
+        seen.append((engine.stats.decode_steps, g.prompt_index))
+    # expected: two groups run at a time; a group admitted after decode step a (its first
+    # token from the prefill) finishes at step a + length - 1, is yielded then, and the
+    # next waiting prompt takes its slots at once
+    expected, running, waiting = [], {0: length[0] - 1, 1: length[1] - 1}, list(range(2, len(prompts)))
+    while running:
+        step = min(running.values())
+        done = sorted(k for k, s in running.items() if s == step)
+        for k in done:
+            expected.append((step, k))
+            del running[k]
+        for _ in done:
+            if waiting:
+                k = waiting.pop(0)
+                running[k] = step + length[k] - 1
+    assert len(set(length)) > 3
+    assert sorted(seen) == sorted(expected)
+    assert [s for s, _ in seen] == sorted(s for s, _ in seen)  # yielded as they finished
+    assert seen[-1][0] == engine.stats.decode_steps
+
+
+@pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
+def test_versions_and_kv_after_mid_stream_weight_update(static_kv):
+    a, b = tiny(seed=0), tiny(seed=1)
+    prompts = random_prompts([5, 9, 3, 7, 6, 4, 8], seed=3)
+    engine = RolloutEngine(copy.deepcopy(a), version=0, sync_every=4, static_kv=static_kv)
+    decode_calls = []
+    updater = threading.Thread(target=lambda: engine.update_weights(b, version=1))
+
+    def hook(query_length):  # at the end of every forward
+        if query_length == 1:
+            decode_calls.append(1)
+            if len(decode_calls) == 6:  # another thread pushes weights during decode step 6
+                updater.start()
+                deadline = time.monotonic() + 120  # a condition, not a sleep: ends once the update is pending
+                while not engine._pending_updates and time.monotonic() < deadline:
+                    time.sleep(1e-4)
+
+    handle = after_each_forward(engine.model, hook)
+    try:
+        groups = list(engine.generate_stream(prompts, params(n=2, max_new_tokens=MAX_NEW), max_rows=4))
+    finally:
+        handle.remove()
+        updater.join()
+    assert engine.stats.recomputes >= 1 and engine.version == 1
+    both = 0
+    for g in groups:
+        p = prompts[g.prompt_index]
+        for c in g:
+            ids, versions = c.completion_ids.tolist(), c.versions.tolist()
+            cut = versions.count(0)
+            assert versions == [0] * cut + [1] * (len(ids) - cut)
+            both += 0 < cut < len(ids)
+            lp_a, lp_b = completion_logprobs(a, p, ids), completion_logprobs(b, p, ids)
+            for t, v in enumerate(versions):
+                m = a if v == 0 else b
+                with torch.no_grad():
+                    assert int(m(torch.tensor([p + ids[:t]])).logits[0, -1].argmax()) == ids[t]
+                ref = lp_a[t] if v == 0 else lp_b[t]
+                assert torch.allclose(c.logprobs[t], ref, rtol=1e-9, atol=1e-12)
+            assert len(ids) == min(target_length(ids), MAX_NEW)
+    assert both, "no completion outlived the update"
+    assert any(min(g[0].versions.tolist()) == 1 for g in groups)  # admitted after the update
+
+
+def test_prompts_from_another_thread_none_lost_or_duplicated(model):
+    prompts = random_prompts([random.Random(7).randint(1, 12) for _ in range(14)], seed=7)
+    queue = PromptQueue()
+    engine = RolloutEngine(model, sync_every=2)
+    keys = [100 + i for i in range(len(prompts))]
+
+    def producer():
+        rng = random.Random(0)
+        for k, p in zip(keys, prompts):
+            time.sleep(rng.random() * 0.02)
+            assert queue.put(p, key=k)
+        queue.close()
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    try:
+        groups = list(engine.generate_stream(queue, params(n=3), max_rows=9))
+    finally:
+        thread.join()
+    assert sorted(g.prompt_index for g in groups) == keys
+    for g in groups:
+        p = prompts[keys.index(g.prompt_index)]
+        ref = greedy_reference(model, p)
+        assert len(g) == 3 and [c.branch for c in g] == [(0,), (1,), (2,)]
+        assert all(c.prompt_ids.tolist() == p and c.completion_ids.tolist() == ref for c in g)
+    assert not queue.put([1, 2])  # closed
+
+
+def test_idle_timeout_ends_the_stream_atomically(model):
+    queue = PromptQueue(idle_timeout=0)
+    assert queue.put([1, 2, 3])
+    groups = list(RolloutEngine(model).generate_stream(queue, params(n=1)))
+    assert [g.prompt_index for g in groups] == [0]
+    assert not queue.put([4, 5])  # refused: that stream has ended, a new one must take it
+    # a waiting stream takes prompts put later, then ends once idle for idle_timeout
+    queue = PromptQueue(idle_timeout=0.5)
+    assert queue.put([1, 2, 3], key="a")
+    out = []
+    stream = RolloutEngine(model).generate_stream(queue, params(n=1))
+    out.append(next(stream).prompt_index)
+    assert queue.put([6, 7], key="b")
+    out += [g.prompt_index for g in stream]
+    assert out == ["a", "b"]
+
+
+def test_sampled_stream_logprobs_and_compaction(model):
+    """Temperature/top-k/top-p sampling with stop tokens: behaviour logprobs equal a full
+    forward; rows of a long tail are compacted into smaller decode steps."""
+    prompts = random_prompts([9, 3, 14, 6, 2, 11, 5, 8], seed=5)
+    p = SamplingParams(n=4, temperature=0.8, top_k=40, top_p=0.9, max_new_tokens=30, seed=3,
+                       stop_token_ids=list(range(0, VOCAB, 13)))
+    engine = RolloutEngine(model, sync_every=2)
+    groups = list(engine.generate_stream(prompts, p, max_rows=32))
+    assert sorted(g.prompt_index for g in groups) == list(range(len(prompts)))
+    lengths = []
+    for g in groups:
+        assert len(g) == 4
+        for c in g:
+            ids = c.completion_ids.tolist()
+            lengths.append(len(ids))
+            ref = completion_logprobs(model, prompts[g.prompt_index], ids, 0.8)
+            assert torch.allclose(c.logprobs, ref, rtol=1e-9, atol=1e-12)
+            if c.finish_reason == "stop":
+                assert ids[-1] % 13 == 0 and all(t % 13 for t in ids[:-1])
+            else:
+                assert len(ids) == 30 and all(t % 13 for t in ids)
+    assert len(set(lengths)) > 3
+    s = engine.stats
+    assert s.decode_rows < s.decode_steps * 32, "the tail should decode fewer rows than the batch has"
+    assert s.live_rows <= s.decode_rows
+    # same seed, same stream
+    again = list(RolloutEngine(model, sync_every=2).generate_stream(prompts, p, max_rows=32))
+    key = lambda gs: sorted((g.prompt_index, [c.completion_ids.tolist() for c in g]) for g in gs)  # noqa: E731
+    assert key(again) == key(groups)
+
+
+def test_capacity_grows_for_a_longer_prompt(model):
+    queue = PromptQueue()
+    short, long = random_prompts([3, 40], seed=9)
+    queue.put(short)
+    engine = RolloutEngine(model, sync_every=1)
+    stream = engine.generate_stream(queue, params(n=2), max_rows=4)
+    first = next(stream)
+    queue.put(long)
+    queue.close()
+    rest = list(stream)
+    check_greedy(model, [first] + rest, [short, long], 2)
+
+
+@pytest.mark.parametrize("budget,max_new,grows,reallocations",
+                         [(1 << 17, 24, 2, 0), (192, 24, 1, 1), (1200, 200, 2, 1)])
+def test_prompt_store_grows_geometrically(model, budget, max_new, grows, reallocations):
+    """A conversation's prompts growing by 16 tokens a turn (17 ... 113), one at a time in one
+    stream of (at most) two group slots: the prompt store doubles (32 -> 64 -> 128: 2
+    growths, not 5). With a budget of two groups of 32 prompt slots (192 K/V slots: 2 x (32
+    + 2 rows x 32 own slots)), the batch is rebuilt for one group of 64 prompt slots (not
+    48), then grown in place to 128 (not 80, 96, 112, 128). With own stores of 4 blocks a
+    row (200 new tokens) and a pool of all of them (1024 slots), growth in place stops where
+    the budget does (64, then 80, not 128), and the rebuild doubles (160). Never over budget."""
+    prompts = random_prompts([17, 33, 49, 65, 81, 97, 113], seed=34)
+    queue = PromptQueue()
+    engine = RolloutEngine(model, sync_every=2, max_batch_tokens=budget)
+    stream = engine.generate_stream(queue, sampling(max_new, n=2), max_rows=4)
+    groups = []
+    for p in prompts:
+        queue.put(p)
+        groups.append(next(stream))
+    queue.close()
+    assert list(stream) == []
+    check_greedy(model, groups, prompts, 2)
+    assert (engine.stats.prefix_grows, engine.stats.reallocations) == (grows, reallocations)
+    assert engine.stats.kv_slots <= budget
+
+
+def test_stream_input_errors(model):
+    engine = RolloutEngine(model)
+    with pytest.raises(ValueError, match="branch point"):
+        list(engine.generate_stream([[1, 2]], SamplingParams(branch_points=[4], max_new_tokens=4)))
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        list(engine.generate_stream([[1], []], params()))
+    queue = PromptQueue()
+    queue.put([1, 2], key="x")
+    queue.put([VOCAB], key="bad")
+    queue.close()
+    with pytest.raises(ValueError, match="prompt bad has token ids outside"):
+        list(engine.generate_stream(queue, params()))
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_stream_matches_eager_and_full_forward():
+    """CUDA graphs per row bucket, admissions into graphed batches, compaction: greedy
+    equals the eager stream; sampled logprobs match a float64 full forward."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny(torch.float32, seed=2).cuda()
+    prompts = random_prompts([9, 30, 3, 17, 5, 12, 21, 2, 8, 14], seed=6)
+    graphed = RolloutEngine(model, sync_every=4)
+    assert graphed.cuda_graphs and graphed.static_kv
+    eager = RolloutEngine(model, cuda_graphs=False)
+    a = sorted(graphed.generate_stream(prompts, params(n=2), max_rows=12), key=lambda g: g.prompt_index)
+    b = sorted(eager.generate_stream(prompts, params(n=2), max_rows=12), key=lambda g: g.prompt_index)
+    assert [[c.completion_ids.tolist() for c in g] for g in a] == [[c.completion_ids.tolist() for c in g] for g in b]
+    assert graphed.stats.admissions > 1
+    p = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_new_tokens=40, seed=0,
+                       stop_token_ids=list(range(0, VOCAB, 41)))
+    groups = list(graphed.generate_stream(prompts, p, max_rows=24))
+    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
+    for g in groups:
+        for c in g:
+            ref = completion_logprobs(reference, prompts[g.prompt_index], c.completion_ids.tolist(), 0.8)
+            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()
+
+
+# ------------------------------------------------------------------ shared prompt K/V
+def test_two_level_attention_equals_attention_over_the_whole_sequence():
+    """Prefix part (group queries folded together) + own part merged by LSE == softmax
+    over prefix and own keys together, per row, with GQA and masked (stale) slots."""
+    from treerl.rollout.shared import two_level_attention
+
+    g = torch.Generator().manual_seed(0)
+    NG, G, Hkv, gq, D, P, L = 3, 4, 2, 3, 8, 11, 7
+    B, Hq = NG * G, Hkv * gq
+    dt = torch.float64
+    q = torch.randn(B, Hq, 1, D, generator=g, dtype=dt)
+    pk, pv = torch.randn(NG, Hkv, P, D, generator=g, dtype=dt), torch.randn(NG, Hkv, P, D, generator=g, dtype=dt)
+    ok, ov = torch.randn(B, Hkv, L, D, generator=g, dtype=dt), torch.randn(B, Hkv, L, D, generator=g, dtype=dt)
+    plen = torch.tensor([11, 5, 1])
+    olen = torch.randint(1, L + 1, (B,), generator=g)
+    zero, neg = torch.zeros((), dtype=dt), torch.tensor(torch.finfo(dt).min, dtype=dt)
+    pmask = torch.where(torch.arange(P)[None] < plen[:, None], zero, neg)[:, None, None]
+    omask = torch.where(torch.arange(L)[None] < olen[:, None], zero, neg)[:, None, None]
+    out = two_level_attention(q, ok, ov, omask, pk, pv, pmask, 0.3, G)
+    assert out.shape == (B, 1, Hq, D)
+    for r in range(B):
+        grp = r // G
+        k = torch.cat([pk[grp, :, : plen[grp]], ok[r, :, : olen[r]]], dim=1).repeat_interleave(gq, 0)
+        v = torch.cat([pv[grp, :, : plen[grp]], ov[r, :, : olen[r]]], dim=1).repeat_interleave(gq, 0)
+        ref = torch.softmax(q[r] @ k.transpose(-1, -2) * 0.3, dim=-1) @ v  # [Hq, 1, D]
+        assert torch.allclose(out[r, 0], ref[:, 0], rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
+def test_prompt_stored_once_and_prefilled_once_per_group(model, static_kv):
+    """Groups of different prompt lengths (none a multiple of 16; two prompts share a
+    prefix): each prompt is prefilled once for its G rows, the cache holds it once (rows
+    hold only generated tokens), and greedy outputs equal a per-prompt full forward."""
+    base = random_prompts([21], seed=11)[0]
+    prompts = random_prompts([5, 33, 1, 18], seed=12) + [base, base[:13] + [7, 8, 9]]
+    G = 3
+    engine = RolloutEngine(model, static_kv=static_kv, sync_every=2)
+    groups = list(engine.generate_stream(prompts, params(n=G), max_rows=3 * G))
+    check_greedy(model, groups, prompts, G)
+    s = engine.stats
+    assert s.prefill_tokens == sum(len(p) for p in prompts)
+    assert s.kv_slots == 3 * (48 + G * 32)  # 3 group slots x (prompt store 48 + 3 rows x 32 own slots)
+    assert s.decode_rows <= s.decode_steps * 3 * G
+
+
+def test_small_capacity_defers_longer_prompts_never_loses_a_sample(model):
+    """A budget too small to grow the prompt store while groups run: the longer prompt
+    (and the ones after it) wait until the batch drains, which is rebuilt with fewer,
+    larger group slots; a prompt larger than the whole budget runs alone. Every group
+    comes out once, equal to a per-prompt full forward."""
+    G = 2  # own slots per group: 2 x 32; budget 200 -> 2 groups of 16-slot prompts
+    short = random_prompts([3, 5, 4, 6], seed=13)
+    later = random_prompts([40, 2, 150, 7], seed=14)
+    queue = PromptQueue()
+    for p in short:
+        queue.put(p)
+    engine = RolloutEngine(model, sync_every=2, max_batch_tokens=200)
+    stream = engine.generate_stream(queue, params(n=G))
+    first = next(stream)
+    for p in later:
+        queue.put(p)
+    queue.close()
+    groups = [first] + list(stream)
+    check_greedy(model, groups, short + later, G)
+    assert engine.stats.reallocations == 2
+    assert engine.stats.kv_slots == 160 + G * 32  # the 150-token prompt alone: over the budget, never more
+
+
+def test_weight_update_recomputes_shared_prompt_and_own_tokens(model):
+    """Weights updated while the stream is paused at its first group (same thread, no
+    timing): the running groups (different prompt lengths) recompute their prompt store
+    and each row's own tokens; every logprob equals a full forward of the weights that
+    produced it, on the same prefix."""
+    b = tiny(seed=7)
+    prompts = random_prompts([9, 4, 17, 6], seed=15)
+    engine = RolloutEngine(copy.deepcopy(model), version=0, sync_every=1)
+    stream = engine.generate_stream(prompts, params(n=2), max_rows=8)
+    groups = [next(stream)]
+    engine.update_weights(b)
+    groups += list(stream)
+    assert engine.stats.recomputes >= 1
+    switched = 0
+    for g in groups:
+        p = prompts[g.prompt_index]
+        for c in g:
+            ids = c.completion_ids.tolist()
+            k = int((c.versions == 0).sum())
+            assert c.versions.tolist() == [0] * k + [1] * (len(ids) - k)
+            switched += 0 < k < len(ids)
+            assert torch.allclose(c.logprobs[:k].double(), completion_logprobs(model, p, ids[:k]), rtol=1e-9, atol=1e-12)
+            assert torch.allclose(c.logprobs[k:].double(), completion_logprobs(b, p + ids[:k], ids[k:]),
+                                  rtol=1e-9, atol=1e-12)
+    assert switched >= 2
+
+
+def test_kept_stream_buffers_are_reused_and_reset(model):
+    """keep_stream_buffers: a second stream of the same shapes reuses the first one's
+    buffers and decode steps (stale K/V and masks reset); outputs equal a fresh engine's."""
+    prompts = random_prompts([7, 12, 3, 9], seed=16)
+    others = random_prompts([11, 2, 8, 5], seed=17)
+    engine = RolloutEngine(model, sync_every=2, static_kv=True, keep_stream_buffers=True)
+    first = list(engine.generate_stream(prompts, params(n=2), max_rows=4))
+    check_greedy(model, first, prompts, 2)
+    kept = engine._stream_arena[1]
+    again = list(engine.generate_stream(others, params(n=2), max_rows=4))
+    check_greedy(model, again, others, 2)
+    assert engine._stream_arena[1]["cache"] is kept["cache"] and engine._stream_arena[1]["steps_cache"] is kept["steps_cache"]
+    engine.release_stream_buffers()
+    assert engine._stream_arena is None
+
+
+def test_kept_stream_buffers_hold_shorter_prompts_without_new_steps(model):
+    """A trainer's rollouts vary in prompt length: a stream whose prompts fit the kept prompt
+    store reuses it (no decode step built again: on CUDA, no capture) and stays exact; a
+    longer prompt builds a new arena."""
+    engine = RolloutEngine(model, sync_every=2, static_kv=True, keep_stream_buffers=True)
+    long_prompts, short_prompts = random_prompts([30, 25], seed=40), random_prompts([9, 4], seed=41)
+    check_greedy(model, engine.generate(long_prompts, params(n=2)), long_prompts, 2)
+    kept = engine._stream_arena
+    check_greedy(model, engine.generate(short_prompts, params(n=2)), short_prompts, 2)
+    assert engine.stats.step_builds == 0 and engine._stream_arena[1]["cache"] is kept[1]["cache"]
+    longer = random_prompts([50, 3], seed=42)
+    check_greedy(model, engine.generate(longer, params(n=2)), longer, 2)
+    assert engine.stats.step_builds > 0 and engine._stream_arena[0][2] >= 50
+
+
+def test_compiled_decode_step_matches_full_forward_float32():
+    """compile_decode: the decode blocks through torch.compile (what CUDA captures) give the
+    greedy stream of a full forward, logprobs within the float32 standard (1e-5). (In
+    float64 inductor's fused kernels differ from eager by ~2e-8, hence float32 here.)"""
+    model = tiny(torch.float32, seed=3)
+    prompts = random_prompts([7, 12, 3, 9, 20, 4], seed=18)
+    engine = RolloutEngine(model, sync_every=2, static_kv=True, compile_decode=True)
+    groups = list(engine.generate_stream(prompts, params(n=2), max_rows=4))
+    assert engine.decode_blocks.compiled, "compilation fell back to eager"
+    check_greedy(model, groups, prompts, 2, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ prefix cache across calls
+def test_prefix_cache_next_turn_prefills_only_its_new_tokens(model):
+    """Multi-turn: turn 2's prompt extends turn 1's prompt (+ its completion + new tokens);
+    with the prefix cache it prefills only the tokens after turn 1's prompt, and its greedy
+    output equals a full forward. After a weight update the cache is not used."""
+    engine = RolloutEngine(model, sync_every=2, prefix_cache_tokens=1000)
+    p1 = random_prompts([13], seed=19)[0]
+    [g1] = engine.generate_stream([p1], params(n=2))
+    check_greedy(model, [g1], [p1], 2)
+    assert engine.stats.prefill_tokens == 13 and engine.stats.prefix_cache_hit_tokens == 0
+    p2 = p1 + g1[0].completion_ids.tolist() + [5, 6, 7]
+    other = random_prompts([9], seed=20)[0]
+    groups = list(engine.generate_stream([p2, other, p1], params(n=2)))
+    check_greedy(model, groups, [p2, other, p1], 2)
+    s = engine.stats
+    assert s.prefix_cache_hit_tokens == 13 + 13  # p2 reuses p1; p1 again: all of it
+    assert s.prefill_tokens == (len(p2) - 13) + 9
+    # turn 3 extends turn 2: turn 2's entry superseded turn 1's... and p1 was stored again
+    p3 = p2 + [1, 2]
+    [g3] = engine.generate_stream([p3], params(n=2))
+    check_greedy(model, [g3], [p3], 2)
+    assert engine.stats.prefill_tokens == 2 and engine.stats.prefix_cache_hit_tokens == len(p2)
+    engine.update_weights(model)  # new version: cached K/V are stale
+    [g4] = engine.generate_stream([p3], params(n=2))
+    assert engine.stats.prefill_tokens == len(p3) and engine.stats.prefix_cache_hit_tokens == 0
+    check_greedy(model, [g4], [p3], 2)
+
+
+def _full_forward(model, tokens):
+    """An independent forward of ``tokens`` alone (HF attention, no padding): per layer
+    keys/values ``[layers, Hkv, len, D]`` and the logits after the last token."""
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), use_cache=True)
+    layers = out.past_key_values.layers
+    return (torch.stack([l.keys[0] for l in layers]), torch.stack([l.values[0] for l in layers]),
+            out.logits[0, -1])
+
+
+def test_batched_prefill_of_cached_prefixes_equals_each_sequence_alone(model):
+    """One batched prefill (in chunks of 4 query slots) of prefix-cache hits with different
+    cached and new lengths (one with nothing new), and misses: every sequence's K/V and
+    last logits equal an independent forward of it alone, in float64."""
+    from treerl.rollout.kv import rollout_attention_enabled
+    from treerl.rollout.prefix_cache import PrefixEntry
+
+    seqs = random_prompts([20, 9, 31, 5, 17, 12], seed=30)
+    cut = [7, 0, 30, 5, 16, 0]  # cached tokens (0: a miss; 5 of 5: nothing new)
+    cached = [PrefixEntry(tuple(s[:c]), *_full_forward(model, s[:c]), 0) if c else None for s, c in zip(seqs, cut)]
+    engine = RolloutEngine(model, prefill_chunk_tokens=24)  # 24 // 6 rows: 4 query slots per forward
+    with rollout_attention_enabled(model), torch.no_grad():
+        cache, lens, logits = engine.prefiller(seqs, cached, engine.stats)
+    C = cache.length
+    assert lens.tolist() == [len(s) for s in seqs] and C == 1 + 31
+    assert engine.stats.prefill_calls == -(-max(len(s) - c for s, c in zip(seqs, cut)) // 4)
+    assert engine.stats.prefill_tokens == sum(len(s) - c for s, c in zip(seqs, cut))
+    assert engine.stats.prefix_cache_hit_tokens == sum(cut)
+    for i, s in enumerate(seqs):
+        keys, values, last = _full_forward(model, s)
+        assert torch.allclose(cache.all_keys[:, i, :, C - len(s) :], keys, rtol=1e-9, atol=1e-12), i
+        assert torch.allclose(cache.all_values[:, i, :, C - len(s) :], values, rtol=1e-9, atol=1e-12), i
+        assert torch.allclose(logits[i], last, rtol=1e-9, atol=1e-12), i
+
+
+def test_prefix_cache_hits_and_misses_admitted_together(model):
+    """Turn 2 of several conversations in one admission: extensions of their turn-1 prompts
+    by different numbers of tokens, a repeated prompt (nothing new) and new prompts. The
+    whole admission is one batched prefill (or one per piece of prefill_chunk_tokens), only
+    new tokens are computed, and greedy outputs equal full forwards."""
+    turn1 = random_prompts([13, 4, 22, 9], seed=31)
+    for chunk in (4096, 40):  # one piece; pieces of <= 40 prompt tokens
+        engine = RolloutEngine(model, sync_every=3, prefix_cache_tokens=1000, prefill_chunk_tokens=chunk)
+        first = {g.prompt_index: g for g in engine.generate_stream(turn1, params(n=2))}
+        turn2 = [turn1[0] + first[0][0].completion_ids.tolist() + [3, 1, 4],
+                 turn1[1] + [9],
+                 turn1[2],  # asked again: nothing new
+                 turn1[3] + first[3][1].completion_ids.tolist(),
+                 random_prompts([11], seed=32)[0],
+                 random_prompts([6], seed=33)[0]]
+        groups = list(engine.generate_stream(turn2, params(n=2)))
+        check_greedy(model, groups, turn2, 2)
+        s = engine.stats
+        assert s.admissions == 1 and (s.prefill_calls == 1 if chunk == 4096 else 1 < s.prefill_calls < 6), s
+        assert s.prefix_cache_hit_tokens == sum(len(p) for p in turn1)
+        assert s.prefill_tokens == sum(len(a) for a in turn2) - sum(len(p) for p in turn1)
+
+
+def test_prefix_cache_lru_and_superseding():
+    from treerl.rollout.prefix_cache import PrefixCache, PrefixEntry
+
+    def entry(tokens, version=0):
+        n = len(tokens)
+        return PrefixEntry(tuple(tokens), torch.zeros(1, 1, n, 2), torch.zeros(1, 1, n, 2), torch.zeros(3), version)
+
+    c = PrefixCache(max_tokens=10)
+    c.insert(entry([1, 2, 3]))
+    c.insert(entry([1, 2, 3, 4, 5]))  # extends [1, 2, 3]: supersedes it
+    assert len(c) == 1 and c.tokens == 5
+    c.insert(entry([7, 8, 9]))
+    assert c.lookup([1, 2, 3, 4, 5, 6], 0).tokens == (1, 2, 3, 4, 5)  # now most recently used
+    assert c.lookup([1, 2], 0) is None and c.lookup([7, 8], 0) is None
+    c.insert(entry([4, 4, 4]))  # 11 tokens: evicts the least recently used, [7, 8, 9]
+    assert c.tokens == 8 and c.lookup([7, 8, 9], 0) is None and c.lookup([4, 4, 4, 1], 0) is not None
+    assert c.lookup([4, 4, 4], 1) is None and len(c) == 0 and c.tokens == 0  # other weights: all dropped
+    c.insert(entry(list(range(11)), 1))  # larger than the cache: not stored
+    assert len(c) == 0
+
+
+# ------------------------------------------------------------------ CUDA (skipped without a GPU)
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float32, 16), (torch.float16, 64)])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_two_level_attention_kernel(dtype, D):
+    """The CUDA memory-efficient kernel and treerl's split-key Triton kernel (with LSE) are
+    usable here, and two-level attention through each agrees with the exact float64
+    reference to the dtype's rounding; so does the split kernel reading the own keys
+    through a block table (paged row store, blocks of 64 and 16 slots)."""
+    from treerl.rollout.decode_attention import split_attention_ok
+    from treerl.rollout.shared import _efficient_ok, two_level_attention
+
+    dev = "cuda"
+    assert _efficient_ok(str(torch.device(dev, torch.cuda.current_device())), dtype, D, D), "fast path not usable"
+    assert split_attention_ok(str(torch.device(dev, torch.cuda.current_device())), dtype, D, D), "split kernel not usable"
+    # views of unaligned lengths (eager steps) may or may not run on the kernel: reported, not required
+    print("unaligned lengths on the kernel:", _efficient_ok(str(torch.device(dev, torch.cuda.current_device())),
+                                                            dtype, D, D, True))
+    g = torch.Generator(device=dev).manual_seed(0)
+    NG, G, Hkv, gq, P, L = 4, 8, 2, 2, 1040, 96
+    B, Hq = NG * G, Hkv * gq
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float64)
+
+    q, pk, pv, ok, ov = rnd(B, Hq, 1, D), rnd(NG, Hkv, P, D), rnd(NG, Hkv, P, D), rnd(B, Hkv, L, D), rnd(B, Hkv, L, D)
+    plen = torch.tensor([1040, 500, 1, 77], device=dev)
+    olen = torch.randint(1, L + 1, (B,), generator=g, device=dev)
+
+    def masks(dt):
+        zero, neg = torch.zeros((), dtype=dt, device=dev), torch.tensor(torch.finfo(dt).min, dtype=dt, device=dev)
+        pm = torch.where(torch.arange(P, device=dev)[None] < plen[:, None], zero, neg)[:, None, None]
+        om = torch.where(torch.arange(L, device=dev)[None] < olen[:, None], zero, neg)[:, None, None]
+        return om, pm
+
+    om, pm = masks(dtype)
+    c = [t.to(dtype) for t in (q, ok, ov, pk, pv)]
+    r = [t.double() for t in c]  # float64 reference on the same (rounded) inputs
+    om64, pm64 = masks(torch.float64)
+    ref = two_level_attention(r[0], r[1], r[2], om64, r[3], r[4], pm64, D ** -0.5, G)
+    slow = two_level_attention(c[0], c[1], c[2], om, c[3], c[4], pm, D ** -0.5, G, backend="math")
+    tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}[dtype]
+    assert (slow.double() - ref).abs().max() <= tol
+    for backend in ("efficient", "split"):
+        out = two_level_attention(c[0], c[1], c[2], om, c[3], c[4], pm, D ** -0.5, G, backend=backend)
+        assert (out.double() - ref).abs().max() <= tol, backend
+        assert (out.double() - slow.double()).abs().max() <= tol, backend
+    # the own part read through a block table (the paged row store; blocks in random order)
+    from treerl.rollout.decode_attention import split_attention, to_pages
+    from treerl.rollout.shared import merge_parts, split_queries
+
+    for page in (64, 16):
+        assert split_attention_ok(str(torch.device(dev, torch.cuda.current_device())), dtype, D, D, page)
+        pad = -L % page
+        pool_k, pool_v, table = to_pages(torch.nn.functional.pad(c[1], (0, 0, 0, pad)),
+                                         torch.nn.functional.pad(c[2], (0, 0, 0, pad)), page, g)
+        q_own, q_pre = split_queries(c[0], Hkv, G)
+        o_own, l_own = split_attention(q_own, pool_k, pool_v, om, D ** -0.5, table=table)
+        o_pre, l_pre = split_attention(q_pre, c[3], c[4], pm, D ** -0.5)
+        out = merge_parts(o_own, l_own, o_pre, l_pre, G, dtype)
+        assert (out.double() - ref).abs().max() <= tol, page
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
+def test_cuda_graph_stream_kept_buffers_prefix_cache(compile_decode):
+    """CUDA graphs per (group slots, own slots) bucket, reused by a second stream through
+    keep_stream_buffers, prefix-cache hits, compaction; optionally compiled: greedy equals
+    the eager stream and float32 logprobs equal a float64 full forward to 2e-4 (TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny(torch.float32, seed=2).cuda()
+    prompts = random_prompts([9, 30, 3, 17, 5, 12, 21, 2, 8, 14], seed=6)
+    graphed = RolloutEngine(model, sync_every=4, keep_stream_buffers=True, compile_decode=compile_decode,
+                            prefix_cache_tokens=4096)
+    eager = RolloutEngine(model, cuda_graphs=False)
+    key = lambda gs: [[c.completion_ids.tolist() for c in g] for g in sorted(gs, key=lambda g: g.prompt_index)]  # noqa: E731
+    a = list(graphed.generate_stream(prompts, params(n=2), max_rows=8))
+    b = list(eager.generate_stream(prompts, params(n=2), max_rows=8))
+    assert key(a) == key(b)
+    turn2 = [p + [1, 2, 3] for p in prompts]
+    c = list(graphed.generate_stream(turn2, params(n=2), max_rows=8))  # same shapes: buffers, graphs reused
+    assert graphed.stats.prefix_cache_hit_tokens == sum(len(p) for p in prompts)
+    assert key(c) == key(eager.generate_stream(turn2, params(n=2), max_rows=8))
+    if compile_decode:
+        assert graphed.decode_blocks.compiled, "compilation fell back to eager"
+    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
+    for g in c:
+        for comp in g:
+            ref = completion_logprobs(reference, turn2[g.prompt_index], comp.completion_ids.tolist())
+            assert torch.allclose(comp.logprobs.double(), ref, atol=2e-4), (comp.logprobs - ref).abs().max()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_prompt_kv_memory_is_stored_once():
+    """4 prompts of 1000 tokens x G=16 (64 rows): the running batch's K/V slots are one prompt
+    store per group + the rows' own tokens (not rows x (prompt + new)), and peak memory
+    follows: far below what per-row prompt copies would need."""
+    model = build_model("qwen3", "small", dtype=torch.bfloat16, seed=1).cuda()
+    prompts = random_prompts([1000] * 4, seed=3)
+    engine = RolloutEngine(model, sync_every=8)
+    params = SamplingParams(n=16, temperature=1.0, max_new_tokens=32, seed=0)
+    list(engine.generate_stream(prompts[:1], params))  # warm-up: the decode blocks compile (not K/V memory)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    # the prefill's own transient (attention over 4 x 1000 tokens) is no K/V storage: measured alone
+    torch.cuda.reset_peak_memory_stats()
+    list(engine.generate_stream(prompts, SamplingParams(n=1, max_new_tokens=1)))
+    prefill = torch.cuda.max_memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    groups = list(engine.generate_stream(prompts, params))
+    assert len(groups) == 4 and all(len(c) == 32 for g in groups for c in g)
+    assert engine.stats.kv_slots == 4 * (1008 + 16 * 32)
+    per_token = model.config.num_hidden_layers * model.config.num_key_value_heads * 2 * 32 * 2
+    copies = 64 * (1000 + 32) * per_token  # what per-row prompt copies alone would take (~135 MB)
+    assert torch.cuda.max_memory_allocated() - base - prefill < copies / 2
+
+
+@pytest.mark.parametrize("how", ["adamw", "adamw-fused", "update_weights", "load_state_dict"])
+def test_fused_projections_follow_every_parameter_update(how):
+    """The decode blocks' fused Q/K/V and gate/up copies are refreshed after any in-place
+    change of the model's parameters: optimizer steps (the trainer shares its policy with
+    the rollout engine; a fused AdamW step bumps no version counter: the next stream's
+    start refreshes), update_weights, load_state_dict; and the stream then samples what
+    the model gives."""
+    model = tiny(torch.float32, seed=4)
+    engine = RolloutEngine(model)
+    fused = engine.decode_blocks.fused
+    if how.startswith("adamw"):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=how == "adamw-fused" or None)
+        model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+        opt.step()
+    elif how == "update_weights":
+        engine.update_weights(tiny(torch.float32, seed=5))
+    else:
+        model.load_state_dict(tiny(torch.float32, seed=6).state_dict())
+    prompts = random_prompts([5, 9], seed=2)
+    check_greedy(model, list(engine.generate_stream(prompts, params(n=2))), prompts, 2, rtol=1e-5, atol=1e-5)
+    for i, layer in enumerate(model.model.layers):
+        a, m = layer.self_attn, layer.mlp
+        assert torch.equal(fused.qkv_w[i], torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        assert torch.equal(fused.gate_up_w[i], torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_survive_streams_that_keep_no_buffers():
+    """Streams one after another without keep_stream_buffers (the trainer's way) each capture
+    their graphs into a pool of their own: no allocator assert, no fallback to eager, and the
+    greedy samples equal an eager engine's."""
+    model = tiny(torch.float32, seed=7).cuda()
+    graphed, eager = RolloutEngine(model, sync_every=4), RolloutEngine(model, cuda_graphs=False)
+    key = lambda gs: [[c.completion_ids.tolist() for c in g] for g in gs]  # noqa: E731
+    for seed in range(3):
+        prompts = random_prompts([9, 30, 3, 17], seed=seed)
+        assert key(graphed.generate(prompts, params(n=2))) == key(eager.generate(prompts, params(n=2)))
+        assert graphed.cuda_graphs, "capture failed: decoding fell back to eager"

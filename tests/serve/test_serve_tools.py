@@ -1,0 +1,350 @@
+"""Tool calling in treerl serve: the tool-call formats on text, tool_choice, the chat
+template getting whole messages, and, end to end with the `openai` package on a loopback
+server, tools in -> tool_calls out, a history holding a tool call whose prompt token ids
+hold the call, and turn 2's prompt extending turn 1's prompt + completion token for token.
+
+The served model is the tiny Qwen3 of ``chat_util`` whose weights make greedy decoding emit
+one fixed tool call (a last-token lookup built into its weights: deterministic, no stub in
+the server)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+from chat_util import CALL, CALL_HEAD, CALL_TAIL, CALL_WHOLE, TOOLS, chat_tokenizer, tool_call_model
+
+from treerl.rollout import RolloutEngine
+from treerl.serve import ServeOptions, ServerThread, make_state
+from treerl.serve.chat import ChatRenderer, render_chat, template_messages
+from treerl.serve.protocol import APIError, ChatRequest
+from treerl.serve.tools import (MalformedToolCall, ToolStats, check_tool_choice, get_tool_format, tool_formats,
+                                tool_reply)
+from treerl.tasks.tokenizer import CharTokenizer
+
+CALC = [{"type": "function", "function": {"name": "calc", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+
+# ------------------------------------------------------------------ formats on text
+def test_hermes_parses_calls_content_and_the_unclosed_last_call():
+    h = get_tool_format("hermes")
+    r = h.parse('Let me look.\n<tool_call>\n{"name": "f", "arguments": {"x": 1, "y": "é"}}\n</tool_call>\n'
+                '<tool_call>{"name": "g", "arguments": "{\\"z\\": [1]}"}</tool_call> trailing', [])
+    assert r.content == "Let me look.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in r.calls] == [("f", {"x": 1, "y": "é"}), ("g", {"z": [1]})]
+    assert r.calls[0].arguments == '{"x": 1, "y": "é"}'  # JSON text, not ASCII-escaped
+    assert all(c.id.startswith("call_") for c in r.calls) and r.calls[0].id != r.calls[1].id
+    assert h.parse("<tool_call>" + CALL_JSON_ + "\n", []).calls[0].name == "get_weather"  # stopped before the end tag
+    assert h.parse("<tool_call>" + CALL_JSON_ + "</tool_call>", []).content is None
+    assert h.parse("no call here", []) is None
+    for bad in ["<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
+                '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arg',
+                '<tool_call>{"name": "f"}</tool_call>',
+                '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>[]</tool_call>']:
+        with pytest.raises(MalformedToolCall):
+            h.parse(bad, [])
+    assert h.render("", [CALL], []) == "<tool_call>\n" + CALL_JSON_ + "\n</tool_call>"
+    again = h.parse(h.render("Sure. ", [CALL, CALL], []), [])
+    assert again.content == "Sure. " and [json.loads(c.arguments) for c in again.calls] == [CALL["arguments"]] * 2
+
+
+CALL_JSON_ = json.dumps(CALL)
+
+
+def test_tag_format_reads_single_parameter_tools_and_renders_them_back():
+    t = get_tool_format("tag")
+    r = t.parse("<calc>37*48</calc><calc>1+1</calc>", CALC)
+    assert r.content is None and [(c.name, json.loads(c.arguments)) for c in r.calls] == [
+        ("calc", {"expression": "37*48"}), ("calc", {"expression": "1+1"})]
+    assert t.parse("<answer>3</answer>", CALC) is None and t.parse("<calc>1</calc>", TOOLS) is None
+    with pytest.raises(MalformedToolCall):
+        t.parse("<calc>37*", CALC)
+    assert t.render("", [{"name": "calc", "arguments": {"expression": "37*48"}}], CALC) == "<calc>37*48</calc>"
+    assert set(tool_formats()) >= {"hermes", "tag"}
+    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'; choose one of"):
+        get_tool_format("nope")
+
+
+def test_malformed_call_text_is_content_and_counted():
+    stats = ToolStats()
+    h = get_tool_format("hermes")
+    text = '<tool_call>{"name": "f", "arg'
+    assert tool_reply(text, "length", TOOLS, "auto", h, stats) == ({"role": "assistant", "content": text}, "length")
+    message, finish = tool_reply("<tool_call>" + CALL_JSON_ + "</tool_call>", "stop", TOOLS, "auto", h, stats)
+    assert finish == "tool_calls" and message["content"] is None and len(message["tool_calls"]) == 1
+    # tool_choice none: the text is the content, nothing parsed, nothing counted
+    assert tool_reply("<tool_call>" + CALL_JSON_, "stop", TOOLS, "none", h, stats)[0]["content"].startswith("<tool")
+    assert stats.snapshot() == {"replies": 2, "with_calls": 1, "calls": 1, "malformed": 1}
+
+
+@pytest.mark.parametrize("tools, choice, parser, error", [
+    (TOOLS, "required", "hermes", "tool_choice=\"required\" is not supported: forcing a call needs constrained"),
+    (TOOLS, {"type": "function", "function": {"name": "get_weather"}}, "hermes", "is not supported"),
+    (TOOLS, "sometimes", "hermes", "tool_choice must be 'auto', 'none'"),
+    (None, "auto", "hermes", "tool_choice is set but tools is not"),
+    (TOOLS, None, None, "tool calling needs a tool-call parser: start treerl serve with --tool-call-parser"),
+    ([{"type": "function"}], None, "hermes", "tools[0] must be"),
+])
+def test_tool_choice_refusals_name_the_field(tools, choice, parser, error):
+    with pytest.raises(APIError, match=error.replace("(", r"\(").replace("[", r"\[")) as e:
+        check_tool_choice(tools, choice, get_tool_format(parser) if parser else None)
+    assert e.value.body()["error"]["param"] in ("tool_choice", "tools", "tools.0")
+
+
+def test_tool_choice_defaults_follow_openai():
+    h = get_tool_format("hermes")
+    assert check_tool_choice(TOOLS, None, h) == "auto" and check_tool_choice(None, None, h) == "none"
+    assert check_tool_choice(TOOLS, "none", None) == "none"  # tools rendered, calls not parsed (vLLM)
+
+
+# ------------------------------------------------------------------ rendering
+def _request(**body) -> ChatRequest:
+    req = ChatRequest.model_validate({"model": "treerl", **body})
+    req.check()
+    return req
+
+
+def test_whole_messages_reach_the_template_with_arguments_as_dicts():
+    tok = chat_tokenizer()
+    history = [{"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "Paris?"}]},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps(CALL["arguments"])}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    messages = template_messages(_request(messages=history, tools=TOOLS).messages)
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    text = render_chat(tok, messages, TOOLS)
+    assert "<|im_start|>user\nWeather\nParis?<|im_end|>" in text  # text parts joined with newlines (vLLM)
+    assert "<|im_start|>assistant\n<tool_call>" + CALL_WHOLE + "</tool_call><|im_end|>" in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text and '"name": "get_weather", "description"' in text
+    for bad, param in [({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]},
+                        "messages.0.tool_calls.0.function.arguments"),
+                       ({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]},
+                        "messages.0.tool_calls.0"),
+                       ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                        "messages.0.content")]:
+        with pytest.raises(APIError) as e:
+            template_messages(_request(messages=[bad]).messages)
+        assert e.value.body()["error"]["param"] == param
+
+
+def test_a_template_without_tools_refuses_them():
+    tok = chat_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}"
+    with pytest.raises(APIError, match="chat template does not render tools") as e:
+        ChatRenderer(tok, "hermes").prompt(_request(messages=[{"role": "user", "content": "hi"}], tools=TOOLS))
+    assert e.value.body()["error"]["param"] == "tools"
+    assert ChatRenderer(tok, "hermes").prompt(_request(messages=[{"role": "user", "content": "hi"}])).ids
+
+
+def test_marker_layout_writes_calls_in_the_servers_format():
+    tok = CharTokenizer()
+    history = [{"role": "user", "content": "3*4"},
+               {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+                   "name": "calc", "arguments": '{"expression": "3*4"}'}}]},
+               {"role": "tool", "tool_call_id": "c", "content": "<result>12</result>"}]
+    chat = ChatRenderer(tok, "tag")
+    turn = chat.prompt(_request(messages=history, tools=CALC))
+    assert tok.decode(turn.ids) == "<|bos|><|user|>3*4<|assistant|><calc>3*4</calc><|eos|><|tool|><result>12</result>" \
+                                   "<|assistant|>"
+    with pytest.raises(APIError, match="start treerl serve with --tool-call-parser"):
+        ChatRenderer(tok).prompt(_request(messages=history))
+
+
+# ------------------------------------------------------------------ end to end
+@pytest.fixture(scope="module")
+def weather():
+    """(server with hermes and token-exact histories, server with histories off, tokenizer)."""
+    tok = chat_tokenizer()
+    servers = [ServerThread(make_state(RolloutEngine(tool_call_model(tok)), tok, ServeOptions(
+        default_max_tokens=8, tool_call_parser="hermes", history_tokens=h))).start() for h in (1 << 16, 0)]
+    yield *servers, tok
+    for s in servers:
+        s.stop()
+
+
+def _client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url, api_key="x", max_retries=0)
+
+
+def test_openai_client_gets_tool_calls_and_the_next_turn_extends_the_produced_tokens(weather):
+    exact, off, tok = weather
+    ids = tok.convert_tokens_to_ids
+
+    async def episode(server):
+        c = _client(server)
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        r1 = await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, temperature=0)
+        call = r1.choices[0].message.tool_calls[0]
+        messages += [r1.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+        r2 = await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, temperature=0)
+        health = (await c._client.get(server.url.removesuffix("/v1") + "/health")).json()
+        await c.close()
+        return r1, r2, health
+
+    r1, r2, health = asyncio.run(episode(exact))
+    choice = r1.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == CALL["arguments"]
+    p1, c1 = r1.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+    assert '"name": "get_weather", "description"' in tok.decode(p1)  # the tools are in the prompt
+    produced = [ids("<tool_call>"), ids(CALL_HEAD), ids(CALL_TAIL), ids("</tool_call>"), ids("<|im_end|>")]
+    assert c1 == produced
+    # turn 2: the history's call is in the prompt as the model produced it, token for token
+    p2 = r2.model_extra["prompt_token_ids"]
+    assert p2[: len(p1) + len(c1)] == p1 + c1
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in tok.decode(p2[len(p1) + len(c1):])
+    assert health["chat"]["history"] | {"exact_share": 1.0} == {"requests": 1, "turns": 1, "exact": 1, "rewritten": 0,
+                                                                "unknown": 0, "exact_share": 1.0}
+    assert health["chat"]["tool_calls"]["calls"] == 2
+
+    # without token-exact histories the template's tokens replace the produced ones
+    r1, r2, health = asyncio.run(episode(off))
+    p1, c1, p2 = r1.model_extra["prompt_token_ids"], r1.choices[0].model_extra["token_ids"], \
+        r2.model_extra["prompt_token_ids"]
+    assert c1 == produced and p2[: len(p1) + len(c1)] != p1 + c1
+    assert p2[len(p1): len(p1) + 3] == [ids("<tool_call>"), ids(CALL_WHOLE), ids("</tool_call>")]  # holds the call
+    assert health["chat"]["history"]["unknown"] == 1
+
+
+def test_tool_choice_none_malformed_text_and_refusals_over_http(weather):
+    exact, _, tok = weather
+
+    async def main():
+        c = _client(exact)
+        messages = [{"role": "user", "content": "Weather?"}]
+        none = await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, tool_choice="none")
+        # cut after two tokens: an unfinished call is returned as content, counted, never a 500
+        cut = await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, max_tokens=2)
+        errors = []
+        for kw in [dict(tool_choice="required"), dict(tool_choice={"type": "function", "function": {"name": "x"}}),
+                   dict(parallel_tool_calls=False)]:
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, **kw)
+            errors.append(e.value.body["param"])
+        health = (await c._client.get(exact.url.removesuffix("/v1") + "/health")).json()
+        await c.close()
+        return none, cut, errors, health
+
+    before = exact.state.chat.stats()["tool_calls"]["malformed"]
+    none, cut, errors, health = asyncio.run(main())
+    assert none.choices[0].finish_reason == "stop" and none.choices[0].message.tool_calls is None
+    assert none.choices[0].message.content == "<tool_call>" + CALL_WHOLE + "</tool_call>"
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
+    assert cut.choices[0].message.content == "<tool_call>" + CALL_HEAD
+    assert health["chat"]["tool_calls"]["malformed"] == before + 1
+    assert errors == ["tool_choice", "tool_choice", "parallel_tool_calls"]
+
+
+def test_treerl_serve_refuses_an_unknown_tool_call_parser():
+    from treerl.cli import parser
+
+    args = parser().parse_args(["serve", "--tool-call-parser", "nope"])
+    with pytest.raises(SystemExit, match="--tool-call-parser: unknown tool-call parser 'nope'; choose one of"):
+        args.func(args)
+
+
+def test_treerl_serve_command_parses_tool_calls_of_a_hugging_face_model_dir(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tok = chat_tokenizer()
+    tool_call_model(tok).save_pretrained(tmp_path, safe_serialization=True)
+    tok.save_pretrained(tmp_path)
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    proc = subprocess.Popen([sys.executable, "-m", "treerl.cli", "serve", "--weights", str(tmp_path), "--port", "0",
+                             "--tool-call-parser", "hermes", "--history-tokens", "0", "--max-tokens", "8"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        while "listening on" not in line:
+            line = proc.stderr.readline()
+            assert line, "treerl serve exited before listening"
+        url = line.split("listening on ")[1].split()[0]
+
+        async def main():
+            c = openai.AsyncOpenAI(base_url=url, api_key="x", timeout=60)
+            messages = [{"role": "user", "content": "Weather?"}]
+            r = await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS)
+            messages += [r.choices[0].message, {"role": "tool", "tool_call_id": "x", "content": "sunny"}]
+            await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS)
+            health = (await c._client.get(url.removesuffix("/v1") + "/health")).json()
+            await c.close()
+            return r, health
+
+        r, health = asyncio.run(main())
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == CALL["arguments"]
+        assert health["chat"]["history"]["unknown"] == 1  # --history-tokens 0: the record is off
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_openai_agents_sdk_function_tool_runs_through_treerl_serve(weather):
+    """An `openai-agents` agent with a ``@function_tool`` (the SDK's chat-completions model):
+    its first call gets the tool call, the SDK runs the function, and its next request (the
+    history with the call and the tool output) extends the first token for token."""
+    sdk = pytest.importorskip("agents")
+    exact, _, _ = weather
+    sdk.set_tracing_disabled(True)
+    seen = []
+
+    @sdk.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return "sunny"
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=exact.url, api_key="x", max_retries=0)
+        model = sdk.OpenAIChatCompletionsModel(model="treerl", openai_client=client)
+        agent = sdk.Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], model=model,
+                          tool_use_behavior="stop_on_first_tool")
+        first = await sdk.Runner.run(agent, "Weather in Paris?")
+        before = exact.state.chat.stats()["history"]
+        # run the model again after the tool: the lookup model calls again, so stop at 2 turns
+        with pytest.raises(sdk.MaxTurnsExceeded):
+            await sdk.Runner.run(agent.clone(tool_use_behavior="run_llm_again"), "Weather in Paris?", max_turns=2)
+        await client.close()
+        return first, before, exact.state.chat.stats()["history"]
+
+    first, before, after = asyncio.run(main())
+    assert first.final_output == "sunny" and seen == ["Paris", "Paris", "Paris"]
+    assert after["turns"] - before["turns"] == 1 and after["exact"] - before["exact"] == 1
+
+
+def test_a_streamed_tool_call_comes_whole_in_the_last_chunk(weather):
+    exact, _, tok = weather
+
+    async def main():
+        c = _client(exact)
+        kw = dict(model="treerl", messages=[{"role": "user", "content": "Weather in Rome?"}], tools=TOOLS,
+                  temperature=0)
+        whole = await c.chat.completions.create(**kw)
+        chunks = [ch async for ch in await c.chat.completions.create(stream=True, **kw)]
+        await c.close()
+        return whole, chunks
+
+    whole, chunks = asyncio.run(main())
+    body = [x for ch in chunks for x in ch.choices]
+    assert [t for x in body for t in x.model_extra.get("token_ids", [])] == whole.choices[0].model_extra["token_ids"]
+    assert all(not x.delta.content and not x.delta.tool_calls for x in body[:-1])  # text held: no raw markup
+    last = body[-1]
+    assert last.finish_reason == "tool_calls" and last.delta.tool_calls[0].index == 0
+    ref = whole.choices[0].message.tool_calls[0]
+    assert last.delta.tool_calls[0].function.name == ref.function.name
+    assert json.loads(last.delta.tool_calls[0].function.arguments) == json.loads(ref.function.arguments)

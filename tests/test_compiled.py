@@ -1,0 +1,51 @@
+"""treerl.compiled: the one compile helper. Compiled at the first call, never before; a
+compiler failure is one CompileError line naming what failed and the switch that turns it
+off (no eager fallback); an error of the function's own passes through unchanged. (That a
+compiled function computes what the eager one does is checked where it is used: the
+compiled decode blocks, tests/rollout/test_rollout_stream.py; the compiled training
+blocks, tests/test_lora.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.exc import TorchRuntimeError
+
+import treerl.compiled as compiled
+from treerl.compiled import CompileError, LazyCompiled
+
+
+def test_compiles_at_the_first_call_and_names_the_switch_on_failure(monkeypatch):
+    calls = []
+
+    def fake_compile(fn, dynamic):
+        calls.append(dynamic)
+
+        def run(*args, **kwargs):
+            raise TorchRuntimeError("no C compiler found")
+        return run
+
+    monkeypatch.setattr(compiled.torch, "compile", fake_compile)
+    f = LazyCompiled(torch.add, "test part", "turn it off with test_off=True")
+    assert not f.compiled and calls == []  # declaring one compiles nothing
+    with pytest.raises(CompileError) as err:
+        f(torch.ones(2), torch.ones(2))
+    assert calls == [True] and f.compiled
+    message = str(err.value)
+    assert "\n" not in message and "test part" in message and "no C compiler found" in message
+    assert message.endswith("turn it off with test_off=True")
+    with pytest.raises(CompileError):  # again: the same error, no eager fallback
+        f(torch.ones(2), torch.ones(2))
+    assert calls == [True]  # compiled once
+
+
+def test_the_function_own_errors_pass_through(monkeypatch):
+    monkeypatch.setattr(compiled.torch, "compile", lambda fn, dynamic: fn)  # "compiled" = eager
+    f = LazyCompiled(lambda x, *, scale: x * scale, "test part", "off")
+    assert torch.equal(f(torch.ones(2), scale=3.0), torch.full((2,), 3.0))  # keyword arguments reach it
+
+    def bad(x):
+        raise ValueError("bad input")
+
+    with pytest.raises(ValueError, match="bad input"):
+        LazyCompiled(bad, "test part", "off")(torch.ones(1))
