@@ -453,5 +453,5 @@ class _Session:
             del self.units[uid]
         groups = [st.groups[i] for i in range(len(st.unit.problems))]
         # scored exactly as a synchronous step's samples are (Sampler.group_samples)
-        samples = self.worker.trainer.sampler.group_samples(st.unit.problems, groups, self.worker.engine.version)
+        samples = self.worker.sampler.group_samples(st.unit.problems, groups, self.worker.engine.version)
         return st.unit, samples, st.first_version
