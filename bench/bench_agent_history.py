@@ -1,7 +1,7 @@
 """Tree ratio of a tool-calling agent with and without token-exact histories (CPU, seconds).
 
 A tiny Qwen3 with a byte-level BPE tokenizer and a ChatML template that renders tools (the
-test setup of ``tests/chat_util.py``) is served by ``treerl serve``'s app with the ``hermes``
+test setup of ``tests/helpers/chat.py``) is served by ``treerl serve``'s app with the ``hermes``
 tool-call parser, once with token-exact histories (``history_tokens`` > 0) and once without
 (0). ``--episodes`` agents, one problem each (no sharing between episodes), run ``--turns``
 calls each through the ``openai`` client (in process): every reply's tool calls are answered
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
-from chat_util import TOOLS, chat_tokenizer, tool_call_model  # noqa: E402
+from helpers.chat import TOOLS, chat_tokenizer, tool_call_model  # noqa: E402
 
 from treerl import PrefixTree  # noqa: E402
 from treerl.agents.episode import exact_turn_share  # noqa: E402

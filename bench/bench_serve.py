@@ -37,8 +37,10 @@ rows per step, decode steps built (on CUDA: graph captures), prompt-store growth
 reallocations, preemptions (own K/V blocks ran out) and streams started (a stream ends after
 ``--idle-timeout-s`` idle); then served / in-process.
 
-GPU:
-    python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --mixed --probe --json mixed.json
+GPU (the issue's workload: max_tokens 16-512, temperatures per call; where the engine loop's
+time goes: ``bench/profile_serve.py``):
+    python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --mixed --probe --repeats 1 \
+        --client-procs 4 --json mixed.json
     python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --json out.json
     python bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 --client-procs 8 --json out8.json
 CPU smoke run:
@@ -91,7 +93,7 @@ def parse_args(argv=None):
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--tool-tokens", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens per call (--mixed: the most)")
+    p.add_argument("--max-tokens", type=int, default=512, help="tokens per call (--mixed: the most; the issue's 16-512)")
     p.add_argument("--mixed", action="store_true", help="max_tokens and temperature drawn per call")
     p.add_argument("--min-tokens", type=int, default=16, help="--mixed: the fewest tokens per call")
     p.add_argument("--temperatures", default="0,0.6,1.0", help="--mixed: temperatures drawn from")

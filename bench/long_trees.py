@@ -18,7 +18,10 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
 3. **workloads**: ``long_prefix`` and ``episodes`` (``treerl.devtools.workloads``) through ``auto``
    and ``dfs`` at defaults, plus A/B variants: ``auto-noreuse`` (phase 2 recomputes the K/V
    of phase 1's last path, as before), ``auto-tiles`` / ``dfs-tiles`` (calls after a prefix
-   on whole flex tiles, ``treerl.engine.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget).
+   on whole flex tiles, ``treerl.engine.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget),
+   ``auto-nochain`` / ``dfs-nochain`` (chain pieces after a prefix with the tree mask instead of
+   ``treerl.engine.chain_attention``'s fused kernels: ``CHAIN_AFTER_PREFIX`` off), ``auto-chainflash``
+   (the chain attention through flash's kernels only, not cuDNN's).
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan.
 4. **attention**: one layer's attention forward+backward (Qwen3-1.7B heads: 16 query / 8 KV
@@ -63,22 +66,32 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
     "auto-tiles": (dict(mode="auto"), {}, dict(PREFIX_AS_TILES=True)),
     "dfs-tiles": (dict(mode="dfs"), {}, dict(PREFIX_AS_TILES=True)),
     "auto-b0.3": (dict(mode="auto", memory_budget=0.3), {}, {}),
+    # chain pieces after a prefix with the tree mask, as before treerl.engine.chain_attention
+    "auto-nochain": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=False)),
+    "dfs-nochain": (dict(mode="dfs"), {}, dict(CHAIN_AFTER_PREFIX=False)),
+    # the chain attention through flash's kernels only (cuDNN builds a graph per new shape)
+    "auto-chainflash": (dict(mode="auto"), {}, {"chain_attention.KERNELS": ("flash",)}),
 }
 
 
 @contextlib.contextmanager
 def switches(name: str):
-    """The variant's ``treerl.engine.attention`` switches for the duration of its rows."""
-    import treerl.engine.attention as attention
+    """The variant's switches for the duration of its rows: attributes of ``treerl.engine.attention``,
+    or ``module.NAME`` of another ``treerl.engine`` module."""
+    import importlib
 
-    before = {key: getattr(attention, key) for key in VARIANTS[name][2]}
+    def where(key):
+        module, _, attr = key.rpartition(".")
+        return importlib.import_module(f"treerl.engine.{module or 'attention'}"), attr
+
+    before = {key: getattr(*where(key)) for key in VARIANTS[name][2]}
     for key, value in VARIANTS[name][2].items():
-        setattr(attention, key, value)
+        setattr(*where(key), value)
     try:
         yield
     finally:
         for key, value in before.items():
-            setattr(attention, key, value)
+            setattr(*where(key), value)
 
 
 class Run:

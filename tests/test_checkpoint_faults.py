@@ -14,25 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.configs import run_config, run_overrides
 from treerl import checkpoint as ckpt
 from treerl.cli import main
-from treerl.config import Config
 from treerl.run import train
 
-TINY = "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}"
 
-
-def overrides(out, *extra):
-    return ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "model.dtype=float64",
-            "rollout.prompts_per_step=2", "rollout.group_size=3", "train.eval_problems=4", "train.eval_every=0",
-            "train.tensorboard=false", "train.progress=false", f"train.out_dir={out}", "train.keep_last=3", *extra]
+RUN = ("model.dtype=float64", "rollout.prompts_per_step=2", "rollout.group_size=3", "train.eval_problems=4",
+       "train.eval_every=0", "train.keep_last=3")  # run_overrides(out, *RUN, ...)
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A finished 2-step run with checkpoints step-1 and step-2 (copied per test)."""
     out = tmp_path_factory.mktemp("run")
-    train(Config.from_yaml(None, overrides(out, "train.steps=2", "train.save_every=1")))
+    train(run_config(out, *RUN, "train.steps=2", "train.save_every=1"))
     assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step-000001", "step-000002"]
     return out
 
@@ -92,7 +88,7 @@ def test_eval_of_a_damaged_checkpoint_names_the_file_and_the_problem(run, damage
 @pytest.mark.parametrize("damage", ["truncated weights", "flipped byte in weights", "missing trainer state"])
 def test_resume_skips_a_damaged_newest_checkpoint_and_says_so(run, damage, capsys):
     DAMAGE[damage][0](newest(run))
-    cfg = Config.from_yaml(None, overrides(run, "train.steps=3", "train.save_every=1"))
+    cfg = run_config(run, *RUN, "train.steps=3", "train.save_every=1")
     out = train(cfg, resume=run)
     err = capsys.readouterr().err
     assert "skipping a damaged checkpoint" in err and "step-000002" in err and "using" in err, err
@@ -105,7 +101,7 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_says_so(run, damage, capsy
 def test_resume_with_every_checkpoint_damaged_is_a_clear_error(run, capsys):
     for c in ckpt.list_checkpoints(run / "checkpoints"):
         truncate(c / "model" / "model.safetensors")
-    code = main(["train", *overrides(run, "train.steps=3"), "--resume", str(run)])
+    code = main(["train", *run_overrides(run, *RUN, "train.steps=3"), "--resume", str(run)])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and "every checkpoint under" in err and "is damaged" in err, err
 
@@ -211,7 +207,7 @@ class _Model:
 def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, err, message):
     from treerl.trainer import Trainer
 
-    trainer = Trainer(Config.from_yaml(None, overrides(tmp_path)))
+    trainer = Trainer(run_config(tmp_path, *RUN))
     first = trainer.save()
     trainer.step_count = 1
 

@@ -11,29 +11,29 @@ import json
 import os
 import pickle
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from helpers.configs import run_config, run_overrides
 from treerl import checkpoint as ckpt
 from treerl.async_rl.ledger import WorkLedger
 from treerl.cli import main
-from treerl.config import Config
 from treerl.run import train
 from treerl.tasks.base import Problem
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_checkpoint_faults import overrides  # noqa: E402
+
+RUN = ("model.dtype=float64", "rollout.prompts_per_step=2", "rollout.group_size=3", "train.eval_problems=4",
+       "train.eval_every=0", "train.keep_last=3")  # run_overrides(out, *RUN, ...)
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A finished 1-step run (copied per test)."""
     out = tmp_path_factory.mktemp("run")
-    train(Config.from_yaml(None, overrides(out, "train.steps=1")))
+    train(run_config(out, *RUN, "train.steps=1"))
     return out
 
 
@@ -88,7 +88,7 @@ def test_trainer_state_is_plain_data(run):
 def test_crafted_checkpoint_runs_no_code_on_resume(run, tmp_path, capsys, form):
     marker = tmp_path / "pwned"
     rewrite_state(newest(run), crafted_writers(marker)[form])
-    code = main(["train", *overrides(run, "train.steps=2"), "--resume", str(run)])
+    code = main(["train", *run_overrides(run, *RUN, "train.steps=2"), "--resume", str(run)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and not marker.exists()
     assert len(err.splitlines()) == 1, err
@@ -115,7 +115,7 @@ def test_trust_checkpoint_is_what_runs_the_code(run, tmp_path, capsys):
     marker = tmp_path / "pwned"
     rewrite_state(newest(run), crafted_writers(marker)["torch.save"])
     with pytest.raises(Exception):  # noqa: B017 - the crafted state is no trainer state
-        main(["train", *overrides(run, "train.steps=2"), "--resume", str(run), "--trust-checkpoint"])
+        main(["train", *run_overrides(run, *RUN, "train.steps=2"), "--resume", str(run), "--trust-checkpoint"])
     assert marker.exists()
     assert "full unpickling (--trust-checkpoint)" in capsys.readouterr().err
 
@@ -131,10 +131,10 @@ def test_older_checkpoint_loads_only_when_trusted(run, capsys):
         torch.save(state, f)
 
     rewrite_state(path, older)
-    assert main(["train", *overrides(run, "train.steps=2"), "--resume", str(run)]) == 2
+    assert main(["train", *run_overrides(run, *RUN, "train.steps=2"), "--resume", str(run)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "numpy" in err and "older treerl" in err and "--trust-checkpoint" in err
-    assert main(["train", *overrides(run, "train.steps=2"), "--resume", str(run), "--trust-checkpoint"]) == 0
+    assert main(["train", *run_overrides(run, *RUN, "train.steps=2"), "--resume", str(run), "--trust-checkpoint"]) == 0
     assert json.loads((newest(run) / ckpt.META).read_text())["step"] == 2
     assert torch.serialization.get_unsafe_globals_in_checkpoint(newest(run) / ckpt.STATE) == []
 

@@ -7,19 +7,15 @@ import shutil
 import pytest
 import torch
 
+from helpers.configs import run_config, run_overrides
 from treerl import checkpoint as ckpt
 from treerl.cli import main
 from treerl.config import Config, ConfigError
 from treerl.run import train
 
-TINY = "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}"
 
-
-def overrides(tmp_path, *extra):
-    return ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "model.dtype=float64",
-            "rollout.prompts_per_step=2", "rollout.group_size=3", "train.eval_problems=4", "train.eval_every=0",
-            "train.tensorboard=false", "train.progress=false", "sft.batch_size=4", f"train.out_dir={tmp_path}",
-            *extra]
+RUN = ("model.dtype=float64", "rollout.prompts_per_step=2", "rollout.group_size=3", "train.eval_problems=4",
+       "train.eval_every=0", "sft.batch_size=4")  # run_overrides(out, *RUN, ...)
 
 
 # ------------------------------------------------------------------------ config
@@ -91,10 +87,10 @@ def test_resume_is_exact(tmp_path, monkeypatch):
     from treerl.trainer import Trainer
 
     args = ("sft.steps=2", "train.steps=4", "train.save_every=2")
-    full = Trainer(Config.from_yaml(None, overrides(tmp_path / "full", *args)))
+    full = Trainer(run_config(tmp_path / "full", *RUN, *args))
     train(full.cfg, trainer=full)
 
-    cfg = Config.from_yaml(None, overrides(tmp_path / "half", *args))
+    cfg = run_config(tmp_path / "half", *RUN, *args)
     crashing = Trainer(cfg)
     real_step = Trainer.step
 
@@ -124,7 +120,7 @@ def test_resume_is_exact(tmp_path, monkeypatch):
 def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     from treerl.trainer import Trainer
 
-    cfg = Config.from_yaml(None, overrides(tmp_path, "train.steps=1"))
+    cfg = run_config(tmp_path, *RUN, "train.steps=1")
     trainer = Trainer(cfg)
     first = trainer.save()
     trainer.step()
@@ -146,7 +142,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypat
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     from treerl.trainer import Trainer
 
-    trainer = Trainer(Config.from_yaml(None, overrides(tmp_path, "train.keep_last=2")))
+    trainer = Trainer(run_config(tmp_path, *RUN, "train.keep_last=2"))
     for _ in range(3):
         trainer.save()
         trainer.step_count += 1
@@ -154,7 +150,7 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 
 
 def test_train_then_eval_and_tree_stats_through_the_cli(tmp_path, capsys):
-    assert main(["train", *overrides(tmp_path, "sft.steps=1", "train.steps=2", "model.dtype=float32")]) == 0
+    assert main(["train", *run_overrides(tmp_path, *RUN, "sft.steps=1", "train.steps=2", "model.dtype=float32")]) == 0
     out = capsys.readouterr()
     assert "treerl run summary" in out.out
     for name in ("metrics.jsonl", "rollouts.jsonl", "reward.png", "tree_ratio.png", "throughput.png", "config.yaml"):

@@ -6,17 +6,15 @@ holds a non-finite weight."""
 import pytest
 import torch
 
+from helpers.configs import run_overrides
 from treerl import checkpoint as ckpt
 from treerl.cli import main
 from treerl.config import Config
 from treerl.learner import NonFiniteError
 from treerl.trainer import Trainer
 
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}")
-BASE = ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "rollout.prompts_per_step=2",
-        "rollout.group_size=2", "train.eval_problems=2", "train.eval_every=0", "train.tensorboard=false",
-        "train.progress=false", "sft.batch_size=2"]
+BASE = run_overrides(None, "rollout.prompts_per_step=2", "rollout.group_size=2", "train.eval_problems=2",
+                     "train.eval_every=0", "sft.batch_size=2")
 
 
 def params(model):

@@ -11,23 +11,13 @@ import copy
 import pytest
 import torch
 
-from conftest import (
-    SMALL_MODE_KW,
-    SMALL_SPEC,
-    FLOOR,
-    TOL,
-    RandomLoss,
-    assert_grads_close,
-    assert_seq_close,
-    get_model,
-    grads_of,
-    reference_step,
-    shaped_forest,
-    zero_grads,
-)
-from rollout_util import greedy_reference, random_prompts, sampling, tiny
+from helpers.configs import run_config
+from helpers.forests import RandomLoss, SMALL_MODE_KW, SMALL_SPEC, shaped_forest
+from helpers.models import get_model, tiny_model
+from helpers.reference import FLOOR, TOL, assert_grads_close, assert_seq_close, grads_of, reference_step, zero_grads
+from helpers.rollout import greedy_reference, random_prompts, sampling
 from treerl import TreeEngine
-from treerl.config import Config, ConfigError
+from treerl.config import ConfigError
 from treerl.lora import apply_lora, effective_weight, is_peft, merged_model, peft_config
 from treerl.models import decoder_of
 from treerl.rollout import RolloutEngine
@@ -153,9 +143,10 @@ def test_adapters_are_kept_in_the_model_dtype(tmp_path, dtype):
 
 
 def test_a_decode_step_runs_no_adapter_product(gen):
-    """The decode blocks use the merged copies only: no PEFT LoRA layer runs in a decode
-    step (the prefill, the Hugging Face forward, runs them)."""
-    model = lora_model(tiny(torch.float64, seed=3), gen)
+    """The decode and prefill blocks use the merged copies only: no PEFT LoRA layer runs in
+    a decode step or a prefill (the model's Hugging Face forward runs them: the hooks see
+    it)."""
+    model = lora_model(tiny_model(dtype=torch.float64, seed=3), gen)
     engine = RolloutEngine(model, max_batch_tokens=4096)
     calls = {"decode": 0, "other": 0}
     where = ["other"]
@@ -180,17 +171,21 @@ def test_a_decode_step_runs_no_adapter_product(gen):
     engine.decode_blocks = Counting()
     try:
         engine.generate(random_prompts([5, 9], seed=4), sampling(6, n=2))
+        assert engine.stats.decode_steps > 0 and engine.stats.prefill_calls > 0
+        assert calls == {"decode": 0, "other": 0}
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3]]))
+        assert calls["other"] > 0
     finally:
         for h in hooks:
             h.remove()
-    assert engine.stats.decode_steps > 0 and calls == {"decode": 0, "other": calls["other"]} and calls["other"] > 0
 
 
 def test_rollout_greedy_equals_full_forwards_before_and_after_an_update(gen):
     """The decode blocks run merged copies of the adapted weights: greedy output equals a
     per-prompt full forward of the PEFT model, and still does after the adapters change
     and ``update_weights`` (the trainer's path after each optimizer step) refreshes them."""
-    base = tiny(torch.float64, seed=3)
+    base = tiny_model(dtype=torch.float64, seed=3)
     model = lora_model(base, gen, rank=8)
     engine = RolloutEngine(model, max_batch_tokens=4096)
     assert engine.decode_blocks is not None and all(w is not None for w in engine.decode_blocks.fused.o_w)  # merged copies
@@ -206,20 +201,14 @@ def test_rollout_greedy_equals_full_forwards_before_and_after_an_update(gen):
                     p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
         engine.update_weights(model)
     # the outputs depend on the adapters (else the check above proves nothing)
-    plain = RolloutEngine(tiny(torch.float64, seed=3), max_batch_tokens=4096).generate(prompts, params)
+    plain = RolloutEngine(tiny_model(dtype=torch.float64, seed=3), max_batch_tokens=4096).generate(prompts, params)
     assert any(a.completions[0].completion_ids.tolist() != b.completions[0].completion_ids.tolist()
                for a, b in zip(plain, groups))
 
 
 # ----------------------------------------------------------------- trainer level
-TINY = "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}"
-
-
-def config(tmp_path, *overrides):
-    base = ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "rollout.prompts_per_step=2",
-            "rollout.group_size=4", "train.eval_problems=4", "train.tensorboard=false", "train.progress=false",
-            "model.lora={rank: 4, alpha: 8}", "optim.lr=5e-2", f"train.out_dir={tmp_path}", "train.steps=3"]
-    return Config.from_yaml(None, base + list(overrides))
+PLAIN = ("rollout.prompts_per_step=2", "rollout.group_size=4")  # run_config(out, *PLAIN, ..., layers=2)
+RUN = (*PLAIN, "train.eval_problems=4", "model.lora={rank: 4, alpha: 8}", "optim.lr=5e-2", "train.steps=3")
 
 
 def varied_reward(prompt, completion, **fields):
@@ -235,7 +224,7 @@ def lora_trainer(cfg) -> Trainer:
 
 
 def test_a_trainer_step_changes_only_the_adapters(tmp_path):
-    trainer = lora_trainer(config(tmp_path))
+    trainer = lora_trainer(run_config(tmp_path, *RUN, layers=2))
     model = trainer.model
     assert is_peft(model)
     adapters = {id(p) for n, p in model.named_parameters() if "lora_" in n}
@@ -249,7 +238,7 @@ def test_a_trainer_step_changes_only_the_adapters(tmp_path):
 
 
 def test_checkpoint_saves_the_adapter_and_resumes_exactly(tmp_path):
-    cfg = config(tmp_path / "run")
+    cfg = run_config(tmp_path / "run", *RUN, layers=2)
     trainer = lora_trainer(cfg)
     trainer.step()
     trainer.step()
@@ -260,20 +249,15 @@ def test_checkpoint_saves_the_adapter_and_resumes_exactly(tmp_path):
     trainer.step()
     after = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
-    resumed = lora_trainer(config(tmp_path / "run"))
+    resumed = lora_trainer(run_config(tmp_path / "run", *RUN, layers=2))
     resumed.load(path)
     resumed.step()
     for n, p in resumed.model.named_parameters():
         assert torch.equal(p, after[n]), n
     # a full-model run cannot resume a LoRA checkpoint (and says why)
-    plain = Trainer(Config.from_yaml(None, [o for o in _base_overrides(tmp_path / "plain")]))
+    plain = Trainer(run_config(tmp_path / "plain", *PLAIN, layers=2))
     with pytest.raises(ConfigError, match="LoRA adapter"):
         plain.load(path)
-
-
-def _base_overrides(out):
-    return ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "rollout.prompts_per_step=2",
-            "rollout.group_size=4", "train.tensorboard=false", "train.progress=false", f"train.out_dir={out}"]
 
 
 def test_merge_export_is_a_plain_hf_model_with_equal_logits(tmp_path):
@@ -281,7 +265,7 @@ def test_merge_export_is_a_plain_hf_model_with_equal_logits(tmp_path):
 
     from treerl.cli import main
 
-    trainer = lora_trainer(config(tmp_path / "run", "model.dtype=float64"))
+    trainer = lora_trainer(run_config(tmp_path / "run", *RUN, "model.dtype=float64", layers=2))
     trainer.step()
     trainer.step()
     trainer.save()
@@ -297,14 +281,13 @@ def test_merge_export_is_a_plain_hf_model_with_equal_logits(tmp_path):
     assert (out / "tokenizer_config.json").is_file() or any(out.glob("*.json"))
 
 
-
 def test_eval_of_a_lora_run_loads_the_merged_model(tmp_path, capsys):
     """``treerl eval`` loads a LoRA run's checkpoint as serve and export do (treerl.build.load_saved:
     the base rebuilt from the run's config, its adapter merged) and scores it."""
     from treerl.build import load_saved
     from treerl.cli import main
 
-    trainer = lora_trainer(config(tmp_path / "run", "model.dtype=float64"))
+    trainer = lora_trainer(run_config(tmp_path / "run", *RUN, "model.dtype=float64", layers=2))
     trainer.step()
     path = trainer.save()
     model, tokenizer = load_saved(path / "model", trainer.cfg, checkpoint=path)
@@ -320,7 +303,7 @@ def test_eval_of_a_lora_run_loads_the_merged_model(tmp_path, capsys):
 def test_export_of_a_full_model_run_is_refused(tmp_path, capsys):
     from treerl.cli import main
 
-    trainer = Trainer(Config.from_yaml(None, _base_overrides(tmp_path / "plain")))
+    trainer = Trainer(run_config(tmp_path / "plain", *PLAIN, layers=2))
     trainer.save()
     assert main(["export", "--merge-lora", str(tmp_path / "plain"), str(tmp_path / "out")]) == 2
     assert "holds a full model, not a LoRA adapter" in capsys.readouterr().err
@@ -329,7 +312,7 @@ def test_export_of_a_full_model_run_is_refused(tmp_path, capsys):
 def test_serve_loads_a_base_model_plus_an_adapter(tmp_path):
     from treerl.serve.server import load_for_serving
 
-    trainer = lora_trainer(config(tmp_path / "run"))
+    trainer = lora_trainer(run_config(tmp_path / "run", *RUN, layers=2))
     trainer.step()
     path = trainer.save()
     want = merged_model(trainer.model)
@@ -366,4 +349,4 @@ def test_bad_lora_settings_are_one_clear_line(settings, message):
 
 def test_unknown_target_modules_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="model.lora.target_modules"):
-        Trainer(config(tmp_path, "model.lora={rank: 4, target_modules: [no_such_proj]}"))
+        Trainer(run_config(tmp_path, *RUN, "model.lora={rank: 4, target_modules: [no_such_proj]}", layers=2))

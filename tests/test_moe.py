@@ -12,33 +12,20 @@ import types
 import pytest
 import torch
 
-from conftest import (
-    SMALL_MODE_KW,
-    SMALL_SPEC,
-    FLOOR,
-    TOL,
-    VOCAB,
-    RandomLoss,
-    _randomise,
-    assert_grads_close,
-    assert_seq_close,
-    grads_of,
-    reference_step,
-    shaped_forest,
-    zero_grads,
-)
-from rollout_util import greedy_reference, random_prompts, sampling
+from helpers.configs import run_config
+from helpers.forests import RandomLoss, SMALL_MODE_KW, SMALL_SPEC, shaped_forest
+from helpers.models import VOCAB, tiny_model
+from helpers.reference import (FLOOR, TOL, assert_grads_close, assert_seq_close, grads_of, reference_logprobs,
+                               reference_step, zero_grads)
+from helpers.rollout import greedy_reference, random_prompts, sampling
 from treerl import TreeEngine, moe
-from treerl.models import build_model, load_model, rmsnorm_in_input_precision, runs_own_loop
+from treerl.models import load_model, runs_own_loop
 from treerl.rollout import RolloutEngine
 
 SPEC, MODE_KW = SMALL_SPEC, SMALL_MODE_KW
 
 
-def moe_model(dtype=torch.float64, seed=0, vocab_size=VOCAB, **overrides):
-    model = build_model("qwen3_moe", "tiny-moe", dtype=torch.float64, vocab_size=vocab_size, **overrides)
-    _randomise(model, seed, soft=dtype != torch.float64)
-    return rmsnorm_in_input_precision(model.to(dtype)).train(False)
+MOE = dict(shape="tiny-moe", precise_norm=True)  # tiny_model("qwen3_moe", dtype, randomise=seed, **MOE, ...)
 
 
 def _hf_router_forward(self, hidden_states):
@@ -66,7 +53,7 @@ def hf_reference(model):
 
 @pytest.mark.parametrize("mode", ["flat", "packed", "dfs", "auto"])
 def test_every_mode_equals_the_hf_reference(mode, gen):
-    model = moe_model(seed=int(torch.randint(0, 1000, (1,), generator=gen)))
+    model = tiny_model("qwen3_moe", randomise=int(torch.randint(0, 1000, (1,), generator=gen)), vocab_size=VOCAB, **MOE)
     assert runs_own_loop(model) and moe.is_moe_model(model)
     ref = hf_reference(model)
     seqs = shaped_forest(gen, SPEC)
@@ -93,7 +80,7 @@ def test_block_recompute_equals_the_hf_reference(gen):
     layers): the routing is recomputed identically."""
     from treerl.engine.memory import MemoryModel
 
-    model = moe_model(seed=7, num_hidden_layers=16)
+    model = tiny_model("qwen3_moe", randomise=7, vocab_size=VOCAB, num_hidden_layers=16, **MOE)
     ref = hf_reference(model)
     seqs = shaped_forest(gen, SPEC)
     loss = RandomLoss.make(seqs, gen)
@@ -111,7 +98,7 @@ def test_block_recompute_equals_the_hf_reference(gen):
 
 def test_float32_grouped_kernel_equals_the_reference(gen):
     """float32: the experts through PyTorch's grouped GEMM (not the fallback), to 1e-5."""
-    model = moe_model(torch.float32, seed=5)
+    model = tiny_model("qwen3_moe", torch.float32, randomise=5, vocab_size=VOCAB, **MOE)
     experts = model.model.layers[0].mlp.experts
     assert moe._grouped_kernel_takes(torch.zeros(1, 64), experts.gate_up_proj.transpose(-2, -1))
     ref = hf_reference(model)
@@ -152,7 +139,7 @@ def test_grouped_linear_equals_per_expert_products(dtype, gen):
 def test_rollout_greedy_equals_full_forwards(gen):
     """The own decode blocks with sparse MoE layers (routing per row, grouped experts) and
     the HF prefill: greedy output equals a per-prompt full forward of the same model."""
-    model = moe_model(seed=11, vocab_size=512)
+    model = tiny_model("qwen3_moe", randomise=11, vocab_size=512, **MOE)
     engine = RolloutEngine(model, max_batch_tokens=4096)
     assert engine.decode_blocks is not None
     assert all(w is None for w in engine.decode_blocks.fused.gate_up_w)  # every MLP is sparse
@@ -187,7 +174,7 @@ def test_memory_model_counts_routed_activations_and_expert_weights():
 
 
 def test_a_saved_moe_directory_loads_with_treerl_blocks(tmp_path):
-    model = moe_model(torch.float32, seed=3)
+    model = tiny_model("qwen3_moe", torch.float32, randomise=3, vocab_size=VOCAB, **MOE)
     model.save_pretrained(tmp_path)
     loaded = load_model(tmp_path, dtype="float32")
     assert type(loaded).__name__ == "Qwen3MoeForCausalLM"
@@ -219,13 +206,13 @@ def reference_aux(ref, seqs, coef):
 def test_router_aux_loss_is_exact(mode, gen):
     from treerl.moe_aux import forward_backward_with_router_aux
 
-    model = moe_model(seed=int(torch.randint(0, 1000, (1,), generator=gen)))
+    model = tiny_model("qwen3_moe", randomise=int(torch.randint(0, 1000, (1,), generator=gen)), vocab_size=VOCAB, **MOE)
     ref = hf_reference(model)
     seqs = shaped_forest(gen, SPEC)
     loss = RandomLoss.make(seqs, gen)
     coef = 0.37
     zero_grads(ref)
-    lps, _ = __import__("conftest").reference_logprobs(ref, seqs)
+    lps, _ = reference_logprobs(ref, seqs)
     want_aux = reference_aux(ref, seqs, coef)
     (loss(lps) + want_aux).backward()
     ref_grads = grads_of(ref)
@@ -244,20 +231,19 @@ def test_router_aux_loss_is_exact(mode, gen):
 
 
 def test_a_trainer_step_with_the_router_aux_loss(tmp_path):
-    from treerl.config import Config, ConfigError
+    from treerl.config import ConfigError
     from treerl.trainer import Trainer
 
-    base = ["task.name=addition", "task.kwargs={digits: 2}", "rollout.prompts_per_step=2", "rollout.group_size=3",
-            "train.tensorboard=false", "train.progress=false", f"train.out_dir={tmp_path}"]
-    cfg = Config.from_yaml(None, base + ["model.family=qwen3_moe", "model.shape=tiny-moe",
-                                         "algorithm.router_aux_coef=0.01"])
+    base = ("rollout.prompts_per_step=2", "rollout.group_size=3")  # run_config(tmp_path, *base, ..., layers=None)
+    cfg = run_config(tmp_path, *base, "model.family=qwen3_moe", "model.shape=tiny-moe", "algorithm.router_aux_coef=0.01",
+                     layers=None)
     trainer = Trainer(cfg)
     gate = trainer.model.model.layers[0].mlp.gate.weight
     before = gate.detach().clone()
     metrics = trainer.step()
     assert metrics["loss/router_aux"] > 0 and not torch.equal(gate, before)
     with pytest.raises(ConfigError, match="router_aux_coef > 0 needs a mixture-of-experts model"):
-        Trainer(Config.from_yaml(None, base + ["algorithm.router_aux_coef=0.01"]))
+        Trainer(run_config(tmp_path, *base, "algorithm.router_aux_coef=0.01", layers=None))
     with pytest.raises(ConfigError, match="algorithm.router_aux_coef: -1.0 is not allowed; allowed: >= 0"):
-        Trainer(Config.from_yaml(None, base + ["model.family=qwen3_moe", "model.shape=tiny-moe",
-                                               "algorithm.router_aux_coef=-1"]))
+        Trainer(run_config(tmp_path, *base, "model.family=qwen3_moe", "model.shape=tiny-moe", "algorithm.router_aux_coef=-1",
+                           layers=None))

@@ -6,22 +6,18 @@ forwards really ran during the rollout (not computed afterwards)."""
 import pytest
 import torch
 
+from helpers.configs import run_config
+from helpers.models import tiny_model
 from treerl.config import Config, ConfigError
 from treerl.models import rmsnorm_in_input_precision
 from treerl.overlap import GroupForwards
 from treerl.tasks import get_task
 from treerl.trainer import Trainer
 
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 128}")
-
-
 def config(*overrides):
-    base = ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "model.dtype=float64",
-            "rollout.prompts_per_step=3", "rollout.group_size=4", "train.eval_problems=8", "train.tensorboard=false",
-            "train.progress=false", "algorithm.kl_coef=0.1", "algorithm.minibatches=2", "optim.lr=1e-2",
-            "engine.max_tokens=24", "engine.chunk_tokens=5"]
-    return Config.from_yaml(None, base + list(overrides))
+    return run_config(None, "model.dtype=float64", "rollout.prompts_per_step=3", "rollout.group_size=4",
+                      "train.eval_problems=8", "algorithm.kl_coef=0.1", "algorithm.minibatches=2", "optim.lr=1e-2",
+                      "engine.max_tokens=24", "engine.chunk_tokens=5", *overrides, layers=2, context=128)
 
 
 def varied_reward(prompt, completion, **fields):  # a random model earns some of this: real gradients
@@ -142,9 +138,7 @@ def test_take_covers_prefixes_and_reports_what_it_lacks():
     of (exactly those of its own forward), an uncomputed one is reported missing; a turn's
     ended episodes are those no next context extends."""
     from treerl.engine.tree_engine import TreeEngine
-    from treerl.models import build_model
-
-    model = rmsnorm_in_input_precision(build_model("qwen3", "tiny", dtype=torch.float64, vocab_size=40, seed=3))
+    model = tiny_model(vocab_size=40, seed=3)
     engine = TreeEngine(model, "auto")
     from contextlib import nullcontext
 

@@ -9,19 +9,15 @@ import pathlib
 
 import pytest
 
+from helpers.configs import run_config, run_overrides
 from treerl import checkpoint as ckpt
 from treerl.cli import main
 from treerl.config import Config, ConfigError
 from treerl.runlog import prepare_out_dir, resume_hint
 
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}")
 
-
-def args(out, *extra):
-    return ["train", "task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}",
-            "rollout.prompts_per_step=2", "rollout.group_size=2", "train.eval_problems=2", "train.eval_every=0",
-            "train.tensorboard=false", "train.progress=false", f"train.out_dir={out}", *extra]
+RUN = ("rollout.prompts_per_step=2", "rollout.group_size=2", "train.eval_problems=2",
+       "train.eval_every=0")  # run_overrides(out, *RUN, ...)
 
 
 def steps(out):
@@ -30,11 +26,11 @@ def steps(out):
 
 def test_training_again_into_a_run_directory_is_refused_and_loses_nothing(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(args(out, "train.steps=2")) == 0
+    assert main(["train", *run_overrides(out, *RUN, "train.steps=2")]) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     checkpoints = [p.name for p in ckpt.list_checkpoints(out / "checkpoints")]
     capsys.readouterr()
-    assert main(args(out, "train.steps=1")) == 2
+    assert main(["train", *run_overrides(out, *RUN, "train.steps=1")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "already holds a run (metrics.jsonl, rollouts.jsonl, checkpoints)" in err
     assert f"--resume {out}" in err and "new train.out_dir" in err and "--overwrite" in err
@@ -44,9 +40,9 @@ def test_training_again_into_a_run_directory_is_refused_and_loses_nothing(tmp_pa
 
 def test_overwrite_starts_over_and_clears_the_old_outputs(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(args(out, "train.steps=3")) == 0
+    assert main(["train", *run_overrides(out, *RUN, "train.steps=3")]) == 0
     (out / "notes.txt").write_text("mine")  # not a run output: kept
-    assert main(args(out, "train.steps=1", "--overwrite")) == 0
+    assert main(["train", *run_overrides(out, *RUN, "train.steps=1", "--overwrite")]) == 0
     assert steps(out) == [0, 1]
     assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step-000001"]
     assert (out / "notes.txt").read_text() == "mine"
@@ -108,7 +104,7 @@ def test_pruning_after_resuming_from_an_earlier_checkpoint_keeps_the_new_one(tmp
     delete step 2 (the current run's newest); only checkpoints older than it are pruned."""
     from treerl.trainer import Trainer
 
-    cfg = Config.from_yaml(None, args(tmp_path, "train.keep_last=2")[1:])
+    cfg = run_config(tmp_path, *RUN, "train.keep_last=2")
     trainer = Trainer(cfg)
     for step in (0, 1, 3):
         trainer.step_count = step
@@ -130,7 +126,7 @@ def test_the_interrupt_hint_offers_resume_only_once_a_checkpoint_exists(tmp_path
         raise KeyboardInterrupt
 
     monkeypatch.setattr(treerl.run, "train", interrupted)
-    assert main(args(out)) == 130
+    assert main(["train", *run_overrides(out, *RUN)]) == 130
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "no checkpoint was written yet" in last and "--overwrite" in last and "--resume" not in last
 

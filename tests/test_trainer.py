@@ -8,19 +8,16 @@ import pytest
 import torch
 
 import treerl
-from treerl.config import Config
-from treerl.models import build_model, rmsnorm_in_input_precision
+from helpers.configs import run_config, tiny_model_overrides
+from helpers.models import tiny_model
+from treerl.models import rmsnorm_in_input_precision
 from treerl.tasks import get_task
 from treerl.tasks.base import DatasetError, RewardError
 from treerl.trainer import Trainer
 
-TINY = "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}"
-
-
 def config(*overrides):
-    base = ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "rollout.prompts_per_step=3",
-            "rollout.group_size=4", "train.eval_problems=8", "train.tensorboard=false", "train.progress=false"]
-    return Config.from_yaml(None, base + list(overrides))
+    return run_config(None, "rollout.prompts_per_step=3", "rollout.group_size=4", "train.eval_problems=8", *overrides,
+                      layers=2)
 
 
 def params(model):
@@ -84,7 +81,7 @@ def test_grpo_raises_the_reward_of_a_builtin_task():
 def test_multi_turn_calculator_step_shares_the_conversation():
     cfg = config("task.name=calculator", "task.kwargs={}", "task.max_turns=3", "task.max_episode_tokens=60",
                  "rollout.max_new_tokens=12", "rollout.prompts_per_step=2", "rollout.group_size=3",
-                 "model.overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 128}")
+                 f"model.overrides={tiny_model_overrides(1, 128)}")
     trainer = Trainer(cfg)
     metrics = trainer.step()
     samples = trainer.last_samples
@@ -127,7 +124,7 @@ def test_reward_that_raises_is_an_error_naming_the_sample():
 
 def test_prompt_longer_than_the_context_is_refused():
     """Every prompt too long: one line at build time naming the limit and the fix."""
-    cfg = config("model.overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 8}")
+    cfg = config(f"model.overrides={tiny_model_overrides(1, 8)}")
     with pytest.raises(DatasetError, match=r"every train prompt \(10000\) is longer than 4 tokens .* lower rollout.max_new_tokens"):
         Trainer(cfg)
 
@@ -161,7 +158,7 @@ def test_bad_algorithm_names_are_config_errors():
 @pytest.mark.parametrize("mode", ["packed", "dfs"])
 def test_critic_value_head_matches_per_sequence_forward(mode):
     """A critic engine (value head) gives the values and gradients of a per-sequence forward."""
-    model = rmsnorm_in_input_precision(build_model("qwen3", "tiny", dtype=torch.float64, vocab_size=40, seed=2))
+    model = tiny_model(vocab_size=40, seed=2)
     head = torch.nn.Linear(model.config.hidden_size, 1, dtype=torch.float64)
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 40, (6,), generator=gen).tolist()
@@ -198,7 +195,7 @@ def test_multi_turn_turns_reuse_the_previous_turns_kv():
 
     base = ["task.name=calculator", "task.kwargs={}", "task.max_turns=3", "task.max_episode_tokens=60",
             "rollout.max_new_tokens=12", "rollout.prompts_per_step=2", "rollout.group_size=3", "model.dtype=float64",
-            "model.overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 128}"]
+            f"model.overrides={tiny_model_overrides(1, 128)}"]
     runs = []
     for extra in ([], ["rollout.prefix_cache_tokens=0"]):
         task = get_task("calculator")

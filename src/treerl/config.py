@@ -160,7 +160,7 @@ class RolloutConfig:
     tool_call_parser: str | None = key(None, help="embedded/serve: the served policy's tool-call format (hermes, tag)")
     keep_stream_buffers: bool = key(True, help="rollout engine: keep the running batch's K/V arena and its CUDA "
                                     "graphs between steps (no re-capture per step; false frees them for training)")
-    overlap_forwards: str = key("stream", choices=OVERLAP, help="the step's no-grad forwards (proximal, reference, "
+    overlap_forwards: str = key("after", choices=OVERLAP, help="the step's no-grad forwards (proximal, reference, "
                                 "critic) of each finished group run while the others decode: stream (on CUDA a "
                                 "second stream beside the decode), inline (between decode steps, on the rollout's "
                                 "stream), after (the forwards after the rollout); results equal (treerl.overlap)")

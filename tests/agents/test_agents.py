@@ -10,24 +10,18 @@ import textwrap
 import pytest
 import torch
 
+from helpers.configs import AGENT_RUN, make_trainer, run_overrides
 from treerl import PrefixTree
 from treerl.agents import AgentError, EpisodeReward, episode_sequences
 from treerl.agents.record import CallRecord, RecordedChoice
-from treerl.config import Config, ConfigError
-from treerl.trainer import Trainer
+from treerl.config import ConfigError
 
-BASE = ["model.overrides.max_position_embeddings=64", "rollout.prompts_per_step=2", "rollout.group_size=2",
-        "rollout.max_new_tokens=4", "train.progress=false", "train.tensorboard=false"]
 
 
 def agent_module(tmp_path, monkeypatch, name: str, source: str) -> str:
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
     monkeypatch.syspath_prepend(str(tmp_path))
     return f"{name}:agent"
-
-
-def make_trainer(tmp_path, *overrides: str) -> Trainer:
-    return Trainer(Config.from_yaml(None, [*BASE, f"train.out_dir={tmp_path / 'run'}", *overrides]))
 
 
 # --------------------------------------------------------------- episode -> tree
@@ -153,7 +147,8 @@ def test_remote_backend_pushes_the_weights_before_each_rollout(tmp_path):
     from treerl.serve.server import load_for_serving
 
     # the "remote" server: the same architecture with other random weights, another model name
-    model, tok, _ = load_for_serving(None, [*BASE, "train.seed=5"], None, "cpu", None)
+    model, tok, _ = load_for_serving(None, run_overrides(None, *AGENT_RUN, "train.seed=5", task=None, layers=None), None,
+                                     "cpu", None)
     engine = RolloutEngine(model)
     server = ServerThread(make_state(engine, tok, ServeOptions(model_name="policy", weights_root=str(tmp_path)))).start()
     trainer = make_trainer(tmp_path, "rollout.backend=remote", f"rollout.server_url={server.url}",

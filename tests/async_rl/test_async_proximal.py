@@ -8,22 +8,18 @@ import copy
 import pytest
 import torch
 
+from helpers.configs import run_config
 from treerl import PrefixTree
 from treerl.rl import LogLinearPolicyLoss, loglinear_alpha, loglinear_proximal_logprobs
-from treerl.config import Config
 from treerl.models import rmsnorm_in_input_precision
 from treerl.rl import PolicyLossConfig, TokenBatch
 from treerl.tasks import get_task
 from treerl.trainer import Trainer
 
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}")
-
 
 def trainer(*extra) -> Trainer:
-    cfg = Config.from_yaml(None, ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}",
-                                 "model.dtype=float64", "rollout.prompts_per_step=3", "rollout.group_size=4",
-                                 "optim.lr=1e-2", "algorithm.behaviour_weight_cap=5.0", *extra])
+    cfg = run_config(None, "model.dtype=float64", "rollout.prompts_per_step=3", "rollout.group_size=4", "optim.lr=1e-2",
+                     "algorithm.behaviour_weight_cap=5.0", *extra, layers=2)
     task = get_task("addition", digits=2)
     task.reward = lambda prompt, completion, **f: sum(ch in "13579" for ch in completion) / max(1, len(completion))
     t = Trainer(cfg, task=task)

@@ -18,11 +18,12 @@ from treerl.async_rl.ledger import WorkUnit
 from treerl.async_rl.runner import AsyncRunner, WorkerInfo
 from treerl.async_rl.weights import SharedMemoryPublisher
 from treerl.async_rl.worker import Ready, Result, RolloutWorker, WorkerSpec, _Session, build_worker_sampler
-from treerl.config import Config
-from conftest import after_each_forward
+from helpers.configs import run_config
+from helpers.models import after_each_forward
 
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 128}")
+
+RUN = ("rollout.max_new_tokens=24", "rollout.temperature=1.0", "rollout.group_size=3", "rollout.prompts_per_step=2",
+       "async.max_staleness=2")  # run_config(None, *RUN, ..., layers=2, context=128)
 
 
 class _Sink:
@@ -31,12 +32,6 @@ class _Sink:
 
     def put(self, item):
         self.items.put(item)
-
-
-def make_config(*extra):
-    return Config.from_yaml(None, ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}",
-                                   "rollout.max_new_tokens=24", "rollout.temperature=1.0", "rollout.group_size=3",
-                                   "rollout.prompts_per_step=2", "async.max_staleness=2", *extra])
 
 
 def rng_state(seed):
@@ -56,7 +51,7 @@ def results_until(sink, n, timeout=120):
 
 
 def test_streaming_worker_admits_units_while_generating_and_returns_each_once(monkeypatch):
-    cfg = make_config()
+    cfg = run_config(None, *RUN, layers=2, context=128)
     sampler = build_worker_sampler(cfg, "cpu")
     pub = SharedMemoryPublisher(sampler.model, 0, mp.get_context("spawn"))
     sink, tasks = _Sink(), queue.Queue()
@@ -137,7 +132,7 @@ def test_streaming_session_reproduces_a_synchronous_generate():
     """One session over the prompts of one unit, seeded from the unit's RNG state, gives
     exactly the samples that a synchronous ``Sampler.generate`` gives from the same RNG state
     (what eta = 0 relies on)."""
-    cfg = make_config("rollout.prompts_per_step=3", "async.max_staleness=0")
+    cfg = run_config(None, *RUN, "rollout.prompts_per_step=3", "async.max_staleness=0", layers=2, context=128)
     sampler = build_worker_sampler(cfg, "cpu")
     problems = sampler.task.train_problems(3, seed=5)
     state = rng_state(11)

@@ -9,20 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.configs import run_config
 from treerl.async_rl import AsyncOptions, FaultPlan, WorkLedger, train_async
 from treerl.checkpoint import load_state, resolve_checkpoint
-from treerl.config import Config
 from treerl.run import train
 
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}")
 
-
-def config(out: Path, *overrides: str) -> Config:
-    base = ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "rollout.prompts_per_step=3",
-            "rollout.group_size=4", "train.eval_problems=8", "train.tensorboard=false", "train.progress=false",
-            "train.eval_every=0", f"train.out_dir={out}", "async.enabled=true", "async.worker_timeout_s=60"]
-    return Config.from_yaml(None, base + list(overrides))
+RUN = ("rollout.prompts_per_step=3", "rollout.group_size=4", "train.eval_problems=8", "train.eval_every=0",
+       "async.enabled=true", "async.worker_timeout_s=60")  # run_config(out, *RUN, ..., layers=2)
 
 
 def rows(path: Path) -> list[dict]:
@@ -39,10 +33,11 @@ def test_eta_zero_reproduces_synchronous_training(tmp_path):
     """Same samples (token ids, rewards, groups), same versions and staleness, same final
     weights as ``treerl.run.train`` when eta = 0 and one unit is a whole step."""
     steps = ["train.steps=3", "async.max_staleness=0", "optim.lr=1e-2"]
-    sync_cfg = config(tmp_path / "sync", *steps)
+    sync_cfg = run_config(tmp_path / "sync", *RUN, *steps, layers=2)
     sync_cfg.async_.enabled = False
     train(sync_cfg)
-    train_async(config(tmp_path / "async", *steps), options=AsyncOptions(prompts_per_unit=3, deadline_s=240))
+    train_async(run_config(tmp_path / "async", *RUN, *steps, layers=2),
+                options=AsyncOptions(prompts_per_unit=3, deadline_s=240))
     key = lambda r: (r["step"], r["group"], r["episode"], r["reward"], r["token_ids"])  # noqa: E731
     sync_rollouts, async_rollouts = rows(tmp_path / "sync/rollouts.jsonl"), rows(tmp_path / "async/rollouts.jsonl")
     assert len(sync_rollouts) == 3 * 3 * 4
@@ -61,8 +56,8 @@ def test_dead_and_stuck_workers_lose_and_duplicate_nothing(tmp_path):
     by the heartbeat timeout). Both are restarted, their in-flight units re-queued; every
     unit issued is trained exactly once or still pending, and results from the dead
     incarnations are never used."""
-    cfg = config(tmp_path / "run", "train.steps=6", "async.max_staleness=1", "async.workers=2",
-                 "async.worker_timeout_s=4")
+    cfg = run_config(tmp_path / "run", *RUN, "train.steps=6", "async.max_staleness=1", "async.workers=2",
+                     "async.worker_timeout_s=4", layers=2)
     faults = {0: FaultPlan("exit", after_model_calls=6), 1: FaultPlan("hang", after_model_calls=3)}  # within its first unit
     out = train_async(cfg, options=AsyncOptions(faults=faults, heartbeat_s=0.2, deadline_s=240, proximal="loglinear"))
     assert out["async/restarts"] == 2
@@ -84,13 +79,15 @@ def test_dead_and_stuck_workers_lose_and_duplicate_nothing(tmp_path):
 def test_resume_keeps_versions_and_regenerates_pending_prompts(tmp_path):
     run = tmp_path / "run"
     # first run: broadcast transport (the NCCL code path, over Gloo); second: files
-    first = train_async(config(run, "train.steps=2", "async.max_staleness=2", "async.weight_transfer=gloo"),
+    first = train_async(run_config(run, *RUN, "train.steps=2", "async.max_staleness=2", "async.weight_transfer=gloo",
+                                   layers=2),
                         options=AsyncOptions(deadline_s=240))
     state = load_state(first["checkpoint"])
     assert state["version"] == 2
     pending = [u["uid"] for u in state["async"]["pending"]]
     assert pending, "eta = 2 keeps units in flight or buffered at the end"
-    second = train_async(config(run, "train.steps=5", "async.max_staleness=2", "async.weight_transfer=files"), resume=run,
+    second = train_async(run_config(run, *RUN, "train.steps=5", "async.max_staleness=2", "async.weight_transfer=files",
+                                    layers=2), resume=run,
                           options=AsyncOptions(deadline_s=240))
     assert second["version"] == 5
     steps = [r["step"] for r in rows(run / "metrics.jsonl") if "version" in r]
@@ -105,9 +102,9 @@ def test_resume_keeps_versions_and_regenerates_pending_prompts(tmp_path):
 
 def test_async_grpo_improves_reward_of_a_builtin_task(tmp_path):
     """eta = 2, two workers, decoupled PPO with capped behaviour weights: reward rises."""
-    cfg = config(tmp_path / "run", "task.kwargs={digits: 1, format_reward: 0.5}", "rollout.prompts_per_step=8",
-                 "rollout.group_size=8", "optim.lr=1e-2", "train.steps=40", "train.seed=3",
-                 "async.max_staleness=2", "async.workers=2", "algorithm.behaviour_weight_cap=5.0")
+    cfg = run_config(tmp_path / "run", *RUN, "task.kwargs={digits: 1, format_reward: 0.5}", "rollout.prompts_per_step=8",
+                     "rollout.group_size=8", "optim.lr=1e-2", "train.steps=40", "train.seed=3",
+                     "async.max_staleness=2", "async.workers=2", "algorithm.behaviour_weight_cap=5.0", layers=2)
     train_async(cfg, options=AsyncOptions(deadline_s=280))
     metrics = [r for r in rows(tmp_path / "run/metrics.jsonl") if "reward/mean" in r]
     rewards = [r["reward/mean"] for r in metrics]

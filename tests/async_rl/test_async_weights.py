@@ -13,17 +13,12 @@ from treerl.async_rl.ledger import WorkUnit
 from treerl.async_rl.weights import (FilePublisher, SharedMemoryPublisher, choose_transfer, list_weight_files,
                                      model_state)
 from treerl.async_rl.worker import RolloutWorker, WorkerSpec, build_worker_sampler
-from treerl.config import Config
-from treerl.models import build_model
 from treerl.rollout import RolloutEngine
-from conftest import after_each_forward
-
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}")
+from helpers.configs import run_config
+from helpers.models import after_each_forward, tiny_model
 
 
-def tiny(seed: int, tied: bool = True):
-    return build_model("qwen3", "tiny", vocab_size=40, seed=seed, tie_word_embeddings=tied)
+SMALL = dict(dtype=torch.float32, vocab_size=40, tie_word_embeddings=True)  # tiny_model(seed=..., **SMALL)
 
 
 def same(state: dict, model: torch.nn.Module) -> bool:
@@ -37,7 +32,7 @@ def publishers(tmp_path, model):
 
 @pytest.mark.parametrize("kind", ["shared", "files"])
 def test_publish_receive_versions(tmp_path, kind):
-    a, b = tiny(0), tiny(1)
+    a, b = tiny_model(seed=0, **SMALL), tiny_model(seed=1, **SMALL)
     pub = {p.kind: p for p in publishers(tmp_path, a)}[kind]
     pub.publish(a, 0)
     rx = pub.source(0).open(torch.device("cpu"), a)
@@ -48,7 +43,7 @@ def test_publish_receive_versions(tmp_path, kind):
     pub.publish(b, 7)
     version, state = rx.receive(timeout=5)
     assert version == 7 and same(state, b) and not same(state, a)
-    engine = RolloutEngine(tiny(2), version=-1)
+    engine = RolloutEngine(tiny_model(seed=2, **SMALL), version=-1)
     assert engine.update_weights(state, version=version) == 7
     assert same(model_state(b), engine.model) and torch.equal(engine.model.lm_head.weight, b.lm_head.weight)
 
@@ -76,7 +71,7 @@ def test_a_worker_killed_while_copying_weights_out_does_not_block_publishing():
 
 
 def test_files_are_atomic_and_pruned(tmp_path):
-    a = tiny(0, tied=False)
+    a = tiny_model(seed=0, **{**SMALL, "tie_word_embeddings": False})
     pub = FilePublisher(tmp_path / "w", keep=2)
     for v in range(5):
         pub.publish(a, v)
@@ -108,8 +103,7 @@ def test_weight_update_interrupts_generation_and_tokens_keep_both_versions():
     trainer publishes new weights. The listener applies them mid-generation: every
     completion that outlived the update has tokens of version 0 then version 1, and each
     part is exactly what that version's greedy decoding gives."""
-    cfg = Config.from_yaml(None, ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}",
-                                 "rollout.max_new_tokens=12", "rollout.temperature=0"])
+    cfg = run_config(None, "rollout.max_new_tokens=12", "rollout.temperature=0", layers=2)
     sampler_a, sampler_b = build_worker_sampler(cfg, "cpu"), build_worker_sampler(cfg, "cpu")
     with torch.no_grad():  # version 1: different weights
         for p in sampler_b.model.parameters():
@@ -166,7 +160,7 @@ def test_broadcast_transport_over_gloo(tmp_path):
 
     from treerl.async_rl.nccl import CollectivePublisher
 
-    a, b, c = tiny(0), tiny(1), tiny(2)
+    a, b, c = tiny_model(seed=0, **SMALL), tiny_model(seed=1, **SMALL), tiny_model(seed=2, **SMALL)
     pub = CollectivePublisher(a, 0, backend="gloo", timeout_s=30)
     got = []
 

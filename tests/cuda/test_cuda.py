@@ -7,7 +7,7 @@ import torch
 
 import treerl
 from treerl.models import build_model
-from conftest import tree_sizes
+from helpers.forests import tree_sizes
 from treerl.devtools.workloads import SCALES, make_workload
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -8,7 +8,7 @@ bitwise equality is not expected). Skipped without a GPU."""
 import pytest
 import torch
 
-from treerl.config import Config
+from helpers.configs import run_config
 from treerl.tasks import get_task
 from treerl.trainer import Trainer
 
@@ -25,12 +25,10 @@ def varied_reward(prompt, completion, **fields):
 def run_step(how: str, bf16: bool):
     """One step: the learner's forwards (and, at that moment, float32 forwards of the same
     weights without autocast), the samples, the GroupForwards."""
-    cfg = Config.from_yaml(None, [
-        "task.name=addition", "task.kwargs={digits: 3}", f"model.overrides={SMALL}", "train.device=cuda",
-        "rollout.prompts_per_step=6", "rollout.group_size=8", "rollout.max_new_tokens=48", "algorithm.kl_coef=0.1",
-        "algorithm.minibatches=2", "train.tensorboard=false", "train.progress=false", "train.eval_problems=8",
-        f"train.autocast_bf16={str(bf16).lower()}", f"rollout.overlap_forwards={how}",
-    ])
+    cfg = run_config(None, "task.kwargs={digits: 3}", f"model.overrides={SMALL}", "train.device=cuda",
+                     "rollout.prompts_per_step=6", "rollout.group_size=8", "rollout.max_new_tokens=48",
+                     "algorithm.kl_coef=0.1", "algorithm.minibatches=2", "train.eval_problems=8",
+                     f"train.autocast_bf16={str(bf16).lower()}", f"rollout.overlap_forwards={how}", layers=None)
     task = get_task("addition", digits=3)
     task.reward = varied_reward
     trainer = Trainer(cfg, task=task)

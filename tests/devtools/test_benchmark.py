@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_grads_close, get_model, grads_of, zero_grads
+from helpers.models import get_model
+from helpers.reference import assert_grads_close, grads_of, zero_grads
 from treerl import PrefixTree, TreeEngine
 from treerl.devtools.benchmark import BenchConfig, NaiveLoop, main as bench_main, run, useful_flops, weighted_logprob_loss
 from treerl.models import build_model

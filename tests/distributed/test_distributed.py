@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import treerl
-from treerl.models import build_model, rmsnorm_in_input_precision
+from helpers.models import tiny_model
 from treerl.devtools.workloads import SCALES, make_workload
 
 MODES = ("flat", "packed", "dfs", "auto")
@@ -31,8 +31,7 @@ def batch():
     return seqs, loss_fn
 
 
-def model():
-    return rmsnorm_in_input_precision(build_model("qwen3", "tiny", dtype=torch.float64, vocab_size=60, seed=1))
+MODEL = dict(vocab_size=60, seed=1)  # tiny_model(**MODEL): float64
 
 
 def engine_for(m, mode):
@@ -63,7 +62,7 @@ def worker(rank, world, init_file, out_dir):
             # the last: the fallback reduce (a zero-loss model call) instead of FSDP2's hook
             data_parallel._reduce_now = ((lambda engine: False) if mode.endswith("call")
                                          else (lambda engine: used_fast.append(fast_reduce(engine)) or used_fast[-1]))
-            engine = engine_for(model(), mode.split("-")[0])
+            engine = engine_for(tiny_model(**MODEL), mode.split("-")[0])
             shard(engine)
             global_index = torch.tensor(mine, dtype=torch.long)
             with gradient_step(engine):
@@ -82,7 +81,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     ranks = shares(seqs, 2, skewed=False)
     assert ranks[0] and ranks[1]
     mp.spawn(worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    reference = model()
+    reference = tiny_model(**MODEL)
     engine_for(reference, "packed").forward_backward(seqs, loss_fn, separable=True)
     for skewed in (False, True):
         for mode in MODES + ("auto-reduce-call",):
@@ -101,7 +100,7 @@ def gather_worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from treerl.distributed.data_parallel import full_state_dict, shard
 
-    engine = engine_for(build_model("qwen3", "tiny", dtype=torch.float32, vocab_size=61, seed=2), "packed")
+    engine = engine_for(tiny_model(dtype=torch.float32, vocab_size=61, seed=2), "packed")
     shard(engine)
     one_by_one = {k: (t.full_tensor() if hasattr(t, "full_tensor") else t) for k, t in engine.model.state_dict().items()}
     for bucket_bytes in (1, 4096, 64 << 20):  # every parameter alone, small ones in buckets, all in one
@@ -117,6 +116,6 @@ def gather_worker(rank, world, init_file, out_dir):
 def test_bucketed_weight_gather_equals_per_parameter_gather(tmp_path):
     mp.spawn(gather_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     whole = torch.load(tmp_path / "whole.pt")
-    reference = build_model("qwen3", "tiny", dtype=torch.float32, vocab_size=61, seed=2).state_dict()
+    reference = tiny_model(dtype=torch.float32, vocab_size=61, seed=2).state_dict()
     assert whole.keys() == reference.keys()
     assert all(torch.equal(whole[k], reference[k]) for k in whole)  # 61 embedding rows: an uneven split

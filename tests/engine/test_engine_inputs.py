@@ -8,7 +8,9 @@ import re
 import pytest
 import torch
 
-from conftest import VOCAB, RandomLoss, get_model, random_seq, reference_logprobs, tree_sizes, zero_grads
+from helpers.forests import RandomLoss, random_seq, tree_sizes
+from helpers.models import VOCAB, get_model
+from helpers.reference import reference_logprobs, zero_grads
 from treerl import PrefixTree, TreeEngine, TreeTooLargeError
 from treerl.models import build_model
 

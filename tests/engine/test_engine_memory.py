@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import VARIANTS, RandomLoss, get_model, shaped_forest
-from test_engine_exact import MODES, SPEC, check_engine
+from helpers.engine import MODES, SPEC, check_engine
+from helpers.forests import RandomLoss, shaped_forest
+from helpers.models import VARIANTS, get_model
 from treerl import PrefixTree, TreeEngine
 from treerl.engine.memory import MemoryModel, MemoryPolicy, resolve_budget
 

@@ -10,12 +10,9 @@ if os.environ.get("CI"):  # CI installs .[dev], which has ray: a missing ray fai
 else:
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[dev]' brings it)")
 
+from helpers.configs import run_config  # noqa: E402
 from treerl.async_rl import AsyncOptions, FaultPlan, WorkLedger, train_async  # noqa: E402
 from treerl.checkpoint import load_state  # noqa: E402
-from treerl.config import Config  # noqa: E402
-
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}")
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +23,9 @@ def local_ray():
 
 
 def test_ray_launcher_trains_and_survives_a_dead_actor(tmp_path, local_ray):
-    cfg = Config.from_yaml(None, [
-        "task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "rollout.prompts_per_step=3",
-        "rollout.group_size=4", "train.eval_problems=8", "train.tensorboard=false", "train.progress=false",
-        "train.eval_every=0", f"train.out_dir={tmp_path}", "train.steps=3", "async.enabled=true",
-        "async.max_staleness=1", "async.worker_timeout_s=60"])
+    cfg = run_config(tmp_path, "rollout.prompts_per_step=3", "rollout.group_size=4", "train.eval_problems=8",
+                     "train.eval_every=0", "train.steps=3", "async.enabled=true", "async.max_staleness=1",
+                     "async.worker_timeout_s=60", layers=2)
     out = train_async(cfg, options=AsyncOptions(launcher="ray", faults={0: FaultPlan("exit", after_model_calls=6)},
                                                 deadline_s=240))
     assert out["version"] == 3 and out["async/restarts"] == 1

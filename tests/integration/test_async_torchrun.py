@@ -13,21 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.configs import run_config, run_overrides
 from treerl.async_rl import WorkLedger, train_async
 from treerl.checkpoint import load_state, resolve_checkpoint
-from treerl.config import Config
+
 
 ROOT = Path(__file__).parents[2]
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}")
-
-
-def overrides(out: Path) -> list[str]:
-    return ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "model.dtype=float64",
-            "rollout.prompts_per_step=3", "rollout.group_size=4", "algorithm.minibatches=2", "optim.lr=1e-2",
-            "sft.steps=1", "sft.batch_size=4", "train.steps=3", "train.eval_problems=4", "train.eval_every=2",
-            "train.save_every=2", "train.tensorboard=false", "train.progress=false", f"train.out_dir={out}",
-            "async.enabled=true", "async.max_staleness=0", "async.prompts_per_unit=3", "async.worker_timeout_s=60"]
+RUN = ("model.dtype=float64", "rollout.prompts_per_step=3", "rollout.group_size=4", "algorithm.minibatches=2",
+       "optim.lr=1e-2", "sft.steps=1", "sft.batch_size=4", "train.steps=3", "train.eval_problems=4",
+       "train.eval_every=2", "train.save_every=2", "async.enabled=true", "async.max_staleness=0",
+       "async.prompts_per_unit=3", "async.worker_timeout_s=60")  # run_overrides(out, *RUN, layers=2)
 
 
 def rows(path: Path) -> list[dict]:
@@ -43,11 +38,11 @@ def weights(run: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_async_under_torchrun_matches_one_process(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    train_async(Config.from_yaml(None, overrides(one)))
+    train_async(run_config(one, *RUN, layers=2))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "treerl.cli", "train", *overrides(two)]
+           "-m", "treerl.cli", "train", *run_overrides(two, *RUN, layers=2)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers.configs import run_config
+from helpers.models import tiny_model
 from treerl.config import Config
 from treerl.distributed import ranks
-from treerl.models import build_model, rmsnorm_in_input_precision
 from treerl.tasks import get_task
 from treerl.trainer import Sample, Trainer
 
@@ -43,16 +44,13 @@ CHAIN = "grpo-kl-2mb"  # config of the one-chain batch (c)
 
 
 def config(name: str) -> Config:
-    return Config.from_yaml(None, [
-        "task.name=sorting", "model.dtype=float64", "engine.mode=auto", "engine.max_tokens=24",
-        "engine.chunk_tokens=6", "optim.lr=0.01", "optim.schedule=constant", "train.progress=false",
-        "train.tensorboard=false", *CONFIGS[name]])
+    return run_config(None, "model.dtype=float64", "engine.mode=auto", "engine.max_tokens=24", "engine.chunk_tokens=6",
+                      "optim.lr=0.01", "optim.schedule=constant", *CONFIGS[name], task="sorting", layers=None)
 
 
 def model(cfg: Config):
     tok = get_task(cfg.task.name).tokenizer()
-    return rmsnorm_in_input_precision(build_model("qwen3", "tiny", dtype=torch.float64,
-                                                  seed=1, **tok.hf_config_kwargs()))
+    return tiny_model(seed=1, **tok.hf_config_kwargs())
 
 
 def samples(vocab: int, chain: bool = False) -> list[Sample]:

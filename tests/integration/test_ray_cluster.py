@@ -18,13 +18,10 @@ else:
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from helpers.configs import run_config  # noqa: E402
 from treerl.async_rl import AsyncOptions, FaultPlan, WorkLedger  # noqa: E402
 from treerl.async_rl.ray_launch import TrainerRank, launch  # noqa: E402
 from treerl.checkpoint import load_state  # noqa: E402
-from treerl.config import Config  # noqa: E402
-
-TINY = ("{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-        "num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}")
 
 
 @ray.remote(num_cpus=0)
@@ -59,11 +56,9 @@ def cluster():
 def test_two_trainer_ranks_and_a_killed_rollout_node(tmp_path, cluster):
     c, nodes = cluster
     signal = Signal.options(name="kill-my-node").remote()
-    cfg = Config.from_yaml(None, [
-        "task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "rollout.prompts_per_step=2",
-        "rollout.group_size=4", "train.eval_problems=4", "train.tensorboard=false", "train.progress=false",
-        "train.eval_every=0", f"train.out_dir={tmp_path}", "train.steps=3", "async.enabled=true",
-        "async.max_staleness=1", "async.worker_timeout_s=120"])
+    cfg = run_config(tmp_path, "rollout.prompts_per_step=2", "rollout.group_size=4", "train.eval_problems=4",
+                     "train.eval_every=0", "train.steps=3", "async.enabled=true", "async.max_staleness=1",
+                     "async.worker_timeout_s=120", layers=2)
     options = AsyncOptions(ray_worker={"num_cpus": 1, "resources": {"rollout": 1}}, deadline_s=400, heartbeat_s=0.2,
                            faults={0: FaultPlan("hang", after_model_calls=4, notify="kill-my-node")})
     result = {}

@@ -12,19 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from helpers.configs import run_overrides
 from treerl import checkpoint as ckpt
 from treerl.cli import main
 from treerl.runlog import _truncate_jsonl
 
+
 ROOT = Path(__file__).resolve().parents[2]
-TINY = "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 64}"
-
-
-def args(out, steps):
-    return ["task.name=addition", "task.kwargs={digits: 2}", f"model.overrides={TINY}", "rollout.prompts_per_step=2",
-            "rollout.group_size=2", "train.eval_problems=2", "train.eval_every=0", "train.tensorboard=false",
-            "train.progress=false", "train.save_every=1", "train.keep_last=2", f"train.steps={steps}",
-            f"train.out_dir={out}"]
+RUN = ("rollout.prompts_per_step=2", "rollout.group_size=2", "train.eval_problems=2", "train.eval_every=0",
+       "train.save_every=1", "train.keep_last=2")  # run_overrides(out, *RUN, f"train.steps={steps}")
 
 
 def start(out, steps=1_000_000, sigint_ignored=False):  # never ends on its own: the test stops it
@@ -36,8 +32,8 @@ def start(out, steps=1_000_000, sigint_ignored=False):  # never ends on its own:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / "child.out", "w") as stdout, open(out.parent / "child.err", "w") as stderr:
         ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
-        return subprocess.Popen([sys.executable, "-m", "treerl.cli", "train", *args(out, steps)], env=env,
-                                stdout=stdout, stderr=stderr, text=True, preexec_fn=ignore)
+        cmd = [sys.executable, "-m", "treerl.cli", "train", *run_overrides(out, *RUN, f"train.steps={steps}")]
+        return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, text=True, preexec_fn=ignore)
 
 
 def child_err(out) -> str:
@@ -78,7 +74,7 @@ def test_sigkill_mid_run_then_resume_loses_and_repeats_nothing(tmp_path, capsys)
     last = ckpt.resolve_checkpoint(out, skip_damaged=True)
     done = ckpt.load_state(last)["step"]
     assert done >= 2
-    assert main(["train", *args(out, done + 2), "--resume", str(out)]) == 0
+    assert main(["train", *run_overrides(out, *RUN, f"train.steps={done + 2}"), "--resume", str(out)]) == 0
     err = capsys.readouterr().err
     assert f"resumed from {last}" in err and "dropping a torn line" in err, err
     assert metric_steps(out) == list(range(0, done + 3))  # the first eval, then every step once
@@ -138,7 +134,7 @@ def test_an_interrupt_landing_in_a_finalizer_still_stops_the_run(tmp_path, capsy
     monkeypatch.setattr(treerl.trainer.Trainer, "step", step)
     monkeypatch.setattr(sys, "unraisablehook", lambda u: dropped.append(u.exc_type))
     out = tmp_path / "run"
-    assert main(["train", *args(out, 50)]) == 130
+    assert main(["train", *run_overrides(out, *RUN, "train.steps=50")]) == 130
     assert dropped == [KeyboardInterrupt]  # the KeyboardInterrupt raised in __del__ was dropped ...
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith("treerl train: interrupted;")  # ... and the run stopped anyway

@@ -5,8 +5,8 @@ independent per-sequence forward of the model."""
 import pytest
 import torch
 
+from helpers.models import tiny_model
 from treerl import TreeEngine
-from treerl.models import build_model, rmsnorm_in_input_precision
 from treerl.rl import PolicyLoss, PolicyLossConfig, TokenBatch, ValueLoss, ValueLossConfig, grpo_advantages
 
 D = torch.float64
@@ -48,7 +48,7 @@ def _grads(model):
 
 @pytest.mark.parametrize("mode,max_tokens", [("flat", 24), ("packed", 24), ("dfs", 16)])
 def test_policy_loss_through_engine_matches_per_sequence_forward(mode, max_tokens):
-    model = rmsnorm_in_input_precision(build_model("qwen3", "tiny", dtype=D, seed=1))
+    model = tiny_model(dtype=D, seed=1, precise_norm=True)
     seqs, prompt_lens, groups, g = _rollouts()
     masks = [torch.arange(1, len(s)) >= p for s, p in zip(seqs, prompt_lens)]
     with torch.no_grad():
@@ -83,7 +83,7 @@ def test_policy_loss_through_engine_matches_per_sequence_forward(mode, max_token
 
 def test_value_loss_through_engine_logprob_interface():
     # Any per-token head works through the same protocol; use the logprobs as "values".
-    model = rmsnorm_in_input_precision(build_model("qwen3", "tiny", dtype=D, seed=2))
+    model = tiny_model(dtype=D, seed=2, precise_norm=True)
     seqs, prompt_lens, _, g = _rollouts(1)
     masks = [torch.arange(1, len(s)) >= p for s, p in zip(seqs, prompt_lens)]
     returns = [torch.randn(len(m), generator=g, dtype=D) - 6 for m in masks]

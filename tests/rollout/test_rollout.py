@@ -7,15 +7,16 @@ import copy
 import pytest
 import torch
 
-from conftest import after_each_forward, completion_logprobs
-from rollout_util import VOCAB, random_prompts, tiny
+from helpers.models import after_each_forward, tiny_model
+from helpers.reference import completion_logprobs
+from helpers.rollout import VOCAB, random_prompts
 from treerl import PrefixTree
-from treerl.models import build_model, rmsnorm_in_input_precision
+from treerl.models import build_model
 from treerl.rollout import RolloutEngine, SamplingParams
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny()
+    return tiny_model()
 
 
 def greedy_reference(model, prompt, max_new):
@@ -48,7 +49,7 @@ def test_batched_greedy_equals_alone_and_reference(model):
 
 
 def test_float32_batched_greedy_matches_alone():
-    model = tiny(torch.float32, seed=3)
+    model = tiny_model(dtype=torch.float32, seed=3)
     prompts = random_prompts([5, 17, 2], seed=4)
     params = SamplingParams(temperature=0, max_new_tokens=8)
     batched = RolloutEngine(model).generate(prompts, params)
@@ -229,7 +230,7 @@ def test_tree_rollout_logprobs_and_early_stops(model):
 
 
 def test_update_weights_changes_outputs_and_versions():
-    a, b = tiny(seed=0), tiny(seed=1)
+    a, b = tiny_model(seed=0), tiny_model(seed=1)
     prompts = random_prompts([5, 9], seed=2)
     params = SamplingParams(temperature=0, max_new_tokens=8)
     engine = RolloutEngine(copy.deepcopy(a), version=3)
@@ -253,7 +254,7 @@ def test_update_weights_changes_outputs_and_versions():
 
 
 def test_weight_update_during_generation_recomputes_kv():
-    a, b = tiny(seed=0), tiny(seed=1)
+    a, b = tiny_model(seed=0), tiny_model(seed=1)
     prompts = random_prompts([5, 9, 3], seed=3)
     engine = RolloutEngine(copy.deepcopy(a), version=0, sync_every=100)
     decode_calls = []
@@ -311,7 +312,7 @@ def test_weight_update_from_another_thread():
     import threading
     import time
 
-    a, b = tiny(seed=0), tiny(seed=1)
+    a, b = tiny_model(seed=0), tiny_model(seed=1)
     prompts = random_prompts([4, 8], seed=4)
     engine = RolloutEngine(copy.deepcopy(a), version=0)
     decode_calls = []
@@ -342,26 +343,3 @@ def test_weight_update_from_another_thread():
         assert g[0].versions.tolist() == [0] * 4 + [7] * 5
         assert ids[:4] == greedy_reference(a, p, 4)
         assert ids[4:] == greedy_reference(b, p + ids[:4], 5)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_decode_matches_full_forward():
-    model = tiny(torch.float32, seed=2).cuda()
-    prompts = random_prompts([9, 30, 3, 17], seed=6)
-    params = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_new_tokens=40, seed=0,
-                            branch_points=[10], stop_token_ids=list(range(0, VOCAB, 41)))
-    torch.backends.cuda.matmul.allow_tf32 = False
-    graphed = RolloutEngine(model, sync_every=4)
-    assert graphed.cuda_graphs and graphed.static_kv
-    groups = graphed.generate(prompts, params)
-    greedy = SamplingParams(temperature=0, max_new_tokens=20)
-    eager = RolloutEngine(model, cuda_graphs=False).generate(prompts, greedy)
-    for g, e, p in zip(graphed.generate(prompts, greedy), eager, prompts):
-        assert g[0].completion_ids.tolist() == e[0].completion_ids.tolist()
-    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
-    assert graphed.stats.decode_steps > 0 and sum(len(g) for g in groups) > len(prompts) * 3
-    for g, p in zip(groups, prompts):
-        for c in g:
-            ref = completion_logprobs(reference, p, c.completion_ids.tolist(), 0.8)
-            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()

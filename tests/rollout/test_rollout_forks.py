@@ -10,10 +10,9 @@ from itertools import product
 import pytest
 import torch
 
-from rollout_util import VOCAB, random_prompts, sampling, target_length, tiny
-from rollout_util import greedy_reference as _greedy_reference
-from conftest import completion_logprobs
-from treerl.models import rmsnorm_in_input_precision
+from helpers.models import tiny_model
+from helpers.reference import completion_logprobs
+from helpers.rollout import VOCAB, greedy_reference as _greedy_reference, random_prompts, sampling, target_length
 from treerl.rollout import PromptQueue, RolloutEngine, SamplingParams, ForkLayout
 
 MAX_NEW = 20
@@ -21,7 +20,7 @@ MAX_NEW = 20
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny()
+    return tiny_model()
 
 
 def params(**kw):
@@ -159,7 +158,7 @@ def test_weight_update_recomputes_fork_segments():
     """Weights updated while the stream is paused at its first finished tree (same thread,
     no timing): trees past their forks recompute prompt, fork segments and own tokens; every
     logprob equals a full forward of the weights that produced it, on the same prefix."""
-    a, b = tiny(seed=0), tiny(seed=7)
+    a, b = tiny_model(seed=0), tiny_model(seed=7)
     prompts = random_prompts([9, 4, 17, 6], seed=15)
     p = params(n=2, branch_points=[2, 4], branch_factor=2)
     engine = RolloutEngine(copy.deepcopy(a), version=0, sync_every=1)
@@ -266,31 +265,3 @@ def test_fork_attention_equals_attention_over_the_whole_sequence():
         k, v = k.repeat_interleave(gq, 0), v.repeat_interleave(gq, 0)
         ref = torch.softmax(q[i] @ k.transpose(-1, -2) * 0.3, dim=-1) @ v
         assert torch.allclose(out[i, 0], ref[:, 0], rtol=1e-12, atol=1e-13)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
-def test_cuda_graph_trees_match_eager_and_full_forward(compile_decode):
-    """Tree rollouts with CUDA graphs (optionally compiled decode blocks): greedy equals the
-    eager stream; sampled float32 logprobs equal a float64 full forward to 2e-4 (TF32 off)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = tiny(torch.float32, seed=2).cuda()
-    prompts = random_prompts([9, 30, 3, 17, 5, 12], seed=6)
-    p = params(n=2, branch_points=[3, 9], branch_factor=[2, 3])
-    graphed = RolloutEngine(model, sync_every=4, compile_decode=compile_decode)
-    eager = RolloutEngine(model, cuda_graphs=False, compile_decode=False)
-    key = lambda gs: sorted((g.prompt_index, [(c.branch, c.completion_ids.tolist()) for c in g]) for g in gs)  # noqa: E731
-    assert key(graphed.generate_stream(prompts, p, max_rows=2 * p.max_leaves)) == \
-        key(eager.generate_stream(prompts, p, max_rows=2 * p.max_leaves))
-    sampled = SamplingParams(n=2, temperature=0.8, max_new_tokens=24, seed=0, branch_points=[4, 10],
-                             branch_factor=2, stop_token_ids=list(range(0, VOCAB, 41)))
-    groups = graphed.generate(prompts, sampled)
-    if compile_decode:
-        assert graphed.decode_blocks.compiled, "compilation fell back to eager"
-    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
-    for g, prompt in zip(groups, prompts):
-        assert len(g) >= 2
-        for c in g:
-            ref = completion_logprobs(reference, prompt, c.completion_ids.tolist(), 0.8)
-            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()

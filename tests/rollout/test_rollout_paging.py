@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_util import greedy_reference as _greedy_reference
-from rollout_util import random_prompts, sampling, tiny
-from conftest import completion_logprobs
-from treerl.models import rmsnorm_in_input_precision
+from helpers.models import tiny_model
+from helpers.reference import completion_logprobs
+from helpers.rollout import greedy_reference as _greedy_reference, long_target_length, random_prompts, sampling
 from treerl.rollout import PromptQueue, RolloutEngine, SamplingParams, ForkLayout
 from treerl.rollout.kv import rollout_attention_enabled
 from treerl.rollout.paging import BlockTable
@@ -29,22 +28,17 @@ from treerl.rollout.stream import RunningBatch
 MAX_NEW = 40
 
 
-def length_rule(ids) -> int:
-    """Completion length set by its first token: 4..40 (long rows need several blocks)."""
-    return 4 + (int(ids[0]) * 7) % 37
-
-
 def params(**kw) -> SamplingParams:
-    return sampling(MAX_NEW, length=length_rule, **{"n": 3, **kw})
+    return sampling(MAX_NEW, length=long_target_length, **{"n": 3, **kw})
 
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny()
+    return tiny_model()
 
 
 def greedy_reference(model, prompt, max_new=MAX_NEW):
-    return _greedy_reference(model, prompt, max_new, length=length_rule)
+    return _greedy_reference(model, prompt, max_new, length=long_target_length)
 
 
 def check_greedy(model, groups, prompts, p: SamplingParams, refs: dict):
@@ -60,7 +54,7 @@ def check_greedy(model, groups, prompts, p: SamplingParams, refs: dict):
         for c in g:
             assert c.prompt_ids.tolist() == prompt
             assert c.completion_ids.tolist() == ref, (g.prompt_index, c.branch)
-            assert c.finish_reason == ("stop" if length_rule(ref) <= MAX_NEW else "length")
+            assert c.finish_reason == ("stop" if long_target_length(ref) <= MAX_NEW else "length")
             assert torch.allclose(c.logprobs, lp, rtol=1e-9, atol=1e-12), (c.logprobs - lp).abs().max()
 
 
@@ -109,7 +103,7 @@ def test_preemption_with_a_weight_update_keeps_versions(refs):
     """Weights change while groups are preempted and running: a preempted group is
     recomputed under the weights of its readmission; every token records the version that
     produced it, and each logprob equals a full forward of that version on the same prefix."""
-    a, b = tiny(seed=0), tiny(seed=7)
+    a, b = tiny_model(seed=0), tiny_model(seed=7)
     prompts = random_prompts([9, 4, 15, 6, 11, 2, 13, 8], seed=22)
     engine = RolloutEngine(copy.deepcopy(a), version=0, sync_every=2, kv_block_size=16,
                            max_batch_tokens=4 * 16 + 12 * 16)
@@ -130,7 +124,7 @@ def test_preemption_with_a_weight_update_keeps_versions(refs):
             k = int((c.versions == 0).sum())
             assert c.versions.tolist() == [0] * k + [1] * (len(ids) - k)
             switched += 0 < k < len(ids)
-            assert len(ids) == min(length_rule(ids), MAX_NEW)
+            assert len(ids) == min(long_target_length(ids), MAX_NEW)
             assert torch.allclose(c.logprobs[:k], completion_logprobs(a, prompt, ids[:k]), rtol=1e-9, atol=1e-12)
             assert torch.allclose(c.logprobs[k:], completion_logprobs(b, prompt + ids[:k], ids[k:]),
                                   rtol=1e-9, atol=1e-12)
@@ -277,30 +271,3 @@ def test_split_kernel_reads_own_keys_through_the_block_table(page, dtype):
         o, lse = cache.attend_own(0, q_own, om, D ** -0.5, backend)
         out = merge_parts(o, lse, o_pre, l_pre, G, dtype)
         assert (out.double() - ref).abs().max() <= tol, backend
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("tree", [False, True], ids=["plain", "tree"])
-def test_cuda_graphs_under_preemption(tree):
-    """CUDA graphs and compiled decode blocks (the split kernel reading own keys through the
-    block table, updated in place between replays) with groups preempted again and again:
-    greedy equals an eager engine with room for everything, float32 logprobs equal a
-    float64 full forward to 2e-4 (TF32 off)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = tiny(torch.float32, seed=3).cuda()
-    p = params(n=2, branch_points=[2, 5], branch_factor=[2, 2]) if tree else params()
-    layout = ForkLayout.of(p)
-    graphed = RolloutEngine(model, sync_every=4, kv_block_size=16,
-                            max_batch_tokens=3 * (layout.shared_tokens(16) + layout.rows * 16))
-    eager = RolloutEngine(model, cuda_graphs=False, compile_decode=False)
-    key = lambda gs: sorted((g.prompt_index, [(c.branch, c.completion_ids.tolist()) for c in g]) for g in gs)  # noqa: E731
-    groups = list(graphed.generate_stream(PROMPTS, p))
-    assert key(groups) == key(eager.generate_stream(PROMPTS, p))
-    assert graphed.stats.preemptions > 0 and graphed.cuda_graphs and eager.stats.preemptions == 0
-    assert graphed.decode_blocks.compiled, "compilation fell back to eager"
-    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
-    for g in groups:
-        for c in g:
-            ref = completion_logprobs(reference, PROMPTS[g.prompt_index], c.completion_ids.tolist())
-            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()

@@ -8,14 +8,15 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import completion_logprobs
-from rollout_util import random_prompts, tiny
+from helpers.models import tiny_model
+from helpers.reference import completion_logprobs
+from helpers.rollout import random_prompts
 from treerl.rollout import PromptQueue, RolloutEngine, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny()
+    return tiny_model()
 
 
 def greedy(model, prompt, max_new, stop=None):
@@ -190,38 +191,3 @@ def test_top_logprobs(model):
         mine = [d for d in deltas if d.branch == c.branch]
         tops = sum((d.top_logprobs for d in mine), [])
         assert tops == [list(zip(i.tolist(), x.tolist())) for i, x in zip(*c.top_logprobs)]
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_per_group_settings_and_seeds():
-    """On CUDA (graphed decode steps, sampling outside the graphs): mixed per-group settings
-    in one batch; greedy groups equal the eager engine's; a seeded group's samples are the
-    same alone and among other groups; logprobs match a float64 full forward."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = tiny(torch.float32, seed=2).cuda()
-    ref = tiny(torch.float64, seed=2)
-    prompts = random_prompts([9, 30, 3, 17, 5, 12], seed=46)
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=24, n=2, seed=11, top_logprobs=2)
-    per = [SamplingParams(temperature=0, max_new_tokens=20), seeded,
-           SamplingParams(temperature=1.1, top_k=30, min_p=0.01, max_new_tokens=32, n=3),
-           SamplingParams(temperature=0, max_new_tokens=8, n=2), SamplingParams(temperature=0.6, max_new_tokens=40),
-           SamplingParams(temperature=1.0, max_new_tokens=16, seed=3)]
-    graphed = RolloutEngine(model, sync_every=4)
-    assert graphed.cuda_graphs
-    groups = graphed.generate(prompts, per)
-    eager = RolloutEngine(model, cuda_graphs=False)
-    for i in (0, 3):
-        [alone] = eager.generate([prompts[i]], per[i])
-        assert [c.completion_ids.tolist() for c in groups[i]] == [c.completion_ids.tolist() for c in alone]
-    q = PromptQueue()
-    q.put(prompts[1], params=seeded)
-    q.close()
-    [alone] = RolloutEngine(model, sync_every=4).generate_stream(q, SamplingParams(n=2, max_new_tokens=24))
-    assert [c.completion_ids.tolist() for c in groups[1]] == [c.completion_ids.tolist() for c in alone]
-    for g, p, prompt in zip(groups, per, prompts):
-        for c in g:
-            assert len(c) == p.max_new_tokens
-            lp = completion_logprobs(ref, prompt, c.completion_ids.tolist(), temperature=p.temperature or 1.0)
-            assert torch.allclose(c.logprobs.double(), lp, rtol=1e-4, atol=1e-4)
-    assert groups[1][0].top_logprobs[0].shape == (24, 2) and groups[0][0].top_logprobs is None

@@ -22,26 +22,21 @@ import openai
 import pytest
 import torch
 
+from helpers.models import tiny_model
+from helpers.serve import CONTEXT, served_config
 from treerl.serve.client import http_module
 from treerl.checkpoint import save_checkpoint
-from treerl.models import build_model
 from treerl.rollout import RolloutEngine
 from treerl.serve import ServeOptions, ServerThread, make_state
 from treerl.tasks.tokenizer import CharTokenizer
 
-CONTEXT = 64
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def tiny_model(seed: int = 0, tok: CharTokenizer | None = None):
-    tok = tok or CharTokenizer()
-    return build_model("qwen3", "tiny", seed=seed, max_position_embeddings=CONTEXT, **tok.hf_config_kwargs())
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tok = CharTokenizer()
-    engine = RolloutEngine(tiny_model(tok=tok), prefix_cache_tokens=4096)
+    engine = RolloutEngine(tiny_model(**served_config(tok)), prefix_cache_tokens=4096)
     root = str(tmp_path_factory.getbasetemp())  # reloads from the tests' tmp_path
     server = ServerThread(make_state(engine, tok, ServeOptions(default_max_tokens=8, weights_root=root))).start()
     engine._test_loop = server.state.loop
@@ -111,7 +106,7 @@ def test_in_process_client_has_the_same_api():
     from treerl.serve import in_process_client
 
     tok = CharTokenizer()
-    state = make_state(RolloutEngine(tiny_model(tok=tok)), tok)
+    state = make_state(RolloutEngine(tiny_model(**served_config(tok))), tok)
 
     async def main():
         c = in_process_client(state)
@@ -228,7 +223,7 @@ class BlockAfter:
 def test_weight_update_endpoint_interrupts_generation(served, tmp_path):
     server, engine, tok = served
     prompt = greedy_text_without_eos(engine, tok, 24)
-    new = tiny_model(seed=1, tok=tok)
+    new = tiny_model(seed=1, **served_config(tok))
     ckpt = save_checkpoint(tmp_path / "checkpoints", 3, new, tok, {"step": 3})
     v0 = engine.version
     # block the engine after a few decode steps until the update is waiting for it
@@ -263,7 +258,7 @@ def test_weight_update_endpoint_interrupts_generation(served, tmp_path):
 
 def test_server_stopped_mid_request_client_errors_and_retries():
     tok = CharTokenizer()
-    engine = RolloutEngine(tiny_model(tok=tok))
+    engine = RolloutEngine(tiny_model(**served_config(tok)))
     server = ServerThread(make_state(engine, tok)).start()
     stopped = threading.Event()
     hook = BlockAfter(engine.model, 2, until=stopped.is_set)
@@ -348,7 +343,7 @@ def test_engine_loop_sums_the_engine_counters_over_streams():
     from treerl.rollout import SamplingParams
     from treerl.serve import EngineLoop
 
-    engine = RolloutEngine(tiny_model())
+    engine = RolloutEngine(tiny_model(**served_config()))
     loop = EngineLoop(engine)
     key = SamplingParams(temperature=0.0, max_new_tokens=3)
     try:
@@ -370,7 +365,7 @@ def _render(tok, role, text):
 
 def test_treerl_serve_command_serves_a_checkpoint_until_sigterm(tmp_path):
     tok = CharTokenizer()
-    model = tiny_model(tok=tok)
+    model = tiny_model(**served_config(tok))
     from treerl.config import Config
 
     cfg = Config.from_dict({"task": {"name": "math_jsonl", "kwargs": {"path": "x.jsonl"}}})

@@ -7,7 +7,7 @@ tests/serve/test_serve_tools.py.)"""
 from __future__ import annotations
 
 import pytest
-from chat_util import CALL_HEAD, CALL_TAIL, chat_tokenizer
+from helpers.chat import CALL_HEAD, CALL_TAIL, chat_tokenizer
 
 from treerl.serve.chat import ChatRenderer
 from treerl.serve.history import TokenHistory

@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 
-from conftest import completion_logprobs
-from rollout_util import random_prompts, tiny
+from helpers.models import tiny_model
+from helpers.reference import completion_logprobs
+from helpers.rollout import random_prompts
 from treerl.rollout import RolloutEngine, SamplingParams
 from treerl.serve import EngineLoop
 
@@ -18,12 +19,12 @@ from treerl.serve import EngineLoop
 def model():
     """The references' model: the same weights as the loop's, another module (the running
     stream sets its own model's attention implementation)."""
-    return tiny()
+    return tiny_model()
 
 
 @pytest.fixture(scope="module")
 def served():
-    return tiny()
+    return tiny_model()
 
 
 @pytest.fixture

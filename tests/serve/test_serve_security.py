@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import threading
 from pathlib import Path
 
@@ -21,6 +20,9 @@ import openai
 import pytest
 import torch
 
+from helpers.configs import AGENT_RUN, make_trainer, run_overrides
+from helpers.models import tiny_model
+from helpers.serve import CONTEXT, served_config
 from treerl.models import build_model
 from treerl.rollout import RolloutEngine
 from treerl.serve import ServeOptions, ServerThread, make_state
@@ -29,9 +31,6 @@ from treerl.serve.limits import ServeLimits
 from treerl.serve.security import exposure_warning
 from treerl.tasks.tokenizer import CharTokenizer
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "agents"))  # make_trainer: to the tests helpers module (issue 27 item 6)
-from test_serve import CONTEXT, tiny_model  # noqa: E402
 
 KEY = "test-key-123"
 LIMITS = ServeLimits(max_n=4, max_tokens=16, max_body_bytes=16 << 10, max_queued=2)
@@ -45,7 +44,7 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(root):
     tok = CharTokenizer()
-    engine = RolloutEngine(tiny_model(tok=tok))
+    engine = RolloutEngine(tiny_model(**served_config(tok)))
     state = make_state(engine, tok, ServeOptions(default_max_tokens=4, limits=LIMITS, weights_root=str(root)))
     server = ServerThread(state, api_key=KEY).start()
     yield server, engine, tok
@@ -109,7 +108,7 @@ def test_non_loopback_without_key_warns_who_can_reach_it(capsys, monkeypatch):
     assert "any host that can reach this machine on port 8000 (all network interfaces)" in exposure_warning("0.0.0.0", 8000)
     assert "any host that can reach 10.1.2.3:8000" in exposure_warning("10.1.2.3", 8000)
     tok = CharTokenizer()
-    state = make_state(RolloutEngine(tiny_model(tok=tok)), tok)
+    state = make_state(RolloutEngine(tiny_model(**served_config(tok))), tok)
     monkeypatch.setattr(srv, "is_loopback", lambda host: False)  # stays on 127.0.0.1: nothing is exposed
     ServerThread(state).start().stop(stop_loop=False)
     err = capsys.readouterr().err
@@ -137,8 +136,6 @@ def test_serve_command_reads_the_key_from_the_environment(monkeypatch):
 
 
 def test_serve_backend_uses_a_key_of_its_own(tmp_path):
-    from test_agents import make_trainer
-
     trainer = make_trainer(tmp_path, "rollout.backend=serve")
     try:
         server = trainer.sampler.agents.server
@@ -151,11 +148,10 @@ def test_serve_backend_uses_a_key_of_its_own(tmp_path):
 
 
 def test_remote_backend_sends_the_key_from_the_environment(tmp_path, monkeypatch):
-    from test_agents import BASE, make_trainer
-
     from treerl.serve.server import load_for_serving
 
-    model, tok, _ = load_for_serving(None, [*BASE, "train.seed=5"], None, "cpu", None)
+    model, tok, _ = load_for_serving(None, run_overrides(None, *AGENT_RUN, "train.seed=5", task=None, layers=None), None,
+                                     "cpu", None)
     engine = RolloutEngine(model)
     server = ServerThread(make_state(engine, tok, ServeOptions(weights_root=str(tmp_path))), api_key="remote-key")
     server.start()
@@ -190,7 +186,7 @@ def reload(server, path, key=KEY):
 
 def test_reloads_only_under_the_weights_root(served, root, tmp_path):
     server, engine, tok = served
-    outside = save_hf(tiny_model(seed=3, tok=tok), tmp_path / "outside")
+    outside = save_hf(tiny_model(seed=3, **served_config(tok)), tmp_path / "outside")
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
     v0 = engine.version
     err = assert_error(reload(server, outside), 403, param="model_path", code="outside_weights_root")
@@ -203,7 +199,7 @@ def test_reloads_only_under_the_weights_root(served, root, tmp_path):
     (root / "files" / "config.json").write_text((outside / "config.json").read_text())
     assert_error(reload(server, root / "files"), 403)
     assert engine.version == v0 and all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
-    inside = save_hf(tiny_model(seed=4, tok=tok), root / "good")
+    inside = save_hf(tiny_model(seed=4, **served_config(tok)), root / "good")
     r = reload(server, inside)
     assert r.status_code == 200 and engine.version == v0 + 1
     works(server)
@@ -211,7 +207,7 @@ def test_reloads_only_under_the_weights_root(served, root, tmp_path):
 
 def test_reloads_without_a_root_are_refused():
     tok = CharTokenizer()
-    with ServerThread(make_state(RolloutEngine(tiny_model(tok=tok)), tok)) as server:
+    with ServerThread(make_state(RolloutEngine(tiny_model(**served_config(tok))), tok)) as server:
         err = assert_error(reload(server, "/tmp", key=None), 403)
         assert "--weights-root" in err["message"]
 
@@ -221,7 +217,7 @@ def test_damaged_or_foreign_weights_get_400_naming_the_file_or_architecture(serv
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
     v0 = engine.version
     # a truncated file
-    damaged = save_hf(tiny_model(seed=5, tok=tok), root / "damaged")
+    damaged = save_hf(tiny_model(seed=5, **served_config(tok)), root / "damaged")
     f = damaged / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     err = assert_error(reload(server, damaged), 400, param="model_path")

@@ -172,6 +172,58 @@ def test_a_client_that_disconnects_mid_stream_frees_its_rows(served):
         loop.cancel, loop.submit = original, submit
 
 
+def test_a_non_streaming_client_that_disconnects_frees_its_rows(served):
+    """A client of a non-streamed completion that goes away mid-generation (the ``openai``
+    client's call cancelled: its connection closed) gets its rows cancelled as a streaming
+    client does; the server keeps serving."""
+    server, engine, tok = served
+    loop = server.state.loop
+    cancelled = threading.Event()
+    original, submit = loop.cancel, loop.submit
+    futures = []
+
+    def spy(future):
+        futures.append(future)
+        cancelled.set()
+        return original(future)
+
+    # the engine thread blocks at the request's first tokens until the server has cancelled it
+    delivered, gate = threading.Event(), threading.Event()
+
+    def blocking_submit(prompt, params, *, listener=None):
+        def first_tokens(delta):
+            if not delivered.is_set():
+                delivered.set()
+                gate.wait(60)
+
+        return submit(prompt, params, listener=first_tokens)
+
+    loop.cancel, loop.submit = spy, blocking_submit
+
+    async def main():
+        async with client(server) as c:
+            call = asyncio.ensure_future(c.completions.create(model="treerl", prompt="1+", max_tokens=CONTEXT - 8,
+                                                              temperature=1.0))
+            assert await asyncio.to_thread(delivered.wait, 60)  # generating: its first tokens reached the host
+            call.cancel()  # the client goes away (its connection closed)
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert await asyncio.to_thread(cancelled.wait, 60)  # the server saw the disconnect, cancelled the rows
+
+    try:
+        asyncio.run(main())
+        loop.cancel, loop.submit = original, submit
+        gate.set()
+        assert loop.drain(60) and loop.busy == 0
+        [row] = futures[0].result(60)  # the row stopped where it was: far from its max_tokens
+        assert row.finish_reason == "abort" and len(row) < CONTEXT - 8
+        ok = asyncio.run(client(server).completions.create(model="treerl", prompt="1+1=", max_tokens=2))
+        assert ok.choices[0].model_extra["token_ids"]
+    finally:
+        gate.set()
+        loop.cancel, loop.submit = original, submit
+
+
 def test_streamed_text_of_a_byte_level_bpe_equals_the_whole(served):
     """Random weights over a byte-level BPE: completions full of characters split over tokens."""
     from treerl.tasks.bpe import tiny_bpe_tokenizer

@@ -3,7 +3,7 @@ template getting whole messages, and, end to end with the `openai` package on a 
 server, tools in -> tool_calls out, a history holding a tool call whose prompt token ids
 hold the call, and turn 2's prompt extending turn 1's prompt + completion token for token.
 
-The served model is the tiny Qwen3 of ``chat_util`` whose weights make greedy decoding emit
+The served model is the tiny Qwen3 of ``helpers.chat`` whose weights make greedy decoding emit
 one fixed tool call (a last-token lookup built into its weights: deterministic, no stub in
 the server)."""
 
@@ -14,7 +14,7 @@ import json
 
 import openai
 import pytest
-from chat_util import CALL, CALL_HEAD, CALL_TAIL, CALL_WHOLE, TOOLS, chat_tokenizer, tool_call_model
+from helpers.chat import CALL, CALL_HEAD, CALL_TAIL, CALL_WHOLE, TOOLS, chat_tokenizer, tool_call_model
 
 from treerl.rollout import RolloutEngine
 from treerl.serve import ServeOptions, ServerThread, make_state
@@ -77,12 +77,37 @@ def test_malformed_call_text_is_content_and_counted():
     assert finish == "tool_calls" and message["content"] is None and len(message["tool_calls"]) == 1
     # tool_choice none: the text is the content, nothing parsed, nothing counted
     assert tool_reply("<tool_call>" + CALL_JSON_, "stop", TOOLS, "none", h, stats)[0]["content"].startswith("<tool")
-    assert stats.snapshot() == {"replies": 2, "with_calls": 1, "calls": 1, "malformed": 1}
+    assert stats.snapshot() == {"replies": 2, "with_calls": 1, "calls": 1, "malformed": 1, "forced": 0}
+    # forced (required / a named function): a call of a tool not in the request, or not the named one, is content
+    other = '<tool_call>{"name": "other", "arguments": {}}</tool_call>'
+    assert tool_reply(other, "stop", TOOLS, "required", h, stats)[0] == {"role": "assistant", "content": other}
+    whole = "<tool_call>" + CALL_JSON_ + "</tool_call>"
+    assert tool_reply(whole, "stop", TOOLS + CALC, "function", h, stats, "calc")[0]["content"] == whole
+    message, finish = tool_reply(whole, "stop", TOOLS, "function", h, stats, "get_weather")
+    assert finish == "tool_calls" and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert stats.snapshot() == {"replies": 5, "with_calls": 2, "calls": 2, "malformed": 3, "forced": 3}
+
+
+def test_forced_call_openings():
+    h, t = get_tool_format("hermes"), get_tool_format("tag")
+    assert h.opening(None, TOOLS) == "<tool_call>"
+    assert h.opening("get_weather", TOOLS) == '<tool_call>\n{"name": "get_weather", '
+    assert (h.opening("get_weather", TOOLS) + '"arguments": {"city": "Paris"}}\n</tool_call>') == \
+        h.render("", [CALL], TOOLS)  # the opening is how the format writes a call
+    assert t.opening(None, CALC) == t.opening("calc", CALC) == "<calc>"
+    with pytest.raises(APIError, match="needs exactly one tool with one parameter"):
+        t.opening(None, CALC + [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {}}}}}])
+    two = [{"type": "function", "function": {"name": "g", "parameters": {"type": "object",
+                                                                        "properties": {"a": {}, "b": {}}}}}]
+    with pytest.raises(APIError, match="'g' is not one"):
+        t.opening("g", two)
 
 
 @pytest.mark.parametrize("tools, choice, parser, error", [
-    (TOOLS, "required", "hermes", "tool_choice=\"required\" is not supported: forcing a call needs constrained"),
-    (TOOLS, {"type": "function", "function": {"name": "get_weather"}}, "hermes", "is not supported"),
+    (TOOLS, {"type": "function", "function": {"name": "x"}}, "hermes", "tool_choice names 'x', which is not in tools"),
+    (TOOLS, {"type": "function"}, "hermes", "a named tool_choice must be"),
+    (TOOLS, "required", None, "tool calling needs a tool-call parser"),
     (TOOLS, "sometimes", "hermes", "tool_choice must be 'auto', 'none'"),
     (None, "auto", "hermes", "tool_choice is set but tools is not"),
     (TOOLS, None, None, "tool calling needs a tool-call parser: start treerl serve with --tool-call-parser"),
@@ -96,8 +121,11 @@ def test_tool_choice_refusals_name_the_field(tools, choice, parser, error):
 
 def test_tool_choice_defaults_follow_openai():
     h = get_tool_format("hermes")
-    assert check_tool_choice(TOOLS, None, h) == "auto" and check_tool_choice(None, None, h) == "none"
-    assert check_tool_choice(TOOLS, "none", None) == "none"  # tools rendered, calls not parsed (vLLM)
+    assert check_tool_choice(TOOLS, None, h) == ("auto", None) and check_tool_choice(None, None, h) == ("none", None)
+    assert check_tool_choice(TOOLS, "none", None) == ("none", None)  # tools rendered, calls not parsed (vLLM)
+    assert check_tool_choice(TOOLS, "required", h) == ("required", None)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert check_tool_choice(TOOLS, named, h) == ("function", "get_weather")
 
 
 # ------------------------------------------------------------------ rendering
@@ -223,7 +251,7 @@ def test_tool_choice_none_malformed_text_and_refusals_over_http(weather):
         # cut after two tokens: an unfinished call is returned as content, counted, never a 500
         cut = await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, max_tokens=2)
         errors = []
-        for kw in [dict(tool_choice="required"), dict(tool_choice={"type": "function", "function": {"name": "x"}}),
+        for kw in [dict(tool_choice="required", stream=True), dict(tool_choice={"type": "function", "function": {"name": "x"}}),
                    dict(parallel_tool_calls=False)]:
             with pytest.raises(openai.BadRequestError) as e:
                 await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, **kw)
@@ -240,6 +268,63 @@ def test_tool_choice_none_malformed_text_and_refusals_over_http(weather):
     assert cut.choices[0].message.content == "<tool_call>" + CALL_HEAD
     assert health["chat"]["tool_calls"]["malformed"] == before + 1
     assert errors == ["tool_choice", "tool_choice", "parallel_tool_calls"]
+
+
+def test_forced_tool_calls_over_http_hold_the_opening_in_the_completion(weather):
+    """tool_choice "required" and a named function: the call's opening is forced (appended to
+    the prompt) and is the completion's first tokens, with the model's logprobs (here equal to
+    those of the same tokens sampled freely); the prompt is the conversation's, and the next
+    turn extends prompt + completion token for token. A forced call of a tool the request does
+    not offer is returned as content and counted in /metrics."""
+    exact, _, tok = weather
+    ids = tok.convert_tokens_to_ids
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    other = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+    async def main():
+        c = _client(exact)
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        out = {}
+        for label, kw in [("auto", {}), ("required", dict(tool_choice="required")), ("named", dict(tool_choice=named))]:
+            out[label] = await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS,
+                                                         temperature=0, **kw)
+        r1 = out["named"]
+        call = r1.choices[0].message.tool_calls[0]
+        turn2 = messages + [r1.choices[0].message.model_dump(exclude_none=True),
+                            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+        out["turn2"] = await c.chat.completions.create(model="treerl", messages=turn2, tools=TOOLS, temperature=0)
+        out["unknown"] = await c.chat.completions.create(model="treerl", messages=messages, tools=other,
+                                                         tool_choice="required", temperature=0)
+        metrics = (await c._client.get(exact.url.removesuffix("/v1") + "/metrics")).text
+        await c.close()
+        return out, metrics
+
+    before = exact.state.chat.stats()["tool_calls"]
+    out, metrics = asyncio.run(main())
+    produced = [ids("<tool_call>"), ids(CALL_HEAD), ids(CALL_TAIL), ids("</tool_call>"), ids("<|im_end|>")]
+    auto = out["auto"].choices[0].model_extra
+    for label, forced in [("required", 1), ("named", 2)]:
+        r = out[label]
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, label
+        assert choice.message.tool_calls[0].function.name == "get_weather"
+        assert json.loads(choice.message.tool_calls[0].function.arguments) == CALL["arguments"]
+        assert choice.model_extra["token_ids"] == produced  # the forced opening, then the model's tokens
+        assert r.model_extra["prompt_token_ids"] == out["auto"].model_extra["prompt_token_ids"]
+        lps, versions = choice.model_extra["token_logprobs"], choice.model_extra["token_versions"]
+        assert len(lps) == len(versions) == len(produced) and versions == [0] * len(produced)
+        assert lps == pytest.approx(auto["token_logprobs"], rel=1e-4, abs=1e-5)
+        assert r.usage.completion_tokens == len(produced) and r.usage.prompt_tokens == len(r.model_extra["prompt_token_ids"])
+    p1, c1 = out["named"].model_extra["prompt_token_ids"], out["named"].choices[0].model_extra["token_ids"]
+    assert out["turn2"].model_extra["prompt_token_ids"][: len(p1) + len(c1)] == p1 + c1
+    unknown = out["unknown"].choices[0]
+    assert unknown.finish_reason == "stop" and unknown.message.tool_calls is None
+    assert unknown.message.content == "<tool_call>" + CALL_WHOLE + "</tool_call>"
+    after = exact.state.chat.stats()["tool_calls"]
+    assert (after["forced"] - before["forced"], after["malformed"] - before["malformed"]) == (3, 1)
+    assert f"treerl_chat_tool_calls_malformed_total {float(after['malformed'])}" in metrics
+    assert f"treerl_chat_tool_calls_forced_total {float(after['forced'])}" in metrics
 
 
 def test_treerl_serve_refuses_an_unknown_tool_call_parser():

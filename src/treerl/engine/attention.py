@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..compiled import FLEX_OFF, LazyCompiled
 from ..hf_attention import attention_routed, register
+from .chain_attention import chain_attention
 from .kept_attention import KeptAttention
 
 ATTN_NAME = "treerl"
@@ -46,8 +47,10 @@ class TreeAttention:
 
     ``q_index`` [Nq] and ``k_index`` [Nk] are global tree indices (keys = prefix tokens
     then the queries themselves), ``k_end`` [Nk] the keys' subtree ends. ``causal``: the
-    caller knows the segment is one chain without prefix (every key visible to every later
-    query), so plain causal attention is exact. ``prefix[l]`` is
+    caller knows the segment is one chain (every key visible to every later query, the
+    prefix's to all queries): without prefix plain causal attention is exact, after one the
+    chain attention of :mod:`treerl.engine.chain_attention` (with :data:`CHAIN_AFTER_PREFIX`);
+    either needs no mask. ``prefix[l]`` is
     the list of (K, V) pieces of layer ``l`` that precede this call's own keys. With
     ``capture``, each layer's own (K, V) lands in ``captured[layer]``.
 
@@ -66,8 +69,9 @@ class TreeAttention:
         self.backend, self.q_index, self.k_index, self.k_end = backend, q_index, k_index, k_end
         self.prefix, self.capture = prefix, capture
         # one chain, no prefix: the tree mask is the causal mask, and SDPA's causal kernels
-        # (flash attention on CUDA) run it without any mask tensor
-        self.causal = causal and not prefix
+        # (flash attention on CUDA) run it without any mask tensor; one chain after a prefix:
+        # full attention to the prefix merged with causal attention to its own keys
+        self.causal = causal and (not prefix or CHAIN_AFTER_PREFIX)
         self.captured: dict[int, KV] = {}
         self.keep_layers: frozenset[int] = frozenset()
         self.kept: dict[int, KeptAttention] = {}
@@ -117,6 +121,14 @@ FLEX_KERNEL = {"BACKEND": "TRITON"}
 # (the padded rows see nothing, so flex skips their tiles) and the call takes the
 # whole-tile kernel of equal lengths. Costs a padded query and output per key in every layer.
 PREFIX_AS_TILES = False
+# A chain piece after a prefix as two fused SDPA kernels merged by their log-sum-exp
+# (treerl.engine.chain_attention; issue 24, an A/B switch of bench/long_trees.py): full
+# attention to the prefix, causal to its own keys. Off (the default): the tree mask, as any call after
+# a prefix. Off because on the H100 (2026-11-24) the kernels were 1.9x flex's rate in isolation but
+# long_prefix did not get faster end to end (5.64 s on, 5.69 s off), its CUDA tests crashed the test
+# process (the probe's odd shapes through cuDNN, not yet diagnosed) and cuDNN builds a plan per new
+# shape (~270 ms): see bench/RESULTS.md.
+CHAIN_AFTER_PREFIX = False
 
 
 def prefix_as_tiles() -> bool:
@@ -309,8 +321,13 @@ def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: t
             scaling: float | None) -> torch.Tensor:
     """query [1, H, Nq, D], key/value [1, H_kv, Nk, D] -> [1, H, Nq, D] by ``ctx``'s backend."""
     gqa = query.shape[1] != key.shape[1]
-    if ctx.causal:
+    if ctx.causal and key.shape[2] == query.shape[2]:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    if ctx.causal:  # one chain after a prefix
+        out = chain_attention(query, key, value, scaling)
+        if out is not None:
+            return out
+        # no fused kernel takes these inputs (chain_attention says so once): the tree mask
     if ctx.backend == "sdpa":
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=ctx.additive_mask(query.dtype), scale=scaling, enable_gqa=gqa

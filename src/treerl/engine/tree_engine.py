@@ -278,8 +278,9 @@ class TreeEngine:
             per_layer = [[piece[layer] for piece in prefix] for layer in range(self.num_layers)]
         else:
             k_index, per_layer = q_index, None
-        # one chain (every token's subtree reaches the segment's end) and no prefix: causal
-        chain = not prefix and int(b.tree.subtree_end[seg.start : seg.end].min()) >= seg.end
+        # one chain: every token's subtree, the prefix's included, reaches the segment's end
+        spans = [b.plan.segments[a] for a in ancestors] if prefix else []
+        chain = all(int(b.tree.subtree_end[s.start : s.end].min()) >= seg.end for s in spans + [seg])
         ctx = TreeAttention(
             self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture, causal=chain
         )

@@ -22,14 +22,14 @@ from .scheduler import RowSampling
 from .shared import SharedPrefixCache
 from .step import DecodeStep
 from .forks import ForkLayout
-from .types import RolloutStats
+from .types import RolloutStats, to_device
 
 
 TOP_LOGPROBS = 20  # top tokens logged per sampled token when a group asks (SamplingParams.top_logprobs <= 20)
 
 
 def _t(a, device) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)
+    return to_device(np.asarray(a, dtype=np.int64), device)
 
 
 class DeviceBatch:
@@ -104,7 +104,7 @@ class DeviceBatch:
         self.fork_slot = [torch.zeros(S, dtype=torch.int64, device=dev) for _ in range(tree.depth)]
 
     def set_live(self, live: np.ndarray) -> None:
-        self.live_d.copy_(torch.from_numpy(live.astype(np.int64)))
+        self.live_d.copy_(to_device(live.astype(np.int64), self.device))
 
     # ------------------------------------------------------------------ loading
     def load(self, prefilled, slots: np.ndarray, seq_lens: list[int], group_src: list[int], row_src: list[int],
@@ -274,10 +274,7 @@ class DeviceBatch:
 
     def _upload(self, a: np.ndarray) -> torch.Tensor:
         """A small host array on the device without a sync (pinned, asynchronous on CUDA)."""
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        return to_device(np.ascontiguousarray(a), self.device)
 
     def read_log(self, k: int, top: bool = False) -> tuple:
         """The first ``k`` logged sample calls' tokens and logprobs ``[k, S]`` on the host (a

@@ -32,8 +32,8 @@ LoRA (a PEFT model): the fused copies hold the *merged* weights ``W + scaling x 
 do copies of the output and down projections; they are refreshed with the other copies
 (every stream, every ``update_weights``: after each optimizer step), so a decode step is
 the base model's, kernel for kernel (no adapter product runs in it). The prompts' prefill
-runs the model's Hugging Face forward, through PEFT's layers (base product + the two
-adapter products, in the model's dtype: :mod:`treerl.lora`). Mixture of experts (Qwen3-MoE): the sparse MLP runs through
+runs the same blocks and copies (:mod:`treerl.rollout.prefill_blocks`; a mixture-of-experts
+model's prefill runs its Hugging Face forward). Mixture of experts (Qwen3-MoE): the sparse MLP runs through
 :func:`treerl.moe.moe_forward` (routing, grouped expert GEMMs; bf16 on CUDA for graph capture).
 """
 
@@ -83,7 +83,14 @@ def _post(layer: torch.nn.Module, hidden: torch.Tensor, o_own: torch.Tensor, l_o
     block, run as :func:`treerl.moe.moe_forward`). ``w_o``/``w_down``: merged LoRA weights
     of the output/down projections (None: the modules themselves)."""
     attn = merge_parts(o_own, l_own, o_pre, l_pre, G, hidden.dtype)
-    attn = attn.reshape(*hidden.shape[:-1], -1)
+    return _tail(layer, hidden, attn.reshape(*hidden.shape[:-1], -1), w_gate_up, b_gate_up, w_o, w_down)
+
+
+def _tail(layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, w_gate_up: torch.Tensor | None,
+          b_gate_up: torch.Tensor | None, w_o: torch.Tensor | None, w_down: torch.Tensor | None) -> torch.Tensor:
+    """The rest of a block after attention: ``hidden [B, T, H]`` and the attention output
+    ``attn [B, T, Hq x Dv]`` -> ``hidden [B, T, H]`` (output projection, residual, norm, MLP,
+    residual; the weights as in :func:`_post`)."""
     o_proj = layer.self_attn.o_proj
     hidden = hidden + (o_proj(attn) if w_o is None else torch.nn.functional.linear(attn, w_o, _bias(o_proj)))
     mlp = layer.mlp

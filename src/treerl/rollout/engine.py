@@ -39,6 +39,7 @@ from .blocks import DecodeBlocks
 from .kv import rollout_attention_enabled
 from .params import SamplingParams
 from .prefill import Prefiller
+from .prefill_blocks import PrefillForward
 from .prefix_cache import PrefixCache
 from .prompts import PromptQueue
 from .stream import RunningBatch, group_slots
@@ -62,7 +63,11 @@ class RolloutEngine:
     larger than the budget runs alone. ``prefill_chunk_tokens`` bounds the (padded) query
     tokens of one prefill forward and the prompt tokens prefilled together (the prompts
     admitted together are prefilled in batched pieces of about that many tokens,
-    prefix-cache hits included: their cached K/V is part of the piece). ``sync_every``:
+    prefix-cache hits included: their cached K/V is part of the piece) and, while rows are
+    decoding, the new tokens prefilled between two decode steps (chunked admission: the
+    oldest waiting prompt always, others while they fit; a longer wait for the rest instead
+    of a long stall for every running row). Groups of one row (``n = 1``: a serving batch)
+    keep their prompts in their own blocks, not in a prompt store. ``sync_every``:
     decode steps between host syncs (stop checks); stops are exact whatever its value.
 
     ``cuda_graphs`` (default: on for CUDA devices) replays each decode step as a CUDA graph,
@@ -140,7 +145,9 @@ class RolloutEngine:
         self.compile_decode = self.device.type == "cuda" if compile_decode is None else bool(compile_decode)
         self.decode_blocks = DecodeBlocks(model, self.compile_decode) if DecodeBlocks.applies(model) else None
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
-        self.prefiller = Prefiller(model, self.num_layers, self.prefill_chunk_tokens, self.logit_dtype)
+        own_prefill = PrefillForward(self.decode_blocks, self.compile_decode) \
+            if PrefillForward.applies(self.decode_blocks) else None
+        self.prefiller = Prefiller(model, self.num_layers, self.prefill_chunk_tokens, self.logit_dtype, own_prefill)
         self._stream_arena = None  # (shapes, device state) of the last stream, kept for the next
         self.stats = RolloutStats()
         self._lock = threading.RLock()
@@ -291,7 +298,7 @@ class RolloutEngine:
         tree = ForkLayout.of(params)
         G = tree.rows
         prefix_capacity = round_up(max(waiting, default=1))
-        groups = group_slots(tree, prefix_capacity, self.max_batch_tokens, self.kv_block_size)
+        groups = group_slots(tree, prefix_capacity, self.max_batch_tokens, self.kv_block_size, self.max_positions)
         if max_rows is not None:
             groups = min(groups, max(1, max_rows // G))
         if queue.closed:

@@ -10,22 +10,26 @@ others (its cached K/V copied in first).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from .kv import SlotCache
 from .prefix_cache import PrefixEntry
-from .types import RolloutStats
+from .types import RolloutStats, to_device
 
 
 class Prefiller:
     """Batched prefill of ``model`` (``num_layers`` layers) in forwards of at most
-    ``chunk_tokens`` (padded) query tokens; logits in ``logit_dtype``."""
+    ``chunk_tokens`` (padded) query tokens; logits in ``logit_dtype``. ``forward``: the
+    model's forward through treerl's own blocks
+    (:class:`~treerl.rollout.prefill_blocks.PrefillForward`; None: its Hugging Face forward)."""
 
-    def __init__(self, model: torch.nn.Module, num_layers: int, chunk_tokens: int, logit_dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, num_layers: int, chunk_tokens: int, logit_dtype: torch.dtype,
+                 forward: Callable | None = None):
         self.model, self.num_layers, self.chunk_tokens, self.logit_dtype = model, num_layers, chunk_tokens, logit_dtype
+        self.forward = forward
 
     def __call__(self, seqs: list[list[int]], cached: Sequence[PrefixEntry | None] | None = None,
                  stats: RolloutStats | None = None) -> tuple[SlotCache, torch.Tensor, torch.Tensor]:
@@ -58,29 +62,32 @@ class Prefiller:
         for i, s in enumerate(seqs):
             if len(s) > m[i]:
                 ids[i, W - (len(s) - m[i]) :] = s[m[i] :]
-        ids = torch.as_tensor(ids, device=dev)
-        first = torch.as_tensor(C - lens, device=dev)[:, None]  # [B, 1] each sequence's first slot
+        ids = to_device(ids, dev)
+        first = to_device(C - lens, dev)[:, None]  # [B, 1] each sequence's first slot
         window = torch.arange(C - W, C, device=dev)
         position = (window[None, :] - first).clamp(min=0)  # [B, W]
-        pad = window[None, :] < torch.as_tensor(C - lens + m, device=dev)[:, None]  # [B, W] not a new token
+        pad = window[None, :] < to_device(C - lens + m, dev)[:, None]  # [B, W] not a new token
         logits = None
         chunk = max(1, self.chunk_tokens // B)
         for a in range(0, W, chunk):
             b = min(W, a + chunk)
             mask, cache.write_index = self.mask(first, pad[:, a:b], C - W + a, C - W + b)
-            out = self.model(input_ids=ids[:, a:b], position_ids=position[:, a:b], attention_mask=mask,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1].to(self.logit_dtype)
+            if self.forward is not None:
+                logits = self.forward(ids[:, a:b], position[:, a:b], mask, cache).to(self.logit_dtype)
+            else:
+                out = self.model(input_ids=ids[:, a:b], position_ids=position[:, a:b], attention_mask=mask,
+                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+                logits = out.logits[:, -1].to(self.logit_dtype)
             stats.prefill_calls += 1
         cache.write_index = None
         full = [i for i, c in enumerate(cached) if c is not None and len(c) == len(seqs[i])]
         if logits is None:  # nothing new at all
             logits = torch.stack([c.logits for c in cached]).to(self.logit_dtype)
         elif full:  # nothing new in these rows: the entry's logits
-            logits[torch.as_tensor(full, device=dev)] = torch.stack([cached[i].logits for i in full]).to(logits.dtype)
+            logits[to_device(np.asarray(full, dtype=np.int64), dev)] = torch.stack([cached[i].logits for i in full]).to(logits.dtype)
         stats.prefill_tokens += int((lens - m).sum())
         stats.prefix_cache_hit_tokens += int(m.sum())
-        return cache, torch.as_tensor(lens, device=dev), logits
+        return cache, to_device(lens, dev), logits
 
     def mask(self, first: torch.Tensor, pad: torch.Tensor, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One prefill forward's additive mask ``[B, 1, c, q1]`` and write slots ``[B, c]`` for

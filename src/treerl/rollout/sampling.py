@@ -15,10 +15,12 @@ sample does not depend on the other rows of the batch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..compiled import SAMPLING_OFF, LazyCompiled
 from .params import SamplingParams
+from .types import to_device
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -123,8 +125,8 @@ def sample_rows(
         kept = apply_min_p(kept, min_p.to(logits.dtype))
     race = torch.empty_like(logp_all).exponential_(generator=generator)
     if seeds:  # seeded rows: their own noise, from their seeds alone, in one batched pass
-        rows = torch.tensor(list(seeds), dtype=torch.int64, device=race.device)
-        row_seeds = torch.tensor(list(seeds.values()), dtype=torch.int64, device=race.device)
+        rows = to_device(np.asarray(list(seeds), dtype=np.int64), race.device)
+        row_seeds = to_device(np.asarray(list(seeds.values()), dtype=np.int64), race.device)
         race[rows] = seeded_exponential(row_seeds, V).to(race.dtype)
     race.clamp_(min=torch.finfo(race.dtype).tiny)
     tokens = torch.where(greedy, logits.argmax(dim=-1), (kept - race.log()).argmax(dim=-1))

@@ -91,11 +91,13 @@ class Scheduler:
     fixed-shape buckets); ``stats``: counters to add to."""
 
     def __init__(self, tree: ForkLayout, params: SamplingParams, block: int, max_blocks: int,
-                 sync_every: int, exact: bool, stats: RolloutStats, logit_dtype: torch.dtype = torch.float32):
+                 sync_every: int, exact: bool, stats: RolloutStats, logit_dtype: torch.dtype = torch.float32,
+                 own_prompts: bool = False):
         self.tree, self.G, self.p, self.max_new = tree, tree.rows, params, params.max_new_tokens
         self.stopper = StopChecker(params.stop_token_ids, params.stop_strings, params.decoder())
         self.block, self.max_blocks, self.N = block, max_blocks, max_blocks * block
         self.sync_every, self.exact, self.stats, self.logit_dtype = sync_every, exact, stats, logit_dtype
+        self.own_prompts = own_prompts  # prompts live in their rows' own blocks (fed_h counts them)
         self.groups: dict[Hashable, GroupState] = {}  # admitted groups (preempted ones too) by key
         # taken from the queue, not admitted yet: prompts (key, prompt) and preempted groups first
         self.deferred: deque = deque()
@@ -181,7 +183,8 @@ class Scheduler:
             live = item.rows["live"]
             return int(self.blocks.blocks_for(self.cover(item.rows["fed_h"][live], W)).sum())
         n = item.params.n if isinstance(item, Waiting) and item.params is not None else self.tree.n
-        return n * int(self.blocks.blocks_for(self.cover(np.zeros(1, np.int64), W))[0])
+        fed = len(item.prompt) if self.own_prompts and isinstance(item, Waiting) else 0
+        return n * int(self.blocks.blocks_for(self.cover(np.full(1, fed, np.int64), W))[0])
 
     def reserve(self) -> int:
         """Blocks the live rows still need for their writes of the next ``sync_every`` steps."""
@@ -317,7 +320,7 @@ class Scheduler:
         row_src, group_src, plen = [], [], []
         for g in slots:
             prompt = self.groups[self.gkey[g]].prompt_ids.tolist()
-            plen.append(len(prompt))
+            plen.append(0 if self.own_prompts else len(prompt))
             first = None
             for r in range(g * self.G, (g + 1) * self.G):
                 if not self.live[r]:

@@ -110,14 +110,32 @@ from .scheduler import Preempted, Scheduler, group_bucket, own_bucket
 from .forks import ForkLayout
 from .types import Group, round_up
 
-__all__ = ["PromptQueue", "RunningBatch", "group_slots"]
+__all__ = ["PromptQueue", "RunningBatch", "group_slots", "own_prompts"]
+
+OWN_PROMPT_STORE = 16  # prompt slots per group slot when prompts live in the rows' own blocks (all masked)
 
 
-def group_slots(tree: ForkLayout, prefix_capacity: int, budget: int, block_size: int) -> int:
+def own_prompts(tree: ForkLayout, max_positions: int | None) -> bool:
+    """Whether a stream keeps each prompt in its row's own blocks instead of the prompt
+    store: groups of one row (a serving batch: nothing to share, and a prompt store sized
+    for the longest prompt would hold that much for every group slot, so growing prompts
+    would grow it past the budget and drain the batch) when the model's context bounds a
+    row's prompt + completion (``max_positions``)."""
+    return tree.rows == 1 and tree.depth == 0 and max_positions is not None
+
+
+def own_capacity(tree: ForkLayout, max_positions: int | None) -> int:
+    """Own slots per row: its completion's, or with :func:`own_prompts` the whole context."""
+    return round_up(max_positions) if own_prompts(tree, max_positions) else tree.own_capacity
+
+
+def group_slots(tree: ForkLayout, prefix_capacity: int, budget: int, block_size: int,
+                max_positions: int | None = None) -> int:
     """Group slots a K/V ``budget`` (token slots) affords, overcommitted: each slot's shared
     levels (prompt store, fork segments) and one own block (``block_size`` slots, see
-    :func:`~treerl.rollout.paging.block_size_for`) per row; at least one."""
-    block = block_size_for(tree.own_capacity, block_size)
+    :func:`~treerl.rollout.paging.block_size_for`) per row; at least one. With
+    :func:`own_prompts`, ``prefix_capacity`` prompt tokens in own blocks per slot instead."""
+    block = block_size_for(own_capacity(tree, max_positions), block_size)
     return max(1, budget // (tree.shared_tokens(prefix_capacity) + tree.rows * block))
 
 
@@ -136,11 +154,16 @@ class RunningBatch:
         self.e, self.q, self.p, self.gen = engine, queue, params, generator
         self.tree = tree = ForkLayout.of(params)
         self.G, self.max_new, self.budget = tree.rows, params.max_new_tokens, budget
-        self.block = block_size_for(tree.own_capacity, engine.kv_block_size)  # own slots per block
-        self.max_blocks = -(-tree.own_capacity // self.block)  # own blocks per row at most
+        # a group of one row keeps its prompt in its own blocks (own_prompts: the prompt store is unused)
+        self.own_prompts = own_prompts(tree, engine.max_positions)
+        capacity = own_capacity(tree, engine.max_positions)
+        self.block = block_size_for(capacity, engine.kv_block_size)  # own slots per block
+        self.max_blocks = -(-capacity // self.block)  # own blocks per row at most
         self.exact = not engine.static_kv  # rows computed per step: exactly the live span
         self.host = Scheduler(tree, params, self.block, self.max_blocks, engine.sync_every, self.exact,
-                              engine.stats, engine.logit_dtype)
+                              engine.stats, engine.logit_dtype, self.own_prompts)
+        if self.own_prompts:
+            prefix_capacity = OWN_PROMPT_STORE
         self.dev = DeviceBatch(engine, tree, self.block, self.max_blocks, engine.stats)
         self._allocate(groups, prefix_capacity, arena)
 
@@ -200,7 +223,7 @@ class RunningBatch:
                 if items:
                     waited = None
                     with e.generation_turn():
-                        items = self._fit(items)
+                        items = chunk_admission(self, self._fit(items))
                         if items:
                             rows = self._admit(items, np.asarray(h.free()[: len(items)]))
                             if len(rows):
@@ -257,7 +280,10 @@ class RunningBatch:
         store and the free blocks now. A longer prompt grows the prefix store in place while
         the budget allows; otherwise it waits (with every item after it, in order) until
         the batch has drained, and the batch is then rebuilt with fewer, larger group slots.
-        Never over budget unless a single group needs more (then it runs alone)."""
+        Never over budget unless a single group needs more (then it runs alone). With
+        :func:`own_prompts` the prompts take own blocks: admission by free blocks alone."""
+        if self.own_prompts:
+            return self.host.fit_blocks(items)
         longest = 0
         for i, item in enumerate(items):
             need = round_up(self._prompt_len(item))
@@ -387,6 +413,9 @@ class RunningBatch:
                 raise ValueError(f"prompt key {item.key!r} is already being generated")
             prompts.append(e.check_prompt(item.key, item.prompt, self._params(item)))
         rows = h.slot_rows(slots)
+        if self.own_prompts:  # (G = 1) the prompts' K/V goes into their rows' own blocks: taken first
+            if not h.blocks.grow(rows, h.cover(np.asarray([len(p) for p in prompts]), h.sync_every)):  # pragma: no cover
+                raise RuntimeError("admitted without free blocks")  # (fit_blocks checked them)
         for piece in self._pieces(prompts):
             cached = None
             if e.prefix_cache is not None:  # prompts extending a cached one: their new tokens only
@@ -435,7 +464,7 @@ class RunningBatch:
             self._store_prompts(list(distinct), prefilled)
         part = np.concatenate([rows[i * G : (i + 1) * G] for i in items])
         logits = self._load(slots[items], seqs, src, [s for s in src for _ in range(G)],
-                            [len(prompts[i]) for i in items], prefilled)
+                            [0 if self.own_prompts else len(prompts[i]) for i in items], prefilled)
         self.dev.set_logits(part, logits.repeat_interleave(G, dim=0))
 
     def _store_prompts(self, prompts: list[tuple[int, ...]], prefilled) -> None:
@@ -491,10 +520,39 @@ class RunningBatch:
         hi = hg * self.G
         version = e.version
         own_len = own_bucket(max(int(h.fed_h[:hi].max()) - self.tree.own_start, 0) + 1, self.dev.N, self.exact)
-        pre_len = int(h.plen[:hg].max()) if self.exact else self.P
+        pre_len = max(int(h.plen[:hg].max()), 1) if self.exact else self.P
         self.dev.decode(hg, own_len, pre_len)
         h.fed_h[h.live] += 1
         h.logit_version[h.live] = version
         e.stats.decode_steps += 1
         e.stats.decode_rows += hi
         e.stats.live_rows += int(h.live.sum())
+
+
+def chunk_admission(batch: RunningBatch, items: list) -> list:
+    """Chunked admission: while rows are decoding, the prefill between two decode steps
+    computes at most ``prefill_chunk_tokens`` new tokens (after prefix-cache hits; a
+    preempted group: its prompt and tokens so far). The items that fit, in order, are
+    admitted (the first always: the oldest waiting group progresses); the others wait, in
+    order, at the front of the deferred groups, so a short prompt may pass a long one."""
+    if len(items) < 2 or not batch.host.live.any():
+        return items
+    left, keep, wait = batch.e.prefill_chunk_tokens, [], []
+    for item in items:
+        n = _new_tokens(batch, item)
+        if not keep or n <= left:
+            keep.append(item)
+            left -= n
+        else:
+            wait.append(item)
+    batch.host.deferred.extendleft(reversed(wait))
+    return keep
+
+
+def _new_tokens(batch: RunningBatch, item) -> int:
+    """Tokens admitting ``item`` prefills."""
+    if isinstance(item, Preempted):  # (own prompts: the tokens fed count the prompt)
+        return int(item.rows["fed_h"].max(initial=0)) + (0 if batch.own_prompts else len(item.prompt))
+    cache, n = batch.e.prefix_cache, len(item.prompt)
+    hit = cache.lookup(item.prompt, batch.e.version) if cache is not None else None
+    return n - (len(hit) if hit is not None else 0)

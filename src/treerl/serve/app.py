@@ -30,6 +30,7 @@ hooks :func:`~treerl.serve.choices.chat_choice` and
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,7 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .choices import chat_choice, completion_body, response_body
+from .choices import chat_choice, completion_body, response_body, with_forced
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        WeightsRequest, validation_error)
@@ -143,24 +144,30 @@ def create_app(state: ServeState) -> FastAPI:
         if req.stream:
             return stream_response(state, req, prompts, chat=False)
         params = [sampling_params(state, req, len(ids)) for ids in prompts] if req.max_tokens != 0 else None
-        results = await run_prompts(state, prompts, params) if params is not None else [[] for _ in prompts]
-        return await run_in_threadpool(completion_body, state, req, prompts, results)
+        results = await run_prompts(state, prompts, params, request) if params is not None else [[] for _ in prompts]
+        # (a JSONResponse: FastAPI's encoder would walk every token id and logprob in Python, on the event loop)
+        return JSONResponse(await run_in_threadpool(completion_body, state, req, prompts, results))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = parse_request(ChatRequest, await request.body())
         check_model(state, req.model)
         turn = await run_in_threadpool(chat_prompt, state, req)
-        ids = check_ids(state, turn.ids, "messages")
+        ids = check_ids(state, turn.ids + turn.forced, "messages")
         if req.stream:
+            if turn.forced:
+                raise APIError(f"tool_choice={json.dumps(req.tool_choice)} is not served with stream=true (a forced "
+                               "call is answered whole): send stream=false", "tool_choice")
             return stream_response(state, req, [ids], chat=True, turn=turn)
-        [samples] = await run_prompts(state, [ids], [sampling_params(state, req, len(ids))])
+        params = sampling_params(state, req, len(ids))
+        [samples] = await run_prompts(state, [ids], [params], request)
 
         def body() -> dict:
-            choices = [chat_choice(state, req, turn, j, c) for j, c in enumerate(samples)]
-            return response_body("chatcmpl", "chat.completion", state, [ids], [samples], choices)
+            done = with_forced(state, turn, samples, params) if turn.forced else samples
+            choices = [chat_choice(state, req, turn, j, c) for j, c in enumerate(done)]
+            return response_body("chatcmpl", "chat.completion", state, [turn.ids], [done], choices)
 
-        return await run_in_threadpool(body)
+        return JSONResponse(await run_in_threadpool(body))
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):

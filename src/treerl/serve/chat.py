@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .history import TokenHistory, conversation_keys, message_key
@@ -151,13 +151,17 @@ def _decoder(tokenizer: Any):
 @dataclass
 class ChatTurn:
     """A chat request made ready to generate: prompt ``ids`` and what parsing and recording
-    its replies need."""
+    its replies need. ``forced``: token ids of a forced call opening (``tool_choice``
+    required or a named function, ``tool_name``), generated from as if the model had written
+    them: they are the first tokens of every completion."""
 
     ids: list[int]
     messages: list[dict]
     tools: list[dict] | None
-    tool_choice: str
+    tool_choice: str  # auto, none, required or function
     key: bytes  # of the request's conversation
+    forced: list[int] = field(default_factory=list)
+    tool_name: str | None = None
 
 
 class ChatRenderer:
@@ -186,18 +190,19 @@ class ChatRenderer:
     def prompt(self, req: Any) -> ChatTurn:
         """The prompt of a :class:`~treerl.serve.protocol.ChatRequest` (:class:`APIError` on bad input)."""
         tools = req.tools
-        choice = check_tool_choice(tools, req.tool_choice, self.tool_format)
+        choice, name = check_tool_choice(tools, req.tool_choice, self.tool_format)
         messages = template_messages(req.messages)
         text = render_chat(self.tokenizer, messages, tools, self.tool_format)
         ids = self.history.prompt_ids(messages, text, self._encode, self._decode)
-        return ChatTurn(ids, messages, tools, choice, conversation_keys(messages)[-1])
+        forced = self._encode(self.tool_format.opening(name, tools)) if choice in ("required", "function") else []
+        return ChatTurn(ids, messages, tools, choice, conversation_keys(messages)[-1], forced, name)
 
     def reply(self, turn: ChatTurn, text: str, finish_reason: str | None,
               completion_ids: Sequence[int]) -> tuple[dict, str | None]:
-        """The assistant message and finish reason of one choice; records its tokens for the
-        next turn."""
+        """The assistant message and finish reason of one choice (``text`` and
+        ``completion_ids``: a forced opening included); records its tokens for the next turn."""
         message, finish = tool_reply(text, finish_reason, turn.tools, turn.tool_choice, self.tool_format,
-                                     self.tool_stats)
+                                     self.tool_stats, turn.tool_name)
         self.history.record(message_key(turn.key, template_message(message)), turn.ids, completion_ids)
         return message, finish
 

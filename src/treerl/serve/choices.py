@@ -4,15 +4,18 @@ treerl's per-token ids, logprobs and weight versions. :func:`chat_choice` and
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any
 
-from ..rollout import Completion
+import torch
+
+from ..rollout import Completion, SamplingParams
 from .chat import ChatTurn
 from .detok import completion_text
 from .protocol import ChatRequest, CompletionRequest, SamplingRequest
-from .scoring import PromptScores, score_prompt
+from .scoring import PromptScores, score_forced, score_prompt
 from .state import ServeState
 
 
@@ -86,6 +89,28 @@ def chat_logprobs(state: ServeState, ids: list[int], lps: list[float],
 def choice_text(state: ServeState, req: SamplingRequest, c: Completion) -> str:
     return completion_text(state.tokenizer, c.completion_ids.tolist(), c.stop,
                            skip_special_tokens=req.skip_special_tokens, include_stop_str=req.include_stop_str_in_output)
+
+
+def with_forced(state: ServeState, turn: ChatTurn, samples: list[Completion], params: SamplingParams) -> list[Completion]:
+    """The samples of a forced tool call (``turn.forced``) with the forced opening as the
+    first tokens of their completions, as the model was conditioned on them (the prompt is
+    the conversation's; the next turn's prompt extends prompt + completion). Their logprobs
+    are the model's at the request's temperature (:func:`~treerl.serve.scoring.score_forced`:
+    one more forward of the prompt), their version the weights that scored them."""
+    k = len(turn.forced)
+    scores, version = score_forced(state.engine, turn.ids, turn.forced, params.temperature, params.top_logprobs)
+    ids = torch.as_tensor(turn.forced, dtype=torch.int64)
+    out = []
+    for c in samples:
+        top = c.top_logprobs
+        if top is not None:
+            top = (torch.cat([torch.as_tensor(scores.top_ids, dtype=top[0].dtype).reshape(k, -1), top[0]]),
+                   torch.cat([torch.as_tensor(scores.top_logprobs, dtype=top[1].dtype).reshape(k, -1), top[1]]))
+        out.append(dataclasses.replace(
+            c, prompt_ids=torch.as_tensor(turn.ids, dtype=torch.int64), completion_ids=torch.cat([ids, c.completion_ids]),
+            logprobs=torch.cat([torch.as_tensor(scores.logprobs, dtype=c.logprobs.dtype), c.logprobs]),
+            versions=torch.cat([torch.full((k,), version, dtype=c.versions.dtype), c.versions]), top_logprobs=top))
+    return out
 
 
 def chat_choice(state: ServeState, req: ChatRequest, turn: ChatTurn, index: int, c: Completion) -> dict:

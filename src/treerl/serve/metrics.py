@@ -44,6 +44,17 @@ class _LoopCollector:
         yield GaugeMetricFamily("treerl_busy_requests", "requests waiting or running", value=busy)
 
 
+class _CountersCollector:
+    """``treerl_<prefix>_<key>_total`` for each key of ``read()`` (counts), at scrape time."""
+
+    def __init__(self, prefix: str, documentation: str, read: Callable[[], dict[str, int]]):
+        self.prefix, self.documentation, self.read = prefix, documentation, read
+
+    def collect(self) -> Iterator[Metric]:
+        for key, value in self.read().items():
+            yield CounterMetricFamily(f"treerl_{self.prefix}_{key}", f"{self.documentation}: {key}", value=value)
+
+
 class ServeMetrics:
     """The metrics of one app. ``read()`` returns ``(LoopStats, RolloutStats, weight version,
     busy requests)`` at scrape time."""
@@ -64,6 +75,10 @@ class ServeMetrics:
                 c = Counter(f"treerl_{name}", documentation, labelnames, registry=self.registry)
                 self._counters[name] = c
             return c
+
+    def counters_from(self, prefix: str, documentation: str, read: Callable[[], dict[str, int]]) -> None:
+        """Export the counts ``read()`` returns at each scrape as ``treerl_<prefix>_<key>_total``."""
+        self.registry.register(_CountersCollector(prefix, documentation, read))
 
     def exposition(self) -> bytes:
         """The text format a Prometheus scrape reads."""

@@ -10,6 +10,7 @@ import dataclasses
 from concurrent.futures import Future
 
 from pydantic import ValidationError
+from starlette.requests import Request
 
 from ..rollout import Completion, SamplingParams
 from .chat import ChatTurn
@@ -51,9 +52,9 @@ def check_ids(state: ServeState, ids: list[int], param: str, *, check_context: b
     if not ids and not allow_empty:
         raise APIError(f"{param} is empty", param)
     vocab = state.engine.vocab_size
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab:
-            raise APIError(f"{param}: token id {t} at position {i} is outside the vocabulary [0, {vocab})", param)
+    if ids and not (min(ids) >= 0 and max(ids) < vocab):
+        i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab)
+        raise APIError(f"{param}: token id {t} at position {i} is outside the vocabulary [0, {vocab})", param)
     context = state.engine.max_positions
     if check_context and context is not None and len(ids) > context - room:
         why = " (room for one generated token)" if room == 1 else ""
@@ -131,19 +132,66 @@ def submit(state: ServeState, futures: list[Future], ids: list[int], params: Sam
         raise APIError(str(err), param) from None
 
 
-async def run_prompts(state: ServeState, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
-    """Submit each prompt; wait for all (a cancelled handler cancels its rows)."""
+async def run_prompts(state: ServeState, prompts: list[list[int]], params: list[SamplingParams],
+                      request: Request) -> list[list[Completion]]:
+    """Submit each prompt; wait for all. A client that disconnects before they finish (or a
+    cancelled handler) cancels its rows: they stop at the engine's next host sync and free
+    their K/V; the answer (499) goes nowhere."""
     futures: list[Future] = []
     for ids, p in zip(prompts, params):
         submit(state, futures, ids, p)
+    results = asyncio.gather(*(_awaitable(f) for f in futures))
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not results.done() and gone.exception() is None:
+            cancel(state, futures)
+            results.cancel()
+            raise APIError("the client disconnected before its completions finished", None, status=499,
+                           code="client_disconnected")
+        return list(await results)  # (a receive that failed: no disconnect seen, the results awaited)
     except asyncio.CancelledError:
         cancel(state, futures)
+        results.cancel()
+        raise
+    except APIError:
         raise
     except Exception as err:  # noqa: BLE001 - the client gets a JSON error, the server goes on
         cancel(state, futures)
         raise generation_error(err) from None
+    finally:
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client of ``request`` (whose body was read) has disconnected."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _awaitable(f: Future) -> asyncio.Future:
+    """An asyncio future with ``f``'s outcome; cancelling it leaves ``f`` to the engine loop
+    (``asyncio.wrap_future`` would cancel ``f`` itself: :meth:`EngineLoop.cancel` would then
+    see it done and leave its rows running)."""
+    aloop = asyncio.get_running_loop()
+    out = aloop.create_future()
+
+    def copy(done: Future) -> None:
+        if out.cancelled():
+            return
+        if done.exception() is not None:
+            out.set_exception(done.exception())
+        else:
+            out.set_result(done.result())
+
+    def on_done(done: Future) -> None:  # (the engine thread, or this one if already done)
+        try:
+            aloop.call_soon_threadsafe(copy, done)
+        except RuntimeError:  # the event loop is closed: nobody waits any more
+            pass
+
+    f.add_done_callback(on_done)
+    return out
 
 
 def cancel(state: ServeState, futures: list[Future]) -> None:

@@ -30,6 +30,8 @@ class ServeState:
             self.chat = ChatRenderer(self.tokenizer)
         self.metrics = ServeMetrics(lambda: (self.loop.stats, self.loop.engine_stats(), self.engine.version,
                                              self.loop.busy))
+        self.metrics.counters_from("chat_tool_calls", "tool-call parsing of chat replies (ToolStats)",
+                                   self.chat.tool_stats.snapshot)
 
     @property
     def engine(self):

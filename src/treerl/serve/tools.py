@@ -17,10 +17,14 @@ for tokenizers without a chat template, ``render``).
 Malformed call text (a start tag whose call does not parse) is returned as plain content,
 ``finish_reason`` unchanged, and counted in :class:`ToolStats` (never an error).
 
-``tool_choice`` (vLLM's semantics): ``auto`` (the default with tools): calls are parsed;
-``none``: the tools are still rendered into the prompt, calls are not parsed (the text is the
-content); ``required`` and a named function are refused with a 400: they need constrained
-decoding, which treerl serve does not have.
+``tool_choice`` (vLLM's semantics where treerl can honour them): ``auto`` (the default with
+tools): calls are parsed; ``none``: the tools are still rendered into the prompt, calls are not
+parsed (the text is the content); ``required`` and a named function *force the opening of a
+call*: the generation continues from the format's opening (:meth:`ToolFormat.opening`;
+``hermes``: ``<tool_call>``, with a name ``<tool_call>\n{"name": "NAME", ``) appended to
+the prompt, and the reply is parsed with it. The name is forced; the arguments are the model's
+own (no grammar constrains them): a reply whose call does not parse, or names a tool not in
+``tools``, is returned as content and counted (``malformed``), never an error.
 """
 
 from __future__ import annotations
@@ -63,10 +67,11 @@ class MalformedToolCall(ValueError):
 class ToolStats:
     """Counters of tool-call parsing (thread-safe; ``snapshot()`` for /metrics and /health)."""
 
-    replies: int = 0  # replies parsed for tool calls (tool_choice auto)
+    replies: int = 0  # replies parsed for tool calls (tool_choice auto, required or a named function)
     with_calls: int = 0  # replies that carried at least one call
     calls: int = 0  # calls returned
-    malformed: int = 0  # replies whose call text did not parse (returned as content)
+    malformed: int = 0  # replies whose call text did not parse, or (forced) named no tool of the request
+    forced: int = 0  # replies generated from a forced call opening (tool_choice required or a named function)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **counts: int) -> None:
@@ -77,7 +82,7 @@ class ToolStats:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return {"replies": self.replies, "with_calls": self.with_calls, "calls": self.calls,
-                    "malformed": self.malformed}
+                    "malformed": self.malformed, "forced": self.forced}
 
 
 class ToolFormat:
@@ -93,6 +98,13 @@ class ToolFormat:
         """An assistant message's text (``calls``: ``{"name", "arguments": dict}``), for
         tokenizers without a chat template."""
         raise NotImplementedError(f"the {self.name!r} tool-call format cannot render calls without a chat template")
+
+    def opening(self, name: str | None, tools: Sequence[dict]) -> str:
+        """The text that opens a call (``name``: of that tool, through its name; None: any
+        tool), which a forcing ``tool_choice`` appends to the prompt. :class:`APIError` naming
+        ``tool_choice`` when this format cannot force it."""
+        raise APIError(f"the {self.name!r} tool-call format cannot force a call: send tool_choice='auto'",
+                       "tool_choice")
 
 
 _FORMATS: dict[str, Callable[[], ToolFormat]] = {}
@@ -157,6 +169,13 @@ class HermesFormat(ToolFormat):
                   + f"\n{self.END}" for c in calls]
         return content + "\n".join(blocks)  # parse(render(c, calls)) gives c and calls back
 
+    def opening(self, name: str | None, tools: Sequence[dict]) -> str:
+        """``<tool_call>``, and with a name ``\n{"name": "NAME", `` after it (as the Qwen templates
+        write a call: the model goes on with ``"arguments": ...``)."""
+        if name is None:
+            return self.START
+        return f"{self.START}\n" + '{"name": ' + json.dumps(name, ensure_ascii=False) + ", "
+
 
 def _single_parameter(tool: dict) -> str | None:
     props = ((tool.get("function") or {}).get("parameters") or {}).get("properties") or {}
@@ -190,6 +209,20 @@ class TagFormat(ToolFormat):
             calls.append(ToolCall(m[1], json.dumps({tags[m[1]]: m[2]}, ensure_ascii=False)))
         return ParsedReply(text[: first.start()] or None, calls)
 
+    def opening(self, name: str | None, tools: Sequence[dict]) -> str:
+        """``<NAME>`` (required: the only tool this format can call, else refused)."""
+        tags = self._tags(tools)
+        if name is None:
+            if len(tags) != 1:
+                raise APIError(f"tool_choice='required' with the tag tool-call format needs exactly one tool with one "
+                               f"parameter (the tag names the tool); these tools have {len(tags)}: send a named "
+                               "function", "tool_choice")
+            name = next(iter(tags))
+        if name not in tags:
+            raise APIError(f"the tag tool-call format calls tools with exactly one parameter; {name!r} is not one",
+                           "tool_choice")
+        return f"<{name}>"
+
     def render(self, content: str, calls: Sequence[dict], tools: Sequence[dict]) -> str:
         out = [content]
         for c in calls:
@@ -202,8 +235,9 @@ class TagFormat(ToolFormat):
 
 
 # ----------------------------------------------------------------- tool_choice
-def check_tool_choice(tools: list[dict] | None, tool_choice: Any, parser: ToolFormat | None) -> str:
-    """The effective choice (``"auto"`` or ``"none"``) of a request; :class:`APIError` for
+def check_tool_choice(tools: list[dict] | None, tool_choice: Any, parser: ToolFormat | None) -> tuple[str, str | None]:
+    """The effective choice of a request, ``(mode, name)``: mode ``"auto"``, ``"none"``,
+    ``"required"`` or ``"function"`` (a named function: ``name``); :class:`APIError` for
     what is not served (see the module docstring)."""
     if tools is not None:
         for i, t in enumerate(tools):
@@ -215,41 +249,57 @@ def check_tool_choice(tools: list[dict] | None, tool_choice: Any, parser: ToolFo
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if tool_choice == "none":
-        return "none"
+        return "none", None
     if not tools:
         raise APIError("tool_choice is set but tools is not: send the tools the model may call", "tool_choice")
-    if tool_choice == "auto":
-        if parser is None:
-            raise APIError("tool calling needs a tool-call parser: start treerl serve with --tool-call-parser "
-                           f"({', '.join(tool_formats())}), or send tool_choice='none'", "tools")
-        return "auto"
-    if tool_choice == "required" or isinstance(tool_choice, dict):
-        raise APIError(f"tool_choice={json.dumps(tool_choice)} is not supported: forcing a call needs constrained "
-                       "decoding, which treerl serve does not have; send tool_choice='auto' and check the reply's "
-                       "tool_calls", "tool_choice")
-    raise APIError(f"tool_choice must be 'auto', 'none', 'required' or a named function, got "
-                   f"{json.dumps(tool_choice)}", "tool_choice")
+    if tool_choice not in ("auto", "required") and not isinstance(tool_choice, dict):
+        raise APIError(f"tool_choice must be 'auto', 'none', 'required' or a named function, got "
+                       f"{json.dumps(tool_choice)}", "tool_choice")
+    if parser is None:
+        raise APIError("tool calling needs a tool-call parser: start treerl serve with --tool-call-parser "
+                       f"({', '.join(tool_formats())}), or send tool_choice='none'", "tools")
+    if tool_choice in ("auto", "required"):
+        return tool_choice, None
+    fn = tool_choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
+        raise APIError('a named tool_choice must be {"type": "function", "function": {"name": ...}}', "tool_choice")
+    if name not in tool_names(tools):
+        raise APIError(f"tool_choice names {name!r}, which is not in tools ({', '.join(sorted(tool_names(tools)))})",
+                       "tool_choice")
+    return "function", name
+
+
+def tool_names(tools: Sequence[dict]) -> set[str]:
+    return {t["function"]["name"] for t in tools}
 
 
 def tool_reply(text: str, finish_reason: str | None, tools: list[dict] | None, choice: str,
-               parser: ToolFormat | None, stats: ToolStats) -> tuple[dict, str | None]:
+               parser: ToolFormat | None, stats: ToolStats, name: str | None = None) -> tuple[dict, str | None]:
     """The assistant message (``content`` and, when the model called tools, ``tool_calls``)
     and the finish reason (``tool_calls`` when it did, whatever ended the completion: vLLM's
-    rule) of a completion's text."""
-    if choice != "auto" or parser is None or not tools:
+    rule) of a completion's text (with a forcing ``choice``: the forced opening included).
+    Forced (``required``, or ``function`` with ``name``): a reply without a parsable call of
+    the request's tools (the named one first) is content, counted as malformed."""
+    if choice == "none" or parser is None or not tools:
         return {"role": "assistant", "content": text}, finish_reason
+    forced = choice != "auto"
     try:
         parsed = parser.parse(text, tools)
+        if forced and (parsed is None or not parsed.calls or any(c.name not in tool_names(tools) for c in parsed.calls)
+                       or (name is not None and parsed.calls[0].name != name)):
+            raise MalformedToolCall("a forced call that names no tool of the request")
     except MalformedToolCall:
-        stats.add(replies=1, malformed=1)
+        stats.add(replies=1, malformed=1, forced=int(forced))
         return {"role": "assistant", "content": text}, finish_reason
     if parsed is None or not parsed.calls:
         stats.add(replies=1)
         return {"role": "assistant", "content": text}, finish_reason
-    stats.add(replies=1, with_calls=1, calls=len(parsed.calls))
+    stats.add(replies=1, with_calls=1, calls=len(parsed.calls), forced=int(forced))
     return ({"role": "assistant", "content": parsed.content, "tool_calls": [c.to_openai() for c in parsed.calls]},
             "tool_calls")
 
 
 __all__ = ["ToolCall", "ParsedReply", "MalformedToolCall", "ToolStats", "ToolFormat", "register_tool_format",
-           "tool_formats", "get_tool_format", "HermesFormat", "TagFormat", "check_tool_choice", "tool_reply"]
+           "tool_formats", "get_tool_format", "HermesFormat", "TagFormat", "check_tool_choice", "tool_names",
+           "tool_reply"]

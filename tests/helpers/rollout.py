@@ -1,26 +1,26 @@
-"""Shared pieces of the rollout tests: a tiny random Qwen3, prompts, and a completion-length
-rule that ends every greedy completion with a stop string at a length set by its first
-token (so the stops are exercised without a trained model)."""
+"""Shared pieces of the rollout tests (their model: :func:`helpers.models.tiny_model`): prompts,
+greedy references by full forwards, and completion-length rules that end every greedy
+completion with a stop string at a length set by its first token (so the stops are exercised
+without a trained model)."""
 
 from __future__ import annotations
 
 import torch
 
-from treerl.models import build_model, rmsnorm_in_input_precision
 from treerl.rollout import SamplingParams
 
-VOCAB = 512
+VOCAB = 512  # the `tiny` shape's vocabulary
 STOP = "#" * 10  # long enough that the stop-string search always decodes the whole completion
-
-
-def tiny(dtype=torch.float64, seed=0, **overrides):
-    model = build_model("qwen3", "tiny", dtype=dtype, seed=seed, **overrides)
-    return rmsnorm_in_input_precision(model) if dtype == torch.float64 else model
 
 
 def target_length(ids):
     """Completion length set by its first token: 2..18 (a stop string appears there)."""
     return 2 + (int(ids[0]) * 7) % 17
+
+
+def long_target_length(ids):
+    """Completion length set by its first token: 4..40 (long rows need several K/V blocks)."""
+    return 4 + (int(ids[0]) * 7) % 37
 
 
 def decoder(length=target_length):

@@ -1,0 +1,83 @@
+"""The prefill forward for the families treerl decodes itself (dense Qwen2, Qwen3, Llama),
+block by block, as the decode step (:mod:`treerl.rollout.blocks`) runs.
+
+A prefill forward through Hugging Face's modules dispatches ~100 operations per layer
+(~45 kernels: norms, RoPE and reshapes as separate eager ops); a serving batch admits a
+request or two every few decode steps, each a prefill of a few hundred new tokens, so on a
+GPU that forward is launch-bound (~3,000 dispatches for a 28-layer model) and its host time,
+not its FLOPs, stalls the decode steps around it. Here each layer runs as
+
+1. ``pre`` — input norm, the Q/K/V projections as one product (the decode step's fused
+   copies, :class:`~treerl.rollout.blocks.FusedProjections`), Q/K norms (Qwen3), RoPE;
+2. the keys/values written into the prefill's :class:`~treerl.rollout.kv.SlotCache` and
+   attention through :func:`~treerl.rollout.kv.rollout_attention` (the engine's mask);
+3. the block's rest (:func:`~treerl.rollout.blocks._tail`: output projection, residual,
+   norm, MLP, residual);
+
+with ``pre`` and the rest compiled on CUDA (regional ``torch.compile``, dynamic shapes), the
+same math as the modules' forward, reordered. Mixture-of-experts models and other causal
+LMs prefill through their Hugging Face forward."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .blocks import DecodeBlocks, _tail
+from ..compiled import DECODE_OFF, LazyCompiled
+from .kv import SlotCache, rollout_attention
+
+
+def _prefill_pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 w_qkv: torch.Tensor, b_qkv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hidden [B, T, H]`` -> ``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]`` (post-RoPE) and
+    ``v [B, Hkv, T, Dv]``. ``w_qkv``/``b_qkv``: the Q, K, V projections as one."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    D = attn.head_dim
+    kv = attn.config.num_key_value_heads * D
+    q, k, v = torch.nn.functional.linear(x, w_qkv, b_qkv).split([w_qkv.shape[0] - 2 * kv, kv, kv], dim=-1)
+    shape = (*hidden.shape[:-1], -1, D)
+    q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
+    if hasattr(attn, "q_norm"):  # Qwen3
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
+
+
+_PRE, _TAIL = LazyCompiled(_prefill_pre, "prefill blocks", DECODE_OFF), LazyCompiled(_tail, "prefill blocks", DECODE_OFF)
+
+
+class PrefillForward:
+    """A prefill forward through the model's own modules and the decode step's fused
+    projection copies (``decode``: the engine's :class:`~treerl.rollout.blocks.DecodeBlocks`,
+    refreshed whenever the parameters may have changed). ``compile``: ``pre`` and the
+    block's rest through ``torch.compile``. Call :meth:`applies` first."""
+
+    def __init__(self, decode: DecodeBlocks, compile: bool):
+        self.decode = decode
+        self.pre, self.tail = (_PRE, _TAIL) if compile else (_prefill_pre, _tail)
+
+    @staticmethod
+    def applies(decode: DecodeBlocks | None) -> bool:
+        """Dense blocks only (a mixture-of-experts layer prefills through its HF forward)."""
+        return decode is not None and all(w is not None for w in decode.fused.gate_up_w)
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        """``ids/pos [B, T]`` (the queries of one forward), additive ``mask [B, 1, T, L]``
+        (``L``: the cache's slots after this forward), ``cache`` (keys/values written where
+        :meth:`SlotCache.update <treerl.rollout.kv.SlotCache.update>` says) -> the logits
+        after the last query ``[B, V]``."""
+        base, f = self.decode.base, self.decode.fused
+        hidden = base.embed_tokens(ids)
+        cos, sin = base.rotary_emb(hidden, pos)
+        B, T = ids.shape
+        for i, layer in enumerate(base.layers):
+            q, k, v = self.pre(layer, hidden, cos, sin, f.qkv_w[i], f.qkv_b[i])
+            keys, values = cache.update(k, v, i)
+            attn, _ = rollout_attention(layer.self_attn, q, keys, values, mask, layer.self_attn.scaling)
+            hidden = self.tail(layer, hidden, attn.reshape(B, T, -1), f.gate_up_w[i], f.gate_up_b[i], f.o_w[i],
+                               f.down_w[i])
+        return self.decode.model.lm_head(base.norm(hidden[:, -1:]))[:, -1]

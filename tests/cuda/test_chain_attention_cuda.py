@@ -1,0 +1,103 @@
+"""Chain attention after a prefix on the GPU (treerl.engine.chain_attention): each fused SDPA
+kernel's merged output and gradients against float64, and the engine with the path on
+against the tree mask (off), both against a float32 per-sequence reference.
+
+Skipped on machines without a GPU; run on the device machine."""
+
+import pytest
+import torch
+
+import treerl
+import treerl.engine.attention as attention
+import treerl.engine.chain_attention as chain
+from treerl.devtools.workloads import SCALES, make_workload
+from treerl.models import build_model
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+HEADS, KV_HEADS, DIM = 16, 8, 128  # Qwen3-1.7B
+
+
+def rel(got, want) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("n,prefix", [(1, 1), (77, 0), (77, 1), (200, 333), (256, 1024)])
+@pytest.mark.parametrize("expand_kv", [False, True], ids=["gqa", "kv-expanded"])
+@pytest.mark.parametrize("name", chain.KERNELS)
+def test_fused_kernels_against_float64(name, expand_kv, n, prefix):
+    """bf16 kernel, merged in float32, against the float64 math on the same (bf16) inputs:
+    within bf16 rounding (~1e-2 of the largest value), where a wrong merge or log-sum-exp
+    convention is off by O(1). A kernel that refuses the inputs is skipped, saying why."""
+    kernel = chain.Kernel(name, *chain.FUSED[name], expand_kv=expand_kv)
+    gen = torch.Generator().manual_seed(n + prefix)
+    q = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(1, KV_HEADS, prefix + n, DIM, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    dout = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
+    scale = DIM ** -0.5
+    try:
+        out, lse, extras = chain.chain_forward(kernel, q, k, v, prefix, scale)
+        grads = chain.chain_backward(kernel, dout, q, k, v, out, lse, extras, prefix, scale)
+    except RuntimeError as exc:
+        pytest.skip(f"{name} refuses these inputs: {str(exc).splitlines()[0][:200]}")
+    f64 = [x.double() for x in (q, k, v, dout)]
+    ref_out, ref_lse, ref_extras = chain.chain_forward(chain.MATH, *f64[:3], prefix, scale)
+    ref = chain.chain_backward(chain.MATH, f64[3], *f64[:3], ref_out, ref_lse, ref_extras, prefix, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert rel(out, ref_out) < 1e-2
+    assert float((chain.lse_rows(lse, n).double() - ref_lse).abs().max()) < 1e-3  # float32 statistics
+    for what, got, want in zip(("dq", "dk", "dv"), grads, ref):
+        assert got.shape == want.shape and rel(got, want) < 2e-2, (what, rel(got, want))
+
+
+def test_probe_picks_a_fused_kernel_for_qwen3_heads():
+    q = torch.zeros(1, HEADS, 8, DIM, device="cuda", dtype=torch.bfloat16)
+    k = torch.zeros(1, KV_HEADS, 16, DIM, device="cuda", dtype=torch.bfloat16)
+    kernel = chain.kernel_for(q, k)
+    assert kernel is not None and kernel.name in chain.KERNELS
+    print(f"chain attention kernel: {kernel.name}{' (K/V expanded)' if kernel.expand_kv else ''}")
+    assert chain.kernel_for(q.float(), k.float()) is None  # float32: the tree mask, by design
+
+
+def _logprobs_and_grads(model, engine, seqs, weights):
+    model.zero_grad()
+    lps = engine.logprobs(seqs)
+    engine.forward_backward(seqs, lambda lps: sum((lp.double() * w).sum() for lp, w in zip(lps, weights)))
+    return [lp.double() for lp in lps], {n: p.grad.double().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode,kw", [("flat", {"max_tokens": 256}), ("dfs", {"chunk_tokens": 200}),
+                                     ("auto", {"max_tokens": 300, "chunk_tokens": 64})])
+def test_engine_bf16_chain_path_as_accurate_as_the_tree_mask(mode, kw, monkeypatch):
+    """bf16 engine on a long shared prefix split in chain pieces: with the chain attention its
+    logprobs and gradients are as close to the float32 per-sequence reference as with the
+    tree mask (flex), and the pieces did run through it."""
+    seqs = [torch.as_tensor(s) for s in make_workload("long_prefix", SCALES["small"], 4096, seed=3)]
+    weights = [torch.randn(len(s) - 1, device="cuda", dtype=torch.float64) for s in seqs]
+    model = build_model("qwen3", "small", dtype=torch.bfloat16, device="cuda", seed=1)
+    ref_model = build_model("qwen3", "small", dtype=torch.float32, device="cuda", seed=1)
+    ref_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})  # the same weights
+    ref_lps = []
+    for s in seqs:
+        logits = ref_model(input_ids=s[None].cuda()).logits[0].double()
+        ref_lps.append(torch.log_softmax(logits[:-1], -1).gather(1, s[1:, None].cuda())[:, 0])
+    sum((lp * w).sum() for lp, w in zip(ref_lps, weights)).backward()
+    ref_grads = {n: p.grad.double() for n, p in ref_model.named_parameters()}
+    ref_lps = [lp.detach() for lp in ref_lps]
+
+    prefixes = []
+    apply = chain.ChainAttention.apply
+    monkeypatch.setattr(chain.ChainAttention, "apply",
+                        lambda q, k, v, prefix, *rest: prefixes.append(prefix) or apply(q, k, v, prefix, *rest))
+    errors = {}
+    for on in (False, True):
+        monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", on)
+        engine = treerl.TreeEngine(model, mode, attention="flex", compile=False, **kw)  # blocks eager: attention only
+        lps, grads = _logprobs_and_grads(model, engine, seqs, weights)
+        lp_err = max(float((a - b).abs().max()) for a, b in zip(lps, ref_lps))
+        grad_err = max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref_grads.items())
+        errors[on] = (lp_err, grad_err)
+        assert bool(prefixes) == on and (not on or max(prefixes) > 0), prefixes
+    print("max |logprob error|, max relative gradient error: tree mask", errors[False], "chain", errors[True])
+    assert errors[True][0] <= 1.5 * errors[False][0] + 1e-2, errors
+    assert errors[True][1] <= 1.5 * errors[False][1] + 1e-2, errors

@@ -1,0 +1,291 @@
+"""The rollout engine's CUDA paths (CUDA graphs, compiled decode blocks, the decode attention
+kernels, K/V memory) against the eager engine and a float64 full forward. Skipped on machines
+without a GPU; run on the device machine (``pytest -m cuda``). Their CPU counterparts live in
+tests/rollout/ (the section of each file is named)."""
+
+import copy
+
+import pytest
+import torch
+
+from helpers.models import tiny_model
+from helpers.reference import completion_logprobs
+from helpers.rollout import VOCAB, long_target_length, random_prompts, sampling
+from treerl.models import build_model, rmsnorm_in_input_precision
+from treerl.rollout import ForkLayout, PromptQueue, RolloutEngine, SamplingParams
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+
+# ------------------------------------------------------------------ generate (tests/rollout/test_rollout.py)
+
+
+def test_cuda_graph_decode_matches_full_forward():
+    model = tiny_model(dtype=torch.float32, seed=2).cuda()
+    prompts = random_prompts([9, 30, 3, 17], seed=6)
+    params = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_new_tokens=40, seed=0,
+                            branch_points=[10], stop_token_ids=list(range(0, VOCAB, 41)))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    graphed = RolloutEngine(model, sync_every=4)
+    assert graphed.cuda_graphs and graphed.static_kv
+    groups = graphed.generate(prompts, params)
+    greedy = SamplingParams(temperature=0, max_new_tokens=20)
+    eager = RolloutEngine(model, cuda_graphs=False).generate(prompts, greedy)
+    for g, e, p in zip(graphed.generate(prompts, greedy), eager, prompts):
+        assert g[0].completion_ids.tolist() == e[0].completion_ids.tolist()
+    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
+    assert graphed.stats.decode_steps > 0 and sum(len(g) for g in groups) > len(prompts) * 3
+    for g, p in zip(groups, prompts):
+        for c in g:
+            ref = completion_logprobs(reference, p, c.completion_ids.tolist(), 0.8)
+            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()
+
+
+# ------------------------------------------------------------------ the stream (tests/rollout/test_rollout_stream.py)
+
+
+def test_cuda_graph_stream_matches_eager_and_full_forward():
+    """CUDA graphs per row bucket, admissions into graphed batches, compaction: greedy
+    equals the eager stream; sampled logprobs match a float64 full forward."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model(dtype=torch.float32, seed=2).cuda()
+    prompts = random_prompts([9, 30, 3, 17, 5, 12, 21, 2, 8, 14], seed=6)
+    graphed = RolloutEngine(model, sync_every=4)
+    assert graphed.cuda_graphs and graphed.static_kv
+    eager = RolloutEngine(model, cuda_graphs=False)
+    a = sorted(graphed.generate_stream(prompts, sampling(24, n=2), max_rows=12), key=lambda g: g.prompt_index)
+    b = sorted(eager.generate_stream(prompts, sampling(24, n=2), max_rows=12), key=lambda g: g.prompt_index)
+    assert [[c.completion_ids.tolist() for c in g] for g in a] == [[c.completion_ids.tolist() for c in g] for g in b]
+    assert graphed.stats.admissions > 1
+    p = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_new_tokens=40, seed=0,
+                       stop_token_ids=list(range(0, VOCAB, 41)))
+    groups = list(graphed.generate_stream(prompts, p, max_rows=24))
+    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
+    for g in groups:
+        for c in g:
+            ref = completion_logprobs(reference, prompts[g.prompt_index], c.completion_ids.tolist(), 0.8)
+            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float32, 16), (torch.float16, 64)])
+def test_cuda_two_level_attention_kernel(dtype, D):
+    """The CUDA memory-efficient kernel and treerl's split-key Triton kernel (with LSE) are
+    usable here, and two-level attention through each agrees with the exact float64
+    reference to the dtype's rounding; so does the split kernel reading the own keys
+    through a block table (paged row store, blocks of 64 and 16 slots)."""
+    from treerl.rollout.decode_attention import split_attention_ok
+    from treerl.rollout.shared import _efficient_ok, two_level_attention
+
+    dev = "cuda"
+    assert _efficient_ok(str(torch.device(dev, torch.cuda.current_device())), dtype, D, D), "fast path not usable"
+    assert split_attention_ok(str(torch.device(dev, torch.cuda.current_device())), dtype, D, D), "split kernel not usable"
+    # views of unaligned lengths (eager steps) may or may not run on the kernel: reported, not required
+    print("unaligned lengths on the kernel:", _efficient_ok(str(torch.device(dev, torch.cuda.current_device())),
+                                                            dtype, D, D, True))
+    g = torch.Generator(device=dev).manual_seed(0)
+    NG, G, Hkv, gq, P, L = 4, 8, 2, 2, 1040, 96
+    B, Hq = NG * G, Hkv * gq
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float64)
+
+    q, pk, pv, ok, ov = rnd(B, Hq, 1, D), rnd(NG, Hkv, P, D), rnd(NG, Hkv, P, D), rnd(B, Hkv, L, D), rnd(B, Hkv, L, D)
+    plen = torch.tensor([1040, 500, 1, 77], device=dev)
+    olen = torch.randint(1, L + 1, (B,), generator=g, device=dev)
+
+    def masks(dt):
+        zero, neg = torch.zeros((), dtype=dt, device=dev), torch.tensor(torch.finfo(dt).min, dtype=dt, device=dev)
+        pm = torch.where(torch.arange(P, device=dev)[None] < plen[:, None], zero, neg)[:, None, None]
+        om = torch.where(torch.arange(L, device=dev)[None] < olen[:, None], zero, neg)[:, None, None]
+        return om, pm
+
+    om, pm = masks(dtype)
+    c = [t.to(dtype) for t in (q, ok, ov, pk, pv)]
+    r = [t.double() for t in c]  # float64 reference on the same (rounded) inputs
+    om64, pm64 = masks(torch.float64)
+    ref = two_level_attention(r[0], r[1], r[2], om64, r[3], r[4], pm64, D ** -0.5, G)
+    slow = two_level_attention(c[0], c[1], c[2], om, c[3], c[4], pm, D ** -0.5, G, backend="math")
+    tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}[dtype]
+    assert (slow.double() - ref).abs().max() <= tol
+    for backend in ("efficient", "split"):
+        out = two_level_attention(c[0], c[1], c[2], om, c[3], c[4], pm, D ** -0.5, G, backend=backend)
+        assert (out.double() - ref).abs().max() <= tol, backend
+        assert (out.double() - slow.double()).abs().max() <= tol, backend
+    # the own part read through a block table (the paged row store; blocks in random order)
+    from treerl.rollout.decode_attention import split_attention, to_pages
+    from treerl.rollout.shared import merge_parts, split_queries
+
+    for page in (64, 16):
+        assert split_attention_ok(str(torch.device(dev, torch.cuda.current_device())), dtype, D, D, page)
+        pad = -L % page
+        pool_k, pool_v, table = to_pages(torch.nn.functional.pad(c[1], (0, 0, 0, pad)),
+                                         torch.nn.functional.pad(c[2], (0, 0, 0, pad)), page, g)
+        q_own, q_pre = split_queries(c[0], Hkv, G)
+        o_own, l_own = split_attention(q_own, pool_k, pool_v, om, D ** -0.5, table=table)
+        o_pre, l_pre = split_attention(q_pre, c[3], c[4], pm, D ** -0.5)
+        out = merge_parts(o_own, l_own, o_pre, l_pre, G, dtype)
+        assert (out.double() - ref).abs().max() <= tol, page
+
+
+@pytest.mark.parametrize("n", [2, 1], ids=["groups", "own-prompts"])
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
+def test_cuda_graph_stream_kept_buffers_prefix_cache(compile_decode, n):
+    """CUDA graphs per (group slots, own slots) bucket, reused by a second stream through
+    keep_stream_buffers, prefix-cache hits, compaction; optionally compiled (decode and
+    prefill blocks); ``n = 1``: prompts in the rows' own blocks (read by the split kernel
+    through the block table): greedy equals the eager stream and float32 logprobs equal a
+    float64 full forward to 2e-4 (TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model(dtype=torch.float32, seed=2).cuda()
+    prompts = random_prompts([9, 30, 3, 17, 5, 12, 21, 2, 8, 14], seed=6)
+    graphed = RolloutEngine(model, sync_every=4, keep_stream_buffers=True, compile_decode=compile_decode,
+                            prefix_cache_tokens=4096)
+    eager = RolloutEngine(model, cuda_graphs=False)
+    key = lambda gs: [[c.completion_ids.tolist() for c in g] for g in sorted(gs, key=lambda g: g.prompt_index)]  # noqa: E731
+    a = list(graphed.generate_stream(prompts, sampling(24, n=n), max_rows=8))
+    b = list(eager.generate_stream(prompts, sampling(24, n=n), max_rows=8))
+    assert key(a) == key(b)
+    turn2 = [p + [1, 2, 3] for p in prompts]
+    c = list(graphed.generate_stream(turn2, sampling(24, n=n), max_rows=8))  # same shapes: buffers, graphs reused
+    assert graphed.stats.prefix_cache_hit_tokens == sum(len(p) for p in prompts)
+    assert key(c) == key(eager.generate_stream(turn2, sampling(24, n=n), max_rows=8))
+    if compile_decode:
+        assert graphed.decode_blocks.compiled and graphed.prefiller.forward.pre.compiled, "not compiled"
+    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
+    for g in c:
+        for comp in g:
+            ref = completion_logprobs(reference, turn2[g.prompt_index], comp.completion_ids.tolist())
+            assert torch.allclose(comp.logprobs.double(), ref, atol=2e-4), (comp.logprobs - ref).abs().max()
+
+
+def test_cuda_prompt_kv_memory_is_stored_once():
+    """4 prompts of 1000 tokens x G=16 (64 rows): the running batch's K/V slots are one prompt
+    store per group + the rows' own tokens (not rows x (prompt + new)), and peak memory
+    follows: far below what per-row prompt copies would need."""
+    model = build_model("qwen3", "small", dtype=torch.bfloat16, seed=1).cuda()
+    prompts = random_prompts([1000] * 4, seed=3)
+    engine = RolloutEngine(model, sync_every=8)
+    params = SamplingParams(n=16, temperature=1.0, max_new_tokens=32, seed=0)
+    list(engine.generate_stream(prompts[:1], params))  # warm-up: the decode blocks compile (not K/V memory)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    # the prefill's own transient (attention over 4 x 1000 tokens) is no K/V storage: measured alone
+    torch.cuda.reset_peak_memory_stats()
+    list(engine.generate_stream(prompts, SamplingParams(n=1, max_new_tokens=1)))
+    prefill = torch.cuda.max_memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    groups = list(engine.generate_stream(prompts, params))
+    assert len(groups) == 4 and all(len(c) == 32 for g in groups for c in g)
+    assert engine.stats.kv_slots == 4 * (1008 + 16 * 32)
+    per_token = model.config.num_hidden_layers * model.config.num_key_value_heads * 2 * 32 * 2
+    copies = 64 * (1000 + 32) * per_token  # what per-row prompt copies alone would take (~135 MB)
+    assert torch.cuda.max_memory_allocated() - base - prefill < copies / 2
+
+
+def test_cuda_graphs_survive_streams_that_keep_no_buffers():
+    """Streams one after another without keep_stream_buffers (the trainer's way) each capture
+    their graphs into a pool of their own: no allocator assert, no fallback to eager, and the
+    greedy samples equal an eager engine's."""
+    model = tiny_model(dtype=torch.float32, seed=7).cuda()
+    graphed, eager = RolloutEngine(model, sync_every=4), RolloutEngine(model, cuda_graphs=False)
+    key = lambda gs: [[c.completion_ids.tolist() for c in g] for g in gs]  # noqa: E731
+    for seed in range(3):
+        prompts = random_prompts([9, 30, 3, 17], seed=seed)
+        assert key(graphed.generate(prompts, sampling(24, n=2))) == key(eager.generate(prompts, sampling(24, n=2)))
+        assert graphed.cuda_graphs, "capture failed: decoding fell back to eager"
+
+
+# ------------------------------------------------------------------ tree rollouts (tests/rollout/test_rollout_forks.py)
+
+
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
+def test_cuda_graph_trees_match_eager_and_full_forward(compile_decode):
+    """Tree rollouts with CUDA graphs (optionally compiled decode blocks): greedy equals the
+    eager stream; sampled float32 logprobs equal a float64 full forward to 2e-4 (TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model(dtype=torch.float32, seed=2).cuda()
+    prompts = random_prompts([9, 30, 3, 17, 5, 12], seed=6)
+    p = sampling(20, n=2, branch_points=[3, 9], branch_factor=[2, 3])
+    graphed = RolloutEngine(model, sync_every=4, compile_decode=compile_decode)
+    eager = RolloutEngine(model, cuda_graphs=False, compile_decode=False)
+    key = lambda gs: sorted((g.prompt_index, [(c.branch, c.completion_ids.tolist()) for c in g]) for g in gs)  # noqa: E731
+    assert key(graphed.generate_stream(prompts, p, max_rows=2 * p.max_leaves)) == \
+        key(eager.generate_stream(prompts, p, max_rows=2 * p.max_leaves))
+    sampled = SamplingParams(n=2, temperature=0.8, max_new_tokens=24, seed=0, branch_points=[4, 10],
+                             branch_factor=2, stop_token_ids=list(range(0, VOCAB, 41)))
+    groups = graphed.generate(prompts, sampled)
+    if compile_decode:
+        assert graphed.decode_blocks.compiled, "compilation fell back to eager"
+    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
+    for g, prompt in zip(groups, prompts):
+        assert len(g) >= 2
+        for c in g:
+            ref = completion_logprobs(reference, prompt, c.completion_ids.tolist(), 0.8)
+            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()
+
+
+# ------------------------------------------------------------------ the paged own store (tests/rollout/test_rollout_paging.py)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["plain", "tree"])
+def test_cuda_graphs_under_preemption(tree):
+    """CUDA graphs and compiled decode blocks (the split kernel reading own keys through the
+    block table, updated in place between replays) with groups preempted again and again:
+    greedy equals an eager engine with room for everything, float32 logprobs equal a
+    float64 full forward to 2e-4 (TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model(dtype=torch.float32, seed=3).cuda()
+    prompts = random_prompts([7, 1, 13, 4, 10, 3, 9, 16, 5, 12], seed=24)  # completions of 4..40 tokens
+    p = sampling(40, length=long_target_length, n=2, branch_points=[2, 5], branch_factor=[2, 2]) if tree \
+        else sampling(40, length=long_target_length, n=3)
+    layout = ForkLayout.of(p)
+    graphed = RolloutEngine(model, sync_every=4, kv_block_size=16,
+                            max_batch_tokens=3 * (layout.shared_tokens(16) + layout.rows * 16))
+    eager = RolloutEngine(model, cuda_graphs=False, compile_decode=False)
+    key = lambda gs: sorted((g.prompt_index, [(c.branch, c.completion_ids.tolist()) for c in g]) for g in gs)  # noqa: E731
+    groups = list(graphed.generate_stream(prompts, p))
+    assert key(groups) == key(eager.generate_stream(prompts, p))
+    assert graphed.stats.preemptions > 0 and graphed.cuda_graphs and eager.stats.preemptions == 0
+    assert graphed.decode_blocks.compiled, "compilation fell back to eager"
+    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
+    for g in groups:
+        for c in g:
+            ref = completion_logprobs(reference, prompts[g.prompt_index], c.completion_ids.tolist())
+            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()
+
+
+# ------------------------------------------------------------------ per-group settings (tests/rollout/test_rollout_requests.py)
+
+
+def test_cuda_per_group_settings_and_seeds():
+    """On CUDA (graphed decode steps, sampling outside the graphs): mixed per-group settings
+    in one batch; greedy groups equal the eager engine's; a seeded group's samples are the
+    same alone and among other groups; logprobs match a float64 full forward."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model(dtype=torch.float32, seed=2).cuda()
+    ref = tiny_model(dtype=torch.float64, seed=2)
+    prompts = random_prompts([9, 30, 3, 17, 5, 12], seed=46)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=24, n=2, seed=11, top_logprobs=2)
+    per = [SamplingParams(temperature=0, max_new_tokens=20), seeded,
+           SamplingParams(temperature=1.1, top_k=30, min_p=0.01, max_new_tokens=32, n=3),
+           SamplingParams(temperature=0, max_new_tokens=8, n=2), SamplingParams(temperature=0.6, max_new_tokens=40),
+           SamplingParams(temperature=1.0, max_new_tokens=16, seed=3)]
+    graphed = RolloutEngine(model, sync_every=4)
+    assert graphed.cuda_graphs
+    groups = graphed.generate(prompts, per)
+    eager = RolloutEngine(model, cuda_graphs=False)
+    for i in (0, 3):
+        [alone] = eager.generate([prompts[i]], per[i])
+        assert [c.completion_ids.tolist() for c in groups[i]] == [c.completion_ids.tolist() for c in alone]
+    q = PromptQueue()
+    q.put(prompts[1], params=seeded)
+    q.close()
+    [alone] = RolloutEngine(model, sync_every=4).generate_stream(q, SamplingParams(n=2, max_new_tokens=24))
+    assert [c.completion_ids.tolist() for c in groups[1]] == [c.completion_ids.tolist() for c in alone]
+    for g, p, prompt in zip(groups, per, prompts):
+        for c in g:
+            assert len(c) == p.max_new_tokens
+            lp = completion_logprobs(ref, prompt, c.completion_ids.tolist(), temperature=p.temperature or 1.0)
+            assert torch.allclose(c.logprobs.double(), lp, rtol=1e-4, atol=1e-4)
+    assert groups[1][0].top_logprobs[0].shape == (24, 2) and groups[0][0].top_logprobs is None

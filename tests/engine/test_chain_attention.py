@@ -1,0 +1,209 @@
+"""Chain attention after a prefix (treerl.engine.chain_attention): the log-sum-exp merge of a
+full and a causal part, and its backward from the merged output and log-sum-exp.
+
+float64 on the CPU against autograd through a dense masked softmax over the concatenated keys
+(1e-9 relative); the kernel probe's choices and refusals; the engine end to end against the
+per-sequence reference on chains after prefixes, with the path on (counted) and off.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import treerl.engine.attention as attention
+import treerl.engine.chain_attention as chain
+from helpers.engine import check_engine
+from helpers.forests import RandomLoss, random_seq
+from helpers.models import get_model
+from treerl.engine.memory import MemoryModel, MemoryPolicy
+
+
+def dense_reference(q, k, v, prefix, scale):
+    """Softmax attention over all keys: the prefix's seen by every query, its own causally."""
+    n, groups = q.shape[2], q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(groups, 1) for x in (k, v))
+    visible = torch.ones(n, prefix + n, dtype=torch.bool).tril(prefix)
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def inputs(gen, heads, kv_heads, n, prefix, dim, dtype=torch.float64):
+    q = torch.randn(1, n, heads, dim, generator=gen, dtype=dtype).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(1, kv_heads, prefix + n, dim, generator=gen, dtype=dtype).requires_grad_() for _ in range(2))
+    return q, k, v
+
+
+def assert_rel(got, want, tol=1e-9):
+    """Relative to the largest value (a gradient that is exactly zero: rounding noise only)."""
+    diff, scale = float((got - want).detach().abs().max()), float(want.detach().abs().max())
+    assert diff <= tol * scale + 1e-12, (diff, scale)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("prefix", [0, 1, 2, 45])
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_merge_and_backward_match_dense_attention(heads, kv_heads, prefix, n, gen):
+    dim = int(torch.randint(2, 9, (1,), generator=gen)) * 4
+    scale = float(torch.rand((), generator=gen, dtype=torch.float64)) + 0.2
+    q, k, v = inputs(gen, heads, kv_heads, n, prefix, dim)
+    q_big = (3 * q).detach().requires_grad_()  # sharper softmax: parts of very different weight
+    for q in (q, q_big):
+        grad = torch.randn(1, heads, n, dim, generator=gen, dtype=torch.float64)
+        out = chain.chain_attention(q, k, v, scale)
+        ref = dense_reference(q, k, v, prefix, scale)
+        assert out.shape == ref.shape
+        assert_rel(out, ref)
+        for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+            assert_rel(got, want)
+
+
+def _lse_as(layout):
+    """MATH with its log-sum-exp in another kernel's format (cuDNN's [B, H, N, 1], the
+    memory-efficient kernel's [B, H, N rounded up to 32] with junk in the padding)."""
+
+    def forward(q, k, v, causal, scale):
+        out, lse, extra = chain._math_forward(q, k, v, causal, scale)
+        if layout == "column":
+            return out, lse[..., None], extra
+        padded = torch.full((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), float("nan"), dtype=lse.dtype)
+        padded[..., :lse.shape[2]] = lse
+        return out, padded, extra
+
+    return chain.Kernel(f"math-{layout}", forward, chain._math_backward)
+
+
+@pytest.mark.parametrize("layout", ["column", "padded"])
+@pytest.mark.parametrize("expand_kv", [False, True])
+def test_kernel_formats_and_expanded_heads(layout, expand_kv, gen):
+    kernel = _lse_as(layout)
+    kernel = chain.Kernel(kernel.name, kernel.forward, kernel.backward, expand_kv=expand_kv)
+    q, k, v = inputs(gen, 4, 2, 9, 33, 8)
+    grad = torch.randn(1, 4, 9, 8, generator=gen, dtype=torch.float64)
+    out = chain.ChainAttention.apply(q, k, v, 33, 0.4, kernel)
+    ref = dense_reference(q, k, v, 33, 0.4)
+    assert_rel(out, ref)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        assert_rel(got, want)
+
+
+# ------------------------------------------------------------------------ the probe
+def _broken(kind):
+    def forward(q, k, v, causal, scale):
+        if kind == "raises":
+            raise RuntimeError("No available kernel. Aborting execution.")
+        if kind == "no-gqa" and k.shape[1] != q.shape[1]:
+            raise RuntimeError("number of heads in key/value must equal query's")
+        out, lse, extra = chain._math_forward(q, k, v, causal, scale)
+        return out, (lse / torch.log(torch.tensor(2.0, dtype=lse.dtype)) if kind == "log2" else lse), extra
+
+    def backward(dout, q, k, v, out, lse, extra, causal, scale):
+        if kind == "no-gqa" and k.shape[1] != q.shape[1]:
+            raise RuntimeError("number of heads in key/value must equal query's")
+        return chain._math_backward(dout, q, k, v, out, lse, extra, causal, scale)
+
+    return forward, backward
+
+
+def test_probe_takes_the_first_kernel_that_is_right():
+    fused = {name: _broken(name) for name in ("raises", "log2", "no-gqa")}
+    kernel, errors = chain.probe("cpu", torch.float64, 4, 2, 16, ("raises", "log2", "no-gqa"), fused)
+    assert kernel.name == "no-gqa" and kernel.expand_kv  # GQA refused: K/V heads repeated
+    assert any("raises" in e and "No available kernel" in e for e in errors), errors
+    assert any("log2" in e and "differs from the float32 math" in e for e in errors), errors
+    kernel, _ = chain.probe("cpu", torch.float64, 4, 4, 16, ("no-gqa",), fused)
+    assert kernel.name == "no-gqa" and not kernel.expand_kv
+    kernel, errors = chain.probe("cpu", torch.float64, 4, 2, 16, ("raises", "log2", "nonesuch"), fused)
+    assert kernel is None and len(errors) == 5 and "nonesuch: unknown" in errors
+
+
+def test_no_kernel_warns_once_and_the_engine_masks(gen, monkeypatch):
+    """Where no fused kernel takes the inputs, one warning, and the calls run with the tree mask, exactly."""
+    fused = {"raises": _broken("raises")}
+    monkeypatch.setattr(chain, "_chosen", {})
+    with pytest.warns(RuntimeWarning, match="no fused SDPA kernel.*No available kernel"):
+        assert chain.select("cpu", torch.float64, 4, 2, 16, ("raises",), fused) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert chain.select("cpu", torch.float64, 4, 2, 16, ("raises",), fused) is None  # cached, silent
+
+    monkeypatch.setattr(chain, "kernel_for", lambda q, k: None)
+    masked = []
+    mask = attention.TreeAttention.mask
+    monkeypatch.setattr(attention.TreeAttention, "mask", lambda self: masked.append(1) or mask(self))
+    seqs = [random_seq(gen, 23), random_seq(gen, 9)]
+    model = get_model("qwen3")
+    check_engine(model, seqs, "flat", RandomLoss.make(seqs, gen), max_tokens=6)
+    assert masked
+
+
+# ------------------------------------------------------------------ the engine
+def count_chain_calls(monkeypatch) -> list[int]:
+    """Prefix lengths of the chain attentions run (forward), with the path switched on (off
+    by default until it is faster end to end on a GPU: treerl.engine.attention)."""
+    monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", True)
+    prefixes = []
+    apply = chain.ChainAttention.apply
+    monkeypatch.setattr(chain.ChainAttention, "apply",
+                        lambda q, k, v, prefix, *rest: prefixes.append(prefix) or apply(q, k, v, prefix, *rest))
+    return prefixes
+
+
+@pytest.mark.parametrize("mode,kw", [
+    ("flat", dict(max_tokens=5)),
+    ("dfs", dict(chunk_tokens=3)),
+    ("auto", dict(max_tokens=7, chunk_tokens=3)),
+])
+@pytest.mark.parametrize("separable", [False, True])
+def test_engine_exact_on_long_prefixes_split_in_pieces(mode, kw, separable, gen, monkeypatch):
+    """A long shared prefix (and a long lone sequence) run as chain pieces, each after all the
+    earlier pieces: exact with the chain attention, which ran after prefixes of many lengths."""
+    prompt = random_seq(gen, 31)
+    seqs = [prompt + random_seq(gen, 4), prompt + random_seq(gen, 6), random_seq(gen, 26)]
+    model = get_model("qwen3")  # 4 query heads, 2 KV heads
+    prefixes = count_chain_calls(monkeypatch)
+    check_engine(model, seqs, mode, RandomLoss.make(seqs, gen), separable=separable, entropy=True, **kw)
+    assert len({p for p in prefixes if p > 0}) >= 4, prefixes
+
+
+@pytest.mark.parametrize("variant", ["llama-tied-mha", "qwen2-tied-mqa"])
+def test_engine_chain_pieces_with_kept_attention(variant, gen, monkeypatch):
+    """Recomputed chain pieces that keep every layer's attention (their backward reads the
+    recomputed q/k/v): exact."""
+    monkeypatch.setattr(MemoryPolicy, "kept_attention_layers",
+                        lambda self, queries, keys, copies, spare: frozenset(range(self.layers)))
+    model = get_model(variant, num_hidden_layers=4)
+    m = MemoryModel.estimate(model.config, torch.float64, dense_mask=True)
+    budget = int(m.fixed + 12 * m.recompute_per_token + 12**2 * m.per_pair) + 1  # calls of up to 12 tokens
+    prompt = random_seq(gen, 18)
+    seqs = [prompt + random_seq(gen, 5), prompt + random_seq(gen, 3)]
+    prefixes = count_chain_calls(monkeypatch)
+    engine = check_engine(model, seqs, "auto", RandomLoss.make(seqs, gen), chunk_tokens=4, memory_budget=budget)
+    assert engine.stats.kept_attention_layers > 0 and any(p > 0 for p in prefixes), (engine.stats, prefixes)
+
+
+def test_switch_off_runs_the_tree_mask(gen, monkeypatch):
+    prefixes = count_chain_calls(monkeypatch)
+    monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", False)  # the default
+    seqs = [random_seq(gen, 20)]
+    check_engine(get_model("qwen3"), seqs, "flat", RandomLoss.make(seqs, gen), max_tokens=6)
+    assert prefixes == []
+
+
+@pytest.mark.parametrize("name", chain.KERNELS)
+@pytest.mark.parametrize("expand_kv", [False, True], ids=["gqa", "kv-expanded"])
+def test_fused_kernel_calls_on_meta_tensors(name, expand_kv):
+    """The aten ops take the arguments as chain_attention passes them (order, types) and
+    their outputs unpack as it reads them: run through their meta kernels, no GPU needed
+    (the values: tests/cuda/test_chain_attention_cuda.py)."""
+    kernel = chain.Kernel(name, *chain.FUSED[name], expand_kv=expand_kv)
+    q = torch.empty(1, 77, 16, 128, device="meta", dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.empty(1, 8, 131 + 77, 128, device="meta", dtype=torch.bfloat16) for _ in range(2))
+    out, lse, extras = chain.chain_forward(kernel, q, k, v, 131, 128 ** -0.5)
+    assert out.shape == q.shape and chain.lse_rows(lse, 77).shape == (1, 16, 77)
+    dq, dk, dv = chain.chain_backward(kernel, torch.empty_like(out), q, k, v, out, lse, extras, 131, 128 ** -0.5)
+    assert dq.shape == q.shape
+    if expand_kv or name != "efficient":  # (the memory-efficient kernel has no GQA: the probe rejects its dK shape)
+        assert dk.shape == k.shape and dv.shape == v.shape
