@@ -5,7 +5,7 @@ that waits forever for the rest of the message."""
 import threading
 from types import SimpleNamespace
 
-from pool_util import dies_mid_message
+from helpers.pool import dies_mid_message
 from treerl.async_rl import pool as pool_module
 from treerl.async_rl.pool import ProcessPool
 

@@ -55,7 +55,7 @@ def test_a_worker_killed_while_copying_weights_out_does_not_block_publishing():
     its own, and the one of a worker given up on (worker_gone) is dropped."""
     import threading
 
-    a, b = tiny(0), tiny(1)
+    a, b = tiny_model(seed=0, **SMALL), tiny_model(seed=1, **SMALL)
     pub = SharedMemoryPublisher(a, 0, mp.get_context("spawn"))
     dead, alive = pub.source(0), pub.source(1)
     assert dead.lock.acquire(timeout=5)  # worker 0 dies inside its copy: the lock stays taken
