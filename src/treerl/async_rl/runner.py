@@ -223,10 +223,6 @@ class AsyncRunner:
         for i, info in self.workers.items():
             silent = now - info.last_heard
             if not self.pool.alive(i):
-                # What it sent before exiting (a WorkerFailed with its traceback) is written
-                # before its process ends, but may have come after the poll above: read it now.
-                for msg in self.pool.poll():
-                    self._handle(msg)
                 self._lose_worker(i, "died")
             elif not info.ready and silent > self.options.start_timeout_s:
                 self._lose_worker(i, f"did not start within {self.options.start_timeout_s:.0f} s")
