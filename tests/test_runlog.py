@@ -60,6 +60,30 @@ def test_resume_and_overwrite_together_and_resume_into_another_run_are_refused(t
     prepare_out_dir(cfg, tmp_path / "a" / "checkpoints" / "step-000001")  # its own run: fine
 
 
+def test_only_rank_0_looks_at_the_run_directory(tmp_path, monkeypatch):
+    """Under torchrun every rank calls prepare_out_dir while rank 0 may be deleting the old
+    outputs (--overwrite): a rank reading the directory then raced the deletion (a glob of a
+    folder being removed raises). Ranks other than 0 must not read it at all: here any
+    look at the directory fails, and rank 1 still passes (rank 0 alone refuses or clears)."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-000001").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    cfg = Config.from_yaml(None, [f"train.out_dir={out}"])
+
+    def being_deleted(self, *a, **k):
+        raise FileNotFoundError(2, "No such file or directory (removed by rank 0)", str(self))
+
+    with monkeypatch.context() as m:
+        for name in ("exists", "is_dir", "is_file", "glob", "iterdir", "mkdir", "write_text"):
+            m.setattr(pathlib.Path, name, being_deleted)
+        prepare_out_dir(cfg, None, overwrite=True, main=False)
+        prepare_out_dir(cfg, None, overwrite=False, main=False)  # rank 0 refuses this one; rank 1 waits for it
+    with pytest.raises(ConfigError, match="already holds a run"):
+        prepare_out_dir(cfg, None, overwrite=False, main=True)
+    with pytest.raises(ConfigError, match="--overwrite starts over and --resume continues"):
+        prepare_out_dir(cfg, out, overwrite=True, main=False)  # the arguments alone: every rank refuses
+
+
 def test_an_out_dir_that_is_a_file_or_cannot_be_written_is_one_line(tmp_path, monkeypatch):
     afile = tmp_path / "occupied"
     afile.write_text("x")

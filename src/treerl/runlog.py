@@ -135,38 +135,44 @@ def prepare_out_dir(cfg: Config, resume: Path | None, overwrite: bool = False, m
     (metrics, rollouts or checkpoints) is continued only with ``resume`` (a checkpoint of
     that run) or started over with ``overwrite`` (its run outputs deleted). Also refuses
     an ``out_dir`` that is a file or cannot be written. Each problem is one
-    :class:`ConfigError` line saying what to do. ``main``: the process that writes (rank 0)."""
+    :class:`ConfigError` line saying what to do. ``main``: the process that writes (rank 0).
+
+    Under torchrun only rank 0 looks at the directory: it may be deleting the old outputs
+    (``overwrite``) while the other ranks start, and a rank reading a directory that is being
+    removed fails or decides differently (a race whose window is the deletion of the old
+    checkpoints). Rank 0's refusal stops the job; the other ranks wait for it in the
+    process group until torchrun ends them."""
     out = Path(cfg.train.out_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"train.out_dir: {out} is a file, not a directory: choose another train.out_dir")
     if resume is not None and overwrite:
         raise ConfigError("--overwrite starts over and --resume continues: pass one of them")
+    if not main:
+        return
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"train.out_dir: {out} is a file, not a directory: choose another train.out_dir")
     held = [name for name in HOLDS_A_RUN if (out / name).is_file() or any((out / name).glob("*"))]
     if held and resume is None:
         if not overwrite:
             raise ConfigError(f"train.out_dir: {out} already holds a run ({', '.join(held)}): continue it with "
                               f"--resume {out}, choose a new train.out_dir, or pass --overwrite to start over "
                               f"(deleting its outputs)")
-        if main:
-            for name in RUN_OUTPUTS:
-                target = out / name
-                if target.is_dir() and not target.is_symlink():
-                    shutil.rmtree(target)
-                elif target.exists() or target.is_symlink():
-                    target.unlink()
-            print(f"treerl: --overwrite: removed the outputs of the previous run in {out}", file=sys.stderr)
+        for name in RUN_OUTPUTS:
+            target = out / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            elif target.exists() or target.is_symlink():
+                target.unlink()
+        print(f"treerl: --overwrite: removed the outputs of the previous run in {out}", file=sys.stderr)
     if held and resume is not None and out.resolve() not in Path(resume).resolve().parents:
         raise ConfigError(f"train.out_dir: {out} holds another run than the checkpoint resumed ({resume}): resume "
                           f"with train.out_dir set to that checkpoint's run directory, or choose a new train.out_dir")
-    if main:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            probe = out / f".treerl-write-test-{os.getpid()}"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as err:
-            raise ConfigError(f"train.out_dir: cannot write to {out} ({err.strerror or err}): choose a writable "
-                              f"train.out_dir") from None
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".treerl-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"train.out_dir: cannot write to {out} ({err.strerror or err}): choose a writable "
+                          f"train.out_dir") from None
 
 
 def resume_hint(out_dir: str | Path, config: str | None) -> str:

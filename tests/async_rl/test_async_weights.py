@@ -48,6 +48,28 @@ def test_publish_receive_versions(tmp_path, kind):
     assert same(model_state(b), engine.model) and torch.equal(engine.model.lm_head.weight, b.lm_head.weight)
 
 
+def test_a_worker_killed_while_copying_weights_out_does_not_block_publishing():
+    """A worker copies the shared weights out under a lock; killed in the middle (an
+    out-of-memory kill as it allocates its copy) it never releases it. With one lock for
+    all workers the trainer's next publish then waited forever; now each incarnation has
+    its own, and the one of a worker given up on (worker_gone) is dropped."""
+    import threading
+
+    a, b = tiny_model(seed=0, **SMALL), tiny_model(seed=1, **SMALL)
+    pub = SharedMemoryPublisher(a, 0, mp.get_context("spawn"))
+    dead, alive = pub.source(0), pub.source(1)
+    assert dead.lock.acquire(timeout=5)  # worker 0 dies inside its copy: the lock stays taken
+    pub.worker_gone(0)
+    published = threading.Event()
+    threading.Thread(target=lambda: (pub.publish(b, 1), published.set()), daemon=True).start()
+    assert published.wait(60), "publish waited for the lock of a dead worker"
+    version, state = alive.open(torch.device("cpu"), a).receive(timeout=60)
+    assert version == 1 and same(state, b)
+    restarted = pub.source(0)  # worker 0's next incarnation: a fresh lock, taking part again
+    version, state = restarted.open(torch.device("cpu"), a).receive(timeout=60)
+    assert version == 1 and same(state, b)
+
+
 def test_files_are_atomic_and_pruned(tmp_path):
     a = tiny_model(seed=0, **{**SMALL, "tie_word_embeddings": False})
     pub = FilePublisher(tmp_path / "w", keep=2)

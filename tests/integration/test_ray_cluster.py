@@ -4,7 +4,9 @@ nodes. A worker's node is removed while it generates (the test is told by the wo
 kills the node); the worker is restarted on the other node, its units re-queued, and the
 run finishes with every unit trained exactly once."""
 
+import datetime
 import os
+import socket
 import threading
 
 import pytest
@@ -18,7 +20,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from helpers.configs import run_config  # noqa: E402
 from treerl.async_rl import AsyncOptions, FaultPlan, WorkLedger  # noqa: E402
-from treerl.async_rl.ray_launch import launch  # noqa: E402
+from treerl.async_rl.ray_launch import TrainerRank, launch  # noqa: E402
 from treerl.checkpoint import load_state  # noqa: E402
 
 
@@ -75,3 +77,23 @@ def test_two_trainer_ranks_and_a_killed_rollout_node(tmp_path, cluster):
     ledger.check()
     assert len(ledger.trained) == 3 * 2  # 3 steps x 2 units, each trained once
     assert out["async/requeued"] >= 1
+
+
+def test_the_rendezvous_port_stays_held_until_the_ranks_join():
+    """Rank 0's rendezvous port is bound when it is chosen and never let go (it was picked
+    free, closed and bound again by rank 0 much later: another process could take it in
+    between, a failure seen only under load). No other socket can bind it, and a rank joins
+    through it."""
+    import torch.distributed as dist
+
+    rank0 = TrainerRank()
+    host, port = rank0.rendezvous(timeout_s=30)
+    other = socket.socket()
+    try:
+        with pytest.raises(OSError):
+            other.bind(("", port))
+    finally:
+        other.close()
+    client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    client.set("joined", "1")
+    assert rank0.store.get("joined") == b"1"

@@ -333,7 +333,7 @@ def test_64_concurrent_agents_lose_and_duplicate_nothing(served, tmp_path):
 
 
 async def _health(server: ServerThread) -> dict:
-    async with http_module().AsyncClient() as http:
+    async with http_module().AsyncClient(timeout=60) as http:  # httpx's default (5 s) is a deadline under load
         return (await http.get(server.url.removesuffix("/v1") + "/health")).json()
 
 

@@ -64,6 +64,14 @@ class ProcessPool(WorkerPool):
         process = self.ctx.Process(target=worker_main, args=(spec, tasks, results), daemon=True,
                                    name=f"treerl-rollout-{spec.index}.{spec.incarnation}")
         process.start()
+        # The worker alone writes its messages: close this process's copy of the results pipe's
+        # write end (a Queue's creator keeps it open). Killed in the middle of a message (one
+        # over 16 KiB is two writes; a full pipe blocks a write half way), the worker then
+        # leaves an end of file, which poll() reads as a dead queue, instead of half a message
+        # whose rest poll() would wait for forever.
+        writer = getattr(results, "_writer", None)
+        if writer is not None:
+            writer.close()
         self.slots[spec.index] = _Slot(spec, process, tasks, results)
 
     def alive(self, worker: int) -> bool:

@@ -13,7 +13,6 @@ wherever the cluster has room when they or their node die, and publishes weights
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -24,26 +23,40 @@ from .runner import AsyncOptions
 class TrainerRank:
     """One trainer rank in a Ray actor (wrapped by ``ray.remote`` in :func:`launch`)."""
 
-    def rendezvous(self) -> tuple[str, int]:
-        """This node's address and a free port (rank 0: the group's rendezvous)."""
-        import ray
+    store = None  # rank 0's rendezvous store (see rendezvous)
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+    def rendezvous(self, timeout_s: float = 600.0) -> tuple[str, int]:
+        """Rank 0: this node's address and the port of the group's rendezvous store, which
+        this actor now serves and keeps. The port is bound here (port 0: the system picks a
+        free one) and never let go, so no other process can take it before the ranks join
+        (picking a free port, closing it and binding it again later is a race under load)."""
+        import datetime
+
+        import ray
+        import torch.distributed as dist
+
+        host = ray.util.get_node_ip_address()
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        return host, self.store.port
 
     def run(self, config: dict, rank: int, world: int, master: tuple[str, int], options: AsyncOptions,
             resume: str | None) -> dict:
+        import datetime
+
         import torch.distributed as dist
 
+        from ..distributed import ranks
         from .driver import train_async
 
+        cfg = Config.from_dict(config)
         if world > 1:
-            os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank),
-                              WORLD_SIZE=str(world), LOCAL_RANK="0")  # Ray gives a GPU actor its GPU as cuda:0
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")  # Ray gives a GPU actor cuda:0
+            store = self.store if rank == 0 else dist.TCPStore(master[0], master[1], is_master=False,
+                                                               timeout=datetime.timedelta(seconds=600))
+            ranks.setup(cfg.train.device, store=store)  # the Trainer then finds the group joined
         try:
-            return train_async(Config.from_dict(config), resume=resume, options=options)
+            return train_async(cfg, resume=resume, options=options)
         finally:
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()

@@ -5,8 +5,8 @@ worker opens the picklable :class:`WeightSource` it was given and polls a
 :class:`WeightReceiver`):
 
 - ``shared``: one machine. A copy of every tensor in shared CPU memory plus a shared
-  version counter; :meth:`publish` copies the weights in under a lock, a worker copies
-  them out (into a private staging dict) when the counter changes.
+  version counter; a worker copies them out (into a private staging dict) under its own
+  lock when the counter changes, and :meth:`publish` copies them in under every worker's.
 - ``files``: anywhere with a shared filesystem (the universal fallback, also used by the
   Ray launcher). ``DIR/weights-{version:08d}.safetensors``, written to a temporary name
   and renamed (atomic), the newest ``keep`` kept.
@@ -18,6 +18,7 @@ worker opens the picklable :class:`WeightSource` it was given and polls a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -138,8 +139,14 @@ class WeightPublisher(ABC):
 class SharedMemoryPublisher(WeightPublisher):
     """Weights in shared CPU memory (``Tensor.share_memory_``) and a version counter.
 
-    ``ctx``: the multiprocessing context the workers are spawned from (for the lock).
+    ``ctx``: the multiprocessing context the workers are spawned from (for the locks).
     The handles must reach the workers as process arguments (inherited at spawn).
+
+    Each worker incarnation copies the weights out under a lock of its own, and
+    :meth:`publish` takes every live worker's lock. A worker killed while copying (an
+    out-of-memory kill as it allocates its copy) never releases its lock; with one lock
+    shared by all workers, every later publish then waited forever. The trainer calls
+    :meth:`worker_gone` when it gives a worker up, which drops that worker's lock.
     """
 
     kind = "shared"
@@ -148,19 +155,26 @@ class SharedMemoryPublisher(WeightPublisher):
         state = model_state(model)
         self.buffers = {k: v.to("cpu", copy=True).share_memory_() for k, v in state.items()}
         self.version = torch.full((1,), int(version), dtype=torch.int64).share_memory_()
-        self.lock = ctx.Lock()
+        self.ctx = ctx
+        self.locks: dict[int, Any] = {}  # worker -> the lock of its current incarnation
 
     def publish(self, model: torch.nn.Module, version: int) -> float:
         t0 = time.perf_counter()
         state = model_state(model)
-        with self.lock, torch.no_grad():
+        with contextlib.ExitStack() as held, torch.no_grad():
+            for worker in sorted(self.locks):
+                held.enter_context(self.locks[worker])
             for k, buf in self.buffers.items():
                 buf.copy_(state[k])
             self.version[0] = int(version)
         return time.perf_counter() - t0
 
     def source(self, worker: int) -> "SharedMemorySource":
-        return SharedMemorySource(self.buffers, self.version, self.lock)
+        self.locks[worker] = self.ctx.Lock()  # a new incarnation: a new lock
+        return SharedMemorySource(self.buffers, self.version, self.locks[worker])
+
+    def worker_gone(self, worker: int) -> None:
+        self.locks.pop(worker, None)
 
 
 class SharedMemorySource(WeightSource):

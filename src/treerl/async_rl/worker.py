@@ -174,8 +174,10 @@ def worker_main(spec: WorkerSpec, tasks: Any, results: Any) -> None:
     try:
         RolloutWorker(spec, results).serve(tasks)
     except BaseException:  # noqa: BLE001 - report everything, then die
+        # No wait for delivery is needed: a process does not end before its queues' feeder
+        # threads have written what it put (multiprocessing's documented exit), and a Ray
+        # queue's put returns once the item is stored.
         results.put(WorkerFailed(spec.index, spec.incarnation, traceback.format_exc()))
-        time.sleep(0.2)  # let the queue's feeder thread flush
         raise
 
 

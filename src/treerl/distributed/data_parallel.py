@@ -39,9 +39,12 @@ class DistContext:
         return self.rank == 0
 
 
-def setup(backend: str | None = None, timeout_s: float = 600.0) -> DistContext:
+def setup(backend: str | None = None, timeout_s: float = 600.0, store: dist.Store | None = None) -> DistContext:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*):
-    NCCL with one GPU per process when CUDA is there, gloo on CPU otherwise."""
+    NCCL with one GPU per process when CUDA is there, gloo on CPU otherwise.
+
+    ``store``: rendezvous through this store (a ``TCPStore`` whose server rank 0 already
+    holds, e.g. :mod:`treerl.async_rl.ray_launch`) instead of ``MASTER_ADDR``/``MASTER_PORT``."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared hosts)
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")
@@ -50,8 +53,10 @@ def setup(backend: str | None = None, timeout_s: float = 600.0) -> DistContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        where = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                           "world_size": int(os.environ["WORLD_SIZE"])}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if device.type == "cuda" else None, **where)
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 

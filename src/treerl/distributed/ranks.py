@@ -23,15 +23,16 @@ from .partitioner import partition
 T = TypeVar("T")
 
 
-def setup(device: str) -> dp.DistContext | None:
+def setup(device: str, store=None) -> dp.DistContext | None:
     """Under torchrun (WORLD_SIZE > 1): join the process group, one rank per GPU (NCCL)
-    when ``device`` (``train.device``) is CUDA, gloo on CPU otherwise. One process: ``None``."""
+    when ``device`` (``train.device``) is CUDA, gloo on CPU otherwise. One process: ``None``.
+    ``store``: the rendezvous store, when the launcher holds one (see :func:`dp.setup`)."""
     if not dp.launched():
         return None
     cuda = torch.device(device).type == "cuda"
     if cuda and not torch.cuda.is_available():
         raise ConfigError(f"train.device={device} but CUDA is not available")
-    return dp.setup("nccl" if cuda else "gloo")
+    return dp.setup("nccl" if cuda else "gloo", store=store)
 
 
 def shard(engines: Sequence[TreeEngine], device: torch.device, autocast_bf16: bool) -> None:
