@@ -49,3 +49,26 @@ def test_the_function_own_errors_pass_through(monkeypatch):
 
     with pytest.raises(ValueError, match="bad input"):
         LazyCompiled(bad, "test part", "off")(torch.ones(1))
+
+
+def test_dynamo_caches_dropped_when_a_model_of_another_configuration_is_compiled(monkeypatch):
+    """Compiled code claimed for a model of another configuration drops dynamo's caches
+    (the H100's wrong gradients after other models filled them: treerl.compiled); copies of
+    one configuration keep sharing them (no reset)."""
+    import copy
+
+    import treerl.compiled as compiled
+    from helpers.models import tiny_model
+
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(compiled, "_CONFIG_COMPILED", None)
+    a = tiny_model(seed=0)
+    compiled.claim_compiled_code(a)
+    compiled.claim_compiled_code(copy.deepcopy(a))  # a reference copy: same configuration
+    compiled.claim_compiled_code(tiny_model(seed=1))  # other weights, same configuration
+    assert resets == []
+    compiled.claim_compiled_code(tiny_model(seed=0, num_hidden_layers=3))
+    assert resets == [1]
+    compiled.claim_compiled_code(tiny_model(dtype=torch.float32))
+    assert resets == [1, 1]

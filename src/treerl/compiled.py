@@ -52,3 +52,28 @@ class LazyCompiled:
     def compiled(self) -> bool:
         """Whether it has run compiled (it has been called)."""
         return self._fn is not None
+
+
+_CONFIG_COMPILED: str | None = None  # the configuration of the last model compiled code was claimed for
+
+
+def claim_compiled_code(model: torch.nn.Module) -> None:
+    """Call before compiled code of treerl's runs for ``model``: when the last model it was
+    claimed for had another configuration (architecture, sizes, dtype), dynamo's caches are
+    dropped (``torch._dynamo.reset()``); models of one configuration (a policy, its
+    reference and critic copies, the rollout's) keep sharing them.
+
+    Why: treerl's compiled functions (decoder blocks, flex attention, loss head, decode
+    blocks) are module-level, so dynamo keeps one cache per function for every model of a
+    process. On an H100 (``bench/gradbug_probe.py``, 2026-11-24), after engines of other
+    configurations had filled those caches to dynamo's recompile limit, a new model's
+    compiled and recomputed decoder blocks gave parameter gradients off by 50-90%; with the
+    caches dropped first (or the blocks eager) they were exact. The cause inside dynamo is
+    not established; dropping the caches when the configuration changes is the mitigation."""
+    global _CONFIG_COMPILED
+    config = getattr(model, "config", None)
+    dtype = next((p.dtype for p in model.parameters()), None)
+    key = f"{type(model).__name__}|{dtype}|{config.to_json_string(use_diff=False) if config is not None else ''}"
+    if _CONFIG_COMPILED is not None and key != _CONFIG_COMPILED:
+        torch._dynamo.reset()
+    _CONFIG_COMPILED = key

@@ -35,6 +35,7 @@ import torch
 from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, tree_attention_enabled
 from .batch import Batch, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
 from .checks import check_inputs, check_loss, check_supported
+from ..compiled import claim_compiled_code
 from .compile_cache import enable as enable_compile_cache, save as save_compile_cache
 from .decoder import DecoderStack
 from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
@@ -179,6 +180,7 @@ class TreeEngine:
             compile = self.device.type == "cuda"
         self.runner = SegmentRunner(model, value_head, temperature, logits_chunk_elements, compile)
         if self.runner.stack.compile:
+            claim_compiled_code(model)
             enable_compile_cache(compile_cache_dir, self.device)
         self.memory = MemoryPolicy(self.runner.stack, self.head, attention, self.device, budget=memory_budget,
                                    max_tokens=max_tokens, chunk_elements=logits_chunk_elements)

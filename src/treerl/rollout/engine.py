@@ -35,6 +35,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..compiled import claim_compiled_code
 from .blocks import DecodeBlocks
 from .kv import rollout_attention_enabled
 from .params import SamplingParams
@@ -143,6 +144,8 @@ class RolloutEngine:
             raise ValueError("cuda_graphs needs static_kv")
         self.keep_stream_buffers = bool(keep_stream_buffers)
         self.compile_decode = self.device.type == "cuda" if compile_decode is None else bool(compile_decode)
+        if self.compile_decode:
+            claim_compiled_code(model)
         self.decode_blocks = DecodeBlocks(model, self.compile_decode) if DecodeBlocks.applies(model) else None
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         own_prefill = PrefillForward(self.decode_blocks, self.compile_decode) \
