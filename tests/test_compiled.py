@@ -72,3 +72,16 @@ def test_dynamo_caches_dropped_when_a_model_of_another_configuration_is_compiled
     assert resets == [1]
     compiled.claim_compiled_code(tiny_model(dtype=torch.float32))
     assert resets == [1, 1]
+
+
+def test_compiling_raises_dynamos_recompile_limit(monkeypatch):
+    """Past dynamo's per-function limit a compiled function runs eagerly without a word: the
+    first compile raises the limit to treerl's (never lowers a higher one)."""
+    import treerl.compiled as compiled
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    LazyCompiled(lambda x: x + 1, "a test function", "off")(torch.ones(2))
+    assert torch._dynamo.config.recompile_limit == compiled.RECOMPILE_LIMIT
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1000)
+    compiled.raise_recompile_limit()
+    assert torch._dynamo.config.recompile_limit == 1000

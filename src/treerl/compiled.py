@@ -23,6 +23,21 @@ DECODE_OFF = "turn compilation off with RolloutEngine(compile_decode=False)"
 SAMPLING_OFF = "CUDA sampling without truncation needs a working torch.compile (Triton) on this machine"
 
 
+# dynamo's per-function limit of compiled variants, raised from its default (8): treerl's compiled
+# functions take a variant per grad mode, per whether the loss head's input needs grad, per model
+# configuration (tests, benchmarks), and past the limit dynamo runs the function eagerly, silently:
+# slower, and on the H100 the state in which compiled + recomputed blocks gave wrong gradients
+# (bench/gradbug_probe.py, 2026-11-24; see claim_compiled_code).
+RECOMPILE_LIMIT = 64
+
+
+def raise_recompile_limit() -> None:
+    """Raise ``torch._dynamo.config.recompile_limit`` to :data:`RECOMPILE_LIMIT` (never lower it)."""
+    config = torch._dynamo.config
+    if getattr(config, "recompile_limit", RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
+        config.recompile_limit = RECOMPILE_LIMIT
+
+
 class CompileError(RuntimeError):
     """``torch.compile`` of one of treerl's functions failed, explained in one line."""
 
@@ -40,6 +55,7 @@ class LazyCompiled:
 
     def __call__(self, *args, **kwargs):
         if self._fn is None:
+            raise_recompile_limit()
             self._fn = torch.compile(self.eager, dynamic=True)
         try:
             return self._fn(*args, **kwargs)
