@@ -74,14 +74,15 @@ def test_dynamo_caches_dropped_when_a_model_of_another_configuration_is_compiled
     assert resets == [1, 1]
 
 
-def test_compiling_raises_dynamos_recompile_limit(monkeypatch):
+def test_compiling_raises_dynamos_recompile_limit():
     """Past dynamo's per-function limit a compiled function runs eagerly without a word: the
-    first compile raises the limit to treerl's (never lowers a higher one)."""
+    first compile raises the limit to treerl's (never lowers a higher one). (dynamo's config
+    is patched through its own context manager: monkeypatch would delete the entry on undo.)"""
     import treerl.compiled as compiled
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    LazyCompiled(lambda x: x + 1, "a test function", "off")(torch.ones(2))
-    assert torch._dynamo.config.recompile_limit == compiled.RECOMPILE_LIMIT
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1000)
-    compiled.raise_recompile_limit()
-    assert torch._dynamo.config.recompile_limit == 1000
+    with torch._dynamo.config.patch(recompile_limit=8):
+        LazyCompiled(lambda x: x + 1, "a test function", "off")(torch.ones(2))
+        assert torch._dynamo.config.recompile_limit == compiled.RECOMPILE_LIMIT
+    with torch._dynamo.config.patch(recompile_limit=1000):
+        compiled.raise_recompile_limit()
+        assert torch._dynamo.config.recompile_limit == 1000
