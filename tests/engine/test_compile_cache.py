@@ -91,3 +91,17 @@ def test_the_config_key_reaches_the_engine(monkeypatch, tmp_path):
     build_engines(cfg.engine, build_model("qwen3", "tiny", dtype=torch.float32, seed=0), torch.device("cpu"),
                   temperature=1.0)
     assert seen == [str(tmp_path)]
+
+
+def test_a_cache_dir_that_is_a_file_is_one_config_error(tmp_path, monkeypatch):
+    """``engine.compile_cache_dir`` naming a file: one line naming the key, not a traceback."""
+    import pytest
+
+    from treerl.config import ConfigError
+    from treerl.engine import compile_cache
+
+    monkeypatch.setitem(compile_cache._state, "dir", None)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"^engine\.compile_cache_dir: cannot use .*a_file"):
+        compile_cache.enable(blocker / "cache")

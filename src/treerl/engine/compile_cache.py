@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import ConfigError
+
 log = logging.getLogger("treerl")
 
 _state: dict = {"dir": None, "graphs": None}
@@ -58,7 +60,11 @@ def enable(directory: str | os.PathLike | None = None, device: torch.device | No
     if directory is not None and str(directory) == "":
         return None
     path = Path(directory).expanduser() if directory is not None else default_dir()
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file there, a read-only mount: one line, not a traceback
+        raise ConfigError(f"engine.compile_cache_dir: cannot use {str(path)!r} as the compile cache directory "
+                          f"({err.strerror or err}); give a writable directory, or \"\" for torch's defaults") from None
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, _torch_default_dir()):  # (torch sets its default)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
     _state["dir"], _state["device"] = path, device
