@@ -73,6 +73,7 @@ def worker(rank, world, init_file, out_dir):
             if rank == 0:
                 torch.save({n: g.clone() for n, g in grads.items()}, os.path.join(out_dir, f"{mode}-{skewed}.pt"))
     assert all(used_fast), "FSDP2's end-of-backward hook was not found: gradient_step fell back to a model call"
+    dist.barrier()  # no rank tears gloo down while the other still has a collective in flight
     dist.destroy_process_group()
 
 
@@ -110,6 +111,7 @@ def gather_worker(rank, world, init_file, out_dir):
             assert got[k].shape == one_by_one[k].shape and torch.equal(got[k], one_by_one[k]), (bucket_bytes, k)
     if rank == 0:
         torch.save(got, os.path.join(out_dir, "whole.pt"))
+    dist.barrier()  # no rank tears gloo down while the other still has a collective in flight
     dist.destroy_process_group()
 
 

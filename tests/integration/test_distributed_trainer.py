@@ -102,6 +102,7 @@ def worker(rank, world, init_file, out_dir):
         if rank == 0:
             torch.save({"params": params, "metrics": metrics}, os.path.join(out_dir, f"{name}-{chain}.pt"))
         torch.save(share, os.path.join(out_dir, f"share-{name}-{chain}-{rank}.pt"))
+    dist.barrier()  # no rank tears gloo down while the other still has a collective in flight
     dist.destroy_process_group()
 
 
