@@ -128,6 +128,37 @@ def test_cuda_two_level_attention_kernel(dtype, D):
         assert (out.double() - ref).abs().max() <= tol, page
 
 
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float32, 16)])
+def test_cuda_split_kernel_skips_hidden_tiles(dtype, D):
+    """The split kernel does not read a key tile whose keys the mask hides (rows shorter than
+    the step's span): NaN K/V in such tiles (not a split's first) leaves the output equal to
+    float64 math on the visible keys; a hole inside a row and partial tiles stay exact."""
+    from treerl.rollout.decode_attention import split_attention, split_attention_ok
+
+    dev = "cuda"
+    assert split_attention_ok(str(torch.device(dev, torch.cuda.current_device())), dtype, D, D)
+    g = torch.Generator(device=dev).manual_seed(3)
+    B, H, M, N = 6, 2, 4, 2048
+    q, k, v = (torch.randn(B, H, n, D, generator=g, device=dev).to(dtype) for n in (M, N, N))
+    lens = torch.tensor([64, 100, 2048, 1, 700, 1500], device=dev)
+    neg = torch.finfo(dtype).min
+    mask = torch.where(torch.arange(N, device=dev)[None] < lens[:, None], 0.0, neg).to(dtype)
+    mask[4, 200:300] = neg  # a hidden run inside a row
+    s = (q.double() @ k.double().transpose(-1, -2)) * D ** -0.5 + mask.double()[:, None, None, :]
+    ref = torch.softmax(s, -1) @ v.double()
+    for b, n in enumerate(lens.tolist()):  # whole hidden tiles after each row's first tile: poisoned
+        start = max(-(-n // 64) * 64, 64)
+        k[b, :, start:], v[b, :, start:] = float("nan"), float("nan")
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for splits in (1, 4, None):
+        out, lse = split_attention(q, k, v, mask, D ** -0.5, splits=splits)
+        o = (torch.softmax(lse.double(), dim=2)[..., None] * out.double()).sum(2)
+        assert torch.isfinite(o).all(), splits
+        assert (o - ref).abs().max() <= tol, splits
+        if splits == 1:  # one split per row: its LSE is the row's
+            assert (lse[:, :, 0].double() - torch.logsumexp(s, -1)).abs().max() <= tol
+
+
 @pytest.mark.parametrize("n", [2, 1], ids=["groups", "own-prompts"])
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
 def test_cuda_graph_stream_kept_buffers_prefix_cache(compile_decode, n):

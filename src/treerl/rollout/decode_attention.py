@@ -14,6 +14,12 @@ levels exactly in one pass.
 ``mask`` rows ``[B, N]`` (broadcast over heads and queries) -> ``out [B, H, S, M, Dv]``
 (float32) and ``lse [B, H, S, M]`` (float32; ``-inf`` for a split with no keys).
 
+A key tile whose keys the mask hides entirely (mask value ``finfo(mask.dtype).min`` at every
+key: slots past a row's length when the step attends to the longest row's span, a prompt
+shorter than the prefix store) adds ``exp(hidden - max) = 0`` to every softmax sum, so it is
+skipped without reading its keys and values: a step's attention reads what its rows hold,
+not ``rows x span``. A split's first tile always runs (its LSE stays finite, as before).
+
 Paged keys (the rows' own store, :mod:`~treerl.rollout.paging`): ``k/v`` are block pools
 ``[num_blocks, H, PAGE, D]`` and ``table [B, max_blocks]`` names the block of each entry's
 keys ``[j x PAGE, (j + 1) x PAGE)``; ``N`` (keys per entry) is then the mask's width. When
@@ -40,10 +46,50 @@ BLOCK_N = 64
 if triton is not None:
 
     @triton.jit
+    def _tile(q, K, V, Table, b, h, offs_n, valid, bias, m_i, l_i, acc, tile_start,
+              skb, skh, skn, svb, svh, svn, stb, N, scale,
+              BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr):
+        """One key tile of :func:`_split_kernel`: the online-softmax update of ``(m_i, l_i, acc)``."""
+        offs_d = tl.arange(0, D)
+        offs_dv = tl.arange(0, DV)
+        if PAGE == 0:  # dense: entry b's keys
+            k_at = K + b * skb + h * skh + offs_n[:, None] * skn
+            v_at = V + b * svb + h * svh + offs_n[:, None] * svn
+        else:  # paged: key j of entry b is slot j % PAGE of block Table[b, j // PAGE]
+            if PAGE % BLOCK_N == 0:
+                first = tile_start
+                blk = tl.load(Table + b * stb + first // PAGE, mask=first < N, other=0).to(tl.int64)
+                slot = (offs_n % PAGE)[:, None]
+                k_at = K + blk * skb + h * skh + slot * skn
+                v_at = V + blk * svb + h * svh + slot * svn
+            else:
+                blk = tl.load(Table + b * stb + offs_n // PAGE, mask=valid, other=0).to(tl.int64)[:, None]
+                slot = (offs_n % PAGE)[:, None]
+                k_at = K + blk * skb + h * skh + slot * skn
+                v_at = V + blk * svb + h * svh + slot * svn
+        k = tl.load(k_at + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale + bias[None, :]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_at + offs_dv[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _split_kernel(Q, K, V, Mask, O, L, Table,
                       sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, stb,
                       sob, soh, sos, som, slb, slh, sls,
-                      H, M, N, keys_per_split, scale,
+                      H, M, N, keys_per_split, scale, HIDDEN,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                       IEEE: tl.constexpr, PAGE: tl.constexpr):
         bh = tl.program_id(0)
@@ -62,39 +108,14 @@ if triton is not None:
         for i in range(0, keys_per_split // BLOCK_N):
             offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = offs_n < N
-            if PAGE == 0:  # dense: entry b's keys
-                k_at = K + b * skb + h * skh + offs_n[:, None] * skn
-                v_at = V + b * svb + h * svh + offs_n[:, None] * svn
-            else:  # paged: key j of entry b is slot j % PAGE of block Table[b, j // PAGE]
-                if PAGE % BLOCK_N == 0:
-                    first = start + i * BLOCK_N
-                    blk = tl.load(Table + b * stb + first // PAGE, mask=first < N, other=0).to(tl.int64)
-                    slot = (offs_n % PAGE)[:, None]
-                    k_at = K + blk * skb + h * skh + slot * skn
-                    v_at = V + blk * svb + h * svh + slot * svn
-                else:
-                    blk = tl.load(Table + b * stb + offs_n // PAGE, mask=valid, other=0).to(tl.int64)[:, None]
-                    slot = (offs_n % PAGE)[:, None]
-                    k_at = K + blk * skb + h * skh + slot * skn
-                    v_at = V + blk * svb + h * svh + slot * svn
-            k = tl.load(k_at + offs_d[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
             bias = tl.load(Mask + b * smb + offs_n, mask=valid, other=0.0).to(tl.float32)
-            s = s * scale + bias[None, :]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_at + offs_dv[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            # a tile whose keys are all hidden adds exp(hidden - max) = 0 to the softmax: skip its K/V
+            # reads (rows shorter than the step's own span, prompts shorter than the prefix store); the
+            # split's first tile always runs, so every split keeps a finite LSE as before
+            if (i == 0) | (tl.max(tl.where(valid, bias, HIDDEN), 0) > HIDDEN):
+                m_i, l_i, acc = _tile(q, K, V, Table, b, h, offs_n, valid, bias, m_i, l_i, acc, start + i * BLOCK_N,
+                                      skb, skh, skn, svb, svh, svn, stb, N, scale,
+                                      BLOCK_N, D, DV, IEEE, PAGE)
         has = l_i > 0
         out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -136,7 +157,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0), table.stride(0),
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
-        H, M, N, per, scale,
+        H, M, N, per, scale, float(torch.finfo(mask.dtype).min),
         BLOCK_M=block_m, BLOCK_N=block_n, D=D, DV=DV, IEEE=q.dtype == torch.float32, PAGE=page,
         num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages,
     )
