@@ -104,6 +104,8 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true",
                    help="CPU smoke settings: tiny shape, 8 agents x 2 turns, 16-token prompts, 4-16 tokens per call")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="in-process: one more run under the torch profiler "
+                   "(device busy against wall time, the top kernels and host operations)")
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16)
     p.add_argument("--prefill-chunk-tokens", type=int, default=8192, help="the engine's (its default: 8192)")
     p.add_argument("--max-rows", type=int, default=256, help="rows of the running batch (treerl serve's default)")
@@ -247,13 +249,44 @@ def in_process(args, model, vocab: int) -> dict:
         [c] = await asyncio.wrap_future(loop.submit(prompt, params))
         return c.completion_ids.tolist()
 
+    def run():
+        return combine([asyncio.run(run_agents(args, vocab, call, range(args.agents), args.probe))])
+
     try:
-        return measure(args, lambda: combine([asyncio.run(run_agents(args, vocab, call, range(args.agents),
-                                                                     args.probe))]),
-                       lambda: dataclasses.asdict(loop.engine_stats()) | {"streams": loop.stats.streams},
+        best = measure(args, run, lambda: dataclasses.asdict(loop.engine_stats()) | {"streams": loop.stats.streams},
                        (lambda: asyncio.run(probe_alone(args, vocab, call))) if args.probe else None)
+        if args.profile:
+            steps = loop.engine_stats().decode_steps
+            best["profile"] = profiled(run, args.device)
+            best["profile"]["decode_steps"] = loop.engine_stats().decode_steps - steps
+        return best
     finally:
         loop.stop()
+
+
+def profiled(run, device: str) -> dict:
+    """``run()`` under the torch profiler: wall and device-busy seconds, the top device kernels
+    and host operations (self time), printed and returned."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        run()
+    wall = time.perf_counter() - t0
+    dev, host = {}, {}
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            dev[ev.key] = (getattr(ev, "device_time_total", 0.0) / 1e3, ev.count)
+        else:
+            host[ev.key] = (ev.self_cpu_time_total / 1e3, ev.count)
+    out = {"wall_s": wall, "device_busy_s": sum(t for t, _ in dev.values()) / 1e3,
+           "kernels": sum(c for _, c in dev.values()),
+           "top_kernels_ms": dict(sorted(dev.items(), key=lambda kv: -kv[1][0])[:15]),
+           "top_host_self_ms": dict(sorted(host.items(), key=lambda kv: -kv[1][0])[:15])}
+    print(f"profiled run: wall {wall:.2f} s, device busy {out['device_busy_s']:.2f} s, {out['kernels']} kernels")
+    for what in ("top_kernels_ms", "top_host_self_ms"):
+        for k, (ms, n) in out[what].items():
+            print(f"  {what[4:-3]:10} {ms:9.1f} ms {n:7d}x  {k[:100]}")
+    return out
 
 
 # ---------------------------------------------------------------------- served
