@@ -481,27 +481,6 @@ def test_compiled_decode_step_matches_full_forward_float32():
     check_greedy(model, groups, prompts, 2, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_prefill_layers_match_full_forward_float32():
-    """The prefill's layers as one compiled function (``PrefillForward`` with compile: what a
-    CUDA engine runs) with the prefix cache and prompts in the rows' own blocks (``n = 1``,
-    a serving batch): a next turn prefills only its new tokens, in batched forwards of
-    unequal lengths, and greedy output equals a full forward, logprobs to 1e-5."""
-    from treerl.rollout import prefill_blocks
-
-    model = tiny_model(dtype=torch.float32, seed=5)
-    engine = RolloutEngine(model, sync_every=2, static_kv=True, compile_decode=True, prefix_cache_tokens=2000,
-                           prefill_chunk_tokens=16)
-    prompts = random_prompts([7, 12, 3, 9, 20], seed=21)
-    first = list(engine.generate_stream(prompts, params(n=1), max_rows=3))
-    assert prefill_blocks._LAYERS.compiled, "the prefill layers did not run compiled"
-    check_greedy(model, first, prompts, 1, rtol=1e-5, atol=1e-5)
-    turn2 = [p + g[0].completion_ids.tolist() + [1, 2]
-             for p, g in zip(prompts, sorted(first, key=lambda g: g.prompt_index))]
-    second = list(engine.generate_stream(turn2, params(n=1), max_rows=3))
-    check_greedy(model, second, turn2, 1, rtol=1e-5, atol=1e-5)
-    assert engine.stats.prefix_cache_hit_tokens > 0
-
-
 # ------------------------------------------------------------------ prefix cache across calls
 def test_prefix_cache_next_turn_prefills_only_its_new_tokens(model):
     """Multi-turn: turn 2's prompt extends turn 1's prompt (+ its completion + new tokens);
