@@ -17,6 +17,16 @@ from treerl.rollout import ForkLayout, PromptQueue, RolloutEngine, SamplingParam
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+def assert_float64_logprobs(model, prompted_groups, temperature: float = 1.0) -> None:
+    """Every completion's logprobs (``prompted_groups``: ``(prompt, group)`` pairs) equal a
+    float64 full forward of ``model`` (RMSNorm in the input precision) to 2e-4."""
+    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
+    for prompt, g in prompted_groups:
+        for c in g:
+            ref = completion_logprobs(reference, prompt, c.completion_ids.tolist(), temperature)
+            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()
+
+
 
 # ------------------------------------------------------------------ generate (tests/rollout/test_rollout.py)
 
@@ -34,12 +44,8 @@ def test_cuda_graph_decode_matches_full_forward():
     eager = RolloutEngine(model, cuda_graphs=False).generate(prompts, greedy)
     for g, e, p in zip(graphed.generate(prompts, greedy), eager, prompts):
         assert g[0].completion_ids.tolist() == e[0].completion_ids.tolist()
-    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
     assert graphed.stats.decode_steps > 0 and sum(len(g) for g in groups) > len(prompts) * 3
-    for g, p in zip(groups, prompts):
-        for c in g:
-            ref = completion_logprobs(reference, p, c.completion_ids.tolist(), 0.8)
-            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()
+    assert_float64_logprobs(model, zip(prompts, groups), 0.8)
 
 
 # ------------------------------------------------------------------ the stream (tests/rollout/test_rollout_stream.py)
@@ -61,11 +67,7 @@ def test_cuda_graph_stream_matches_eager_and_full_forward():
     p = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_new_tokens=40, seed=0,
                        stop_token_ids=list(range(0, VOCAB, 41)))
     groups = list(graphed.generate_stream(prompts, p, max_rows=24))
-    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
-    for g in groups:
-        for c in g:
-            ref = completion_logprobs(reference, prompts[g.prompt_index], c.completion_ids.tolist(), 0.8)
-            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()
+    assert_float64_logprobs(model, ((prompts[g.prompt_index], g) for g in groups), 0.8)
 
 
 @pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float32, 16), (torch.float16, 64)])
@@ -183,11 +185,7 @@ def test_cuda_graph_stream_kept_buffers_prefix_cache(compile_decode, n):
     assert key(c) == key(eager.generate_stream(turn2, sampling(24, n=n), max_rows=8))
     if compile_decode:
         assert graphed.decode_blocks.compiled and graphed.prefiller.forward.pre.compiled, "not compiled"
-    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
-    for g in c:
-        for comp in g:
-            ref = completion_logprobs(reference, turn2[g.prompt_index], comp.completion_ids.tolist())
-            assert torch.allclose(comp.logprobs.double(), ref, atol=2e-4), (comp.logprobs - ref).abs().max()
+    assert_float64_logprobs(model, ((turn2[g.prompt_index], g) for g in c))
 
 
 def test_cuda_prompt_kv_memory_is_stored_once():
@@ -248,12 +246,8 @@ def test_cuda_graph_trees_match_eager_and_full_forward(compile_decode):
     groups = graphed.generate(prompts, sampled)
     if compile_decode:
         assert graphed.decode_blocks.compiled, "compilation fell back to eager"
-    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
-    for g, prompt in zip(groups, prompts):
-        assert len(g) >= 2
-        for c in g:
-            ref = completion_logprobs(reference, prompt, c.completion_ids.tolist(), 0.8)
-            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()
+    assert all(len(g) >= 2 for g in groups)
+    assert_float64_logprobs(model, zip(prompts, groups), 0.8)
 
 
 # ------------------------------------------------------------------ the paged own store (tests/rollout/test_rollout_paging.py)
@@ -279,11 +273,7 @@ def test_cuda_graphs_under_preemption(tree):
     assert key(groups) == key(eager.generate_stream(prompts, p))
     assert graphed.stats.preemptions > 0 and graphed.cuda_graphs and eager.stats.preemptions == 0
     assert graphed.decode_blocks.compiled, "compilation fell back to eager"
-    reference = rmsnorm_in_input_precision(copy.deepcopy(model).cpu().double())
-    for g in groups:
-        for c in g:
-            ref = completion_logprobs(reference, prompts[g.prompt_index], c.completion_ids.tolist())
-            assert torch.allclose(c.logprobs.double(), ref, atol=2e-4), (c.logprobs - ref).abs().max()
+    assert_float64_logprobs(model, ((prompts[g.prompt_index], g) for g in groups))
 
 
 # ------------------------------------------------------------------ per-group settings (tests/rollout/test_rollout_requests.py)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from helpers.forests import forests
 from treerl import PrefixTree
+from treerl.engine.tree import _next_not_deeper  # (unchanged by the new build: both builds share it)
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -347,28 +348,6 @@ def _ref_longest_common_prefixes(flat: np.ndarray, lengths: np.ndarray, offsets:
     return lcp
 
 
-def _ref_next_not_deeper(depth: np.ndarray) -> np.ndarray:
-    """For each i, the first j > i with depth[j] <= depth[i] (len(depth) if none).
-
-    Binary lifting over a sparse table of range minima: O(M log M), all vectorised.
-    """
-    m = len(depth)
-    tables = [depth]
-    while (1 << len(tables)) <= m:
-        prev, half = tables[-1], 1 << (len(tables) - 1)
-        nxt = prev.copy()
-        nxt[: m - half] = np.minimum(prev[: m - half], prev[half:])
-        tables.append(nxt)
-    pos = np.arange(1, m + 1, dtype=np.int64)
-    for level in range(len(tables) - 1, -1, -1):
-        width = 1 << level
-        ok = pos + width <= m
-        idx = np.where(ok, pos, 0)
-        deeper = ok & (tables[level][idx] > depth)
-        pos = np.where(deeper, pos + width, pos)
-    return pos
-
-
 def reference_build(arrays: list[np.ndarray], share_prefixes: bool) -> dict[str, np.ndarray]:
     """The build before issue 24 (forward fills over every flat token), kept as a reference."""
     n = len(arrays)
@@ -408,7 +387,7 @@ def reference_build(arrays: list[np.ndarray], share_prefixes: bool) -> dict[str,
     node_end = np.append(node_start[1:], num_tokens)
     node_of = np.cumsum(starts) - 1
     node_parent = np.where(parent[node_start] >= 0, node_of[safe_parent[node_start]], -1)
-    next_outside = _ref_next_not_deeper(position[node_start])
+    next_outside = _next_not_deeper(position[node_start])
     node_subtree_end = np.append(node_start, num_tokens)[next_outside]
     subtree_end = node_subtree_end[node_of]
 

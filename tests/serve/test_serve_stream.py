@@ -8,6 +8,7 @@ Synchronisation is by events, never by sleeping."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 
@@ -123,36 +124,47 @@ def test_streamed_text_stops_before_a_stop_string(served):
     assert "".join(parts) == whole.choices[0].text and stop not in "".join(parts)
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_rows(served):
-    server, engine, tok = served
-    loop = server.state.loop
-    cancelled = threading.Event()
-    original = loop.cancel
-
+@contextlib.contextmanager
+def held_at_first_tokens(loop, forward: bool):
+    """Patch ``loop`` so that the engine thread blocks at a request's first token delivery
+    until ``gate`` is set, and every ``loop.cancel`` is recorded (``cancelled`` set, its
+    future in ``futures``). ``forward``: the request's own listener still gets the tokens
+    (a streaming request); else the listener is replaced. Restored (and the gate opened) on
+    leaving. Yields ``(cancelled, futures, delivered, gate)``."""
+    cancelled, delivered, gate = threading.Event(), threading.Event(), threading.Event()
     futures = []
+    original, submit = loop.cancel, loop.submit
 
     def spy(future):
         futures.append(future)
         cancelled.set()
         return original(future)
 
-    # the engine thread blocks in the stream's first token delivery until the server has cancelled
-    delivered, gate = threading.Event(), threading.Event()
-    submit = loop.submit
-
     def blocking_submit(prompt, params, *, listener=None):
-        def wrapped(delta):
+        def first_tokens(delta):
             first = not delivered.is_set()
             delivered.set()
-            listener(delta)
+            if forward:
+                listener(delta)
             if first:
                 gate.wait(60)
 
-        return submit(prompt, params, listener=wrapped if listener is not None else None)
+        return submit(prompt, params, listener=first_tokens if listener is not None or not forward else None)
 
     loop.cancel, loop.submit = spy, blocking_submit
-    http = http_module()
     try:
+        yield cancelled, futures, delivered, gate
+    finally:
+        gate.set()
+        loop.cancel, loop.submit = original, submit
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_rows(served):
+    server, engine, tok = served
+    loop = server.state.loop
+    http = http_module()
+    # the engine thread blocks in the stream's first token delivery until the server has cancelled
+    with held_at_first_tokens(loop, forward=True) as (cancelled, futures, delivered, gate):
         with http.Client(base_url=server.url, timeout=60) as c:
             with c.stream("POST", "/completions", json={"model": "treerl", "prompt": "1+", "stream": True,
                                                         "max_tokens": CONTEXT - 8, "temperature": 1.0}) as r:
@@ -167,9 +179,6 @@ def test_a_client_that_disconnects_mid_stream_frees_its_rows(served):
             assert row.finish_reason == "abort" and len(row) < CONTEXT - 8
             ok = c.post("/completions", json={"model": "treerl", "prompt": "1+1=", "max_tokens": 2})
             assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"]
-    finally:
-        gate.set()
-        loop.cancel, loop.submit = original, submit
 
 
 def test_a_non_streaming_client_that_disconnects_frees_its_rows(served):
@@ -178,50 +187,25 @@ def test_a_non_streaming_client_that_disconnects_frees_its_rows(served):
     client does; the server keeps serving."""
     server, engine, tok = served
     loop = server.state.loop
-    cancelled = threading.Event()
-    original, submit = loop.cancel, loop.submit
-    futures = []
-
-    def spy(future):
-        futures.append(future)
-        cancelled.set()
-        return original(future)
 
     # the engine thread blocks at the request's first tokens until the server has cancelled it
-    delivered, gate = threading.Event(), threading.Event()
+    with held_at_first_tokens(loop, forward=False) as (cancelled, futures, delivered, gate):
+        async def main():
+            async with client(server) as c:
+                call = asyncio.ensure_future(c.completions.create(model="treerl", prompt="1+",
+                                                                  max_tokens=CONTEXT - 8, temperature=1.0))
+                assert await asyncio.to_thread(delivered.wait, 60)  # generating: its first tokens reached the host
+                call.cancel()  # the client goes away (its connection closed)
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                assert await asyncio.to_thread(cancelled.wait, 60)  # the server saw the disconnect, cancelled the rows
 
-    def blocking_submit(prompt, params, *, listener=None):
-        def first_tokens(delta):
-            if not delivered.is_set():
-                delivered.set()
-                gate.wait(60)
-
-        return submit(prompt, params, listener=first_tokens)
-
-    loop.cancel, loop.submit = spy, blocking_submit
-
-    async def main():
-        async with client(server) as c:
-            call = asyncio.ensure_future(c.completions.create(model="treerl", prompt="1+", max_tokens=CONTEXT - 8,
-                                                              temperature=1.0))
-            assert await asyncio.to_thread(delivered.wait, 60)  # generating: its first tokens reached the host
-            call.cancel()  # the client goes away (its connection closed)
-            with pytest.raises(asyncio.CancelledError):
-                await call
-            assert await asyncio.to_thread(cancelled.wait, 60)  # the server saw the disconnect, cancelled the rows
-
-    try:
         asyncio.run(main())
-        loop.cancel, loop.submit = original, submit
-        gate.set()
-        assert loop.drain(60) and loop.busy == 0
-        [row] = futures[0].result(60)  # the row stopped where it was: far from its max_tokens
-        assert row.finish_reason == "abort" and len(row) < CONTEXT - 8
-        ok = asyncio.run(client(server).completions.create(model="treerl", prompt="1+1=", max_tokens=2))
-        assert ok.choices[0].model_extra["token_ids"]
-    finally:
-        gate.set()
-        loop.cancel, loop.submit = original, submit
+    assert loop.drain(60) and loop.busy == 0
+    [row] = futures[0].result(60)  # the row stopped where it was: far from its max_tokens
+    assert row.finish_reason == "abort" and len(row) < CONTEXT - 8
+    ok = asyncio.run(client(server).completions.create(model="treerl", prompt="1+1=", max_tokens=2))
+    assert ok.choices[0].model_extra["token_ids"]
 
 
 def test_streamed_text_of_a_byte_level_bpe_equals_the_whole(served):
