@@ -589,6 +589,9 @@ def test_prefix_cache_lru_and_superseding():
     assert c.lookup([1, 2], 0) is None and c.lookup([7, 8], 0) is None
     c.insert(entry([4, 4, 4]))  # 11 tokens: evicts the least recently used, [7, 8, 9]
     assert c.tokens == 8 and c.lookup([7, 8, 9], 0) is None and c.lookup([4, 4, 4, 1], 0) is not None
+    assert c.hit_tokens([4, 4, 4, 1], 0) == 3 and c.hit_tokens([4, 4, 4], 1) == 0 and len(c) == 2  # read-only
+    c.insert(entry([6, 6]))  # 10 tokens: nothing evicted; hit_tokens did not make [1..5] most recently used
+    assert c.hit_tokens([1, 2, 3, 4, 5], 0) == 5 and list(c._entries)[0] == (1, 2, 3, 4, 5)
     assert c.lookup([4, 4, 4], 1) is None and len(c) == 0 and c.tokens == 0  # other weights: all dropped
     c.insert(entry(list(range(11)), 1))  # larger than the cache: not stored
     assert len(c) == 0

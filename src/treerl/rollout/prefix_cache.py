@@ -96,17 +96,28 @@ class PrefixCache:
         """The longest stored prompt (of weights ``version``) that ``tokens`` starts with,
         marked most recently used; None if there is none."""
         self._use_version(version)
-        tokens = tuple(tokens)
+        best = self._longest(tuple(tokens))
+        if best is None:
+            return None
+        self._entries.move_to_end(best)
+        return self._entries[best]
+
+    def hit_tokens(self, tokens: list[int] | tuple[int, ...], version: int) -> int:
+        """Tokens of ``tokens`` that :meth:`lookup` would find, without using the entry (its
+        recency and the stored version are left as they are): for estimating a prefill."""
+        if version != self.version:
+            return 0
+        best = self._longest(tuple(tokens))
+        return 0 if best is None else len(best)
+
+    def _longest(self, tokens: tuple[int, ...]) -> tuple[int, ...] | None:
         best = None
         for key in self._stored_prefixes(tokens, block_hashes(tokens)):
             if best is not None and len(key) // BLOCK < len(best) // BLOCK:
                 break  # a shorter block boundary: no longer key below
             if best is None or len(key) > len(best):
                 best = key
-        if best is None:
-            return None
-        self._entries.move_to_end(best)
-        return self._entries[best]
+        return best
 
     def insert(self, entry: PrefixEntry) -> None:
         """Store ``entry`` (if it fits at all); drop the stored prompts it extends and the

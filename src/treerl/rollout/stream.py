@@ -553,6 +553,6 @@ def _new_tokens(batch: RunningBatch, item) -> int:
     """Tokens admitting ``item`` prefills."""
     if isinstance(item, Preempted):  # (own prompts: the tokens fed count the prompt)
         return int(item.rows["fed_h"].max(initial=0)) + (0 if batch.own_prompts else len(item.prompt))
-    cache, n = batch.e.prefix_cache, len(item.prompt)
-    hit = cache.lookup(item.prompt, batch.e.version) if cache is not None else None
-    return n - (len(hit) if hit is not None else 0)
+    cache, prompt = batch.e.prefix_cache, item.prompt
+    prompt = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
+    return len(prompt) - (cache.hit_tokens(prompt, batch.e.version) if cache is not None else 0)
