@@ -49,6 +49,14 @@ def default_tokenizer(model_cfg: ModelConfig, task: Task) -> Any:
     return task.tokenizer() if task.alphabet else CharTokenizer()
 
 
+def config_tokenizer(cfg: Config) -> Any:
+    """A run's tokenizer from its config: ``model.path``'s, else its task's
+    (:func:`default_tokenizer`); the task (which may read a dataset) is built only then."""
+    if cfg.model.path:
+        return load_tokenizer(cfg.model.path)
+    return default_tokenizer(cfg.model, get_task(cfg.task.name, **cfg.task.kwargs))
+
+
 def load_tokenizer(directory: str | Path) -> Any:
     """The tokenizer saved in ``directory``: treerl's character tokenizer, else a Hugging
     Face tokenizer (local files only)."""
@@ -76,7 +84,7 @@ def load_saved(model_dir: str | Path, cfg: Config, *, checkpoint: Path | None = 
         if saved.is_dir():
             tokenizer = load_tokenizer(saved)
         else:
-            tokenizer = default_tokenizer(cfg.model, get_task(cfg.task.name, **cfg.task.kwargs))
+            tokenizer = config_tokenizer(cfg)
         if is_adapter_dir(model_dir):
             base = build_base(cfg.model, tokenizer, cfg.train.seed, device)
             return load_adapter(base, model_dir).merge_and_unload(), tokenizer

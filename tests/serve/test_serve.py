@@ -28,6 +28,7 @@ from treerl.serve.client import http_module
 from treerl.checkpoint import save_checkpoint
 from treerl.rollout import RolloutEngine
 from treerl.serve import ServeOptions, ServerThread, make_state
+from treerl.models import build_model
 from treerl.tasks.tokenizer import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -416,6 +417,37 @@ def test_serve_on_a_busy_or_invalid_port_is_one_line(capsys):
     assert "cannot listen on 127.0.0.1:70000 (a port is 0-65535)" in capsys.readouterr().err
     assert main(["serve", "--host", "256.1.1.1", "--port", "0"]) == 2
     assert "cannot listen on 256.1.1.1:0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--prefix-cache-tokens", "-1", "--prefix-cache-tokens: rollout.prefix_cache_tokens: -1 is not allowed"),
+    ("--prefill-chunk-tokens", "0", "--prefill-chunk-tokens: rollout.prefill_chunk_tokens: 0 is not allowed"),
+])
+def test_serve_refuses_bad_rollout_options_before_loading_a_model(option, value, message, capsys, monkeypatch):
+    """A bad ``--prefix-cache-tokens`` / ``--prefill-chunk-tokens``: one line, exit 2, and no
+    model loaded first."""
+    from treerl.cli import main
+    from treerl.serve import server
+
+    loaded = []
+    monkeypatch.setattr(server, "load_for_serving", lambda *a, **k: loaded.append(a))
+    assert main(["serve", "--port", "0", option, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err and not loaded
+
+
+def test_serving_from_model_path_does_not_build_the_task(tmp_path):
+    """``model.path`` gives the tokenizer: the config's task (here a JSONL dataset that is not
+    on this machine) is not built, as training needs it but serving does not."""
+    from treerl.serve.server import load_for_serving
+
+    tok = CharTokenizer()
+    build_model("qwen3", "tiny", seed=0, vocab_size=len(tok)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model, tokenizer, version = load_for_serving(
+        None, [f"model.path={tmp_path}", "task.name=math_jsonl", f"task.kwargs={{path: {tmp_path / 'absent.jsonl'}}}"],
+        None, "cpu", None)
+    assert isinstance(tokenizer, CharTokenizer) and version == 0 and model.config.vocab_size == len(tok)
 
 
 def test_serve_options_are_the_rollout_keys_and_the_engine_comes_from_the_one_builder():

@@ -34,7 +34,6 @@ class ServeOptions:
     default_max_tokens: int = 256  # when a request sets no max_tokens (capped by the context)
     max_rows: int | None = 256  # rows of the running batch (None: as the K/V budget allows)
     idle_timeout_s: float = 1.0  # a running batch ends after this long without work
-    prefix_cache_tokens: int = 0  # the engine's prefix cache (0: off)
     tool_call_parser: str | None = None  # a treerl.serve.tools format (hermes, tag); None: tools refused
     history_tokens: int = 1 << 22  # token-exact histories: produced turns kept, in tokens (0: off)
     limits: ServeLimits = field(default_factory=ServeLimits)  # caps per request (treerl.serve.limits)
@@ -141,14 +140,13 @@ def load_for_serving(config_path: str | None, overrides: list[str], weights: str
 
 def _load_base_for_serving(config_path, overrides, weights, device, dtype, trust: bool
                            ) -> tuple[torch.nn.Module, Any, int]:
-    from ..build import build_base, default_tokenizer, load_saved
+    from ..build import build_base, config_tokenizer, load_saved
     from ..checkpoint import META
-    from ..tasks import get_task
 
     cfg = Config.from_yaml(config_path, overrides)
     if weights is None:
         cfg.model.dtype = dtype or cfg.model.dtype
-        tokenizer = default_tokenizer(cfg.model, get_task(cfg.task.name, **cfg.task.kwargs))
+        tokenizer = config_tokenizer(cfg)
         return build_base(cfg.model, tokenizer, cfg.train.seed, device), tokenizer, 0
     from .weights import weights_dir
 
@@ -183,12 +181,12 @@ def serve(args) -> int:
     check_device(args.device, "--device")
     ServerThread.check_address(args.host, args.port)  # before the model loads: a busy port is one line now
     api_key, limits, root = security_options(args)
+    rollout = serving_rollout_config(config, overrides, args)  # before the model loads too
     model, tokenizer, version = load_for_serving(config, overrides, args.weights, args.device, args.dtype,
                                                  trust=args.trust_checkpoint, lora=args.lora)
-    rollout = serving_rollout_config(config, overrides, args)
     engine = build_rollout_engine(rollout, model, version=version)
     options = ServeOptions(model_name=args.model_name, default_max_tokens=args.max_tokens, max_rows=args.max_rows,
-                           prefix_cache_tokens=rollout.prefix_cache_tokens, idle_timeout_s=args.idle_timeout_s,
+                           idle_timeout_s=args.idle_timeout_s,
                            tool_call_parser=args.tool_call_parser, history_tokens=args.history_tokens,
                            limits=limits, weights_root=None if root is None else str(root))
     server = ServerThread(make_state(engine, tokenizer, options), host=args.host, port=args.port, api_key=api_key)
