@@ -31,18 +31,22 @@ class Batch:
     seq_lengths: list[int]  # L - 1 per sequence
 
 
-def prepare_batch(layout: PrefixTree, plan: Plan, device: torch.device) -> Batch:
-    """``layout`` and ``plan`` as a :class:`Batch` on ``device``."""
-    # All index arrays in one host-to-device copy, from pinned memory: no host sync (a
-    # pageable copy synchronises the host with the stream; treerl.overlap runs forwards
-    # beside a rollout and must not wait for them).
-    arrays = [layout.token_ids, layout.position, layout.parent, layout.subtree_end, seq_targets(layout),
-              *plan.targets]
+def upload_indices(arrays: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """1-D host index arrays on ``device`` in one copy, from pinned memory on CUDA: no host
+    sync (a pageable copy synchronises the host with the stream)."""
     host = torch.cat(arrays)
     if device.type == "cuda":
         host = host.pin_memory()
-    on_device = host.to(device, non_blocking=True).split([len(a) for a in arrays])
-    token_ids, position, parent, subtree_end, targets_of_seqs, *targets = on_device
+    return list(host.to(device, non_blocking=True).split([len(a) for a in arrays]))
+
+
+def prepare_batch(layout: PrefixTree, plan: Plan, device: torch.device) -> Batch:
+    """``layout`` and ``plan`` as a :class:`Batch` on ``device``."""
+    # All index arrays in one host-to-device copy without a host sync (treerl.overlap runs
+    # forwards beside a rollout and must not wait for them).
+    token_ids, position, parent, subtree_end, targets_of_seqs, *targets = upload_indices(
+        [layout.token_ids, layout.position, layout.parent, layout.subtree_end, seq_targets(layout), *plan.targets],
+        device)
     return Batch(tree=layout, plan=plan, token_ids=token_ids, position=position, parent=parent,
                  subtree_end=subtree_end, targets=list(targets), seq_targets=targets_of_seqs,
                  seq_lengths=(layout.seq_lengths - 1).tolist())

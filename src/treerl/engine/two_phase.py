@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .batch import Batch, sequences_in
+from .batch import Batch, sequences_in, upload_indices
 from .checks import check_loss
 from .memory import BACKWARD_MARGIN, CallBudget, MemoryModel
 from .plan import Plan, Segment, make_plan
@@ -159,9 +159,8 @@ def general_plan(engine: "TreeEngine", b: Batch) -> Batch:
                      memory=dataclasses.replace(budget, pack_cap=cap))
     if forward_saved(plan, keep_graphs(plan, budget)) <= forward_saved(b.plan, kept):
         return b  # (smaller calls that need no recompute: holding them saves nothing)
-    on_device = torch.cat(plan.targets).to(engine.device).split([len(t) for t in plan.targets])
     engine.stats.plan = plan.describe()
-    return dataclasses.replace(b, plan=plan, targets=list(on_device))
+    return dataclasses.replace(b, plan=plan, targets=upload_indices(plan.targets, engine.device))
 
 
 # --------------------------------------------------------------------- the executor
