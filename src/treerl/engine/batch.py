@@ -108,3 +108,15 @@ def scatter_gather(values: torch.Tensor, local_index: torch.Tensor, size: int, f
     segment-local positions ``flat_index`` of their tokens, split by ``sizes``)."""
     local = values.new_zeros(size).index_copy(0, local_index, values)
     return list(local[flat_index].split(sizes))
+
+
+def outputs_and_grads(b: Batch, i: int, lp: torch.Tensor, ent: torch.Tensor | None, g_lp: torch.Tensor,
+                      g_ent: torch.Tensor | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A call's outputs (segment ``i``'s logprobs, and entropies when ``g_ent`` is given) and
+    their incoming gradients, taken from the whole batch's ``g_lp`` / ``g_ent``, for
+    ``torch.autograd.backward``."""
+    outs, grads = [lp], [g_lp[b.targets[i]]]
+    if g_ent is not None:
+        outs.append(ent)
+        grads.append(g_ent[b.targets[i]])
+    return outs, grads

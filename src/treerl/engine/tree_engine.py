@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 
 from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, tree_attention_enabled
-from .batch import Batch, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
+from .batch import Batch, outputs_and_grads, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
 from .checks import check_inputs, check_loss, check_supported
 from ..compiled import claim_compiled_code
 from .compile_cache import enable as enable_compile_cache, save as save_compile_cache
@@ -395,19 +395,12 @@ class TreeEngine:
         # Stack of open chain segments on the current path: (index, K/V leaves, graph).
         path: list[tuple[int, list[KV], tuple | None]] = []
 
-        def outputs_and_grads(i, lp, ent):
-            outs, grads = [lp], [g_lp[b.targets[i]]]
-            if entropy:
-                outs.append(ent)
-                grads.append(g_ent[b.targets[i]])
-            return outs, grads
-
         def close(entry) -> None:
             i, leaves, graph = entry
             if graph is None:  # recompute: ancestors' leaves are the rest of the path
                 graph = self._call(b, i, [lv for _, lv, _ in path], capture=True, grad=True, entropy=entropy)
             lp, ent, kv = graph
-            outs, grads = outputs_and_grads(i, lp, ent)
+            outs, grads = outputs_and_grads(b, i, lp, ent, g_lp, g_ent)
             for (k, v), (leaf_k, leaf_v) in zip(kv, leaves):
                 for out, leaf in ((k, leaf_k), (v, leaf_v)):
                     # (frozen parameters, e.g. a LoRA model's: a layer's K/V may depend on none that train)
@@ -437,7 +430,7 @@ class TreeEngine:
                 path.append((i, leaves, graph))
             elif len(b.targets[i]):
                 lp, ent, _ = self._call(b, i, prefix, capture=False, grad=True, entropy=entropy)
-                torch.autograd.backward(*outputs_and_grads(i, lp, ent))
+                torch.autograd.backward(*outputs_and_grads(b, i, lp, ent, g_lp, g_ent))
         while path:
             close(path.pop())
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .batch import Batch, sequences_in, upload_indices
+from .batch import Batch, outputs_and_grads, sequences_in, upload_indices
 from .checks import check_loss
 from .memory import BACKWARD_MARGIN, CallBudget, MemoryModel
 from .plan import Plan, Segment, make_plan
@@ -218,11 +218,7 @@ def forward_backward(engine: "TreeEngine", b: Batch, loss_fn: LossFn, entropy: b
     loss, g_lp, g_ent = loss_gradients(b, lp_all, ent_all, loss_fn, separable, seqs, targets, lengths)
     while graphs:  # last first: each backward frees its graph before the next
         i, lp, ent = graphs.pop()
-        outs, grads = [lp], [g_lp[b.targets[i]]]
-        if entropy:
-            outs.append(ent)
-            grads.append(g_ent[b.targets[i]])
-        torch.autograd.backward(outs, grads)
-        del outs, lp, ent
+        torch.autograd.backward(*outputs_and_grads(b, i, lp, ent, g_lp, g_ent))
+        del lp, ent
     engine._backward_all(b, g_lp, g_ent, rest, reuse)
     return float(loss)

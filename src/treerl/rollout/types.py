@@ -14,12 +14,12 @@ import torch
 PromptLike = Sequence[int] | torch.Tensor | np.ndarray
 
 
-def to_device(a, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_device(a, device: torch.device) -> torch.Tensor:
     """A host array (numpy array, list) as a tensor on ``device`` without a host sync: on
     CUDA through pinned memory, asynchronously (a copy from pageable memory first waits for
     all queued device work); the caching host allocator keeps the pinned copy until the
     transfer ran. On the CPU it may share ``a``'s memory (copy it before changing ``a``)."""
-    t = torch.as_tensor(a if isinstance(a, np.ndarray) else np.asarray(a), dtype=dtype)
+    t = torch.as_tensor(a if isinstance(a, np.ndarray) else np.asarray(a))
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
