@@ -12,10 +12,12 @@ family / shape / dtype / overrides / lora), ``task`` (:class:`TaskConfig`: which
 from __future__ import annotations
 
 import copy
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .config import Config, EngineConfig, ModelConfig, TaskConfig
@@ -26,6 +28,13 @@ from .preflight import check_tokenizer_fits
 from .tasks import get_task
 from .tasks.base import Task
 from .tasks.tokenizer import CharTokenizer
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch, ``random`` and numpy: a trainer and its rollout workers start alike."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
 
 
 def build_task_policy(model_cfg: ModelConfig, task_cfg: TaskConfig, seed: int, device: torch.device, *,

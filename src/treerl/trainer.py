@@ -28,15 +28,13 @@ rank's RNG state (``rng_ranks``); rank 0 writes.
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from .build import build_engines, build_task_policy
+from .build import build_engines, build_task_policy, seed_all
 from .checkpoint import load_state, resolve_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import Config, ConfigError
 from .distributed import ranks
@@ -63,9 +61,7 @@ class Trainer:
         self.cfg = config
         validate(config)
         t, a = config.train, config.algorithm
-        torch.manual_seed(t.seed)
-        random.seed(t.seed)
-        np.random.seed(t.seed)
+        seed_all(t.seed)
         self.dist = ranks.setup(t.device)
         self.device = self.dist.device if self.dist else torch.device(t.device)
         self.task, self.tokenizer, self.model = build_task_policy(config.model, config.task, t.seed, self.device,

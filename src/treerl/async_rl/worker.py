@@ -36,7 +36,6 @@ from __future__ import annotations
 import importlib
 import os
 import queue
-import random
 import threading
 import time
 import traceback
@@ -46,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..build import build_task_policy
+from ..build import build_task_policy, seed_all
 from ..config import Config
 from ..rollout.prompts import PromptQueue
 from ..sampler import Sampler
@@ -151,9 +150,7 @@ def build_worker_sampler(cfg: Config, device: str) -> Sampler:
     from the same config sections as the trainer's sampler (no tree engines, optimizers or
     data-parallel group: a worker only generates)."""
     seed = cfg.train.seed
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
+    seed_all(seed)
     task, tokenizer, model = build_task_policy(cfg.model, cfg.task, seed, torch.device(device))
     return Sampler(cfg.rollout, cfg.task, task, tokenizer, model, None, seed=seed,
                    eval_problems=cfg.train.eval_problems)
