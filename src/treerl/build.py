@@ -96,7 +96,8 @@ def load_saved(model_dir: str | Path, cfg: Config, *, checkpoint: Path | None = 
             tokenizer = config_tokenizer(cfg)
         if is_adapter_dir(model_dir):
             base = build_base(cfg.model, tokenizer, cfg.train.seed, device)
-            return load_adapter(base, model_dir).merge_and_unload(), tokenizer
+            # merged into a plain model, trainable as a loaded full model is (PEFT froze the base)
+            return load_adapter(base, model_dir).merge_and_unload().requires_grad_(True), tokenizer
     return load_model(model_dir, dtype=cfg.model.dtype, device=device), tokenizer
 
 

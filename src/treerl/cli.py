@@ -106,7 +106,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model, tokenizer = load_saved(path / "model", cfg, checkpoint=path, device=args.device)
     if cfg.model.lora:  # a LoRA run: its adapter is merged into the loaded model, evaluated as a plain one
         cfg.model.lora = {}
-        model.requires_grad_(True)  # (merging left the weights frozen; the trainer's optimizer is never stepped)
     trainer = Trainer(cfg, model=model, tokenizer=tokenizer)
     torch.manual_seed(cfg.train.seed)
     result = trainer.evaluate(args.n)
