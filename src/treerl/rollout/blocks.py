@@ -50,17 +50,15 @@ from ..moe import install as install_moe, is_moe_block
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, shared_part, split_queries
 
 
-def _pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, G: int,
-         w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, own_k: torch.Tensor, own_v: torch.Tensor,
-         block: torch.Tensor, offset: torch.Tensor):
-    """``hidden [B, 1, H]`` -> ``q_own [B, Hkv, gq, D]``, ``q_pre [B/G, Hkv, G gq, D]`` and the
-    token's keys/values ``[B, Hkv, D]`` (post-RoPE), which are also written into the row
-    store's block pools ``own_k/own_v [blocks, Hkv, Bk, D]``, row ``i`` at slot ``offset[i]``
-    of block ``block[i]``. ``w_qkv``/``b_qkv``: the Q, K, V projections as one."""
+def qkv_rope(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor,
+             b_qkv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's input norm, Q/K/V projections as one product (``w_qkv``/``b_qkv``), Q/K
+    norms (Qwen3) and RoPE: ``hidden [B, T, H]`` -> ``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]``
+    (post-RoPE) and ``v [B, T, Hkv, Dv]``. The decode step's and the prefill's."""
     attn = layer.self_attn
     x = layer.input_layernorm(hidden)
     D = attn.head_dim
-    kv = own_k.shape[1] * D
+    kv = attn.config.num_key_value_heads * D
     q, k, v = torch.nn.functional.linear(x, w_qkv, b_qkv).split([w_qkv.shape[0] - 2 * kv, kv, kv], dim=-1)
     shape = (*hidden.shape[:-1], -1, D)
     q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
@@ -68,6 +66,17 @@ def _pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: t
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
+
+
+def _pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, G: int,
+         w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, own_k: torch.Tensor, own_v: torch.Tensor,
+         block: torch.Tensor, offset: torch.Tensor):
+    """``hidden [B, 1, H]`` -> ``q_own [B, Hkv, gq, D]``, ``q_pre [B/G, Hkv, G gq, D]`` and the
+    token's keys/values ``[B, Hkv, D]`` (post-RoPE, :func:`qkv_rope`), which are also written
+    into the row store's block pools ``own_k/own_v [blocks, Hkv, Bk, D]``, row ``i`` at slot
+    ``offset[i]`` of block ``block[i]``. ``w_qkv``/``b_qkv``: the Q, K, V projections as one."""
+    q, k, v = qkv_rope(layer, hidden, cos, sin, w_qkv, b_qkv)
     k, v = k[:, :, 0].to(own_k.dtype), v[:, 0].to(own_v.dtype)
     own_k[block, :, offset] = k
     own_v[block, :, offset] = v

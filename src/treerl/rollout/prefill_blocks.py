@@ -20,31 +20,19 @@ LMs prefill through their Hugging Face forward."""
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from .blocks import DecodeBlocks, _tail
 from ..compiled import DECODE_OFF, LazyCompiled
+from .blocks import DecodeBlocks, _tail, qkv_rope
 from .kv import SlotCache, rollout_attention
 
 
 def _prefill_pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  w_qkv: torch.Tensor, b_qkv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``hidden [B, T, H]`` -> ``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]`` (post-RoPE) and
-    ``v [B, Hkv, T, Dv]``. ``w_qkv``/``b_qkv``: the Q, K, V projections as one."""
-    attn = layer.self_attn
-    x = layer.input_layernorm(hidden)
-    D = attn.head_dim
-    kv = attn.config.num_key_value_heads * D
-    q, k, v = torch.nn.functional.linear(x, w_qkv, b_qkv).split([w_qkv.shape[0] - 2 * kv, kv, kv], dim=-1)
-    shape = (*hidden.shape[:-1], -1, D)
-    q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
-    if hasattr(attn, "q_norm"):  # Qwen3
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
-    return q, k, v
+    ``v [B, Hkv, T, Dv]`` (:func:`~treerl.rollout.blocks.qkv_rope`)."""
+    q, k, v = qkv_rope(layer, hidden, cos, sin, w_qkv, b_qkv)
+    return q, k, v.transpose(1, 2)
 
 
 _PRE, _TAIL = LazyCompiled(_prefill_pre, "prefill blocks", DECODE_OFF), LazyCompiled(_tail, "prefill blocks", DECODE_OFF)
