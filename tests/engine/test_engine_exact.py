@@ -257,9 +257,9 @@ def test_general_path_holds_graphs_within_the_budget(mode, case, gen, monkeypatc
             batch = engine._prepare(seqs)
         except TreeTooLargeError:  # packed: a tree larger than a call
             return (False,) * 5
-        regrouped = two_phase.general_plan(engine, batch)
+        regrouped, kept = two_phase.general_plan(engine, batch)
         plan = regrouped.plan
-        kept = two_phase.keep_graphs(plan, engine.memory.call_budget)
+        assert kept == two_phase.keep_graphs(plan, engine.memory.call_budget)  # the returned plan's
         standalone = two_phase.standalone_segments(plan)
         every = len(kept) == len(standalone) > 1 and not any(plan.children)
         found = {

@@ -143,24 +143,26 @@ def pack_for_keeping(plan: Plan, budget: CallBudget, min_tokens: int) -> int | N
     return cap if min_tokens <= cap < max(sizes, default=0) else None
 
 
-def general_plan(engine: "TreeEngine", b: Batch) -> Batch:
+def general_plan(engine: "TreeEngine", b: Batch) -> tuple[Batch, dict[int, Segment]]:
     """The batch regrouped by :func:`pack_for_keeping` where the engine's plan has
-    standalone calls too large for all of them to hold their graphs (and regrouping helps)."""
+    standalone calls too large for all of them to hold their graphs (and regrouping helps),
+    and the segments whose graphs are held (:func:`keep_graphs` of the plan returned)."""
     budget = engine.memory.call_budget
-    if budget is None or b.plan.single_level and len(b.plan.segments) == 1:
-        return b
+    if budget is None:
+        return b, keep_graphs(b.plan, CallBudget.tokens_only(b.plan.budget))
     kept = keep_graphs(b.plan, budget)
-    if len(kept) == len(standalone_segments(b.plan)):
-        return b
+    if b.plan.single_level and len(b.plan.segments) == 1 or len(kept) == len(standalone_segments(b.plan)):
+        return b, kept
     cap = pack_for_keeping(b.plan, budget, engine.chunk_tokens)
     if cap is None:
-        return b
+        return b, kept
     plan = make_plan(b.tree, engine.mode, engine.memory.max_tokens, engine.chunk_tokens, cap,
                      memory=dataclasses.replace(budget, pack_cap=cap))
-    if forward_saved(plan, keep_graphs(plan, budget)) <= forward_saved(b.plan, kept):
-        return b  # (smaller calls that need no recompute: holding them saves nothing)
+    regrouped = keep_graphs(plan, budget)
+    if forward_saved(plan, regrouped) <= forward_saved(b.plan, kept):
+        return b, kept  # (smaller calls that need no recompute: holding them saves nothing)
     engine.stats.plan = plan.describe()
-    return dataclasses.replace(b, plan=plan, targets=upload_indices(plan.targets, engine.device))
+    return dataclasses.replace(b, plan=plan, targets=upload_indices(plan.targets, engine.device)), regrouped
 
 
 # --------------------------------------------------------------------- the executor
@@ -193,8 +195,7 @@ def forward_backward(engine: "TreeEngine", b: Batch, loss_fn: LossFn, entropy: b
     kept: dict[int, Segment] = {}
     if only is None:
         if not engine.runner.stack.sharded:  # (FSDP-sharded blocks: one forward per backward)
-            b = general_plan(engine, b)
-            kept = keep_graphs(b.plan, engine.memory.call_budget or CallBudget.tokens_only(b.plan.budget))
+            b, kept = general_plan(engine, b)
             segments = [kept.get(i, s) for i, s in enumerate(b.plan.segments)]
             b = dataclasses.replace(b, plan=dataclasses.replace(b.plan, segments=segments))
         rest = set(range(len(b.plan.segments))) - set(kept)
