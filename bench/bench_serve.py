@@ -78,7 +78,8 @@ from treerl.rollout import SamplingParams  # noqa: E402
 from treerl.serve import EngineLoop  # noqa: E402
 
 # engine counters reported per mode (RolloutStats fields)
-COUNTERS = ("admissions", "admitted", "prefill_calls", "prefill_tokens", "prefix_cache_hit_tokens", "decode_steps",
+COUNTERS = ("admissions", "admitted", "prefill_calls", "prefill_graph_calls", "prefill_graph_builds", "prefill_tokens",
+            "prefix_cache_hit_tokens", "decode_steps",
             "live_rows", "decode_rows", "step_builds", "prefix_grows", "reallocations", "preemptions",
             "generated_tokens")
 
@@ -108,6 +109,8 @@ def parse_args(argv=None):
                    "(device busy against wall time, the top kernels and host operations)")
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16)
     p.add_argument("--prefill-chunk-tokens", type=int, default=8192, help="the engine's (its default: 8192)")
+    p.add_argument("--prefill-graph-tokens", type=int, default=None,
+                   help="the engine's (default: 2048 on CUDA; 0: every prefill in its exact shape, no graphs)")
     p.add_argument("--max-rows", type=int, default=256, help="rows of the running batch (treerl serve's default)")
     p.add_argument("--idle-timeout-s", type=float, default=10.0,
                    help="the engine loop's (treerl serve's default: 1): long enough that the gap between two timed "
@@ -241,7 +244,7 @@ def measure(args, run, counters, alone=None) -> dict:
 # ---------------------------------------------------------------------- in process
 def in_process(args, model, vocab: int) -> dict:
     engine = RolloutEngine(model, prefix_cache_tokens=args.prefix_cache_tokens,
-                           prefill_chunk_tokens=args.prefill_chunk_tokens)
+                           prefill_chunk_tokens=args.prefill_chunk_tokens, prefill_graph_tokens=args.prefill_graph_tokens)
     loop = EngineLoop(engine, max_rows=args.max_rows, idle_timeout_s=args.idle_timeout_s)
 
     async def call(prompt, max_tokens, temperature):
@@ -311,6 +314,8 @@ class ServerProcess:
                "--max-rows", str(args.max_rows), "--prefix-cache-tokens", str(args.prefix_cache_tokens),
                "--prefill-chunk-tokens", str(args.prefill_chunk_tokens),
                "--idle-timeout-s", str(args.idle_timeout_s)]
+        if args.prefill_graph_tokens is not None:
+            cmd.append(f"rollout.prefill_graph_tokens={args.prefill_graph_tokens}")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
         self.log = log
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
@@ -408,6 +413,7 @@ def summary(r: dict) -> str:
     per_round = c["admitted"] / max(c["admissions"], 1)
     rows = c["live_rows"] / max(c["decode_steps"], 1)
     return (f"{c['admissions']} admissions ({per_round:.1f} prompts each), {c['prefill_calls']} prefill calls "
+            f"({c['prefill_graph_calls']} in fixed buckets, {c['prefill_graph_builds']} captured) "
             f"({c['prefill_tokens']} tokens computed, {c['prefix_cache_hit_tokens']} from the prefix cache), "
             f"{c['decode_steps']} decode steps ({rows:.1f} live rows each), {c['step_builds']} steps built, "
             f"{c['prefix_grows']} prompt-store growths, {c['reallocations']} reallocations, "

@@ -152,6 +152,9 @@ class RolloutConfig:
     max_batch_tokens: int = key(1 << 17, ge=1, help="rollout engine: K/V slots of the running batch")
     kv_block_size: int = key(64, ge=16, multiple_of=16, help="rollout engine: tokens per paged K/V block")
     prefill_chunk_tokens: int = key(8192, ge=1, help="rollout engine: prompt tokens prefilled in one piece")
+    prefill_graph_tokens: int | None = key(None, ge=0, help="rollout engine: a prefill of at most this many (padded) "
+                                           "query tokens runs in fixed shapes, as a CUDA graph; null: 2048 on CUDA, "
+                                           "0: off")
     cuda_graphs: bool | None = key(None, help="rollout engine: decode in CUDA graphs; null: on CUDA")
     backend: str = key("embedded", choices=BACKENDS, help="embedded (in-process engine), serve (treerl serve "
                        "on loopback) or remote (rollout.server_url)")

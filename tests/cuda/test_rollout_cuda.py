@@ -185,7 +185,51 @@ def test_cuda_graph_stream_kept_buffers_prefix_cache(compile_decode, n):
     assert key(c) == key(eager.generate_stream(turn2, sampling(24, n=n), max_rows=8))
     if compile_decode:
         assert graphed.decode_blocks.compiled and graphed.prefiller.forward.pre.compiled, "not compiled"
+    assert graphed.stats.prefill_graph_calls > 0 and graphed.prefiller.graphs.use_graphs, graphed.stats
     assert_float64_logprobs(model, ((turn2[g.prompt_index], g) for g in c))
+
+
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["eager-blocks", "compiled-blocks"])
+def test_cuda_prefill_graphs_replay_new_inputs(compile_decode):
+    """Small prefills replayed as CUDA graphs (treerl.rollout.prefill_graphs): prefix-cache
+    hits and misses, one bucket replayed with other sequences, another bucket in between
+    (the buckets share their K/V buffers): each sequence's K/V and last logits equal the
+    exact-shape prefill of the eager engine (float32, TF32 off), and a graph is captured
+    once per bucket."""
+    from treerl.rollout.kv import rollout_attention_enabled
+    from treerl.rollout.prefix_cache import PrefixEntry
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model(dtype=torch.float32, seed=2).cuda()
+    graphed = RolloutEngine(model, compile_decode=compile_decode)
+    exact = RolloutEngine(model, cuda_graphs=False, compile_decode=False)
+    assert graphed.prefill_graph_tokens == 2048 and exact.prefill_graph_tokens == 0
+
+    def entry(s, c):
+        with rollout_attention_enabled(model), torch.no_grad():
+            cache, _, logits = exact.prefiller([s[:c]], None)
+        C = cache.length
+        return PrefixEntry(tuple(s[:c]), cache.all_keys[:, 0, :, C - c:].clone(),
+                           cache.all_values[:, 0, :, C - c:].clone(), logits[0].clone(), 0)
+
+    rounds = [(random_prompts([20, 9, 31], seed=40), [7, 0, 30]),
+              (random_prompts([90, 3], seed=41), [0, 0]),  # another bucket
+              (random_prompts([25, 14, 30], seed=42), [24, 3, 16])]  # the first bucket again, other contents
+    for seqs, cut in rounds:
+        cached = [entry(s, c) if c else None for s, c in zip(seqs, cut)]
+        with rollout_attention_enabled(model), torch.no_grad():
+            got_cache, _, got = graphed.prefiller(seqs, cached, graphed.stats)
+            ref_cache, _, ref = exact.prefiller(seqs, cached)
+            torch.cuda.synchronize()
+        G, R = got_cache.length, ref_cache.length
+        for i, s in enumerate(seqs):
+            n = len(s)
+            assert torch.allclose(got[i], ref[i], atol=1e-4, rtol=1e-4), (got[i] - ref[i]).abs().max()
+            assert torch.allclose(got_cache.all_keys[:, i, :, G - n:], ref_cache.all_keys[:, i, :, R - n:], atol=1e-4)
+            assert torch.allclose(got_cache.all_values[:, i, :, G - n:], ref_cache.all_values[:, i, :, R - n:],
+                                  atol=1e-4)
+    s = graphed.stats
+    assert s.prefill_graph_calls == 3 and s.prefill_graph_builds == 2 and graphed.prefiller.graphs.use_graphs, s
 
 
 def test_cuda_prompt_kv_memory_is_stored_once():

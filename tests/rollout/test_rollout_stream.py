@@ -16,9 +16,12 @@ import torch
 from helpers.models import after_each_forward, tiny_model
 from helpers.reference import completion_logprobs
 from helpers.rollout import VOCAB, greedy_reference as _greedy_reference, random_prompts, sampling, target_length
-from treerl.rollout import PromptQueue, RolloutEngine, SamplingParams
+from treerl.rollout import PromptQueue, RolloutEngine, RolloutStats, SamplingParams
 
 MAX_NEW = 24
+# the fixed-shape variants (static K/V, as on CUDA) prefill small admissions in fixed buckets too
+# (treerl.rollout.prefill_graphs, eagerly on the CPU), as CUDA's default does
+GRAPH_TOKENS = {False: 0, True: 512}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,8 @@ def check_greedy(model, groups, prompts, n, rtol=1e-9, atol=1e-12):
 @pytest.mark.parametrize("sync_every", [1, 3])
 def test_stream_greedy_equals_per_prompt_reference(model, static_kv, sync_every):
     prompts = random_prompts([7, 1, 13, 4, 10, 3, 9, 5, 12, 2], seed=1)
-    engine = RolloutEngine(model, static_kv=static_kv, sync_every=sync_every, prefill_chunk_tokens=16)
+    engine = RolloutEngine(model, static_kv=static_kv, sync_every=sync_every, prefill_chunk_tokens=16,
+                           prefill_graph_tokens=GRAPH_TOKENS[static_kv])
     groups = list(engine.generate_stream(prompts, params(), max_rows=4))  # 2 groups at a time
     lengths = {g.prompt_index: len(g[0]) for g in groups}
     assert len(set(lengths.values())) > 3, "the length rule should give varied lengths"
@@ -111,7 +115,8 @@ def test_groups_come_out_as_they_finish(model):
 def test_versions_and_kv_after_mid_stream_weight_update(static_kv):
     a, b = tiny_model(seed=0), tiny_model(seed=1)
     prompts = random_prompts([5, 9, 3, 7, 6, 4, 8], seed=3)
-    engine = RolloutEngine(copy.deepcopy(a), version=0, sync_every=4, static_kv=static_kv)
+    engine = RolloutEngine(copy.deepcopy(a), version=0, sync_every=4, static_kv=static_kv,
+                           prefill_graph_tokens=GRAPH_TOKENS[static_kv])
     decode_calls = []
     updater = threading.Thread(target=lambda: engine.update_weights(b, version=1))
 
@@ -131,6 +136,7 @@ def test_versions_and_kv_after_mid_stream_weight_update(static_kv):
         handle.remove()
         updater.join()
     assert engine.stats.recomputes >= 1 and engine.version == 1
+    assert (engine.stats.prefill_graph_calls > 0) == static_kv
     both = 0
     for g in groups:
         p = prompts[g.prompt_index]
@@ -276,7 +282,8 @@ def test_groups_of_one_row_keep_their_prompts_in_own_blocks(static_kv):
     model = tiny_model(max_position_embeddings=144)  # own capacity per row: 144 slots, 9 blocks of 16
     prompts = random_prompts([5, 17, 33, 49, 65, 81, 97, 113, 90, 40, 7, 100], seed=34)
     budget = 288  # 4 group slots (of 16 prompt slots, unused) and a pool of 14 blocks
-    engine = RolloutEngine(model, sync_every=1, max_batch_tokens=budget, static_kv=static_kv, kv_block_size=16)
+    engine = RolloutEngine(model, sync_every=1, max_batch_tokens=budget, static_kv=static_kv, kv_block_size=16,
+                           prefill_graph_tokens=GRAPH_TOKENS[static_kv])
     queue = PromptQueue([prompts[0]])  # (the group slots are sized for the prompts waiting at the start)
     stream = engine.generate_stream(queue, params(n=1), max_rows=4)
     groups = [next(stream)]
@@ -286,6 +293,7 @@ def test_groups_of_one_row_keep_their_prompts_in_own_blocks(static_kv):
     check_greedy(model, groups, prompts, 1)
     s = engine.stats
     assert (s.prefix_grows, s.reallocations) == (0, 0) and s.preemptions > 0, s
+    assert (s.prefill_graph_calls > 0) == static_kv, s
     assert s.kv_slots <= budget
 
 
@@ -379,7 +387,7 @@ def test_prompt_stored_once_and_prefilled_once_per_group(model, static_kv):
     base = random_prompts([21], seed=11)[0]
     prompts = random_prompts([5, 33, 1, 18], seed=12) + [base, base[:13] + [7, 8, 9]]
     G = 3
-    engine = RolloutEngine(model, static_kv=static_kv, sync_every=2)
+    engine = RolloutEngine(model, static_kv=static_kv, sync_every=2, prefill_graph_tokens=GRAPH_TOKENS[static_kv])
     groups = list(engine.generate_stream(prompts, params(n=G), max_rows=3 * G))
     check_greedy(model, groups, prompts, G)
     s = engine.stats
@@ -519,28 +527,42 @@ def _full_forward(model, tokens):
             out.logits[0, -1])
 
 
-@pytest.mark.parametrize("forward", ["own", "hf"])
+@pytest.mark.parametrize("forward", ["own", "hf", "bucket"])
 def test_batched_prefill_of_cached_prefixes_equals_each_sequence_alone(model, forward):
     """One batched prefill (in chunks of 4 query slots) of prefix-cache hits with different
     cached and new lengths (one with nothing new), and misses: every sequence's K/V and
     last logits equal an independent forward of it alone, in float64 — through treerl's own
-    blocks (:class:`~treerl.rollout.prefill_blocks.PrefillForward`, the Qwen3 default) and
-    through the model's HF forward (other families)."""
+    blocks (:class:`~treerl.rollout.prefill_blocks.PrefillForward`, the Qwen3 default),
+    through the model's HF forward (other families), and in one forward of a fixed bucket
+    (:mod:`~treerl.rollout.prefill_graphs`: 8 rows, 16 queries, 256 slots), run twice with
+    another prefill between (the buckets share their K/V buffers)."""
     from treerl.rollout.kv import rollout_attention_enabled
     from treerl.rollout.prefix_cache import PrefixEntry
 
     seqs = random_prompts([20, 9, 31, 5, 17, 12], seed=30)
     cut = [7, 0, 30, 5, 16, 0]  # cached tokens (0: a miss; 5 of 5: nothing new)
     cached = [PrefixEntry(tuple(s[:c]), *_full_forward(model, s[:c]), 0) if c else None for s, c in zip(seqs, cut)]
-    engine = RolloutEngine(model, prefill_chunk_tokens=24)  # 24 // 6 rows: 4 query slots per forward
+    if forward == "bucket":
+        engine = RolloutEngine(model, prefill_graph_tokens=512)
+        with rollout_attention_enabled(model), torch.no_grad():
+            engine.prefiller(seqs, cached, engine.stats)
+            engine.prefiller(random_prompts([40, 3], seed=29), None, engine.stats)  # 2 rows, 64 queries
+    else:
+        engine = RolloutEngine(model, prefill_chunk_tokens=24)  # 24 // 6 rows: 4 query slots per forward
     assert engine.prefiller.forward is not None
     if forward == "hf":
         engine.prefiller.forward = None
+    engine.stats = RolloutStats()
     with rollout_attention_enabled(model), torch.no_grad():
         cache, lens, logits = engine.prefiller(seqs, cached, engine.stats)
     C = cache.length
-    assert lens.tolist() == [len(s) for s in seqs] and C == 1 + 31
-    assert engine.stats.prefill_calls == -(-max(len(s) - c for s, c in zip(seqs, cut)) // 4)
+    assert lens.tolist() == [len(s) for s in seqs] and logits.shape[0] == len(seqs)
+    if forward == "bucket":
+        assert C == 256 and engine.stats.prefill_calls == engine.stats.prefill_graph_calls == 1
+        assert cache.all_keys.shape[1] == 8 and len(engine.prefiller.graphs._runs) == 2
+    else:
+        assert C == 1 + 31 and engine.stats.prefill_graph_calls == 0
+        assert engine.stats.prefill_calls == -(-max(len(s) - c for s, c in zip(seqs, cut)) // 4)
     assert engine.stats.prefill_tokens == sum(len(s) - c for s, c in zip(seqs, cut))
     assert engine.stats.prefix_cache_hit_tokens == sum(cut)
     for i, s in enumerate(seqs):
@@ -556,8 +578,9 @@ def test_prefix_cache_hits_and_misses_admitted_together(model):
     whole admission is one batched prefill (or one per piece of prefill_chunk_tokens), only
     new tokens are computed, and greedy outputs equal full forwards."""
     turn1 = random_prompts([13, 4, 22, 9], seed=31)
-    for chunk in (4096, 40):  # one piece; pieces of <= 40 prompt tokens
-        engine = RolloutEngine(model, sync_every=3, prefix_cache_tokens=1000, prefill_chunk_tokens=chunk)
+    for chunk, graph_tokens in ((4096, 0), (4096, 512), (40, 0)):  # one piece (in a bucket); pieces of <= 40 tokens
+        engine = RolloutEngine(model, sync_every=3, prefix_cache_tokens=1000, prefill_chunk_tokens=chunk,
+                               prefill_graph_tokens=graph_tokens)
         first = {g.prompt_index: g for g in engine.generate_stream(turn1, params(n=2))}
         turn2 = [turn1[0] + first[0][0].completion_ids.tolist() + [3, 1, 4],
                  turn1[1] + [9],
@@ -569,6 +592,7 @@ def test_prefix_cache_hits_and_misses_admitted_together(model):
         check_greedy(model, groups, turn2, 2)
         s = engine.stats
         assert s.admissions == 1 and (s.prefill_calls == 1 if chunk == 4096 else 1 < s.prefill_calls < 6), s
+        assert s.prefill_graph_calls == (1 if graph_tokens else 0), s
         assert s.prefix_cache_hit_tokens == sum(len(p) for p in turn1)
         assert s.prefill_tokens == sum(len(a) for a in turn2) - sum(len(p) for p in turn1)
 

@@ -82,7 +82,7 @@ class DeviceBatch:
         del kept
         self.cache = None  # SharedPrefixCache, allocated at the first load (shapes from the prefill)
         self.steps_cache: dict[tuple[int, int], DecodeStep] = {}
-        self.graph_pool = None  # the CUDA graphs' memory pool (graphs.capture_decode_step)
+        self.graph_pool = None  # the CUDA graphs' memory pool (graphs.capture_graph)
         self.prefix_mask = torch.full((groups, prefix_capacity), self.neg, dtype=self.dtype, device=dev)
         self.own_mask = torch.full((S, self.N), self.neg, dtype=self.dtype, device=dev)
         # each row's own blocks (the trash block past them); updated in place from the host table

@@ -41,6 +41,7 @@ from .kv import rollout_attention_enabled
 from .params import SamplingParams
 from .prefill import Prefiller
 from .prefill_blocks import PrefillForward
+from .prefill_graphs import DEFAULT_TOKENS as PREFILL_GRAPH_TOKENS, PrefillGraphs
 from .prefix_cache import PrefixCache
 from .prompts import PromptQueue
 from .stream import RunningBatch, group_slots
@@ -84,6 +85,13 @@ class RolloutEngine:
     captured in the step's CUDA graph. A compiler failure is a
     :class:`~treerl.compiled.CompileError` naming this switch (no eager fallback). In float64 the fused kernels differ from eager by ~1e-8 (float32: within 1e-5).
 
+    ``prefill_graph_tokens`` (default: 2048 with ``cuda_graphs``, else 0: off): a prefill of
+    at most this many (padded) query tokens (an admission of a prompt or two, a
+    conversation's next turn) runs in a fixed bucket of rows, queries and slots, replayed
+    as a CUDA graph captured at the bucket's first use (:mod:`~treerl.rollout.prefill_graphs`:
+    its host time, not its GPU time, stalled the decode steps); the families treerl
+    decodes itself only. Without ``cuda_graphs`` a value > 0 runs the same layout eagerly.
+
     ``prefix_cache_tokens`` (default 0: off): the engine keeps the K/V of prompts it
     prefilled, up to this many tokens (LRU, :mod:`~treerl.rollout.prefix_cache`); a prompt
     that extends a kept one (the next turn of a conversation) prefills only its new tokens,
@@ -104,6 +112,7 @@ class RolloutEngine:
         device: str | torch.device | None = None,
         max_batch_tokens: int = 1 << 17,
         prefill_chunk_tokens: int = 8192,
+        prefill_graph_tokens: int | None = None,
         sync_every: int = 8,
         cuda_graphs: bool | None = None,
         static_kv: bool | None = None,
@@ -150,7 +159,19 @@ class RolloutEngine:
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         own_prefill = PrefillForward(self.decode_blocks, self.compile_decode) \
             if PrefillForward.applies(self.decode_blocks) else None
-        self.prefiller = Prefiller(model, self.num_layers, self.prefill_chunk_tokens, self.logit_dtype, own_prefill)
+        if prefill_graph_tokens is None:
+            prefill_graph_tokens = PREFILL_GRAPH_TOKENS if self.cuda_graphs else 0
+        if prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0, got {prefill_graph_tokens}")
+        self.prefill_graph_tokens = min(int(prefill_graph_tokens), self.prefill_chunk_tokens) if own_prefill else 0
+        graphs = None
+        if self.prefill_graph_tokens:
+            attn = self.decode_blocks.base.layers[0].self_attn
+            heads, head_dim = attn.config.num_key_value_heads, attn.head_dim
+            graphs = PrefillGraphs(self, own_prefill, self.num_layers, (heads, head_dim, head_dim), dtype, self.device,
+                                   self.prefill_graph_tokens, self.cuda_graphs)
+        self.prefiller = Prefiller(model, self.num_layers, self.prefill_chunk_tokens, self.logit_dtype, own_prefill,
+                                   graphs)
         self._stream_arena = None  # (shapes, device state) of the last stream, kept for the next
         self.stats = RolloutStats()
         self._lock = threading.RLock()

@@ -1,5 +1,6 @@
-"""One decode step with static inputs, run eagerly or as a CUDA graph captured at its
-first use (the running batch's :class:`~treerl.rollout.step.DecodeStep`)."""
+"""Capturing a forward with static inputs as a CUDA graph: the running batch's decode steps
+(:class:`~treerl.rollout.step.DecodeStep`) and the small prefills
+(:class:`~treerl.rollout.prefill_graphs.PrefillGraphs`), each captured at its first use."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import torch
 from ..compiled import CompileError
 
 
-def capture_decode_step(engine, forward, owner) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
-    """Capture ``forward`` (a decode step with static inputs) as a CUDA graph: eager warm-up
-    runs on a side stream (they write the step's K/V, which replays rewrite identically),
-    then the capture (tried twice). Returns (graph, its output tensor), or (None, the
-    eager output) when the model cannot be captured (then the engine stops using graphs).
+def capture_graph(engine, forward, owner, what: str, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
+    """Capture ``forward`` (a forward with static inputs) as a CUDA graph: ``warmups`` eager
+    runs on a side stream (they write what a replay rewrites identically), then the capture
+    (tried twice). Returns (graph, its output tensor; filled by a replay, not by the
+    capture), or (None, the eager output) when the model cannot be captured, with a
+    warning naming ``what`` (the caller stops using graphs for it).
 
     ``owner`` (an object that lives as long as the graphs) holds the memory pool shared by
     its graphs (``owner.graph_pool``). Holds ``engine.device_lock``: device work of another thread during a capture
@@ -24,21 +26,22 @@ def capture_decode_step(engine, forward, owner) -> tuple[torch.cuda.CUDAGraph | 
         if getattr(owner, "graph_pool", None) is None:
             owner.graph_pool = torch.cuda.graph_pool_handle()
         for attempt in range(2):
-            # warm-up, twice: a compiled part may compile again at its second call (a guard that
-            # its first call specialised), and compiling inside a capture breaks the capture
+            # warm-up (the decode steps': twice, as a compiled part may compile again at its
+            # second call: a guard that its first call specialised); compiling inside a
+            # capture breaks the capture, and the second attempt warms up again
             stream, current = torch.cuda.Stream(dev), torch.cuda.current_stream(dev)
             stream.wait_stream(current)
             with torch.cuda.stream(stream):
-                forward()
-                forward()
+                for _ in range(warmups):
+                    forward()
             current.wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             try:
-                # one memory pool for all the decode graphs of ``owner`` (a running batch): they
-                # replay one at a time and each keeps its output tensor alive, so their
-                # temporaries may share memory. Not the engine's: once every graph of a pool is
-                # freed the pool goes, and capturing into its handle again fails an allocator
-                # assert (seen in the trainer, whose streams keep no buffers)
+                # one memory pool for all the graphs of ``owner``: they replay one at a time and
+                # each keeps its output tensor alive, so their temporaries may share memory. Not
+                # the engine's: once every graph of a pool is freed the pool goes, and capturing
+                # into its handle again fails an allocator assert (seen in the trainer, whose
+                # streams keep no buffers)
                 with torch.cuda.graph(graph, pool=owner.graph_pool):
                     out = forward()
                 return graph, out
@@ -46,7 +49,5 @@ def capture_decode_step(engine, forward, owner) -> tuple[torch.cuda.CUDAGraph | 
                 raise  # not a capture problem: never hidden behind the eager fallback
             except RuntimeError as err:
                 error = err
-        # a model that cannot be captured: run its steps eagerly
-        warnings.warn(f"CUDA graph capture failed twice ({error}); decoding without CUDA graphs")
-        engine.cuda_graphs = False
+        warnings.warn(f"CUDA graph capture of the {what} failed twice ({error}); running it without CUDA graphs")
         return None, forward()

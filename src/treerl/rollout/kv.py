@@ -105,11 +105,16 @@ class SlotCache(Cache):
         if self.all_keys is not None:
             return
         n = len(self.layers)
-        self.all_keys = torch.zeros(n, rows, kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
-        self.all_values = torch.zeros(n, rows, kv_heads, self.capacity, value_dim, dtype=dtype, device=device)
-        for layer, k, v in zip(self.layers, self.all_keys, self.all_values):
+        self.attach(torch.zeros(n, rows, kv_heads, self.capacity, head_dim, dtype=dtype, device=device),
+                    torch.zeros(n, rows, kv_heads, self.capacity, value_dim, dtype=dtype, device=device))
+
+    def attach(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Use ``keys/values [layers, rows, kv_heads, capacity, D]`` as the buffers (finite
+        values in every slot: see :meth:`allocate`)."""
+        self.all_keys, self.all_values = keys, values
+        for layer, k, v in zip(self.layers, keys, values):
             layer.keys, layer.values = k, v
-            layer.dtype, layer.device = dtype, device
+            layer.dtype, layer.device = keys.dtype, keys.device
             layer.is_initialized = True
 
     @property

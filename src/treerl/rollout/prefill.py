@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .kv import SlotCache
+from .prefill_graphs import PrefillGraphs
 from .prefix_cache import PrefixEntry
 from .types import RolloutStats, to_device
 
@@ -27,14 +28,17 @@ class Prefiller:
     (:class:`~treerl.rollout.prefill_blocks.PrefillForward`; None: its Hugging Face forward)."""
 
     def __init__(self, model: torch.nn.Module, num_layers: int, chunk_tokens: int, logit_dtype: torch.dtype,
-                 forward: Callable | None = None):
+                 forward: Callable | None = None, graphs: PrefillGraphs | None = None):
         self.model, self.num_layers, self.chunk_tokens, self.logit_dtype = model, num_layers, chunk_tokens, logit_dtype
-        self.forward = forward
+        self.forward, self.graphs = forward, graphs
 
     def __call__(self, seqs: list[list[int]], cached: Sequence[PrefixEntry | None] | None = None,
                  stats: RolloutStats | None = None) -> tuple[SlotCache, torch.Tensor, torch.Tensor]:
-        """Left-padded batched prefill of ``seqs`` into a new cache of ``C = 1 + L`` slots
-        (``L``: the longest sequence); sequence ``i`` in slots ``[C - len_i, C)``.
+        """Left-padded batched prefill of ``seqs`` into a cache of ``C = 1 + L`` slots
+        (``L``: the longest sequence); sequence ``i`` in slots ``[C - len_i, C)``. A small
+        prefill (one that fits a bucket of ``graphs``) runs in its bucket's layout: ``C`` and
+        the window rounded up to powers of two, padding rows after the ``B`` sequences, and
+        the cache is the bucket's, rewritten by the next prefill (copy out what is kept).
 
         ``cached[i]`` (a prefix-cache entry whose tokens start ``seqs[i]``, or None): the
         first ``m_i = len(cached[i])`` tokens' K/V are copied from it, and only the ``n_i =
@@ -47,39 +51,54 @@ class Prefiller:
         to itself: the same attention as a forward of the sequence alone. ``stats``: counters
         to add the forwards and tokens to.
 
-        Returns ``cache``, lengths ``[B]`` and the logits after each sequence's last token
-        ``[B, V]`` (the entry's when nothing is new)."""
+        Returns ``cache`` (its ``length``: ``C``), lengths ``[B]`` and the logits after each
+        sequence's last token ``[B, V]`` (the entry's when nothing is new)."""
         stats = RolloutStats() if stats is None else stats
         dev, B = next(self.model.parameters()).device, len(seqs)
         cached = list(cached) if cached is not None else [None] * B
         lens = np.asarray([len(s) for s in seqs], dtype=np.int64)
         m = np.asarray([0 if c is None else len(c) for c in cached], dtype=np.int64)
-        C, W = 1 + int(lens.max()), int((lens - m).max())
-        cache = SlotCache(self.num_layers, C)
-        self._load_cached(cache, cached, C - lens)
+        C, W, R = 1 + int(lens.max()), int((lens - m).max()), B
+        bucket = self.graphs.bucket(B, W, C) if self.graphs is not None and W > 0 else None
+        if bucket is not None:  # a small prefill: the bucket's fixed layout (padding rows and queries)
+            R, W, C = bucket.rows, bucket.window, bucket.slots
+            cache = self.graphs.cache(bucket)
+        else:
+            cache = SlotCache(self.num_layers, C)
+        first_np = np.full(R, C, dtype=np.int64)  # each row's first slot (padding rows: none)
+        first_np[:B] = C - lens
+        new_np = np.full(R, C, dtype=np.int64)  # each row's first new token's slot
+        new_np[:B] = C - lens + m
+        self._load_cached(cache, cached, first_np)
         cache.length = C - W  # the window [C - W, C) is computed
-        ids = np.zeros((B, W), dtype=np.int64)  # each row's new tokens, right-aligned in the window
+        ids = np.zeros((R, W), dtype=np.int64)  # each row's new tokens, right-aligned in the window
         for i, s in enumerate(seqs):
             if len(s) > m[i]:
                 ids[i, W - (len(s) - m[i]) :] = s[m[i] :]
         ids = to_device(ids, dev)
-        first = to_device(C - lens, dev)[:, None]  # [B, 1] each sequence's first slot
+        first = to_device(first_np, dev)[:, None]  # [R, 1]
         window = torch.arange(C - W, C, device=dev)
-        position = (window[None, :] - first).clamp(min=0)  # [B, W]
-        pad = window[None, :] < to_device(C - lens + m, dev)[:, None]  # [B, W] not a new token
+        position = (window[None, :] - first).clamp(min=0)  # [R, W]
+        pad = window[None, :] < to_device(new_np, dev)[:, None]  # [R, W] not a new token
         logits = None
-        chunk = max(1, self.chunk_tokens // B)
-        for a in range(0, W, chunk):
-            b = min(W, a + chunk)
-            mask, cache.write_index = self.mask(first, pad[:, a:b], C - W + a, C - W + b)
-            if self.forward is not None:
-                logits = self.forward(ids[:, a:b], position[:, a:b], mask, cache).to(self.logit_dtype)
-            else:
-                out = self.model(input_ids=ids[:, a:b], position_ids=position[:, a:b], attention_mask=mask,
-                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
-                logits = out.logits[:, -1].to(self.logit_dtype)
+        if bucket is not None:
+            mask, index = self.mask(first, pad, C - W, C)
+            logits = self.graphs(bucket, ids, position, mask, index, stats)[:B].to(self.logit_dtype, copy=True)
             stats.prefill_calls += 1
-        cache.write_index = None
+            stats.prefill_graph_calls += 1
+        else:
+            chunk = max(1, self.chunk_tokens // B)
+            for a in range(0, W, chunk):
+                b = min(W, a + chunk)
+                mask, cache.write_index = self.mask(first, pad[:, a:b], C - W + a, C - W + b)
+                if self.forward is not None:
+                    logits = self.forward(ids[:, a:b], position[:, a:b], mask, cache).to(self.logit_dtype)
+                else:
+                    out = self.model(input_ids=ids[:, a:b], position_ids=position[:, a:b], attention_mask=mask,
+                                     past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    logits = out.logits[:, -1].to(self.logit_dtype)
+                stats.prefill_calls += 1
+            cache.write_index = None
         full = [i for i, c in enumerate(cached) if c is not None and len(c) == len(seqs[i])]
         if logits is None:  # nothing new at all
             logits = torch.stack([c.logits for c in cached]).to(self.logit_dtype)

@@ -1,13 +1,13 @@
 """The running batch's one-token decode step with fixed shapes (per bucket of group slots
 and own slots), whose inputs and output are views of the batch's persistent device
 tensors: run eagerly, or on CUDA (``engine.cuda_graphs``) captured as a graph at its first
-use and replayed after (:func:`~treerl.rollout.graphs.capture_decode_step`)."""
+use and replayed after (:func:`~treerl.rollout.graphs.capture_graph`)."""
 
 from __future__ import annotations
 
 import torch
 
-from .graphs import capture_decode_step
+from .graphs import capture_graph
 
 
 class DecodeStep:
@@ -56,9 +56,9 @@ class DecodeStep:
         if not self.use_graph:
             return self._forward()
         if self.graph is None:
-            self.graph, self.logits = capture_decode_step(self.engine, self._forward, self.batch)
-            if self.graph is None:  # could not be captured: eager from now on
-                self.use_graph = False
+            self.graph, self.logits = capture_graph(self.engine, self._forward, self.batch, "decode step")
+            if self.graph is None:  # could not be captured: this engine decodes eagerly from now on
+                self.use_graph = self.engine.cuda_graphs = False
                 return self.logits
         self.graph.replay()
         return self.logits

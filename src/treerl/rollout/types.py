@@ -112,6 +112,8 @@ class RolloutStats:
     admitted: int = 0  # prompt groups admitted (admitted / admissions: prompts per round)
     prefill_calls: int = 0
     prefill_tokens: int = 0  # real (unpadded) tokens prefilled, recomputes included
+    prefill_graph_calls: int = 0  # of the prefill calls, those run in a fixed bucket (on CUDA: replayed graphs)
+    prefill_graph_builds: int = 0  # prefill buckets captured as CUDA graphs
     decode_steps: int = 0  # batched one-token forwards
     decode_rows: int = 0  # sum of the batch sizes of those forwards
     live_rows: int = 0  # sum of the unfinished rows of those forwards
