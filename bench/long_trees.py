@@ -223,8 +223,11 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "times"}), flush=True)
             if "attention" in row:
+                from treerl.engine import chain_attention as chain
+
                 print(f"  attention layer calls by route ({wl}, {name}, the timed step): {row['attention']}; "
-                      f"chain kernel shapes so far: {row['chain_shapes']}", flush=True)
+                      f"chain kernel shapes so far: {row['chain_shapes']}; probe: {chain.PROBED}", flush=True)
+                run.results["chain_probe"] = chain.PROBED
             run.results["sections"]["workloads"] = rows
             run.save()
     return rows
