@@ -31,9 +31,9 @@ fused kernels (the kernels' dtypes); float32/float64 calls return ``None`` witho
 tree mask path is exact there).
 
 **Lengths on a grid** (:class:`Layout`, ``Kernel.align``: :data:`ALIGN`, 128 for cuDNN). cuDNN's
-SDPA refuses key length 1 and, in the cuDNN versions torch ships, has been wrong on lengths that
-are not multiples of 128 (torch disabled it for those in 2.10, pytorch#171532; NVIDIA
-cudnn-frontend#160: NaN gradients), and it builds an execution plan per new shape. So the
+SDPA refuses key length 1 (torch's dispatch never hands it one), cuDNN before 9.15.1 was wrong on
+lengths that are not multiples of 128 (torch's sdp_utils.cpp prefers cuDNN only from there on;
+NVIDIA cudnn-frontend#160: NaN gradients), and it builds an execution plan per new shape. So the
 kernel calls of an aligned kernel run on lengths that are multiples of ``align``, exactly:
 ``front = prefix % align`` prefix keys move from the full part to the causal part, whose
 queries get ``front`` dummy rows in front (zero queries) and dummy rows and zero keys at the end,
