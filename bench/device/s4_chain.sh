@@ -16,13 +16,13 @@ F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())"
 T=tests/cuda/test_chain_attention_cuda.py
-timeout -k 5 60 python3 -m pytest -q -s -rfEs --tb=short -p no:cacheprovider -m cuda $T -k "not engine" 2>&1 \
+timeout -k 5 50 python3 -m pytest -q -s -rfEs --tb=short -p no:cacheprovider -m cuda $T -k "not engine" 2>&1 \
     | grep -v "$F" | tee $OUT/chain_cuda_kernels.log | tail -25
 echo "pytest (kernels, probe) exit: ${PIPESTATUS[0]}"
-timeout -k 5 100 python3 -m pytest -q -s -rfEs --tb=short -p no:cacheprovider -m cuda $T -k engine 2>&1 \
+timeout -k 5 120 python3 -m pytest -q -s -rfEs --tb=short -p no:cacheprovider -m cuda $T -k engine 2>&1 \
     | grep -v "$F" | tee $OUT/chain_cuda_engine.log | tail -15
 echo "pytest (engine) exit: ${PIPESTATUS[0]}"
-timeout -k 5 230 python3 bench/long_trees.py --sections workloads --workloads long_prefix,episodes \
-    --configs auto,auto-chain,auto-chainflash --repeats 2 --max-seconds 185 --out $OUT/long_trees_s4_chain.json 2>&1 \
+timeout -k 5 225 python3 bench/long_trees.py --sections workloads --workloads long_prefix,episodes \
+    --configs auto,auto-chain,auto-chainflash --repeats 2 --max-seconds 180 --out $OUT/long_trees_s4_chain.json 2>&1 \
     | grep -v "$F" | tee $OUT/long_trees_s4_chain.log | tail -30
 echo "long_trees exit: ${PIPESTATUS[0]}"
