@@ -23,10 +23,14 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    of phase 1's last path, as before), ``auto-tiles`` / ``dfs-tiles`` (calls after a prefix
    on whole flex tiles, ``treerl.engine.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget),
    ``auto-nochain`` / ``dfs-nochain`` (chain pieces after a prefix with the tree mask instead of
-   ``treerl.engine.chain_attention``'s fused kernels: ``CHAIN_AFTER_PREFIX`` off), ``auto-chainflash``
-   (the chain attention through flash's kernels only, not cuDNN's).
+   ``treerl.engine.chain_attention``'s fused kernels: ``CHAIN_AFTER_PREFIX`` off, the default),
+   ``auto-chain`` / ``dfs-chain`` (the chain attention on), ``auto-chainflash`` (on, through flash's
+   kernels only, not cuDNN's).
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
-   weights and gradients), the modelled peak, calls, the plan.
+   weights and gradients), the modelled peak, calls, the plan, and the timed step's attention layer calls
+   by route (``attention``: ``causal``, ``chain:<kernel>``, ``mask``, ``mask:chain-off``, ``mask:no-kernel``,
+   ``kept``; ``treerl.engine.attention.ROUTES``), with ``chain_shapes`` (distinct chain-attention kernel
+   shapes so far per kernel: cuDNN builds a plan per shape) and the kernel probe's verdicts.
 4. **attention**: one layer's attention forward+backward (Qwen3-1.7B heads: 16 query / 8 KV
    of 128, bf16) on one causal sequence of 8k/16k/32k tokens: the engine's tree attention
    (flex on whole tiles with the tree block mask, ``treerl.engine.attention.flex_tree_attention``)
@@ -69,11 +73,14 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
     "auto-tiles": (dict(mode="auto"), {}, dict(PREFIX_AS_TILES=True)),
     "dfs-tiles": (dict(mode="dfs"), {}, dict(PREFIX_AS_TILES=True)),
     "auto-b0.3": (dict(mode="auto", memory_budget=0.3), {}, {}),
-    # chain pieces after a prefix with the tree mask, as before treerl.engine.chain_attention
+    # chain pieces after a prefix through treerl.engine.chain_attention (off by default)
+    "auto-chain": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=True)),
+    "dfs-chain": (dict(mode="dfs"), {}, dict(CHAIN_AFTER_PREFIX=True)),
+    # ... with the tree mask, as before treerl.engine.chain_attention (the default)
     "auto-nochain": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=False)),
     "dfs-nochain": (dict(mode="dfs"), {}, dict(CHAIN_AFTER_PREFIX=False)),
     # the chain attention through flash's kernels only (cuDNN builds a graph per new shape)
-    "auto-chainflash": (dict(mode="auto"), {}, {"chain_attention.KERNELS": ("flash",)}),
+    "auto-chainflash": (dict(mode="auto"), {}, {"CHAIN_AFTER_PREFIX": True, "chain_attention.KERNELS": ("flash",)}),
     "auto-general": (dict(mode="auto"), {}, {}),  # the same loss, not declared separable (issue 24 item 3)
 }
 GENERAL = {"auto-general"}  # variants timed with separable=False
@@ -194,6 +201,10 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                     seconds, times, peak_bytes = time_forward_backward(engine, tree, loss, run.args.repeats, 1,
                                                                        separable=name not in GENERAL)
                     plan = engine.plan(tree)
+                from treerl.engine import chain_attention as chain
+
+                row.update(attention=dict(sorted(engine.stats.attention.items())),
+                           chain_shapes={k: len(v) for k, v in chain.SHAPES.items()})
                 row.update(seconds=seconds, times=times, tflops=flops / seconds / 1e12, calls=engine.stats.model_calls,
                            recomputed_calls=engine.stats.recomputed_calls, kept_graphs=engine.stats.kept_graphs,
                            tokens_run=engine.stats.tokens_run,
@@ -211,6 +222,12 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
             model.zero_grad(set_to_none=False)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "times"}), flush=True)
+            if "attention" in row:
+                from treerl.engine import chain_attention as chain
+
+                print(f"  attention layer calls by route ({wl}, {name}, the timed step): {row['attention']}; "
+                      f"chain kernel shapes so far: {row['chain_shapes']}; probe: {chain.PROBED}", flush=True)
+                run.results["chain_probe"] = chain.PROBED
             run.results["sections"]["workloads"] = rows
             run.save()
     return rows
@@ -355,6 +372,9 @@ def main(argv=None):
             if "tflops" in row:
                 row["pct_peak"] = 100 * row["tflops"] / best
         print(f"bf16 matmul peak {peak:.0f} at the start, {end:.0f} at the end; % of {best:.0f}", flush=True)
+    from treerl.engine import chain_attention as chain
+
+    run.results["chain_probe"] = chain.PROBED
     run.results["wall_s"] = time.perf_counter() - run.t0
     run.save()
     print_tables(run.results)
@@ -367,15 +387,19 @@ def print_tables(results: dict) -> None:
     for r in sections.get("sweep", []):
         print(f"| {r['tokens']} | {r['longest']} | {r['budget_gib']:.2f} | {r.get('predicted_gib', float('nan')):.2f} | "
               f"{r.get('measured_gib', float('nan')):.2f} | {r.get('seconds', float('nan')):.2f} | {r.get('error', '')} |")
-    print("\n| workload | config | s | TFLOP/s | % peak | peak GiB | activations GiB | modelled GiB | calls | error |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| workload | config | s | TFLOP/s | % peak | peak GiB | activations GiB | modelled GiB | calls | "
+          "attention layer calls by route | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sections.get("workloads", []):
         if "seconds" not in r:
-            print(f"| {r['workload']} | {r['config']} | | | | | | | | {r.get('error')} |")
+            print(f"| {r['workload']} | {r['config']} | | | | | | | | | {r.get('error')} |")
             continue
+        routes = " ".join(f"{k}={v}" for k, v in r.get("attention", {}).items())
         print(f"| {r['workload']} | {r['config']} | {r['seconds']:.3f} | {r['tflops']:.1f} | {r.get('pct_peak', float('nan')):.1f} | "
               f"{r.get('peak_gib', float('nan')):.1f} | {r.get('activation_gib', float('nan')):.1f} | {r['predicted_gib']:.1f} | "
-              f"{r['calls']} | |")
+              f"{r['calls']} | {routes} | |")
+    for what, verdict in results.get("chain_probe", {}).items():
+        print(f"chain attention probe {what}: {verdict['chosen']} (rejected: {verdict['rejected']})")
     timed = {(r["workload"], r["config"]): r["seconds"] for r in sections.get("workloads", []) if "seconds" in r}
     for (wl, config), seconds in timed.items():
         if config in GENERAL and (wl, "auto") in timed:

@@ -2,6 +2,11 @@
 kernel's merged output and gradients against float64, and the engine with the path on
 against the tree mask (off), both against a float32 per-sequence reference.
 
+The kernels run as the engine runs them (``chain.fused_kernel``): cuDNN's calls on lengths
+padded to multiples of 128 (``chain.Layout``: never a key length of 1, never a length off
+its grid, the shapes that once crashed this file's process), which the tests check call by
+call; heads a kernel does not take (``chain.refuses``) are never handed to it.
+
 Skipped on machines without a GPU; run on the device machine."""
 
 import pytest
@@ -22,14 +27,31 @@ def rel(got, want) -> float:
     return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("n,prefix", [(1, 1), (77, 0), (77, 1), (200, 333), (256, 1024)])
+def recording(kernel: chain.Kernel, calls: list) -> chain.Kernel:
+    """``kernel`` noting the (queries, keys) of each of its part calls, before the call."""
+
+    def forward(q, k, v, causal, scale):
+        calls.append((q.shape[2], k.shape[2]))
+        return kernel.forward(q, k, v, causal, scale)
+
+    def backward(dout, q, k, v, out, lse, extra, causal, scale):
+        calls.append((q.shape[2], k.shape[2]))
+        return kernel.backward(dout, q, k, v, out, lse, extra, causal, scale)
+
+    return chain.Kernel(kernel.name, forward, backward, kernel.expand_kv, kernel.align)
+
+
+@pytest.mark.parametrize("n,prefix", [(1, 1), (77, 0), (77, 1), (200, 333), (256, 1024), (384, 2048), (1, 127)])
 @pytest.mark.parametrize("expand_kv", [False, True], ids=["gqa", "kv-expanded"])
 @pytest.mark.parametrize("name", chain.KERNELS)
 def test_fused_kernels_against_float64(name, expand_kv, n, prefix):
     """bf16 kernel, merged in float32, against the float64 math on the same (bf16) inputs:
     within bf16 rounding (~1e-2 of the largest value), where a wrong merge or log-sum-exp
-    convention is off by O(1). A kernel that refuses the inputs is skipped, saying why."""
-    kernel = chain.Kernel(name, *chain.FUSED[name], expand_kv=expand_kv)
+    convention is off by O(1). cuDNN's calls on its grid of 128. A kernel that refuses the
+    inputs (an exception, e.g. no GQA) is skipped, saying why."""
+    assert chain.refuses(name, HEADS, KV_HEADS, DIM) is None
+    calls = []
+    kernel = recording(chain.fused_kernel(name, expand_kv), calls)
     gen = torch.Generator().manual_seed(n + prefix)
     q = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
     k, v = (torch.randn(1, KV_HEADS, prefix + n, DIM, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
@@ -48,15 +70,26 @@ def test_fused_kernels_against_float64(name, expand_kv, n, prefix):
     assert float((chain.lse_rows(lse, n).double() - ref_lse).abs().max()) < 1e-3  # float32 statistics
     for what, got, want in zip(("dq", "dk", "dv"), grads, ref):
         assert got.shape == want.shape and rel(got, want) < 2e-2, (what, rel(got, want))
+    align = chain.ALIGN.get(name, 1)
+    assert calls and all(nq % align == 0 and nk % align == 0 and nk >= align for nq, nk in calls), calls
 
 
 def test_probe_picks_a_fused_kernel_for_qwen3_heads():
     q = torch.zeros(1, HEADS, 8, DIM, device="cuda", dtype=torch.bfloat16)
     k = torch.zeros(1, KV_HEADS, 16, DIM, device="cuda", dtype=torch.bfloat16)
     kernel = chain.kernel_for(q, k)
+    print(f"chain attention probe: {chain.PROBED}")
     assert kernel is not None and kernel.name in chain.KERNELS
-    print(f"chain attention kernel: {kernel.name}{' (K/V expanded)' if kernel.expand_kv else ''}")
+    print(f"chain attention kernel: {kernel.label}")
     assert chain.kernel_for(q.float(), k.float()) is None  # float32: the tree mask, by design
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="cuDNN's SDPA is the fast one on sm90 (H100/H200)")
+def test_probe_takes_cudnn_on_hopper():
+    """On its grid cuDNN passes the probe (its odd shapes once sent it below flash)."""
+    kernel, errors = chain.probe(torch.device("cuda"), torch.bfloat16, HEADS, KV_HEADS, DIM, names=("cudnn",))
+    assert kernel is not None and kernel.name == "cudnn", errors
 
 
 def _logprobs_and_grads(model, engine, seqs, weights):
@@ -89,7 +122,7 @@ def test_engine_bf16_chain_path_as_accurate_as_the_tree_mask(mode, kw, monkeypat
     apply = chain.ChainAttention.apply
     monkeypatch.setattr(chain.ChainAttention, "apply",
                         lambda q, k, v, prefix, *rest: prefixes.append(prefix) or apply(q, k, v, prefix, *rest))
-    errors = {}
+    errors, routes = {}, {}
     for on in (False, True):
         monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", on)
         engine = treerl.TreeEngine(model, mode, attention="flex", compile=False, **kw)  # blocks eager: attention only
@@ -97,7 +130,11 @@ def test_engine_bf16_chain_path_as_accurate_as_the_tree_mask(mode, kw, monkeypat
         lp_err = max(float((a - b).abs().max()) for a, b in zip(lps, ref_lps))
         grad_err = max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref_grads.items())
         errors[on] = (lp_err, grad_err)
+        routes[on] = dict(engine.stats.attention)
         assert bool(prefixes) == on and (not on or max(prefixes) > 0), prefixes
+        chained = sum(v for r, v in routes[on].items() if r.startswith("chain:"))
+        assert (chained > 0 and "mask:no-kernel" not in routes[on]) if on else chained == 0, routes[on]
+    print("attention layer calls by route (the last forward_backward): tree mask", routes[False], "chain", routes[True])
     print("max |logprob error|, max relative gradient error: tree mask", errors[False], "chain", errors[True])
     assert errors[True][0] <= 1.5 * errors[False][0] + 1e-2, errors
     assert errors[True][1] <= 1.5 * errors[False][1] + 1e-2, errors

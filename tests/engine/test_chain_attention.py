@@ -2,8 +2,10 @@
 full and a causal part, and its backward from the merged output and log-sum-exp.
 
 float64 on the CPU against autograd through a dense masked softmax over the concatenated keys
-(1e-9 relative); the kernel probe's choices and refusals; the engine end to end against the
-per-sequence reference on chains after prefixes, with the path on (counted) and off.
+(1e-9 relative), also with the kernel calls' lengths on a grid (padded, as cuDNN's run); the
+kernel probe's choices and refusals, the head limits of the fused kernels and the bound on
+cuDNN's shapes; the engine end to end against the per-sequence reference on chains after
+prefixes, with the path on (counted, by the engine's attention routes too) and off.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import treerl.engine.chain_attention as chain
 from helpers.engine import check_engine
 from helpers.forests import RandomLoss, random_seq
 from helpers.models import get_model
+from treerl import TreeEngine
 from treerl.engine.memory import MemoryModel, MemoryPolicy
 
 
@@ -89,6 +92,94 @@ def test_kernel_formats_and_expanded_heads(layout, expand_kv, gen):
         assert_rel(got, want)
 
 
+# ------------------------------------------------------------------ lengths on a grid
+def recording(kernel: chain.Kernel, calls: list) -> chain.Kernel:
+    """``kernel`` noting the (queries, keys, causal) of each of its part calls."""
+
+    def forward(q, k, v, causal, scale):
+        calls.append((q.shape[2], k.shape[2], causal))
+        return kernel.forward(q, k, v, causal, scale)
+
+    def backward(dout, q, k, v, out, lse, extra, causal, scale):
+        calls.append((q.shape[2], k.shape[2], causal))
+        return kernel.backward(dout, q, k, v, out, lse, extra, causal, scale)
+
+    return chain.Kernel(kernel.name, forward, backward, kernel.expand_kv, kernel.align)
+
+
+@pytest.mark.parametrize("align", [4, 16])
+@pytest.mark.parametrize("prefix", [0, 1, 3, 16, 21, 45])
+@pytest.mark.parametrize("n", [1, 5, 16, 17])
+def test_lengths_on_a_grid_are_exact(align, prefix, n, gen):
+    """An aligned kernel's parts run on lengths that are multiples of ``align`` (never a key
+    length of 1: cuDNN's limits), and the chain attention stays exact: moved prefix keys,
+    dummy rows and zero keys change no output or gradient."""
+    heads, kv_heads, dim = 4, 2, 8
+    calls = []
+    for expand_kv in (False, True):
+        kernel = recording(chain.Kernel("math", chain._math_forward, chain._math_backward, expand_kv, align), calls)
+        q, k, v = inputs(gen, heads, kv_heads, n, prefix, dim)
+        q = (2 * q).detach().requires_grad_()
+        grad = torch.randn(1, heads, n, dim, generator=gen, dtype=torch.float64)
+        out = chain.ChainAttention.apply(q, k, v, prefix, 0.45, kernel)
+        ref = dense_reference(q, k, v, prefix, 0.45)
+        assert out.shape == ref.shape
+        assert_rel(out, ref)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        for got, want in zip(grads, torch.autograd.grad(ref, (q, k, v), grad)):
+            assert got.shape == want.shape
+            assert_rel(got, want)
+    assert calls and all(nq % align == 0 and nk % align == 0 and nk >= align for nq, nk, _ in calls), calls
+    layout = chain.Layout.of(n, prefix, align)
+    assert layout.padded == (n % align != 0 or prefix % align != 0)
+    assert layout.rows - n < 2 * align and layout.full_keys + layout.front == prefix
+
+
+def test_lengths_on_the_grid_already_run_as_they_are(gen):
+    """Prefix and queries already multiples of the grid (a long prompt's 2,048-token pieces):
+    no padding, the kernels get the inputs themselves."""
+    calls = []
+    kernel = recording(chain.Kernel("math", chain._math_forward, chain._math_backward, align=8), calls)
+    q, k, v = inputs(gen, 4, 2, 16, 24, 8)
+    out, lse, extras = chain.chain_forward(kernel, q.detach(), k.detach(), v.detach(), 24, 0.5)
+    assert not extras.layout.padded and extras.out is None
+    assert sorted(calls) == [(16, 16, True), (16, 24, False)]
+
+
+def test_fused_kernels_head_limits():
+    """The rule that keeps the aten ops away from heads they do not take (torch's own SDPA
+    dispatch checks these before it calls a kernel; the probe never calls a refused one)."""
+    assert chain.refuses("cudnn", 16, 8, 128) is None and chain.refuses("flash", 16, 8, 256) is None
+    assert "head dim 256" in chain.refuses("cudnn", 16, 8, 256)
+    assert "head dim 100" in chain.refuses("flash", 16, 8, 100)
+    assert "heads over" in chain.refuses("efficient", 6, 4, 64)
+    assert chain.refuses("a test's kernel", 16, 8, 7) is None
+    kernel, errors = chain.probe("meta", torch.bfloat16, 16, 8, 200, names=("cudnn",))
+    assert kernel is None and errors == ["cudnn: refuses head dim 200 (takes multiples of 8 up to 128)"]
+    assert chain.fused_kernel("cudnn").align == 128 and chain.fused_kernel("flash").align == 1
+
+
+def test_cudnn_shapes_bounded(gen, monkeypatch):
+    """Past CUDNN_MAX_SHAPES distinct (rows, prefix keys) shapes, a new shape takes the
+    fallback kernel; a shape cuDNN has planned keeps cuDNN (the same kernel every time, so a
+    recompute matches its forward)."""
+    monkeypatch.setattr(chain, "SHAPES", {})
+    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", 2)
+    cudnn = chain.Kernel("cudnn", chain._math_forward, chain._math_backward, align=4)
+    flash = chain.Kernel("flash", chain._math_forward, chain._math_backward)
+
+    def pick(n, prefix):
+        q, k, _ = inputs(gen, 2, 1, n, prefix, 4)
+        return chain.planned(cudnn, q, k, lambda: flash).name
+
+    assert [pick(3, 5), pick(4, 4), pick(2, 6)] == ["cudnn", "cudnn", "cudnn"]  # one shape: 4 rows after 4 keys
+    assert pick(1, 8) == "cudnn"  # a second shape: 4 rows after 8 keys
+    assert [pick(5, 8), pick(3, 5), pick(1, 9)] == ["flash", "cudnn", "cudnn"]
+    assert {k: len(v) for k, v in chain.SHAPES.items()} == {"cudnn": 2, "flash": 1}
+    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", None)
+    assert pick(5, 8) == "cudnn"
+
+
 # ------------------------------------------------------------------------ the probe
 def _broken(kind):
     def forward(q, k, v, causal, scale):
@@ -129,14 +220,17 @@ def test_no_kernel_warns_once_and_the_engine_masks(gen, monkeypatch):
         warnings.simplefilter("error")
         assert chain.select("cpu", torch.float64, 4, 2, 16, ("raises",), fused) is None  # cached, silent
 
+    prefixes = count_chain_calls(monkeypatch)  # the path on
     monkeypatch.setattr(chain, "kernel_for", lambda q, k: None)
     masked = []
     mask = attention.TreeAttention.mask
     monkeypatch.setattr(attention.TreeAttention, "mask", lambda self: masked.append(1) or mask(self))
     seqs = [random_seq(gen, 23), random_seq(gen, 9)]
     model = get_model("qwen3")
-    check_engine(model, seqs, "flat", RandomLoss.make(seqs, gen), max_tokens=6)
-    assert masked
+    engine = check_engine(model, seqs, "flat", RandomLoss.make(seqs, gen), max_tokens=6)
+    assert masked and prefixes == []
+    routes = engine.stats.attention
+    assert routes["mask:no-kernel"] > 0 and not any(r.startswith("chain") for r in routes), routes
 
 
 # ------------------------------------------------------------------ the engine
@@ -157,15 +251,21 @@ def count_chain_calls(monkeypatch) -> list[int]:
     ("auto", dict(max_tokens=7, chunk_tokens=3)),
 ])
 @pytest.mark.parametrize("separable", [False, True])
-def test_engine_exact_on_long_prefixes_split_in_pieces(mode, kw, separable, gen, monkeypatch):
+@pytest.mark.parametrize("align", [1, 4], ids=["as-is", "grid4"])
+def test_engine_exact_on_long_prefixes_split_in_pieces(mode, kw, separable, align, gen, monkeypatch):
     """A long shared prefix (and a long lone sequence) run as chain pieces, each after all the
-    earlier pieces: exact with the chain attention, which ran after prefixes of many lengths."""
+    earlier pieces: exact with the chain attention, which ran after prefixes of many lengths
+    (``grid4``: its kernel calls on lengths padded to multiples of 4, as cuDNN's to 128), and
+    every layer call of a piece after a prefix took it (the engine's attention routes)."""
     prompt = random_seq(gen, 31)
     seqs = [prompt + random_seq(gen, 4), prompt + random_seq(gen, 6), random_seq(gen, 26)]
     model = get_model("qwen3")  # 4 query heads, 2 KV heads
     prefixes = count_chain_calls(monkeypatch)
-    check_engine(model, seqs, mode, RandomLoss.make(seqs, gen), separable=separable, entropy=True, **kw)
+    monkeypatch.setattr(chain, "MATH", chain.Kernel("math", chain._math_forward, chain._math_backward, align=align))
+    engine = check_engine(model, seqs, mode, RandomLoss.make(seqs, gen), separable=separable, entropy=True, **kw)
     assert len({p for p in prefixes if p > 0}) >= 4, prefixes
+    routes = engine.stats.attention  # (the last step's: forward_backward)
+    assert routes["chain:math"] > 0 and not {"mask:chain-off", "mask:no-kernel"} & set(routes), routes
 
 
 @pytest.mark.parametrize("variant", ["llama-tied-mha", "qwen2-tied-mqa"])
@@ -188,8 +288,35 @@ def test_switch_off_runs_the_tree_mask(gen, monkeypatch):
     prefixes = count_chain_calls(monkeypatch)
     monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", False)  # the default
     seqs = [random_seq(gen, 20)]
-    check_engine(get_model("qwen3"), seqs, "flat", RandomLoss.make(seqs, gen), max_tokens=6)
+    engine = check_engine(get_model("qwen3"), seqs, "flat", RandomLoss.make(seqs, gen), max_tokens=6)
     assert prefixes == []
+    routes = engine.stats.attention
+    assert routes["mask:chain-off"] > 0 and routes["causal"] > 0 and not any(r.startswith("chain") for r in routes)
+
+
+def test_attention_routes_of_a_long_prompt(gen, monkeypatch):
+    """The engine's attention layer calls by route on a long_prefix-shaped tree (a long prompt
+    in chain pieces, its responses packed in groups): with the switch on, every layer call of a
+    piece after the first runs the chain attention; the first piece runs SDPA's causal kernel;
+    the groups of several responses (not one chain) the tree mask. Off: the pieces the mask."""
+    prompt = random_seq(gen, 40)
+    seqs = [prompt + random_seq(gen, int(n)) for n in torch.randint(3, 8, (6,), generator=gen)]
+    model = get_model("qwen3")
+    layers = model.config.num_hidden_layers
+    routes = {}
+    for on in (False, True):
+        monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", on)
+        engine = TreeEngine(model, "auto", max_tokens=20, chunk_tokens=8)
+        plan = engine.plan(seqs)
+        engine.forward_backward(seqs, RandomLoss.make(seqs, gen), separable=True)
+        routes[on] = dict(engine.stats.attention)
+    pieces = [i for i, c in enumerate(plan.children) if c]
+    groups = [i for i, s in enumerate(plan.segments) if not plan.children[i]]
+    assert len(pieces) == 5 and len(groups) >= 2, plan.describe()
+    # each segment runs twice (the no-grad forward, then with grad; phase 1's K/V of the pieces reused)
+    after = 2 * layers * (len(pieces) - 1)
+    assert routes[True] == {"causal": 2 * layers, "chain:math": after, "mask": 2 * layers * len(groups)}, routes
+    assert routes[False] == {"causal": 2 * layers, "mask:chain-off": after, "mask": 2 * layers * len(groups)}, routes
 
 
 @pytest.mark.parametrize("name", chain.KERNELS)
@@ -198,7 +325,7 @@ def test_fused_kernel_calls_on_meta_tensors(name, expand_kv):
     """The aten ops take the arguments as chain_attention passes them (order, types) and
     their outputs unpack as it reads them: run through their meta kernels, no GPU needed
     (the values: tests/cuda/test_chain_attention_cuda.py)."""
-    kernel = chain.Kernel(name, *chain.FUSED[name], expand_kv=expand_kv)
+    kernel = chain.fused_kernel(name, expand_kv)  # cuDNN's on lengths padded to its grid
     q = torch.empty(1, 77, 16, 128, device="meta", dtype=torch.bfloat16).transpose(1, 2)
     k, v = (torch.empty(1, 8, 131 + 77, 128, device="meta", dtype=torch.bfloat16) for _ in range(2))
     out, lse, extras = chain.chain_forward(kernel, q, k, v, 131, 128 ** -0.5)

@@ -22,6 +22,7 @@ excluded from compilation (it runs its own compiled flex kernel).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from ..compiled import FLEX_OFF, LazyCompiled
 from ..hf_attention import attention_routed, register
-from .chain_attention import chain_attention
+from . import chain_attention as chain
 from .kept_attention import KeptAttention
 
 ATTN_NAME = "treerl"
@@ -71,7 +72,9 @@ class TreeAttention:
         # one chain, no prefix: the tree mask is the causal mask, and SDPA's causal kernels
         # (flash attention on CUDA) run it without any mask tensor; one chain after a prefix:
         # full attention to the prefix merged with causal attention to its own keys
+        self.chain = causal
         self.causal = causal and (not prefix or CHAIN_AFTER_PREFIX)
+        self.routes: collections.Counter | None = None  # layer calls by route (the engine's StepStats.attention)
         self.captured: dict[int, KV] = {}
         self.keep_layers: frozenset[int] = frozenset()
         self.kept: dict[int, KeptAttention] = {}
@@ -294,6 +297,7 @@ def tree_attention_forward(
     layer = module.layer_idx
     kept = ctx.kept.get(layer)
     if kept is not None and torch.is_grad_enabled():  # the block's recompute in the backward
+        _route(ctx, "kept")
         out = kept.recompute(*_inputs(ctx, layer, query, key, value))
         return out.transpose(1, 2).contiguous().requires_grad_(), None  # saves what the forward's saved
     if ctx.capture:
@@ -317,17 +321,37 @@ def _inputs(ctx: TreeAttention, layer: int, query: torch.Tensor, key: torch.Tens
     return query, key, value
 
 
+# Layer calls by route since the process started (or since the caller cleared it), beside the
+# engine's per-step StepStats.attention: "causal" (one chain, no prefix: SDPA's causal kernel),
+# "chain:<kernel>" (one chain after a prefix: treerl.engine.chain_attention), "mask" (the tree
+# mask: not one chain), "mask:chain-off" (one chain after a prefix, CHAIN_AFTER_PREFIX off),
+# "mask:no-kernel" (one chain after a prefix that no fused kernel takes), "kept" (a block's
+# recompute of a kept attention: the held output, no attention run).
+ROUTES: collections.Counter = collections.Counter()
+
+
+def _route(ctx: TreeAttention, name: str) -> None:
+    ROUTES[name] += 1
+    if ctx.routes is not None:
+        ctx.routes[name] += 1
+
+
 def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             scaling: float | None) -> torch.Tensor:
     """query [1, H, Nq, D], key/value [1, H_kv, Nk, D] -> [1, H, Nq, D] by ``ctx``'s backend."""
     gqa = query.shape[1] != key.shape[1]
     if ctx.causal and key.shape[2] == query.shape[2]:
+        _route(ctx, "causal")
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     if ctx.causal:  # one chain after a prefix
-        out = chain_attention(query, key, value, scaling)
-        if out is not None:
-            return out
-        # no fused kernel takes these inputs (chain_attention says so once): the tree mask
+        kernel = chain.kernel_for(query, key)
+        if kernel is not None:
+            _route(ctx, f"chain:{kernel.label}")
+            return chain.chain_attention(query, key, value, scaling, kernel)
+        # no fused kernel takes these inputs (the probe says why, once): the tree mask
+        _route(ctx, "mask:no-kernel")
+    else:
+        _route(ctx, "mask:chain-off" if ctx.chain and ctx.prefix else "mask")
     if ctx.backend == "sdpa":
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=ctx.additive_mask(query.dtype), scale=scaling, enable_gqa=gqa

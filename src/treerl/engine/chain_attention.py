@@ -16,15 +16,39 @@ The backward needs no differentiable log-sum-exp: a flash-attention backward giv
 its part's dQ, dK, dV (the ring-attention identity); dQ is the sum of both parts'.
 
 Kernels (:data:`KERNELS`, tried in order): cuDNN's, flash's and the memory-efficient SDPA
-aten ops that return the log-sum-exp and have explicit backward ops. The first use for a
-(device, dtype, heads, KV heads, head dim) probes them on small odd-length inputs against the
+aten ops that return the log-sum-exp and have explicit backward ops. The aten ops skip the
+checks that ``F.scaled_dot_product_attention`` makes before it picks a kernel, so this module
+makes them itself: :func:`refuses` (head dims and head counts, torch's ``sdp_utils.cpp`` limits)
+before a kernel is ever called, and the lengths below. The first use for a
+(device, dtype, heads, KV heads, head dim) probes the kernels on small odd-length inputs against the
 plain-torch implementation (output, log-sum-exp convention and gradients, with K/V heads
 as they are (GQA) and, failing that, repeated to every query head); the first that passes
-serves every later call. If none does (ops missing, inputs refused), :func:`chain_attention`
-returns ``None`` after one warning, and the caller runs the tree mask as before. On the CPU the
-same merge and backward run with the plain-torch parts (:data:`MATH`: what the float64 tests
-check exactly). On CUDA only half-precision inputs take the fused kernels (the kernels' dtypes);
-float32/float64 calls return ``None`` without a warning (the tree mask path is exact there).
+serves every later call (:data:`PROBED` keeps why the others failed). If none does (ops missing,
+inputs refused), :func:`chain_attention` returns ``None`` after one warning, and the caller runs
+the tree mask as before. On the CPU the same merge and backward run with the plain-torch parts
+(:data:`MATH`: what the float64 tests check exactly). On CUDA only half-precision inputs take the
+fused kernels (the kernels' dtypes); float32/float64 calls return ``None`` without a warning (the
+tree mask path is exact there).
+
+**Lengths on a grid** (:class:`Layout`, ``Kernel.align``: :data:`ALIGN`, 128 for cuDNN). cuDNN's
+SDPA refuses key length 1 (torch's dispatch never hands it one), cuDNN before 9.15.1 was wrong on
+lengths that are not multiples of 128 (torch's sdp_utils.cpp prefers cuDNN only from there on;
+NVIDIA cudnn-frontend#160: NaN gradients), and it builds an execution plan per new shape. So the
+kernel calls of an aligned kernel run on lengths that are multiples of ``align``, exactly:
+``front = prefix % align`` prefix keys move from the full part to the causal part, whose
+queries get ``front`` dummy rows in front (zero queries) and dummy rows and zero keys at the end,
+up to ``rows``, a multiple of ``align``; the full part takes the first ``prefix - front`` keys
+(a multiple of ``align``; none: no full part) with the same padded queries. Real query ``i`` sits
+at row ``front + i`` of the causal part, whose top-left causal mask shows it the moved prefix keys
+and its own keys up to itself; a dummy key at the end is seen by dummy rows only. The backward
+gives the dummy rows a zero output gradient, so they add nothing to any dK/dV (``dS = P (dO V^T -
+rowsum(dO O)) = 0``), and their dQ and the dummy keys' dK/dV are dropped. Costs: fewer than
+``2 align`` dummy rows per call, and copies of the queries and the causal part's K/V (none when
+the prefix and the queries are already multiples of ``align``, as the 2,048-token pieces of a
+long prompt are). Distinct kernel shapes are then (rows, prefix keys) pairs on the grid;
+:data:`SHAPES` counts them per kernel, and :data:`CUDNN_MAX_SHAPES` bounds the plans cuDNN
+builds (~270 ms each on an H100): a call of a new shape beyond it runs through the next kernel
+that passed the probe (flash), exactly the same math.
 
 Costs beside the two kernels: the merge (elementwise over [N, H, D] in float32), dQ summed
 and the prefix's and own dK/dV concatenated (a copy of the keys' gradients, ~126 MB for 30k
@@ -49,6 +73,14 @@ aten = torch.ops.aten
 # Probe order on CUDA; a name left out is never used (bench/chain_attention.py times each).
 KERNELS: tuple[str, ...] = ("cudnn", "flash", "efficient")
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
+# Kernels whose calls run on lengths padded to multiples of this (Layout; others: as they are).
+ALIGN: dict[str, int] = {"cudnn": 128}
+# Largest head dim each fused kernel takes here (torch's sdp_utils.cpp; cuDNN's 256 needs recent
+# cuDNN on sm90/sm100 only: 128, the families treerl supports use 64 or 128), all multiples of 8.
+HEAD_DIM_LIMIT: dict[str, int] = {"cudnn": 128, "flash": 256, "efficient": 256}
+# Distinct (rows, prefix keys) shapes that cuDNN may build plans for in this process; calls of
+# other shapes beyond it take the next kernel that passed the probe (None: no bound).
+CUDNN_MAX_SHAPES: int | None = 64
 
 # part forward: (q [B,H,N,D], k [B,Hk,M,D], v, causal, scale) -> (out [B,H,N,D], raw lse, extra)
 # part backward: (dout, q, k, v, out, raw lse, extra, causal, scale) -> (dq, dk, dv)
@@ -59,12 +91,18 @@ PartBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 @dataclass(frozen=True)
 class Kernel:
     """One attention part's forward and backward. ``expand_kv``: K/V heads are repeated to
-    every query head before the kernel and dK/dV summed back (kernels without GQA)."""
+    every query head before the kernel and dK/dV summed back (kernels without GQA).
+    ``align``: its calls run on lengths padded to multiples of this (:class:`Layout`)."""
 
     name: str
     forward: PartForward
     backward: PartBackward
     expand_kv: bool = False
+    align: int = 1
+
+    @property
+    def label(self) -> str:
+        return self.name + ("-expanded" if self.expand_kv else "")
 
     def run_forward(self, q, k, v, causal: bool, scale: float):
         if self.expand_kv:
@@ -79,6 +117,66 @@ class Kernel:
         if self.expand_kv and groups > 1:
             dk, dv = (x.unflatten(1, (-1, groups)).sum(2) for x in (dk, dv))
         return dq, dk, dv
+
+
+def fused_kernel(name: str, expand_kv: bool = False) -> Kernel:
+    """The fused kernel ``name`` of :data:`FUSED` as the engine runs it (its :data:`ALIGN`)."""
+    return Kernel(name, *FUSED[name], expand_kv=expand_kv, align=ALIGN.get(name, 1))
+
+
+def refuses(name: str, heads: int, kv_heads: int, dim: int) -> str | None:
+    """Why the fused kernel ``name`` must not be called on heads like these, or None (the
+    limits torch's SDPA dispatch checks before it calls a kernel; the aten ops called directly
+    check less and may fail badly). Lengths: :class:`Layout` keeps cuDNN's on its grid."""
+    if name not in HEAD_DIM_LIMIT:
+        return None  # not one of the fused kernels (a test's)
+    if dim % 8 or dim > HEAD_DIM_LIMIT[name]:
+        return f"head dim {dim} (takes multiples of 8 up to {HEAD_DIM_LIMIT[name]})"
+    if heads % kv_heads:
+        return f"{heads} heads over {kv_heads} KV heads"
+    if name == "cudnn" and heads > 65535:
+        return f"{heads} heads (at most 65535)"
+    return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a chain piece of ``n`` queries after ``prefix`` keys sits in its kernel calls on a
+    grid of ``align`` (module docstring, "Lengths on a grid"): ``front`` prefix keys move to the
+    causal part and as many dummy rows precede the queries; ``full_keys`` (= prefix - front)
+    keys make the full part; both parts run ``rows`` query rows, the causal part as many keys."""
+
+    n: int
+    prefix: int
+    front: int
+    full_keys: int
+    rows: int
+
+    @classmethod
+    def of(cls, n: int, prefix: int, align: int = 1) -> "Layout":
+        front = prefix % align
+        return cls(n, prefix, front, prefix - front, -(-(front + n) // align) * align)
+
+    @property
+    def padded(self) -> bool:
+        return self.rows != self.n
+
+    def inputs(self, q, k, v):
+        """The queries as the kernels get them, and the causal part's K/V."""
+        if not self.padded:
+            return q, k[:, :, self.prefix:], v[:, :, self.prefix:]
+        b, h, n, d = q.shape
+        rows = q.new_zeros(b, self.rows, h, d).transpose(1, 2)  # the engine's layout: [B, H, N, D] of [B, N, H, D]
+        rows[:, :, self.front:self.front + n] = q
+        own = self.front + n
+        k_own, v_own = (x.new_zeros(b, x.shape[1], self.rows, d) for x in (k, v))
+        k_own[:, :, :own] = k[:, :, self.full_keys:]
+        v_own[:, :, :own] = v[:, :, self.full_keys:]
+        return rows, k_own, v_own
+
+    def real(self, x: torch.Tensor) -> torch.Tensor:
+        """The real queries' rows of a [B, H, rows, ...] tensor (a view)."""
+        return x.narrow(2, self.front, self.n) if self.padded else x
 
 
 def _expand(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,35 +275,67 @@ FUSED: dict[str, tuple[PartForward, PartBackward]] = {
 
 
 # ------------------------------------------------------------ merge, backward
+@dataclass(frozen=True)
+class Extras:
+    """What :func:`chain_backward` needs beside the inputs: each part's kernel extras, the
+    layout, and (padded layouts) the merged output and log-sum-exp of every row."""
+
+    full: tuple | None
+    own: tuple
+    layout: Layout
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+
+
 def chain_forward(kernel: Kernel, q, k, v, prefix: int, scale: float):
     """q [B, H, N, D], k/v [B, Hk, prefix + N, D] -> (out [B, H, N, D] laid out as the kernel's,
-    merged log-sum-exp in the kernel's format, per-part extras)."""
-    n = q.shape[2]
-    own = kernel.run_forward(q, k[:, :, prefix:], v[:, :, prefix:], True, scale)
-    if prefix == 0:
-        return own[0], own[1], (None, own[2])
-    full = kernel.run_forward(q, k[:, :, :prefix], v[:, :, :prefix], False, scale)
-    l1, l2 = lse_rows(full[1], n), lse_rows(own[1], n)
-    lse = torch.logaddexp(l1, l2)
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    merged = full[0].to(dtype) * torch.exp(l1 - lse)[..., None].to(dtype)
-    merged += own[0].to(dtype) * torch.exp(l2 - lse)[..., None].to(dtype)
-    out = torch.empty_like(own[0])  # the kernel's layout (its backward reads this one)
-    out.copy_(merged)
-    packed = own[1].clone()  # the kernel's format (padding rows included)
-    lse_rows(packed, n).copy_(lse)
-    return out, packed, (full[2], own[2])
+    merged log-sum-exp (:func:`lse_rows` reads its N rows), :class:`Extras`)."""
+    layout = Layout.of(q.shape[2], prefix, kernel.align)
+    rows, k_own, v_own = layout.inputs(q, k, v)
+    own = kernel.run_forward(rows, k_own, v_own, True, scale)
+    if layout.full_keys == 0:
+        out, lse = own[0], own[1]
+        extras = Extras(None, own[2], layout)
+    else:
+        full = kernel.run_forward(rows, k[:, :, :layout.full_keys], v[:, :, :layout.full_keys], False, scale)
+        n = layout.rows
+        l1, l2 = lse_rows(full[1], n), lse_rows(own[1], n)
+        lse = torch.logaddexp(l1, l2)
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        merged = full[0].to(dtype) * torch.exp(l1 - lse)[..., None].to(dtype)
+        merged += own[0].to(dtype) * torch.exp(l2 - lse)[..., None].to(dtype)
+        out = torch.empty_like(own[0])  # the kernel's layout (its backward reads this one)
+        out.copy_(merged)
+        packed = own[1].clone()  # the kernel's format (padding rows included)
+        lse_rows(packed, n).copy_(lse)
+        lse = packed
+        extras = Extras(full[2], own[2], layout)
+    if not layout.padded:
+        return out, lse, extras
+    extras = Extras(extras.full, extras.own, layout, out, lse)
+    return layout.real(out), layout.real(lse_rows(lse, layout.rows)), extras
 
 
-def chain_backward(kernel: Kernel, dout, q, k, v, out, lse, extras, prefix: int, scale: float):
+def chain_backward(kernel: Kernel, dout, q, k, v, out, lse, extras: Extras, prefix: int, scale: float):
     """dQ, dK, dV of :func:`chain_forward` given its merged output and log-sum-exp."""
-    dq, dk_own, dv_own = kernel.run_backward(dout, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, extras[1],
-                                             True, scale)
-    if prefix == 0:
-        return dq, dk_own, dv_own
-    dq_full, dk_full, dv_full = kernel.run_backward(dout, q, k[:, :, :prefix], v[:, :, :prefix], out, lse,
-                                                    extras[0], False, scale)
-    return dq + dq_full, torch.cat([dk_full, dk_own], 2), torch.cat([dv_full, dv_own], 2)
+    layout = extras.layout
+    rows, k_own, v_own = layout.inputs(q, k, v)
+    if layout.padded:  # the dummy rows' output gradient is zero: they add to no dK/dV
+        out, lse = extras.out, extras.lse
+        grad = torch.zeros_like(out)
+        layout.real(grad).copy_(dout)
+        dout = grad
+    dq, dk, dv = kernel.run_backward(dout, rows, k_own, v_own, out, lse, extras.own, True, scale)
+    own = layout.front + layout.n  # the causal part's real keys
+    if layout.padded:
+        dk, dv = dk[:, :, :own], dv[:, :, :own]
+    if layout.full_keys:
+        keys = layout.full_keys
+        dq_full, dk_full, dv_full = kernel.run_backward(dout, rows, k[:, :, :keys], v[:, :, :keys], out, lse,
+                                                        extras.full, False, scale)
+        dq = dq + dq_full
+        dk, dv = torch.cat([dk_full, dk], 2), torch.cat([dv_full, dv], 2)
+    return layout.real(dq), dk, dv
 
 
 class ChainAttention(torch.autograd.Function):
@@ -230,15 +360,49 @@ class ChainAttention(torch.autograd.Function):
 
 # ------------------------------------------------------------------ selection
 _chosen: dict[tuple, Kernel | None] = {}
+# Per probed (device, dtype, heads, KV heads, head dim, names): the kernel chosen (its label, or
+# None) and why each kernel before it was rejected (what a benchmark prints).
+PROBED: dict[str, dict] = {}
+# Per kernel label: the distinct (device, dtype, heads, KV heads, head dim, rows, prefix keys)
+# of the calls it ran (cuDNN builds a plan for each new one).
+SHAPES: dict[str, set] = {}
 
 
 def kernel_for(q: torch.Tensor, k: torch.Tensor) -> Kernel | None:
-    """The kernel for inputs like these (probed once per device, dtype and head shape), or None."""
+    """The kernel for inputs like these (q [B, H, N, D] of one chain piece, k [B, Hk, P + N, D]),
+    or None: probed once per device, dtype and head shape, then :func:`planned` for the shape."""
     if q.device.type == "cpu":
         return MATH
     if q.device.type != "cuda" or q.dtype not in FUSED_DTYPES:
         return None
-    return select(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[3])
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[3]
+    kernel = select(q.device, q.dtype, heads, kv_heads, dim)
+    if kernel is None:
+        return None
+    rest = tuple(name for name in KERNELS if name != kernel.name)
+    return planned(kernel, q, k, lambda: select(q.device, q.dtype, heads, kv_heads, dim, rest) if rest else None)
+
+
+def planned(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, fallback: Callable[[], Kernel | None]) -> Kernel:
+    """``kernel`` for this call's shape (recorded in :data:`SHAPES`), unless it is cuDNN, the
+    shape is new and cuDNN has planned :data:`CUDNN_MAX_SHAPES` others already: then
+    ``fallback()`` (the next kernel that passed the probe), if there is one. Deterministic per
+    shape, so a block's recompute takes the kernel its forward took."""
+    n = q.shape[2]
+
+    def shape(kernel: Kernel) -> tuple:
+        layout = Layout.of(n, k.shape[2] - n, kernel.align)
+        return (str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[3], layout.rows, layout.full_keys)
+
+    seen = SHAPES.setdefault(kernel.label, set())
+    key = shape(kernel)
+    if key not in seen and kernel.name == "cudnn" and CUDNN_MAX_SHAPES is not None and len(seen) >= CUDNN_MAX_SHAPES:
+        other = fallback()
+        if other is not None:
+            SHAPES.setdefault(other.label, set()).add(shape(other))
+            return other
+    seen.add(key)
+    return kernel
 
 
 def select(device, dtype, heads: int, kv_heads: int, dim: int, names: tuple[str, ...] | None = None,
@@ -248,6 +412,8 @@ def select(device, dtype, heads: int, kv_heads: int, dim: int, names: tuple[str,
     key = (str(device), dtype, heads, kv_heads, dim, names, id(fused))
     if key not in _chosen:
         _chosen[key], errors = probe(device, dtype, heads, kv_heads, dim, names, fused)
+        PROBED[f"{device} {dtype} {heads}/{kv_heads}x{dim} {','.join(names)}"] = dict(
+            chosen=None if _chosen[key] is None else _chosen[key].label, rejected=errors)
         if _chosen[key] is None:
             warnings.warn(
                 f"treerl chain attention: no fused SDPA kernel took {dtype} inputs of {heads} heads / "
@@ -261,33 +427,39 @@ def probe(device, dtype, heads: int, kv_heads: int, dim: int, names=KERNELS,
           fused: dict[str, tuple[PartForward, PartBackward]] | None = None) -> tuple[Kernel | None, list[str]]:
     """The first of ``names`` whose chain attention matches :data:`MATH` (computed in float32)
     on small odd-length inputs laid out as the engine's, with K/V heads as given, else
-    repeated; and why each rejected one failed."""
+    repeated; and why each rejected one failed. A kernel that :func:`refuses` the heads is
+    never called."""
     fused = FUSED if fused is None else fused
     errors = []
     for name in names:
         if name not in fused:
             errors.append(f"{name}: unknown")
             continue
+        why = refuses(name, heads, kv_heads, dim) if fused is FUSED else None
+        if why is not None:
+            errors.append(f"{name}: refuses {why}")
+            continue
         for expand in (False, True) if kv_heads != heads else (False,):
-            kernel = Kernel(name, *fused[name], expand_kv=expand)
+            kernel = Kernel(name, *fused[name], expand_kv=expand, align=ALIGN.get(name, 1) if fused is FUSED else 1)
             try:
                 err = _probe_error(kernel, device, dtype, heads, kv_heads, dim)
             except Exception as exc:  # a missing op or refused inputs: try the next
-                errors.append(f"{name}{' (K/V expanded)' if expand else ''}: {type(exc).__name__}: "
+                errors.append(f"{kernel.label}: {type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:120] if str(exc) else ''}")
                 continue
             if err is None:
                 return kernel, errors
-            errors.append(f"{name}{' (K/V expanded)' if expand else ''}: {err}")
+            errors.append(f"{kernel.label}: {err}")
     return None, errors
 
 
 def _probe_error(kernel: Kernel, device, dtype, heads: int, kv_heads: int, dim: int) -> str | None:
-    """None if ``kernel``'s chain attention matches the float32 math on two small shapes,
-    else what differs. Plain tensors, no autograd (the probe may run inside a model call)."""
+    """None if ``kernel``'s chain attention matches the float32 math on three small shapes
+    (odd lengths; one on the grid of an aligned kernel), else what differs. Plain tensors, no
+    autograd (the probe may run inside a model call)."""
     gen = torch.Generator().manual_seed(0)
     tol = 2e-2 if dtype in FUSED_DTYPES else 1e-4
-    for n, prefix in ((77, 131), (1, 64)):
+    for n, prefix in ((77, 131), (1, 64), (128, 256)):
         # the engine's layout: q [1, H, N, D] a view of [1, N, H, D]; K/V cut from one [1, Hk, P + N, D]
         q = torch.randn(1, n, heads, dim, generator=gen).transpose(1, 2).to(device, dtype)
         k, v = (torch.randn(1, kv_heads, prefix + n, dim, generator=gen).to(device, dtype) for _ in range(2))
@@ -303,18 +475,20 @@ def _probe_error(kernel: Kernel, device, dtype, heads: int, kv_heads: int, dim: 
         checks += list(zip(("dq", "dk", "dv"), grads, ref))
         for what, got, want in checks:
             if got.shape != want.shape:
-                return f"{what} of shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+                return f"{what} of shape {tuple(got.shape)}, expected {tuple(want.shape)} ({n} after {prefix})"
             err = float((got.float() - want).abs().max()) / max(float(want.abs().max()), 1.0)
             if not math.isfinite(err) or err > tol:
-                return f"{what} differs from the float32 math by {err:.3g} (relative to its largest value)"
+                return (f"{what} differs from the float32 math by {err:.3g} (relative to its largest value; "
+                        f"{n} after {prefix})")
     return None
 
 
-def chain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
-                    ) -> torch.Tensor | None:
+def chain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                    kernel: Kernel | None = None) -> torch.Tensor | None:
     """query [1, H, N, D] of one chain, key/value [1, Hk, P + N, D] (the prefix's then its own)
-    -> [1, H, N, D], or None where no kernel takes these inputs (the caller masks)."""
-    kernel = kernel_for(query, key)
+    -> [1, H, N, D], or None where no kernel takes these inputs (the caller masks).
+    ``kernel``: :func:`kernel_for`'s choice, if the caller asked already."""
+    kernel = kernel_for(query, key) if kernel is None else kernel
     if kernel is None:
         return None
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)

@@ -26,8 +26,9 @@ across runs (:mod:`.compile_cache`).
 
 from __future__ import annotations
 
+import collections
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -75,6 +76,9 @@ class StepStats:
     kept_attention_layers: int = 0  # summed over those calls: layers whose attention is not recomputed
     kept_graphs: int = 0  # general path: calls whose graph is held until the loss (no extra forward)
     seconds: float = 0.0
+    # layer calls of the attention by route (treerl.engine.attention.ROUTES names: "causal",
+    # "chain:<kernel>", "mask", "mask:chain-off", "mask:no-kernel", "kept"); block recomputes count again
+    attention: collections.Counter = field(default_factory=collections.Counter)
 
 
 class SegmentRunner(torch.nn.Module):
@@ -302,6 +306,7 @@ class TreeEngine:
         ctx = TreeAttention(
             self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture, causal=chain
         )
+        ctx.routes = self.stats.attention
         recompute = grad and seg.recompute
         if recompute:
             ctx.keep_layers = self.memory.kept_attention_layers(seg.size, len(k_index), ctx.input_copies, seg.spare)
