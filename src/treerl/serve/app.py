@@ -42,7 +42,7 @@ from .choices import chat_choice, completion_body, response_body, with_forced
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        WeightsRequest, validation_error)
-from .requests import (chat_prompt, check_ids, check_model, completion_prompts, encode, parse_request,
+from .requests import (chat_prompt, check_ids, check_model, completion_prompts, encode, off_loop, parse_request,
                        run_prompts, sampling_params)
 from .state import ServeState
 from .streaming import stream_response
@@ -140,13 +140,16 @@ def create_app(state: ServeState) -> FastAPI:
     async def completions(request: Request):
         req = parse_request(CompletionRequest, await request.body())
         check_model(state, req.model)
-        prompts = await run_in_threadpool(completion_prompts, state, req)
+        text = any(isinstance(p, str) for p in req.prompts)  # to tokenize (token ids are only checked)
+        prompts = await off_loop(None if text else 0, completion_prompts, state, req)
         if req.stream:
             return stream_response(state, req, prompts, chat=False)
         params = [sampling_params(state, req, len(ids)) for ids in prompts] if req.max_tokens != 0 else None
         results = await run_prompts(state, prompts, params, request) if params is not None else [[] for _ in prompts]
         # (a JSONResponse: FastAPI's encoder would walk every token id and logprob in Python, on the event loop)
-        return JSONResponse(await run_in_threadpool(completion_body, state, req, prompts, results))
+        small = not req.echo and req.logprobs is None  # (echo scores the prompt; logprobs: a piece per token)
+        return await off_loop(_tokens(results) if small else None,
+                              lambda: JSONResponse(completion_body(state, req, prompts, results)))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -162,12 +165,13 @@ def create_app(state: ServeState) -> FastAPI:
         params = sampling_params(state, req, len(ids))
         [samples] = await run_prompts(state, [ids], [params], request)
 
-        def body() -> dict:
+        def body() -> JSONResponse:
             done = with_forced(state, turn, samples, params) if turn.forced else samples
             choices = [chat_choice(state, req, turn, j, c) for j, c in enumerate(done)]
-            return response_body("chatcmpl", "chat.completion", state, [turn.ids], [done], choices)
+            return JSONResponse(response_body("chatcmpl", "chat.completion", state, [turn.ids], [done], choices))
 
-        return JSONResponse(await run_in_threadpool(body))
+        small = not turn.forced and not req.logprobs  # (a forced call is scored: one forward)
+        return await off_loop(_tokens([samples]) if small else None, body)
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):
@@ -181,6 +185,11 @@ def create_app(state: ServeState) -> FastAPI:
         return {"success": True, "weight_version": version, "message": f"loaded {req.model_path}"}
 
     return app
+
+
+def _tokens(results) -> int:
+    """Generated tokens of ``results`` (per prompt, its completions)."""
+    return sum(len(c) for r in results for c in r)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
