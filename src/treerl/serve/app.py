@@ -86,7 +86,8 @@ def create_app(state: ServeState) -> FastAPI:
         s = state.loop.stats
         return {"status": "ok", "model": state.model_name, "weight_version": state.engine.version,
                 "busy_requests": state.loop.busy, "stats": dataclasses.asdict(s),
-                "engine": dataclasses.asdict(state.loop.engine_stats()), "chat": state.chat.stats()}
+                "engine": dataclasses.asdict(state.loop.engine_stats()), "chat": state.chat.stats(),
+                "host": state.loop.host_stats()}
 
     @app.get("/metrics")
     async def metrics():
