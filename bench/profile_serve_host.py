@@ -54,7 +54,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, os.environ.get("TREERL_SRC", str(ROOT / "src")))  # (TREERL_SRC: another checkout's, to compare)
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402

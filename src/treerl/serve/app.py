@@ -17,7 +17,9 @@ prompt ids. ``text`` / ``content`` is the decoded completion (special tokens ski
 
 Every error, whatever its path (a refused field, an unknown route or method, an internal
 error), is ``{"error": {"message", "type", "param", "code"}}``. Tokenizing, chat templating,
-prompt scoring and decoding run in worker threads, never on the event loop. A streaming
+prompt scoring and the decoding of long replies run in worker threads; work of at most
+:data:`~treerl.serve.requests.INLINE_TOKENS` tokens (token-id prompts checked, a short reply
+decoded and its body built) runs on the event loop, cheaper than a thread's hop. A streaming
 client that disconnects has its rows cancelled (:meth:`EngineLoop.cancel`).
 
 The routes are here; the rest in small modules: the shared state (:mod:`.state`), requests
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -75,11 +78,48 @@ class _CountResponses:
         await self.app(scope, receive, counting_send)
 
 
+def internal_error(exc: BaseException) -> APIError:
+    return APIError(f"internal server error: {type(exc).__name__}: {exc}", None, status=500, type="server_error")
+
+
+class _InternalErrors:
+    """ASGI middleware: an exception that no handler took, raised before the response started,
+    is answered here with the OpenAI-shaped 500 (its traceback logged) and the connection stays
+    open. (Starlette's outermost middleware sends the same answer and then raises again, and
+    uvicorn closes the connection of an application that raised: a client that sent its next
+    request on the kept-alive connection got a reset.) After the response started, the
+    exception goes on: the answer is cut short and the connection closed."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watching_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watching_send)
+        except Exception as exc:  # noqa: BLE001 - the client gets a JSON error, the server goes on
+            if started:
+                raise
+            logging.getLogger("uvicorn.error").error("treerl serve: internal error on %s", scope.get("path"),
+                                                     exc_info=exc)
+            await JSONResponse(internal_error(exc).body(), status_code=500)(scope, receive, send)
+
+
 def create_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="treerl serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.treerl = state
     _install_error_handlers(app)
-    app.add_middleware(_CountResponses, metrics=state.metrics)
+    app.add_middleware(_InternalErrors)
+    app.add_middleware(_CountResponses, metrics=state.metrics)  # (outside: counts the 500s too)
 
     @app.get("/health")
     async def health():
@@ -217,7 +257,6 @@ def _install_error_handlers(app: FastAPI) -> None:
         err = validation_error(list(exc.errors()))
         return JSONResponse(err.body(), status_code=err.status)
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)  # (what _InternalErrors does not see: an error in a middleware outside it)
     async def internal(request: Request, exc: Exception):
-        err = APIError(f"internal server error: {type(exc).__name__}: {exc}", None, status=500, type="server_error")
-        return JSONResponse(err.body(), status_code=500)
+        return JSONResponse(internal_error(exc).body(), status_code=500)
