@@ -202,6 +202,8 @@ def install_stages(state) -> Stages:
         (chat.ChatRenderer, "reply", "chat: reply (tool parse)"),
         (choices, "chat_choice", "response body"),
         (choices, "response_body", "response body"),
+        (app, "chat_choice", "response body"),  # (app.py's own references)
+        (app, "response_body", "response body"),
         (choices, "choice_text", "detokenize"),
         (streaming, "choice_text", "detokenize"),
         (detok.TextStream, "push", "detokenize (stream)"),
