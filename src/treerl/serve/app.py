@@ -45,8 +45,8 @@ from .choices import chat_choice, completion_body, response_body, with_forced
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        WeightsRequest, validation_error)
-from .requests import (chat_prompt, check_ids, check_model, completion_prompts, encode, off_loop, parse_request,
-                       run_prompts, sampling_params)
+from .requests import (INLINE_PROMPT_IDS, chat_prompt, check_ids, check_model, completion_prompts, encode, off_loop,
+                       parse_request, run_prompts, sampling_params)
 from .state import ServeState
 from .streaming import stream_response
 
@@ -181,8 +181,9 @@ def create_app(state: ServeState) -> FastAPI:
     async def completions(request: Request):
         req = parse_request(CompletionRequest, await request.body())
         check_model(state, req.model)
-        text = any(isinstance(p, str) for p in req.prompts)  # to tokenize (token ids are only checked)
-        prompts = await off_loop(None if text else 0, completion_prompts, state, req)
+        # token ids are only checked (vocabulary, context: ~20 ns an id), text is tokenized in a worker
+        small = all(not isinstance(p, str) for p in req.prompts) and sum(map(len, req.prompts)) <= INLINE_PROMPT_IDS
+        prompts = await off_loop(0 if small else None, completion_prompts, state, req)
         if req.stream:
             return stream_response(state, req, prompts, chat=False)
         params = [sampling_params(state, req, len(ids)) for ids in prompts] if req.max_tokens != 0 else None

@@ -117,6 +117,8 @@ def sampling_params(state: ServeState, req: SamplingRequest, prompt_len: int) ->
 #: 0.1 ms of CPU and four thread wake-ups, each a GIL handoff with the engine thread) costs
 #: more than the work. Tokenizing text, templating, scoring and larger replies run in a worker.
 INLINE_TOKENS = 2048
+#: Token-id prompts of at most this many ids in all are checked on the event loop (about 1.5 ms).
+INLINE_PROMPT_IDS = 1 << 16
 
 
 async def off_loop(tokens: int | None, fn, *args):
