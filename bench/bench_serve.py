@@ -35,7 +35,10 @@ run (from :meth:`EngineLoop.engine_stats`, served: ``/health``): admission round
 per round, prefill forwards and tokens, prefix-cache hit tokens, decode steps and mean live
 rows per step, decode steps built (on CUDA: graph captures), prompt-store growths,
 reallocations, preemptions (own K/V blocks ran out) and streams started (a stream ends after
-``--idle-timeout-s`` idle); then served / in-process.
+``--idle-timeout-s`` idle); the host figures of the engine's process
+(:meth:`EngineLoop.host_stats`): the engine thread's CPU seconds, seconds waiting for a CPU and
+the rest of the run's wall time (waiting for the GIL, the device or work), and the garbage
+collector's passes and seconds; then served / in-process.
 
 GPU (the issue's workload: max_tokens 16-512, temperatures per call; where the engine loop's
 time goes: ``bench/profile_serve.py``):
@@ -82,6 +85,18 @@ COUNTERS = ("admissions", "admitted", "prefill_calls", "prefill_graph_calls", "p
             "prefix_cache_hit_tokens", "decode_steps",
             "live_rows", "decode_rows", "step_builds", "prefix_grows", "reallocations", "preemptions",
             "generated_tokens")
+
+
+# host figures reported per mode (EngineLoop.host_stats; served: /health's "host")
+HOST = ("engine_thread_cpu_s", "engine_thread_cpu_wait_s", "gc_passes", "gc_s", "gc_full_passes", "gc_full_s")
+
+
+def host_counters(h: dict) -> dict:
+    """:data:`HOST` from :meth:`EngineLoop.host_stats` (cumulative)."""
+    g, t = h["gc"], h["engine_thread"]
+    return {"engine_thread_cpu_s": t["cpu_s"] or 0.0, "engine_thread_cpu_wait_s": t["cpu_wait_s"] or 0.0,
+            "gc_passes": sum(g["passes"]), "gc_s": sum(g["seconds"]), "gc_full_passes": g["passes"][2],
+            "gc_full_s": g["seconds"][2]}
 
 
 def parse_args(argv=None):
@@ -231,6 +246,7 @@ def measure(args, run, counters, alone=None) -> dict:
         r = run()
         after = counters()
         r["engine"] = {k: after[k] - before[k] for k in COUNTERS + ("streams",)}
+        r["host"] = {k: after[k] - before[k] for k in HOST}
         if best is None or r["tok_s"] > best["tok_s"]:
             best = r
     if alone_q is not None:
@@ -256,7 +272,8 @@ def in_process(args, model, vocab: int) -> dict:
         return combine([asyncio.run(run_agents(args, vocab, call, range(args.agents), args.probe))])
 
     try:
-        best = measure(args, run, lambda: dataclasses.asdict(loop.engine_stats()) | {"streams": loop.stats.streams},
+        best = measure(args, run, lambda: dataclasses.asdict(loop.engine_stats()) | {"streams": loop.stats.streams}
+                       | host_counters(loop.host_stats()),
                        (lambda: asyncio.run(probe_alone(args, vocab, call))) if args.probe else None)
         if args.profile:
             steps = loop.engine_stats().decode_steps
@@ -391,7 +408,7 @@ def served(args, server: ServerProcess, vocab: int) -> dict:
 
     def counters() -> dict:
         health = server.health()
-        return health["engine"] | {"streams": health["stats"]["streams"]}
+        return health["engine"] | {"streams": health["stats"]["streams"]} | host_counters(health["host"])
 
     alone = (lambda: client_agents(args, server.url, vocab, range(0), alone=True)) if args.probe else None
     if procs == 1:
@@ -418,6 +435,17 @@ def summary(r: dict) -> str:
             f"{c['decode_steps']} decode steps ({rows:.1f} live rows each), {c['step_builds']} steps built, "
             f"{c['prefix_grows']} prompt-store growths, {c['reallocations']} reallocations, "
             f"{c['preemptions']} preemptions, {c['streams']} streams started")
+
+
+def host_summary(r: dict) -> str:
+    """The engine thread's time over the kept run: running, waiting for a CPU, and the rest
+    (waiting for the GIL, the device or work); the garbage collector's passes (each holds the
+    GIL: the engine thread stops)."""
+    h, wall = r["host"], r["wall_s"]
+    cpu, queued = h["engine_thread_cpu_s"], h["engine_thread_cpu_wait_s"]
+    return (f"engine thread {cpu:.2f} s on a CPU, {queued:.2f} s waiting for one, {wall - cpu - queued:.2f} s "
+            f"neither (GIL, device, idle) of {wall:.2f} s; garbage collector {h['gc_passes']} passes "
+            f"{h['gc_s']:.3f} s ({h['gc_full_passes']} full, {h['gc_full_s']:.3f} s)")
 
 
 def main(argv=None) -> dict:
@@ -472,6 +500,8 @@ def main(argv=None) -> dict:
                   f"x{r['probe_behind_over_alone_p50']:.2f} p50, x{r['probe_behind_over_alone_p99']:.2f} p99")
     for name in modes:
         print(f"{name}: {summary(results[name])}")
+    for name in modes:
+        print(f"{name}: {host_summary(results[name])}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return results

@@ -259,3 +259,37 @@ def test_text_stream_emits_only_stable_text():
     # include the stop string: no holding back
     s = TextStream(tok, ["wör"], include_stop_str=True)
     assert "".join(s.push([t]) for t in ids) == text
+
+
+def test_incremental_decoding_gives_the_same_deltas_as_decoding_everything():
+    """A byte-level BPE (concatenative: only the tokens after the last whole character are
+    decoded at each push) streams exactly the deltas of decoding every token each time:
+    random ids (bytes of multi-byte characters split over tokens, specials, added tokens),
+    random batch sizes, stop strings, special tokens skipped or kept."""
+    import random
+
+    from helpers.chat import chat_tokenizer
+
+    from treerl.serve.detok import concatenative
+    from treerl.tasks.bpe import tiny_bpe_tokenizer
+
+    assert not concatenative(CharTokenizer()) and not concatenative(ByteTokenizer())
+    for tok in (tiny_bpe_tokenizer(), chat_tokenizer()):
+        assert concatenative(tok)
+        uni = tok.encode("héllo wörld — ☃ 日本語 🙂 <|im_end|> <tool_call> \ufffd", add_special_tokens=False)
+        rng = random.Random(0)
+        for trial in range(300):
+            ids = [rng.choice(uni) if rng.random() < 0.6 else rng.randrange(len(tok)) for _ in range(rng.randrange(60))]
+            kw = dict(stops=rng.choice([(), ("ö",), ("wör", "日本")]), skip_special_tokens=rng.random() < 0.5)
+            fast, slow = TextStream(tok, **kw), TextStream(tok, **kw)
+            slow._concat = False  # decodes everything at each push
+            i = 0
+            while i < len(ids):
+                k = rng.randrange(1, 9)
+                assert fast.push(ids[i: i + k]) == slow.push(ids[i: i + k])
+                i += k
+            final = completion_text(tok, ids, None, skip_special_tokens=kw["skip_special_tokens"])
+            assert fast.finish(final) == slow.finish(final)
+    with_clean_up = tiny_bpe_tokenizer()
+    with_clean_up.clean_up_tokenization_spaces = True
+    assert not concatenative(with_clean_up)

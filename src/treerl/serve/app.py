@@ -17,7 +17,9 @@ prompt ids. ``text`` / ``content`` is the decoded completion (special tokens ski
 
 Every error, whatever its path (a refused field, an unknown route or method, an internal
 error), is ``{"error": {"message", "type", "param", "code"}}``. Tokenizing, chat templating,
-prompt scoring and decoding run in worker threads, never on the event loop. A streaming
+prompt scoring and the decoding of long replies run in worker threads; work of at most
+:data:`~treerl.serve.requests.INLINE_TOKENS` tokens (token-id prompts checked, a short reply
+decoded and its body built) runs on the event loop, cheaper than a thread's hop. A streaming
 client that disconnects has its rows cancelled (:meth:`EngineLoop.cancel`).
 
 The routes are here; the rest in small modules: the shared state (:mod:`.state`), requests
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,8 +45,8 @@ from .choices import chat_choice, completion_body, response_body, with_forced
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        WeightsRequest, validation_error)
-from .requests import (chat_prompt, check_ids, check_model, completion_prompts, encode, parse_request,
-                       run_prompts, sampling_params)
+from .requests import (INLINE_PROMPT_IDS, chat_prompt, check_ids, check_model, completion_prompts, encode, off_loop,
+                       parse_request, run_prompts, sampling_params)
 from .state import ServeState
 from .streaming import stream_response
 
@@ -75,18 +78,56 @@ class _CountResponses:
         await self.app(scope, receive, counting_send)
 
 
+def internal_error(exc: BaseException) -> APIError:
+    return APIError(f"internal server error: {type(exc).__name__}: {exc}", None, status=500, type="server_error")
+
+
+class _InternalErrors:
+    """ASGI middleware: an exception that no handler took, raised before the response started,
+    is answered here with the OpenAI-shaped 500 (its traceback logged) and the connection stays
+    open. (Starlette's outermost middleware sends the same answer and then raises again, and
+    uvicorn closes the connection of an application that raised: a client that sent its next
+    request on the kept-alive connection got a reset.) After the response started, the
+    exception goes on: the answer is cut short and the connection closed."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watching_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watching_send)
+        except Exception as exc:  # noqa: BLE001 - the client gets a JSON error, the server goes on
+            if started:
+                raise
+            logging.getLogger("uvicorn.error").error("treerl serve: internal error on %s", scope.get("path"),
+                                                     exc_info=exc)
+            await JSONResponse(internal_error(exc).body(), status_code=500)(scope, receive, send)
+
+
 def create_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="treerl serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.treerl = state
     _install_error_handlers(app)
-    app.add_middleware(_CountResponses, metrics=state.metrics)
+    app.add_middleware(_InternalErrors)
+    app.add_middleware(_CountResponses, metrics=state.metrics)  # (outside: counts the 500s too)
 
     @app.get("/health")
     async def health():
         s = state.loop.stats
         return {"status": "ok", "model": state.model_name, "weight_version": state.engine.version,
                 "busy_requests": state.loop.busy, "stats": dataclasses.asdict(s),
-                "engine": dataclasses.asdict(state.loop.engine_stats()), "chat": state.chat.stats()}
+                "engine": dataclasses.asdict(state.loop.engine_stats()), "chat": state.chat.stats(),
+                "host": state.loop.host_stats()}
 
     @app.get("/metrics")
     async def metrics():
@@ -140,13 +181,17 @@ def create_app(state: ServeState) -> FastAPI:
     async def completions(request: Request):
         req = parse_request(CompletionRequest, await request.body())
         check_model(state, req.model)
-        prompts = await run_in_threadpool(completion_prompts, state, req)
+        # token ids are only checked (vocabulary, context: ~20 ns an id), text is tokenized in a worker
+        small = all(not isinstance(p, str) for p in req.prompts) and sum(map(len, req.prompts)) <= INLINE_PROMPT_IDS
+        prompts = await off_loop(0 if small else None, completion_prompts, state, req)
         if req.stream:
             return stream_response(state, req, prompts, chat=False)
         params = [sampling_params(state, req, len(ids)) for ids in prompts] if req.max_tokens != 0 else None
         results = await run_prompts(state, prompts, params, request) if params is not None else [[] for _ in prompts]
         # (a JSONResponse: FastAPI's encoder would walk every token id and logprob in Python, on the event loop)
-        return JSONResponse(await run_in_threadpool(completion_body, state, req, prompts, results))
+        small = not req.echo and req.logprobs is None  # (echo scores the prompt; logprobs: a piece per token)
+        return await off_loop(_tokens(results) if small else None,
+                              lambda: JSONResponse(completion_body(state, req, prompts, results)))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -162,12 +207,13 @@ def create_app(state: ServeState) -> FastAPI:
         params = sampling_params(state, req, len(ids))
         [samples] = await run_prompts(state, [ids], [params], request)
 
-        def body() -> dict:
+        def body() -> JSONResponse:
             done = with_forced(state, turn, samples, params) if turn.forced else samples
             choices = [chat_choice(state, req, turn, j, c) for j, c in enumerate(done)]
-            return response_body("chatcmpl", "chat.completion", state, [turn.ids], [done], choices)
+            return JSONResponse(response_body("chatcmpl", "chat.completion", state, [turn.ids], [done], choices))
 
-        return JSONResponse(await run_in_threadpool(body))
+        small = not turn.forced and not req.logprobs  # (a forced call is scored: one forward)
+        return await off_loop(_tokens([samples]) if small else None, body)
 
     @app.post("/update_weights_from_disk")
     async def update_weights(request: Request):
@@ -181,6 +227,11 @@ def create_app(state: ServeState) -> FastAPI:
         return {"success": True, "weight_version": version, "message": f"loaded {req.model_path}"}
 
     return app
+
+
+def _tokens(results) -> int:
+    """Generated tokens of ``results`` (per prompt, its completions)."""
+    return sum(len(c) for r in results for c in r)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -207,7 +258,6 @@ def _install_error_handlers(app: FastAPI) -> None:
         err = validation_error(list(exc.errors()))
         return JSONResponse(err.body(), status_code=err.status)
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)  # (what _InternalErrors does not see: an error in a middleware outside it)
     async def internal(request: Request, exc: Exception):
-        err = APIError(f"internal server error: {type(exc).__name__}: {exc}", None, status=500, type="server_error")
-        return JSONResponse(err.body(), status_code=500)
+        return JSONResponse(internal_error(exc).body(), status_code=500)

@@ -193,9 +193,10 @@ class ChatRenderer:
         choice, name = check_tool_choice(tools, req.tool_choice, self.tool_format)
         messages = template_messages(req.messages)
         text = render_chat(self.tokenizer, messages, tools, self.tool_format)
-        ids = self.history.prompt_ids(messages, text, self._encode, self._decode)
+        keys = conversation_keys(messages)  # (hashes every message: once)
+        ids = self.history.prompt_ids(messages, text, self._encode, self._decode, keys)
         forced = self._encode(self.tool_format.opening(name, tools)) if choice in ("required", "function") else []
-        return ChatTurn(ids, messages, tools, choice, conversation_keys(messages)[-1], forced, name)
+        return ChatTurn(ids, messages, tools, choice, keys[-1], forced, name)
 
     def reply(self, turn: ChatTurn, text: str, finish_reason: str | None,
               completion_ids: Sequence[int]) -> tuple[dict, str | None]:

@@ -176,7 +176,9 @@ def prompt_ids_field(prompts: list[list[int]]) -> list:
 def response_body(prefix: str, obj: str, state: ServeState, prompts: list[list[int]], results: list[list[Completion]],
               choices: list[dict]) -> dict:
     samples = [c for r in results for c in r]
-    versions = [c.min_version for c in samples if len(c)]
+    # (min of the lists, not Completion.min_version: a torch operation releases the GIL, and on
+    # the event loop each release hands it back and forth with the engine thread)
+    versions = [min(c.versions.tolist()) for c in samples if len(c)]
     return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()),
             "model": state.model_name, "choices": choices, "usage": usage(prompts, sum(len(c) for c in samples)),
             "prompt_token_ids": prompt_ids_field(prompts),

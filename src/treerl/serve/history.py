@@ -123,15 +123,16 @@ class TokenHistory:
             return ids
 
     def prompt_ids(self, messages: Sequence[dict], text: str, encode: Callable[[str], list[int]],
-                   decode: Callable[[list[int]], str]) -> list[int]:
+                   decode: Callable[[list[int]], str], keys: Sequence[bytes] | None = None) -> list[int]:
         """Token ids of ``text`` (the rendering of ``messages`` with the generation prompt),
-        with the latest recorded turn that the template renders unchanged spliced in."""
+        with the latest recorded turn that the template renders unchanged spliced in.
+        ``keys``: :func:`conversation_keys` of ``messages`` when the caller has them."""
         assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if self.max_tokens == 0 or not assistant:
             if assistant:
                 self.stats.add(requests=1, unknown=len(assistant))
             return encode(text)
-        keys = conversation_keys(messages)
+        keys = conversation_keys(messages) if keys is None else keys
         found = [ids for ids in (self._get(keys[i]) for i in assistant) if ids is not None]
         out = None
         for ids in reversed(found):

@@ -33,8 +33,9 @@ decode steps: unfinished rows recompute their K/V under the new weights, and eve
 keeps the version of the weights that sampled it.
 
 :meth:`EngineLoop.engine_stats` sums the engine's counters (admissions, prefill calls,
-decode steps, ...: :class:`~treerl.rollout.RolloutStats`) over the loop's streams;
-``treerl serve`` reports them in ``/health``.
+decode steps, ...: :class:`~treerl.rollout.RolloutStats`) over the loop's streams, and
+:meth:`EngineLoop.host_stats` gives the process's garbage-collector time and the engine
+thread's CPU time (:mod:`treerl.serve.hoststats`); ``treerl serve`` reports both in ``/health``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import torch
 from ..rollout import Completion, PromptQueue, RolloutEngine, RolloutStats, SamplingParams
 from ..rollout.sampling import row_seed
 from ..rollout.types import TokenDelta
+from .hoststats import gc_timer, host_stats
 
 
 @dataclass
@@ -116,6 +118,7 @@ class EngineLoop:
         self._queue: PromptQueue | None = None
         self._next_rid = 0
         self._stopped = False
+        gc_timer()  # (the collector's passes are timed from here on: host_stats)
         self._thread = threading.Thread(target=self._run, name="treerl-engine-loop", daemon=True)
         self._thread.start()
 
@@ -195,6 +198,11 @@ class EngineLoop:
             if self.engine.stats is not self._engine_added:  # a stream is running (or starting)
                 total.add(self.engine.stats)
             return total
+
+    def host_stats(self) -> dict:
+        """The process's garbage-collector passes and seconds and the engine thread's CPU
+        seconds and seconds waiting for a CPU, cumulative (:mod:`treerl.serve.hoststats`)."""
+        return host_stats(self._thread)
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop the loop: waiting and running requests fail (their clients get an error)."""

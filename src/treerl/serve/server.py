@@ -78,9 +78,15 @@ class ServerThread:
 
     @staticmethod
     def _bind(host: str, port: int) -> socket.socket:
-        """A socket bound to ``host:port``; an invalid or busy address is one :class:`ConfigError` line."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        """A socket bound to ``host:port``; an invalid or busy address is one :class:`ConfigError` line.
+
+        Its protocol is named (``IPPROTO_TCP``, not 0): asyncio turns Nagle's algorithm off
+        (``TCP_NODELAY``) only on connections of a socket that says it is TCP. With Nagle on,
+        a response's body (written after its headers) waited for the client's delayed ACK of
+        the headers on a kept-alive connection: +40 ms per request on Linux loopback."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             if not 0 <= int(port) <= 65535:
                 raise OverflowError("a port is 0-65535")

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from .chat import ChatTurn
 from .choices import (chat_logprobs, choice_text, completion_logprobs, prompt_ids_field, token_fields, tolist,
                       top_lists, usage)
 from .detok import TextStream
+from .handoff import handoff
 from .protocol import SamplingRequest
-from .requests import cancel, generation_error, sampling_params, submit
+from .requests import cancel, generation_error, off_loop, sampling_params, submit
 from .state import ServeState
 
 
@@ -54,14 +54,11 @@ def stream_response(state: ServeState, req: SamplingRequest, prompts: list[list[
     """An SSE response: chunks as tokens reach the host, ``data: [DONE]`` last. The prompts
     are submitted before the response starts (a refused setting is still a 400)."""
     params = [sampling_params(state, req, len(ids)) for ids in prompts]
-    aloop = asyncio.get_running_loop()
+    to_loop = handoff()  # (the deltas of one engine sync share one wake-up of the event loop)
     queue: asyncio.Queue = asyncio.Queue()
 
     def post(item) -> None:  # from the engine thread
-        try:
-            aloop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody listens any more
-            pass
+        to_loop.post(queue.put_nowait, item)  # (dropped if the event loop is closed: nobody listens any more)
 
     futures: list[Future] = []
     for i, (ids, p) in enumerate(zip(prompts, params)):
@@ -135,17 +132,17 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
             rest = slice(sc.sent_tokens, None)
             top = top_lists(getattr(c, "top_logprobs", None))
             top = (top[0][rest], top[1][rest]) if top else None
-            final = await run_in_threadpool(choice_text, state, req, c)
+            final = await off_loop(len(c), choice_text, state, req, c)
             finish, calls = c.finish_reason, None
             if chat:  # tool calls parsed, the tokens recorded for the next turn
-                message, finish = await run_in_threadpool(state.chat.reply, turn, final, c.finish_reason,
-                                                          c.completion_ids.tolist())
+                message, finish = await off_loop(len(c), state.chat.reply, turn, final, c.finish_reason,
+                                                 c.completion_ids.tolist())
                 calls = message.get("tool_calls")
                 text = (message.get("content") or "") if hold else sc.text.finish(final)
             else:
                 text = sc.text.finish(final)
-            yield chunk([choice(index, text, c.completion_ids[rest].tolist(), c.logprobs[rest].tolist(),
-                                c.versions[rest].tolist(), top, finish, c.stop, calls)])
+            yield chunk([choice(index, text, c.completion_ids.tolist()[rest], c.logprobs.tolist()[rest],
+                                c.versions.tolist()[rest], top, finish, c.stop, calls)])  # (lists: no torch op)
             generated += len(c)
     else:
         if req.include_usage:
