@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="long_prefix")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--chain", default="off,on", help="the chain attention after a prefix: off, on or both")
     args = ap.parse_args()
     out = Path(args.out) if args.out else None
     model = build_model("qwen3", "qwen3-1.7b", dtype=torch.bfloat16, device="cuda", seed=0)
@@ -32,10 +34,12 @@ def main() -> None:
     tree = PrefixTree.from_sequences(make_workload(args.workload, SCALES["paper"], model.config.vocab_size))
     loss = weighted_logprob_loss(tree)
     rows = {}
-    for chain in (False, True):
+    for chain in [c == "on" for c in args.chain.split(",")]:
         attention.CHAIN_AFTER_PREFIX = chain
         engine = TreeEngine(model)
+        t0 = time.perf_counter()
         engine.forward_backward(tree, loss, separable=True)  # warm-up (compile, probe)
+        print(f"warm-up {time.perf_counter() - t0:.1f} s", flush=True)
         label = f"{args.workload}:{'chain' if chain else 'mask'}"
         rows[label] = profile_step(engine, tree, loss, out, label)
         rows[label]["routes"] = dict(engine.stats.attention) if hasattr(engine, "stats") else None
