@@ -221,7 +221,7 @@ def test_no_kernel_warns_once_and_the_engine_masks(gen, monkeypatch):
         assert chain.select("cpu", torch.float64, 4, 2, 16, ("raises",), fused) is None  # cached, silent
 
     prefixes = count_chain_calls(monkeypatch)  # the path on
-    monkeypatch.setattr(chain, "kernel_for", lambda q, k: None)
+    monkeypatch.setattr(attention, "kernel_for", lambda q, k: None)  # (attention imports the name)
     masked = []
     mask = attention.TreeAttention.mask
     monkeypatch.setattr(attention.TreeAttention, "mask", lambda self: masked.append(1) or mask(self))

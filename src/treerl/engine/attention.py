@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..compiled import FLEX_OFF, LazyCompiled
 from ..hf_attention import attention_routed, register
-from . import chain_attention as chain
+from .chain_attention import chain_attention, kernel_for
 from .kept_attention import KeptAttention
 
 ATTN_NAME = "treerl"
@@ -344,10 +344,10 @@ def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: t
         _route(ctx, "causal")
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     if ctx.causal:  # one chain after a prefix
-        kernel = chain.kernel_for(query, key)
+        kernel = kernel_for(query, key)
         if kernel is not None:
             _route(ctx, f"chain:{kernel.label}")
-            return chain.chain_attention(query, key, value, scaling, kernel)
+            return chain_attention(query, key, value, scaling, kernel)
         # no fused kernel takes these inputs (the probe says why, once): the tree mask
         _route(ctx, "mask:no-kernel")
     else:
