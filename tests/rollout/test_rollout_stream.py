@@ -560,6 +560,13 @@ def test_batched_prefill_of_cached_prefixes_equals_each_sequence_alone(model, fo
     if forward == "bucket":
         assert C == 256 and engine.stats.prefill_calls == engine.stats.prefill_graph_calls == 1
         assert cache.all_keys.shape[1] == 8 and len(engine.prefiller.graphs._runs) == 2
+        engine.release_stream_buffers()  # frees the buckets and buffers: the next prefill makes them again
+        assert not engine.prefiller.graphs._runs and engine.prefiller.graphs._keys is None
+        with rollout_attention_enabled(model), torch.no_grad():
+            again = engine.prefiller(seqs, cached, engine.stats)
+        assert torch.equal(again[2], logits) and again[0].all_keys.data_ptr() != cache.all_keys.data_ptr()
+        for i, s in enumerate(seqs):
+            assert torch.equal(again[0].all_keys[:, i, :, C - len(s):], cache.all_keys[:, i, :, C - len(s):])
     else:
         assert C == 1 + 31 and engine.stats.prefill_graph_calls == 0
         assert engine.stats.prefill_calls == -(-max(len(s) - c for s, c in zip(seqs, cut)) // 4)

@@ -180,8 +180,12 @@ class RolloutEngine:
         self._device_lock = _PriorityLock(self)
 
     def release_stream_buffers(self) -> None:
-        """Free the buffers kept by ``keep_stream_buffers``."""
+        """Free the buffers kept between streams: the running batch's (``keep_stream_buffers``)
+        and the small prefills' CUDA graphs and K/V buffers (``prefill_graph_tokens``; made
+        again at the next small prefill)."""
         self._stream_arena = None
+        if self.prefiller.graphs is not None:
+            self.prefiller.graphs.release()
 
     @property
     def device_lock(self) -> "_PriorityLock":

@@ -134,6 +134,13 @@ class PrefillGraphs:
         run.cache.length = bucket.slots
         return logits
 
+    def release(self) -> None:
+        """Free the buckets' graphs, static tensors and K/V buffers (made again at the next
+        small prefill; a new memory pool for the graphs)."""
+        self._runs.clear()
+        self._keys = self._values = None
+        self.graph_pool = None
+
     def _run(self, bucket: PrefillBucket) -> _BucketRun:
         run = self._runs.get(bucket)
         if run is None:
