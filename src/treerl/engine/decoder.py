@@ -46,7 +46,15 @@ def _run_block(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, 
     return out[0] if isinstance(out, tuple) else out
 
 
-_BLOCK = LazyCompiled(_run_block, "training engine's decoder blocks", ENGINE_OFF)
+# The tree attention inside a block is a graph break (torch.compiler.disable). By default dynamo
+# bubbles a break inside inlined calls up to the compiled frame, then traces each frame below it
+# on its own (the layer's checkpointing __call__, transformers' deprecate_kwarg wrapper of the
+# layer's and of the attention's forward, both forwards, their resume functions): 4 graphs over
+# 9 frames per variant (grad mode, shapes), the wrapper's shared code object recompiling between
+# the layer and the attention. ``nested_graph_breaks`` resumes inside the nested frame instead:
+# one graph before the attention, one after it, over 2 frames (the same operations).
+_BLOCK = LazyCompiled(_run_block, "training engine's decoder blocks", ENGINE_OFF,
+                      dynamo=dict(nested_graph_breaks=True))
 
 
 def _run_block_in(base: torch.nn.Module, ctx: TreeAttention, run, *args) -> torch.Tensor:
@@ -98,6 +106,11 @@ class DecoderStack:
         cos, sin = base.rotary_emb(hidden, position_ids)
         recompute = checkpoint_blocks and torch.is_grad_enabled()
         ctx = active_tree_attention()
+        if self.compile and position_ids._base is not None:
+            # A view's base is a graph input too: a slice of the batch's positions (a call after a
+            # prefix) and the memory probe's own positions would guard on the base's length and
+            # compile the blocks twice. A copy of its own (n integers) is one variant.
+            position_ids = position_ids.clone()
         for layer in base.layers:
             run = _BLOCK if self.compile and not _is_sharded(layer) else _run_block
             if recompute:
