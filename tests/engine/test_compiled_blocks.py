@@ -42,6 +42,8 @@ def eager_backend(monkeypatch):
     torch._dynamo.reset()
 
 
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "nested_graph_breaks"),
+                    reason="this torch has no nested_graph_breaks (torch 2.11: the graph break still bubbles up)")
 def test_a_block_is_two_graphs_whatever_its_position_ids_are_a_view_of(gen, eager_backend):
     """The tree attention's graph break resumes inside the block (nested graph breaks): one graph
     before it, one after, over two frames; not a graph per transformers frame (the checkpointing
