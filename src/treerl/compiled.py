@@ -10,6 +10,7 @@ and a run that quietly lost its speed is harder to diagnose than one that stops.
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -38,6 +39,9 @@ def raise_recompile_limit() -> None:
         config.recompile_limit = RECOMPILE_LIMIT
 
 
+_DYNAMO_CONFIG_LOCK = threading.RLock()  # held by a LazyCompiled call that sets dynamo options around itself
+
+
 class CompileError(RuntimeError):
     """``torch.compile`` of one of treerl's functions failed, explained in one line."""
 
@@ -62,15 +66,16 @@ class LazyCompiled:
             self._fn = torch.compile(self.eager, dynamic=True)
         try:
             if self._dynamo:  # set and restored directly: ~4x cheaper than config.patch, every call
-                config = torch._dynamo.config
-                before = {k: getattr(config, k) for k in self._dynamo}
-                for k, v in self._dynamo.items():
-                    setattr(config, k, v)
-                try:
-                    return self._fn(*args, **kwargs)
-                finally:
-                    for k, v in before.items():
+                with _DYNAMO_CONFIG_LOCK:  # the config is the process's: one call at a time sets it
+                    config = torch._dynamo.config
+                    before = {k: getattr(config, k) for k in self._dynamo}
+                    for k, v in self._dynamo.items():
                         setattr(config, k, v)
+                    try:
+                        return self._fn(*args, **kwargs)
+                    finally:
+                        for k, v in before.items():
+                            setattr(config, k, v)
             return self._fn(*args, **kwargs)
         except TorchDynamoException as err:
             detail = str(err).strip().splitlines()[0] if str(err).strip() else ""

@@ -604,6 +604,27 @@ def test_prefix_cache_hits_and_misses_admitted_together(model):
         assert s.prefill_tokens == sum(len(a) for a in turn2) - sum(len(p) for p in turn1)
 
 
+def test_prefill_buckets_follow_where_the_parameters_are():
+    """Captured prefills read the parameters at their addresses: an in-place change keeps the
+    buckets, a parameter given new storage (a device round trip, ``assign=True`` loads) drops
+    them at the next stream's start; greedy outputs equal full forwards either way."""
+    model = tiny_model(seed=3)
+    engine = RolloutEngine(model, prefill_graph_tokens=512, sync_every=2)
+    prompts = random_prompts([9, 14], seed=35)
+    check_greedy(model, list(engine.generate_stream(prompts, params(n=2))), prompts, 2)
+    graphs = engine.prefiller.graphs
+    assert graphs._runs and engine.stats.prefill_graph_calls == 1
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)  # in place: same storage
+    check_greedy(model, list(engine.generate_stream(prompts, params(n=2))), prompts, 2)
+    assert graphs._runs and engine.stats.prefill_graph_calls == 1
+    runs = dict(graphs._runs)
+    with torch.no_grad():
+        model.lm_head.weight.data = model.lm_head.weight.data.clone()  # new storage
+    check_greedy(model, list(engine.generate_stream(prompts, params(n=2))), prompts, 2)
+    assert graphs._runs and all(graphs._runs[b] is not runs[b] for b in graphs._runs)  # made again
+
+
 def test_prefix_cache_lru_and_superseding():
     from treerl.rollout.prefix_cache import PrefixCache, PrefixEntry
 

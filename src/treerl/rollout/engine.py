@@ -183,9 +183,10 @@ class RolloutEngine:
         """Free the buffers kept between streams: the running batch's (``keep_stream_buffers``)
         and the small prefills' CUDA graphs and K/V buffers (``prefill_graph_tokens``; made
         again at the next small prefill)."""
-        self._stream_arena = None
-        if self.prefiller.graphs is not None:
-            self.prefiller.graphs.release()
+        with self._device_lock:  # (between a running stream's steps)
+            self._stream_arena = None
+            if self.prefiller.graphs is not None:
+                self.prefiller.graphs.release()
 
     @property
     def device_lock(self) -> "_PriorityLock":
@@ -338,6 +339,8 @@ class RolloutEngine:
         if self.decode_blocks is not None:  # the model may have changed in place since the last stream
             with self._device_lock, torch.no_grad():
                 self.decode_blocks.refresh()
+        if self.prefiller.graphs is not None:  # captured prefills read the parameters where they were
+            self.prefiller.graphs.follow(self.model)
         kept, self._stream_arena = self._stream_arena, None
         if kept is not None:  # a kept arena with room for these prompts is reused, captured decode steps and all
             kept_groups, kept_tree, kept_capacity = kept[0][:3]

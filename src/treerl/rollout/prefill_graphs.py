@@ -21,6 +21,7 @@ batch and the prefix cache, before the next prefill runs.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -95,6 +96,7 @@ class PrefillGraphs:
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
         self._runs: dict[PrefillBucket, _BucketRun] = {}
+        self._where: tuple[int, ...] | None = None  # the model's tensors' addresses (see follow)
 
     def bucket(self, rows: int, window: int, slots: int) -> PrefillBucket | None:
         """The bucket of a prefill of ``rows`` sequences, ``window`` queries and ``slots`` K/V
@@ -121,7 +123,7 @@ class PrefillGraphs:
         run.mask.copy_(mask)
         run.index.copy_(write_index)
         if self.use_graphs and run.graph is None:
-            run.graph, run.logits = capture_graph(self.engine, run.forward, self, "prefill", warmups=1)
+            run.graph, run.logits = capture_graph(self.engine, run.forward, self, "prefill", warmups=2)
             if stats is not None:
                 stats.prefill_graph_builds += 1
             if run.graph is None:  # could not be captured: eager from now on
@@ -133,6 +135,16 @@ class PrefillGraphs:
             logits = run.forward()
         run.cache.length = bucket.slots
         return logits
+
+    def follow(self, model: torch.nn.Module) -> None:
+        """Called at every stream's start: when a parameter or buffer of ``model`` is no longer
+        where the captured graphs read it (moved off and back, loaded with ``assign=True``, a
+        resized embedding; in-place updates keep their place), :meth:`release` them."""
+        where = tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers()))
+        if where != self._where:
+            if self._where is not None:
+                self.release()
+            self._where = where
 
     def release(self) -> None:
         """Free the buckets' graphs, static tensors and K/V buffers (made again at the next
