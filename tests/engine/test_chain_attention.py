@@ -20,7 +20,7 @@ import treerl.engine.chain_attention as chain
 from helpers.engine import check_engine
 from helpers.forests import RandomLoss, random_seq
 from helpers.models import get_model
-from treerl import TreeEngine
+from treerl import PrefixTree, TreeEngine
 from treerl.engine.memory import MemoryModel, MemoryPolicy
 
 
@@ -311,12 +311,16 @@ def test_attention_routes_of_a_long_prompt(gen, monkeypatch):
         engine.forward_backward(seqs, RandomLoss.make(seqs, gen), separable=True)
         routes[on] = dict(engine.stats.attention)
     pieces = [i for i, c in enumerate(plan.children) if c]
-    groups = [i for i, s in enumerate(plan.segments) if not plan.children[i]]
-    assert len(pieces) == 5 and len(groups) >= 2, plan.describe()
+    leaves = [s for i, s in enumerate(plan.segments) if not plan.children[i]]
+    tree = PrefixTree.from_sequences(seqs)
+    # a leaf segment of one response is one chain after the prefix too; of several, the tree mask
+    single = sum(int(tree.subtree_end[s.start:s.end].min()) >= s.end for s in leaves)
+    groups = len(leaves) - single
+    assert len(pieces) == 5 and groups >= 1, plan.describe()
     # each segment runs twice (the no-grad forward, then with grad; phase 1's K/V of the pieces reused)
-    after = 2 * layers * (len(pieces) - 1)
-    assert routes[True] == {"causal": 2 * layers, "chain:math": after, "mask": 2 * layers * len(groups)}, routes
-    assert routes[False] == {"causal": 2 * layers, "mask:chain-off": after, "mask": 2 * layers * len(groups)}, routes
+    after = 2 * layers * (len(pieces) - 1 + single)
+    assert routes[True] == {"causal": 2 * layers, "chain:math": after, "mask": 2 * layers * groups}, routes
+    assert routes[False] == {"causal": 2 * layers, "mask:chain-off": after, "mask": 2 * layers * groups}, routes
 
 
 @pytest.mark.parametrize("name", chain.KERNELS)

@@ -170,6 +170,7 @@ class RolloutEngine:
             heads, head_dim = attn.config.num_key_value_heads, attn.head_dim
             graphs = PrefillGraphs(self, own_prefill, self.num_layers, (heads, head_dim, head_dim), dtype, self.device,
                                    self.prefill_graph_tokens, self.cuda_graphs)
+        self.prefill_graphs = graphs
         self.prefiller = Prefiller(model, self.num_layers, self.prefill_chunk_tokens, self.logit_dtype, own_prefill,
                                    graphs)
         self._stream_arena = None  # (shapes, device state) of the last stream, kept for the next
@@ -185,8 +186,8 @@ class RolloutEngine:
         again at the next small prefill)."""
         with self._device_lock:  # (between a running stream's steps)
             self._stream_arena = None
-            if self.prefiller.graphs is not None:
-                self.prefiller.graphs.release()
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.release()
 
     @property
     def device_lock(self) -> "_PriorityLock":
@@ -339,8 +340,8 @@ class RolloutEngine:
         if self.decode_blocks is not None:  # the model may have changed in place since the last stream
             with self._device_lock, torch.no_grad():
                 self.decode_blocks.refresh()
-        if self.prefiller.graphs is not None:  # captured prefills read the parameters where they were
-            self.prefiller.graphs.follow(self.model)
+        if self.prefill_graphs is not None:  # captured prefills read the parameters where they were
+            self.prefill_graphs.follow(self.model)
         kept, self._stream_arena = self._stream_arena, None
         if kept is not None:  # a kept arena with room for these prompts is reused, captured decode steps and all
             kept_groups, kept_tree, kept_capacity = kept[0][:3]
