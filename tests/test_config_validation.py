@@ -53,6 +53,7 @@ from treerl.config import Config, ConfigError
     ("rollout.kv_block_size=20", "rollout.kv_block_size: 20 is not allowed; allowed: >= 16, a multiple of 16"),
     ("rollout.max_batch_tokens=0", "rollout.max_batch_tokens: 0 is not allowed; allowed: >= 1"),
     ("rollout.prefill_chunk_tokens=-8", "rollout.prefill_chunk_tokens: -8 is not allowed; allowed: >= 1"),
+    ("rollout.prefill_graph_tokens=-1", "rollout.prefill_graph_tokens: -1 is not allowed; allowed: >= 0"),
     ("rollout.cuda_graphs=maybe", "rollout.cuda_graphs: expected true or false, got 'maybe'"),
     ("rollout.keep_stream_buffers=sometimes", "rollout.keep_stream_buffers: expected true or false, got 'sometimes'"),
     ("train.trust_checkpoint=perhaps", "train.trust_checkpoint: expected true or false, got 'perhaps'"),
@@ -136,9 +137,11 @@ def test_rollout_engine_keys_reach_the_rollout_engine():
 
     cfg = Config.from_yaml(None, ["model.overrides={num_hidden_layers: 1}", "rollout.max_batch_tokens=4096",
                                   "rollout.kv_block_size=32", "rollout.prefill_chunk_tokens=256",
-                                  "rollout.cuda_graphs=false", "train.eval_problems=2"])
+                                  "rollout.prefill_graph_tokens=128", "rollout.cuda_graphs=false",
+                                  "train.eval_problems=2"])
     engine = Trainer(cfg).sampler.rollout
     assert (engine.max_batch_tokens, engine.kv_block_size, engine.prefill_chunk_tokens) == (4096, 32, 256)
+    assert engine.prefill_graph_tokens == 128 and engine.prefill_graphs is not None
 
 
 def test_zero_layers_and_other_zero_sizes_in_model_overrides_are_one_line():

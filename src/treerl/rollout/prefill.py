@@ -81,24 +81,12 @@ class Prefiller:
         position = (window[None, :] - first).clamp(min=0)  # [R, W]
         pad = window[None, :] < to_device(new_np, dev)[:, None]  # [R, W] not a new token
         logits = None
-        if bucket is not None:
-            mask, index = self.mask(first, pad, C - W, C)
-            logits = self.graphs(bucket, ids, position, mask, index, stats)[:B].to(self.logit_dtype, copy=True)
+        chunk = W if bucket is not None else max(1, self.chunk_tokens // B)  # a bucket: one forward
+        for a in range(0, W, chunk):
+            b = min(W, a + chunk)
+            mask, index = self.mask(first, pad[:, a:b], C - W + a, C - W + b)
+            logits = self._forward(bucket, ids[:, a:b], position[:, a:b], mask, index, cache, stats)[:B]
             stats.prefill_calls += 1
-            stats.prefill_graph_calls += 1
-        else:
-            chunk = max(1, self.chunk_tokens // B)
-            for a in range(0, W, chunk):
-                b = min(W, a + chunk)
-                mask, cache.write_index = self.mask(first, pad[:, a:b], C - W + a, C - W + b)
-                if self.forward is not None:
-                    logits = self.forward(ids[:, a:b], position[:, a:b], mask, cache).to(self.logit_dtype)
-                else:
-                    out = self.model(input_ids=ids[:, a:b], position_ids=position[:, a:b], attention_mask=mask,
-                                     past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    logits = out.logits[:, -1].to(self.logit_dtype)
-                stats.prefill_calls += 1
-            cache.write_index = None
         full = [i for i, c in enumerate(cached) if c is not None and len(c) == len(seqs[i])]
         if logits is None:  # nothing new at all
             logits = torch.stack([c.logits for c in cached]).to(self.logit_dtype)
@@ -107,6 +95,25 @@ class Prefiller:
         stats.prefill_tokens += int((lens - m).sum())
         stats.prefix_cache_hit_tokens += int(m.sum())
         return cache, to_device(lens, dev), logits
+
+    def _forward(self, bucket, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, index: torch.Tensor,
+                 cache: SlotCache, stats: RolloutStats) -> torch.Tensor:
+        """One prefill forward of queries ``ids/pos [R, c]`` writing their K/V at slots
+        ``index [R, c]`` of ``cache``: the logits after each row's last query ``[R, V]`` in
+        ``logit_dtype`` (a tensor of its own). ``bucket``: replayed in it (``graphs``); else
+        treerl's own blocks (``forward``) or the model's Hugging Face forward."""
+        if bucket is not None:
+            stats.prefill_graph_calls += 1
+            return self.graphs(bucket, ids, pos, mask, index, stats).to(self.logit_dtype, copy=True)
+        cache.write_index = index
+        try:
+            if self.forward is not None:
+                return self.forward(ids, pos, mask, cache).to(self.logit_dtype)
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1].to(self.logit_dtype)
+        finally:
+            cache.write_index = None
 
     def mask(self, first: torch.Tensor, pad: torch.Tensor, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One prefill forward's additive mask ``[B, 1, c, q1]`` and write slots ``[B, c]`` for

@@ -102,7 +102,7 @@ class PrefillGraphs:
         """The bucket of a prefill of ``rows`` sequences, ``window`` queries and ``slots`` K/V
         slots per row, or None when it is too large for one."""
         b = PrefillBucket(_pow2(rows, 1), _pow2(window, MIN_WINDOW), _pow2(slots, MIN_SLOTS))
-        if b.window > b.slots or b.rows * b.window > self.max_tokens or b.rows * b.slots > self.max_slots:
+        if b.rows * b.window > self.max_tokens or b.rows * b.slots > self.max_slots:
             return None
         return b
 
