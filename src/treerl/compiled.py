@@ -21,7 +21,6 @@ from torch._dynamo.exc import TorchDynamoException
 ENGINE_OFF = "turn compilation off with TreeEngine(compile=False) (engine.compile=false in a run's config)"
 FLEX_OFF = "use the SDPA backend instead: TreeEngine(attention='sdpa') (engine.attention=sdpa; slower on CUDA)"
 DECODE_OFF = "turn compilation off with RolloutEngine(compile_decode=False)"
-SAMPLING_OFF = "CUDA sampling without truncation needs a working torch.compile (Triton) on this machine"
 
 
 # dynamo's per-function limit of compiled variants, raised from its default (8): treerl's compiled

@@ -13,6 +13,8 @@ from helpers.reference import completion_logprobs
 from helpers.rollout import VOCAB, long_target_length, random_prompts, sampling
 from treerl.models import build_model, rmsnorm_in_input_precision
 from treerl.rollout import ForkLayout, PromptQueue, RolloutEngine, SamplingParams
+from treerl.rollout.race_kernel import race_kernel
+from treerl.rollout.sampling import _kernel_ok, draw_seeds, race_reference, race_sample
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -354,3 +356,56 @@ def test_cuda_per_group_settings_and_seeds():
             lp = completion_logprobs(ref, prompt, c.completion_ids.tolist(), temperature=p.temperature or 1.0)
             assert torch.allclose(c.logprobs.double(), lp, rtol=1e-4, atol=1e-4)
     assert groups[1][0].top_logprobs[0].shape == (24, 2) and groups[0][0].top_logprobs is None
+
+
+# ------------------------------------------------------------ sampling (tests/rollout/test_rollout_sampling.py)
+
+
+@pytest.mark.parametrize("rows, vocab, dtype", [(1, 151_936, torch.float32), (64, 151_936, torch.float32),
+                                                (1024, 151_936, torch.float32), (64, 32_000, torch.bfloat16),
+                                                (7, 1_000, torch.float32)])
+def test_cuda_race_kernel_matches_the_reference(rows, vocab, dtype):
+    """The one-pass race (Triton) against the torch reference on the same device: the same
+    tokens (greedy, hot and cold rows, one temperature for all and per row), logprobs to
+    float32 accuracy, written into given outputs; and its draws follow softmax(x / T)."""
+    assert _kernel_ok("cuda:0")
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logits = (torch.randn(rows, vocab, device="cuda", generator=g) * 4).to(dtype)
+    per_row = torch.tensor([0.0, 1.0, 0.6, 1.7], device="cuda").repeat(rows)[:rows]
+    for t in (per_row, torch.ones(1, device="cuda"), torch.zeros(1, device="cuda")):
+        seeds = draw_seeds(rows, g, logits.device)
+        want_tok, want_lp = race_reference(logits.float(), t, seeds)
+        tokens, logp = torch.empty(rows, dtype=torch.int64, device="cuda"), torch.empty(rows, device="cuda")
+        tok, lp = race_sample(logits, t, seeds, tokens, logp)
+        assert tok is tokens and lp is logp
+        assert (tok != want_tok).sum() <= max(1, rows // 500), (tok != want_tok).sum()  # float32 near-ties only
+        same = tok == want_tok
+        assert torch.allclose(lp[same], want_lp[same], atol=2e-4), (lp - want_lp).abs().max()
+    n = 20_000
+    small = torch.tensor([[0.3, -0.2, 0.9, 0.1, -3.0]], device="cuda").repeat(n, 1)
+    draws = race_kernel(small, torch.tensor([0.8], device="cuda"), draw_seeds(n, g, small.device))[0]
+    freq = torch.bincount(draws, minlength=5).double().cpu() / n
+    expected = torch.softmax(small[0].double().cpu() / 0.8, -1)
+    assert torch.all((freq - expected).abs() <= 5 * (expected * (1 - expected) / n).sqrt()), (freq, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B, G, Hkv, gq, S1, S2, Dv", [(64, 8, 8, 2, 2, 9, 128), (6, 1, 3, 1, 1, 3, 64),
+                                                      (8, 2, 2, 4, 5, 1, 128), (1, 1, 8, 2, 66, 40, 128)])
+def test_cuda_merge_splits_matches_merge_parts(dtype, B, G, Hkv, gq, S1, S2, Dv):
+    """The merge kernel of the split attention's key ranges against ``merge_parts`` in float64
+    (a range with no keys has LSE -inf), from the split kernel's own layout."""
+    from treerl.rollout.decode_attention import merge_splits
+    from treerl.rollout.shared import merge_parts
+
+    g = torch.Generator(device="cuda").manual_seed(B + S1)
+    o1 = torch.randn(B, Hkv, S1, gq, Dv, device="cuda", generator=g)
+    l1 = torch.randn(B, Hkv, S1, gq, device="cuda", generator=g) * 3
+    o2 = torch.randn(B // G, Hkv, S2, G * gq, Dv, device="cuda", generator=g)
+    l2 = torch.randn(B // G, Hkv, S2, G * gq, device="cuda", generator=g) * 3
+    l2[0, 0, 0] = float("-inf")
+    want = merge_parts(o1.double(), l1.double(), o2.double(), l2.double(), G, torch.float64)
+    got = merge_splits(o1, l1, o2, l2, G, dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(got.double(), want, atol=tol), (got.double() - want).abs().max()

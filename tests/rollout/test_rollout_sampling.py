@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from treerl.rollout import SamplingParams, StopChecker, apply_top_k, apply_top_p, sample, sampling_distribution
-from treerl.rollout.sampling import apply_min_p, row_seed, sample_rows, seeded_exponential
+from treerl.rollout.sampling import apply_min_p, race_noise, race_reference, race_sample, row_seed, sample_rows
 
 NEG = float("-inf")
 
@@ -221,8 +221,9 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 
 
 def test_seeded_noise_is_the_splitmix_hash_of_seed_and_token_and_exponential():
-    """Seeded rows' noise, batched in torch int64 (products wrap), equals splitmix64 of
-    (seed, token) computed with Python integers, and is Exp(1) distributed."""
+    """Rows' noise, batched in torch int64 (products wrap), equals splitmix64 of (seed,
+    token) computed with Python integers (its top 23 bits as u = (2b + 1) / 2^24, E = -log u),
+    and is Exp(1) distributed."""
     import math
 
     mask = (1 << 64) - 1
@@ -232,13 +233,48 @@ def test_seeded_noise_is_the_splitmix_hash_of_seed_and_token_and_exponential():
         x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
         x ^= x >> 31
-        return -math.log(((x >> 11) + 0.5) / 2**53)
+        return -math.log((2 * (x >> 41) + 1) / 2**24)
 
     seeds = [row_seed(7, (0,), 3), row_seed(7, (1,), 3), row_seed(123, (2, 1), 0)]
-    noise = seeded_exponential(torch.tensor(seeds), 50_000)
+    noise = race_noise(torch.tensor(seeds), 50_000)
+    assert noise.dtype == torch.float32
     for i, seed in enumerate(seeds):
         for token in (0, 1, 777, 49_999):
-            assert noise[i, token].item() == reference(seed, token)
+            assert noise[i, token].item() == pytest.approx(reference(seed, token), rel=3e-7)
     assert (noise[:, 0] != noise[:, 1]).all() and not torch.equal(noise[0], noise[1])
-    assert torch.allclose(noise.mean(dim=1), torch.ones(3, dtype=torch.float64), atol=0.03)
-    assert torch.allclose(noise.var(dim=1), torch.ones(3, dtype=torch.float64), atol=0.06)
+    assert torch.allclose(noise.mean(dim=1), torch.ones(3), atol=0.03)
+    assert torch.allclose(noise.var(dim=1), torch.ones(3), atol=0.06)
+
+def test_race_reference_by_hand_and_frequencies():
+    """The untruncated race: greedy rows take the argmax (logprob at T = 1), sampled rows
+    ``argmax(x / T - log E)`` with the rows' noise, logprob ``log_softmax(x / T)`` at the
+    token; over many seeds a row's draws follow ``softmax(x / T)``."""
+    logits = torch.tensor([[1.0, 2.0, 0.5, -1.0], [0.3, -0.2, 0.9, 0.1]], dtype=torch.float64)
+    seeds = torch.tensor([11, 12])
+    tok, lp = race_reference(logits, torch.tensor([0.0, 0.5]), seeds)
+    noise = race_noise(seeds, 4).double()
+    assert tok[0] == 1 and tok[1] == (logits[1] / 0.5 - noise[1].log()).argmax()
+    assert torch.allclose(lp, torch.stack([torch.log_softmax(logits[0], -1)[1],
+                                           torch.log_softmax(logits[1] / 0.5, -1)[tok[1]]]), rtol=1e-14, atol=0)
+    n = 40_000
+    draws = race_reference(logits[1:].repeat(n, 1), torch.tensor([0.5]), torch.arange(n) * 7919 + 3)[0]
+    freq = torch.bincount(draws, minlength=4).double() / n
+    expected = torch.softmax(logits[1] / 0.5, -1)
+    assert torch.all((freq - expected).abs() <= 5 * (expected * (1 - expected) / n).sqrt()), (freq, expected)
+
+
+def test_race_sample_writes_given_outputs():
+    """``race_sample`` (the CPU reference here) writes into given token/logprob tensors, in
+    their dtype, and returns them; ``sample`` and ``sample_rows`` without truncation take it."""
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    t = torch.tensor([0.0, 1.0, 0.7, 1.0, 2.0], dtype=torch.float64)
+    tokens, logp = torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.float32)
+    got = race_sample(logits, t, torch.arange(5), tokens, logp)
+    assert got[0] is tokens and got[1] is logp
+    want = race_reference(logits, t, torch.arange(5))
+    assert torch.equal(tokens, want[0]) and torch.allclose(logp.double(), want[1], atol=1e-6)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    ones = torch.ones(5, dtype=torch.float64)
+    a = sample_rows(logits, t, ones, torch.zeros(5, dtype=torch.int64), 0 * ones, g1, truncate=False)
+    b = race_reference(logits, t, torch.randint(0, 1 << 62, (5,), generator=g2))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -252,15 +252,18 @@ class DeviceBatch:
         (one setting for all, or per row); log it at ``k``."""
         idx = slice(0, hi) if rows is None else _t(rows, self.device)
         logits = self.logits[idx]
+        # after a decode step: straight into the log (untruncated sampling writes there itself)
+        out = (self.log_tok[k, :hi], self.log_lp[k, :hi]) if rows is None else (None, None)
         if how.params is not None:
-            tokens, logp = sample(logits, how.params, generator)
+            tokens, logp = sample(logits, how.params, generator, *out)
         else:
             f = lambda a: self._upload(a)  # noqa: E731
             tokens, logp = sample_rows(logits, f(how.temperature), f(how.top_p), f(how.top_k), f(how.min_p),
-                                       generator, how.seeds, how.truncate)
+                                       generator, how.seeds, how.truncate, *out)
         self.last[idx] = tokens
-        self.log_tok[k, idx] = tokens
-        self.log_lp[k, idx] = logp
+        if tokens is not out[0]:
+            self.log_tok[k, idx] = tokens
+            self.log_lp[k, idx] = logp
         if how.top:  # the 20 most likely tokens under the behaviour distribution (the host keeps each group's k)
             if self.log_topi is None:
                 K, S = self.log_tok.shape

@@ -14,14 +14,16 @@ against a 1.3 ms bandwidth floor). Here each layer runs as
    own tokens in the paged row store, read through its block table), each one kernel with
    its log-sum-exp (:func:`~treerl.rollout.shared.attend_with_lse`,
    :meth:`~treerl.rollout.shared.SharedPrefixCache.attend_own`);
-3. ``post`` — the LSE merge, output projection, residual, norm, MLP, residual;
+3. ``post`` — the LSE merge, output projection, residual, norm, MLP, residual (with the
+   split-key kernels, on CUDA: their merge kernel,
+   :func:`~treerl.rollout.decode_attention.merge_splits`, then ``tail``, the rest);
 
 (tree rollouts, eagerly between ``pre`` and ``post``: the token's K/V written into its fork
 segment, :meth:`~treerl.rollout.shared.SharedPrefixCache.write_forks`,
 and the fork segments attended, their key ranges joining the prompt part's,
 :func:`~treerl.rollout.shared.shared_part`; ``post`` merges all ranges as usual);
 
-with ``pre`` and ``post`` compiled (regional ``torch.compile``, dynamic shapes: one graph
+with ``pre``, ``post`` and ``tail`` compiled (regional ``torch.compile``, dynamic shapes: one graph
 each serves every layer and every batch bucket; parameters are graph inputs), so a layer
 is ~18 kernels. The modules and weights are the model's own (HF checkpoints, in-place
 weight updates and a model shared with the trainer all keep working); the math is the
@@ -47,6 +49,7 @@ from ..compiled import DECODE_OFF, LazyCompiled
 from ..lora import effective_weight
 from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
+from .decode_attention import merge_splits
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, shared_part, split_queries
 
 
@@ -194,6 +197,7 @@ def _base(linear: torch.nn.Module) -> torch.nn.Module:
 
 
 _PRE, _POST = LazyCompiled(_pre, "decode blocks", DECODE_OFF), LazyCompiled(_post, "decode blocks", DECODE_OFF)
+_TAIL = LazyCompiled(_tail, "decode blocks", DECODE_OFF)
 
 
 class DecodeBlocks:
@@ -203,7 +207,7 @@ class DecodeBlocks:
 
     def __init__(self, model: torch.nn.Module, compile: bool):
         self.model, self.base = causal_lm(model), install_moe(decoder_of(model))
-        self.pre, self.post = (_PRE, _POST) if compile else (_pre, _post)
+        self.pre, self.post, self.tail = (_PRE, _POST, _TAIL) if compile else (_pre, _post, _tail)
         self.fused = FusedProjections(self.base.layers)
 
     @staticmethod
@@ -216,8 +220,9 @@ class DecodeBlocks:
 
     @property
     def compiled(self) -> bool:
-        """Both parts run compiled (False before the first step, or without ``compile``)."""
-        return all(getattr(f, "compiled", False) for f in (self.pre, self.post))
+        """The parts run compiled (False before the first step, or without ``compile``)."""
+        done = lambda f: getattr(f, "compiled", False)  # noqa: E731
+        return done(self.pre) and (done(self.post) or done(self.tail))  # the tail runs after the merge kernel
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, cache: SharedPrefixCache, own_mask: torch.Tensor,
                  prefix_mask: torch.Tensor) -> torch.Tensor:
@@ -243,6 +248,11 @@ class DecodeBlocks:
                 o_pre, l_pre = shared_part(q_own, o_pre, l_pre, G, forks, scale, backend)
                 merge_g = 1
             o_own, l_own = cache.attend_own(i, q_own, own_mask, scale, backend)
-            hidden = self.post(layer, hidden, o_own, l_own, o_pre, l_pre, merge_g, f.gate_up_w[i], f.gate_up_b[i],
-                               f.o_w[i], f.down_w[i])
+            if backend == "split":  # the split kernels' ranges merged in one kernel, then the block's tail
+                attn = merge_splits(o_own, l_own, o_pre, l_pre, merge_g, hidden.dtype)
+                hidden = self.tail(layer, hidden, attn.reshape(*hidden.shape[:-1], -1), f.gate_up_w[i],
+                                   f.gate_up_b[i], f.o_w[i], f.down_w[i])
+            else:
+                hidden = self.post(layer, hidden, o_own, l_own, o_pre, l_pre, merge_g, f.gate_up_w[i],
+                                   f.gate_up_b[i], f.o_w[i], f.down_w[i])
         return self.model.lm_head(base.norm(hidden)[:, -1])

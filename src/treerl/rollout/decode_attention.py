@@ -7,8 +7,8 @@ head) leaves most of the GPU idle when entries are few and long (8 prompts of 1,
 tokens: 64 programs on 132 SMs), and a kernel tiled for prefill wastes most of its query
 tile on 2 queries. Here the keys of each (entry, head) are split into ``S`` ranges run by
 separate programs (enough programs to fill the GPU), each writing a partial output and
-its LSE; :func:`~treerl.rollout.shared.merge_parts` merges the splits of both attention
-levels exactly in one pass.
+its LSE; :func:`merge_splits` (the kernel of :func:`~treerl.rollout.shared.merge_parts`)
+merges the splits of both attention levels exactly in one pass.
 
 ``q [B, H, M, D]``, ``k/v [B, H, N, D]`` (any strides, last dim contiguous), additive
 ``mask`` rows ``[B, N]`` (broadcast over heads and queries) -> ``out [B, H, S, M, Dv]``
@@ -124,6 +124,36 @@ if triton is not None:
         tl.store(L + b * slb + h * slh + split * sls + offs_m, lse, mask=keep)
 
 
+    @triton.jit
+    def _merge_kernel(O1, L1, O2, L2, Out,
+                      s1b, s1h, s1s, s1m, t1b, t1h, t1s,
+                      s2b, s2h, s2s, s2m, t2b, t2h, t2s,
+                      sob, soh, S1, S2, G,
+                      GQ: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, DV: tl.constexpr):
+        """One program per (row, KV head): its ``GQ`` query heads' outputs merged over the
+        key ranges of both parts (:func:`merge_splits`)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        g = b // G
+        r = b % G
+        k1 = tl.arange(0, BS1)
+        k2 = tl.arange(0, BS2)
+        d = tl.arange(0, DV)
+        for j in tl.static_range(GQ):
+            m2 = r * GQ + j  # the query's index in its group's layout
+            l1 = tl.load(L1 + b * t1b + h * t1h + k1 * t1s + j, mask=k1 < S1, other=-float("inf"))
+            l2 = tl.load(L2 + g * t2b + h * t2h + k2 * t2s + m2, mask=k2 < S2, other=-float("inf"))
+            m = tl.maximum(tl.max(l1, 0), tl.max(l2, 0))
+            w1 = tl.exp(l1 - m)
+            w2 = tl.exp(l2 - m)
+            o1 = tl.load(O1 + b * s1b + h * s1h + k1[:, None] * s1s + j * s1m + d[None, :],
+                         mask=(k1 < S1)[:, None], other=0.0)
+            o2 = tl.load(O2 + g * s2b + h * s2h + k2[:, None] * s2s + m2 * s2m + d[None, :],
+                         mask=(k2 < S2)[:, None], other=0.0)
+            out = (tl.sum(w1[:, None] * o1, 0) + tl.sum(w2[:, None] * o2, 0)) / (tl.sum(w1, 0) + tl.sum(w2, 0))
+            tl.store(Out + b * sob + (h * GQ + j) * soh + d, out.to(Out.dtype.element_ty))
+
+
 def splits_for(batch: int, heads: int, keys: int, target: int = TARGET_PROGRAMS, block_n: int = BLOCK_N) -> int:
     """Key ranges per (entry, head): enough programs to fill the GPU, >= one block each."""
     want = -(-target // max(batch * heads, 1))
@@ -162,6 +192,27 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages,
     )
     return out, lse
+
+
+def merge_splits(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, l_pre: torch.Tensor, G: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """:func:`~treerl.rollout.shared.merge_parts` in one kernel: the key ranges of both parts
+    (``o_own [B, Hkv, S1, gq, Dv]``, ``l_own [B, Hkv, S1, gq]``; ``o_pre [B/G, Hkv, S2, G x gq,
+    Dv]``, ``l_pre`` likewise: :func:`split_attention`'s outputs, last dim contiguous) merged by
+    their LSEs, read where the splits wrote them (no regrouping copy): ``[B, 1, Hkv x gq, Dv]``
+    in ``dtype``."""
+    B, Hkv, S1, gq, Dv = o_own.shape
+    S2 = o_pre.shape[2]
+    out = torch.empty(B, 1, Hkv * gq, Dv, device=o_own.device, dtype=dtype)
+    _merge_kernel[(B, Hkv)](
+        o_own, l_own, o_pre, l_pre, out,
+        o_own.stride(0), o_own.stride(1), o_own.stride(2), o_own.stride(3), l_own.stride(0), l_own.stride(1), l_own.stride(2),
+        o_pre.stride(0), o_pre.stride(1), o_pre.stride(2), o_pre.stride(3), l_pre.stride(0), l_pre.stride(1), l_pre.stride(2),
+        out.stride(0), out.stride(2), S1, S2, G,
+        GQ=gq, BS1=max(2, triton.next_power_of_2(S1)), BS2=max(2, triton.next_power_of_2(S2)), DV=Dv,
+        num_warps=1 if Dv <= 64 else 2,
+    )
+    return out
 
 
 def to_pages(k: torch.Tensor, v: torch.Tensor, page: int,
@@ -208,6 +259,10 @@ def split_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim
             o = (torch.softmax(lse.double(), dim=2)[..., None] * out.double()).sum(2)
             if not (torch.allclose(o, ref, atol=tol) and torch.allclose(torch.logsumexp(lse.double(), 2),
                                                                         torch.logsumexp(s, -1), atol=tol)):
+                return False
+            # the merge kernel: a part merged with itself (G = 1) is the part's attention
+            merged = merge_splits(out, lse, out, lse, 1, dtype)  # [3, 1, 2 x 5, Dv]: one "query" per head
+            if not torch.allclose(merged.double().reshape(3, 2, 5, value_dim), ref, atol=tol):
                 return False
         return True
     except Exception:  # noqa: BLE001 - any failure: another kernel

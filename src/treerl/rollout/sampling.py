@@ -15,11 +15,13 @@ sample does not depend on the other rows of the batch.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
-from ..compiled import SAMPLING_OFF, LazyCompiled
 from .params import SamplingParams
+from .race_kernel import race_kernel, triton
 from .types import to_device
 
 
@@ -66,71 +68,141 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+    tokens: torch.Tensor | None = None, logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``[B, V]`` logits.
 
     Returns ``tokens [B]`` (int64) and ``logprobs [B]`` (behaviour logprobs, see the
-    module docstring) in ``logits.dtype``.
+    module docstring) in ``logits.dtype`` (untruncated sampling: written into ``tokens``/
+    ``logp`` when given, see :func:`race_sample`).
     """
-    if params.greedy:
-        tokens = logits.argmax(dim=-1)
-        logp_all = torch.log_softmax(logits, dim=-1)
-    elif (params.top_k <= 0 or params.top_k >= logits.shape[-1]) and params.top_p >= 1.0 and params.min_p <= 0:
-        # no truncation: the race on log-probabilities (argmax log p_i - log E_i), without the
-        # probabilities: at 1,024 rows x 152k tokens each pass over the logits costs ~0.3 ms
-        logp_all = torch.log_softmax(logits if params.temperature == 1.0 else logits / params.temperature, dim=-1)
-        race = torch.empty_like(logp_all).exponential_(generator=generator)
-        tokens = (_race_argmax_compiled if logits.is_cuda else _race_argmax)(logp_all, race)
-    else:
-        scaled = logits / params.temperature
-        logp_all = torch.log_softmax(scaled, dim=-1)
-        probs = torch.softmax(apply_min_p(apply_top_p(apply_top_k(scaled, params.top_k), params.top_p),
-                                          params.min_p), dim=-1)
-        # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) is distributed as p.
-        race = torch.empty_like(probs).exponential_(generator=generator)
-        race.clamp_(min=torch.finfo(race.dtype).tiny)
-        tokens = (probs / race).argmax(dim=-1)
-    logprobs = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, logprobs
+    seeds = draw_seeds(logits.shape[0], generator, logits.device)
+    if params.greedy or not _truncates(params, logits.shape[-1]):
+        return race_sample(logits, _constant(params.temperature, logits.device), seeds, tokens, logp)
+    scaled = logits / params.temperature
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    probs = torch.softmax(apply_min_p(apply_top_p(apply_top_k(scaled, params.top_k), params.top_p),
+                                      params.min_p), dim=-1)
+    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) is distributed as p.
+    race = race_noise(seeds, logits.shape[-1]).to(probs.dtype)
+    out = (probs / race).argmax(dim=-1)
+    return out, logp_all.gather(-1, out[:, None]).squeeze(-1)
+
+
+def _truncates(params: SamplingParams, V: int) -> bool:
+    return 0 < params.top_k < V or params.top_p < 1.0 or params.min_p > 0
+
+
+_CONSTANTS: dict = {}
+
+
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """A one-element float32 tensor of ``value`` on ``device`` (made once: no copy per step)."""
+    key = (str(device), float(value))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor([float(value)], dtype=torch.float32, device=device)
+    return _CONSTANTS[key]
+
+
+def draw_seeds(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """``[n]`` int64 row seeds in ``[0, 2^62)`` from ``generator`` (on ``device``: no sync):
+    the noise of unseeded rows (:func:`race_noise`)."""
+    return torch.randint(0, 1 << 62, (n,), generator=generator, device=device, dtype=torch.int64)
+
+
+def race_reference(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The untruncated race in torch: ``x = logits / t`` (``temperature [B]`` or one value;
+    ``t = 0``: greedy, scaled by 1), the token ``argmax x`` (greedy) or ``argmax(x - log E)``
+    with the rows' noise ``E`` (:func:`race_noise`: a sample of ``softmax(x)``), and its
+    logprob ``x_tok - logsumexp(x)``. Returns ``tokens [B]``, ``logp [B]`` in the logits' dtype."""
+    t = temperature.to(logits.dtype).reshape(-1)
+    greedy = t == 0
+    scaled = logits * (1.0 / torch.where(greedy, torch.ones_like(t), t))[:, None]
+    gumbel = -race_noise(row_seeds, logits.shape[-1]).log().to(logits.dtype)
+    race = torch.where(greedy[:, None], scaled, scaled + gumbel)
+    tokens = race.argmax(dim=-1)
+    return tokens, scaled.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
+
+
+def race_sample(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: torch.Tensor,
+                tokens: torch.Tensor | None = None, logp: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`race_reference`, on CUDA in one pass over the logits
+    (:mod:`~treerl.rollout.race_kernel`, where it runs and matches the reference); the
+    results are written into ``tokens``/``logp`` (``[B]``) when given."""
+    if (logits.is_cuda and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and logits.stride(-1) == 1 and _kernel_ok(str(logits.device))):
+        if logp is not None and logp.dtype != torch.float32:
+            tok, lp = race_kernel(logits, temperature, row_seeds, tokens)
+            logp.copy_(lp)
+            return tok, logp
+        return race_kernel(logits, temperature, row_seeds, tokens, logp)
+    tok, lp = race_reference(logits, temperature, row_seeds)
+    if tokens is not None:
+        tok = tokens.copy_(tok)
+    if logp is not None:
+        lp = logp.copy_(lp)
+    return tok, lp
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_ok(device: str) -> bool:
+    """Whether :func:`~treerl.rollout.race_kernel.race_kernel` runs on ``device`` and agrees
+    with :func:`race_reference` (probed once per device on 6 rows of 5,000 columns: greedy,
+    hot and cold rows, two splits each; never inside a capture)."""
+    if triton is None:
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        logits = torch.randn(6, 5000, device=device, generator=g) * 3
+        temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.0], device=device)
+        seeds = draw_seeds(6, g, logits.device)
+        want_tok, want_lp = race_reference(logits, temperature, seeds)
+        tok, lp = race_kernel(logits, temperature, seeds, splits=2)
+        return bool(torch.equal(tok, want_tok) and torch.allclose(lp, want_lp, atol=1e-4))
+    except Exception:  # noqa: BLE001 - any failure: the torch path
+        return False
 
 
 def sample_rows(
     logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor,
     generator: torch.Generator | None = None, seeds: dict[int, int] | None = None, truncate: bool = True,
+    tokens: torch.Tensor | None = None, logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``[B, V]`` logits with each row's own settings:
     ``temperature`` (0: greedy), ``top_p``, ``top_k`` (0: off) and ``min_p`` as ``[B]``
     tensors on the logits' device. ``seeds``: ``{row: seed}`` rows whose noise comes from
     their own seed (:func:`row_seed`) instead of ``generator``. ``truncate``: whether any row
-    has top-k, top-p or min-p (known on the host: no sync here). Returns ``tokens [B]`` and
-    behaviour ``logprobs [B]`` (as :func:`sample`)."""
+    has top-k, top-p or min-p (known on the host: no sync here; without, the rows race in
+    one pass, :func:`race_sample`, writing into ``tokens``/``logp`` when given). Returns
+    ``tokens [B]`` and behaviour ``logprobs [B]`` (as :func:`sample`)."""
     V = logits.shape[-1]
+    row_seeds = draw_seeds(logits.shape[0], generator, logits.device)
+    if seeds:  # seeded rows: their own noise, from their seeds alone
+        rows = to_device(np.asarray(list(seeds), dtype=np.int64), logits.device)
+        row_seeds[rows] = to_device(np.asarray(list(seeds.values()), dtype=np.int64), logits.device)
+    if not truncate:
+        return race_sample(logits, temperature, row_seeds, tokens, logp)
     greedy = temperature == 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.dtype)
     scaled = logits / t[:, None]
     logp_all = torch.log_softmax(scaled, dim=-1)
-    kept = scaled
-    if truncate:
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        k = torch.where((top_k > 0) & (top_k < V), top_k, V).to(torch.int64)
-        kth = sorted_logits.gather(-1, (k - 1)[:, None])
-        sorted_kept = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))  # top-k (ties kept)
-        probs = torch.softmax(sorted_kept, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop = (mass_before >= top_p.to(probs.dtype)[:, None]) & (top_p < 1)[:, None]  # top-p
-        drop[:, 0] = False
-        drop |= sorted_kept == float("-inf")
-        kept = scaled.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
-        kept = apply_min_p(kept, min_p.to(logits.dtype))
-    race = torch.empty_like(logp_all).exponential_(generator=generator)
-    if seeds:  # seeded rows: their own noise, from their seeds alone, in one batched pass
-        rows = to_device(np.asarray(list(seeds), dtype=np.int64), race.device)
-        row_seeds = to_device(np.asarray(list(seeds.values()), dtype=np.int64), race.device)
-        race[rows] = seeded_exponential(row_seeds, V).to(race.dtype)
-    race.clamp_(min=torch.finfo(race.dtype).tiny)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), (kept - race.log()).argmax(dim=-1))
-    return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    k = torch.where((top_k > 0) & (top_k < V), top_k, V).to(torch.int64)
+    kth = sorted_logits.gather(-1, (k - 1)[:, None])
+    sorted_kept = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))  # top-k (ties kept)
+    probs = torch.softmax(sorted_kept, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop = (mass_before >= top_p.to(probs.dtype)[:, None]) & (top_p < 1)[:, None]  # top-p
+    drop[:, 0] = False
+    drop |= sorted_kept == float("-inf")
+    kept = scaled.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
+    kept = apply_min_p(kept, min_p.to(logits.dtype))
+    race = race_noise(row_seeds, V).to(logits.dtype)
+    out = torch.where(greedy, logits.argmax(dim=-1), (kept - race.log()).argmax(dim=-1))
+    return out, logp_all.gather(-1, out[:, None]).squeeze(-1)
 
 
 _MASK64 = (1 << 64) - 1
@@ -158,23 +230,16 @@ def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
     return (x >> k) & ((1 << (64 - k)) - 1)
 
 
-def seeded_exponential(row_seeds: torch.Tensor, V: int) -> torch.Tensor:
-    """``[R, V]`` float64 Exp(1) noise that depends only on each row's seed (``row_seeds
-    [R]`` int64, from :func:`row_seed`) and the token index: a splitmix64 hash of (seed,
-    token) per element (int64 products wrap, as the hash wants), its top 53 bits a uniform
-    ``u`` in (0, 1), noise ``-log u``. No generator, no loop over rows."""
+def race_noise(row_seeds: torch.Tensor, V: int) -> torch.Tensor:
+    """``[R, V]`` float32 Exp(1) noise that depends only on each row's seed (``row_seeds
+    [R]`` int64: :func:`row_seed` or :func:`draw_seeds`) and the token index: a splitmix64
+    hash of (seed, token) per element (int64 products wrap, as the hash wants), its top 23
+    bits ``b`` a uniform ``u = (2b + 1) / 2^24`` in (0, 1) (exact in float32), noise ``-log u``
+    (at most 16.6 in ``-log E``: the cap of torch's float32 ``exponential_``). No generator, no
+    loop over rows; :mod:`~treerl.rollout.race_kernel` makes the same bits on the GPU."""
     x = row_seeds[:, None] + torch.arange(1, V + 1, dtype=torch.int64, device=row_seeds.device) * _signed(0x9E3779B97F4A7C15)
     x = (x ^ _shift_right(x, 30)) * _signed(0xBF58476D1CE4E5B9)
     x = (x ^ _shift_right(x, 27)) * _signed(0x94D049BB133111EB)
     x = x ^ _shift_right(x, 31)
-    u = (_shift_right(x, 11).to(torch.float64) + 0.5) / float(1 << 53)
+    u = (_shift_right(x, 41).to(torch.float32) * 2 + 1) * 2.0**-24
     return -torch.log(u)
-
-
-def _race_argmax(logp: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
-    """``argmax(logp - log E)`` per row: a sample of ``softmax(logp)`` (``E ~ Exp(1)``)."""
-    return (logp - race.clamp(min=torch.finfo(race.dtype).tiny).log()).argmax(dim=-1)
-
-
-# one fused pass on CUDA (sampling with top_k, top_p or min_p runs eagerly)
-_race_argmax_compiled = LazyCompiled(_race_argmax, "sampling race", SAMPLING_OFF)

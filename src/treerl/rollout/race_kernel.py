@@ -1,0 +1,127 @@
+"""The untruncated sampling race in two Triton kernels: one pass over the logits.
+
+:func:`~treerl.rollout.sampling.race_sample` (temperature, greedy rows, the behaviour
+logprob) in plain torch is ~8 kernels over ``[B, V]`` (scale, log-softmax, noise, race,
+gather; each pass over 64 rows x 152k float32 logits moves ~40-80 MB), launched from the
+host after every decode step. Here:
+
+1. ``_partial`` — programs ``(row, split)`` over column ranges of ``V``: each reads its
+   logits once, scales them by the row's temperature, keeps the running max and sum of
+   exponentials (the row's log-sum-exp) and the best race value ``x_j + g_j`` and its column,
+   where ``g_j = -log E_j`` and ``E_j`` is the row's Exp(1) noise generated in the kernel from
+   the row's seed (:func:`~treerl.rollout.sampling.race_noise`: splitmix64 of (seed, column),
+   the same bits as the torch reference); greedy rows (temperature 0) race without noise;
+2. ``_combine`` — one program per row: merges the splits (first column wins ties, as
+   ``argmax``), and writes the token and its logprob ``x_tok - lse``.
+
+``logits [B, V]`` (float32/bfloat16/float16, last dim contiguous), ``temperature`` ``[B]`` or
+one value (stride 0), ``row_seeds [B]`` int64 -> ``tokens [B]`` int64, ``logp [B]`` float32
+(or into given outputs). Checked against the torch reference before its first use
+(:func:`treerl.rollout.sampling.race_sample`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only torch has no triton
+    triton = None
+
+BLOCK = 2048  # columns per loop step of a program
+TARGET_PROGRAMS = 528  # ~4 per SM of an H100: splits of V per row are chosen to reach it
+MAX_SPLITS = 64
+
+if triton is not None:
+
+    @triton.jit
+    def _noise_gumbel(seed, cols):
+        """``-log E`` for columns ``cols`` of a row with seed ``seed`` (uint64): splitmix64 of
+        (seed, column), its top 23 bits ``b`` -> ``u = (2b + 1) / 2^24`` (exact in float32),
+        ``E = -log u`` (see :func:`treerl.rollout.sampling.race_noise`)."""
+        h = seed + (cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB
+        h = h ^ (h >> 31)
+        u = ((h >> 41).to(tl.float32) * 2.0 + 1.0) * 5.9604644775390625e-08  # 2^-24
+        return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _partial(L, T, Seeds, PM, PS, PB, PI, V, sl, st, per_split, NS,
+                 BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        sp = tl.program_id(1)
+        t = tl.load(T + row * st).to(tl.float32)
+        greedy = t == 0.0
+        inv = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
+        seed = tl.load(Seeds + row).to(tl.uint64, bitcast=True)
+        start = sp * per_split
+        end = tl.minimum(start + per_split, V)
+        m = -float("inf")
+        s = 0.0
+        best = -float("inf")
+        bidx = start
+        for off in range(start, end, BLOCK):
+            cols = off + tl.arange(0, BLOCK)
+            valid = cols < end
+            x = tl.load(L + row.to(tl.int64) * sl + cols, mask=valid, other=-float("inf")).to(tl.float32) * inv
+            m_new = tl.maximum(m, tl.max(x, 0))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a block of -inf logits adds nothing
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
+            m = m_new
+            g = _noise_gumbel(seed, cols)
+            r = tl.where(valid, x + tl.where(greedy, 0.0, g), -float("inf"))
+            b, i = tl.max(r, 0, return_indices=True, return_indices_tie_break_left=True)
+            take = b > best
+            bidx = tl.where(take, off + i, bidx)
+            best = tl.where(take, b, best)
+        at = row * NS + sp
+        tl.store(PM + at, m)
+        tl.store(PS + at, s)
+        tl.store(PB + at, best)
+        tl.store(PI + at, bidx)
+
+    @triton.jit
+    def _combine(L, T, PM, PS, PB, PI, Tok, Lp, sl, st, NS, BLOCK_S: tl.constexpr):
+        row = tl.program_id(0)
+        k = tl.arange(0, BLOCK_S)
+        ok = k < NS
+        m = tl.load(PM + row * NS + k, mask=ok, other=-float("inf"))
+        s = tl.load(PS + row * NS + k, mask=ok, other=0.0)
+        b = tl.load(PB + row * NS + k, mask=ok, other=-float("inf"))
+        idx = tl.load(PI + row * NS + k, mask=ok, other=0)
+        m_all = tl.max(m, 0)
+        lse = m_all + tl.log(tl.sum(tl.where(ok, s * tl.exp(m - m_all), 0.0), 0))
+        _, j = tl.max(b, 0, return_indices=True, return_indices_tie_break_left=True)
+        tok = tl.sum(tl.where(k == j, idx, 0), 0)
+        t = tl.load(T + row * st).to(tl.float32)
+        scale = tl.where(t == 0.0, 1.0, t)
+        x = tl.load(L + row.to(tl.int64) * sl + tok).to(tl.float32) / scale
+        tl.store(Tok + row, tok.to(tl.int64))
+        tl.store(Lp + row, (x - lse).to(Lp.dtype.element_ty))
+
+
+def race_kernel(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: torch.Tensor,
+                tokens: torch.Tensor | None = None, logp: torch.Tensor | None = None,
+                splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring. ``temperature``: ``[B]`` or one element (every row);
+    ``tokens``/``logp``: ``[B]`` outputs to write (contiguous; new ones if None)."""
+    B, V = logits.shape
+    assert logits.stride(1) == 1 and row_seeds.shape == (B,) and row_seeds.dtype == torch.int64
+    st = 0 if temperature.numel() == 1 else temperature.stride(0)
+    if splits is None:
+        splits = max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // max(B, 1)), -(-V // BLOCK)))
+    per = -(-(-(-V // splits)) // BLOCK) * BLOCK  # columns per split, whole blocks
+    NS = -(-V // per)
+    dev = logits.device
+    part = torch.empty(3, B, NS, device=dev, dtype=torch.float32)
+    pidx = torch.empty(B, NS, device=dev, dtype=torch.int32)
+    tokens = torch.empty(B, device=dev, dtype=torch.int64) if tokens is None else tokens
+    logp = torch.empty(B, device=dev, dtype=torch.float32) if logp is None else logp
+    _partial[(B, NS)](logits, temperature, row_seeds, part[0], part[1], part[2], pidx, V, logits.stride(0), st, per, NS,
+                      BLOCK=BLOCK, num_warps=8)
+    _combine[(B,)](logits, temperature, part[0], part[1], part[2], pidx, tokens, logp, logits.stride(0), st, NS,
+                   BLOCK_S=max(2, triton.next_power_of_2(NS)), num_warps=1)
+    return tokens, logp
