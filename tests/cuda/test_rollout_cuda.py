@@ -409,3 +409,32 @@ def test_cuda_merge_splits_matches_merge_parts(dtype, B, G, Hkv, gq, S1, S2, Dv)
     assert got.dtype == dtype and got.shape == want.shape
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(got.double(), want, atol=tol), (got.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_cuda_rope_write_matches_the_modules(family, dtype):
+    """The decode step's fused Q/K norm + RoPE + K/V write kernel against the modules' math
+    (``_pre``) in float64: queries in both layouts, the token's K/V and the pools' slots."""
+    from treerl.rollout.blocks import FusedProjections, _heads, _pre, _qk_norms, _qkv, _rope_kernel_agrees
+    from treerl.rollout.rope_kernel import rope_write
+
+    model = tiny_model(family, dtype=dtype, seed=3, head_dim=128, num_attention_heads=4, num_key_value_heads=2).cuda()
+    base, B, G = model.model, 12, 4
+    ref = rmsnorm_in_input_precision(copy.deepcopy(model).double())
+    hidden = torch.randn(B, 1, model.config.hidden_size, device="cuda", dtype=dtype)
+    cos, sin = base.rotary_emb(hidden, torch.randint(0, 4000, (B, 1), device="cuda"))
+    block, offset = torch.randperm(B, device="cuda"), torch.randint(0, 16, (B,), device="cuda")
+    for i, layer in enumerate(base.layers):
+        f, fr = FusedProjections(base.layers), FusedProjections(ref.model.layers)
+        pools = [torch.zeros(B, 2, 16, 128, device="cuda", dtype=dtype) for _ in range(2)]
+        want_pools = [p.double() for p in pools]
+        want = _pre(ref.model.layers[i], hidden.double(), cos.double(), sin.double(), G, fr.qkv_w[i], fr.qkv_b[i],
+                    *want_pools, block, offset)
+        got = rope_write(_qkv(layer, hidden, f.qkv_w[i], f.qkv_b[i]), cos, sin, *_qk_norms(layer), *_heads(layer), G,
+                         *pools, block, offset)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        for a, b in list(zip(want, got)) + list(zip(want_pools, pools)):
+            assert a.shape == b.shape and torch.allclose(b.double(), a, atol=tol * a.abs().max().item()), (a - b).abs().max()
+        store = type("Store", (), {"ok": pools[0], "ov": pools[1]})
+        assert _rope_kernel_agrees(layer, hidden, cos, sin, G, f.qkv_w[i], f.qkv_b[i], store)

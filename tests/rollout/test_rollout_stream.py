@@ -673,3 +673,41 @@ def test_fused_projections_follow_every_parameter_update(how):
         a, m = layer.self_attn, layer.mlp
         assert torch.equal(fused.qkv_w[i], torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
         assert torch.equal(fused.gate_up_w[i], torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+
+
+def _triton_interprets() -> bool:
+    import os
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # pragma: no cover - CPU-only installs
+        return False
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not _triton_interprets(), reason="needs triton's interpreter (TRITON_INTERPRET=1); on CUDA: "
+                                                     "tests/cuda/test_rollout_cuda.py")
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_kernel_step_matches_the_torch_step(family, monkeypatch):
+    """The decode step of the split-key kernels (rope kernel, split attention through the
+    block table, merge kernel, tail with the next norm) run by Triton's interpreter on the
+    CPU in float32: the same greedy tokens as the torch step, logprobs to 1e-5, and every
+    step after the first took it."""
+    import treerl.rollout.blocks as blocks
+    from treerl.rollout.shared import SharedPrefixCache
+
+    model = tiny_model(family, dtype=torch.float32, seed=2, head_dim=16)
+    prompts = random_prompts([9, 30, 3, 17], seed=6)
+    params = SamplingParams(n=3, temperature=0.0, max_new_tokens=12, seed=0, branch_points=[5])
+    want = RolloutEngine(model, sync_every=4).generate(prompts, params)
+    monkeypatch.setattr(SharedPrefixCache, "backend", lambda self, own_len, prefix_len: "split")
+    steps = []
+    kernel_step = blocks.DecodeBlocks._kernel_step
+    monkeypatch.setattr(blocks.DecodeBlocks, "_kernel_step", lambda self, *a: steps.append(1) or kernel_step(self, *a))
+    engine = RolloutEngine(model, sync_every=4)
+    got = engine.generate(prompts, params)
+    assert engine.decode_blocks.rope_kernel and len(steps) == 11
+    for a, b in zip(want, got):
+        for x, y in zip(a, b):
+            assert x.completion_ids.tolist() == y.completion_ids.tolist()
+            assert torch.allclose(x.logprobs, y.logprobs, atol=1e-5)

@@ -42,6 +42,7 @@ model's prefill runs its Hugging Face forward). Mixture of experts (Qwen3-MoE): 
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 
@@ -50,6 +51,7 @@ from ..lora import effective_weight
 from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
 from .decode_attention import merge_splits
+from .rope_kernel import rope_write
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, shared_part, split_queries
 
 
@@ -85,6 +87,25 @@ def _pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: t
     own_v[block, :, offset] = v
     q_own, q_pre = split_queries(q, own_k.shape[1], G)
     return q_own.contiguous(), q_pre.contiguous(), k, v
+
+
+def _qkv(layer: torch.nn.Module, hidden: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None) -> torch.Tensor:
+    """The input norm and the Q/K/V product: ``hidden [B, 1, H]`` -> ``[B, 1, (Hq + Hkv) D + Hkv Dv]``
+    (:func:`_pre` up to :func:`~treerl.rollout.rope_kernel.rope_write`; its probe's)."""
+    return torch.nn.functional.linear(layer.input_layernorm(hidden), w_qkv, b_qkv)
+
+
+def _norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return norm(hidden)
+
+
+def _tail_norm(layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, w_gate_up: torch.Tensor | None,
+               b_gate_up: torch.Tensor | None, w_o: torch.Tensor | None, w_down: torch.Tensor | None,
+               following: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_tail`, and ``following`` (the next layer's input norm, or the final norm) of its
+    output: ``(hidden, following(hidden))``, the residual and the norm one kernel."""
+    hidden = _tail(layer, hidden, attn, w_gate_up, b_gate_up, w_o, w_down)
+    return hidden, following(hidden)
 
 
 def _post(layer: torch.nn.Module, hidden: torch.Tensor, o_own: torch.Tensor, l_own: torch.Tensor,
@@ -197,7 +218,7 @@ def _base(linear: torch.nn.Module) -> torch.nn.Module:
 
 
 _PRE, _POST = LazyCompiled(_pre, "decode blocks", DECODE_OFF), LazyCompiled(_post, "decode blocks", DECODE_OFF)
-_TAIL = LazyCompiled(_tail, "decode blocks", DECODE_OFF)
+_TAIL_NORM, _NORM = LazyCompiled(_tail_norm, "decode blocks", DECODE_OFF), LazyCompiled(_norm, "decode blocks", DECODE_OFF)
 
 
 class DecodeBlocks:
@@ -207,7 +228,9 @@ class DecodeBlocks:
 
     def __init__(self, model: torch.nn.Module, compile: bool):
         self.model, self.base = causal_lm(model), install_moe(decoder_of(model))
-        self.pre, self.post, self.tail = (_PRE, _POST, _TAIL) if compile else (_pre, _post, _tail)
+        self.pre, self.post = (_PRE, _POST) if compile else (_pre, _post)
+        self.tail_norm, self.norm = (_TAIL_NORM, _NORM) if compile else (_tail_norm, _norm)
+        self.rope_kernel: bool | None = None  # rope_write serves the steps (probed at the first split-kernel step)
         self.fused = FusedProjections(self.base.layers)
 
     @staticmethod
@@ -222,7 +245,19 @@ class DecodeBlocks:
     def compiled(self) -> bool:
         """The parts run compiled (False before the first step, or without ``compile``)."""
         done = lambda f: getattr(f, "compiled", False)  # noqa: E731
-        return done(self.pre) and (done(self.post) or done(self.tail))  # the tail runs after the merge kernel
+        return (done(self.pre) and done(self.post)) or (done(self.tail_norm) and done(self.norm))  # or the kernel step's
+
+    def _rope_kernel(self, layer, hidden, cos, sin, G, w_qkv, b_qkv, store) -> bool:
+        """Whether :func:`~treerl.rollout.rope_kernel.rope_write` serves this model's steps:
+        decided at the first step with the split kernels (never inside a capture: a CUDA
+        graph's warm-up runs first), by running it beside :func:`_pre` (eager) on that step's
+        first layer, into scratch pools, and comparing every output."""
+        if self.rope_kernel is None:
+            self.rope_kernel = _rope_kernel_agrees(layer, hidden, cos, sin, G, w_qkv, b_qkv, store)
+            if not self.rope_kernel and hidden.dtype != torch.float64:
+                warnings.warn("the decode step's fused RoPE kernel disagreed with the modules' math or failed; "
+                              "its Q/K norms and RoPE run as compiled torch instead (slower)")
+        return self.rope_kernel
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, cache: SharedPrefixCache, own_mask: torch.Tensor,
                  prefix_mask: torch.Tensor) -> torch.Tensor:
@@ -234,25 +269,88 @@ class DecodeBlocks:
         cos, sin = base.rotary_emb(hidden, pos)
         backend = cache.backend(own_mask.shape[-1], prefix_mask.shape[-1])
         f = self.fused
+        if backend == "split" and self._rope_kernel(base.layers[0], hidden, cos, sin, G, f.qkv_w[0], f.qkv_b[0],
+                                                    cache.layers[0]):
+            return self._kernel_step(hidden, cos, sin, cache, own_mask, prefix_mask)
         for i, layer in enumerate(base.layers):
             store = cache.layers[i]
             q_own, q_pre, k, v = self.pre(layer, hidden, cos, sin, G, f.qkv_w[i], f.qkv_b[i], store.ok, store.ov,
                                           cache.write_block, cache.write_offset)
-            cache.write_forks(i, k, v)  # tree rollouts: the token's K/V into its fork segment
-            pk, pv = cache.prefix(i, q_pre.shape[0])
-            scale = layer.self_attn.scaling
-            o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend)
-            merge_g = G
-            if cache.forks:  # tree rollouts: the fork segments' key ranges join the prompt part's (own layout)
-                forks = cache.fork_levels(i, q_pre.shape[0])
-                o_pre, l_pre = shared_part(q_own, o_pre, l_pre, G, forks, scale, backend)
-                merge_g = 1
-            o_own, l_own = cache.attend_own(i, q_own, own_mask, scale, backend)
-            if backend == "split":  # the split kernels' ranges merged in one kernel, then the block's tail
-                attn = merge_splits(o_own, l_own, o_pre, l_pre, merge_g, hidden.dtype)
-                hidden = self.tail(layer, hidden, attn.reshape(*hidden.shape[:-1], -1), f.gate_up_w[i],
-                                   f.gate_up_b[i], f.o_w[i], f.down_w[i])
-            else:
-                hidden = self.post(layer, hidden, o_own, l_own, o_pre, l_pre, merge_g, f.gate_up_w[i],
-                                   f.gate_up_b[i], f.o_w[i], f.down_w[i])
+            parts = self._attention(i, layer, cache, q_own, q_pre, k, v, own_mask, prefix_mask, backend)
+            hidden = self.post(layer, hidden, *parts, f.gate_up_w[i], f.gate_up_b[i], f.o_w[i], f.down_w[i])
         return self.model.lm_head(base.norm(hidden)[:, -1])
+
+    def _kernel_step(self, hidden, cos, sin, cache: SharedPrefixCache, own_mask, prefix_mask) -> torch.Tensor:
+        """The step with the split-key kernels (CUDA): per layer the Q/K/V product, the rope
+        kernel (:func:`~treerl.rollout.rope_kernel.rope_write`), the two attention parts, their
+        merge kernel (:func:`~treerl.rollout.decode_attention.merge_splits`), and the block's
+        compiled tail with the next norm (the next layer's input norm, or the final norm) fused
+        after its residual: ~12 kernels a layer."""
+        base, f, G = self.base, self.fused, cache.G
+        layers = base.layers
+        x = self.norm(layers[0].input_layernorm, hidden)
+        for i, layer in enumerate(layers):
+            store = cache.layers[i]
+            q_own, q_pre, k, v = rope_write(torch.nn.functional.linear(x, f.qkv_w[i], f.qkv_b[i]), cos, sin,
+                                            *_qk_norms(layer), *_heads(layer), G, store.ok, store.ov,
+                                            cache.write_block, cache.write_offset)
+            o_own, l_own, o_pre, l_pre, merge_g = self._attention(i, layer, cache, q_own, q_pre, k, v, own_mask,
+                                                                  prefix_mask, "split")
+            attn = merge_splits(o_own, l_own, o_pre, l_pre, merge_g, hidden.dtype)
+            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else base.norm
+            hidden, x = self.tail_norm(layer, hidden, attn.reshape(*hidden.shape[:-1], -1), f.gate_up_w[i],
+                                       f.gate_up_b[i], f.o_w[i], f.down_w[i], following)
+        return self.model.lm_head(x[:, -1])
+
+    @staticmethod
+    def _attention(i: int, layer, cache: SharedPrefixCache, q_own, q_pre, k, v, own_mask, prefix_mask, backend: str):
+        """Layer ``i``'s two attention parts (and fork levels) in key ranges: ``(o_own, l_own,
+        o_pre, l_pre, G of the merge)`` (:func:`~treerl.rollout.shared.merge_parts`)."""
+        G = cache.G
+        cache.write_forks(i, k, v)  # tree rollouts: the token's K/V into its fork segment
+        pk, pv = cache.prefix(i, q_pre.shape[0])
+        scale = layer.self_attn.scaling
+        o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend)
+        merge_g = G
+        if cache.forks:  # tree rollouts: the fork segments' key ranges join the prompt part's (own layout)
+            forks = cache.fork_levels(i, q_pre.shape[0])
+            o_pre, l_pre = shared_part(q_own, o_pre, l_pre, G, forks, scale, backend)
+            merge_g = 1
+        o_own, l_own = cache.attend_own(i, q_own, own_mask, scale, backend)
+        return o_own, l_own, o_pre, l_pre, merge_g
+
+
+def _qk_norms(layer: torch.nn.Module) -> tuple:
+    attn = layer.self_attn
+    return (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else (None, None)
+
+
+def _heads(layer: torch.nn.Module) -> tuple[int, int]:
+    config = layer.self_attn.config
+    return config.num_attention_heads, config.num_key_value_heads
+
+
+def _rope_kernel_agrees(layer, hidden, cos, sin, G, w_qkv, b_qkv, store) -> bool:
+    """:func:`~treerl.rollout.rope_kernel.rope_write` against :func:`_pre` (eager) on one
+    layer's inputs, each writing a scratch pool (block 0, row ``i`` at slot ``i``): every
+    output within the dtype's rounding (float32: 1e-5; half precision: 2 units of its last
+    place, relative to the output's largest value)."""
+    D = cos.shape[-1]
+    Dv = store.ov.shape[-1]
+    B = hidden.shape[0]
+    if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16) or D & (D - 1) or Dv & (Dv - 1) or B % G:
+        return False  # (float64: the kernel computes in float32)
+    try:
+        pools = [[torch.zeros(1, p.shape[1], B, p.shape[3], dtype=p.dtype, device=p.device) for p in (store.ok, store.ov)]
+                 for _ in range(2)]
+        block = torch.zeros(B, dtype=torch.int64, device=hidden.device)
+        offset = torch.arange(B, device=hidden.device)
+        want = _pre(layer, hidden, cos, sin, G, w_qkv, b_qkv, *pools[0], block, offset)
+        got = rope_write(_qkv(layer, hidden, w_qkv, b_qkv), cos, sin, *_qk_norms(layer), *_heads(layer), G,
+                         *pools[1], block, offset)
+        tol = 1e-5 if hidden.dtype == torch.float32 else 2 * torch.finfo(hidden.dtype).eps
+        pairs = list(zip(want, got)) + list(zip(pools[0], pools[1]))
+        return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * b.abs().max().item())
+                   for a, b in pairs)
+    except Exception:  # noqa: BLE001 - any failure: the compiled torch path
+        return False

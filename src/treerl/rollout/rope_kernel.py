@@ -1,0 +1,115 @@
+"""The decode step's Q/K norms, RoPE, K/V write and query layouts in one Triton kernel.
+
+After a decode step's Q/K/V product (``qkv [B, (Hq + 2 Hkv) x D]``, one token per row) the
+block needs, per head: the Q/K RMS norms (Qwen3), the rotary embedding of queries and keys,
+the new key and value written into the row store's block pool, and the queries in the two
+layouts of the two-level attention (:func:`~treerl.rollout.shared.split_queries`). Compiled
+by inductor these are 4-5 small kernels per layer (one per output layout), each a few
+microseconds of launch and tail at 64 rows; here one program per (row, head) does them all.
+
+The math is :func:`treerl.rollout.blocks.qkv_rope`'s after the product: the norm in float32,
+rounded to the input dtype before its weight (as the modules do), RoPE
+``x cos + rotate_half(x) sin`` on the whole head (``cos/sin [B, D]``: the model's rotary
+embedding, any scaling), in float32, each output rounded once. Checked against that
+torch path before its first use (:func:`~treerl.rollout.blocks.DecodeBlocks`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only torch has no triton
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _norm_rope(x1, x2, W, eps, c1, s1, c2, s2, HALF: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
+        """One head as two float32 halves ``[HALF]``: RMS norm (``NORM``: rounded to ``DT``
+        before the weight, as the modules do), then RoPE; returns the two halves."""
+        if NORM:
+            r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
+            h = tl.arange(0, HALF)
+            x1 = (x1 * r).to(DT).to(tl.float32) * tl.load(W + h).to(tl.float32)
+            x2 = (x2 * r).to(DT).to(tl.float32) * tl.load(W + HALF + h).to(tl.float32)
+        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+    @triton.jit
+    def _rope_write_kernel(QKV, Cos, Sin, QW, KW, OK, OV, Block, Offset, QOwn, QPre, KOut, VOut,
+                           sqkv, scs, sok_b, sok_h, sok_s, sov_b, sov_h, sov_s, q_eps, k_eps,
+                           HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                           HALF: tl.constexpr, DV: tl.constexpr, NORM: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)  # [0, HQ): a query head; [HQ, HQ + HKV): a key/value head
+        D: tl.constexpr = 2 * HALF
+        GQ: tl.constexpr = HQ // HKV
+        i = tl.arange(0, HALF)
+        row = QKV + b.to(tl.int64) * sqkv
+        c1 = tl.load(Cos + b * scs + i).to(tl.float32)
+        c2 = tl.load(Cos + b * scs + HALF + i).to(tl.float32)
+        s1 = tl.load(Sin + b * scs + i).to(tl.float32)
+        s2 = tl.load(Sin + b * scs + HALF + i).to(tl.float32)
+        if h < HQ:
+            x1 = tl.load(row + h * D + i).to(tl.float32)
+            x2 = tl.load(row + h * D + HALF + i).to(tl.float32)
+            y1, y2 = _norm_rope(x1, x2, QW, q_eps, c1, s1, c2, s2, HALF, NORM, QKV.dtype.element_ty)
+            kv = h // GQ
+            j = h % GQ
+            own = QOwn + ((b * HKV + kv) * GQ + j) * D  # q_own [B, HKV, GQ, D]
+            pre = QPre + (((b // G) * HKV + kv) * (G * GQ) + (b % G) * GQ + j) * D  # q_pre [B/G, HKV, G GQ, D]
+            dt = QOwn.dtype.element_ty
+            tl.store(own + i, y1.to(dt))
+            tl.store(own + HALF + i, y2.to(dt))
+            tl.store(pre + i, y1.to(dt))
+            tl.store(pre + HALF + i, y2.to(dt))
+        else:
+            kv = h - HQ
+            x1 = tl.load(row + (HQ + kv) * D + i).to(tl.float32)
+            x2 = tl.load(row + (HQ + kv) * D + HALF + i).to(tl.float32)
+            y1, y2 = _norm_rope(x1, x2, KW, k_eps, c1, s1, c2, s2, HALF, NORM, QKV.dtype.element_ty)
+            blk = tl.load(Block + b).to(tl.int64)
+            off = tl.load(Offset + b).to(tl.int64)
+            dk = OK.dtype.element_ty
+            k_at = OK + blk * sok_b + kv * sok_h + off * sok_s
+            tl.store(k_at + i, y1.to(dk))
+            tl.store(k_at + HALF + i, y2.to(dk))
+            k_out = KOut + (b * HKV + kv) * D
+            tl.store(k_out + i, y1.to(dk))
+            tl.store(k_out + HALF + i, y2.to(dk))
+            d = tl.arange(0, DV)
+            v = tl.load(row + (HQ + HKV) * D + kv * DV + d)
+            dv = OV.dtype.element_ty
+            tl.store(OV + blk * sov_b + kv * sov_h + off * sov_s + d, v.to(dv))
+            tl.store(VOut + (b * HKV + kv) * DV + d, v.to(dv))
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.nn.Module | None,
+               k_norm: torch.nn.Module | None, heads: int, kv_heads: int, G: int, own_k: torch.Tensor,
+               own_v: torch.Tensor, block: torch.Tensor, offset: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``qkv [B, 1, (Hq + Hkv) x D + Hkv x Dv]`` (the product), ``cos/sin [B, 1, D]``, the Q/K
+    norm modules (None: no Q/K norms) -> ``q_own [B, Hkv, gq, D]``, ``q_pre [B/G, Hkv, G gq,
+    D]``, the token's ``k [B, Hkv, D]`` and ``v [B, Hkv, Dv]`` (post-RoPE), also written into the
+    pools ``own_k/own_v [blocks, Hkv, PAGE, D]`` at slot ``offset[i]`` of block ``block[i]``."""
+    B = qkv.shape[0]
+    D = cos.shape[-1]
+    Dv = (qkv.shape[-1] - (heads + kv_heads) * D) // kv_heads
+    qkv = qkv.reshape(B, -1)
+    cos, sin = cos.reshape(B, D), sin.reshape(B, D)
+    assert qkv.stride(1) == 1 and cos.stride(1) == 1 and cos.stride() == sin.stride() and B % G == 0
+    q_own = qkv.new_empty(B, kv_heads, heads // kv_heads, D)
+    q_pre = qkv.new_empty(B // G, kv_heads, G * (heads // kv_heads), D)
+    k = own_k.new_empty(B, kv_heads, D)
+    v = own_v.new_empty(B, kv_heads, Dv)
+    norm = q_norm is not None
+    _rope_write_kernel[(B, heads + kv_heads)](
+        qkv, cos, sin, q_norm.weight if norm else qkv, k_norm.weight if norm else qkv, own_k, own_v, block, offset,
+        q_own, q_pre, k, v, qkv.stride(0), cos.stride(0),
+        own_k.stride(0), own_k.stride(1), own_k.stride(2), own_v.stride(0), own_v.stride(1), own_v.stride(2),
+        float(q_norm.variance_epsilon) if norm else 0.0, float(k_norm.variance_epsilon) if norm else 0.0,
+        HQ=heads, HKV=kv_heads, G=G, HALF=D // 2, DV=Dv, NORM=norm, num_warps=1,
+    )
+    return q_own, q_pre, k, v
