@@ -25,12 +25,16 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    ``auto-nochain`` / ``dfs-nochain`` (chain pieces after a prefix with the tree mask instead of
    ``treerl.engine.chain_attention``'s fused kernels: ``CHAIN_AFTER_PREFIX`` off, the default),
    ``auto-chain`` / ``dfs-chain`` (the chain attention on), ``auto-chainflash`` (on, through flash's
-   kernels only, not cuDNN's).
+   kernels only, not cuDNN's), ``auto-group`` / ``dfs-group`` (groups of several leaves after a
+   prefix, e.g. long_prefix's responses after its prompt, through ``treerl.engine.group_attention``:
+   the prefix by a fused kernel, the own keys by flex; ``GROUPS_AFTER_PREFIX`` on),
+   ``auto-chain-group`` (both on), ``auto-groupflash`` (groups on, through flash's kernels only).
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan, and the timed step's attention layer calls
-   by route (``attention``: ``causal``, ``chain:<kernel>``, ``mask``, ``mask:chain-off``, ``mask:no-kernel``,
-   ``kept``; ``treerl.engine.attention.ROUTES``), with ``chain_shapes`` (distinct chain-attention kernel
-   shapes so far per kernel: cuDNN builds a plan per shape) and the kernel probe's verdicts.
+   by route (``attention``: ``causal``, ``chain:<kernel>``, ``group:<kernel>``, ``mask``, ``mask:chain-off``,
+   ``mask:no-kernel``, ``mask:short-prefix``, ``kept``; ``treerl.engine.attention.ROUTES``), with ``chain_shapes``
+   (distinct chain- and group-attention kernel shapes so far per kernel: cuDNN builds a plan per shape) and
+   the kernel probe's verdicts.
 4. **attention**: one layer's attention forward+backward (Qwen3-1.7B heads: 16 query / 8 KV
    of 128, bf16) on one causal sequence of 8k/16k/32k tokens: the engine's tree attention
    (flex on whole tiles with the tree block mask, ``treerl.engine.attention.flex_tree_attention``)
@@ -81,6 +85,11 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
     "dfs-nochain": (dict(mode="dfs"), {}, dict(CHAIN_AFTER_PREFIX=False)),
     # the chain attention through flash's kernels only (cuDNN builds a graph per new shape)
     "auto-chainflash": (dict(mode="auto"), {}, {"CHAIN_AFTER_PREFIX": True, "chain_attention.KERNELS": ("flash",)}),
+    # groups of several leaves after a prefix through treerl.engine.group_attention (off by default)
+    "auto-group": (dict(mode="auto"), {}, dict(GROUPS_AFTER_PREFIX=True)),
+    "dfs-group": (dict(mode="dfs"), {}, dict(GROUPS_AFTER_PREFIX=True)),
+    "auto-chain-group": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=True, GROUPS_AFTER_PREFIX=True)),
+    "auto-groupflash": (dict(mode="auto"), {}, {"GROUPS_AFTER_PREFIX": True, "chain_attention.KERNELS": ("flash",)}),
     "auto-general": (dict(mode="auto"), {}, {}),  # the same loss, not declared separable (issue 24 item 3)
 }
 GENERAL = {"auto-general"}  # variants timed with separable=False

@@ -7,7 +7,13 @@ padded to multiples of 128 (``chain.Layout``: never a key length of 1, never a l
 its grid, the shapes that once crashed this file's process), which the tests check call by
 call; heads a kernel does not take (``chain.refuses``) are never handed to it.
 
+Groups of leaves after a prefix (treerl.engine.group_attention) the same way: each fused
+kernel's full part over the prefix merged with compiled flex's own part (its log-sum-exp
+differentiated), against float64; the engine with GROUPS_AFTER_PREFIX on against off.
+
 Skipped on machines without a GPU; run on the device machine."""
+
+import functools
 
 import pytest
 import torch
@@ -15,6 +21,8 @@ import torch
 import treerl
 import treerl.engine.attention as attention
 import treerl.engine.chain_attention as chain
+import treerl.engine.group_attention as group
+from treerl import PrefixTree
 from treerl.devtools.workloads import SCALES, make_workload
 from treerl.models import build_model
 
@@ -136,5 +144,127 @@ def test_engine_bf16_chain_path_as_accurate_as_the_tree_mask(mode, kw, monkeypat
         assert (chained > 0 and "mask:no-kernel" not in routes[on]) if on else chained == 0, routes[on]
     print("attention layer calls by route (the last forward_backward): tree mask", routes[False], "chain", routes[True])
     print("max |logprob error|, max relative gradient error: tree mask", errors[False], "chain", errors[True])
+    assert errors[True][0] <= 1.5 * errors[False][0] + 1e-2, errors
+    assert errors[True][1] <= 1.5 * errors[False][1] + 1e-2, errors
+
+
+# ------------------------------------------------------------- groups after a prefix
+def _group_tree(prefix: int, lengths: list[int], stem: int, seed: int):
+    """q_index, k_index, k_end (CUDA) of responses of ``lengths`` after a ``prefix``-token
+    prompt, the first two sharing a ``stem`` (a small tree below the prompt)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = lambda n: torch.randint(0, 1000, (n,), generator=gen).tolist()  # noqa: E731
+    prompt, shared = tokens(prefix), tokens(stem)
+    seqs = [prompt + (shared if i < 2 else []) + tokens(n) for i, n in enumerate(lengths)]
+    tree = PrefixTree.from_sequences(seqs)
+    k_index = torch.arange(tree.num_tree_tokens, device="cuda")
+    return k_index[prefix:], k_index, tree.subtree_end.to("cuda")[k_index]
+
+
+class Refused(Exception):
+    """A fused kernel's RuntimeError (inputs it does not take)."""
+
+
+def _refusals_noted(kernel: chain.Kernel) -> chain.Kernel:
+    """``kernel`` raising :class:`Refused` where it raises a RuntimeError."""
+
+    def noted(fn):
+        def call(*args):
+            try:
+                return fn(*args)
+            except RuntimeError as exc:
+                raise Refused(str(exc)) from exc
+        return call
+
+    return chain.Kernel(kernel.name, noted(kernel.forward), noted(kernel.backward), kernel.expand_kv, kernel.align)
+
+
+@pytest.mark.parametrize("prefix,lengths", [(131, [40, 37, 77, 9]), (1024, [100, 60, 96]), (2048, [64, 64, 64, 40]),
+                                            (127, [30, 30])])
+@pytest.mark.parametrize("expand_kv", [False, True], ids=["gqa", "kv-expanded"])
+@pytest.mark.parametrize("name", chain.KERNELS)
+def test_group_fused_kernels_against_float64(name, expand_kv, prefix, lengths):
+    """bf16: the fused kernel's full part (cuDNN's on its grid of 128: dummy rows after the
+    queries, ``prefix % 128`` keys moved to flex's part) merged with compiled flex's tree-masked
+    own part, forward and backward (through flex's log-sum-exp), against float64 attention with
+    the dense tree mask on the same bf16 inputs: within bf16 rounding. A kernel that refuses
+    the inputs is skipped, saying why; a prefix under cuDNN's grid runs no group (None)."""
+    calls = []
+    kernel = recording(_refusals_noted(chain.fused_kernel(name, expand_kv)), calls)
+    q_index, k_index, k_end = _group_tree(prefix, lengths, 5, prefix + len(lengths))
+    ctx = attention.TreeAttention("flex", q_index, k_index, k_end)  # (its own masks)
+    n, keys = len(q_index), len(k_index)
+    gen = torch.Generator().manual_seed(n + prefix)
+    q = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(1, KV_HEADS, keys, DIM, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
+    scale = DIM ** -0.5
+    try:
+        out = group.group_attention(q, k, v, scale, functools.partial(attention._own, ctx), kernel)
+        if out is None:
+            assert prefix < chain.ALIGN.get(name, 1) and calls == []
+            return
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    except Refused as exc:  # (the kernel's; flex's errors fail the test)
+        pytest.skip(f"{name} refuses these inputs: {str(exc).splitlines()[0][:200]}")
+    f64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    visible = attention.dense_tree_mask(q_index, k_index, k_end)
+    s = (f64[0] @ f64[1].repeat_interleave(HEADS // KV_HEADS, 1).transpose(-1, -2) * scale).masked_fill(
+        ~visible, float("-inf"))
+    ref = torch.softmax(s, -1) @ f64[2].repeat_interleave(HEADS // KV_HEADS, 1)
+    ref_grads = torch.autograd.grad(ref, f64, dout.double())
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert rel(out.detach(), ref.detach()) < 1e-2
+    for what, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert got.shape == want.shape and rel(got, want) < 2e-2, (what, rel(got, want))
+    align = chain.ALIGN.get(name, 1)
+    assert calls and all(nq % align == 0 and nk % align == 0 and nk >= align for nq, nk in calls), calls
+
+
+def test_group_float32_takes_the_tree_mask(monkeypatch):
+    """float32 on CUDA: no fused kernel (the tree mask is exact there), the route says so."""
+    monkeypatch.setattr(attention, "GROUPS_AFTER_PREFIX", True)
+    q_index, k_index, k_end = _group_tree(256, [20, 30], 4, 0)
+    kv = [[(torch.zeros(1, KV_HEADS, 256, DIM, device="cuda"),) * 2]]
+    ctx = attention.TreeAttention("flex", q_index, k_index, k_end, prefix=kv)
+    q, k = torch.zeros(1, HEADS, len(q_index), DIM, device="cuda"), torch.zeros(1, KV_HEADS, len(k_index), DIM,
+                                                                               device="cuda")
+    assert ctx.group and chain.kernel_for(q, k, causal=False) is None
+    assert attention._group(ctx, q, k, k, None) is None and ctx.routes is None
+    assert attention.ROUTES["mask:no-kernel"] > 0
+
+
+@pytest.mark.parametrize("chains", [False, True], ids=["chain-off", "chain-on"])
+def test_engine_bf16_group_path_as_accurate_as_the_tree_mask(chains, monkeypatch):
+    """bf16 engine (auto) on a long shared prefix whose responses run as a group after it:
+    with the group attention its logprobs and gradients are as close to the float32
+    per-sequence reference as with the tree mask (flex), and the group did run through it."""
+    seqs = [torch.as_tensor(s) for s in make_workload("long_prefix", SCALES["small"], 4096, seed=3)]
+    weights = [torch.randn(len(s) - 1, device="cuda", dtype=torch.float64) for s in seqs]
+    model = build_model("qwen3", "small", dtype=torch.bfloat16, device="cuda", seed=1)
+    ref_model = build_model("qwen3", "small", dtype=torch.float32, device="cuda", seed=1)
+    ref_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    ref_lps = []
+    for s in seqs:
+        logits = ref_model(input_ids=s[None].cuda()).logits[0].double()
+        ref_lps.append(torch.log_softmax(logits[:-1], -1).gather(1, s[1:, None].cuda())[:, 0])
+    sum((lp * w).sum() for lp, w in zip(ref_lps, weights)).backward()
+    ref_grads = {n: p.grad.double() for n, p in ref_model.named_parameters()}
+    ref_lps = [lp.detach() for lp in ref_lps]
+
+    monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", chains)
+    errors, routes = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(attention, "GROUPS_AFTER_PREFIX", on)
+        engine = treerl.TreeEngine(model, "auto", attention="flex", compile=False, max_tokens=300, chunk_tokens=64)
+        lps, grads = _logprobs_and_grads(model, engine, seqs, weights)
+        errors[on] = (max(float((a - b).abs().max()) for a, b in zip(lps, ref_lps)),
+                      max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref_grads.items()))
+        routes[on] = dict(engine.stats.attention)
+        grouped = sum(v for r, v in routes[on].items() if r.startswith("group:"))
+        assert (grouped > 0 and "mask:no-kernel" not in routes[on]) if on else grouped == 0, routes[on]
+    print("attention layer calls by route (the last forward_backward): tree mask", routes[False], "group", routes[True])
+    print("max |logprob error|, max relative gradient error: tree mask", errors[False], "group", errors[True])
     assert errors[True][0] <= 1.5 * errors[False][0] + 1e-2, errors
     assert errors[True][1] <= 1.5 * errors[False][1] + 1e-2, errors

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from ..compiled import FLEX_OFF, LazyCompiled
 from ..hf_attention import attention_routed, register
-from .chain_attention import chain_attention, kernel_for
+from .chain_attention import MATH, chain_attention, kernel_for
+from .group_attention import group_attention
 from .kept_attention import KeptAttention
 
 ATTN_NAME = "treerl"
@@ -51,7 +52,9 @@ class TreeAttention:
     caller knows the segment is one chain (every key visible to every later query, the
     prefix's to all queries): without prefix plain causal attention is exact, after one the
     chain attention of :mod:`treerl.engine.chain_attention` (with :data:`CHAIN_AFTER_PREFIX`);
-    either needs no mask. ``prefix[l]`` is
+    either needs no mask. ``group``: not one chain, after a prefix whose every key every query
+    sees (with :data:`GROUPS_AFTER_PREFIX`): the prefix through a fused kernel, the own keys
+    under the tree mask (:mod:`treerl.engine.group_attention`). ``prefix[l]`` is
     the list of (K, V) pieces of layer ``l`` that precede this call's own keys. With
     ``capture``, each layer's own (K, V) lands in ``captured[layer]``.
 
@@ -74,11 +77,20 @@ class TreeAttention:
         # full attention to the prefix merged with causal attention to its own keys
         self.chain = causal
         self.causal = causal and (not prefix or CHAIN_AFTER_PREFIX)
+        self.group = bool(prefix) and not causal and GROUPS_AFTER_PREFIX and self._prefix_seen_by_all()
         self.routes: collections.Counter | None = None  # layer calls by route (the engine's StepStats.attention)
         self.captured: dict[int, KV] = {}
         self.keep_layers: frozenset[int] = frozenset()
         self.kept: dict[int, KeptAttention] = {}
         self._mask = None
+        self._own_masks: dict[int, object] = {}
+
+    def _prefix_seen_by_all(self) -> bool:
+        """Whether every query sees every prefix key (true of every plan's prefix: its segments
+        are chains of ancestors; checked, one device sync): each prefix key precedes the first
+        query and its subtree reaches past the last (the queries are one range)."""
+        p = len(self.k_index) - len(self.q_index)
+        return bool((self.k_index[:p].max() <= self.q_index[0]) & (self.k_end[:p].min() > self.q_index[-1]))
 
     @property
     def input_copies(self) -> bool:
@@ -97,6 +109,16 @@ class TreeAttention:
                 square = PREFIX_AS_TILES and len(self.k_index) > len(self.q_index)
                 self._mask = flex_block_mask(self.q_index, self.k_index, self.k_end, square=square)
         return self._mask
+
+    def own_mask(self, first: int) -> object:
+        """The visibility of the queries over the keys from ``first`` on (a group's own part:
+        the prefix keys its fused part leaves, then its own), built once per call and
+        ``first``: dense [Nq, Nk - first] for the SDPA backend, flex's block mask otherwise."""
+        if first not in self._own_masks:
+            k_index, k_end = self.k_index[first:], self.k_end[first:]
+            build = dense_tree_mask if self.backend == "sdpa" else flex_block_mask
+            self._own_masks[first] = build(self.q_index, k_index, k_end)
+        return self._own_masks[first]
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The SDPA mask as 0 / -inf of ``dtype``, built once per call. SDPA would convert
@@ -132,6 +154,11 @@ PREFIX_AS_TILES = False
 # process (the probe's odd shapes through cuDNN, not yet diagnosed) and cuDNN builds a plan per new
 # shape (~270 ms): see bench/RESULTS.md.
 CHAIN_AFTER_PREFIX = False
+# A call of several leaves after a prefix (not one chain; every query sees every prefix key) as
+# the prefix's full attention through a fused SDPA kernel merged by log-sum-exp with the tree
+# mask over its own keys (treerl.engine.group_attention; issue 24, an A/B switch of
+# bench/long_trees.py: long_prefix's response groups after the 32k prompt). Off until measured.
+GROUPS_AFTER_PREFIX = False
 
 
 def prefix_as_tiles() -> bool:
@@ -139,14 +166,21 @@ def prefix_as_tiles() -> bool:
     return PREFIX_AS_TILES
 
 
-def _flex_whole_tiles(query, key, value, block_mask, scale, enable_gqa):
+def _flex(query, key, value, lse: bool = False, **kwargs):
+    """flex_attention -> out, or with ``lse`` (out, log-sum-exp [B, H, N], natural log, differentiable)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    if not lse:
+        return flex_attention(query, key, value, **kwargs)
+    out, aux = flex_attention(query, key, value, return_aux=AuxRequest(lse=True), **kwargs)
+    return out, aux.lse
+
+
+def _flex_whole_tiles(query, key, value, block_mask, scale, enable_gqa, lse=False):
     """[1, H, T, FLEX_BLOCK, D] tensors: the sequence axis as whole tiles, so that the
     compiled kernel knows its lengths are multiples of the tile (see flex_tree_attention)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     q, k, v = (x.flatten(2, 3) for x in (query, key, value))
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-                          kernel_options=FLEX_KERNEL)
+    return _flex(q, k, v, lse, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, kernel_options=FLEX_KERNEL)
 
 
 def whole_tile_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -160,9 +194,7 @@ def whole_tile_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _flex_any(*args, **kwargs):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return flex_attention(*args, **kwargs)
+    return _flex(*args, **kwargs)
 
 
 _FLEX_TILES = LazyCompiled(_flex_whole_tiles, "flex tree attention (whole tiles)", FLEX_OFF)
@@ -170,9 +202,10 @@ _FLEX_ANY = LazyCompiled(_flex_any, "flex tree attention", FLEX_OFF)
 
 
 def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask,
-                        scale: float | None) -> torch.Tensor:
+                        scale: float | None, lse: bool = False):
     """query [1, H, Nq, D], key/value [1, H_kv, Nk, D], ``block_mask`` from
-    :func:`flex_block_mask` (whole tiles of :data:`FLEX_BLOCK`) -> [1, H, Nq, D].
+    :func:`flex_block_mask` (whole tiles of :data:`FLEX_BLOCK`) -> [1, H, Nq, D]; with ``lse``
+    (out, its differentiable log-sum-exp [1, H, Nq]).
 
     A call without prefix arrives on whole tiles (the engine pads its tokens; padded
     queries see nothing, padded keys are seen by nobody) and is handed over with the tile
@@ -186,18 +219,24 @@ def flex_tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """
     nq, gqa = query.shape[2], query.shape[1] != key.shape[1]
     if nq == key.shape[2] and nq % FLEX_BLOCK == 0:
-        return _FLEX_TILES(*whole_tile_views(query, key, value), block_mask, scale, gqa)
+        return _FLEX_TILES(*whole_tile_views(query, key, value), block_mask, scale, gqa, lse)
     q_len, kv_len = block_mask.seq_lengths
     if q_len == kv_len and nq < key.shape[2]:  # a square mask (PREFIX_AS_TILES): queries last, padded in front
         front = q_len - -(-nq // FLEX_BLOCK) * FLEX_BLOCK
         q = F.pad(query, (0, 0, front, q_len - front - nq))
         k, v = (F.pad(x, (0, 0, 0, kv_len - x.shape[2])) if x.shape[2] != kv_len else x for x in (key, value))
-        out = _FLEX_TILES(*whole_tile_views(q, k, v), block_mask, scale, gqa)
-        return out[:, :, front:front + nq]
+        return _rows(_FLEX_TILES(*whole_tile_views(q, k, v), block_mask, scale, gqa, lse), front, nq)
     q, k, v = (F.pad(x, (0, 0, 0, -x.shape[2] % FLEX_BLOCK)) if x.shape[2] % FLEX_BLOCK else x
                for x in (query, key, value))
-    out = _FLEX_ANY(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=FLEX_KERNEL)
-    return out[:, :, :nq]
+    out = _FLEX_ANY(q, k, v, lse, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=FLEX_KERNEL)
+    return _rows(out, 0, nq)
+
+
+def _rows(out, start: int, n: int):
+    """Rows ``start`` to ``start + n`` of flex's output (and log-sum-exp, when it is a pair)."""
+    if isinstance(out, tuple):
+        return tuple(x.narrow(2, start, n) for x in out)
+    return out.narrow(2, start, n)
 
 
 def flex_block_mask(q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor, block: int = FLEX_BLOCK,
@@ -325,7 +364,9 @@ def _inputs(ctx: TreeAttention, layer: int, query: torch.Tensor, key: torch.Tens
 # engine's per-step StepStats.attention: "causal" (one chain, no prefix: SDPA's causal kernel),
 # "chain:<kernel>" (one chain after a prefix: treerl.engine.chain_attention), "mask" (the tree
 # mask: not one chain), "mask:chain-off" (one chain after a prefix, CHAIN_AFTER_PREFIX off),
-# "mask:no-kernel" (one chain after a prefix that no fused kernel takes), "kept" (a block's
+# "mask:no-kernel" (one chain or group after a prefix that no fused kernel takes), "group:<kernel>"
+# (several leaves after a prefix: treerl.engine.group_attention, GROUPS_AFTER_PREFIX on),
+# "mask:short-prefix" (a group whose prefix is shorter than its kernel's grid), "kept" (a block's
 # recompute of a kept attention: the held output, no attention run).
 ROUTES: collections.Counter = collections.Counter()
 
@@ -350,6 +391,10 @@ def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: t
             return chain_attention(query, key, value, scaling, kernel)
         # no fused kernel takes these inputs (the probe says why, once): the tree mask
         _route(ctx, "mask:no-kernel")
+    elif ctx.group:  # several leaves after a prefix
+        out = _group(ctx, query, key, value, scaling)
+        if out is not None:
+            return out
     else:
         _route(ctx, "mask:chain-off" if ctx.chain and ctx.prefix else "mask")
     if ctx.backend == "sdpa":
@@ -357,6 +402,28 @@ def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: t
             query, key, value, attn_mask=ctx.additive_mask(query.dtype), scale=scaling, enable_gqa=gqa
         )
     return flex_tree_attention(query, key, value, ctx.mask(), scaling)
+
+
+def _group(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scaling: float | None) -> torch.Tensor | None:
+    """A group's attention (:mod:`treerl.engine.group_attention`), its route counted; None
+    where it does not run (the tree mask instead). Its own part: flex with the tree mask, or
+    on the CPU the plain-torch math (the SDPA backend on CUDA has no own part that returns a
+    log-sum-exp without the whole score matrix: the tree mask)."""
+    kernel = kernel_for(query, key, causal=False) if ctx.backend == "flex" or query.device.type == "cpu" else None
+    out = None if kernel is None else group_attention(query, key, value, scaling, functools.partial(_own, ctx), kernel)
+    _route(ctx, "mask:no-kernel" if kernel is None else "mask:short-prefix" if out is None else f"group:{kernel.label}")
+    return out
+
+
+def _own(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int,
+         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's own part: the queries over the keys from ``first`` on under the tree mask ->
+    (out [1, H, Nq, D], differentiable log-sum-exp [1, H, Nq])."""
+    if ctx.backend == "flex":
+        return flex_tree_attention(query, key, value, ctx.own_mask(first), scale, lse=True)
+    out, lse, _ = MATH.forward(query, key, value, ctx.own_mask(first), scale)
+    return out, lse
 
 
 register(ATTN_NAME, tree_attention_forward)

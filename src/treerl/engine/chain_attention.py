@@ -141,42 +141,62 @@ def refuses(name: str, heads: int, kv_heads: int, dim: int) -> str | None:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a chain piece of ``n`` queries after ``prefix`` keys sits in its kernel calls on a
-    grid of ``align`` (module docstring, "Lengths on a grid"): ``front`` prefix keys move to the
-    causal part and as many dummy rows precede the queries; ``full_keys`` (= prefix - front)
-    keys make the full part; both parts run ``rows`` query rows, the causal part as many keys."""
+    """Where ``n`` queries after ``prefix`` keys sit in their kernel calls on a grid of ``align``
+    (module docstring, "Lengths on a grid"): ``front`` prefix keys move to the own part;
+    ``full_keys`` (= prefix - front) keys make the full part; the kernels run ``rows`` query
+    rows, the real ones from row ``lead``. A chain (``causal``): its causal part runs the moved
+    keys and its own, so ``lead = front`` dummy rows precede the queries and the causal part
+    has ``rows`` keys. A group (:mod:`treerl.engine.group_attention`): the own part is not a
+    kernel call, the queries lead (``lead = 0``) and dummy rows follow them."""
 
     n: int
     prefix: int
     front: int
     full_keys: int
     rows: int
+    lead: int
 
     @classmethod
-    def of(cls, n: int, prefix: int, align: int = 1) -> "Layout":
+    def of(cls, n: int, prefix: int, align: int = 1, causal: bool = True) -> "Layout":
         front = prefix % align
-        return cls(n, prefix, front, prefix - front, -(-(front + n) // align) * align)
+        lead = front if causal else 0
+        return cls(n, prefix, front, prefix - front, -(-(lead + n) // align) * align, lead)
 
     @property
     def padded(self) -> bool:
         return self.rows != self.n
 
-    def inputs(self, q, k, v):
-        """The queries as the kernels get them, and the causal part's K/V."""
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [B, H, n, D] as the kernels get it: [B, H, rows, D], zero dummy rows around it."""
         if not self.padded:
-            return q, k[:, :, self.prefix:], v[:, :, self.prefix:]
+            return q
         b, h, n, d = q.shape
         rows = q.new_zeros(b, self.rows, h, d).transpose(1, 2)  # the engine's layout: [B, H, N, D] of [B, N, H, D]
-        rows[:, :, self.front:self.front + n] = q
-        own = self.front + n
-        k_own, v_own = (x.new_zeros(b, x.shape[1], self.rows, d) for x in (k, v))
+        rows[:, :, self.lead:self.lead + n] = q
+        return rows
+
+    def inputs(self, q, k, v):
+        """A chain's queries as the kernels get them, and its causal part's K/V."""
+        if not self.padded:
+            return q, k[:, :, self.prefix:], v[:, :, self.prefix:]
+        own = self.front + self.n
+        k_own, v_own = (x.new_zeros(*x.shape[:2], self.rows, x.shape[3]) for x in (k, v))
         k_own[:, :, :own] = k[:, :, self.full_keys:]
         v_own[:, :, :own] = v[:, :, self.full_keys:]
-        return rows, k_own, v_own
+        return self.queries(q), k_own, v_own
 
     def real(self, x: torch.Tensor) -> torch.Tensor:
         """The real queries' rows of a [B, H, rows, ...] tensor (a view)."""
-        return x.narrow(2, self.front, self.n) if self.padded else x
+        return x.narrow(2, self.lead, self.n) if self.padded else x
+
+    def padded_grad(self, dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """dout [B, H, n, D] on ``out``'s rows (laid out as it): zero for the dummy rows, so
+        that they add to no dK/dV (``dS = P (dO V^T - rowsum(dO O)) = 0``)."""
+        if not self.padded:
+            return dout
+        grad = torch.zeros_like(out)
+        self.real(grad).copy_(dout)
+        return grad
 
 
 def _expand(k: torch.Tensor, v: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,10 +213,14 @@ def lse_rows(raw: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ plain torch
-def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+def _scores(q, k, causal: bool | torch.Tensor, scale: float) -> torch.Tensor:
+    """Scaled scores [B, H, N, M] in float32 at least; ``causal``: top-left causal, or a
+    [N, M] boolean visibility mask (a group's own part, :mod:`treerl.engine.group_attention`)."""
     dtype = torch.promote_types(q.dtype, torch.float32)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
     s = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) * scale
+    if isinstance(causal, torch.Tensor):
+        return s.masked_fill(~causal, float("-inf"))
     if causal:
         n, m = s.shape[-2:]
         s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
@@ -275,6 +299,26 @@ FUSED: dict[str, tuple[PartForward, PartBackward]] = {
 
 
 # ------------------------------------------------------------ merge, backward
+def merge_into(out: torch.Tensor, raw_lse: torch.Tensor, rows: int, start: int, other: torch.Tensor,
+               other_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge a part's ``out`` [B, H, rows, D] and kernel log-sum-exp ``raw_lse`` (its format,
+    :func:`lse_rows`) with another part's ``other`` [B, H, m, D] and ``other_lse`` [B, H, m]
+    on rows ``start`` to ``start + m``: ``lse = logaddexp(l1, l2)``, ``o1 e^(l1 - lse) +
+    o2 e^(l2 - lse)`` (in float32 at least) -> new (out, log-sum-exp) in ``out``'s layout and
+    ``raw_lse``'s format (what the kernel's backward reads); the other rows as they were."""
+    m = other.shape[2]
+    l1 = lse_rows(raw_lse, rows).narrow(2, start, m)
+    lse = torch.logaddexp(l1, other_lse)
+    dtype = torch.promote_types(out.dtype, torch.float32)
+    merged = out.narrow(2, start, m).to(dtype) * torch.exp(l1 - lse)[..., None].to(dtype)
+    merged += other.to(dtype) * torch.exp(other_lse - lse)[..., None].to(dtype)
+    result = torch.empty_like(out) if m == rows else out.clone()  # (keeps the kernel's layout)
+    result.narrow(2, start, m).copy_(merged)
+    packed = raw_lse.clone()  # the kernel's format (padding rows included)
+    lse_rows(packed, rows).narrow(2, start, m).copy_(lse)
+    return result, packed
+
+
 @dataclass(frozen=True)
 class Extras:
     """What :func:`chain_backward` needs beside the inputs: each part's kernel extras, the
@@ -298,17 +342,7 @@ def chain_forward(kernel: Kernel, q, k, v, prefix: int, scale: float):
         extras = Extras(None, own[2], layout)
     else:
         full = kernel.run_forward(rows, k[:, :, :layout.full_keys], v[:, :, :layout.full_keys], False, scale)
-        n = layout.rows
-        l1, l2 = lse_rows(full[1], n), lse_rows(own[1], n)
-        lse = torch.logaddexp(l1, l2)
-        dtype = torch.promote_types(q.dtype, torch.float32)
-        merged = full[0].to(dtype) * torch.exp(l1 - lse)[..., None].to(dtype)
-        merged += own[0].to(dtype) * torch.exp(l2 - lse)[..., None].to(dtype)
-        out = torch.empty_like(own[0])  # the kernel's layout (its backward reads this one)
-        out.copy_(merged)
-        packed = own[1].clone()  # the kernel's format (padding rows included)
-        lse_rows(packed, n).copy_(lse)
-        lse = packed
+        out, lse = merge_into(own[0], own[1], layout.rows, 0, full[0], lse_rows(full[1], layout.rows))
         extras = Extras(full[2], own[2], layout)
     if not layout.padded:
         return out, lse, extras
@@ -320,11 +354,9 @@ def chain_backward(kernel: Kernel, dout, q, k, v, out, lse, extras: Extras, pref
     """dQ, dK, dV of :func:`chain_forward` given its merged output and log-sum-exp."""
     layout = extras.layout
     rows, k_own, v_own = layout.inputs(q, k, v)
-    if layout.padded:  # the dummy rows' output gradient is zero: they add to no dK/dV
+    if layout.padded:
         out, lse = extras.out, extras.lse
-        grad = torch.zeros_like(out)
-        layout.real(grad).copy_(dout)
-        dout = grad
+        dout = layout.padded_grad(dout, out)
     dq, dk, dv = kernel.run_backward(dout, rows, k_own, v_own, out, lse, extras.own, True, scale)
     own = layout.front + layout.n  # the causal part's real keys
     if layout.padded:
@@ -368,9 +400,10 @@ PROBED: dict[str, dict] = {}
 SHAPES: dict[str, set] = {}
 
 
-def kernel_for(q: torch.Tensor, k: torch.Tensor) -> Kernel | None:
-    """The kernel for inputs like these (q [B, H, N, D] of one chain piece, k [B, Hk, P + N, D]),
-    or None: probed once per device, dtype and head shape, then :func:`planned` for the shape."""
+def kernel_for(q: torch.Tensor, k: torch.Tensor, causal: bool = True) -> Kernel | None:
+    """The kernel for inputs like these (q [B, H, N, D] of one chain piece, or with
+    ``causal=False`` of a group, k [B, Hk, P + N, D]), or None: probed once per device, dtype
+    and head shape, then :func:`planned` for the shape."""
     if q.device.type == "cpu":
         return MATH
     if q.device.type != "cuda" or q.dtype not in FUSED_DTYPES:
@@ -380,22 +413,27 @@ def kernel_for(q: torch.Tensor, k: torch.Tensor) -> Kernel | None:
     if kernel is None:
         return None
     rest = tuple(name for name in KERNELS if name != kernel.name)
-    return planned(kernel, q, k, lambda: select(q.device, q.dtype, heads, kv_heads, dim, rest) if rest else None)
+    return planned(kernel, q, k, lambda: select(q.device, q.dtype, heads, kv_heads, dim, rest) if rest else None,
+                   causal)
 
 
-def planned(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, fallback: Callable[[], Kernel | None]) -> Kernel:
+def planned(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, fallback: Callable[[], Kernel | None],
+            causal: bool = True) -> Kernel:
     """``kernel`` for this call's shape (recorded in :data:`SHAPES`), unless it is cuDNN, the
     shape is new and cuDNN has planned :data:`CUDNN_MAX_SHAPES` others already: then
     ``fallback()`` (the next kernel that passed the probe), if there is one. Deterministic per
-    shape, so a block's recompute takes the kernel its forward took."""
+    shape, so a block's recompute takes the kernel its forward took. ``causal``: a chain's
+    (a full and a causal part) or a group's (a full part only; none without full keys)."""
     n = q.shape[2]
 
     def shape(kernel: Kernel) -> tuple:
-        layout = Layout.of(n, k.shape[2] - n, kernel.align)
-        return (str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[3], layout.rows, layout.full_keys)
+        layout = Layout.of(n, k.shape[2] - n, kernel.align, causal)
+        return (str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[3], layout.rows, layout.full_keys, causal)
 
-    seen = SHAPES.setdefault(kernel.label, set())
     key = shape(kernel)
+    if not causal and key[-2] == 0:
+        return kernel  # a group without full keys runs no kernel (the tree mask instead)
+    seen = SHAPES.setdefault(kernel.label, set())
     if key not in seen and kernel.name == "cudnn" and CUDNN_MAX_SHAPES is not None and len(seen) >= CUDNN_MAX_SHAPES:
         other = fallback()
         if other is not None:

@@ -310,7 +310,7 @@ class TreeEngine:
         recompute = grad and seg.recompute
         if recompute:
             ctx.keep_layers = self.memory.kept_attention_layers(seg.size, len(k_index), ctx.input_copies, seg.spare)
-        if not ctx.causal:  # built once, before the blocks (not inside a block that is recomputed)
+        if not (ctx.causal or ctx.group):  # built once, before the blocks (not inside a block that is recomputed)
             ctx.additive_mask(self.head.weight.dtype) if self.attention == "sdpa" else ctx.mask()
         self.stats.model_calls += 1
         self.stats.tokens_run += seg.size
