@@ -1,16 +1,21 @@
 """Non-finite training: a non-finite loss or gradient skips that update (weights and
 optimizer state untouched) with a warning and a counter in the metrics;
 ``optim.max_nonfinite_updates`` in a row stop the run with one line; a checkpoint never
-holds a non-finite weight."""
+holds a non-finite weight. The first minibatch's proximal logprobs taken from its own update
+(no proximal forward for it): the step equals the one with the forward."""
+
+import copy
 
 import pytest
 import torch
 
-from helpers.configs import run_overrides
+from helpers.configs import run_config, run_overrides
 from treerl import checkpoint as ckpt
 from treerl.cli import main
 from treerl.config import Config
 from treerl.learner import NonFiniteError
+from treerl.models import rmsnorm_in_input_precision
+from treerl.tasks import get_task
 from treerl.trainer import Trainer
 
 BASE = run_overrides(None, "rollout.prompts_per_step=2", "rollout.group_size=2", "train.eval_problems=2",
@@ -78,3 +83,61 @@ def test_a_checkpoint_never_holds_a_non_finite_weight(tmp_path):
         trainer.save()
     assert ckpt.list_checkpoints(tmp_path / "checkpoints") == [first]
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+# the first minibatch's proximal logprobs from its own update: algorithm overrides, stale samples
+REUSE = {
+    "minibatches-kl": (["algorithm.minibatches=2", "algorithm.kl_coef=0.1"], False),
+    "epochs-cap": (["algorithm.ppo_epochs=2", "algorithm.behaviour_weight_cap=1.2"], False),
+    "epochs-minibatches-gspo": (["algorithm.ppo_epochs=2", "algorithm.minibatches=2", "algorithm.ratio=sequence",
+                                 "algorithm.eps_low=0.05", "algorithm.eps_high=0.08", "algorithm.dual_clip=1.05"], False),
+    "stale-one-update": ([], True),
+}
+
+
+@pytest.mark.parametrize("case", list(REUSE))
+def test_the_first_minibatch_reuses_its_own_logprobs_as_proximal(case, monkeypatch):
+    """The proximal forward covers only the sequences outside the first minibatch of epoch 0;
+    weights, loss metrics and the rollout mismatch equal the step that runs it over all (float64)."""
+    extra, stale = REUSE[case]
+    cfg = run_config(None, "model.dtype=float64", "rollout.prompts_per_step=3", "rollout.group_size=4",
+                     "optim.lr=1e-2", *extra, layers=2)
+    task = get_task("addition", digits=2)  # a reward that varies within a group: advantages != 0
+    task.reward = lambda prompt, completion, **f: sum(ch in "13579" for ch in completion) / max(1, len(completion))
+    a, b = Trainer(cfg, task=task), Trainer(cfg, task=task)
+    for t in (a, b):
+        rmsnorm_in_input_precision(t.model)
+    b.model.load_state_dict(a.model.state_dict())
+    samples = a.sampler.generate(a.sampler.next_problems(3), 4)
+    gen = torch.Generator().manual_seed(5)
+    for i, s in enumerate(samples):  # behaviour logprobs off the current weights: behaviour weights != 1
+        s.behaviour_logprobs = (torch.tensor(s.behaviour_logprobs, dtype=torch.float64)
+                                + 0.3 * torch.randn(len(s.behaviour_logprobs), generator=gen, dtype=torch.float64)).tolist()
+        if stale and i % 2:  # (the others give the rollout mismatch)
+            s.versions = [v - 1 for v in s.versions]
+    seen = {"reuse": {}, "forward": {}}  # sequences each no-grad forward received
+    for t, name in ((a, "reuse"), (b, "forward")):
+        forwards = t.learner.forwards
+
+        def counted(engines, seqs, *args, name=name, forwards=forwards):
+            for engine in engines:
+                seen[name][engine] = seen[name].get(engine, 0) + len(seqs)
+            return forwards(engines, seqs, *args)
+
+        monkeypatch.setattr(t.learner, "forwards", counted)
+    monkeypatch.setattr(b.learner, "proximal_reused", lambda *args: set())  # the forward over every sequence
+    before = torch.cat([p.detach().flatten() for p in a.model.parameters()]).clone()
+    m_reuse, m_forward = a.train_on(copy.deepcopy(samples)), b.train_on(copy.deepcopy(samples))
+    first = a.learner.minibatches(samples, 0, 0)[0]
+    assert seen["forward"]["proximal_logprobs"] == len(samples)
+    assert seen["reuse"].get("proximal_logprobs", 0) == len(samples) - len(first)
+    assert seen["reuse"].get("reference_logprobs") == seen["forward"].get("reference_logprobs")
+    pa = torch.cat([p.detach().flatten() for p in a.model.parameters()])
+    pb = torch.cat([p.detach().flatten() for p in b.model.parameters()])
+    assert (pa - before).norm() > 0
+    assert (pa - pb).norm() <= 1e-10 * (pa - before).norm()
+    keys = [k for k in m_forward if k.startswith(("loss/", "rollout/"))]
+    assert "rollout/logp_mismatch_mean" in keys and "loss/behaviour_weight_mean" in keys
+    assert m_reuse.keys() == m_forward.keys()
+    for k in keys:
+        assert m_reuse[k] == pytest.approx(m_forward[k], rel=1e-9, abs=1e-12), k

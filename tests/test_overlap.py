@@ -58,6 +58,8 @@ def run_steps(cfg, task=None, steps=2):
 
     trainer.learner.forwards = recording_forwards
     trainer.learner.group_forwards = recording_group_forwards
+    # the sequential step's proximal forward over every sequence (not only those after the first minibatch)
+    trainer.learner.proximal_reused = lambda *args: set()
     for _ in range(steps):
         assert trainer.step()["reward/std"] > 0
         samples.append([s.token_ids for s in trainer.last_samples])

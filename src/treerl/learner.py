@@ -175,7 +175,9 @@ class Learner:
         (stale samples, several updates, a behaviour-weight cap): ``"recompute"`` (a tree
         forward of the current weights, exact) or ``"loglinear"`` (AReaL's per-token
         interpolation between behaviour and current logprobs by version, no forward;
-        :mod:`treerl.rl.proximal`).
+        :mod:`treerl.rl.proximal`). The recompute forward skips the first minibatch of epoch 0,
+        whose update runs on the proximal weights: its own logprobs, detached, serve
+        (:meth:`proximal_reused`).
 
         ``ready``: forwards already run during the rollout (:meth:`group_forwards`); what
         they do not cover is computed here."""
@@ -194,26 +196,47 @@ class Learner:
         if loglinear:  # the per-token interpolation weights stand in the proximal field
             fields["proximal_logprobs"] = [loglinear_alpha(torch.tensor(s.versions, dtype=torch.int64), version).to(dtype)
                                            for s in samples]
+        recompute = "proximal_logprobs" in forwards
+        first = self.proximal_reused(samples, step, ready) if recompute else set()
+        policy = forwards.pop("proximal_logprobs") if first else None
         fields.update(self.forwards(forwards, seqs, tree, dtype, ready))
+        if first:  # the proximal forward of the other sequences; the first minibatch's come from its update
+            fields["proximal_logprobs"] = [None] * len(seqs)
+            rest = [i for i in range(len(seqs)) if i not in first]
+            part = [seqs[i] for i in rest]
+            if rest:
+                done = self.forwards({"proximal_logprobs": policy}, part, PrefixTree.from_sequences(part), dtype)
+                for i, v in zip(rest, done["proximal_logprobs"]):
+                    fields["proximal_logprobs"][i] = v
         out.timings["forward"] = time.perf_counter() - t1
         if ready is not None and ready.sequences:  # host seconds the rollout spent launching them, their device seconds
             out.timings["forward_in_rollout"], out.timings["forward_in_rollout_gpu"] = ready.seconds, ready.gpu_seconds
-        if "proximal_logprobs" in forwards:
-            out.mismatch = rollout_mismatch(samples, fields, version)
         advantages = sample_advantages(samples, fields, alg)
 
         t2 = time.perf_counter()
         masks = [torch.tensor(s.loss_mask) for s in samples]
         loss_cfg = self.loss_config()
         for epoch in range(alg.ppo_epochs):
-            for idx in self.minibatches(samples, epoch, step):
+            for j, idx in enumerate(self.minibatches(samples, epoch, step)):
                 take = lambda xs: [xs[i] for i in idx]  # noqa: E731
                 adv = advantages[idx] if isinstance(advantages, torch.Tensor) else take(advantages)
-                batch = TokenBatch.from_sequences(take(masks), adv, **{k: take(v) for k, v in fields.items()})
+                current = bool(first) and epoch == 0 and j == 0  # (its sequences are `first`)
+                batch = TokenBatch.from_sequences(take(masks), adv, **{
+                    k: take(v) for k, v in fields.items() if not (current and k == "proximal_logprobs")})
                 local = ranks.share(self.dist, take(seqs))  # this rank's sequences (positions in idx)
-                policy_metrics = self.update(self.engine, batch, local, take(seqs), lambda b, n: (
-                    LogLinearPolicyLoss(b, loss_cfg, alpha=b.proximal_logprobs, normalisers=n) if loglinear
-                    else PolicyLoss(b, loss_cfg, normalisers=n)), entropy=alg.entropy_coef != 0)
+                made: list[PolicyLoss] = []
+
+                def policy_loss(b: TokenBatch, n: Normalisers | None) -> PolicyLoss:
+                    made.append(LogLinearPolicyLoss(b, loss_cfg, alpha=b.proximal_logprobs, normalisers=n) if loglinear
+                                else PolicyLoss(b, loss_cfg, normalisers=n, current_proximal=current))
+                    return made[-1]
+
+                policy_metrics = self.update(self.engine, batch, local, take(seqs), policy_loss,
+                                             entropy=alg.entropy_coef != 0)
+                if current:  # the proximal logprobs of the later epochs and of the mismatch metric
+                    values = made[0].current_logprobs.cpu().to(dtype).split(batch.seq_lengths.tolist())
+                    for i, v in zip(idx, values):
+                        fields["proximal_logprobs"][i] = v
                 for k, v in policy_metrics.items():
                     out.losses.setdefault(k, []).append(v)
                 norm = self.optimizer_step(self.optimizer, self.model, policy_metrics.get("loss"), f"RL step {step + 1}")
@@ -228,7 +251,20 @@ class Learner:
                                         f"RL step {step + 1} (critic)")
         self.scheduler.step()
         out.timings["update"] = time.perf_counter() - t2
+        if recompute:
+            out.mismatch = rollout_mismatch(samples, fields, version)
         return out
+
+    def proximal_reused(self, samples: list[Sample], step: int, ready: GroupForwards | None) -> set[int]:
+        """The sequences whose proximal logprobs are those of their own update, detached
+        (``PolicyLoss(current_proximal=True)``), not a forward's: the first minibatch of epoch 0,
+        which trains the proximal weights themselves (no optimizer step yet; stale samples too).
+        None data parallel (each rank's loss sees its share only), when the rollout's forwards
+        (``ready``) computed them, or with REINFORCE++ (its advantages read them before any update)."""
+        if self.dist is not None or self.algorithm.advantage == "reinforce_pp" or (
+                ready is not None and ready.sequences and "proximal_logprobs" in ready.engines):
+            return set()
+        return set(self.minibatches(samples, 0, step)[0])
 
     def minibatches(self, samples: list[Sample], epoch: int, step: int) -> list[list[int]]:
         """Sequence indices per minibatch; a group stays together (so it shares its tree)."""
@@ -489,7 +525,7 @@ def sample_advantages(samples: list[Sample], fields: dict[str, list[torch.Tensor
 
 def rollout_mismatch(samples: list[Sample], fields: dict[str, list[torch.Tensor]], version: int) -> dict[str, float]:
     """Rollout/trainer agreement: ``|logp_rollout - logp_train|`` (mean, max) over trained
-    tokens sampled with weights ``version``, the trainer's from its proximal forward."""
+    tokens sampled with weights ``version``; the trainer's side: its proximal logprobs (weights ``version``)."""
     diffs = [(prox - behav).abs()[torch.tensor(s.loss_mask) & (torch.tensor(s.versions) == version)]
              for s, behav, prox in zip(samples, fields["behaviour_logprobs"], fields["proximal_logprobs"])]
     d = torch.cat(diffs) if diffs else torch.zeros(0)

@@ -49,6 +49,8 @@ def run_step(how: str, bf16: bool):
 
     trainer.learner.forwards = recording
     trainer.learner.group_forwards = lambda how: readies.append(group_forwards(how)) or readies[-1]
+    # the sequential step's proximal forward over every sequence (not only those after the first minibatch)
+    trainer.learner.proximal_reused = lambda *args: set()
     trainer.step()
     return got, [s.token_ids for s in trainer.last_samples], readies[0]
 

@@ -192,6 +192,53 @@ def test_policy_loss_is_separable(variant, agg):
             assert got[k] == pytest.approx(want[k], rel=1e-12, abs=1e-15), k
 
 
+# decoupled variants for PolicyLoss(current_proximal=True): config kwargs
+CURRENT_PROXIMAL = {
+    "decoupled": dict(eps_high=0.28),
+    "decoupled-cap-dual": dict(behaviour_weight_cap=1.15, dual_clip=1.2),
+    "decoupled-cap-truncate": dict(behaviour_weight_cap=1.15, behaviour_weight_truncate=True),
+    "gspo-decoupled-dual": dict(ratio="sequence", eps_low=0.05, eps_high=0.08, dual_clip=1.05,
+                                behaviour_weight_cap=1.2),
+    "kl-k3-entropy-decoupled": dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, behaviour_weight_cap=1.3),
+}
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS, ids=AGG_IDS)
+@pytest.mark.parametrize("variant", list(CURRENT_PROXIMAL))
+def test_current_proximal_equals_proximal_logprobs_equal_to_the_current_ones(variant, agg):
+    """``current_proximal=True`` (no proximal field, called in parts) gives the loss, the
+    gradients and every metric of a batch whose proximal logprobs are the current ones, and
+    keeps the values it used."""
+    cfg = PolicyLossConfig(aggregation=agg[0], norm_constant=agg[1], **CURRENT_PROXIMAL[variant])
+    with_ent = cfg.entropy_coef != 0
+    batch, _, logp, ent = make_case(13 + _seed(variant, agg), {"behaviour", "reference"} if cfg.kl_coef else {"behaviour"})
+    leaves = logp + (ent if with_ent else [])
+    current = torch.cat([lp.detach() for lp in logp])
+    want_fn = PolicyLoss(batch.replace(proximal_logprobs=current.clone()), cfg)
+    want = want_fn(logp, ent if with_ent else None)
+    got_fn = PolicyLoss(batch, cfg, current_proximal=True)
+    parts = _random_partition(batch.num_sequences, torch.Generator().manual_seed(_seed(variant, agg)))
+    got = sum(got_fn([logp[i] for i in p], [ent[i] for i in p] if with_ent else None, index=p) for p in parts)
+    assert got.item() == pytest.approx(want.item(), rel=1e-12, abs=1e-15)
+    for a, b in zip(_grads(got, leaves), _grads(want, leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+    got_m, want_m = got_fn.metrics(), want_fn.metrics()
+    assert got_m.keys() == want_m.keys() and "behaviour_weight_mean" in want_m
+    for k in want_m:
+        assert got_m[k] == pytest.approx(want_m[k], rel=1e-12, abs=1e-15), k
+    if cfg.behaviour_weight_cap is not None:  # the data reach the cap, on some tokens only
+        assert 0 < want_m["behaviour_weight_capped_fraction"] < 1
+    assert torch.equal(got_fn.current_logprobs, current)
+
+
+def test_current_proximal_input_errors():
+    batch, _, _, _ = make_case(4, {"behaviour", "proximal"})
+    with pytest.raises(ValueError, match="must not carry proximal_logprobs"):
+        PolicyLoss(batch, current_proximal=True)
+    with pytest.raises(ValueError, match="needs behaviour_logprobs"):
+        PolicyLoss(batch.replace(proximal_logprobs=None, behaviour_logprobs=None), current_proximal=True)
+
+
 def test_normalisers_make_rank_shares_sum_to_the_global_loss():
     cfg = PolicyLossConfig(aggregation="seq-mean-token-mean", kl_coef=0.1)
     batch, data, logp, _ = make_case(3, {"behaviour", "reference"})

@@ -12,7 +12,7 @@ with :meth:`metrics` (the only host sync).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -145,6 +145,10 @@ class PolicyLoss(_SeparableLoss):
     Call: ``loss(logprobs, entropies=None, *, index=None) -> scalar`` with per-sequence
     current logprobs ``[L_i - 1]`` (with grad) of the sequences ``index`` (None = all, in
     order). ``normalisers``: global counts when ``batch`` is one rank's share.
+
+    ``current_proximal``: decoupled PPO whose proximal logprobs are the current ones,
+    detached (a step's first update: the weights are still the proximal ones), so ``batch``
+    carries none; the values its calls used are kept in :attr:`current_logprobs`.
     """
 
     def __init__(
@@ -153,50 +157,50 @@ class PolicyLoss(_SeparableLoss):
         config: PolicyLossConfig = PolicyLossConfig(),
         *,
         normalisers: Normalisers | None = None,
+        current_proximal: bool = False,
     ):
         self.config = config
         if config.kl_coef != 0.0 and batch.reference_logprobs is None:
             raise ValueError("kl_coef is set but the batch has no reference_logprobs")
+        if current_proximal and batch.proximal_logprobs is not None:
+            raise ValueError("current_proximal: the batch must not carry proximal_logprobs")
+        if current_proximal and batch.behaviour_logprobs is None:
+            raise ValueError("current_proximal (decoupled PPO) needs behaviour_logprobs")
+        self.current_proximal = current_proximal
         super().__init__(batch, config.aggregation, config.norm_constant, normalisers)
-        self._behaviour_weight_stats()
+        # [T]: the proximal (= current, detached) logprobs the calls used; NaN on tokens no call saw
+        self.current_logprobs: Tensor | None = (
+            torch.full_like(batch.behaviour_logprobs, torch.nan) if current_proximal else None)
 
     def _tensors(self) -> dict[str, Tensor]:
         b = self.batch
         out = {"mask": b.loss_mask, "adv": b.advantages, "weight": self.weights.to(b.advantages.dtype)}
         if b.behaviour_logprobs is not None:
-            out["old"] = b.proximal_logprobs if b.proximal_logprobs is not None else b.behaviour_logprobs
+            out["behav"] = b.behaviour_logprobs
         if b.proximal_logprobs is not None:
-            out["bw"] = self._behaviour_weight()[0]
+            out["prox"] = b.proximal_logprobs
         if b.reference_logprobs is not None:
             out["ref"] = b.reference_logprobs
         if self.config.ratio == "sequence":
             out["count"] = b.masked_counts()
         return out
 
-    def _behaviour_weight(self) -> tuple[Tensor, Tensor]:
-        """``w = exp(prox - behav)`` on trained tokens (0 where capped out), and the raw w."""
-        b = self.batch
-        log_w = torch.where(b.loss_mask, b.proximal_logprobs - b.behaviour_logprobs, 0.0)
-        raw = torch.exp(log_w)
+    def _proximal(self, logp: Tensor, take: Callable[[str], Tensor]) -> Tensor | None:
+        """The call's proximal logprobs (decoupled PPO), None without: the batch's, or the
+        current ones detached (``current_proximal``)."""
+        if self.current_proximal:
+            return logp.detach()
+        return take("prox") if self.batch.proximal_logprobs is not None else None
+
+    def _behaviour_weight(self, prox: Tensor, behav: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """``w = exp(prox - behav)`` on trained tokens (capped out: 0, or truncated at the
+        cap), and the raw weight."""
+        raw = torch.exp(torch.where(mask, prox - behav, 0.0))
         cap = self.config.behaviour_weight_cap
         if cap is not None and self.config.behaviour_weight_truncate:
-            return torch.where(b.loss_mask, raw.clamp(max=cap), torch.zeros_like(raw)), raw
-        keep = b.loss_mask if cap is None else b.loss_mask & (raw <= cap)
+            return torch.where(mask, raw.clamp(max=cap), torch.zeros_like(raw)), raw
+        keep = mask if cap is None else mask & (raw <= cap)
         return torch.where(keep, raw, torch.zeros_like(raw)), raw
-
-    def _behaviour_weight_stats(self) -> None:
-        b = self.batch
-        if b.proximal_logprobs is None or b.num_tokens == 0:
-            return
-        with torch.no_grad():
-            w, raw = self._behaviour_weight()
-            m = b.loss_mask
-            self._bw_stats = {
-                "behaviour_weight_mean": torch.where(m, raw, 0.0).sum().double() / m.sum().clamp(min=1),
-                "behaviour_weight_max": torch.where(m, raw, -torch.inf).max(),
-                "behaviour_weight_min": torch.where(m, raw, torch.inf).min(),
-                "behaviour_weight_capped_fraction": (m & (w < raw)).sum().double() / m.sum().clamp(min=1),
-            }
 
     def __call__(
         self,
@@ -214,7 +218,11 @@ class PolicyLoss(_SeparableLoss):
 
         mask, adv, weight = take("mask"), take("adv"), take("weight")
         zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-        old = take("old") if "old" in f else logp.detach()
+        prox = self._proximal(logp, take)
+        old = prox if prox is not None else take("behav") if "behav" in f else logp.detach()
+        if self.current_proximal:
+            self.current_logprobs[slice(None) if tokens is None else tokens.to(self.current_logprobs.device)] = (
+                prox.to(self.current_logprobs))
         log_ratio = torch.where(mask, logp - old, zero)
         if cfg.ratio == "sequence":
             local = torch.repeat_interleave(
@@ -232,8 +240,9 @@ class PolicyLoss(_SeparableLoss):
         if cfg.dual_clip is not None:
             dual_capped = negative & (pg > -adv * cfg.dual_clip)
             pg = torch.where(negative, torch.minimum(pg, -adv * cfg.dual_clip), pg)
-        if "bw" in f:
-            pg = pg * take("bw")
+        if prox is not None:
+            bw, raw_bw = self._behaviour_weight(prox, take("behav"), mask)
+            pg = pg * bw
         pg_loss = (weight * torch.where(mask, pg, zero)).sum()
         loss = pg_loss
         metrics: dict[str, Tensor] = {}
@@ -270,6 +279,10 @@ class PolicyLoss(_SeparableLoss):
             )
             if cfg.dual_clip is not None:
                 metrics["dual_clip_sum"] = (mask & dual_capped).sum()
+            if prox is not None and logp.numel():
+                metrics.update(bw_sum=torch.where(mask, raw_bw, zero).sum(), bw_capped=(mask & (bw < raw_bw)).sum(),
+                               bw_max=torch.where(mask, raw_bw, -torch.inf).amax(),
+                               bw_min=torch.where(mask, raw_bw, torch.inf).amin())
         self._accumulate(**metrics)
         return loss
 
@@ -279,8 +292,9 @@ class PolicyLoss(_SeparableLoss):
         Token means over trained tokens: ``clip_fraction`` (``_low``/``_high``: the
         clipped branch is active), ``dual_clip_fraction``, ``approx_kl`` (k3 of the old
         policy vs the current one), ``ratio_mean``/``_min``/``_max``, ``ref_kl`` (the
-        configured estimator), ``entropy``; batch-wide behaviour-weight stats; and the
-        aggregated loss parts (summed over calls): ``loss``, ``pg_loss``, ``kl_term`` and
+        configured estimator), ``entropy``, decoupled PPO's raw behaviour weights
+        (``behaviour_weight_mean``/``_min``/``_max``, ``behaviour_weight_capped_fraction``); and
+        the aggregated loss parts (summed over calls): ``loss``, ``pg_loss``, ``kl_term`` and
         ``entropy_term`` (aggregated KL and entropy, before their coefficients).
         """
         raw = self._read()
@@ -299,9 +313,9 @@ class PolicyLoss(_SeparableLoss):
             out["ref_kl"] = raw["ref_kl_sum"] / n
         if "entropy_sum" in raw:
             out["entropy"] = raw["entropy_sum"] / n
-        if hasattr(self, "_bw_stats"):
-            vals = torch.stack([v.to(torch.float64) for v in self._bw_stats.values()]).tolist()
-            out.update(zip(self._bw_stats, vals))
+        if "bw_sum" in raw and raw["tokens"] > 0:
+            out.update(behaviour_weight_mean=raw["bw_sum"] / n, behaviour_weight_max=raw["bw_max"],
+                       behaviour_weight_min=raw["bw_min"], behaviour_weight_capped_fraction=raw["bw_capped"] / n)
         return out
 
 

@@ -22,7 +22,7 @@ needed. It is exact for fresh tokens (``v_b = V``: ``alpha = 0`` and the behavio
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -49,9 +49,7 @@ class LogLinearPolicyLoss(PolicyLoss):
     """:class:`~treerl.rl.PolicyLoss` whose proximal logprobs are the log-linear
     approximation, computed in each call from that call's (detached) current logprobs.
 
-    ``alpha``: ``[T]`` per-token weights (:func:`loglinear_alpha`). Behaviour-weight
-    statistics (``behaviour_weight_mean/max/min/capped_fraction``) are over the tokens of
-    every call since the last ``reset_metrics``.
+    ``alpha``: ``[T]`` per-token weights (:func:`loglinear_alpha`).
     """
 
     def __init__(self, batch: TokenBatch, config: PolicyLossConfig = PolicyLossConfig(), *, alpha: Tensor,
@@ -59,50 +57,11 @@ class LogLinearPolicyLoss(PolicyLoss):
         if batch.behaviour_logprobs is None:
             raise ValueError("the log-linear proximal needs behaviour logprobs")
         self.alpha = alpha.to(batch.behaviour_logprobs.dtype)
-        self._override: dict[str, Tensor] | None = None
-        super().__init__(dataclasses.replace(batch, proximal_logprobs=batch.behaviour_logprobs), config,
-                         normalisers=normalisers)
+        super().__init__(dataclasses.replace(batch, proximal_logprobs=None), config, normalisers=normalisers)
 
-    def _behaviour_weight_stats(self) -> None:  # per call instead (see __call__)
-        return
+    def _tensors(self) -> dict[str, Tensor]:
+        return {**super()._tensors(), "alpha": self.alpha}
 
-    def _fields(self, device: torch.device) -> dict[str, Tensor]:
-        f = super()._fields(device)
-        return f if self._override is None else {**f, **self._override}
-
-    def __call__(self, logprobs: Sequence[Tensor], entropies: Sequence[Tensor] | None = None, *, index=None) -> Tensor:
-        tokens, _ = self.batch.token_index(index)
-        current = torch.cat([lp.detach() for lp in logprobs]) if len(logprobs) else self.alpha.new_zeros(0)
-        dev = current.device
-        behav = self.batch.behaviour_logprobs.to(dev)
-        alpha = self.alpha.to(dev)
-        mask = self.batch.loss_mask.to(dev)
-        sel = slice(None) if tokens is None else tokens.to(dev)
-        prox = behav.clone()
-        prox[sel] = behav[sel] + alpha[sel] * (current.to(behav.dtype) - behav[sel])
-        raw = torch.exp(torch.where(mask, prox - behav, 0.0))
-        cap = self.config.behaviour_weight_cap
-        keep = mask if cap is None else mask & (raw <= cap)
-        self._override = {"old": prox, "bw": torch.where(keep, raw, torch.zeros_like(raw))}
-        try:
-            loss = super().__call__(logprobs, entropies, index=index)
-        finally:
-            self._override = None
-        m = mask[sel]
-        w = raw[sel]
-        self._accumulate(bw_sum=torch.where(m, w, 0.0).sum(), bw_tokens=m.sum(),
-                         bw_capped=(m & ~keep[sel]).sum(),
-                         bw_max=torch.where(m, w, -torch.inf).amax() if w.numel() else torch.tensor(-torch.inf),
-                         bw_min=torch.where(m, w, torch.inf).amin() if w.numel() else torch.tensor(torch.inf))
-        return loss
-
-    def metrics(self) -> dict[str, float]:
-        out = super().metrics()
-        raw = self._read()
-        if raw.get("bw_tokens", 0) > 0:
-            n = raw["bw_tokens"]
-            out.update(behaviour_weight_mean=raw["bw_sum"] / n, behaviour_weight_max=raw["bw_max"],
-                       behaviour_weight_min=raw["bw_min"], behaviour_weight_capped_fraction=raw["bw_capped"] / n)
-        for k in ("bw_sum", "bw_tokens", "bw_capped", "bw_max", "bw_min"):
-            out.pop(k, None)
-        return out
+    def _proximal(self, logp: Tensor, take: Callable[[str], Tensor]) -> Tensor:
+        behav = take("behav")
+        return behav + take("alpha") * (logp.detach().to(behav.dtype) - behav)
