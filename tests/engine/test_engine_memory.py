@@ -126,6 +126,23 @@ def test_estimate_grows_with_the_model_and_recompute_is_cheaper():
     assert MemoryModel.estimate(bigger, torch.float32).per_token > small.per_token
 
 
+def test_kept_group_attention_counts_its_own_part(monkeypatch):
+    """With groups after a prefix on, a kept attention after a prefix holds its own part's
+    output and LSE besides the merged ones: twice the bytes per query; without a prefix, or
+    with the switch off, as before."""
+    from treerl.engine import attention
+
+    m = MemoryModel.estimate(get_model("qwen3").config, torch.float32)
+    for copies in (False, True):
+        off, plain = m._kept_layer_bytes(copies, prefix=True), m._kept_layer_bytes(copies, prefix=False)
+        monkeypatch.setattr(attention, "GROUPS_AFTER_PREFIX", True)
+        on = m._kept_layer_bytes(copies, prefix=True)
+        assert on[0] == off[0] + m.attention_per_query and on[1:] == off[1:]
+        assert m._kept_layer_bytes(copies, prefix=False) == plain
+        monkeypatch.setattr(attention, "GROUPS_AFTER_PREFIX", False)
+        assert m._kept_layer_bytes(copies, prefix=True) == off
+
+
 @pytest.mark.parametrize("bad", [0, -5, 1.5, 4096, float("nan"), "8GB", True])
 def test_bad_budgets_are_refused(bad):
     with pytest.raises(ValueError, match="memory_budget"):

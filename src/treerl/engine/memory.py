@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import attention
 from .attention import TreeAttention, prefix_as_tiles, tree_attention_enabled
 
 if TYPE_CHECKING:
@@ -168,11 +169,14 @@ class MemoryModel:
         return int(min(layers, max(0.0, spare) // per_layer))
 
     def _kept_layer_bytes(self, copies: bool, prefix: bool = False) -> tuple[float, float, float]:
-        """What one kept attention holds: bytes per query, per key, per (query, key) pair."""
+        """What one kept attention holds: bytes per query, per key, per (query, key) pair. After
+        a prefix with :data:`~treerl.engine.attention.GROUPS_AFTER_PREFIX` on, a group's kept
+        attention also holds its own part's output and log-sum-exp (:mod:`treerl.engine.group_attention`)."""
+        per_query = self.attention_per_query * (2 if prefix and attention.GROUPS_AFTER_PREFIX else 1)
         if not copies:
-            return self.attention_per_query, 0.0, self.attention_per_pair
+            return per_query, 0.0, self.attention_per_pair
         per_key = self.attention_copies_per_key + (self.prefix_pad_per_key if prefix else 0.0)
-        return self.attention_per_query + self.attention_copies_per_query, per_key, self.attention_per_pair
+        return per_query + self.attention_copies_per_query, per_key, self.attention_per_pair
 
     @classmethod
     def estimate(cls, config, dtype: torch.dtype, dense_mask: bool = False) -> "MemoryModel":
