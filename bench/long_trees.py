@@ -22,13 +22,11 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    separable: the general path, printed as a ratio to ``auto``), ``auto-noreuse`` (phase 2 recomputes the K/V
    of phase 1's last path, as before), ``auto-tiles`` / ``dfs-tiles`` (calls after a prefix
    on whole flex tiles, ``treerl.engine.attention.PREFIX_AS_TILES``), ``auto-b0.3`` (a 30% budget),
-   ``auto-nochain`` / ``dfs-nochain`` (chain pieces after a prefix with the tree mask instead of
-   ``treerl.engine.chain_attention``'s fused kernels: ``CHAIN_AFTER_PREFIX`` off, the default),
-   ``auto-chain`` / ``dfs-chain`` (the chain attention on), ``auto-chainflash`` (on, through flash's
-   kernels only, not cuDNN's), ``auto-group`` / ``dfs-group`` (groups of several leaves after a
-   prefix, e.g. long_prefix's responses after its prompt, through ``treerl.engine.group_attention``:
-   the prefix by a fused kernel, the own keys by flex; ``GROUPS_AFTER_PREFIX`` on),
-   ``auto-chain-group`` (both on), ``auto-groupflash`` (groups on, through flash's kernels only).
+   ``auto-off`` / ``dfs-off`` (calls after a prefix with the tree mask: ``CHAIN_AFTER_PREFIX`` and
+   ``GROUPS_AFTER_PREFIX`` off; the defaults run them through the fused kernels on CUDA: chain pieces by
+   ``treerl.engine.chain_attention``, groups of leaves such as long_prefix's responses by
+   ``treerl.engine.group_attention``), ``auto-chain`` / ``auto-group`` (one of the two paths only),
+   ``auto-flash`` (both through flash's kernels only, not cuDNN's).
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan, and the timed step's attention layer calls
    by route (``attention``: ``causal``, ``chain:<kernel>``, ``group:<kernel>``, ``mask``, ``mask:chain-off``,
@@ -77,19 +75,14 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
     "auto-tiles": (dict(mode="auto"), {}, dict(PREFIX_AS_TILES=True)),
     "dfs-tiles": (dict(mode="dfs"), {}, dict(PREFIX_AS_TILES=True)),
     "auto-b0.3": (dict(mode="auto", memory_budget=0.3), {}, {}),
-    # chain pieces after a prefix through treerl.engine.chain_attention (off by default)
-    "auto-chain": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=True)),
-    "dfs-chain": (dict(mode="dfs"), {}, dict(CHAIN_AFTER_PREFIX=True)),
-    # ... with the tree mask, as before treerl.engine.chain_attention (the default)
-    "auto-nochain": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=False)),
-    "dfs-nochain": (dict(mode="dfs"), {}, dict(CHAIN_AFTER_PREFIX=False)),
-    # the chain attention through flash's kernels only (cuDNN builds a graph per new shape)
-    "auto-chainflash": (dict(mode="auto"), {}, {"CHAIN_AFTER_PREFIX": True, "chain_attention.KERNELS": ("flash",)}),
-    # groups of several leaves after a prefix through treerl.engine.group_attention (off by default)
-    "auto-group": (dict(mode="auto"), {}, dict(GROUPS_AFTER_PREFIX=True)),
-    "dfs-group": (dict(mode="dfs"), {}, dict(GROUPS_AFTER_PREFIX=True)),
-    "auto-chain-group": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=True, GROUPS_AFTER_PREFIX=True)),
-    "auto-groupflash": (dict(mode="auto"), {}, {"GROUPS_AFTER_PREFIX": True, "chain_attention.KERNELS": ("flash",)}),
+    # calls after a prefix (issue 24): the defaults run chain pieces (treerl.engine.chain_attention) and
+    # groups of leaves (treerl.engine.group_attention) through the fused kernels on CUDA; the A/B variants
+    "auto-off": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=False, GROUPS_AFTER_PREFIX=False)),  # the tree mask
+    "dfs-off": (dict(mode="dfs"), {}, dict(CHAIN_AFTER_PREFIX=False, GROUPS_AFTER_PREFIX=False)),
+    "auto-chain": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=True, GROUPS_AFTER_PREFIX=False)),  # chains only
+    "auto-group": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=False, GROUPS_AFTER_PREFIX=True)),  # groups only
+    # both through flash's kernels only (cuDNN builds a plan per new shape)
+    "auto-flash": (dict(mode="auto"), {}, {"chain_attention.KERNELS": ("flash",)}),
     "auto-general": (dict(mode="auto"), {}, {}),  # the same loss, not declared separable (issue 24 item 3)
 }
 GENERAL = {"auto-general"}  # variants timed with separable=False

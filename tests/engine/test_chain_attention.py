@@ -286,7 +286,7 @@ def test_engine_chain_pieces_with_kept_attention(variant, gen, monkeypatch):
 
 def test_switch_off_runs_the_tree_mask(gen, monkeypatch):
     prefixes = count_chain_calls(monkeypatch)
-    monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", False)  # the default
+    monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", False)  # (the default on the CPU)
     seqs = [random_seq(gen, 20)]
     engine = check_engine(get_model("qwen3"), seqs, "flat", RandomLoss.make(seqs, gen), max_tokens=6)
     assert prefixes == []

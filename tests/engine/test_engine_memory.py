@@ -127,20 +127,21 @@ def test_estimate_grows_with_the_model_and_recompute_is_cheaper():
 
 
 def test_kept_group_attention_counts_its_own_part(monkeypatch):
-    """With groups after a prefix on, a kept attention after a prefix holds its own part's
-    output and LSE besides the merged ones: twice the bytes per query; without a prefix, or
-    with the switch off, as before."""
+    """With groups after a prefix on (or "cuda", the default: counted on any device), a kept
+    attention after a prefix holds its own part's output and LSE besides the merged ones:
+    twice the bytes per query; without a prefix, or with the switch off, as before."""
     from treerl.engine import attention
 
     m = MemoryModel.estimate(get_model("qwen3").config, torch.float32)
     for copies in (False, True):
+        monkeypatch.setattr(attention, "GROUPS_AFTER_PREFIX", False)
         off, plain = m._kept_layer_bytes(copies, prefix=True), m._kept_layer_bytes(copies, prefix=False)
         monkeypatch.setattr(attention, "GROUPS_AFTER_PREFIX", True)
         on = m._kept_layer_bytes(copies, prefix=True)
         assert on[0] == off[0] + m.attention_per_query and on[1:] == off[1:]
         assert m._kept_layer_bytes(copies, prefix=False) == plain
-        monkeypatch.setattr(attention, "GROUPS_AFTER_PREFIX", False)
-        assert m._kept_layer_bytes(copies, prefix=True) == off
+        monkeypatch.setattr(attention, "GROUPS_AFTER_PREFIX", "cuda")
+        assert m._kept_layer_bytes(copies, prefix=True) == on
 
 
 @pytest.mark.parametrize("bad", [0, -5, 1.5, 4096, float("nan"), "8GB", True])

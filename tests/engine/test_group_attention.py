@@ -180,6 +180,19 @@ def test_prefix_not_seen_by_all_is_no_group(monkeypatch):
     assert not attention.TreeAttention("sdpa", q_index, k_index, seen, prefix=kv).group
 
 
+def test_defaults_run_the_paths_after_a_prefix_on_cuda_only():
+    """Both switches default to "cuda": on for CUDA tensors (where the fused kernels run), off on
+    the CPU (the tree mask, unless a test turns them on); True and False mean on and off."""
+    assert attention.CHAIN_AFTER_PREFIX == "cuda" and attention.GROUPS_AFTER_PREFIX == "cuda"
+    cpu, cuda, meta = torch.device("cpu"), torch.device("cuda"), torch.device("meta")
+    assert attention.path_on("cuda", cuda) and not attention.path_on("cuda", cpu) and not attention.path_on("cuda", meta)
+    assert attention.path_on(True, cpu) and not attention.path_on(False, cuda)
+    kv = [[(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4))]]
+    q_index, k_index, seen = torch.arange(3, 6), torch.arange(6), torch.full((6,), 6)
+    assert not attention.TreeAttention("flex", q_index, k_index, seen, prefix=kv).group
+    assert not attention.TreeAttention("flex", q_index, k_index, seen, prefix=kv, causal=True).causal
+
+
 # ------------------------------------------------------------------ the engine
 def count_group_calls(monkeypatch) -> list[int]:
     """Query counts of the group attentions run (forward), with the path switched on."""

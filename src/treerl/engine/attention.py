@@ -76,8 +76,10 @@ class TreeAttention:
         # (flash attention on CUDA) run it without any mask tensor; one chain after a prefix:
         # full attention to the prefix merged with causal attention to its own keys
         self.chain = causal
-        self.causal = causal and (not prefix or CHAIN_AFTER_PREFIX)
-        self.group = bool(prefix) and not causal and GROUPS_AFTER_PREFIX and self._prefix_seen_by_all()
+        device = q_index.device
+        self.causal = causal and (not prefix or path_on(CHAIN_AFTER_PREFIX, device))
+        self.group = (bool(prefix) and not causal and path_on(GROUPS_AFTER_PREFIX, device)
+                      and self._prefix_seen_by_all())
         self.routes: collections.Counter | None = None  # layer calls by route (the engine's StepStats.attention)
         self.captured: dict[int, KV] = {}
         self.keep_layers: frozenset[int] = frozenset()
@@ -146,19 +148,25 @@ FLEX_KERNEL = {"BACKEND": "TRITON"}
 # (the padded rows see nothing, so flex skips their tiles) and the call takes the
 # whole-tile kernel of equal lengths. Costs a padded query and output per key in every layer.
 PREFIX_AS_TILES = False
-# A chain piece after a prefix as two fused SDPA kernels merged by their log-sum-exp
-# (treerl.engine.chain_attention; issue 24, an A/B switch of bench/long_trees.py): full
-# attention to the prefix, causal to its own keys. Off (the default): the tree mask, as any call after
-# a prefix. Off because on the H100 (2026-11-24) the kernels were 1.9x flex's rate in isolation but
-# long_prefix did not get faster end to end (5.64 s on, 5.69 s off), its CUDA tests crashed the test
-# process (the probe's odd shapes through cuDNN, not yet diagnosed) and cuDNN builds a plan per new
-# shape (~270 ms): see bench/RESULTS.md.
-CHAIN_AFTER_PREFIX = False
-# A call of several leaves after a prefix (not one chain; every query sees every prefix key) as
-# the prefix's full attention through a fused SDPA kernel merged by log-sum-exp with the tree
-# mask over its own keys (treerl.engine.group_attention; issue 24, an A/B switch of
-# bench/long_trees.py: long_prefix's response groups after the 32k prompt). Off until measured.
-GROUPS_AFTER_PREFIX = False
+# Calls after a prefix through fused SDPA kernels (issue 24), each switch True (on), False (off:
+# the tree mask, as any call after a prefix) or "cuda" (the default: on for CUDA tensors, where the
+# fused kernels run in half precision; float32/float64 there find no kernel and take the tree mask;
+# on the CPU the paths would run their plain-torch parts, which the exactness tests turn on with True).
+# A chain piece after a prefix (treerl.engine.chain_attention): full attention to the prefix merged
+# with causal attention to its own keys, by log-sum-exp.
+CHAIN_AFTER_PREFIX: bool | str = "cuda"
+# A call of several leaves after a prefix (not one chain; every query sees every prefix key,
+# checked: one device sync per call), treerl.engine.group_attention: the prefix's full attention
+# through a fused kernel merged by log-sum-exp with the tree mask over its own keys (flex).
+# On the H100 (2026-11-25, bench/RESULTS.md): long_prefix 5.66 -> 4.73 s with both, episodes
+# 8.44 -> 7.20 s (peak 19.7 -> 15.3 GiB), the medium shapes unchanged (no calls after a prefix).
+GROUPS_AFTER_PREFIX: bool | str = "cuda"
+
+
+def path_on(switch: bool | str, device: torch.device) -> bool:
+    """Whether a path switch (:data:`CHAIN_AFTER_PREFIX`, :data:`GROUPS_AFTER_PREFIX`) is on for
+    tensors on ``device``."""
+    return switch is True or (switch == "cuda" and device.type == "cuda")
 
 
 def prefix_as_tiles() -> bool:

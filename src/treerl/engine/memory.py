@@ -170,8 +170,9 @@ class MemoryModel:
 
     def _kept_layer_bytes(self, copies: bool, prefix: bool = False) -> tuple[float, float, float]:
         """What one kept attention holds: bytes per query, per key, per (query, key) pair. After
-        a prefix with :data:`~treerl.engine.attention.GROUPS_AFTER_PREFIX` on, a group's kept
-        attention also holds its own part's output and log-sum-exp (:mod:`treerl.engine.group_attention`)."""
+        a prefix with :data:`~treerl.engine.attention.GROUPS_AFTER_PREFIX` on (anywhere: counted
+        on the CPU too, where its default leaves it off), a group's kept attention also holds its
+        own part's output and log-sum-exp (:mod:`treerl.engine.group_attention`)."""
         per_query = self.attention_per_query * (2 if prefix and attention.GROUPS_AFTER_PREFIX else 1)
         if not copies:
             return per_query, 0.0, self.attention_per_pair
