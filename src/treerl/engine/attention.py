@@ -78,8 +78,10 @@ class TreeAttention:
         self.chain = causal
         device = q_index.device
         self.causal = causal and (not prefix or path_on(CHAIN_AFTER_PREFIX, device))
+        # every plan's prefix is seen by all its queries (its segments are chains of ancestors):
+        # checked on the CPU (the tests), trusted on a GPU (the check is a device sync per call)
         self.group = (bool(prefix) and not causal and path_on(GROUPS_AFTER_PREFIX, device)
-                      and self._prefix_seen_by_all())
+                      and (device.type != "cpu" or self._prefix_seen_by_all()))
         self.routes: collections.Counter | None = None  # layer calls by route (the engine's StepStats.attention)
         self.captured: dict[int, KV] = {}
         self.keep_layers: frozenset[int] = frozenset()
@@ -89,7 +91,7 @@ class TreeAttention:
 
     def _prefix_seen_by_all(self) -> bool:
         """Whether every query sees every prefix key (true of every plan's prefix: its segments
-        are chains of ancestors; checked, one device sync): each prefix key precedes the first
+        are chains of ancestors; a device sync where the tensors are on a GPU): each prefix key precedes the first
         query and its subtree reaches past the last (the queries are one range)."""
         p = len(self.k_index) - len(self.q_index)
         return bool((self.k_index[:p].max() <= self.q_index[0]) & (self.k_end[:p].min() > self.q_index[-1]))
@@ -155,8 +157,8 @@ PREFIX_AS_TILES = False
 # A chain piece after a prefix (treerl.engine.chain_attention): full attention to the prefix merged
 # with causal attention to its own keys, by log-sum-exp.
 CHAIN_AFTER_PREFIX: bool | str = "cuda"
-# A call of several leaves after a prefix (not one chain; every query sees every prefix key,
-# checked: one device sync per call), treerl.engine.group_attention: the prefix's full attention
+# A call of several leaves after a prefix (not one chain; every query sees every prefix key),
+# treerl.engine.group_attention: the prefix's full attention
 # through a fused kernel merged by log-sum-exp with the tree mask over its own keys (flex).
 # On the H100 (2026-11-25, bench/RESULTS.md): long_prefix 5.66 -> 4.73 s with both, episodes
 # 8.44 -> 7.20 s (peak 19.7 -> 15.3 GiB), the medium shapes unchanged (no calls after a prefix).
