@@ -171,6 +171,12 @@ def path_on(switch: bool | str, device: torch.device) -> bool:
     return switch is True or (switch == "cuda" and device.type == "cuda")
 
 
+def groups_after_prefix() -> bool:
+    """Whether :data:`GROUPS_AFTER_PREFIX` is on anywhere (True or "cuda"): the memory model counts
+    what a kept group attention holds more."""
+    return bool(GROUPS_AFTER_PREFIX)
+
+
 def prefix_as_tiles() -> bool:
     """:data:`PREFIX_AS_TILES` as it is now (the memory model counts its padding)."""
     return PREFIX_AS_TILES

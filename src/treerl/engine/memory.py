@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import attention
-from .attention import TreeAttention, prefix_as_tiles, tree_attention_enabled
+from .attention import TreeAttention, groups_after_prefix, prefix_as_tiles, tree_attention_enabled
 
 if TYPE_CHECKING:
     from .decoder import DecoderStack
@@ -173,7 +172,7 @@ class MemoryModel:
         a prefix with :data:`~treerl.engine.attention.GROUPS_AFTER_PREFIX` on (anywhere: counted
         on the CPU too, where its default leaves it off), a group's kept attention also holds its
         own part's output and log-sum-exp (:mod:`treerl.engine.group_attention`)."""
-        per_query = self.attention_per_query * (2 if prefix and attention.GROUPS_AFTER_PREFIX else 1)
+        per_query = self.attention_per_query * (2 if prefix and groups_after_prefix() else 1)
         if not copies:
             return per_query, 0.0, self.attention_per_pair
         per_key = self.attention_copies_per_key + (self.prefix_pad_per_key if prefix else 0.0)
