@@ -30,7 +30,7 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan, and the timed step's attention layer calls
    by route (``attention``: ``causal``, ``chain:<kernel>``, ``group:<kernel>``, ``mask``, ``mask:chain-off``,
-   ``mask:no-kernel``, ``mask:short-prefix``, ``kept``; ``treerl.engine.attention.ROUTES``), with ``chain_shapes``
+   ``mask:no-kernel``, ``mask:short-prefix``, ``mask:group-sdpa``, ``kept``; ``treerl.engine.attention.ROUTES``), with ``chain_shapes``
    (distinct chain- and group-attention kernel shapes so far per kernel: cuDNN builds a plan per shape) and
    the kernel probe's verdicts.
 4. **attention**: one layer's attention forward+backward (Qwen3-1.7B heads: 16 query / 8 KV

@@ -375,7 +375,7 @@ class Learner:
                                             separable=True, entropy=entropy)
                 raw = loss._read()
         # metrics of the whole minibatch: per-rank sums (max / min) combined, then read
-        # through a loss object of the global batch (its batch-wide statistics included)
+        # through a loss object of the global batch
         merged: dict[str, float] = {}
         for part in all_gather_objects(raw):
             for k, v in part.items():

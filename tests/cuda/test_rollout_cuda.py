@@ -396,7 +396,9 @@ def test_cuda_merge_splits_matches_merge_parts(dtype, B, G, Hkv, gq, S1, S2, Dv)
     """The merge kernel of the split attention's key ranges against ``merge_parts`` in float64
     (a range with no keys has LSE -inf), from the split kernel's own layout."""
     from treerl.rollout.decode_attention import merge_splits
-    from treerl.rollout.shared import merge_parts
+    from treerl.rollout.shared import merge_parts, merge_splits_ok
+
+    assert merge_splits_ok("cuda:0", dtype, Dv)
 
     g = torch.Generator(device="cuda").manual_seed(B + S1)
     o1 = torch.randn(B, Hkv, S1, gq, Dv, device="cuda", generator=g)

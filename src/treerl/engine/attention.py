@@ -381,7 +381,8 @@ def _inputs(ctx: TreeAttention, layer: int, query: torch.Tensor, key: torch.Tens
 # "chain:<kernel>" (one chain after a prefix: treerl.engine.chain_attention), "mask" (the tree
 # mask: not one chain), "mask:chain-off" (one chain after a prefix, CHAIN_AFTER_PREFIX off),
 # "mask:no-kernel" (one chain or group after a prefix that no fused kernel takes), "group:<kernel>"
-# (several leaves after a prefix: treerl.engine.group_attention, GROUPS_AFTER_PREFIX on),
+# (several leaves after a prefix: treerl.engine.group_attention, GROUPS_AFTER_PREFIX on;
+# "mask:group-sdpa": such a call under the SDPA backend on CUDA, which takes the tree mask),
 # "mask:short-prefix" (a group whose prefix is shorter than its kernel's grid), "kept" (a block's
 # recompute of a kept attention: the held output, no attention run).
 ROUTES: collections.Counter = collections.Counter()
@@ -426,7 +427,10 @@ def _group(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: to
     where it does not run (the tree mask instead). Its own part: flex with the tree mask, or
     on the CPU the plain-torch math (the SDPA backend on CUDA has no own part that returns a
     log-sum-exp without the whole score matrix: the tree mask)."""
-    kernel = kernel_for(query, key, causal=False) if ctx.backend == "flex" or query.device.type == "cpu" else None
+    if ctx.backend != "flex" and query.device.type != "cpu":
+        _route(ctx, "mask:group-sdpa")  # no own part with its log-sum-exp short of the whole score matrix
+        return None
+    kernel = kernel_for(query, key, causal=False)
     out = None if kernel is None else group_attention(query, key, value, scaling, functools.partial(_own, ctx), kernel)
     _route(ctx, "mask:no-kernel" if kernel is None else "mask:short-prefix" if out is None else f"group:{kernel.label}")
     return out

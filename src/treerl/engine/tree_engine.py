@@ -77,7 +77,8 @@ class StepStats:
     kept_graphs: int = 0  # general path: calls whose graph is held until the loss (no extra forward)
     seconds: float = 0.0
     # layer calls of the attention by route (treerl.engine.attention.ROUTES names: "causal",
-    # "chain:<kernel>", "mask", "mask:chain-off", "mask:no-kernel", "kept"); block recomputes count again
+    # "chain:<kernel>", "group:<kernel>", "mask", "mask:chain-off", "mask:no-kernel", "mask:short-prefix",
+    # "mask:group-sdpa", "kept"); block recomputes count again
     attention: collections.Counter = field(default_factory=collections.Counter)
 
 
@@ -310,7 +311,9 @@ class TreeEngine:
         recompute = grad and seg.recompute
         if recompute:
             ctx.keep_layers = self.memory.kept_attention_layers(seg.size, len(k_index), ctx.input_copies, seg.spare)
-        if not (ctx.causal or ctx.group):  # built once, before the blocks (not inside a block that is recomputed)
+        # built once, before the blocks (not inside a block that is recomputed); a group call builds its masks
+        # where it runs (its own part's, or the tree mask where it falls back), cached on ctx for the recompute
+        if not (ctx.causal or ctx.group):
             ctx.additive_mask(self.head.weight.dtype) if self.attention == "sdpa" else ctx.mask()
         self.stats.model_calls += 1
         self.stats.tokens_run += seg.size

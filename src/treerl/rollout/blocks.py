@@ -52,7 +52,7 @@ from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
 from .decode_attention import merge_splits
 from .rope_kernel import rope_write
-from .shared import SharedPrefixCache, attend_with_lse, merge_parts, shared_part, split_queries
+from .shared import SharedPrefixCache, attend_with_lse, merge_parts, merge_splits_ok, shared_part, split_queries
 
 
 def qkv_rope(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor,
@@ -269,8 +269,8 @@ class DecodeBlocks:
         cos, sin = base.rotary_emb(hidden, pos)
         backend = cache.backend(own_mask.shape[-1], prefix_mask.shape[-1])
         f = self.fused
-        if backend == "split" and self._rope_kernel(base.layers[0], hidden, cos, sin, G, f.qkv_w[0], f.qkv_b[0],
-                                                    cache.layers[0]):
+        if (backend == "split" and merge_splits_ok(str(hidden.device), hidden.dtype, cache.layers[0].ov.shape[-1])
+                and self._rope_kernel(base.layers[0], hidden, cos, sin, G, f.qkv_w[0], f.qkv_b[0], cache.layers[0])):
             return self._kernel_step(hidden, cos, sin, cache, own_mask, prefix_mask)
         for i, layer in enumerate(base.layers):
             store = cache.layers[i]
@@ -281,7 +281,8 @@ class DecodeBlocks:
         return self.model.lm_head(base.norm(hidden)[:, -1])
 
     def _kernel_step(self, hidden, cos, sin, cache: SharedPrefixCache, own_mask, prefix_mask) -> torch.Tensor:
-        """The step with the split-key kernels (CUDA): per layer the Q/K/V product, the rope
+        """The step with the split-key kernels (CUDA, where the merge and rope kernels passed their
+        probes): per layer the Q/K/V product, the rope
         kernel (:func:`~treerl.rollout.rope_kernel.rope_write`), the two attention parts, their
         merge kernel (:func:`~treerl.rollout.decode_attention.merge_splits`), and the block's
         compiled tail with the next norm (the next layer's input norm, or the final norm) fused

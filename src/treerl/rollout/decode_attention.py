@@ -260,10 +260,6 @@ def split_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim
             if not (torch.allclose(o, ref, atol=tol) and torch.allclose(torch.logsumexp(lse.double(), 2),
                                                                         torch.logsumexp(s, -1), atol=tol)):
                 return False
-            # the merge kernel: a part merged with itself (G = 1) is the part's attention
-            merged = merge_splits(out, lse, out, lse, 1, dtype)  # [3, 1, 2 x 5, Dv]: one "query" per head
-            if not torch.allclose(merged.double().reshape(3, 2, 5, value_dim), ref, atol=tol):
-                return False
         return True
     except Exception:  # noqa: BLE001 - any failure: another kernel
         return False

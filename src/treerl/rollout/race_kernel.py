@@ -97,8 +97,8 @@ if triton is not None:
         _, j = tl.max(b, 0, return_indices=True, return_indices_tie_break_left=True)
         tok = tl.sum(tl.where(k == j, idx, 0), 0)
         t = tl.load(T + row * st).to(tl.float32)
-        scale = tl.where(t == 0.0, 1.0, t)
-        x = tl.load(L + row.to(tl.int64) * sl + tok).to(tl.float32) / scale
+        inv = 1.0 / tl.where(t == 0.0, 1.0, t)  # as _partial scaled the logits
+        x = tl.load(L + row.to(tl.int64) * sl + tok).to(tl.float32) * inv
         tl.store(Tok + row, tok.to(tl.int64))
         tl.store(Lp + row, (x - lse).to(Lp.dtype.element_ty))
 

@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .decode_attention import split_attention, split_attention_ok
+from .decode_attention import merge_splits, split_attention, split_attention_ok
 
 
 class _TwoLevelLayer(CacheLayerMixin):
@@ -392,6 +392,27 @@ def merge_parts(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, l
     w = torch.softmax(lse, dim=2)[..., None]  # [B, Hkv, S1 + S2, gq, 1]
     out = (w * torch.cat([o_own.to(acc), o_pre.to(acc)], dim=2)).sum(2)
     return out.to(dtype).reshape(B, 1, Hkv * gq, Dv)
+
+
+@functools.lru_cache(maxsize=None)
+def merge_splits_ok(device: str, dtype: torch.dtype, value_dim: int) -> bool:
+    """Whether :func:`~treerl.rollout.decode_attention.merge_splits` runs here and agrees with
+    :func:`merge_parts` (probed once per device, dtype and value size, on
+    two groups of 3 rows, 2 KV heads of 2 query heads, 3 and 2 ranges, one of them empty)."""
+    if not split_attention_ok(device, dtype, value_dim, value_dim) or value_dim & (value_dim - 1):
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        o1 = torch.randn(6, 2, 3, 2, value_dim, device=device, generator=g)
+        l1 = torch.randn(6, 2, 3, 2, device=device, generator=g)
+        o2 = torch.randn(2, 2, 2, 6, value_dim, device=device, generator=g)
+        l2 = torch.randn(2, 2, 2, 6, device=device, generator=g)
+        l2[0, 0, 1] = float("-inf")
+        want = merge_parts(o1.double(), l1.double(), o2.double(), l2.double(), 3, torch.float64)
+        got = merge_splits(o1, l1, o2, l2, 3, dtype)
+        return torch.allclose(got.double(), want, atol=1e-5 if dtype == torch.float32 else 2e-2)
+    except Exception:  # noqa: BLE001 - any failure: merge_parts
+        return False
 
 
 def two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefix_mask, scale, G,
