@@ -202,12 +202,8 @@ class Learner:
         fields.update(self.forwards(forwards, seqs, tree, dtype, ready))
         if first:  # the proximal forward of the other sequences; the first minibatch's come from its update
             fields["proximal_logprobs"] = [None] * len(seqs)
-            rest = [i for i in range(len(seqs)) if i not in first]
-            part = [seqs[i] for i in rest]
-            if rest:
-                done = self.forwards({"proximal_logprobs": policy}, part, PrefixTree.from_sequences(part), dtype)
-                for i, v in zip(rest, done["proximal_logprobs"]):
-                    fields["proximal_logprobs"][i] = v
+            self.forwards_into(fields, {"proximal_logprobs": policy}, seqs,
+                               [i for i in range(len(seqs)) if i not in first], dtype)
         out.timings["forward"] = time.perf_counter() - t1
         if ready is not None and ready.sequences:  # host seconds the rollout spent launching them, their device seconds
             out.timings["forward_in_rollout"], out.timings["forward_in_rollout_gpu"] = ready.seconds, ready.gpu_seconds
@@ -326,11 +322,7 @@ class Learner:
         if done:
             out, missing = ready.take(seqs, done, dtype)
             if missing:
-                rest = [seqs[i] for i in missing]
-                late = self.forwards({n: engines[n] for n in done}, rest, PrefixTree.from_sequences(rest), dtype)
-                for name in done:
-                    for j, i in enumerate(missing):
-                        out[name][i] = late[name][j]
+                self.forwards_into(out, {n: engines[n] for n in done}, seqs, missing, dtype)
             others = {n: e for n, e in engines.items() if n not in done}
             return {**out, **self.forwards(others, seqs, tree, dtype)}
         if not self.dist:
@@ -348,6 +340,18 @@ class Learner:
                 for i, v in zip(rank_local, values):
                     out[name][i] = v
         return out
+
+    def forwards_into(self, out: dict[str, list], engines: dict[str, TreeEngine], seqs: list[torch.Tensor],
+                      indices: list[int], dtype: torch.dtype) -> None:
+        """:meth:`forwards` of the sequences ``indices`` of ``seqs`` (a tree of their own), each
+        result written at its sequence's place in ``out[name]`` (lists over ``seqs``)."""
+        if not indices:
+            return
+        part = [seqs[i] for i in indices]
+        done = self.forwards(engines, part, PrefixTree.from_sequences(part), dtype)
+        for name, values in done.items():
+            for i, v in zip(indices, values):
+                out[name][i] = v
 
     def update(self, engine: TreeEngine, batch: TokenBatch, local: list[int], seqs: list[torch.Tensor],
                make_loss: Callable, entropy: bool = False) -> dict[str, float]:

@@ -107,12 +107,9 @@ def _logprobs_and_grads(model, engine, seqs, weights):
     return [lp.double() for lp in lps], {n: p.grad.double().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("mode,kw", [("flat", {"max_tokens": 256}), ("dfs", {"chunk_tokens": 200}),
-                                     ("auto", {"max_tokens": 300, "chunk_tokens": 64})])
-def test_engine_bf16_chain_path_as_accurate_as_the_tree_mask(mode, kw, monkeypatch):
-    """bf16 engine on a long shared prefix split in chain pieces: with the chain attention its
-    logprobs and gradients are as close to the float32 per-sequence reference as with the
-    tree mask (flex), and the pieces did run through it."""
+def _long_prefix_and_float32_reference():
+    """The small-scale long_prefix workload, per-token weights, a bf16 ``small`` Qwen3 and its
+    float32 per-sequence reference (same weights): ``(seqs, weights, model, ref_lps, ref_grads)``."""
     seqs = [torch.as_tensor(s) for s in make_workload("long_prefix", SCALES["small"], 4096, seed=3)]
     weights = [torch.randn(len(s) - 1, device="cuda", dtype=torch.float64) for s in seqs]
     model = build_model("qwen3", "small", dtype=torch.bfloat16, device="cuda", seed=1)
@@ -124,7 +121,22 @@ def test_engine_bf16_chain_path_as_accurate_as_the_tree_mask(mode, kw, monkeypat
         ref_lps.append(torch.log_softmax(logits[:-1], -1).gather(1, s[1:, None].cuda())[:, 0])
     sum((lp * w).sum() for lp, w in zip(ref_lps, weights)).backward()
     ref_grads = {n: p.grad.double() for n, p in ref_model.named_parameters()}
-    ref_lps = [lp.detach() for lp in ref_lps]
+    return seqs, weights, model, [lp.detach() for lp in ref_lps], ref_grads
+
+
+def _errors(lps, grads, ref_lps, ref_grads) -> tuple[float, float]:
+    """Max |logprob error| and max relative gradient error (per parameter) against the reference."""
+    return (max(float((a - b).abs().max()) for a, b in zip(lps, ref_lps)),
+            max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref_grads.items()))
+
+
+@pytest.mark.parametrize("mode,kw", [("flat", {"max_tokens": 256}), ("dfs", {"chunk_tokens": 200}),
+                                     ("auto", {"max_tokens": 300, "chunk_tokens": 64})])
+def test_engine_bf16_chain_path_as_accurate_as_the_tree_mask(mode, kw, monkeypatch):
+    """bf16 engine on a long shared prefix split in chain pieces: with the chain attention its
+    logprobs and gradients are as close to the float32 per-sequence reference as with the
+    tree mask (flex), and the pieces did run through it."""
+    seqs, weights, model, ref_lps, ref_grads = _long_prefix_and_float32_reference()
 
     prefixes = []
     apply = chain.ChainAttention.apply
@@ -134,10 +146,7 @@ def test_engine_bf16_chain_path_as_accurate_as_the_tree_mask(mode, kw, monkeypat
     for on in (False, True):
         monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", on)
         engine = treerl.TreeEngine(model, mode, attention="flex", compile=False, **kw)  # blocks eager: attention only
-        lps, grads = _logprobs_and_grads(model, engine, seqs, weights)
-        lp_err = max(float((a - b).abs().max()) for a, b in zip(lps, ref_lps))
-        grad_err = max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref_grads.items())
-        errors[on] = (lp_err, grad_err)
+        errors[on] = _errors(*_logprobs_and_grads(model, engine, seqs, weights), ref_lps, ref_grads)
         routes[on] = dict(engine.stats.attention)
         assert bool(prefixes) == on and (not on or max(prefixes) > 0), prefixes
         chained = sum(v for r, v in routes[on].items() if r.startswith("chain:"))
@@ -240,27 +249,14 @@ def test_engine_bf16_group_path_as_accurate_as_the_tree_mask(chains, monkeypatch
     """bf16 engine (auto) on a long shared prefix whose responses run as a group after it:
     with the group attention its logprobs and gradients are as close to the float32
     per-sequence reference as with the tree mask (flex), and the group did run through it."""
-    seqs = [torch.as_tensor(s) for s in make_workload("long_prefix", SCALES["small"], 4096, seed=3)]
-    weights = [torch.randn(len(s) - 1, device="cuda", dtype=torch.float64) for s in seqs]
-    model = build_model("qwen3", "small", dtype=torch.bfloat16, device="cuda", seed=1)
-    ref_model = build_model("qwen3", "small", dtype=torch.float32, device="cuda", seed=1)
-    ref_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-    ref_lps = []
-    for s in seqs:
-        logits = ref_model(input_ids=s[None].cuda()).logits[0].double()
-        ref_lps.append(torch.log_softmax(logits[:-1], -1).gather(1, s[1:, None].cuda())[:, 0])
-    sum((lp * w).sum() for lp, w in zip(ref_lps, weights)).backward()
-    ref_grads = {n: p.grad.double() for n, p in ref_model.named_parameters()}
-    ref_lps = [lp.detach() for lp in ref_lps]
+    seqs, weights, model, ref_lps, ref_grads = _long_prefix_and_float32_reference()
 
     monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", chains)
     errors, routes = {}, {}
     for on in (False, True):
         monkeypatch.setattr(attention, "GROUPS_AFTER_PREFIX", on)
         engine = treerl.TreeEngine(model, "auto", attention="flex", compile=False, max_tokens=300, chunk_tokens=64)
-        lps, grads = _logprobs_and_grads(model, engine, seqs, weights)
-        errors[on] = (max(float((a - b).abs().max()) for a, b in zip(lps, ref_lps)),
-                      max(float((grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in ref_grads.items()))
+        errors[on] = _errors(*_logprobs_and_grads(model, engine, seqs, weights), ref_lps, ref_grads)
         routes[on] = dict(engine.stats.attention)
         grouped = sum(v for r, v in routes[on].items() if r.startswith("group:"))
         assert (grouped > 0 and "mask:no-kernel" not in routes[on]) if on else grouped == 0, routes[on]

@@ -20,7 +20,6 @@ import treerl.engine.chain_attention as chain
 from helpers.engine import check_engine
 from helpers.forests import RandomLoss, random_seq
 from helpers.models import get_model
-from treerl import PrefixTree, TreeEngine
 from treerl.engine.memory import MemoryModel, MemoryPolicy
 
 
@@ -235,8 +234,8 @@ def test_no_kernel_warns_once_and_the_engine_masks(gen, monkeypatch):
 
 # ------------------------------------------------------------------ the engine
 def count_chain_calls(monkeypatch) -> list[int]:
-    """Prefix lengths of the chain attentions run (forward), with the path switched on (off
-    by default until it is faster end to end on a GPU: treerl.engine.attention)."""
+    """Prefix lengths of the chain attentions run (forward), with the path switched on (on the
+    CPU it is off by default: treerl.engine.attention)."""
     monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", True)
     prefixes = []
     apply = chain.ChainAttention.apply
@@ -294,33 +293,7 @@ def test_switch_off_runs_the_tree_mask(gen, monkeypatch):
     assert routes["mask:chain-off"] > 0 and routes["causal"] > 0 and not any(r.startswith("chain") for r in routes)
 
 
-def test_attention_routes_of_a_long_prompt(gen, monkeypatch):
-    """The engine's attention layer calls by route on a long_prefix-shaped tree (a long prompt
-    in chain pieces, its responses packed in groups): with the switch on, every layer call of a
-    piece after the first runs the chain attention; the first piece runs SDPA's causal kernel;
-    the groups of several responses (not one chain) the tree mask. Off: the pieces the mask."""
-    prompt = random_seq(gen, 40)
-    seqs = [prompt + random_seq(gen, int(n)) for n in torch.randint(3, 8, (6,), generator=gen)]
-    model = get_model("qwen3")
-    layers = model.config.num_hidden_layers
-    routes = {}
-    for on in (False, True):
-        monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", on)
-        engine = TreeEngine(model, "auto", max_tokens=20, chunk_tokens=8)
-        plan = engine.plan(seqs)
-        engine.forward_backward(seqs, RandomLoss.make(seqs, gen), separable=True)
-        routes[on] = dict(engine.stats.attention)
-    pieces = [i for i, c in enumerate(plan.children) if c]
-    leaves = [s for i, s in enumerate(plan.segments) if not plan.children[i]]
-    tree = PrefixTree.from_sequences(seqs)
-    # a leaf segment of one response is one chain after the prefix too; of several, the tree mask
-    single = sum(int(tree.subtree_end[s.start:s.end].min()) >= s.end for s in leaves)
-    groups = len(leaves) - single
-    assert len(pieces) == 5 and groups >= 1, plan.describe()
-    # each segment runs twice (the no-grad forward, then with grad; phase 1's K/V of the pieces reused)
-    after = 2 * layers * (len(pieces) - 1 + single)
-    assert routes[True] == {"causal": 2 * layers, "chain:math": after, "mask": 2 * layers * groups}, routes
-    assert routes[False] == {"causal": 2 * layers, "mask:chain-off": after, "mask": 2 * layers * groups}, routes
+# the routes of a long prompt's pieces and groups, each switch off and on: tests/engine/test_group_attention.py
 
 
 @pytest.mark.parametrize("name", chain.KERNELS)

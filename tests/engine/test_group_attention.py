@@ -266,14 +266,18 @@ def test_engine_groups_with_kept_attention(variant, gen, monkeypatch):
     assert any(kept) and engine.stats.attention["kept"] == len(kept), (kept, engine.stats.attention)
 
 
-def test_attention_routes_of_a_long_prompt(gen, monkeypatch):
-    """A long_prefix-shaped tree (a long prompt in chain pieces, its responses packed in
-    groups): with the switch on, every layer call of a group of several responses runs the
-    group attention (off: the tree mask); the pieces and single responses keep their routes."""
+@pytest.mark.parametrize("chains", [False, True], ids=["chains-off", "chains-on"])
+def test_attention_routes_of_a_long_prompt(chains, gen, monkeypatch):
+    """The engine's attention layer calls by route on a long_prefix-shaped tree (a long prompt
+    in chain pieces, its responses packed in groups), each switch off and on: the first piece
+    runs SDPA's causal kernel; every layer call of a piece after the first, and of a leaf
+    segment of one response (one chain after the prefix too), the chain attention (off: the
+    tree mask); of a group of several responses, the group attention (off: the tree mask)."""
     prompt = random_seq(gen, 40)
     seqs = [prompt + random_seq(gen, int(n)) for n in torch.randint(3, 8, (6,), generator=gen)]
     model = get_model("qwen3")
     layers = model.config.num_hidden_layers
+    monkeypatch.setattr(attention, "CHAIN_AFTER_PREFIX", chains)
     routes = {}
     for on in (False, True):
         monkeypatch.setattr(attention, "GROUPS_AFTER_PREFIX", on)
@@ -287,6 +291,7 @@ def test_attention_routes_of_a_long_prompt(gen, monkeypatch):
     single = sum(int(tree.subtree_end[s.start:s.end].min()) >= s.end for s in leaves)
     groups = len(leaves) - single
     assert len(pieces) == 5 and groups >= 1, plan.describe()
-    after = 2 * layers * (len(pieces) - 1 + single)  # each segment twice: the no-grad forward, then with grad
-    assert routes[True] == {"causal": 2 * layers, "mask:chain-off": after, "group:math": 2 * layers * groups}, routes
-    assert routes[False] == {"causal": 2 * layers, "mask:chain-off": after, "mask": 2 * layers * groups}, routes
+    # each segment runs twice (the no-grad forward, then with grad; phase 1's K/V of the pieces reused)
+    after = {"chain:math" if chains else "mask:chain-off": 2 * layers * (len(pieces) - 1 + single)}
+    assert routes[True] == {"causal": 2 * layers, **after, "group:math": 2 * layers * groups}, routes
+    assert routes[False] == {"causal": 2 * layers, **after, "mask": 2 * layers * groups}, routes

@@ -123,7 +123,6 @@ if triton is not None:
         tl.store(O + b * sob + h * soh + split * sos + offs_m[:, None] * som + offs_dv[None, :], out, mask=keep[:, None])
         tl.store(L + b * slb + h * slh + split * sls + offs_m, lse, mask=keep)
 
-
     @triton.jit
     def _merge_kernel(O1, L1, O2, L2, Out,
                       s1b, s1h, s1s, s1m, t1b, t1h, t1s,

@@ -138,15 +138,13 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: torc
     results are written into ``tokens``/``logp`` (``[B]``) when given."""
     if (logits.is_cuda and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and logits.stride(-1) == 1 and _kernel_ok(str(logits.device))):
-        if logp is not None and logp.dtype != torch.float32:
-            tok, lp = race_kernel(logits, temperature, row_seeds, tokens)
-            logp.copy_(lp)
-            return tok, logp
-        return race_kernel(logits, temperature, row_seeds, tokens, logp)
-    tok, lp = race_reference(logits, temperature, row_seeds)
-    if tokens is not None:
+        into = logp if logp is not None and logp.dtype == torch.float32 else None  # (the kernel writes float32)
+        tok, lp = race_kernel(logits, temperature, row_seeds, tokens, into)
+    else:
+        tok, lp = race_reference(logits, temperature, row_seeds)
+    if tokens is not None and tok is not tokens:
         tok = tokens.copy_(tok)
-    if logp is not None:
+    if logp is not None and lp is not logp:
         lp = logp.copy_(lp)
     return tok, lp
 
