@@ -8,10 +8,10 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import treerl
+from helpers.gloo import end_worker, start_worker
 from helpers.models import tiny_model
 from treerl.devtools.workloads import SCALES, make_workload
 
@@ -47,9 +47,7 @@ def shares(seqs, world, skewed):
 
 
 def worker(rank, world, init_file, out_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    start_worker(rank, world, init_file)
     from treerl.distributed import data_parallel
     from treerl.distributed.data_parallel import full_gradients, gradient_step, shard
 
@@ -73,8 +71,7 @@ def worker(rank, world, init_file, out_dir):
             if rank == 0:
                 torch.save({n: g.clone() for n, g in grads.items()}, os.path.join(out_dir, f"{mode}-{skewed}.pt"))
     assert all(used_fast), "FSDP2's end-of-backward hook was not found: gradient_step fell back to a model call"
-    dist.barrier()  # no rank tears gloo down while the other still has a collective in flight
-    dist.destroy_process_group()
+    end_worker()
 
 
 def test_two_gloo_ranks_match_one_process(tmp_path):
@@ -96,9 +93,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
 
 def gather_worker(rank, world, init_file, out_dir):
     """Whole weights of a sharded model, bucketed, against one full_tensor per parameter."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    start_worker(rank, world, init_file)
     from treerl.distributed.data_parallel import full_state_dict, shard
 
     engine = engine_for(tiny_model(dtype=torch.float32, vocab_size=61, seed=2), "packed")
@@ -111,8 +106,7 @@ def gather_worker(rank, world, init_file, out_dir):
             assert got[k].shape == one_by_one[k].shape and torch.equal(got[k], one_by_one[k]), (bucket_bytes, k)
     if rank == 0:
         torch.save(got, os.path.join(out_dir, "whole.pt"))
-    dist.barrier()  # no rank tears gloo down while the other still has a collective in flight
-    dist.destroy_process_group()
+    end_worker()
 
 
 def test_bucketed_weight_gather_equals_per_parameter_gather(tmp_path):

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from helpers.configs import run_config
+from helpers.gloo import end_worker, start_worker
 from helpers.models import tiny_model
 from treerl.config import Config
 from treerl.distributed import ranks
@@ -84,9 +84,7 @@ def train_once(name: str, chain: bool) -> tuple[Trainer, dict]:
 
 
 def worker(rank, world, init_file, out_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    start_worker(rank, world, init_file)
     from treerl.distributed.data_parallel import full_state_dict
 
     runs = [(name, False) for name in CONFIGS] + [(CHAIN, True)]
@@ -102,8 +100,7 @@ def worker(rank, world, init_file, out_dir):
         if rank == 0:
             torch.save({"params": params, "metrics": metrics}, os.path.join(out_dir, f"{name}-{chain}.pt"))
         torch.save(share, os.path.join(out_dir, f"share-{name}-{chain}-{rank}.pt"))
-    dist.barrier()  # no rank tears gloo down while the other still has a collective in flight
-    dist.destroy_process_group()
+    end_worker()
 
 
 def test_two_ranks_train_on_matches_one_process(tmp_path):
