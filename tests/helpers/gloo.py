@@ -19,8 +19,9 @@ def end_worker() -> None:
     other still has a collective in flight), the group destroyed, then the process ends at
     once (``os._exit(0)``) instead of through interpreter finalization. Finalizing a process
     that ran FSDP2 over gloo aborts now and then with ``terminate called without an active
-    exception``: objects gloo's threads still reference (work handles holding tensors) are
-    destroyed while the interpreter is torn down (pytorch/pytorch#179291 describes it). A
+    exception``, likely objects that gloo's threads still reference (work handles holding
+    tensors) destroyed while the interpreter is torn down (pytorch/pytorch#179291 describes
+    that for processes that never destroy their group; the abort's stack was not caught). A
     clean-clone CI run saw rank 1 die so after the barrier was added, and an isolated loop
     1 run in 11. The result files are written before this call and the test checks them, so
     nothing is lost; an exception before it still fails the worker with its traceback."""
