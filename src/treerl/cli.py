@@ -39,7 +39,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         # under torchrun (WORLD_SIZE > 1) every rank runs this; the trainer joins the group
         with _terminate_as_interrupt():
             train(cfg, resume=args.resume, overwrite=args.overwrite)
-        _leave_group()
+        from .distributed.data_parallel import leave
+
+        leave()  # a rank of a multi-process run ends here (exit status 0); one process goes on
     except KeyboardInterrupt:
         from .runlog import resume_hint
 
@@ -51,30 +53,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
-
-def _leave_group() -> None:
-    """End a rank of a finished multi-process run (torchrun) here, with exit status 0: every
-    rank waits for the others (no rank leaves while another still writes its files), the
-    group is destroyed, logs and streams are flushed, and the process exits at once
-    (``os._exit``) instead of through interpreter finalization. A rank that ran FSDP2 over
-    gloo aborted now and then while finalizing, after its run had finished ("terminate
-    called without an active exception", SIGABRT: 1 in 13 runs of the torchrun test on a
-    2-core CPU), and torchrun then stops the other ranks, which may still be writing, and
-    reports the run failed. ``train`` has closed its files (metrics, logs, checkpoints: all
-    written synchronously) when it returns. A one-process run returns normally."""
-    import logging
-
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return
-    dist.barrier()
-    dist.destroy_process_group()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 @contextlib.contextmanager

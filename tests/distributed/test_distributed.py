@@ -11,9 +11,10 @@ import torch
 import torch.multiprocessing as mp
 
 import treerl
-from helpers.gloo import end_worker, start_worker
+from helpers.gloo import start_worker
 from helpers.models import tiny_model
 from treerl.devtools.workloads import SCALES, make_workload
+from treerl.distributed.data_parallel import leave
 
 MODES = ("flat", "packed", "dfs", "auto")
 
@@ -71,7 +72,7 @@ def worker(rank, world, init_file, out_dir):
             if rank == 0:
                 torch.save({n: g.clone() for n, g in grads.items()}, os.path.join(out_dir, f"{mode}-{skewed}.pt"))
     assert all(used_fast), "FSDP2's end-of-backward hook was not found: gradient_step fell back to a model call"
-    end_worker()
+    leave()  # results on disk: barrier, destroy, os._exit(0)
 
 
 def test_two_gloo_ranks_match_one_process(tmp_path):
@@ -106,7 +107,7 @@ def gather_worker(rank, world, init_file, out_dir):
             assert got[k].shape == one_by_one[k].shape and torch.equal(got[k], one_by_one[k]), (bucket_bytes, k)
     if rank == 0:
         torch.save(got, os.path.join(out_dir, "whole.pt"))
-    end_worker()
+    leave()  # results on disk: barrier, destroy, os._exit(0)
 
 
 def test_bucketed_weight_gather_equals_per_parameter_gather(tmp_path):

@@ -22,10 +22,11 @@ import torch
 import torch.multiprocessing as mp
 
 from helpers.configs import run_config
-from helpers.gloo import end_worker, start_worker
+from helpers.gloo import start_worker
 from helpers.models import tiny_model
 from treerl.config import Config
 from treerl.distributed import ranks
+from treerl.distributed.data_parallel import leave
 from treerl.tasks import get_task
 from treerl.trainer import Sample, Trainer
 
@@ -100,7 +101,7 @@ def worker(rank, world, init_file, out_dir):
         if rank == 0:
             torch.save({"params": params, "metrics": metrics}, os.path.join(out_dir, f"{name}-{chain}.pt"))
         torch.save(share, os.path.join(out_dir, f"share-{name}-{chain}-{rank}.pt"))
-    end_worker()
+    leave()  # results on disk: barrier, destroy, os._exit(0)
 
 
 def test_two_ranks_train_on_matches_one_process(tmp_path):

@@ -712,3 +712,22 @@ def test_kernel_step_matches_the_torch_step(family, monkeypatch):
         for x, y in zip(a, b):
             assert x.completion_ids.tolist() == y.completion_ids.tolist()
             assert torch.allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
+def test_merge_kernel_probe_warns_when_it_fails(monkeypatch):
+    """The merge kernel's probe (its CUDA check aside): False, with a warning naming the
+    failure, when the kernel fails or disagrees with merge_parts."""
+    import treerl.rollout.shared as shared
+
+    monkeypatch.setattr(shared, "split_attention_ok", lambda *a: True)
+    probe = shared.merge_splits_ok.__wrapped__
+
+    def fails(*a, **k):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(shared, "merge_splits", fails)
+    with pytest.warns(UserWarning, match="merge kernel failed .*no kernel"):
+        assert not probe("cpu", torch.float32, 16)
+    monkeypatch.setattr(shared, "merge_splits", lambda o1, l1, o2, l2, G, dtype: torch.zeros(6, 1, 4, 16, dtype=dtype))
+    with pytest.warns(UserWarning, match="merge kernel disagreed"):
+        assert not probe("cpu", torch.float32, 16)

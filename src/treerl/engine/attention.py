@@ -91,8 +91,8 @@ class TreeAttention:
 
     def _prefix_seen_by_all(self) -> bool:
         """Whether every query sees every prefix key (true of every plan's prefix: its segments
-        are chains of ancestors; a device sync where the tensors are on a GPU): each prefix key precedes the first
-        query and its subtree reaches past the last (the queries are one range)."""
+        are chains of ancestors; a device sync where the tensors are on a GPU): each prefix key
+        precedes the first query and its subtree reaches past the last (the queries are one range)."""
         p = len(self.k_index) - len(self.q_index)
         return bool((self.k_index[:p].max() <= self.q_index[0]) & (self.k_end[:p].min() > self.q_index[-1]))
 
