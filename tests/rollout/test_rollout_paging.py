@@ -271,3 +271,35 @@ def test_split_kernel_reads_own_keys_through_the_block_table(page, dtype):
         o, lse = cache.attend_own(0, q_own, om, D ** -0.5, backend)
         out = merge_parts(o, lse, o_pre, l_pre, G, dtype)
         assert (out.double() - ref).abs().max() <= tol, backend
+
+
+@pytest.mark.skipif(not _triton_runs(), reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("page", [0, 64, 16], ids=["dense", "page64", "page16"])
+def test_split_kernel_reads_no_key_past_a_rows_last_visible_key(page):
+    """The split kernel stops at each split's last visible key (rows shorter than the step's
+    span): NaN K/V in every tile past it (not a split's first) leaves the output equal to
+    float64 math on the visible keys, dense and through a block table; a hidden run inside a
+    row and partial tiles stay exact; one split per row gives the row's log-sum-exp."""
+    from treerl.rollout.decode_attention import split_attention, to_pages
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(5)
+    B, H, M, N, D = 5, 2, 3, 512, 16
+    q, k, v = (torch.randn(B, H, n, D, generator=g, device=dev) for n in (M, N, N))
+    lens = torch.tensor([64, 100, 512, 1, 300], device=dev)
+    neg = torch.finfo(torch.float32).min
+    mask = torch.where(torch.arange(N, device=dev)[None] < lens[:, None], 0.0, neg)
+    mask[4, 70:200] = neg  # a hidden run inside a row (read, finite)
+    s = (q.double() @ k.double().transpose(-1, -2)) * D ** -0.5 + mask.double()[:, None, None, :]
+    ref = torch.softmax(s, -1) @ v.double()
+    for b, n in enumerate(lens.tolist()):  # every tile after the one holding the row's last key: poisoned
+        start = max(-(-n // 64) * 64, 64)
+        k[b, :, start:], v[b, :, start:] = float("nan"), float("nan")
+    kk, vv, table = (k, v, None) if page == 0 else to_pages(k, v, page, g)
+    for splits in (1, 3, None):
+        out, lse = split_attention(q, kk, vv, mask, D ** -0.5, splits=splits, table=table)
+        o = (torch.softmax(lse.double(), dim=2)[..., None] * out.double()).sum(2)
+        assert torch.isfinite(o).all(), splits
+        assert (o - ref).abs().max() <= 1e-5, splits
+        if splits == 1:
+            assert (lse[:, :, 0].double() - torch.logsumexp(s, -1)).abs().max() <= 1e-5

@@ -91,7 +91,7 @@ if triton is not None:
                       sob, soh, sos, som, slb, slh, sls,
                       H, M, N, keys_per_split, scale, HIDDEN,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                      IEEE: tl.constexpr, PAGE: tl.constexpr):
+                      IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
@@ -105,17 +105,23 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DV], tl.float32)
         start = split * keys_per_split  # keys_per_split: whole blocks; split starts < N
-        for i in range(0, keys_per_split // BLOCK_N):
+        # the split's visible keys end before `end` (the mask, read alone first: ~1/128 of the K/V bytes); the K/V
+        # loop runs to that bound without a branch per tile, so the compiler pipelines its loads. Tiles past the
+        # row's last visible key (rows shorter than the step's span, prompts shorter than the prefix store) are not
+        # read; the split's first tile always runs, so every split keeps a finite LSE as before
+        stop = tl.minimum(start + keys_per_split, N)
+        end = start + 1
+        for c in range(start, stop, MASK_CHUNK):
+            offs_c = c + tl.arange(0, MASK_CHUNK)
+            seen = tl.load(Mask + b * smb + offs_c, mask=offs_c < stop, other=HIDDEN).to(tl.float32) > HIDDEN
+            end = tl.maximum(end, tl.max(tl.where(seen, offs_c + 1, 0), 0))
+        for i in range(0, tl.cdiv(end - start, BLOCK_N)):
             offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = offs_n < N
             bias = tl.load(Mask + b * smb + offs_n, mask=valid, other=0.0).to(tl.float32)
-            # a tile whose keys are all hidden adds exp(hidden - max) = 0 to the softmax: skip its K/V
-            # reads (rows shorter than the step's own span, prompts shorter than the prefix store); the
-            # split's first tile always runs, so every split keeps a finite LSE as before
-            if (i == 0) | (tl.max(tl.where(valid, bias, HIDDEN), 0) > HIDDEN):
-                m_i, l_i, acc = _tile(q, K, V, Table, b, h, offs_n, valid, bias, m_i, l_i, acc, start + i * BLOCK_N,
-                                      skb, skh, skn, svb, svh, svn, stb, N, scale,
-                                      BLOCK_N, D, DV, IEEE, PAGE)
+            m_i, l_i, acc = _tile(q, K, V, Table, b, h, offs_n, valid, bias, m_i, l_i, acc, start + i * BLOCK_N,
+                                  skb, skh, skn, svb, svh, svn, stb, N, scale,
+                                  BLOCK_N, D, DV, IEEE, PAGE)
         has = l_i > 0
         out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -188,6 +194,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
         H, M, N, per, scale, float(torch.finfo(mask.dtype).min),
         BLOCK_M=block_m, BLOCK_N=block_n, D=D, DV=DV, IEEE=q.dtype == torch.float32, PAGE=page,
+        MASK_CHUNK=min(1024, max(16, triton.next_power_of_2(per))),
         num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages,
     )
     return out, lse
