@@ -74,7 +74,9 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
     "auto-noreuse": (dict(mode="auto"), dict(reuse_forward_kv=False), {}),
     "auto-tiles": (dict(mode="auto"), {}, dict(PREFIX_AS_TILES=True)),
     "dfs-tiles": (dict(mode="dfs"), {}, dict(PREFIX_AS_TILES=True)),
+    "auto-b0.2": (dict(mode="auto", memory_budget=0.2), {}, {}),
     "auto-b0.3": (dict(mode="auto", memory_budget=0.3), {}, {}),
+    "auto-b0.45": (dict(mode="auto", memory_budget=0.45), {}, {}),
     # calls after a prefix (issue 24): the defaults run chain pieces (treerl.engine.chain_attention) and
     # groups of leaves (treerl.engine.group_attention) through the fused kernels on CUDA; the A/B variants
     "auto-off": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=False, GROUPS_AFTER_PREFIX=False)),  # the tree mask
