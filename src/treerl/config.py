@@ -196,7 +196,7 @@ class AlgorithmConfig:
 class EngineConfig:
     mode: str = key("auto", choices=ENGINE_MODES, help="tree engine mode")
     memory_budget: float | None = key(None, gt=0, help="activations: fraction of device memory (<= 1) or "
-                                      "bytes; null: 0.2")
+                                      "bytes; null: 0.25")
     max_tokens: int | None = key(None, ge=1, help="advanced: fixed tokens per call instead of the memory budget")
     chunk_tokens: int = key(2048, ge=1, help="tokens per chunk of a long node (dfs)")
     compile: bool | None = key(None, help="compiled decoder blocks; null: on CUDA")

@@ -155,7 +155,7 @@ def test_budget_forms():
     assert resolve_budget(8 << 30, cpu) == 8 << 30
     assert resolve_budget(float(8 << 30), cpu) == 8 << 30  # YAML/CLI floats: bytes above 1
     assert resolve_budget(0.5, cpu) > resolve_budget(0.1, cpu) > 0
-    assert resolve_budget(None, cpu) == resolve_budget(0.2, cpu)
+    assert resolve_budget(None, cpu) == resolve_budget(0.25, cpu)
     model = get_model("qwen3")
     assert TreeEngine(model, max_tokens=77).memory.max_tokens == 77  # the override: no budget
     assert not TreeEngine(model, max_tokens=77).memory.recomputes(10**6)
