@@ -277,8 +277,9 @@ def test_split_kernel_reads_own_keys_through_the_block_table(page, dtype):
 @pytest.mark.parametrize("page", [0, 64, 16], ids=["dense", "page64", "page16"])
 def test_split_kernel_reads_no_key_past_a_rows_last_visible_key(page):
     """The split kernel stops at each split's last visible key (rows shorter than the step's
-    span): NaN K/V in every tile past it (not a split's first) leaves the output equal to
-    float64 math on the visible keys, dense and through a block table; a hidden run inside a
+    span): NaN K/V in every tile past it leaves the output equal to float64 math on the
+    visible keys, dense and through a block table (a split whose first tile, which always
+    runs, is all NaN has no finite score and drops out of the merge); a hidden run inside a
     row and partial tiles stay exact; one split per row gives the row's log-sum-exp."""
     from treerl.rollout.decode_attention import split_attention, to_pages
 

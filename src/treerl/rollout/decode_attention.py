@@ -14,11 +14,13 @@ merges the splits of both attention levels exactly in one pass.
 ``mask`` rows ``[B, N]`` (broadcast over heads and queries) -> ``out [B, H, S, M, Dv]``
 (float32) and ``lse [B, H, S, M]`` (float32; ``-inf`` for a split with no keys).
 
-A key tile whose keys the mask hides entirely (mask value ``finfo(mask.dtype).min`` at every
-key: slots past a row's length when the step attends to the longest row's span, a prompt
-shorter than the prefix store) adds ``exp(hidden - max) = 0`` to every softmax sum, so it is
-skipped without reading its keys and values: a step's attention reads what its rows hold,
-not ``rows x span``. A split's first tile always runs (its LSE stays finite, as before).
+Keys the mask hides (mask value ``finfo(mask.dtype).min``) add ``exp(hidden - max) = 0`` to
+every softmax sum. Each split first reads its mask for its last visible key and reads K/V
+tiles only up to it: slots past a row's length (the step attends to the longest row's span)
+and a prompt shorter than the prefix store are not read, so a step's attention reads what its
+rows hold, not ``rows x span``. The loop has no branch per tile, so its loads pipeline; a
+hidden run inside a row is read and masked (pools hold finite values). A split's first tile
+always runs (its LSE stays finite).
 
 Paged keys (the rows' own store, :mod:`~treerl.rollout.paging`): ``k/v`` are block pools
 ``[num_blocks, H, PAGE, D]`` and ``table [B, max_blocks]`` names the block of each entry's
