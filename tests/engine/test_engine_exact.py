@@ -444,6 +444,29 @@ def test_single_token_sequences_only():
 
 
 # --------------------------------------------------------------- plan invariants
+@settings(max_examples=200, **HYP)
+@given(st.lists(st.integers(1, 60), max_size=12), st.integers(1, 80))
+def test_balanced_groups_match_greedy_count_with_smaller_largest(sizes, cap):
+    """Sibling subtrees batch into as many calls as greedy packing to the pack limit makes,
+    in order, every group of several within the limit, the largest group no larger than
+    greedy's (the step's memory peak) and as small as any split into that many groups."""
+    from itertools import combinations
+
+    from treerl.engine.plan import _balanced_groups, _greedy_groups
+
+    greedy, balanced = _greedy_groups(sizes, cap), _balanced_groups(sizes, cap)
+    assert len(balanced) == len(greedy)
+    assert [i for a, b in balanced for i in range(a, b)] == list(range(len(sizes)))
+    total = [sum(sizes[a:b]) for a, b in balanced]
+    assert all(t <= cap for (a, b), t in zip(balanced, total) if b - a > 1)
+    assert max(total, default=0) <= max((sum(sizes[a:b]) for a, b in greedy), default=0)
+    if 0 < len(sizes) <= 8:  # the smallest largest group over every split into that many groups
+        k = len(balanced)
+        best = min(max(sum(sizes[a:b]) for a, b in zip((0, *cut), (*cut, len(sizes))))
+                   for cut in combinations(range(1, len(sizes)), k - 1))
+        assert max(total) == best
+
+
 @settings(max_examples=120, **HYP)
 @given(
     forests(max_seqs=10, max_len=20),

@@ -273,25 +273,22 @@ class _Planner:
 
     def _group(self, nodes: list[int], parent: int, budget: int, oversized) -> None:
         """Batch consecutive sibling subtrees into segments: one of at most ``budget``
-        tokens alone, several up to the pack limit together."""
+        tokens alone, several up to the pack limit together. Each run of siblings between
+        oversized ones takes as few segments as packing greedily to the limit would, with
+        their sizes balanced (:func:`_balanced_groups`): the same calls, the largest (which
+        sets the step's memory peak) as small as the run allows."""
         pack = min(budget, self.pack_cap, self.memory.pack(self._below(parent)))
-        first = last = None
-        for node in nodes:
-            size = self.sub_end[node] - self.start[node]
-            if size > budget:
-                if first is not None:
-                    self._add(self.start[first], self.sub_end[last], parent)
-                    first = None
-                oversized(node, parent)
+        run: list[int] = []
+        for node in [*nodes, None]:
+            if node is not None and self.sub_end[node] - self.start[node] <= budget:
+                run.append(node)
                 continue
-            if first is not None and self.sub_end[node] - self.start[first] > pack:
-                self._add(self.start[first], self.sub_end[last], parent)
-                first = None
-            if first is None:
-                first = node
-            last = node
-        if first is not None:
-            self._add(self.start[first], self.sub_end[last], parent)
+            sizes = [self.sub_end[n] - self.start[n] for n in run]
+            for a, b in _balanced_groups(sizes, pack):
+                self._add(self.start[run[a]], self.sub_end[run[b - 1]], parent)
+            run = []
+            if node is not None:
+                oversized(node, parent)
 
     def finish(self, retain_tokens: int | None) -> tuple[list[Segment], float]:
         """Segments with their memory decisions, and the modelled peak of the backward.
@@ -349,3 +346,32 @@ def _targets(tree: PrefixTree, segments: list[Segment]) -> list[torch.Tensor]:
     by_owner = np.argsort(owner, kind="stable")
     counts = np.bincount(owner, minlength=len(segments))
     return list(torch.from_numpy(child[by_owner]).split(counts.tolist()))
+
+
+def _greedy_groups(sizes: list[int], cap: int) -> list[tuple[int, int]]:
+    """Consecutive items as ``[a, b)`` ranges, each filled greedily up to ``cap`` in total
+    (an item larger than ``cap`` alone)."""
+    groups, a, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > a and total + size > cap:
+            groups.append((a, i))
+            a, total = i, 0
+        total += size
+    if sizes:
+        groups.append((a, len(sizes)))
+    return groups
+
+
+def _balanced_groups(sizes: list[int], cap: int) -> list[tuple[int, int]]:
+    """As few consecutive groups as greedy packing to ``cap`` makes, with the largest group
+    as small as possible: greedy packing to the smallest limit (binary search) that needs
+    no more groups. Every group of several items stays within ``cap``."""
+    want = len(_greedy_groups(sizes, cap))
+    lo, hi = max(1, min(cap, max(sizes, default=1))), cap
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(_greedy_groups(sizes, mid)) <= want:
+            hi = mid
+        else:
+            lo = mid + 1
+    return _greedy_groups(sizes, lo)
