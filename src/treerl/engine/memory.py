@@ -38,8 +38,8 @@ def resolve_budget(budget: int | float | None, device: torch.device) -> int:
     80 GB H100): whole trees of tens of thousands of tokens run in one call with block
     recompute. Measured on the H100 (bench/RESULTS.md, session 7; Qwen3-1.7B shape): at 25%
     the 32k-token shared prefix runs as one recomputing call (3.4 s, 16.5 GiB) where 20%
-    planned 40 calls (4.8 s, 21.6 GiB; ``dfs`` 22.9 GiB), and the medium batches run 1-4%
-    faster at 0.99-1.36x the peak memory of ``dfs`` (GRPO the 1.36x; 1.12x at 20%), while
+    planned 40 calls (4.8 s, 21.6 GiB; ``dfs`` 22.9 GiB); with balanced packs (the planner)
+    the medium batches run the 20% plans, at 0.99-1.14x the peak memory of ``dfs``, while
     weights, gradients and optimizer state keep the rest. A value in
     (0, 1] is a fraction of the device's total memory, a larger one is bytes.
     """
