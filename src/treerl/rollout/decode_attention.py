@@ -35,6 +35,8 @@ import functools
 
 import torch
 
+from .kernel_probe import kernel_agrees
+
 try:
     import triton
     import triton.language as tl
@@ -244,10 +246,11 @@ def to_pages(k: torch.Tensor, v: torch.Tensor, page: int,
 def split_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int, page: int = 0) -> bool:
     """Whether the kernel runs here and agrees with float64 math (probed once per device,
     dtype, head sizes and, with ``page``, also on keys paged in blocks of ``page`` slots;
-    never inside a capture)."""
+    never inside a capture; a failure warns, :func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
     if triton is None or not device.startswith("cuda") or dtype == torch.float64 or head_dim % 16 or value_dim % 16:
         return False
-    try:
+
+    def check() -> bool:
         g = torch.Generator(device=device).manual_seed(0)
         N = 200  # keys (a partial last tile); paged: in whole blocks, the last one partly attended
         n = N if page == 0 else -(-N // page) * page
@@ -269,5 +272,8 @@ def split_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim
                                                                         torch.logsumexp(s, -1), atol=tol)):
                 return False
         return True
-    except Exception:  # noqa: BLE001 - any failure: another kernel
-        return False
+
+    return kernel_agrees(check, what="the split-key decode attention kernel", reference="float64 attention",
+                         where=f"{device} ({dtype}, head {head_dim}/{value_dim}, page {page})",
+                         fallback="the decode attention runs through CUDA's memory-efficient kernel or plain "
+                                  "math (slower)")

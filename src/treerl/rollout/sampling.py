@@ -16,12 +16,12 @@ sample does not depend on the other rows of the batch.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import numpy as np
 import torch
 
 from .params import SamplingParams
+from .kernel_probe import kernel_agrees
 from .race_kernel import race_kernel, triton
 from .types import to_device
 
@@ -156,20 +156,18 @@ def _kernel_ok(device: str) -> bool:
     hot and cold rows, two splits each; never inside a capture)."""
     if triton is None:
         return False
-    try:
+
+    def check() -> bool:
         g = torch.Generator(device=device).manual_seed(0)
         logits = torch.randn(6, 5000, device=device, generator=g) * 3
         temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 1.0, 0.0], device=device)
         seeds = draw_seeds(6, g, logits.device)
         want_tok, want_lp = race_reference(logits, temperature, seeds)
         tok, lp = race_kernel(logits, temperature, seeds, splits=2)
-        if torch.equal(tok, want_tok) and torch.allclose(lp, want_lp, atol=1e-4):
-            return True
-        why = "disagreed with the torch reference"
-    except Exception as err:  # noqa: BLE001 - any failure: the torch path
-        why = f"failed ({type(err).__name__}: {err})"
-    warnings.warn(f"the one-pass sampling kernel {why} on {device}; sampling runs as torch operations (slower)")
-    return False
+        return torch.equal(tok, want_tok) and torch.allclose(lp, want_lp, atol=1e-4)
+
+    return kernel_agrees(check, what="the one-pass sampling kernel", reference="the torch reference", where=device,
+                         fallback="sampling runs as torch operations (slower)")
 
 
 def sample_rows(

@@ -32,13 +32,13 @@ captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .decode_attention import merge_splits, split_attention, split_attention_ok
+from .kernel_probe import kernel_agrees
 
 
 class _TwoLevelLayer(CacheLayerMixin):
@@ -400,10 +400,10 @@ def merge_splits_ok(device: str, dtype: torch.dtype, value_dim: int) -> bool:
     """Whether :func:`~treerl.rollout.decode_attention.merge_splits` runs here and agrees with
     :func:`merge_parts` (probed once per device, dtype and value size, on
     two groups of 3 rows, 2 KV heads of 2 query heads, 3 and 2 ranges, one of them empty). A
-    failure warns with its reason, as the sampling kernel's probe does."""
+    failure warns with its reason (:func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
     if not split_attention_ok(device, dtype, value_dim, value_dim) or value_dim & (value_dim - 1):
         return False
-    try:
+    def check() -> bool:
         g = torch.Generator(device=device).manual_seed(0)
         o1 = torch.randn(6, 2, 3, 2, value_dim, device=device, generator=g)
         l1 = torch.randn(6, 2, 3, 2, device=device, generator=g)
@@ -412,14 +412,11 @@ def merge_splits_ok(device: str, dtype: torch.dtype, value_dim: int) -> bool:
         l2[0, 0, 1] = float("-inf")
         want = merge_parts(o1.double(), l1.double(), o2.double(), l2.double(), 3, torch.float64)
         got = merge_splits(o1, l1, o2, l2, 3, dtype)
-        if torch.allclose(got.double(), want, atol=1e-5 if dtype == torch.float32 else 2e-2):
-            return True
-        why = "disagreed with merge_parts"
-    except Exception as err:  # noqa: BLE001 - any failure: merge_parts
-        why = f"failed ({type(err).__name__}: {err})"
-    warnings.warn(f"the decode step's merge kernel {why} on {device} ({dtype}); the decode step runs without "
-                  "its split-key kernel step (slower)")
-    return False
+        return torch.allclose(got.double(), want, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+    return kernel_agrees(check, what="the decode step's merge kernel", reference="merge_parts",
+                         where=f"{device} ({dtype})",
+                         fallback="the decode step runs without its split-key kernel step (slower)")
 
 
 def two_level_attention(query, own_k, own_v, own_mask, prefix_k, prefix_v, prefix_mask, scale, G,
