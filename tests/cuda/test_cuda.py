@@ -25,13 +25,17 @@ def reference_logprobs(model, seqs):
     ("flat", {}), ("packed", {}), ("dfs", {"chunk_tokens": 7}), ("auto", {"max_tokens": 40, "chunk_tokens": 16}),
 ])
 @pytest.mark.parametrize("workload", ["grpo", "agentic"])
-def test_flex_float32_matches_per_sequence(mode, kw, workload):
+@pytest.mark.parametrize("separable", [False, True])
+def test_flex_float32_matches_per_sequence(mode, kw, workload, separable):
+    """Every mode against the per-sequence forward; ``separable``: the loss in parts (chained
+    plans: the one pass, treerl.engine.one_pass), else all at once (two phases)."""
     model = build_model("qwen3", "tiny", dtype=torch.float32, device="cuda", seed=1)
     seqs = [torch.as_tensor(s) for s in make_workload(workload, SCALES["tiny"], 512, seed=3)]
     weights = [torch.randn(len(s) - 1, device="cuda", dtype=torch.float64) for s in seqs]
 
-    def loss_fn(lps):
-        return sum((lp.double() * w).sum() + 0.1 * lp.double().mean().exp() for lp, w in zip(lps, weights))
+    def loss_fn(lps, index=None):
+        which = range(len(seqs)) if index is None else index.tolist()
+        return sum((lp.double() * weights[i]).sum() + 0.1 * lp.double().mean().exp() for lp, i in zip(lps, which))
 
     model.zero_grad()
     ref = reference_logprobs(model, seqs)
@@ -43,7 +47,7 @@ def test_flex_float32_matches_per_sequence(mode, kw, workload):
     for a, b in zip(lps, ref):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
     model.zero_grad()
-    engine.forward_backward(seqs, loss_fn)
+    engine.forward_backward(seqs, loss_fn, separable=separable)
     for n, p in model.named_parameters():
         err = (p.grad - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)
         assert err < 1e-5, (n, float(err))

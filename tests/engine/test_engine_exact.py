@@ -585,8 +585,7 @@ def test_treerl_attention_refuses_to_run_without_tree_mask(gen):
 
 # --------------------------------------------- phase 1's last path reused by phase 2
 @pytest.mark.parametrize("mode", ["auto", "dfs"])
-@pytest.mark.parametrize("separable", [False, True])
-def test_two_phase_reuses_the_forward_path_keys_values(mode, separable, gen, monkeypatch):
+def test_two_phase_reuses_the_forward_path_keys_values(mode, gen, monkeypatch):
     """Phase 1 ends on the leftmost path, the one phase 2 opens first: its recomputed
     chains take phase 1's K/V instead of a no-grad call each, exactly (and without it the
     same plan makes exactly those calls more)."""
@@ -595,8 +594,8 @@ def test_two_phase_reuses_the_forward_path_keys_values(mode, separable, gen, mon
     calls = {}
     for reuse in (True, False):
         monkeypatch.setattr(TreeEngine, "reuse_forward_kv", reuse)
-        loss = RandomLoss.make(seqs, gen, coupled=not separable)
-        engine = check_engine(model, seqs, mode, loss, max_tokens=13, chunk_tokens=4, separable=separable)
+        loss = RandomLoss.make(seqs, gen, coupled=True)
+        engine = check_engine(model, seqs, mode, loss, max_tokens=13, chunk_tokens=4)
         calls[reuse] = engine.stats.model_calls
     plan = engine.plan(seqs)
     leftmost, i = [], 0  # the first tree's leftmost path: segment 0, its first child, ...
@@ -606,6 +605,35 @@ def test_two_phase_reuses_the_forward_path_keys_values(mode, separable, gen, mon
     saved = sum(1 for i in leftmost if not plan.segments[i].retain)
     assert saved >= 1, plan.describe()
     assert calls[False] - calls[True] == saved
+
+
+@pytest.mark.parametrize("mode", ["auto", "dfs"])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_separable_loss_runs_chained_trees_in_one_pass(mode, entropy, gen):
+    """A separable loss over chained trees takes no phase 1: each sequence's term right after
+    the call holding its last token, so every call of the plan runs once (a recomputed chain
+    twice: its no-grad call for the K/V, its recompute with grad) and the loss meets each
+    sequence once, in as many calls as segments hold sequence ends, exactly. Sequences that are
+    prefixes of others (an agent's earlier turns) end inside chains; a repeated one, and one of
+    a single token (nothing to predict), end where their twin does."""
+    from treerl.engine.batch import sequences_ending_in
+
+    seqs = shaped_forest(gen, SPEC)
+    longest = max(seqs, key=len)
+    seqs += [longest[: len(longest) // 3], longest[: len(longest) // 2], longest[:2], list(seqs[1]), longest[:1]]
+    model = get_model("qwen3")
+    loss = RandomLoss.make(seqs, gen)
+    engine = check_engine(model, seqs, mode, loss, max_tokens=13, chunk_tokens=4, entropy=entropy, separable=True)
+    plan = engine.plan(seqs)
+    assert any(plan.children), plan.describe()
+    skipped = [i for i, s in enumerate(plan.segments) if not plan.children[i] and len(plan.targets[i]) == 0]
+    assert engine.stats.model_calls == plan.num_calls - len(skipped)
+    batch = engine._prepare(seqs)
+    ends = sequences_ending_in(batch, set(range(len(plan.segments))))
+    assert len(loss.calls) == len(ends) and sum(len(s) for s, _, _ in ends.values()) == len(seqs)
+    assert any(plan.children[i] for i in ends)  # some sequences end inside a chain
+    retained = {plan.segments[i].retain for i, c in enumerate(plan.children) if c}
+    assert False in retained and (True in retained or mode == "dfs"), plan.describe()  # recomputed chains, retained
 
 
 @pytest.mark.parametrize("prefix,queries", [(256, 45), (130, 300), (200, 200)])

@@ -184,7 +184,7 @@ def test_single_chain_segments_run_plain_causal_attention(gen, monkeypatch):
 
 def test_separable_mixed_plan_runs_whole_trees_once(gen, monkeypatch):
     """A plan where one tree splits into chains and the others fit a call: with a separable
-    loss the fitting trees run forward+backward once (no two-phase extra forward), exactly.
+    loss every tree runs forward+backward once (no two-phase extra forward), exactly.
     (Phase 1's path reuse off: which chain it saves differs between the two.)"""
     monkeypatch.setattr(TreeEngine, "reuse_forward_kv", False)
     seqs = shaped_forest(gen, SPEC)  # trees of 39, 5 and 17 tokens
@@ -198,10 +198,14 @@ def test_separable_mixed_plan_runs_whole_trees_once(gen, monkeypatch):
         engine = check_engine(model, seqs, "auto", loss, max_tokens=20, chunk_tokens=4, separable=separable)
         runs[separable] = engine.stats.tokens_run
     # non-separable: the standalone trees whose graph the budget cannot hold until the loss
-    # (5 + 17 tokens > 20) pay phase 1's extra forward; the one held does not
+    # (5 + 17 tokens > 20) pay phase 1's extra forward; the one held does not; and the chained
+    # tree's phase 1, which a separable loss does not take (one pass)
     kept = keep_graphs(plan, CallBudget.tokens_only(20))
     assert 0 < len(kept) < len(standalone)
-    assert runs[False] - runs[True] == sum(s.size for i, s in enumerate(plan.segments) if s in standalone and i not in kept)
+    phase_one = sum(s.size for i, s in enumerate(plan.segments)
+                    if i in plan.chained_segments() and (plan.children[i] or len(plan.targets[i])))
+    assert runs[False] - runs[True] == phase_one + sum(
+        s.size for i, s in enumerate(plan.segments) if s in standalone and i not in kept)
 
 
 # ------------------------------------------------------------- long trees in bytes

@@ -92,6 +92,23 @@ def sequences_by_segment(b: Batch, device: torch.device) -> list[tuple[torch.Ten
     return [(g, idx, lengths[g].tolist()) for g, idx in zip(groups, local)]
 
 
+def sequences_ending_in(b: Batch, segments: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    """Per segment of ``segments`` that holds the last token of some sequences: those
+    sequences (input indices, CPU), their tree tokens 1..L-1 (device) and lengths L-1. Every
+    other token of such a sequence lies in the segment's ancestors."""
+    starts = torch.tensor([s.start for s in b.plan.segments])
+    tree = b.tree
+    ends = torch.searchsorted(starts, tree.seq_index[tree.seq_offsets[1:] - 1], right=True) - 1
+    lengths = torch.tensor(b.seq_lengths, dtype=torch.long)
+    out = {}
+    for i in sorted(segments):
+        seqs = (ends == i).nonzero()[:, 0]
+        if len(seqs):
+            flat = flat_positions(lengths, seqs)
+            out[i] = seqs, b.seq_targets[flat.to(b.seq_targets.device)], lengths[seqs].tolist()
+    return out
+
+
 def sequences_in(b: Batch, segments: set[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The sequences whose first token lies in ``segments`` (input order), their tree
     tokens 1..L-1 (device) and their lengths L-1."""

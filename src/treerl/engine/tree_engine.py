@@ -7,6 +7,9 @@ Every mode is a :mod:`plan <treerl.engine.plan>` of segments run by the one exec
   segments goes through the two-phase path instead, unless there is one segment
   (:mod:`.two_phase`: the general path, which holds the graphs of the calls that fit the
   budget until the loss, so that only the others pay the extra forward);
+- a separable loss over trees split into chains runs in one depth-first pass
+  (:mod:`.one_pass`): each sequence's loss right after the call holding its last token,
+  its gradient injected as below, with no no-grad forward first;
 - otherwise, two phases (DESIGN.md, "Loss semantics"): a no-grad forward over the
   segments in depth-first order gives every tree token's logprob (and entropy); the loss
   runs on leaf copies of the per-sequence tensors, giving dL/dlogp per sequence token;
@@ -44,6 +47,7 @@ from .memory import MemoryPolicy
 from ..models import decoder_of
 from .plan import MODES, Plan, make_plan
 from .tree import PrefixTree, TokenSequence
+from .one_pass import SegmentLosses, forward_backward as one_pass
 from .two_phase import forward_backward as two_phase
 
 LossFn = Callable[..., torch.Tensor]
@@ -243,7 +247,8 @@ class TreeEngine:
         ``separable=True`` promises the loss is a sum of per-sequence terms (global
         normalisers fixed in advance); it is then called once per micro-batch with the
         sequences of that micro-batch and ``index=`` their input indices, which saves the
-        no-grad forward when the plan is single-level.
+        no-grad forward (single-level plans: per call; chained trees: per segment holding
+        sequence ends, in one pass).
         """
         batch = self._prepare(tree)
         t0 = time.perf_counter()
@@ -254,7 +259,7 @@ class TreeEngine:
             # Trees that run as one call go through once; only the chained ones take two phases.
             chained = plan.chained_segments()
             loss = self._forward_backward_segments(batch, loss_fn, entropy, separable, skip=chained)
-            loss += two_phase(self, batch, loss_fn, entropy, separable, only=chained)
+            loss += one_pass(self, batch, loss_fn, entropy, only=chained)
         else:  # the general path (two_phase: graphs held where the budget has room)
             loss = two_phase(self, batch, loss_fn, entropy, separable)
         self.stats.seconds = time.perf_counter() - t0
@@ -347,7 +352,7 @@ class TreeEngine:
         """Depth-first over segments (or those in ``only``: whole trees), keeping only the
         current path's K/V. With ``reuse``, children are visited last-first, so that the
         path still open at the end is the leftmost one, the path the backward opens first:
-        its K/V are left in ``reuse`` for :meth:`_backward_all` instead of computed again."""
+        its K/V are left in ``reuse`` for :meth:`_grad_pass` instead of computed again."""
         lp_all, ent_all = self._buffers(b, entropy)
         path: list[tuple[int, list[KV]]] = []
         order = range(len(b.plan.segments)) if reuse is None else _mirrored_preorder(b.plan)
@@ -392,13 +397,17 @@ class TreeEngine:
             total += loss.detach().reshape(()).to(torch.float64)
         return float(total)
 
-    def _backward_all(self, b: Batch, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
-                      only: set[int] | None = None, reuse: dict[int, list[KV]] | None = None) -> None:
-        """Phase 2: recompute each segment with grad and inject the loss gradients.
-        ``reuse``: K/V of chain segments from phase 1 (:meth:`_forward_all`), taken instead
-        of a no-grad call (the same call, bit for bit)."""
+    def _grad_pass(self, b: Batch, g_lp: torch.Tensor, g_ent: torch.Tensor | None,
+                   only: set[int] | None = None, reuse: dict[int, list[KV]] | None = None,
+                   losses: SegmentLosses | None = None) -> None:
+        """Run each segment with grad and inject the loss gradients ``g_lp`` (``g_ent``):
+        phase 2 of the two phases, or with ``losses`` the one pass of a separable loss
+        (:mod:`.one_pass`: the loss of the sequences ending in a segment is taken right after
+        its call, adding to ``g_lp``). ``reuse``: K/V of chain segments from phase 1
+        (:meth:`_forward_all`), taken instead of a no-grad call (the same call, bit for bit)."""
         reuse = {} if reuse is None else reuse
         entropy = g_ent is not None
+        settle = losses.after if losses is not None else (lambda i, lp, ent: None)
         plan = b.plan
         # Stack of open chain segments on the current path: (index, K/V leaves, graph).
         path: list[tuple[int, list[KV], tuple | None]] = []
@@ -429,16 +438,23 @@ class TreeEngine:
                     kv = None  # its graph comes from a call with grad
                     graph = self._call(b, i, prefix, capture=True, grad=True, entropy=entropy)
                     kv = graph[2]
+                    settle(i, graph[0], graph[1])
                 else:
                     graph = None
                     if kv is None:
+                        head = losses is not None  # (the one pass takes its logprobs from this call)
                         with torch.no_grad():
-                            kv = self._call(b, i, prefix, capture=True, grad=False, entropy=False, head=False)[2]
+                            lp, ent, kv = self._call(b, i, prefix, capture=True, grad=False,
+                                                     entropy=entropy and head, head=head)
+                        settle(i, lp if head else None, ent)
                 leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
                 path.append((i, leaves, graph))
             elif len(b.targets[i]):
                 lp, ent, _ = self._call(b, i, prefix, capture=False, grad=True, entropy=entropy)
+                settle(i, lp, ent)
                 torch.autograd.backward(*outputs_and_grads(b, i, lp, ent, g_lp, g_ent))
+            else:
+                settle(i, None, None)
         while path:
             close(path.pop())
 

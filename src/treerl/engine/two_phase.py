@@ -4,8 +4,9 @@ A loss that is not a sum over sequences (``TreeEngine.forward_backward(separable
 needs every sequence's logprobs before any gradient exists. Two phases (DESIGN.md, "Loss
 semantics"): phase 1 computes every tree token's logprob (and entropy); the loss runs on
 leaf copies of the per-sequence tensors, giving dL/dlogp; phase 2 injects those into the
-backward of each segment. Chained trees (segments after a prefix) always run phase 1
-without grad and phase 2 as a recomputing call (:meth:`TreeEngine._backward_all`).
+backward of each segment. Chained trees (segments after a prefix) run phase 1
+without grad and phase 2 as a recomputing call (:meth:`TreeEngine._grad_pass`); under a
+separable loss they take one pass instead (:mod:`.one_pass`).
 
 **Cost model of the general path.** A segment without prefix or children (a whole tree or
 a group of trees) can instead run phase 1 *with grad* and hold its graph until the loss:
@@ -167,10 +168,12 @@ def general_plan(engine: "TreeEngine", b: Batch) -> tuple[Batch, dict[int, Segme
 
 # --------------------------------------------------------------------- the executor
 def loss_gradients(b: Batch, lp_all: torch.Tensor, ent_all: torch.Tensor | None, loss_fn: LossFn,
-                   separable: bool, seqs: torch.Tensor, targets: torch.Tensor, lengths: list[int]
+                   separable: bool, seqs: torch.Tensor, targets: torch.Tensor, lengths: list[int],
+                   into: tuple[torch.Tensor, torch.Tensor | None] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The loss on leaf copies of the per-sequence tensors of ``seqs`` (tree tokens
-    ``targets``, ``lengths`` L-1 each), and dL/dlogprob (dL/dentropy) summed per tree token [N]."""
+    ``targets``, ``lengths`` L-1 each), and dL/dlogprob (dL/dentropy) summed per tree token [N]
+    (added to the buffers ``into`` where given, and those returned)."""
     leaves = [lp_all[targets].requires_grad_()]
     if ent_all is not None:
         leaves.append(ent_all[targets].requires_grad_())
@@ -179,8 +182,8 @@ def loss_gradients(b: Batch, lp_all: torch.Tensor, ent_all: torch.Tensor | None,
     check_loss(loss)
     loss.backward()
     grads = []
-    for leaf, buf in zip(leaves, (lp_all, ent_all)):
-        g = torch.zeros_like(buf)
+    for k, (leaf, buf) in enumerate(zip(leaves, (lp_all, ent_all))):
+        g = torch.zeros_like(buf) if into is None else into[k]
         if leaf.grad is not None:
             g.index_add_(0, targets, leaf.grad)
         grads.append(g)
@@ -221,5 +224,5 @@ def forward_backward(engine: "TreeEngine", b: Batch, loss_fn: LossFn, entropy: b
         i, lp, ent = graphs.pop()
         torch.autograd.backward(*outputs_and_grads(b, i, lp, ent, g_lp, g_ent))
         del lp, ent
-    engine._backward_all(b, g_lp, g_ent, rest, reuse)
+    engine._grad_pass(b, g_lp, g_ent, rest, reuse)
     return float(loss)
