@@ -218,7 +218,7 @@ LOSS_PATHS = [
     ("packed", False, 64, "segments"),  # one micro-batch
     ("packed", False, 8, "two-phase"),  # several micro-batches, non-separable
     ("dfs", False, 8, "two-phase"),
-    ("auto", True, 4, "two-phase"),  # chains: separable, but still two phases
+    ("auto", True, 4, "chained"),  # chains, separable: the one pass over segments (loss per segment of sequence ends)
 ]
 
 

@@ -100,13 +100,12 @@ def sequences_ending_in(b: Batch, segments: set[int]) -> dict[int, tuple[torch.T
     tree = b.tree
     ends = torch.searchsorted(starts, tree.seq_index[tree.seq_offsets[1:] - 1], right=True) - 1
     lengths = torch.tensor(b.seq_lengths, dtype=torch.long)
-    out = {}
-    for i in sorted(segments):
-        seqs = (ends == i).nonzero()[:, 0]
-        if len(seqs):
-            flat = flat_positions(lengths, seqs)
-            out[i] = seqs, b.seq_targets[flat.to(b.seq_targets.device)], lengths[seqs].tolist()
-    return out
+    groups = {i: seqs for i in sorted(segments) if len(seqs := (ends == i).nonzero()[:, 0])}
+    if not groups:
+        return {}
+    # every group's positions in one upload without a host sync (not one pageable copy per segment)
+    flat = upload_indices([flat_positions(lengths, seqs) for seqs in groups.values()], b.seq_targets.device)
+    return {i: (seqs, b.seq_targets[pos], lengths[seqs].tolist()) for (i, seqs), pos in zip(groups.items(), flat)}
 
 
 def sequences_in(b: Batch, segments: set[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
