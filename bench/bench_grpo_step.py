@@ -113,8 +113,10 @@ def one_step(trainer, prompts, params, overlap: str, gen, device) -> dict:
     peak_rollout = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
+    UPDATE_SPLIT.clear()
     m = trainer.train_on(samples, rollout_seconds=rollout_s, ready=ready)
     sync(device)
+    m.update(UPDATE_SPLIT)
     m["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
     m["peak_rollout_gib"] = peak_rollout  # the rollout's (with the forwards run during it)
     m["reserved_gib"] = torch.cuda.memory_reserved() / 2**30 if device.startswith("cuda") else None
@@ -124,6 +126,29 @@ def one_step(trainer, prompts, params, overlap: str, gen, device) -> dict:
     m["generated_tokens"] = sum(lengths)
     m["group_lengths"] = sorted(max(len(c.completion_ids) for c in g.completions) for g in groups)
     return m
+
+
+UPDATE_SPLIT: dict[str, float] = {}
+
+
+def split_update(device: str) -> None:
+    """Time ``TreeEngine.forward_backward`` and ``Learner.optimizer_step`` (each between device
+    syncs), summed into UPDATE_SPLIT, which :func:`one_step` reports per step."""
+    from treerl.engine.tree_engine import TreeEngine
+    from treerl.learner import Learner
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            sync(device)
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            sync(device)
+            UPDATE_SPLIT[name] = UPDATE_SPLIT.get(name, 0.0) + time.perf_counter() - t
+            return out
+        return wrapper
+
+    TreeEngine.forward_backward = timed("time/update_forward_backward_s", TreeEngine.forward_backward)
+    Learner.optimizer_step = timed("time/update_optimizer_s", Learner.optimizer_step)
 
 
 def sync(device):
@@ -150,7 +175,11 @@ def main():
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", type=Path)
     p.add_argument("--set", nargs="*", default=[], help="more config overrides, e.g. rollout.keep_stream_buffers=false")
+    p.add_argument("--split-update", action="store_true", help="time the update's engine calls and optimizer "
+                   "steps apart (a device sync around each: the total grows by the syncs)")
     args = p.parse_args()
+    if args.split_update:
+        split_update(args.device)
     args.overlap = args.overlap.split(",")
     args.stop_every = [int(k) for k in args.stop_every.split(",")]
     rows = {}

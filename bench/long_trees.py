@@ -86,6 +86,8 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
     # both through flash's kernels only (cuDNN builds a plan per new shape)
     "auto-flash": (dict(mode="auto"), {}, {"chain_attention.KERNELS": ("flash",)}),
     "auto-general": (dict(mode="auto"), {}, {}),  # the same loss, not declared separable (issue 24 item 3)
+    # every recomputed layer keeps its attention whatever the memory model says (what the model's margin costs)
+    "auto-keepall": (dict(mode="auto"), {"memory.kept_attention_layers": "all"}, {}),
 }
 GENERAL = {"auto-general"}  # variants timed with separable=False
 
@@ -138,7 +140,11 @@ def make_engine(model, name: str, smoke_budget: int | None) -> TreeEngine:
         kwargs["memory_budget"] = smoke_budget
     engine = TreeEngine(model, **kwargs)
     for key, value in attrs.items():
-        setattr(engine, key, value)
+        if key == "memory.kept_attention_layers" and value == "all":
+            every = frozenset(range(engine.memory.layers))
+            engine.memory.kept_attention_layers = lambda *args, **kwargs: every
+        else:
+            setattr(engine, key, value)
     return engine
 
 
