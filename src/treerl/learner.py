@@ -115,13 +115,16 @@ class Learner:
         self.engine, self.reference, self.critic = engines.policy, engines.reference, engines.critic
         self.model = self.engine.model
         o = optim
+        # one kernel per step on a single CUDA device (H100: 5.5 against 11.7 ms for Qwen3-0.6B, 15.5 against
+        # 33.3 ms for 1.7B, bench/adamw_step.py); torch's default elsewhere (sharded parameters included)
+        fused = True if torch.device(device).type == "cuda" and dist is None else None
         self.critic_opt = None
         if self.critic is not None:
             self.critic_opt = torch.optim.AdamW(trainable(self.critic.model), lr=algorithm.critic_lr,
-                                                weight_decay=o.weight_decay)
+                                                weight_decay=o.weight_decay, fused=fused)
         # a LoRA (PEFT) model: its adapters only (the base is frozen)
         self.optimizer = torch.optim.AdamW(trainable(self.model), lr=o.lr, betas=(o.beta1, o.beta2),
-                                           weight_decay=o.weight_decay)
+                                           weight_decay=o.weight_decay, fused=fused)
         self.router_aux_coef = check_router_aux(algorithm.router_aux_coef, self.model, dist)
         total = total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -355,3 +355,31 @@ def test_general_path_holds_every_medium_call_at_the_default_budget(workload):
     kept = two_phase.keep_graphs(plan, budget)
     assert len(kept) == len(two_phase.standalone_segments(plan)) == len(plan.segments) > 1
     assert general_peak(plan, kept, m) <= budget.budget
+
+
+def test_kept_attentions_of_a_call_alone_take_the_measured_models_margin():
+    """A recomputing call without prefix whose backward follows its forward alone may keep more
+    attentions: the measured model's margin for the call (BACKWARD_MARGIN and the second block)
+    is added to its spare bytes; never after a prefix, never for a held graph, and an estimated
+    model has no margin to give."""
+    import dataclasses
+
+    model = get_model("qwen3")
+    engine = TreeEngine(model)
+    policy = engine.memory
+    estimate = policy.model
+    assert estimate.recompute_margin(1000) == 0.0
+    measured = dataclasses.replace(estimate, measured=True, attention_per_pair=0.0)  # (flex: no dense pairs)
+    policy._model = measured
+    n = 4096
+    margin = measured.recompute_margin(n)
+    assert 0 < margin < n * measured.recompute_per_token
+    per_query, per_key, per_pair = measured._kept_layer_bytes(False)
+    per_layer = n * per_query + n * per_key + n * n * per_pair
+    spare = 0.5 * per_layer
+    assert len(policy.kept_attention_layers(n, n, False, spare)) == 0
+    alone = policy.kept_attention_layers(n, n, False, spare, alone=True)
+    assert len(alone) == min(policy.layers, int((spare + margin) // per_layer)) > 0
+    assert alone == frozenset(range(policy.layers - len(alone), policy.layers))  # the last layers
+    assert len(policy.kept_attention_layers(n, n + 100, False, spare, alone=True)) == len(
+        policy.kept_attention_layers(n, n + 100, False, spare))  # after a prefix: no margin

@@ -169,6 +169,18 @@ class MemoryModel:
             return 0
         return int(min(layers, max(0.0, spare) // per_layer))
 
+    def recompute_margin(self, queries: int) -> float:
+        """What the model holds back for a recomputing call of ``queries`` tokens beyond its
+        measured needs: the :data:`BACKWARD_MARGIN` and the second block's activations of
+        :meth:`MemoryPolicy._measure` (the recomputed block's own gradients are transient).
+        Measured on the H100 (bench/RESULTS.md, session 8; Qwen3-1.7B shape): a 43,485-token
+        recomputing call held 8.6 GiB (its kept attentions aside) where the model says 16.7.
+        Only a measured model has them (0 for an estimate)."""
+        if not self.measured:
+            return 0.0
+        per_token = self.recompute_per_token * (1 - 1 / BACKWARD_MARGIN) + self.per_token / (BACKWARD_MARGIN * self.layers)
+        return queries * per_token
+
     def _kept_layer_bytes(self, copies: bool, prefix: bool = False) -> tuple[float, float, float]:
         """What one kept attention holds: bytes per query, per key, per (query, key) pair. After
         a prefix with :data:`~treerl.engine.attention.GROUPS_AFTER_PREFIX` on (anywhere: counted
@@ -374,11 +386,20 @@ class MemoryPolicy:
         budget = self.call_budget
         return budget is not None and budget.recomputes(size, prefix)
 
-    def kept_attention_layers(self, queries: int, keys: int, copies: bool, spare: float) -> frozenset[int]:
+    def kept_attention_layers(self, queries: int, keys: int, copies: bool, spare: float, alone: bool = False
+                              ) -> frozenset[int]:
         """The layers of a recomputed call whose attention runs once (not again in the
         recompute, :mod:`treerl.engine.kept_attention`): the last ones (their held tensors
         are freed first in the backward), as many as fit the ``spare`` bytes the plan leaves
-        beside the call (:attr:`Segment.spare`). ``copies``: :attr:`TreeAttention.input_copies`."""
+        beside the call (:attr:`Segment.spare`). ``copies``: :attr:`TreeAttention.input_copies`.
+
+        ``alone``: the call runs its backward right after its forward with no other graph
+        held (a single-level plan's call): without a prefix its kept attentions may also take
+        the model's margin for the call (:meth:`MemoryModel.recompute_margin`). A call after a
+        prefix does not (the model has underestimated such calls: bench/RESULTS.md, the
+        half-device memory test), nor one whose graph stays held while others run."""
+        if alone and keys == queries:
+            spare += self.model.recompute_margin(queries)
         count = self.model.kept_attention_layers(spare, queries, keys, self.layers, copies)
         return frozenset(range(self.layers - count, self.layers))
 

@@ -287,13 +287,14 @@ class TreeEngine:
     # ------------------------------------------------------------ one model call
     def _call(
         self, b: Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool,
-        head: bool = True,
+        head: bool = True, alone: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, list[KV] | None]:
         """Run segment ``i`` after ``prefix`` (per ancestor, per layer K/V).
 
         Returns the logprobs (and entropies) of the segment's targets (none without
         ``head``: a call for its K/V only skips the LM head), and its own per-layer K/V if
-        ``capture``.
+        ``capture``. ``alone``: its backward follows its forward with no other graph held
+        (its kept attentions may take the model's margin, :meth:`MemoryPolicy.kept_attention_layers`).
         """
         seg = b.plan.segments[i]
         q_index = torch.arange(seg.start, seg.end, device=self.device)
@@ -315,7 +316,8 @@ class TreeEngine:
         ctx.routes = self.stats.attention
         recompute = grad and seg.recompute
         if recompute:
-            ctx.keep_layers = self.memory.kept_attention_layers(seg.size, len(k_index), ctx.input_copies, seg.spare)
+            ctx.keep_layers = self.memory.kept_attention_layers(seg.size, len(k_index), ctx.input_copies, seg.spare,
+                                                                alone=alone)
         # built once, before the blocks (not inside a block that is recomputed); a group call builds its masks
         # where it runs (its own part's, or the tree mask where it falls back), cached on ctx for the recompute
         if not (ctx.causal or ctx.group):
@@ -386,7 +388,7 @@ class TreeEngine:
             if len(seqs) == 0 or i in skip:
                 continue
             seg = b.plan.segments[i]
-            lp, ent, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy)
+            lp, ent, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy, alone=True)
             local_index = b.targets[i] - seg.start
             outs = [scatter_gather(lp, local_index, seg.size, flat_index, sizes)]
             if entropy:
