@@ -141,3 +141,37 @@ def test_the_first_minibatch_reuses_its_own_logprobs_as_proximal(case, monkeypat
     assert m_reuse.keys() == m_forward.keys()
     for k in keys:
         assert m_reuse[k] == pytest.approx(m_forward[k], rel=1e-9, abs=1e-12), k
+
+
+def test_adamw_kernel_fused_on_a_single_cuda_device_only():
+    """Fused AdamW where it is one kernel a step on one device; torch's default elsewhere."""
+    from treerl.learner import adamw_fused
+    assert adamw_fused("cuda", None) is True and adamw_fused(torch.device("cuda:0"), None) is True
+    assert adamw_fused("cpu", None) is None
+    assert adamw_fused("cuda", object()) is None  # data parallel: sharded parameters
+
+
+@pytest.mark.parametrize("saved, ours", [(True, None), (None, True)])
+def test_a_checkpoint_does_not_bring_its_adamw_kernel(saved, ours):
+    """load_state_dict takes each group's settings from the checkpoint: a checkpoint written
+    with another kernel choice (before fused, or single-GPU resumed under data parallelism)
+    resumes under this process's choice, with the same moments and step."""
+    from treerl.learner import with_our_kernel
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
+    writer = torch.optim.AdamW(params, lr=1e-2, fused=saved)
+    for _ in range(2):
+        sum((p ** 2).sum() for p in params).backward()
+        writer.step()
+        writer.zero_grad()
+    state = copy.deepcopy(writer.state_dict())
+    reader = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2, fused=ours)
+    reader.load_state_dict(with_our_kernel(reader, state))
+    assert reader.param_groups[0]["fused"] is ours and reader.param_groups[0]["foreach"] is None
+    for p, q in zip(writer.param_groups[0]["params"], reader.param_groups[0]["params"]):
+        a, b = writer.state[p], reader.state[q]
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and float(a["step"]) == float(b["step"]) == 2.0
+    sum((p ** 2).sum() for p in reader.param_groups[0]["params"]).backward()
+    reader.step()  # the loaded state runs under the new kernel
+    assert float(reader.state[reader.param_groups[0]["params"][0]]["step"]) == 3.0
+    assert with_our_kernel(reader, {"state": {}, "param_groups": []}) == {"state": {}, "param_groups": []}

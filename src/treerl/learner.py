@@ -101,6 +101,26 @@ class Update:
     timings: dict[str, float] = field(default_factory=dict)  # seconds: forward, update
 
 
+def adamw_fused(device: torch.device | str, dist: DistContext | None) -> bool | None:
+    """AdamW's kernel: fused (one kernel per step) on a single CUDA device (H100: 5.5 against 11.7
+    ms for Qwen3-0.6B, 15.5 against 33.3 ms for 1.7B, bench/adamw_step.py); torch's default
+    (None: foreach) elsewhere, sharded parameters under data parallelism included."""
+    return True if torch.device(device).type == "cuda" and dist is None else None
+
+
+def with_our_kernel(optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """``state`` (an optimizer's state dict) with ``optimizer``'s kernel choice (``fused``,
+    ``foreach``) in its groups. ``load_state_dict`` takes every group's settings from the
+    checkpoint, so a checkpoint written under another choice (torch's default before fused,
+    or a single-GPU run resumed under data parallelism) would bring its own. Groups that do
+    not pair up are left as they are (torch's load then says what differs)."""
+    saved, ours = state.get("param_groups"), optimizer.param_groups
+    if not isinstance(saved, list) or len(saved) != len(ours):
+        return state
+    groups = [{**g, "fused": o.get("fused"), "foreach": o.get("foreach")} for g, o in zip(saved, ours)]
+    return {**state, "param_groups": groups}
+
+
 class Learner:
     """The RL (and SFT) update of one trainer (see the module docstring)."""
 
@@ -115,9 +135,7 @@ class Learner:
         self.engine, self.reference, self.critic = engines.policy, engines.reference, engines.critic
         self.model = self.engine.model
         o = optim
-        # one kernel per step on a single CUDA device (H100: 5.5 against 11.7 ms for Qwen3-0.6B, 15.5 against
-        # 33.3 ms for 1.7B, bench/adamw_step.py); torch's default elsewhere (sharded parameters included)
-        fused = True if torch.device(device).type == "cuda" and dist is None else None
+        fused = adamw_fused(device, dist)
         self.critic_opt = None
         if self.critic is not None:
             self.critic_opt = torch.optim.AdamW(trainable(self.critic.model), lr=algorithm.critic_lr,
@@ -153,17 +171,17 @@ class Learner:
         """Restore :meth:`state_dict`'s keys (the policy's weights already loaded: data
         parallel, the optimizer state is resharded onto them)."""
         if self.dist:
-            load_full_optimizer_state(self.optimizer, state["optimizer"])
+            load_full_optimizer_state(self.optimizer, with_our_kernel(self.optimizer, state["optimizer"]))
         else:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(with_our_kernel(self.optimizer, state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
         if self.critic is not None and state.get("critic") is not None:
             if self.dist:
                 load_full_state_dict(self.critic.model, state["critic"])
-                load_full_optimizer_state(self.critic_opt, state["critic_opt"])
+                load_full_optimizer_state(self.critic_opt, with_our_kernel(self.critic_opt, state["critic_opt"]))
             else:
                 self.critic.model.load_state_dict(state["critic"])
-                self.critic_opt.load_state_dict(state["critic_opt"])
+                self.critic_opt.load_state_dict(with_our_kernel(self.critic_opt, state["critic_opt"]))
         if self.reference is not None and state.get("reference") is not None:
             self.reference.model.load_state_dict(state["reference"])
 

@@ -48,7 +48,7 @@ def test_budget_splits_trees_with_recomputed_chains(separable, keep_all, gen, mo
     budget: chained calls attend over their prefix (concatenated K/V) exactly too."""
     if keep_all:
         monkeypatch.setattr(MemoryPolicy, "kept_attention_layers",
-                            lambda self, queries, keys, copies, spare: frozenset(range(self.layers)))
+                            lambda self, queries, keys, copies, spare, alone=False: frozenset(range(self.layers)))
     seqs = shaped_forest(gen, SPEC)
     tree = PrefixTree.from_sequences(seqs)
     model = get_model("qwen3", num_hidden_layers=16)
@@ -65,6 +65,39 @@ def test_budget_splits_trees_with_recomputed_chains(separable, keep_all, gen, mo
     assert engine.stats.recomputed_calls >= 1
     if keep_all:
         assert engine.stats.kept_attention_layers == 16 * engine.stats.recomputed_calls
+
+
+@pytest.mark.parametrize("separable", [False, True])
+def test_only_lone_calls_without_prefix_take_the_margin(separable, gen, monkeypatch):
+    """Kept attentions may take the memory model's margin only in a call whose backward runs
+    right after its forward with nothing else held (``alone``): the standalone trees of a
+    separable loss; never a chained call (after a prefix, or held until a chain closes) nor
+    the general path's calls (graphs held until the loss)."""
+    calls = []  # (alone, queries, keys) per recomputing call
+    original = MemoryPolicy.kept_attention_layers
+
+    def spy(self, queries, keys, copies, spare, alone=False):
+        calls.append((alone, queries, keys))
+        return original(self, queries, keys, copies, spare, alone=alone)
+
+    monkeypatch.setattr(MemoryPolicy, "kept_attention_layers", spy)
+    seqs = shaped_forest(gen, SPEC)
+    model = get_model("qwen3", num_hidden_layers=16)
+    m = MemoryModel.estimate(model.config, torch.float64, dense_mask=True)
+    budget = int(m.fixed + 13 * m.recompute_per_token + 13**2 * m.per_pair) + 1  # as above: chains, recompute
+    engine = TreeEngine(model, "auto", memory_budget=budget, chunk_tokens=4)
+    plan = engine.plan(PrefixTree.from_sequences(seqs))
+    chained = plan.chained_segments()
+    standalone = [s for i, s in enumerate(plan.segments) if i not in chained and engine.memory.recomputes(s.size)]
+    assert chained and standalone  # both kinds in one batch
+    check_engine(model, seqs, "auto", RandomLoss.make(seqs, gen), chunk_tokens=4, memory_budget=budget,
+                 separable=separable)
+    assert calls and all(keys == queries for alone, queries, keys in calls if alone)
+    assert any(keys > queries for _, queries, keys in calls)  # chained calls ran (and none was alone)
+    if separable:
+        assert sum(alone for alone, _, _ in calls) >= len(standalone), calls
+    else:
+        assert not any(alone for alone, _, _ in calls), calls
 
 
 @pytest.mark.parametrize("mode", ["auto", "flat"])

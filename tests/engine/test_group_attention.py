@@ -253,7 +253,7 @@ def test_engine_groups_with_kept_attention(variant, gen, monkeypatch):
 
     monkeypatch.setattr(tree_engine, "make_plan", recomputing_leaves)
     monkeypatch.setattr(MemoryPolicy, "kept_attention_layers",
-                        lambda self, queries, keys, copies, spare: frozenset(range(self.layers)))
+                        lambda self, queries, keys, copies, spare, alone=False: frozenset(range(self.layers)))
     kept = []
     keep = attention.KeptAttention
     monkeypatch.setattr(attention, "KeptAttention",

@@ -108,16 +108,6 @@ def sequences_ending_in(b: Batch, segments: set[int]) -> dict[int, tuple[torch.T
     return {i: (seqs, b.seq_targets[pos], lengths[seqs].tolist()) for (i, seqs), pos in zip(groups.items(), flat)}
 
 
-def sequences_in(b: Batch, segments: set[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """The sequences whose first token lies in ``segments`` (input order), their tree
-    tokens 1..L-1 (device) and their lengths L-1."""
-    _, seg_of_seq = segment_of_sequences(b)
-    seqs = torch.isin(seg_of_seq, torch.tensor(sorted(segments), dtype=seg_of_seq.dtype)).nonzero()[:, 0]
-    lengths = torch.tensor(b.seq_lengths, dtype=torch.long)
-    flat = flat_positions(lengths, seqs)
-    return seqs, b.seq_targets[flat.to(b.seq_targets.device)], lengths[seqs].tolist()
-
-
 def scatter_gather(values: torch.Tensor, local_index: torch.Tensor, size: int, flat_index: torch.Tensor,
                    sizes: list[int]) -> list[torch.Tensor]:
     """A segment's ``values`` at its targets' ``local_index`` -> per-sequence tensors (the

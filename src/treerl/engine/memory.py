@@ -394,7 +394,8 @@ class MemoryPolicy:
         beside the call (:attr:`Segment.spare`). ``copies``: :attr:`TreeAttention.input_copies`.
 
         ``alone``: the call runs its backward right after its forward with no other graph
-        held (a single-level plan's call): without a prefix its kept attentions may also take
+        held (a single-level plan's call, or a standalone tree's call beside chained trees
+        under a separable loss): without a prefix its kept attentions may also take
         the model's margin for the call (:meth:`MemoryModel.recompute_margin`). A call after a
         prefix does not (the model has underestimated such calls: bench/RESULTS.md, the
         half-device memory test), nor one whose graph stays held while others run."""

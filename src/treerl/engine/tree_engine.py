@@ -19,8 +19,8 @@ Every mode is a :mod:`plan <treerl.engine.plan>` of segments run by the one exec
 
 Gradients equal those of running every sequence alone, shared tokens computed once.
 
-One executor: the single-level and the two-phase paths share the segment call and the
-output buffers, and neither half reads on its own. Around it: the batch layout and the
+One executor: the single-level, one-pass and two-phase paths share the segment call and
+the output buffers, and none of them reads on its own. Around it: the batch layout and the
 per-sequence maps (:mod:`.batch`), the input checks (:mod:`.checks`), the memory
 policy that sizes the calls (:class:`~treerl.engine.memory.MemoryPolicy`), the phases'
 order and the general path's held graphs (:mod:`.two_phase`) and the compiled kernels kept
@@ -248,7 +248,9 @@ class TreeEngine:
         normalisers fixed in advance); it is then called once per micro-batch with the
         sequences of that micro-batch and ``index=`` their input indices, which saves the
         no-grad forward (single-level plans: per call; chained trees: per segment holding
-        sequence ends, in one pass).
+        sequence ends, in one pass). So under ``separable=True`` an error raised by (or a
+        loss refused from) a later call's ``loss_fn`` leaves the earlier calls' gradients in
+        ``.grad``: zero them before trying again (the two phases take the whole loss first).
         """
         batch = self._prepare(tree)
         t0 = time.perf_counter()
@@ -256,7 +258,7 @@ class TreeEngine:
         if plan.single_level and (separable or len(plan.segments) == 1):
             loss = self._forward_backward_segments(batch, loss_fn, entropy, separable)
         elif separable:
-            # Trees that run as one call go through once; only the chained ones take two phases.
+            # Trees that run as one call go through once; the chained ones in one depth-first pass.
             chained = plan.chained_segments()
             loss = self._forward_backward_segments(batch, loss_fn, entropy, separable, skip=chained)
             loss += one_pass(self, batch, loss_fn, entropy, only=chained)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .batch import Batch, outputs_and_grads, sequences_in, upload_indices
+from .batch import Batch, outputs_and_grads, upload_indices
 from .checks import check_loss
 from .memory import BACKWARD_MARGIN, CallBudget, MemoryModel
 from .plan import Plan, Segment, make_plan
@@ -190,24 +190,16 @@ def loss_gradients(b: Batch, lp_all: torch.Tensor, ent_all: torch.Tensor | None,
     return loss.detach(), grads[0], grads[1] if ent_all is not None else None
 
 
-def forward_backward(engine: "TreeEngine", b: Batch, loss_fn: LossFn, entropy: bool, separable: bool,
-                     only: set[int] | None = None) -> float:
-    """Two phases over the whole trees of ``only`` (a separable loss then sees just their
-    sequences), or over every segment — the general path, holding the graphs of the
+def forward_backward(engine: "TreeEngine", b: Batch, loss_fn: LossFn, entropy: bool, separable: bool) -> float:
+    """Two phases over every segment — the general path — holding the graphs of the
     standalone segments that fit (:func:`keep_graphs`)."""
     kept: dict[int, Segment] = {}
-    if only is None:
-        if not engine.runner.stack.sharded:  # (FSDP-sharded blocks: one forward per backward)
-            b, kept = general_plan(engine, b)
-            segments = [kept.get(i, s) for i, s in enumerate(b.plan.segments)]
-            b = dataclasses.replace(b, plan=dataclasses.replace(b.plan, segments=segments))
-        rest = set(range(len(b.plan.segments))) - set(kept)
-        seqs, targets, lengths = torch.arange(b.tree.num_sequences), b.seq_targets, b.seq_lengths
-    else:
-        rest = only
-        seqs, targets, lengths = sequences_in(b, only)
-        if len(seqs) == 0:
-            return 0.0
+    if not engine.runner.stack.sharded:  # (FSDP-sharded blocks: one forward per backward)
+        b, kept = general_plan(engine, b)
+        segments = [kept.get(i, s) for i, s in enumerate(b.plan.segments)]
+        b = dataclasses.replace(b, plan=dataclasses.replace(b.plan, segments=segments))
+    rest = set(range(len(b.plan.segments))) - set(kept)
+    seqs, targets, lengths = torch.arange(b.tree.num_sequences), b.seq_targets, b.seq_lengths
     reuse = {} if engine.reuse_forward_kv else None
     with torch.no_grad():
         lp_all, ent_all = engine._forward_all(b, entropy, rest, reuse)
