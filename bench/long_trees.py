@@ -189,6 +189,11 @@ def sweep(run: Run, model, device, smoke_budget) -> list[dict]:
     return rows
 
 
+def alloc_retries(device) -> int:
+    """The caching allocator's count of allocations that failed, freed its cache and tried again."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
 def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
     rows = []
     scale = "small" if run.args.smoke else "paper"
@@ -207,6 +212,7 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                 engine.memory.model
                 sync(device)
                 base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+                retries = alloc_retries(device)
                 with switches(name):
                     seconds, times, peak_bytes = time_forward_backward(engine, tree, loss, run.args.repeats, 1,
                                                                        separable=name not in GENERAL)
@@ -220,6 +226,8 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                            tokens_run=engine.stats.tokens_run,
                            kept_attention_layers=engine.stats.kept_attention_layers, plan=plan.describe(),
                            predicted_gib=plan.peak_bytes / 2**30, budget_gib=engine.memory.budget / 2**30)
+                if device.type == "cuda":  # the allocator freeing its cache to retry (a sync each): slow steps
+                    row["alloc_retries"] = alloc_retries(device) - retries  # (warm-up and timed steps)
                 if peak:
                     row["pct_peak"] = 100 * row["tflops"] / peak
                 if peak_bytes is not None:

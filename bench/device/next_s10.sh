@@ -4,7 +4,8 @@
 #   scripts/get_dta.sh here first (fetch github:Whisper-6/DynamicTreeAttn), then run with carry [".dta"].
 # (1) issue 24: long_prefix and episodes against the DTA authors' engine in one process at today's defaults (the
 #     margin: long_prefix 3.05 s; session 8's same-call ratio 2.08x was before it), 2 steps each;
-# (2) issue 24: episodes, 3 timed steps (session 9's second step took 6.67 s against 5.71 s, unexplained);
+# (2) issue 24: episodes, 3 timed steps (session 9's second step took 6.67 s against 5.71 s, unexplained; the row now
+#     has the allocator's retries, alloc_retries: one candidate cause);
 # (3) the compiled + recomputed float32 CUDA test with kept attentions (did not finish inside session 9's 90 s);
 # (4) issue 25: the GRPO step (0.6B) with fused AdamW (predicted -12 ms against session 8's 2.44-2.52 s), best of 3.
 F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$\|pow_by_natural\|split the reduction\|^softmax"
