@@ -26,11 +26,15 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    ``GROUPS_AFTER_PREFIX`` off; the defaults run them through the fused kernels on CUDA: chain pieces by
    ``treerl.engine.chain_attention``, groups of leaves such as long_prefix's responses by
    ``treerl.engine.group_attention``), ``auto-chain`` / ``auto-group`` (one of the two paths only),
-   ``auto-flash`` (both through flash's kernels only, not cuDNN's).
+   ``auto-flash`` (both through flash's kernels only, not cuDNN's), ``auto-root`` (the root split,
+   ``treerl.engine.attention.ROOT_SPLIT``: a call without prefix that starts with a long root chain, such
+   as long_prefix's whole tree in one call, runs that chain through SDPA's causal kernel and the rest as
+   a group after it, instead of the tree mask over the whole call; off by default).
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan, and the timed step's attention layer calls
    by route (``attention``: ``causal``, ``chain:<kernel>``, ``group:<kernel>``, ``mask``, ``mask:chain-off``,
-   ``mask:no-kernel``, ``mask:short-prefix``, ``mask:group-sdpa``, ``kept``; ``treerl.engine.attention.ROUTES``), with ``chain_shapes``
+   ``mask:no-kernel``, ``mask:short-prefix``, ``mask:group-sdpa``, ``root:<kernel>``, ``kept``;
+   ``treerl.engine.attention.ROUTES``), with ``chain_shapes``
    (distinct chain- and group-attention kernel shapes so far per kernel: cuDNN builds a plan per shape) and
    the kernel probe's verdicts.
 4. **attention**: one layer's attention forward+backward (Qwen3-1.7B heads: 16 query / 8 KV
@@ -85,6 +89,8 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
     "auto-group": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=False, GROUPS_AFTER_PREFIX=True)),  # groups only
     # both through flash's kernels only (cuDNN builds a plan per new shape)
     "auto-flash": (dict(mode="auto"), {}, {"chain_attention.KERNELS": ("flash",)}),
+    # a call without prefix that starts with a long root chain: the root split (off by default)
+    "auto-root": (dict(mode="auto"), {}, dict(ROOT_SPLIT=True)),
     "auto-general": (dict(mode="auto"), {}, {}),  # the same loss, not declared separable (issue 24 item 3)
     # every recomputed layer keeps its attention whatever the memory model says (what the model's margin costs)
     "auto-keepall": (dict(mode="auto"), {"memory.kept_attention_layers": "all"}, {}),

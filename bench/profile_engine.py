@@ -55,7 +55,7 @@ def make_engine(model, name: str) -> TreeEngine:
     name = name.replace("-nokeep", "").replace("-maxpack", "")
     engine = (_PackedToMaxTokens if maxpack else TreeEngine)(model, **engine_config(name))
     if nokeep:
-        engine.memory.kept_attention_layers = lambda queries, keys, copies, spare, alone=False: frozenset()
+        engine.memory.kept_attention_layers = lambda queries, keys, copies, spare, **kw: frozenset()
     return engine
 
 

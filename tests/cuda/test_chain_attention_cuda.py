@@ -9,10 +9,12 @@ call; heads a kernel does not take (``chain.refuses``) are never handed to it.
 
 Groups of leaves after a prefix (treerl.engine.group_attention) the same way: each fused
 kernel's full part over the prefix merged with compiled flex's own part (its log-sum-exp
-differentiated), against float64; the engine with GROUPS_AFTER_PREFIX on against off.
+differentiated), against float64; the engine with GROUPS_AFTER_PREFIX on against off. The root
+split (ROOT_SPLIT: a root chain's causal SDPA, the rest as a group after it) against float64.
 
 Skipped on machines without a GPU; run on the device machine."""
 
+import collections
 import functools
 
 import pytest
@@ -217,8 +219,15 @@ def test_group_fused_kernels_against_float64(name, expand_kv, prefix, lengths):
         grads = torch.autograd.grad(out, (q, k, v), dout)
     except Refused as exc:  # (the kernel's; flex's errors fail the test)
         pytest.skip(f"{name} refuses these inputs: {str(exc).splitlines()[0][:200]}")
+    _assert_near_float64(out, grads, q, k, v, attention.dense_tree_mask(q_index, k_index, k_end), scale, dout)
+    align = chain.ALIGN.get(name, 1)
+    assert calls and all(nq % align == 0 and nk % align == 0 and nk >= align for nq, nk in calls), calls
+
+
+def _assert_near_float64(out, grads, q, k, v, visible, scale, dout):
+    """bf16 ``out`` and its q/k/v ``grads`` against float64 attention with the dense mask ``visible``
+    on the same inputs: within bf16 rounding."""
     f64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    visible = attention.dense_tree_mask(q_index, k_index, k_end)
     s = (f64[0] @ f64[1].repeat_interleave(HEADS // KV_HEADS, 1).transpose(-1, -2) * scale).masked_fill(
         ~visible, float("-inf"))
     ref = torch.softmax(s, -1) @ f64[2].repeat_interleave(HEADS // KV_HEADS, 1)
@@ -227,8 +236,33 @@ def test_group_fused_kernels_against_float64(name, expand_kv, prefix, lengths):
     assert rel(out.detach(), ref.detach()) < 1e-2
     for what, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert got.shape == want.shape and rel(got, want) < 2e-2, (what, rel(got, want))
-    align = chain.ALIGN.get(name, 1)
-    assert calls and all(nq % align == 0 and nk % align == 0 and nk >= align for nq, nk in calls), calls
+
+
+@pytest.mark.parametrize("root,lengths", [(1024, [100, 60, 96]), (2000, [64, 64, 40])])
+def test_root_split_bf16_against_float64(root, lengths, monkeypatch):
+    """bf16 root split (ROOT_SPLIT): SDPA's causal kernel on the root chain, the fused kernel's
+    full part and compiled flex's own part on the rest, forward and backward, against float64
+    attention with the dense tree mask: within bf16 rounding; the route says it ran."""
+    from treerl.engine.tree_engine import root_chain
+
+    monkeypatch.setattr(attention, "ROOT_SPLIT", True)
+    monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 512)
+    _, index, k_end = _group_tree(root, lengths, 5, root + 7)
+    n = len(index)
+    r = root_chain(k_end.cpu(), n)
+    ctx = attention.TreeAttention("flex", index, index, k_end, root=r)
+    ctx.routes = collections.Counter()
+    assert ctx.root == r >= root
+    gen = torch.Generator().manual_seed(n + root)
+    q = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(1, KV_HEADS, n, DIM, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
+    scale = DIM ** -0.5
+    out = attention._attend(ctx, q, k, v, scale)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    _assert_near_float64(out, grads, q, k, v, attention.dense_tree_mask(index, index, k_end), scale, dout)
+    assert len(ctx.routes) == 1 and next(iter(ctx.routes)).startswith("root:"), ctx.routes
 
 
 def test_group_float32_takes_the_tree_mask(monkeypatch):

@@ -272,7 +272,7 @@ def test_engine_chain_pieces_with_kept_attention(variant, gen, monkeypatch):
     """Recomputed chain pieces that keep every layer's attention (their backward reads the
     recomputed q/k/v): exact."""
     monkeypatch.setattr(MemoryPolicy, "kept_attention_layers",
-                        lambda self, queries, keys, copies, spare, alone=False: frozenset(range(self.layers)))
+                        lambda self, queries, keys, copies, spare, **kw: frozenset(range(self.layers)))
     model = get_model(variant, num_hidden_layers=4)
     m = MemoryModel.estimate(model.config, torch.float64, dense_mask=True)
     budget = int(m.fixed + 12 * m.recompute_per_token + 12**2 * m.per_pair) + 1  # calls of up to 12 tokens

@@ -48,7 +48,7 @@ def test_budget_splits_trees_with_recomputed_chains(separable, keep_all, gen, mo
     budget: chained calls attend over their prefix (concatenated K/V) exactly too."""
     if keep_all:
         monkeypatch.setattr(MemoryPolicy, "kept_attention_layers",
-                            lambda self, queries, keys, copies, spare, alone=False: frozenset(range(self.layers)))
+                            lambda self, queries, keys, copies, spare, **kw: frozenset(range(self.layers)))
     seqs = shaped_forest(gen, SPEC)
     tree = PrefixTree.from_sequences(seqs)
     model = get_model("qwen3", num_hidden_layers=16)
@@ -76,9 +76,9 @@ def test_only_lone_calls_without_prefix_take_the_margin(separable, gen, monkeypa
     calls = []  # (alone, queries, keys) per recomputing call
     original = MemoryPolicy.kept_attention_layers
 
-    def spy(self, queries, keys, copies, spare, alone=False):
+    def spy(self, queries, keys, copies, spare, alone=False, root=0):
         calls.append((alone, queries, keys))
-        return original(self, queries, keys, copies, spare, alone=alone)
+        return original(self, queries, keys, copies, spare, alone=alone, root=root)
 
     monkeypatch.setattr(MemoryPolicy, "kept_attention_layers", spy)
     seqs = shaped_forest(gen, SPEC)

@@ -22,6 +22,7 @@ import torch
 import treerl.engine.attention as attention
 import treerl.engine.chain_attention as chain
 import treerl.engine.group_attention as group
+from helpers.attention import assert_rel, dense_reference, inputs, recording
 from helpers.engine import check_engine
 from helpers.forests import RandomLoss, random_seq, shaped_forest
 from helpers.models import get_model
@@ -38,38 +39,6 @@ def group_tree(gen, prefix: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     n = tree.num_tree_tokens
     k_index = torch.arange(n)
     return k_index[prefix:], k_index, tree.subtree_end[k_index]
-
-
-def dense_reference(q, k, v, visible, scale):
-    groups = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(groups, 1) for x in (k, v))
-    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
-    return torch.softmax(s, -1) @ v
-
-
-def inputs(gen, heads, kv_heads, n, keys, dim, dtype=torch.float64):
-    q = torch.randn(1, n, heads, dim, generator=gen, dtype=dtype).transpose(1, 2).requires_grad_()
-    k, v = (torch.randn(1, kv_heads, keys, dim, generator=gen, dtype=dtype).requires_grad_() for _ in range(2))
-    return q, k, v
-
-
-def assert_rel(got, want, tol=1e-9):
-    diff, scale = float((got - want).detach().abs().max()), float(want.detach().abs().max())
-    assert diff <= tol * scale + 1e-12, (diff, scale)
-
-
-def recording(kernel: chain.Kernel, calls: list) -> chain.Kernel:
-    """``kernel`` noting the (queries, keys, causal) of each of its part calls."""
-
-    def forward(q, k, v, causal, scale):
-        calls.append((q.shape[2], k.shape[2], causal))
-        return kernel.forward(q, k, v, causal, scale)
-
-    def backward(dout, q, k, v, out, lse, extra, causal, scale):
-        calls.append((q.shape[2], k.shape[2], causal))
-        return kernel.backward(dout, q, k, v, out, lse, extra, causal, scale)
-
-    return chain.Kernel(kernel.name, forward, backward, kernel.expand_kv, kernel.align)
 
 
 def lse_as(layout: str, align: int) -> chain.Kernel:
@@ -253,7 +222,7 @@ def test_engine_groups_with_kept_attention(variant, gen, monkeypatch):
 
     monkeypatch.setattr(tree_engine, "make_plan", recomputing_leaves)
     monkeypatch.setattr(MemoryPolicy, "kept_attention_layers",
-                        lambda self, queries, keys, copies, spare, alone=False: frozenset(range(self.layers)))
+                        lambda self, queries, keys, copies, spare, **kw: frozenset(range(self.layers)))
     kept = []
     keep = attention.KeptAttention
     monkeypatch.setattr(attention, "KeptAttention",

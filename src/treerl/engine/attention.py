@@ -18,6 +18,12 @@ The engine hands the :class:`TreeAttention` over through :func:`tree_attention_e
 (a thread-local, not a keyword argument) so that compiled decoder blocks
 (:mod:`treerl.engine.decoder`) never see it as an input to guard on; the attention call itself is
 excluded from compilation (it runs its own compiled flex kernel).
+
+Routes (:data:`ROUTES`): one chain without prefix runs SDPA's causal kernel; after a prefix, a chain
+piece or a group of leaves runs its prefix through a fused kernel (:mod:`treerl.engine.chain_attention`,
+:mod:`treerl.engine.group_attention`); a call without prefix that starts with a long root chain
+(:data:`ROOT_SPLIT`, off by default, unmeasured on a GPU) runs that chain causally and the rest as a
+group after it ("root split"); everything else runs the tree mask.
 """
 
 from __future__ import annotations
@@ -54,7 +60,11 @@ class TreeAttention:
     chain attention of :mod:`treerl.engine.chain_attention` (with :data:`CHAIN_AFTER_PREFIX`);
     either needs no mask. ``group``: not one chain, after a prefix whose every key every query
     sees (with :data:`GROUPS_AFTER_PREFIX`): the prefix through a fused kernel, the own keys
-    under the tree mask (:mod:`treerl.engine.group_attention`). ``prefix[l]`` is
+    under the tree mask (:mod:`treerl.engine.group_attention`). ``root``: the length of the
+    call's root chain (its first tokens, whose subtrees reach past its last token; from the
+    CPU's tree), without prefix: with :data:`ROOT_SPLIT` on and at least
+    :data:`ROOT_SPLIT_MIN_TOKENS` of them (not the whole call) and the flex backend (or CPU tensors),
+    :attr:`root` keeps it and the call runs the root split (:func:`_root`); else :attr:`root` is 0. ``prefix[l]`` is
     the list of (K, V) pieces of layer ``l`` that precede this call's own keys. With
     ``capture``, each layer's own (K, V) lands in ``captured[layer]``.
 
@@ -69,7 +79,8 @@ class TreeAttention:
     """
 
     def __init__(self, backend: str, q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor,
-                 prefix: list[list[KV]] | None = None, capture: bool = False, causal: bool = False):
+                 prefix: list[list[KV]] | None = None, capture: bool = False, causal: bool = False,
+                 root: int = 0):
         self.backend, self.q_index, self.k_index, self.k_end = backend, q_index, k_index, k_end
         self.prefix, self.capture = prefix, capture
         # one chain, no prefix: the tree mask is the causal mask, and SDPA's causal kernels
@@ -81,28 +92,33 @@ class TreeAttention:
         # every plan's prefix is seen by all its queries (its segments are chains of ancestors):
         # checked on the CPU (the tests), trusted on a GPU (the check is a device sync per call)
         self.group = (bool(prefix) and not causal and path_on(GROUPS_AFTER_PREFIX, device)
-                      and (device.type != "cpu" or self._prefix_seen_by_all()))
+                      and (device.type != "cpu" or self._seen_by_all(len(k_index) - len(q_index), 0)))
+        # a long root chain without prefix (checked on the CPU as the group's prefix; the SDPA backend on
+        # CUDA has no own part for the rest: the tree mask)
+        self.root = root if (not prefix and not causal and max(ROOT_SPLIT_MIN_TOKENS, 1) <= root < len(q_index)
+                             and path_on(ROOT_SPLIT, device) and (backend == "flex" or device.type == "cpu")
+                             and (device.type != "cpu" or self._seen_by_all(root, root))) else 0
         self.routes: collections.Counter | None = None  # layer calls by route (the engine's StepStats.attention)
         self.captured: dict[int, KV] = {}
         self.keep_layers: frozenset[int] = frozenset()
         self.kept: dict[int, KeptAttention] = {}
         self._mask = None
-        self._own_masks: dict[int, object] = {}
+        self._own_masks: dict[tuple[int, int], object] = {}
 
-    def _prefix_seen_by_all(self) -> bool:
-        """Whether every query sees every prefix key (true of every plan's prefix: its segments
-        are chains of ancestors; a device sync where the tensors are on a GPU): each prefix key
-        precedes the first query and its subtree reaches past the last (the queries are one range)."""
-        p = len(self.k_index) - len(self.q_index)
-        return bool((self.k_index[:p].max() <= self.q_index[0]) & (self.k_end[:p].min() > self.q_index[-1]))
+    def _seen_by_all(self, keys: int, rows: int) -> bool:
+        """Whether the queries from row ``rows`` on see the first ``keys`` keys (true of every plan's
+        prefix: its segments are chains of ancestors, and of a root chain; a device sync where the
+        tensors are on a GPU): each key precedes those queries and its subtree reaches past the
+        last (the queries are one range)."""
+        return bool((self.k_index[:keys].max() <= self.q_index[rows]) & (self.k_end[:keys].min() > self.q_index[-1]))
 
     @property
     def input_copies(self) -> bool:
         """Whether the attention kernel reads copies of q/k/v rather than the tensors
         themselves (held by a kept attention): K/V concatenated after a prefix, SDPA's
-        kernels (the math kernel expands K/V to every head). Flex on a call without prefix
-        reads them as they are."""
-        return bool(self.prefix) or self.causal or self.backend == "sdpa"
+        kernels (the math kernel expands K/V to every head), the root split's slices and copies.
+        Flex on a call without prefix reads them as they are."""
+        return bool(self.prefix) or self.causal or bool(self.root) or self.backend == "sdpa"
 
     def mask(self) -> object:
         """The visibility mask, built once per call and shared by all layers."""
@@ -114,15 +130,16 @@ class TreeAttention:
                 self._mask = flex_block_mask(self.q_index, self.k_index, self.k_end, square=square)
         return self._mask
 
-    def own_mask(self, first: int) -> object:
-        """The visibility of the queries over the keys from ``first`` on (a group's own part:
-        the prefix keys its fused part leaves, then its own), built once per call and
-        ``first``: dense [Nq, Nk - first] for the SDPA backend, flex's block mask otherwise."""
-        if first not in self._own_masks:
+    def own_mask(self, first: int, rows: int = 0) -> object:
+        """The visibility of the queries from row ``rows`` on over the keys from ``first`` on (a
+        group's own part: the prefix keys its fused part leaves, then its own; the root split's:
+        those of the root chain, then the rest), built once per call, ``rows`` and ``first``:
+        dense [Nq - rows, Nk - first] for the SDPA backend, flex's block mask otherwise."""
+        if (rows, first) not in self._own_masks:
             k_index, k_end = self.k_index[first:], self.k_end[first:]
             build = dense_tree_mask if self.backend == "sdpa" else flex_block_mask
-            self._own_masks[first] = build(self.q_index, k_index, k_end)
-        return self._own_masks[first]
+            self._own_masks[rows, first] = build(self.q_index[rows:], k_index, k_end)
+        return self._own_masks[rows, first]
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The SDPA mask as 0 / -inf of ``dtype``, built once per call. SDPA would convert
@@ -163,11 +180,18 @@ CHAIN_AFTER_PREFIX: bool | str = "cuda"
 # On the H100 (2026-11-25, bench/RESULTS.md): long_prefix 5.66 -> 4.73 s with both, episodes
 # 8.44 -> 7.20 s (peak 19.7 -> 15.3 GiB), the medium shapes unchanged (no calls after a prefix).
 GROUPS_AFTER_PREFIX: bool | str = "cuda"
+# A call without prefix that is not one chain but starts with a root chain of at least
+# ROOT_SPLIT_MIN_TOKENS tokens (one tree: a long prompt and its responses in one call): the root
+# chain's causal attention through SDPA's causal kernel, the rest's queries as a group after it
+# (the root chain its prefix, treerl.engine.group_attention), concatenated ("root split"). Off by
+# default: unmeasured on a GPU (bench/long_trees.py's auto-root).
+ROOT_SPLIT: bool | str = False
+ROOT_SPLIT_MIN_TOKENS = 4096
 
 
 def path_on(switch: bool | str, device: torch.device) -> bool:
-    """Whether a path switch (:data:`CHAIN_AFTER_PREFIX`, :data:`GROUPS_AFTER_PREFIX`) is on for
-    tensors on ``device``."""
+    """Whether a path switch (:data:`CHAIN_AFTER_PREFIX`, :data:`GROUPS_AFTER_PREFIX`,
+    :data:`ROOT_SPLIT`) is on for tensors on ``device``."""
     return switch is True or (switch == "cuda" and device.type == "cuda")
 
 
@@ -383,8 +407,9 @@ def _inputs(ctx: TreeAttention, layer: int, query: torch.Tensor, key: torch.Tens
 # "mask:no-kernel" (one chain or group after a prefix that no fused kernel takes), "group:<kernel>"
 # (several leaves after a prefix: treerl.engine.group_attention, GROUPS_AFTER_PREFIX on;
 # "mask:group-sdpa": such a call under the SDPA backend on CUDA, which takes the tree mask),
-# "mask:short-prefix" (a group whose prefix is shorter than its kernel's grid), "kept" (a block's
-# recompute of a kept attention: the held output, no attention run).
+# "mask:short-prefix" (a group whose prefix is shorter than its kernel's grid), "root:<kernel>" (a
+# root chain and the rest as a group after it: ROOT_SPLIT on; "mask:no-kernel" / "mask:short-prefix"
+# as a group's), "kept" (a block's recompute of a kept attention: the held output, no attention run).
 ROUTES: collections.Counter = collections.Counter()
 
 
@@ -412,6 +437,10 @@ def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: t
         out = _group(ctx, query, key, value, scaling)
         if out is not None:
             return out
+    elif ctx.root:  # a long root chain, then the rest
+        out = _root(ctx, query, key, value, scaling)
+        if out is not None:
+            return out
     else:
         _route(ctx, "mask:chain-off" if ctx.chain and ctx.prefix else "mask")
     if ctx.backend == "sdpa":
@@ -422,27 +451,46 @@ def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: t
 
 
 def _group(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           scaling: float | None) -> torch.Tensor | None:
-    """A group's attention (:mod:`treerl.engine.group_attention`), its route counted; None
-    where it does not run (the tree mask instead). Its own part: flex with the tree mask, or
-    on the CPU the plain-torch math (the SDPA backend on CUDA has no own part that returns a
-    log-sum-exp without the whole score matrix: the tree mask)."""
+           scaling: float | None, rows: int = 0, name: str = "group") -> torch.Tensor | None:
+    """A group's attention (:mod:`treerl.engine.group_attention`; ``query`` the call's queries from
+    row ``rows`` on), its route counted as ``name``; None where it does not run (the tree mask
+    instead). Its own part: flex with the tree mask, or on the CPU the plain-torch math (the SDPA
+    backend on CUDA has no own part that returns a log-sum-exp without the whole score matrix)."""
     if ctx.backend != "flex" and query.device.type != "cpu":
-        _route(ctx, "mask:group-sdpa")  # no own part with its log-sum-exp short of the whole score matrix
+        _route(ctx, f"mask:{name}-sdpa")  # no own part with its log-sum-exp short of the whole score matrix
         return None
     kernel = kernel_for(query, key, causal=False)
-    out = None if kernel is None else group_attention(query, key, value, scaling, functools.partial(_own, ctx), kernel)
-    _route(ctx, "mask:no-kernel" if kernel is None else "mask:short-prefix" if out is None else f"group:{kernel.label}")
+    own = functools.partial(_own, ctx, rows=rows)
+    out = None if kernel is None else group_attention(query, key, value, scaling, own, kernel)
+    _route(ctx, "mask:no-kernel" if kernel is None else "mask:short-prefix" if out is None
+           else f"{name}:{kernel.label}")
     return out
 
 
+def _root(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          scaling: float | None) -> torch.Tensor | None:
+    """The root split of a call without prefix (query [1, H, N, D], key/value [1, Hk, N, D], the
+    first ``r = ctx.root`` tokens its root chain) -> [1, H, N, D]: the root chain's causal attention
+    through SDPA, then the other queries' as a group (:func:`_group`) whose prefix is the root chain
+    (every one of them sees it); None where the group does not run (the tree mask instead)."""
+    r = ctx.root  # (the engine pads no such call to whole flex tiles: its queries are its tokens)
+    rest = _group(ctx, query[:, :, r:], key, value, scaling, rows=r, name="root")
+    if rest is None:
+        return None
+    root = F.scaled_dot_product_attention(query[:, :, :r], key[:, :, :r], value[:, :, :r], is_causal=True,
+                                          scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return torch.cat([root, rest], dim=2)
+
+
 def _own(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int,
-         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """A group's own part: the queries over the keys from ``first`` on under the tree mask ->
-    (out [1, H, Nq, D], differentiable log-sum-exp [1, H, Nq])."""
+         scale: float, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's own part: the queries (the call's from row ``rows`` on) over the keys from
+    ``first`` on under the tree mask -> (out [1, H, Nq - rows, D], differentiable log-sum-exp
+    [1, H, Nq - rows])."""
+    mask = ctx.own_mask(first, rows)
     if ctx.backend == "flex":
-        return flex_tree_attention(query, key, value, ctx.own_mask(first), scale, lse=True)
-    out, lse, _ = MATH.forward(query, key, value, ctx.own_mask(first), scale)
+        return flex_tree_attention(query, key, value, mask, scale, lse=True)
+    out, lse, _ = MATH.forward(query, key, value, mask, scale)
     return out, lse
 
 

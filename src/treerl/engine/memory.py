@@ -158,12 +158,14 @@ class MemoryModel:
         (:meth:`kept_attention_layers`) within ``budget`` bytes (at least 1 token)."""
         return max(1, self.largest_call(budget, recompute=True, kept=layers, copies=copies))
 
-    def kept_attention_layers(self, spare: float, queries: int, keys: int, layers: int, copies: bool) -> int:
+    def kept_attention_layers(self, spare: float, queries: int, keys: int, layers: int, copies: bool,
+                              root: int = 0) -> int:
         """How many of ``layers`` recomputed blocks of a call (``queries`` tokens, ``keys``
         = prefix + queries) can keep their attention in ``spare`` bytes (what the budget
         leaves beside the call, :meth:`call_bytes`); ``copies``: the attention kernel gets
-        copies of its inputs (held too)."""
-        per_query, per_key, per_pair = self._kept_layer_bytes(copies, keys > queries)
+        copies of its inputs (held too); ``root``: the call runs the root split on a root chain
+        of that many tokens (:data:`~treerl.engine.attention.ROOT_SPLIT`; 0: it does not)."""
+        per_query, per_key, per_pair = self._kept_layer_bytes(copies, keys > queries, root_split_outputs(queries, root))
         per_layer = queries * per_query + keys * per_key + queries * keys * per_pair
         if per_layer <= 0:
             return 0
@@ -181,12 +183,14 @@ class MemoryModel:
         per_token = self.recompute_per_token * (1 - 1 / BACKWARD_MARGIN) + self.per_token / (BACKWARD_MARGIN * self.layers)
         return queries * per_token
 
-    def _kept_layer_bytes(self, copies: bool, prefix: bool = False) -> tuple[float, float, float]:
+    def _kept_layer_bytes(self, copies: bool, prefix: bool = False, outputs: float = 1.0
+                          ) -> tuple[float, float, float]:
         """What one kept attention holds: bytes per query, per key, per (query, key) pair. After
         a prefix with :data:`~treerl.engine.attention.GROUPS_AFTER_PREFIX` on (anywhere: counted
         on the CPU too, where its default leaves it off), a group's kept attention also holds its
-        own part's output and log-sum-exp (:mod:`treerl.engine.group_attention`)."""
-        per_query = self.attention_per_query * (2 if prefix and groups_after_prefix() else 1)
+        own part's output and log-sum-exp (:mod:`treerl.engine.group_attention`). Without prefix,
+        ``outputs`` attention outputs per query (:func:`root_split_outputs`)."""
+        per_query = self.attention_per_query * (2 if prefix and groups_after_prefix() else outputs)
         if not copies:
             return per_query, 0.0, self.attention_per_pair
         per_key = self.attention_copies_per_key + (self.prefix_pad_per_key if prefix else 0.0)
@@ -269,6 +273,14 @@ class CallBudget:
         if self.device_bytes:
             text += f" ({nbytes / self.device_bytes:.3f} of the device)"
         return text
+
+
+def root_split_outputs(queries: int, root: int) -> float:
+    """Attention outputs (and log-sum-exps) per query that a kept attention holds in a call of
+    ``queries`` tokens that runs the root split on its first ``root`` (0: it does not, 1): the
+    call's output (``N`` rows), the root chain's (``r``, saved by SDPA), and of the ``n = N - r``
+    others the group's merged output and its own part's: ``(2N + n) / N``."""
+    return (3 * queries - root) / queries if root else 1.0
 
 
 def weight_gradient_transients(config, size: int) -> float:
@@ -386,8 +398,8 @@ class MemoryPolicy:
         budget = self.call_budget
         return budget is not None and budget.recomputes(size, prefix)
 
-    def kept_attention_layers(self, queries: int, keys: int, copies: bool, spare: float, alone: bool = False
-                              ) -> frozenset[int]:
+    def kept_attention_layers(self, queries: int, keys: int, copies: bool, spare: float, alone: bool = False,
+                              root: int = 0) -> frozenset[int]:
         """The layers of a recomputed call whose attention runs once (not again in the
         recompute, :mod:`treerl.engine.kept_attention`): the last ones (their held tensors
         are freed first in the backward), as many as fit the ``spare`` bytes the plan leaves
@@ -398,10 +410,13 @@ class MemoryPolicy:
         under a separable loss): without a prefix its kept attentions may also take
         the model's margin for the call (:meth:`MemoryModel.recompute_margin`). A call after a
         prefix does not (the model has underestimated such calls: bench/RESULTS.md, the
-        half-device memory test), nor one whose graph stays held while others run."""
+        half-device memory test), nor one whose graph stays held while others run.
+
+        ``root``: :attr:`TreeAttention.root` (the call runs the root split: its kept attentions
+        hold more outputs, :func:`root_split_outputs`)."""
         if alone and keys == queries:
             spare += self.model.recompute_margin(queries)
-        count = self.model.kept_attention_layers(spare, queries, keys, self.layers, copies)
+        count = self.model.kept_attention_layers(spare, queries, keys, self.layers, copies, root)
         return frozenset(range(self.layers - count, self.layers))
 
     def _measure(self) -> MemoryModel:

@@ -81,8 +81,8 @@ class StepStats:
     kept_graphs: int = 0  # general path: calls whose graph is held until the loss (no extra forward)
     seconds: float = 0.0
     # layer calls of the attention by route (treerl.engine.attention.ROUTES names: "causal",
-    # "chain:<kernel>", "group:<kernel>", "mask", "mask:chain-off", "mask:no-kernel", "mask:short-prefix",
-    # "mask:group-sdpa", "kept"); block recomputes count again
+    # "chain:<kernel>", "group:<kernel>", "root:<kernel>", "mask", "mask:chain-off", "mask:no-kernel",
+    # "mask:short-prefix", "mask:group-sdpa", "kept"); block recomputes count again
     attention: collections.Counter = field(default_factory=collections.Counter)
 
 
@@ -312,27 +312,30 @@ class TreeEngine:
         # one chain: every token's subtree, the prefix's included, reaches the segment's end
         spans = [b.plan.segments[a] for a in ancestors] if prefix else []
         chain = all(int(b.tree.subtree_end[s.start : s.end].min()) >= seg.end for s in spans + [seg])
-        ctx = TreeAttention(
-            self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer, capture=capture, causal=chain
-        )
+        # without prefix, the root chain: its first tokens whose subtree reaches the segment's end (the CPU's tree)
+        root = 0 if prefix or chain else root_chain(b.tree.subtree_end[seg.start : seg.end], seg.end)
+        ctx = TreeAttention(self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer,
+                            capture=capture, causal=chain, root=root)
         ctx.routes = self.stats.attention
         recompute = grad and seg.recompute
         if recompute:
             ctx.keep_layers = self.memory.kept_attention_layers(seg.size, len(k_index), ctx.input_copies, seg.spare,
-                                                                alone=alone)
-        # built once, before the blocks (not inside a block that is recomputed); a group call builds its masks
-        # where it runs (its own part's, or the tree mask where it falls back), cached on ctx for the recompute
-        if not (ctx.causal or ctx.group):
+                                                                alone=alone, root=ctx.root)
+        # built once, before the blocks (not inside a block that is recomputed); a group or root-split call
+        # builds its masks where it runs (its own part's, or the tree mask where it falls back), cached on ctx
+        # for the recompute
+        if not (ctx.causal or ctx.group or ctx.root):
             ctx.additive_mask(self.head.weight.dtype) if self.attention == "sdpa" else ctx.mask()
         self.stats.model_calls += 1
         self.stats.tokens_run += seg.size
         self.stats.recomputed_calls += int(recompute)
         self.stats.kept_attention_layers += len(ctx.keep_layers)
         ids, pos = b.token_ids[seg.start : seg.end], b.position[seg.start : seg.end]
-        if self.attention == "flex" and not (prefix or capture or ctx.causal):
+        if self.attention == "flex" and not (prefix or capture or ctx.causal or ctx.root):
             # Whole flex tiles from the input on: padded queries see nothing and padded keys
             # are seen by nobody (flex_block_mask), no row reads them, so the attention of
-            # every layer runs on whole tiles without copying q/k/v to pad them.
+            # every layer runs on whole tiles without copying q/k/v to pad them. (The root
+            # split slices its queries at the root chain's end: no padding.)
             pad = -seg.size % FLEX_BLOCK
             ids, pos = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(pos, (0, pad))
         with torch.set_grad_enabled(grad), tree_attention_enabled(self.model, ctx):
@@ -461,6 +464,13 @@ class TreeEngine:
                 settle(i, None, None)
         while path:
             close(path.pop())
+
+
+def root_chain(ends: torch.Tensor, end: int) -> int:
+    """The number of leading tokens of a call whose subtree reaches its end ``end`` (every later
+    token of the call sees them), from their subtree ends ``ends`` [N] (on the CPU)."""
+    below = (ends < end).nonzero()
+    return int(below[0, 0]) if len(below) else len(ends)
 
 
 def _mirrored_preorder(plan: Plan) -> list[int]:

@@ -1,0 +1,213 @@
+"""The root split (treerl.engine.attention.ROOT_SPLIT): a call without prefix that starts with a
+long root chain runs that chain's causal attention through SDPA and the other queries as a group
+after it (treerl.engine.group_attention, the root chain as its prefix), concatenated.
+
+float64 on the CPU against autograd through a dense masked softmax (output and q/k/v gradients),
+also with the group's kernel calls on a grid; flex's own part for the rest's queries against the
+math's; the engine end to end against the per-sequence reference with the switch on (the route
+counted by the engine's attention routes), with kept attentions, and where the route must not run.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import treerl.engine.attention as attention
+import treerl.engine.chain_attention as chain
+from helpers.attention import assert_rel, dense_reference, inputs, recording
+from helpers.engine import check_engine
+from helpers.forests import RandomLoss, shaped_forest
+from helpers.models import get_model
+from treerl import PrefixTree, TreeEngine
+from treerl.engine.memory import MemoryModel, MemoryPolicy, root_split_outputs
+from treerl.engine.tree_engine import root_chain
+
+# below the root chain: branches at its end, a 1-token node, a strict prefix, a branch deeper down
+BELOW_ROOT = [(3, [(2, []), (4, [])]), (1, []), (1, [(1, []), (2, [])], True), (5, [(2, []), (3, [])])]  # 24 tokens
+
+
+def rooted_tree(gen, root: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Token indices and subtree ends of one tree whose first ``root`` tokens are its root chain,
+    and the root chain's length by :func:`root_chain`."""
+    tree = PrefixTree.from_sequences(shaped_forest(gen, [(root, BELOW_ROOT)]))
+    index = torch.arange(tree.num_tree_tokens)
+    return index, tree.subtree_end, root_chain(tree.subtree_end, tree.num_tree_tokens)
+
+
+@pytest.fixture
+def root_split(monkeypatch):
+    """The switch on, its minimum lowered to 8 tokens."""
+    monkeypatch.setattr(attention, "ROOT_SPLIT", True)
+    monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 8)
+
+
+def test_root_chain_length():
+    ends = torch.tensor([9, 9, 9, 5, 5, 9, 7, 9, 9])  # tokens 3 and 5.. are below the root chain 0..2
+    assert root_chain(ends, 9) == 3
+    assert root_chain(torch.tensor([9, 9, 9]), 9) == 3  # one chain: all of it
+    assert root_chain(torch.tensor([2, 2, 4, 4]), 4) == 0  # two trees: none
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("root,align", [(8, 1), (45, 1), (45, 16), (64, 16), (8, 16)])
+def test_route_matches_dense_attention(heads, kv_heads, root, align, gen, root_split, monkeypatch):
+    """Output and q/k/v gradients of the route equal autograd through the dense tree mask,
+    the group's kernel calls on a grid (``align``) or not; the route is counted. A root chain
+    shorter than the grid leaves the group no full part: the tree mask, exactly."""
+    calls = []
+    monkeypatch.setattr(chain, "MATH", recording(chain.Kernel("math", chain._math_forward, chain._math_backward,
+                                                              align=align), calls))
+    index, k_end, r = rooted_tree(gen, root)
+    assert r == root
+    ctx = attention.TreeAttention("sdpa", index, index, k_end, root=r)
+    ctx.routes = collections.Counter()
+    assert ctx.root == root and ctx.input_copies
+    dim = int(torch.randint(2, 9, (1,), generator=gen)) * 4
+    q, k, v = inputs(gen, heads, kv_heads, len(index), len(index), dim)
+    scale = float(torch.rand((), generator=gen, dtype=torch.float64)) + 0.2
+    grad = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    out = attention._attend(ctx, q, k, v, scale)
+    ref = dense_reference(q, k, v, attention.dense_tree_mask(index, index, k_end), scale)
+    for a, b in zip((out, *torch.autograd.grad(out, (q, k, v), grad)),
+                    (ref, *torch.autograd.grad(ref, (q, k, v), grad))):
+        assert a.shape == b.shape
+        assert_rel(a, b, 1e-12)
+    if root < align:
+        assert dict(ctx.routes) == {"mask:short-prefix": 1} and calls == [], (ctx.routes, calls)
+        return
+    assert dict(ctx.routes) == {"root:math": 1}, ctx.routes
+    n = len(index) - root
+    assert calls == [(-(-n // align) * align, root - root % align, False)] * 2, calls  # the group's full part
+
+
+@pytest.mark.parametrize("root,first", [(45, 45), (45, 32), (130, 128), (256, 256)])
+def test_flex_own_part_of_the_rest_matches_the_math(root, first, gen, monkeypatch):
+    """The rest's own part through flex (eager forward on the CPU) over the root keys from
+    ``first`` on and its own keys: the output and log-sum-exp of the math's."""
+    monkeypatch.setattr(attention, "_FLEX_TILES", attention._flex_whole_tiles)  # eager flex: no CPU compile
+    monkeypatch.setattr(attention, "_FLEX_ANY", attention._flex_any)
+    index, k_end, _ = rooted_tree(gen, root)
+    q, k, v = (x.detach() for x in inputs(gen, 4, 2, len(index), len(index), 16))
+    flex_ctx, math_ctx = (attention.TreeAttention(b, index, index, k_end) for b in ("flex", "sdpa"))
+    rest, k_own, v_own = q[:, :, root:], k[:, :, first:], v[:, :, first:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex warns that it is not compiled
+        out, lse = attention._own(flex_ctx, rest, k_own, v_own, first, 0.3, rows=root)
+    ref_out, ref_lse = attention._own(math_ctx, rest, k_own, v_own, first, 0.3, rows=root)
+    assert out.shape == rest.shape
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_when_the_route_runs(gen, monkeypatch):
+    """Off by default; on only without prefix, not one chain, a root chain of at least the
+    minimum and short of the whole call, its keys seen by every later query."""
+    assert attention.ROOT_SPLIT is False and attention.ROOT_SPLIT_MIN_TOKENS == 4096
+    index, k_end, r = rooted_tree(gen, 20)
+    make = lambda **kw: attention.TreeAttention("sdpa", index, index, k_end, **kw)  # noqa: E731
+    assert make(root=r).root == 0  # the switch off
+    monkeypatch.setattr(attention, "ROOT_SPLIT", "cuda")
+    assert make(root=r).root == 0  # CPU tensors
+    monkeypatch.setattr(attention, "ROOT_SPLIT", True)
+    assert make(root=r).root == 0  # under 4096 tokens
+    monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 20)
+    assert make(root=r).root == 20 and make(root=19).root == 0
+    assert make(root=r, causal=True).root == 0 and make(root=len(index)).root == 0
+    assert make(root=21).root == 0  # token 20 is below the root chain: not seen by every later query
+    meta = index.to("meta")  # a device that is not the CPU: flex only (the SDPA backend has no own part there)
+    assert attention.TreeAttention("flex", meta, meta, k_end.to("meta"), root=r).root == 20
+    assert attention.TreeAttention("sdpa", meta, meta, k_end.to("meta"), root=r).root == 0
+    monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 0)
+    assert make(root=0).root == 0
+
+
+# ------------------------------------------------------------------ the engine
+def rooted_forest(gen, trees: int, root: int = 14, lone: int = 0) -> list[list[int]]:
+    """``trees`` trees of a ``root``-token prompt (the root chain) and 4 responses, two of them
+    sharing their first tokens (``root + 20`` tokens each: calls of ``max_tokens=root + 20`` run
+    one each), and with ``lone`` a sequence of that many tokens sharing nothing."""
+    return shaped_forest(gen, [(root, [(2, [(4, []), (6, [])]), (3, []), (5, [])])] * trees + [(lone, [])] * bool(lone))
+
+
+@pytest.mark.parametrize("mode", ["auto", "packed"])
+@pytest.mark.parametrize("separable", [False, True])
+@pytest.mark.parametrize("align", [1, 4], ids=["as-is", "grid4"])
+def test_engine_exact_with_the_root_split(mode, separable, align, gen, root_split, monkeypatch):
+    """Trees of a prompt and its responses, one call each: every layer call of each runs the
+    root split (the engine's attention routes), exactly; a lone sequence runs SDPA's causal kernel."""
+    monkeypatch.setattr(chain, "MATH", chain.Kernel("math", chain._math_forward, chain._math_backward, align=align))
+    seqs = rooted_forest(gen, 3, lone=9)
+    model = get_model("qwen3")
+    engine = check_engine(model, seqs, mode, RandomLoss.make(seqs, gen), separable=separable, entropy=True,
+                          max_tokens=34)
+    routes = engine.stats.attention  # (the last step's: forward_backward)
+    assert set(routes) == {"root:math", "causal"} and routes["root:math"] >= 3 * model.config.num_hidden_layers, routes
+
+
+@pytest.mark.parametrize("variant", ["llama-tied-mha", "qwen2-tied-mqa"])
+@pytest.mark.parametrize("separable", [False, True])
+def test_engine_root_split_with_kept_attention(variant, separable, gen, root_split, monkeypatch):
+    """Recomputed calls (every one here) that keep every layer's attention (their backward reads
+    the recomputed q/k/v, the root's SDPA and the group's autograd graphs included): exact; the
+    memory policy was told each call's root chain."""
+    import treerl.engine.tree_engine as tree_engine
+
+    make_plan = tree_engine.make_plan
+
+    def recomputing(*args, **kwargs):
+        plan = make_plan(*args, **kwargs)
+        plan.segments = [dataclasses.replace(s, recompute=True) for s in plan.segments]
+        return plan
+
+    roots = []
+    monkeypatch.setattr(tree_engine, "make_plan", recomputing)
+    monkeypatch.setattr(MemoryPolicy, "kept_attention_layers", lambda self, queries, keys, copies, spare,
+                        alone=False, root=0: roots.append(root) or frozenset(range(self.layers)))
+    kept = []
+    keep = attention.KeptAttention
+    monkeypatch.setattr(attention, "KeptAttention",
+                        lambda inputs: kept.append(attention.active_tree_attention().root) or keep(inputs))
+    model = get_model(variant, num_hidden_layers=4)
+    seqs = rooted_forest(gen, 2)
+    engine = check_engine(model, seqs, "auto", RandomLoss.make(seqs, gen), separable=separable,
+                          max_tokens=34)
+    routes = engine.stats.attention
+    assert routes["root:math"] > 0 and set(routes) == {"root:math", "kept"}, routes
+    assert kept and all(kept) and routes["kept"] == len(kept), (kept, routes)
+    assert roots and all(r == 14 for r in roots), roots  # (the prompt is the root chain)
+
+
+@pytest.mark.parametrize("case", ["off", "short", "packed"])
+def test_engine_does_not_split_where_it_should_not(case, gen, monkeypatch):
+    """The switch off, a root chain under the minimum, or a call of several trees: the tree
+    mask, as before (and the memory policy hears of no root chain)."""
+    monkeypatch.setattr(attention, "ROOT_SPLIT", case != "off")
+    monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 15 if case == "short" else 8)
+    seqs = rooted_forest(gen, 2)
+    max_tokens = 1000 if case == "packed" else 34
+    model = get_model("qwen3")
+    engine = TreeEngine(model, "packed", max_tokens=max_tokens)
+    assert len(engine.plan(seqs).segments) == (1 if case == "packed" else 2)
+    engine.forward_backward(seqs, RandomLoss.make(seqs, gen), separable=True)
+    assert dict(engine.stats.attention) == {"mask": 2 * model.config.num_hidden_layers if case != "packed"
+                                            else model.config.num_hidden_layers}, engine.stats.attention
+
+
+def test_memory_model_counts_the_root_split():
+    """A kept root-split attention holds (2N + n) / N outputs per query (n = N - r: the call's,
+    the root's, the group's merged and its own part's); other calls' numbers unchanged."""
+    model = get_model("qwen3", num_hidden_layers=16)
+    m = MemoryModel.estimate(model.config, torch.float64)
+    assert root_split_outputs(100, 0) == 1.0 and root_split_outputs(100, 60) == pytest.approx(2.4)
+    plain = m._kept_layer_bytes(True)
+    assert m._kept_layer_bytes(True, outputs=root_split_outputs(100, 0)) == plain
+    split = m._kept_layer_bytes(True, outputs=2.4)
+    assert split[0] == pytest.approx(plain[0] + 1.4 * m.attention_per_query) and split[1:] == plain[1:]
+    per_layer = 100 * split[0] + 100 * split[1]
+    assert m.kept_attention_layers(5.5 * per_layer, 100, 100, 16, True, root=60) == 5
+    assert m.kept_attention_layers(5.5 * per_layer, 100, 100, 16, True) > 5
