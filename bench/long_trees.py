@@ -28,7 +28,7 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    ``treerl.engine.group_attention``), ``auto-chain`` / ``auto-group`` (one of the two paths only),
    ``auto-flash`` (both through flash's kernels only, not cuDNN's), ``auto-root`` (the root split,
    ``treerl.engine.attention.ROOT_SPLIT``: a call without prefix that starts with a long root chain, such
-   as long_prefix's whole tree in one call, runs that chain through SDPA's causal kernel and the rest as
+   as long_prefix's whole tree in one call, runs that chain through the probed fused kernel and the rest as
    a group after it, instead of the tree mask over the whole call; off by default).
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan, and the timed step's attention layer calls

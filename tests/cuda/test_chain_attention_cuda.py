@@ -10,7 +10,7 @@ call; heads a kernel does not take (``chain.refuses``) are never handed to it.
 Groups of leaves after a prefix (treerl.engine.group_attention) the same way: each fused
 kernel's full part over the prefix merged with compiled flex's own part (its log-sum-exp
 differentiated), against float64; the engine with GROUPS_AFTER_PREFIX on against off. The root
-split (ROOT_SPLIT: a root chain's causal SDPA, the rest as a group after it) against float64.
+split (ROOT_SPLIT: a root chain's causal fused kernel, the rest as a group after it) against float64.
 
 Skipped on machines without a GPU; run on the device machine."""
 
@@ -240,7 +240,7 @@ def _assert_near_float64(out, grads, q, k, v, visible, scale, dout):
 
 @pytest.mark.parametrize("root,lengths", [(1024, [100, 60, 96]), (2000, [64, 64, 40])])
 def test_root_split_bf16_against_float64(root, lengths, monkeypatch):
-    """bf16 root split (ROOT_SPLIT): SDPA's causal kernel on the root chain, the fused kernel's
+    """bf16 root split (ROOT_SPLIT): the probed fused kernel on the root chain (causal), the fused kernel's
     full part and compiled flex's own part on the rest, forward and backward, against float64
     attention with the dense tree mask: within bf16 rounding; the route says it ran."""
     from treerl.engine.tree_engine import root_chain

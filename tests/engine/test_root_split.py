@@ -1,5 +1,6 @@
 """The root split (treerl.engine.attention.ROOT_SPLIT): a call without prefix that starts with a
-long root chain runs that chain's causal attention through SDPA and the other queries as a group
+long root chain runs that chain's causal attention through the probed fused kernel (the math
+kernel on the CPU) and the other queries as a group
 after it (treerl.engine.group_attention, the root chain as its prefix), concatenated.
 
 float64 on the CPU against autograd through a dense masked softmax (output and q/k/v gradients),
@@ -81,8 +82,10 @@ def test_route_matches_dense_attention(heads, kv_heads, root, align, gen, root_s
         assert dict(ctx.routes) == {"mask:short-prefix": 1} and calls == [], (ctx.routes, calls)
         return
     assert dict(ctx.routes) == {"root:math": 1}, ctx.routes
-    n = len(index) - root
-    assert calls == [(-(-n // align) * align, root - root % align, False)] * 2, calls  # the group's full part
+    n, rows = len(index) - root, -(-root // align) * align
+    # the group's full part and the root chain's causal part (padded to the grid), forward and backward each
+    assert sorted(calls) == sorted([(-(-n // align) * align, root - root % align, False)] * 2
+                                   + [(rows, rows, True)] * 2), calls
 
 
 @pytest.mark.parametrize("root,first", [(45, 45), (45, 32), (130, 128), (256, 256)])

@@ -182,7 +182,7 @@ CHAIN_AFTER_PREFIX: bool | str = "cuda"
 GROUPS_AFTER_PREFIX: bool | str = "cuda"
 # A call without prefix that is not one chain but starts with a root chain of at least
 # ROOT_SPLIT_MIN_TOKENS tokens (one tree: a long prompt and its responses in one call): the root
-# chain's causal attention through SDPA's causal kernel, the rest's queries as a group after it
+# chain's causal attention through the probed fused kernel (chain_attention without prefix), the rest's queries as a group after it
 # (the root chain its prefix, treerl.engine.group_attention), concatenated ("root split"). Off by
 # default: unmeasured on a GPU (bench/long_trees.py's auto-root).
 ROOT_SPLIT: bool | str = False
@@ -471,15 +471,21 @@ def _root(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: tor
           scaling: float | None) -> torch.Tensor | None:
     """The root split of a call without prefix (query [1, H, N, D], key/value [1, Hk, N, D], the
     first ``r = ctx.root`` tokens its root chain) -> [1, H, N, D]: the root chain's causal attention
-    through SDPA, then the other queries' as a group (:func:`_group`) whose prefix is the root chain
-    (every one of them sees it); None where the group does not run (the tree mask instead)."""
+    through the probed fused kernel (:func:`~treerl.engine.chain_attention.chain_attention` without
+    prefix: cuDNN's where it passes the probe; SDPA's own choice may be flash, slower than flex on
+    long chains: bench/RESULTS.md, session 4), then the other queries' as a group (:func:`_group`)
+    whose prefix is the root chain (every one of them sees it); None where either part finds no
+    kernel (the tree mask instead)."""
     r = ctx.root  # (the engine pads no such call to whole flex tiles: its queries are its tokens)
+    q_root, k_root, v_root = query[:, :, :r], key[:, :, :r], value[:, :, :r]
+    kernel = kernel_for(q_root, k_root)
+    if kernel is None:
+        _route(ctx, "mask:no-kernel")
+        return None
     rest = _group(ctx, query[:, :, r:], key, value, scaling, rows=r, name="root")
     if rest is None:
         return None
-    root = F.scaled_dot_product_attention(query[:, :, :r], key[:, :, :r], value[:, :, :r], is_causal=True,
-                                          scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
-    return torch.cat([root, rest], dim=2)
+    return torch.cat([chain_attention(q_root, k_root, v_root, scaling, kernel), rest], dim=2)
 
 
 def _own(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int,

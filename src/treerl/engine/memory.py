@@ -278,7 +278,7 @@ class CallBudget:
 def root_split_outputs(queries: int, root: int) -> float:
     """Attention outputs (and log-sum-exps) per query that a kept attention holds in a call of
     ``queries`` tokens that runs the root split on its first ``root`` (0: it does not, 1): the
-    call's output (``N`` rows), the root chain's (``r``, saved by SDPA), and of the ``n = N - r``
+    call's output (``N`` rows), the root chain's (``r``, saved by its kernel), and of the ``n = N - r``
     others the group's merged output and its own part's: ``(2N + n) / N``."""
     return (3 * queries - root) / queries if root else 1.0
 
