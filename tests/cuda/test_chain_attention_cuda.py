@@ -298,3 +298,26 @@ def test_engine_bf16_group_path_as_accurate_as_the_tree_mask(chains, monkeypatch
     print("max |logprob error|, max relative gradient error: tree mask", errors[False], "group", errors[True])
     assert errors[True][0] <= 1.5 * errors[False][0] + 1e-2, errors
     assert errors[True][1] <= 1.5 * errors[False][1] + 1e-2, errors
+
+
+def test_engine_bf16_root_split_as_accurate_as_the_tree_mask(monkeypatch):
+    """bf16 engine (auto) on a long shared prefix run as one call (its 512-token root chain, then
+    its responses): with the root split its logprobs and gradients are as close to the float32
+    per-sequence reference as with the tree mask (flex), and the split did run. (Kept attentions
+    with the split: the CPU's float64 tests, tests/engine/test_root_split.py.)"""
+    seqs, weights, model, ref_lps, ref_grads = _long_prefix_and_float32_reference()
+    monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 256)
+    errors, routes = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(attention, "ROOT_SPLIT", on)
+        engine = treerl.TreeEngine(model, "auto", attention="flex", compile=False, max_tokens=4096)  # one call
+        errors[on] = _errors(*_logprobs_and_grads(model, engine, seqs, weights), ref_lps, ref_grads)
+        routes[on] = dict(engine.stats.attention)
+        split = sum(v for r, v in routes[on].items() if r.startswith("root:"))
+        assert (split > 0 and not any(r.startswith("mask") for r in routes[on])) if on else split == 0, routes[on]
+        assert engine.stats.model_calls == 1, engine.stats
+    print("attention layer calls by route (the last forward_backward): tree mask", routes[False], "root split",
+          routes[True])
+    print("max |logprob error|, max relative gradient error: tree mask", errors[False], "root split", errors[True])
+    assert errors[True][0] <= 1.5 * errors[False][0] + 1e-2, errors
+    assert errors[True][1] <= 1.5 * errors[False][1] + 1e-2, errors

@@ -25,7 +25,7 @@ from helpers.engine import check_engine
 from helpers.forests import RandomLoss, shaped_forest
 from helpers.models import get_model
 from treerl import PrefixTree, TreeEngine
-from treerl.engine.memory import MemoryModel, MemoryPolicy, root_split_outputs
+from treerl.engine.memory import MemoryModel, MemoryPolicy, root_split_layer_bytes, root_split_outputs
 from treerl.engine.tree_engine import root_chain
 
 # below the root chain: branches at its end, a 1-token node, a strict prefix, a branch deeper down
@@ -203,14 +203,19 @@ def test_engine_does_not_split_where_it_should_not(case, gen, monkeypatch):
 
 def test_memory_model_counts_the_root_split():
     """A kept root-split attention holds (2N + n) / N outputs per query (n = N - r: the call's,
-    the root's, the group's merged and its own part's); other calls' numbers unchanged."""
+    the root's, the group's merged and its own part's) and input copies for its own part's flex
+    only (the n other queries over their own keys and the root keys off the kernel's grid);
+    other calls' numbers unchanged."""
     model = get_model("qwen3", num_hidden_layers=16)
     m = MemoryModel.estimate(model.config, torch.float64)
     assert root_split_outputs(100, 0) == 1.0 and root_split_outputs(100, 60) == pytest.approx(2.4)
-    plain = m._kept_layer_bytes(True)
-    assert m._kept_layer_bytes(True, outputs=root_split_outputs(100, 0)) == plain
-    split = m._kept_layer_bytes(True, outputs=2.4)
-    assert split[0] == pytest.approx(plain[0] + 1.4 * m.attention_per_query) and split[1:] == plain[1:]
-    per_layer = 100 * split[0] + 100 * split[1]
+    per_layer = root_split_layer_bytes(m, 100, 60)
+    assert per_layer == pytest.approx(100 * 2.4 * m.attention_per_query + 40 * m.attention_copies_per_query
+                                      + (40 + 60) * m.attention_copies_per_key)  # 60 % 128: all 60 root keys
+    assert root_split_layer_bytes(m, 300, 256) == pytest.approx(
+        300 * (900 - 256) / 300 * m.attention_per_query + 44 * (m.attention_copies_per_query
+                                                                 + m.attention_copies_per_key))
+    plain_query, plain_key, plain_pair = m._kept_layer_bytes(True)
+    plain = 100 * plain_query + 100 * plain_key + 100 * 100 * plain_pair
     assert m.kept_attention_layers(5.5 * per_layer, 100, 100, 16, True, root=60) == 5
-    assert m.kept_attention_layers(5.5 * per_layer, 100, 100, 16, True) > 5
+    assert m.kept_attention_layers(5.5 * plain, 100, 100, 16, True) == 5  # without the split: as before

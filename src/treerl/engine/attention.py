@@ -195,6 +195,11 @@ def path_on(switch: bool | str, device: torch.device) -> bool:
     return switch is True or (switch == "cuda" and device.type == "cuda")
 
 
+def root_split_on(device: torch.device) -> bool:
+    """Whether :data:`ROOT_SPLIT` is on for tensors on ``device`` (as it is now: the engine reads it per call)."""
+    return path_on(ROOT_SPLIT, device)
+
+
 def groups_after_prefix() -> bool:
     """Whether :data:`GROUPS_AFTER_PREFIX` is on anywhere (True or "cuda"): the memory model counts
     what a kept group attention holds more."""

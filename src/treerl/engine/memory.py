@@ -165,8 +165,11 @@ class MemoryModel:
         leaves beside the call, :meth:`call_bytes`); ``copies``: the attention kernel gets
         copies of its inputs (held too); ``root``: the call runs the root split on a root chain
         of that many tokens (:data:`~treerl.engine.attention.ROOT_SPLIT`; 0: it does not)."""
-        per_query, per_key, per_pair = self._kept_layer_bytes(copies, keys > queries, root_split_outputs(queries, root))
-        per_layer = queries * per_query + keys * per_key + queries * keys * per_pair
+        if root:  # the root split (no prefix): its outputs, and copies for its own part's flex only
+            per_layer = root_split_layer_bytes(self, queries, root)
+        else:
+            per_query, per_key, per_pair = self._kept_layer_bytes(copies, keys > queries)
+            per_layer = queries * per_query + keys * per_key + queries * keys * per_pair
         if per_layer <= 0:
             return 0
         return int(min(layers, max(0.0, spare) // per_layer))
@@ -183,14 +186,12 @@ class MemoryModel:
         per_token = self.recompute_per_token * (1 - 1 / BACKWARD_MARGIN) + self.per_token / (BACKWARD_MARGIN * self.layers)
         return queries * per_token
 
-    def _kept_layer_bytes(self, copies: bool, prefix: bool = False, outputs: float = 1.0
-                          ) -> tuple[float, float, float]:
+    def _kept_layer_bytes(self, copies: bool, prefix: bool = False) -> tuple[float, float, float]:
         """What one kept attention holds: bytes per query, per key, per (query, key) pair. After
         a prefix with :data:`~treerl.engine.attention.GROUPS_AFTER_PREFIX` on (anywhere: counted
         on the CPU too, where its default leaves it off), a group's kept attention also holds its
-        own part's output and log-sum-exp (:mod:`treerl.engine.group_attention`). Without prefix,
-        ``outputs`` attention outputs per query (:func:`root_split_outputs`)."""
-        per_query = self.attention_per_query * (2 if prefix and groups_after_prefix() else outputs)
+        own part's output and log-sum-exp (:mod:`treerl.engine.group_attention`)."""
+        per_query = self.attention_per_query * (2 if prefix and groups_after_prefix() else 1)
         if not copies:
             return per_query, 0.0, self.attention_per_pair
         per_key = self.attention_copies_per_key + (self.prefix_pad_per_key if prefix else 0.0)
@@ -281,6 +282,16 @@ def root_split_outputs(queries: int, root: int) -> float:
     call's output (``N`` rows), the root chain's (``r``, saved by its kernel), and of the ``n = N - r``
     others the group's merged output and its own part's: ``(2N + n) / N``."""
     return (3 * queries - root) / queries if root else 1.0
+
+
+def root_split_layer_bytes(model: MemoryModel, queries: int, root: int, align: int = 128) -> float:
+    """Bytes one kept root-split attention holds (a call of ``queries`` tokens, root chain ``root``):
+    :func:`root_split_outputs` outputs per query, and the input copies of its own part's flex only
+    (the ``n`` other queries over the ``root % align`` root keys the fused part leaves and their
+    own; the fused kernels' padded copies are rebuilt in the backward, the chain part saves views)."""
+    rest = queries - root
+    return (queries * model.attention_per_query * root_split_outputs(queries, root)
+            + rest * model.attention_copies_per_query + (rest + root % align) * model.attention_copies_per_key)
 
 
 def weight_gradient_transients(config, size: int) -> float:

@@ -36,8 +36,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, tree_attention_enabled
+from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, root_split_on, tree_attention_enabled
 from .batch import Batch, outputs_and_grads, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
+from .chain_attention import FUSED_DTYPES
 from .checks import check_inputs, check_loss, check_supported
 from ..compiled import claim_compiled_code
 from .compile_cache import enable as enable_compile_cache, save as save_compile_cache
@@ -287,6 +288,13 @@ class TreeEngine:
         return prepare_batch(layout, plan, self.device)
 
     # ------------------------------------------------------------ one model call
+    def _root_split_on(self) -> bool:
+        """Whether the root split (:data:`~treerl.engine.attention.ROOT_SPLIT`) can run this engine's
+        calls: its switch on for the device, and on a GPU half precision (the fused kernels'
+        dtypes; float32 there takes the tree mask)."""
+        return root_split_on(self.device) and (
+            self.device.type == "cpu" or self.head.weight.dtype in FUSED_DTYPES)
+
     def _call(
         self, b: Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool,
         head: bool = True, alone: bool = False,
@@ -312,8 +320,10 @@ class TreeEngine:
         # one chain: every token's subtree, the prefix's included, reaches the segment's end
         spans = [b.plan.segments[a] for a in ancestors] if prefix else []
         chain = all(int(b.tree.subtree_end[s.start : s.end].min()) >= seg.end for s in spans + [seg])
-        # without prefix, the root chain: its first tokens whose subtree reaches the segment's end (the CPU's tree)
-        root = 0 if prefix or chain else root_chain(b.tree.subtree_end[seg.start : seg.end], seg.end)
+        # without prefix, the root chain: its first tokens whose subtree reaches the segment's end (the CPU's tree);
+        # only where the root split can run (else a GPU call that falls back would lose its whole-tile padding)
+        root = (root_chain(b.tree.subtree_end[seg.start : seg.end], seg.end)
+                if not (prefix or chain) and self._root_split_on() else 0)
         ctx = TreeAttention(self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer,
                             capture=capture, causal=chain, root=root)
         ctx.routes = self.stats.attention
