@@ -51,6 +51,16 @@ def recording(kernel: chain.Kernel, calls: list) -> chain.Kernel:
     return chain.Kernel(kernel.name, forward, backward, kernel.expand_kv, kernel.align)
 
 
+def _bf16_inputs(n: int, keys: int, seed: int, grad: bool = True):
+    """Random bf16 CUDA q [1, HEADS, n, DIM] (the engine's transposed layout), k/v [1, KV_HEADS,
+    keys, DIM] (requiring grad with ``grad``) and an output gradient like q."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(1, KV_HEADS, keys, DIM, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    dout = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
+    return (*(x.requires_grad_(grad) for x in (q, k, v)), dout)
+
+
 @pytest.mark.parametrize("n,prefix", [(1, 1), (77, 0), (77, 1), (200, 333), (256, 1024), (384, 2048), (1, 127)])
 @pytest.mark.parametrize("expand_kv", [False, True], ids=["gqa", "kv-expanded"])
 @pytest.mark.parametrize("name", chain.KERNELS)
@@ -62,10 +72,7 @@ def test_fused_kernels_against_float64(name, expand_kv, n, prefix):
     assert chain.refuses(name, HEADS, KV_HEADS, DIM) is None
     calls = []
     kernel = recording(chain.fused_kernel(name, expand_kv), calls)
-    gen = torch.Generator().manual_seed(n + prefix)
-    q = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
-    k, v = (torch.randn(1, KV_HEADS, prefix + n, DIM, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
-    dout = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
+    q, k, v, dout = _bf16_inputs(n, prefix + n, n + prefix, grad=False)
     scale = DIM ** -0.5
     try:
         out, lse, extras = chain.chain_forward(kernel, q, k, v, prefix, scale)
@@ -205,11 +212,7 @@ def test_group_fused_kernels_against_float64(name, expand_kv, prefix, lengths):
     q_index, k_index, k_end = _group_tree(prefix, lengths, 5, prefix + len(lengths))
     ctx = attention.TreeAttention("flex", q_index, k_index, k_end)  # (its own masks)
     n, keys = len(q_index), len(k_index)
-    gen = torch.Generator().manual_seed(n + prefix)
-    q = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16).requires_grad_()
-    k, v = (torch.randn(1, KV_HEADS, keys, DIM, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
-            for _ in range(2))
-    dout = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
+    q, k, v, dout = _bf16_inputs(n, keys, n + prefix)
     scale = DIM ** -0.5
     try:
         out = group.group_attention(q, k, v, scale, functools.partial(attention._own, ctx), kernel)
@@ -253,11 +256,7 @@ def test_root_split_bf16_against_float64(root, lengths, monkeypatch):
     ctx = attention.TreeAttention("flex", index, index, k_end, root=r)
     ctx.routes = collections.Counter()
     assert ctx.root == r >= root
-    gen = torch.Generator().manual_seed(n + root)
-    q = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16).requires_grad_()
-    k, v = (torch.randn(1, KV_HEADS, n, DIM, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
-            for _ in range(2))
-    dout = torch.randn(1, n, HEADS, DIM, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
+    q, k, v, dout = _bf16_inputs(n, n, n + root)
     scale = DIM ** -0.5
     out = attention._attend(ctx, q, k, v, scale)
     grads = torch.autograd.grad(out, (q, k, v), dout)

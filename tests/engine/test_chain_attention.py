@@ -17,6 +17,8 @@ import torch
 
 import treerl.engine.attention as attention
 import treerl.engine.chain_attention as chain
+from helpers.attention import assert_rel, recording
+from helpers.attention import dense_reference as dense_masked, inputs as random_inputs
 from helpers.engine import check_engine
 from helpers.forests import RandomLoss, random_seq
 from helpers.models import get_model
@@ -25,23 +27,13 @@ from treerl.engine.memory import MemoryModel, MemoryPolicy
 
 def dense_reference(q, k, v, prefix, scale):
     """Softmax attention over all keys: the prefix's seen by every query, its own causally."""
-    n, groups = q.shape[2], q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(groups, 1) for x in (k, v))
-    visible = torch.ones(n, prefix + n, dtype=torch.bool).tril(prefix)
-    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
-    return torch.softmax(s, -1) @ v
+    n = q.shape[2]
+    return dense_masked(q, k, v, torch.ones(n, prefix + n, dtype=torch.bool).tril(prefix), scale)
 
 
 def inputs(gen, heads, kv_heads, n, prefix, dim, dtype=torch.float64):
-    q = torch.randn(1, n, heads, dim, generator=gen, dtype=dtype).transpose(1, 2).requires_grad_()
-    k, v = (torch.randn(1, kv_heads, prefix + n, dim, generator=gen, dtype=dtype).requires_grad_() for _ in range(2))
-    return q, k, v
-
-
-def assert_rel(got, want, tol=1e-9):
-    """Relative to the largest value (a gradient that is exactly zero: rounding noise only)."""
-    diff, scale = float((got - want).detach().abs().max()), float(want.detach().abs().max())
-    assert diff <= tol * scale + 1e-12, (diff, scale)
+    """Random q [1, heads, n, dim], k/v [1, kv_heads, prefix + n, dim]."""
+    return random_inputs(gen, heads, kv_heads, n, prefix + n, dim, dtype)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
@@ -92,20 +84,6 @@ def test_kernel_formats_and_expanded_heads(layout, expand_kv, gen):
 
 
 # ------------------------------------------------------------------ lengths on a grid
-def recording(kernel: chain.Kernel, calls: list) -> chain.Kernel:
-    """``kernel`` noting the (queries, keys, causal) of each of its part calls."""
-
-    def forward(q, k, v, causal, scale):
-        calls.append((q.shape[2], k.shape[2], causal))
-        return kernel.forward(q, k, v, causal, scale)
-
-    def backward(dout, q, k, v, out, lse, extra, causal, scale):
-        calls.append((q.shape[2], k.shape[2], causal))
-        return kernel.backward(dout, q, k, v, out, lse, extra, causal, scale)
-
-    return chain.Kernel(kernel.name, forward, backward, kernel.expand_kv, kernel.align)
-
-
 @pytest.mark.parametrize("align", [4, 16])
 @pytest.mark.parametrize("prefix", [0, 1, 3, 16, 21, 45])
 @pytest.mark.parametrize("n", [1, 5, 16, 17])
