@@ -29,7 +29,8 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    ``auto-flash`` (both through flash's kernels only, not cuDNN's), ``auto-root`` (the root split,
    ``treerl.engine.attention.ROOT_SPLIT``: a call without prefix that starts with a long root chain, such
    as long_prefix's whole tree in one call, runs that chain through the probed fused kernel and the rest as
-   a group after it, instead of the tree mask over the whole call; off by default).
+   a group after it, instead of the tree mask over the whole call; on for CUDA by default, forced on here),
+   ``auto-noroot`` (the root split off: the tree mask over such a call).
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan, and the timed step's attention layer calls
    by route (``attention``: ``causal``, ``chain:<kernel>``, ``group:<kernel>``, ``mask``, ``mask:chain-off``,
@@ -89,8 +90,9 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
     "auto-group": (dict(mode="auto"), {}, dict(CHAIN_AFTER_PREFIX=False, GROUPS_AFTER_PREFIX=True)),  # groups only
     # both through flash's kernels only (cuDNN builds a plan per new shape)
     "auto-flash": (dict(mode="auto"), {}, {"chain_attention.KERNELS": ("flash",)}),
-    # a call without prefix that starts with a long root chain: the root split (off by default)
+    # a call without prefix that starts with a long root chain: the root split (on for CUDA by default)
     "auto-root": (dict(mode="auto"), {}, dict(ROOT_SPLIT=True)),
+    "auto-noroot": (dict(mode="auto"), {}, dict(ROOT_SPLIT=False)),
     "auto-general": (dict(mode="auto"), {}, {}),  # the same loss, not declared separable (issue 24 item 3)
     # every recomputed layer keeps its attention whatever the memory model says (what the model's margin costs)
     "auto-keepall": (dict(mode="auto"), {"memory.kept_attention_layers": "all"}, {}),

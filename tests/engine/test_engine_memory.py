@@ -14,7 +14,7 @@ from helpers.engine import MODES, SPEC, check_engine, general_peak
 from helpers.forests import RandomLoss, shaped_forest
 from helpers.models import VARIANTS, get_model
 from treerl import PrefixTree, TreeEngine
-from treerl.engine.memory import CallBudget, MemoryModel, MemoryPolicy, resolve_budget
+from treerl.engine.memory import BACKWARD_MARGIN, CallBudget, MemoryModel, MemoryPolicy, resolve_budget
 from treerl.engine.two_phase import keep_graphs
 
 
@@ -392,8 +392,8 @@ def test_general_path_holds_every_medium_call_at_the_default_budget(workload):
 
 def test_kept_attentions_of_a_call_alone_take_the_measured_models_margin():
     """A recomputing call without prefix whose backward follows its forward alone may keep more
-    attentions: the measured model's margin for the call (BACKWARD_MARGIN and the second block)
-    is added to its spare bytes; never after a prefix, never for a held graph, and an estimated
+    attentions: the measured model's margin for the call (BACKWARD_MARGIN's surplus on its
+    recompute bytes) is added to its spare bytes; never after a prefix, never for a held graph, and an estimated
     model has no margin to give."""
     import dataclasses
 
@@ -406,7 +406,7 @@ def test_kept_attentions_of_a_call_alone_take_the_measured_models_margin():
     policy._model = measured
     n = 4096
     margin = measured.recompute_margin(n)
-    assert 0 < margin < n * measured.recompute_per_token
+    assert margin == pytest.approx(n * measured.recompute_per_token * (1 - 1 / BACKWARD_MARGIN)) and margin > 0
     per_query, per_key, per_pair = measured._kept_layer_bytes(False)
     per_layer = n * per_query + n * per_key + n * n * per_pair
     spare = 0.5 * per_layer

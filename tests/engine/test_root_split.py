@@ -25,7 +25,8 @@ from helpers.engine import check_engine
 from helpers.forests import RandomLoss, shaped_forest
 from helpers.models import get_model
 from treerl import PrefixTree, TreeEngine
-from treerl.engine.memory import MemoryModel, MemoryPolicy, root_split_layer_bytes, root_split_outputs
+from treerl.engine.memory import (MemoryModel, MemoryPolicy, root_split_layer_bytes, root_split_outputs,
+                                  root_split_transient)
 from treerl.engine.tree_engine import root_chain
 
 # below the root chain: branches at its end, a 1-token node, a strict prefix, a branch deeper down
@@ -108,11 +109,12 @@ def test_flex_own_part_of_the_rest_matches_the_math(root, first, gen, monkeypatc
 
 
 def test_when_the_route_runs(gen, monkeypatch):
-    """Off by default; on only without prefix, not one chain, a root chain of at least the
+    """On for CUDA tensors by default; on only without prefix, not one chain, a root chain of at least the
     minimum and short of the whole call, its keys seen by every later query."""
-    assert attention.ROOT_SPLIT is False and attention.ROOT_SPLIT_MIN_TOKENS == 4096
+    assert attention.ROOT_SPLIT == "cuda" and attention.ROOT_SPLIT_MIN_TOKENS == 4096
     index, k_end, r = rooted_tree(gen, 20)
     make = lambda **kw: attention.TreeAttention("sdpa", index, index, k_end, **kw)  # noqa: E731
+    monkeypatch.setattr(attention, "ROOT_SPLIT", False)
     assert make(root=r).root == 0  # the switch off
     monkeypatch.setattr(attention, "ROOT_SPLIT", "cuda")
     assert make(root=r).root == 0  # CPU tensors
@@ -217,5 +219,9 @@ def test_memory_model_counts_the_root_split():
                                                                  + m.attention_copies_per_key))
     plain_query, plain_key, plain_pair = m._kept_layer_bytes(True)
     plain = 100 * plain_query + 100 * plain_key + 100 * 100 * plain_pair
-    assert m.kept_attention_layers(5.5 * per_layer, 100, 100, 16, True, root=60) == 5
+    transient = root_split_transient(m, 100)  # the split's outputs beside the call's while a layer runs
+    assert transient == 2 * 100 * m.attention_per_query
+    assert m.kept_attention_layers(5.5 * per_layer + transient, 100, 100, 16, True, root=60) == 5
+    assert m.kept_attention_layers(5.5 * per_layer, 100, 100, 16, True, root=60) == int(
+        (5.5 * per_layer - transient) // per_layer)
     assert m.kept_attention_layers(5.5 * plain, 100, 100, 16, True) == 5  # without the split: as before

@@ -22,7 +22,7 @@ excluded from compilation (it runs its own compiled flex kernel).
 Routes (:data:`ROUTES`): one chain without prefix runs SDPA's causal kernel; after a prefix, a chain
 piece or a group of leaves runs its prefix through a fused kernel (:mod:`treerl.engine.chain_attention`,
 :mod:`treerl.engine.group_attention`); a call without prefix that starts with a long root chain
-(:data:`ROOT_SPLIT`, off by default, unmeasured on a GPU) runs that chain causally and the rest as a
+(:data:`ROOT_SPLIT`, on for CUDA tensors by default) runs that chain causally and the rest as a
 group after it ("root split"); everything else runs the tree mask.
 """
 
@@ -183,9 +183,10 @@ GROUPS_AFTER_PREFIX: bool | str = "cuda"
 # A call without prefix that is not one chain but starts with a root chain of at least
 # ROOT_SPLIT_MIN_TOKENS tokens (one tree: a long prompt and its responses in one call): the root
 # chain's causal attention through the probed fused kernel (chain_attention without prefix), the rest's queries as a group after it
-# (the root chain its prefix, treerl.engine.group_attention), concatenated ("root split"). Off by
-# default: unmeasured on a GPU (bench/long_trees.py's auto-root).
-ROOT_SPLIT: bool | str = False
+# (the root chain its prefix, treerl.engine.group_attention), concatenated ("root split"). On for
+# CUDA tensors ("cuda", half precision: the fused kernels) by default: long_prefix on the H100 3.02 -> 2.70 s
+# (bench/RESULTS.md, session 10; bench/long_trees.py's auto-noroot is the A/B). True/False to force.
+ROOT_SPLIT: bool | str = "cuda"
 ROOT_SPLIT_MIN_TOKENS = 4096
 
 

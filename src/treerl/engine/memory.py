@@ -167,6 +167,7 @@ class MemoryModel:
         of that many tokens (:data:`~treerl.engine.attention.ROOT_SPLIT`; 0: it does not)."""
         if root:  # the root split (no prefix): its outputs, and copies for its own part's flex only
             per_layer = root_split_layer_bytes(self, queries, root)
+            spare -= root_split_transient(self, queries)
         else:
             per_query, per_key, per_pair = self._kept_layer_bytes(copies, keys > queries)
             per_layer = queries * per_query + keys * per_key + queries * keys * per_pair
@@ -176,15 +177,16 @@ class MemoryModel:
 
     def recompute_margin(self, queries: int) -> float:
         """What the model holds back for a recomputing call of ``queries`` tokens beyond its
-        measured needs: the :data:`BACKWARD_MARGIN` and the second block's activations of
-        :meth:`MemoryPolicy._measure` (the recomputed block's own gradients are transient).
-        Measured on the H100 (bench/RESULTS.md, session 8; Qwen3-1.7B shape): a 43,485-token
-        recomputing call held 8.6 GiB (its kept attentions aside) where the model says 16.7.
-        Only a measured model has them (0 for an estimate)."""
+        measured needs: the :data:`BACKWARD_MARGIN`'s surplus on its recompute bytes per token.
+        Measured on the H100 (bench/RESULTS.md, session 10; Qwen3-1.7B shape, 43,485 tokens, kept
+        attentions forced to 0, 8, 16, 28): the call holds 8.69 GiB beside its kept attentions
+        (9.02 with the root split) where the model says 11.75, and the margin is 2.12 of those.
+        Session 8 also gave away the second block's activations of :meth:`MemoryPolicy._measure`
+        (4.06 GiB more): the root split's kept attentions took it all and peaked 2.7 GiB over the
+        budget, so the recomputed block's activations are held after all. 0 for an estimate."""
         if not self.measured:
             return 0.0
-        per_token = self.recompute_per_token * (1 - 1 / BACKWARD_MARGIN) + self.per_token / (BACKWARD_MARGIN * self.layers)
-        return queries * per_token
+        return queries * self.recompute_per_token * (1 - 1 / BACKWARD_MARGIN)
 
     def _kept_layer_bytes(self, copies: bool, prefix: bool = False) -> tuple[float, float, float]:
         """What one kept attention holds: bytes per query, per key, per (query, key) pair. After
@@ -292,6 +294,13 @@ def root_split_layer_bytes(model: MemoryModel, queries: int, root: int, align: i
     rest = queries - root
     return (queries * model.attention_per_query * root_split_outputs(queries, root)
             + rest * model.attention_copies_per_query + (rest + root % align) * model.attention_copies_per_key)
+
+
+def root_split_transient(model: MemoryModel, queries: int) -> float:
+    """Bytes a root-split call of ``queries`` tokens holds beyond a tree-mask call while one layer's
+    attention runs (kept or not): the chain's output and the group's beside the concatenated
+    one, ~2 outputs per query (measured on the H100, session 10: +0.33 GiB at 43,485 tokens)."""
+    return 2 * queries * model.attention_per_query
 
 
 def weight_gradient_transients(config, size: int) -> float:
