@@ -52,6 +52,7 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -64,6 +65,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_engine import matmul_peak  # noqa: E402
@@ -261,7 +263,6 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
 
 def attention(run: Run, device, dtype) -> list[dict]:
     """One layer's attention forward+backward: the engine's tree attention against SDPA."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
     from treerl.engine.attention import flex_block_mask, flex_tree_attention
@@ -350,7 +351,43 @@ def attention(run: Run, device, dtype) -> list[dict]:
         if name != "cudnn":
             kernels[f"sdpa-{name}-lower-right"] = sdpa(backend, bias=bias)
     measure(f"chain piece {nq} after {prefix}", nq, nk, nq * prefix + nq * (nq + 1) / 2, kernels)
+    if device.type == "cuda":  # issue 24 item 2: long_prefix's whole tree in one call, against one causal sequence
+        tree_attention(measure, device)
     return rows
+
+
+def tree_attention(measure, device) -> None:
+    """long_prefix's tree (43,485 tokens: a 34,200-token root chain, 8 responses) in one call, one
+    layer: the tree mask through flex and the engine's route (the root split by default on CUDA),
+    their TFLOP/s on the tree's visible pairs; then SDPA's causal kernels on one sequence of the same
+    length, on its causal pairs (the issue's reference rate)."""
+    from treerl.engine import attention as attn
+    from treerl.engine.tree_engine import root_chain
+
+    tree = PrefixTree.from_sequences(make_workload("long_prefix", SCALES["paper"], 1000))
+    n = tree.num_tree_tokens
+    index = torch.arange(n, device=device)
+    k_end = tree.subtree_end.to(device)
+    root = root_chain(tree.subtree_end, n)
+    mask = attn.flex_block_mask(index, index, k_end)
+
+    ctx = attn.TreeAttention("flex", index, index, k_end, root=root)  # once, as the engine's call (its masks)
+    ctx.routes = collections.Counter()
+
+    def engine_route(q, k, v):
+        return attn._attend(ctx, q, k, v, None)
+
+    kernels = {"tree-flex": lambda q, k, v: attn.flex_tree_attention(q, k, v, mask, None),
+               f"tree-engine (root {root})": engine_route}
+    measure(f"long_prefix tree {n}", n, n, tree.attention_pairs, kernels)
+    print(f"  the engine's route on long_prefix's tree: {dict(ctx.routes)}", flush=True)
+    causal = {}
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        def fwd(q, k, v, backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        causal[f"sdpa-{name}"] = fwd
+    measure(f"causal {n}", n, n, n * (n + 1) / 2, causal)
 
 
 def main(argv=None):
