@@ -46,7 +46,14 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    calls it, and on whole tiles: ``PREFIX_AS_TILES``) against SDPA flash with the causal mask
    aligned bottom-right. Each kernel's output and gradients are compared with the first's
    (``max_diff_vs_first``: bf16 rounding is ~1e-2, a wrong mask O(1)). TFLOP/s on visible
-   pairs x 12 x heads x head_dim (DESIGN.md's forward+backward count).
+   pairs x 12 x heads x head_dim (DESIGN.md's forward+backward count). On CUDA also long_prefix's
+   tree in one call (the tree mask, and the engine's route: the root split) beside SDPA's causal
+   kernels on one sequence of its length (issue 24 item 2).
+5. **vary** (not in the default sections): each ``--workloads`` x ``--configs`` with a new tree
+   every step, as in an RL run (long_prefix's prompt 30,000-34,000 tokens), ``--repeats`` steps
+   after one: per step the seconds, % of peak and the kernel shapes new to the process (cuDNN
+   builds a plan for each, ~0.1-0.3 s), e.g. ``--sections vary --workloads long_prefix
+   --configs auto-noroot,auto --repeats 6``.
 """
 
 from __future__ import annotations
@@ -261,6 +268,59 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
     return rows
 
 
+def vary(run: Run, model, device, peak, smoke_budget) -> list[dict]:
+    """Each workload with a new tree every step, as an RL run's (``make_workload``'s seed 1, 2, ...;
+    long_prefix's prompt also 30,000-34,000 tokens at paper scale): per step its seconds, % of peak
+    and the new shapes the fused kernels saw (cuDNN builds a plan for each), per config."""
+    import dataclasses
+
+    import numpy as np
+
+    from treerl.engine import chain_attention as chain
+
+    rows = []
+    spec = SCALES["small" if run.args.smoke else "paper"]
+    for wl in run.args.workloads.split(","):
+        for name in run.args.configs.split(","):
+            if run.over():
+                break
+            engine = make_engine(model, name, smoke_budget)
+            engine.memory.model
+            row = dict(workload=wl, config=name, steps=[])
+            try:
+                with switches(name):
+                    for step in range(run.args.repeats + 1):  # the first: the config's warm-up on a new tree
+                        rng = np.random.default_rng(1000 + step)
+                        jitter = int(rng.integers(-spec.long_prefix_len_one // 16, spec.long_prefix_len_one // 16 + 1))
+                        shaped = dataclasses.replace(spec, long_prefix_len_one=spec.long_prefix_len_one + jitter)
+                        tree = PrefixTree.from_sequences(make_workload(wl, shaped, model.config.vocab_size, seed=1 + step))
+                        loss = weighted_logprob_loss(tree)
+                        shapes = sum(map(len, chain.SHAPES.values()))
+                        sync(device)
+                        t0 = time.perf_counter()
+                        engine.forward_backward(tree, loss, separable=True)
+                        sync(device)
+                        seconds = time.perf_counter() - t0
+                        model.zero_grad(set_to_none=False)
+                        flops = useful_flops(model, tree)
+                        row["steps"].append(dict(
+                            tree_tokens=tree.num_tree_tokens, seconds=seconds,
+                            pct_peak=100 * flops / seconds / 1e12 / peak if peak else None,
+                            new_kernel_shapes=sum(map(len, chain.SHAPES.values())) - shapes,
+                            routes=dict(sorted(engine.stats.attention.items()))))
+                        print(f"vary {wl} {name} step {step}: {json.dumps(row['steps'][-1])}", flush=True)
+                timed = [s["seconds"] for s in row["steps"][1:]]
+                if timed:
+                    row.update(median_s=float(np.median(timed)), mean_s=float(np.mean(timed)))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                traceback.print_exc()
+            rows.append(row)
+            run.results["sections"]["vary"] = rows
+            run.save()
+    return rows
+
+
 def attention(run: Run, device, dtype) -> list[dict]:
     """One layer's attention forward+backward: the engine's tree attention against SDPA."""
     from torch.nn.attention.bias import causal_lower_right
@@ -427,6 +487,8 @@ def main(argv=None):
         attention(run, device, dtype)
     if "workloads" in sections:
         workloads(run, model, device, peak, smoke_budget)
+    if "vary" in sections and not run.over():
+        vary(run, model, device, peak, smoke_budget)
     if device.type == "cuda":
         end = matmul_peak(device)
         run.results["peak_tflops_end"] = end
@@ -472,6 +534,10 @@ def print_tables(results: dict) -> None:
     for r in sections.get("attention", []):
         print(f"| {r['shape']} | {r['kernel']} | {r.get('ms', float('nan')):.2f} | {r.get('tflops', float('nan')):.1f} | "
               f"{r.get('max_diff_vs_first', '-')} | {r.get('error', '')} |")
+    for r in sections.get("vary", []):
+        steps = " ".join(f"{s['seconds']:.2f}s/+{s['new_kernel_shapes']}" for s in r["steps"])
+        print(f"vary {r['workload']} {r['config']}: median {r.get('median_s', float('nan')):.3f} s after the first; "
+              f"per step (seconds/new kernel shapes): {steps} {r.get('error', '')}")
     if "first_step_s" in results:
         print(f"\nfirst forward_backward of the process (compilation included): {results['first_step_s']:.1f} s")
 

@@ -180,9 +180,9 @@ class MemoryModel:
         measured needs: the :data:`BACKWARD_MARGIN`'s surplus on its recompute bytes per token.
         Measured on the H100 (bench/RESULTS.md, session 10; Qwen3-1.7B shape, 43,485 tokens, kept
         attentions forced to 0, 8, 16, 28): the call holds 8.69 GiB beside its kept attentions
-        (9.02 with the root split) where the model says 11.75, and the margin is 2.12 of those.
+        (9.02 with the root split) where the model says 11.75; this margin is 3.1-3.4 GiB of those.
         Session 8 also gave away the second block's activations of :meth:`MemoryPolicy._measure`
-        (4.06 GiB more): the root split's kept attentions took it all and peaked 2.7 GiB over the
+        (~3 GiB more): the root split's kept attentions took it all and peaked 2.7 GiB over the
         budget, so the recomputed block's activations are held after all. 0 for an estimate."""
         if not self.measured:
             return 0.0
