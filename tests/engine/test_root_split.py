@@ -108,6 +108,20 @@ def test_flex_own_part_of_the_rest_matches_the_math(root, first, gen, monkeypatc
     torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
 
 
+def test_route_names_both_kernels_where_they_differ(gen, root_split, monkeypatch):
+    """The route's label names the root chain's kernel, and the group's after it where it is another
+    (one shape past cuDNN's bound takes the next kernel); the output stays exact."""
+    other = dataclasses.replace(chain.MATH, name="other")
+    monkeypatch.setattr(attention, "kernel_for", lambda q, k, causal=True: chain.MATH if causal else other)
+    index, k_end, r = rooted_tree(gen, 20)
+    ctx = attention.TreeAttention("sdpa", index, index, k_end, root=r)
+    ctx.routes = collections.Counter()
+    q, k, v = inputs(gen, 4, 2, len(index), len(index), 8)
+    out = attention._attend(ctx, q, k, v, None)
+    assert dict(ctx.routes) == {"root:math+other": 1}, ctx.routes
+    assert_rel(out, dense_reference(q, k, v, attention.dense_tree_mask(index, index, k_end), 8 ** -0.5), 1e-12)
+
+
 def test_when_the_route_runs(gen, monkeypatch):
     """On for CUDA tensors by default; on only without prefix, not one chain, a root chain of at least the
     minimum and short of the whole call, its keys seen by every later query."""

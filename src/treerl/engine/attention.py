@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ..compiled import FLEX_OFF, LazyCompiled
 from ..hf_attention import attention_routed, register
-from .chain_attention import MATH, chain_attention, kernel_for
+from .chain_attention import MATH, Kernel, chain_attention, kernel_for
 from .group_attention import group_attention
 from .kept_attention import KeptAttention
 
@@ -414,7 +414,8 @@ def _inputs(ctx: TreeAttention, layer: int, query: torch.Tensor, key: torch.Tens
 # (several leaves after a prefix: treerl.engine.group_attention, GROUPS_AFTER_PREFIX on;
 # "mask:group-sdpa": such a call under the SDPA backend on CUDA, which takes the tree mask),
 # "mask:short-prefix" (a group whose prefix is shorter than its kernel's grid), "root:<kernel>" (a
-# root chain and the rest as a group after it: ROOT_SPLIT on; "mask:no-kernel" / "mask:short-prefix"
+# root chain and the rest as a group after it: ROOT_SPLIT on; "root:<chain's>+<group's>" where the two
+# kernels differ, e.g. one past cuDNN's shape bound; "mask:no-kernel" / "mask:short-prefix"
 # as a group's), "kept" (a block's recompute of a kept attention: the held output, no attention run).
 ROUTES: collections.Counter = collections.Counter()
 
@@ -457,9 +458,11 @@ def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: t
 
 
 def _group(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           scaling: float | None, rows: int = 0, name: str = "group") -> torch.Tensor | None:
+           scaling: float | None, rows: int = 0, name: str = "group", chain: Kernel | None = None
+           ) -> torch.Tensor | None:
     """A group's attention (:mod:`treerl.engine.group_attention`; ``query`` the call's queries from
-    row ``rows`` on), its route counted as ``name``; None where it does not run (the tree mask
+    row ``rows`` on), its route counted as ``name:<kernel>`` (the root split's: ``chain``, the root
+    chain's kernel, then the group's where the two differ); None where it does not run (the tree mask
     instead). Its own part: flex with the tree mask, or on the CPU the plain-torch math (the SDPA
     backend on CUDA has no own part that returns a log-sum-exp without the whole score matrix)."""
     if ctx.backend != "flex" and query.device.type != "cpu":
@@ -468,8 +471,9 @@ def _group(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: to
     kernel = kernel_for(query, key, causal=False)
     own = functools.partial(_own, ctx, rows=rows)
     out = None if kernel is None else group_attention(query, key, value, scaling, own, kernel)
-    _route(ctx, "mask:no-kernel" if kernel is None else "mask:short-prefix" if out is None
-           else f"{name}:{kernel.label}")
+    label = kernel.label if kernel is None or chain is None or chain.label == kernel.label \
+        else f"{chain.label}+{kernel.label}"
+    _route(ctx, "mask:no-kernel" if kernel is None else "mask:short-prefix" if out is None else f"{name}:{label}")
     return out
 
 
@@ -488,7 +492,7 @@ def _root(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: tor
     if kernel is None:
         _route(ctx, "mask:no-kernel")
         return None
-    rest = _group(ctx, query[:, :, r:], key, value, scaling, rows=r, name="root")
+    rest = _group(ctx, query[:, :, r:], key, value, scaling, rows=r, name="root", chain=kernel)
     if rest is None:
         return None
     return torch.cat([chain_attention(q_root, k_root, v_root, scaling, kernel), rest], dim=2)
