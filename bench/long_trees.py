@@ -30,7 +30,9 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    ``treerl.engine.attention.ROOT_SPLIT``: a call without prefix that starts with a long root chain, such
    as long_prefix's whole tree in one call, runs that chain through the probed fused kernel and the rest as
    a group after it, instead of the tree mask over the whole call; on for CUDA by default, forced on here),
-   ``auto-noroot`` (the root split off: the tree mask over such a call).
+   ``auto-noroot`` (the root split off: the tree mask over such a call), ``auto-roots`` (the root split
+   forced on for calls of up to 8 trees, ``ROOT_SPLIT_MAX_TREES``: e.g. the workload ``long``'s two trees
+   in one call, which the default of one tree leaves to the tree mask).
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan, and the timed step's attention layer calls
    by route (``attention``: ``causal``, ``chain:<kernel>``, ``group:<kernel>``, ``mask``, ``mask:chain-off``,
@@ -102,6 +104,7 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
     # a call without prefix that starts with a long root chain: the root split (on for CUDA by default)
     "auto-root": (dict(mode="auto"), {}, dict(ROOT_SPLIT=True)),
     "auto-noroot": (dict(mode="auto"), {}, dict(ROOT_SPLIT=False)),
+    "auto-roots": (dict(mode="auto"), {}, dict(ROOT_SPLIT=True, ROOT_SPLIT_MAX_TREES=8)),  # calls of several trees
     "auto-general": (dict(mode="auto"), {}, {}),  # the same loss, not declared separable (issue 24 item 3)
     # every recomputed layer keeps its attention whatever the memory model says (what the model's margin costs)
     "auto-keepall": (dict(mode="auto"), {"memory.kept_attention_layers": "all"}, {}),
@@ -422,7 +425,7 @@ def tree_attention(measure, device) -> None:
     their TFLOP/s on the tree's visible pairs; then SDPA's causal kernels on one sequence of the same
     length, on its causal pairs (the issue's reference rate)."""
     from treerl.engine import attention as attn
-    from treerl.engine.tree_engine import root_chain
+    from treerl.engine.tree_engine import root_chain, rooted_trees
 
     tree = PrefixTree.from_sequences(make_workload("long_prefix", SCALES["paper"], 1000))
     n = tree.num_tree_tokens
@@ -431,7 +434,7 @@ def tree_attention(measure, device) -> None:
     root = root_chain(tree.subtree_end, n)
     mask = attn.flex_block_mask(index, index, k_end)
 
-    ctx = attn.TreeAttention("flex", index, index, k_end, root=root)  # once, as the engine's call (its masks)
+    ctx = attn.TreeAttention("flex", index, index, k_end, roots=rooted_trees(tree.subtree_end, 0))  # once, as the engine's call (its masks)
     ctx.routes = collections.Counter()
 
     def engine_route(q, k, v):

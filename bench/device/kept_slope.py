@@ -19,7 +19,7 @@ from treerl import PrefixTree  # noqa: E402
 from treerl.devtools.benchmark import time_forward_backward, weighted_logprob_loss  # noqa: E402
 from treerl.devtools.workloads import SCALES, make_workload  # noqa: E402
 from treerl.engine.memory import root_split_layer_bytes  # noqa: E402
-from treerl.engine.tree_engine import root_chain  # noqa: E402
+from treerl.engine.tree_engine import rooted_trees  # noqa: E402
 from treerl.models import build_model  # noqa: E402
 
 device = torch.device("cuda")
@@ -30,7 +30,7 @@ for p in model.parameters():
 tree = PrefixTree.from_sequences(make_workload("long_prefix", SCALES["paper"], model.config.vocab_size))
 loss = weighted_logprob_loss(tree)
 n = tree.num_tree_tokens
-r = root_chain(tree.subtree_end, n)
+roots = rooted_trees(tree.subtree_end, 0)
 rows = []
 for config, counts in (("auto-root", (0, 8, 16)), ("auto", (0, 28))):
     for k in counts:
@@ -42,7 +42,7 @@ for config, counts in (("auto-root", (0, 8, 16)), ("auto", (0, 28))):
 
         def forced(*a, _k=k, _orig=original, **kw):
             chosen["model"] = len(_orig(*a, **kw))
-            chosen["args"] = (a[:3], kw.get("alone"), kw.get("root"), float(a[3]) / 2**30)
+            chosen["args"] = (a[:3], kw.get("alone"), kw.get("roots"), float(a[3]) / 2**30)
             return frozenset(range(layers - _k, layers))
 
         engine.memory.kept_attention_layers = forced
@@ -54,7 +54,7 @@ for config, counts in (("auto-root", (0, 8, 16)), ("auto", (0, 28))):
                    peak_gib=peak / 2**30, budget_gib=engine.memory.budget / 2**30,
                    model_would_keep=chosen.get("model"), kept_args=str(chosen.get("args")),
                    margin_gib=m.recompute_margin(n) / 2**30, plan_peak_gib=engine.plan(tree).peak_bytes / 2**30,
-                   root_layer_gib=root_split_layer_bytes(m, n, r) / 2**30,
+                   root_layer_gib=root_split_layer_bytes(m, n, roots) / 2**30,
                    mask_layer_gib=n * m.attention_per_query / 2**30, routes=dict(engine.stats.attention))
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -246,16 +246,16 @@ def test_root_split_bf16_against_float64(root, lengths, monkeypatch):
     """bf16 root split (ROOT_SPLIT): the probed fused kernel on the root chain (causal), the fused kernel's
     full part and compiled flex's own part on the rest, forward and backward, against float64
     attention with the dense tree mask: within bf16 rounding; the route says it ran."""
-    from treerl.engine.tree_engine import root_chain
+    from treerl.engine.tree_engine import rooted_trees
 
     monkeypatch.setattr(attention, "ROOT_SPLIT", True)
     monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 512)
     _, index, k_end = _group_tree(root, lengths, 5, root + 7)
     n = len(index)
-    r = root_chain(k_end.cpu(), n)
-    ctx = attention.TreeAttention("flex", index, index, k_end, root=r)
+    roots = rooted_trees(k_end.cpu(), 0)
+    ctx = attention.TreeAttention("flex", index, index, k_end, roots=roots)
     ctx.routes = collections.Counter()
-    assert ctx.root == r >= root
+    assert ctx.roots == roots and len(roots) == 1 and roots[0].root >= root
     q, k, v, dout = _bf16_inputs(n, n, n + root)
     scale = DIM ** -0.5
     out = attention._attend(ctx, q, k, v, scale)

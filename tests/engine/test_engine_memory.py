@@ -76,9 +76,9 @@ def test_only_lone_calls_without_prefix_take_the_margin(separable, gen, monkeypa
     calls = []  # (alone, queries, keys) per recomputing call
     original = MemoryPolicy.kept_attention_layers
 
-    def spy(self, queries, keys, copies, spare, alone=False, root=0):
+    def spy(self, queries, keys, copies, spare, alone=False, roots=()):
         calls.append((alone, queries, keys))
-        return original(self, queries, keys, copies, spare, alone=alone, root=root)
+        return original(self, queries, keys, copies, spare, alone=alone, roots=roots)
 
     monkeypatch.setattr(MemoryPolicy, "kept_attention_layers", spy)
     seqs = shaped_forest(gen, SPEC)

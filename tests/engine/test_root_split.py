@@ -27,18 +27,20 @@ from helpers.models import get_model
 from treerl import PrefixTree, TreeEngine
 from treerl.engine.memory import (MemoryModel, MemoryPolicy, root_split_layer_bytes, root_split_outputs,
                                   root_split_transient)
-from treerl.engine.tree_engine import root_chain
+from treerl.engine.attention import RootedTree
+from treerl.engine.tree_engine import root_chain, rooted_trees
 
 # below the root chain: branches at its end, a 1-token node, a strict prefix, a branch deeper down
 BELOW_ROOT = [(3, [(2, []), (4, [])]), (1, []), (1, [(1, []), (2, [])], True), (5, [(2, []), (3, [])])]  # 24 tokens
 
 
-def rooted_tree(gen, root: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def rooted_tree(gen, root: int) -> tuple[torch.Tensor, torch.Tensor, tuple[RootedTree, ...]]:
     """Token indices and subtree ends of one tree whose first ``root`` tokens are its root chain,
-    and the root chain's length by :func:`root_chain`."""
+    and the tree with its root chain's length by :func:`root_chain` (as :func:`rooted_trees` finds it)."""
     tree = PrefixTree.from_sequences(shaped_forest(gen, [(root, BELOW_ROOT)]))
-    index = torch.arange(tree.num_tree_tokens)
-    return index, tree.subtree_end, root_chain(tree.subtree_end, tree.num_tree_tokens)
+    index, n = torch.arange(tree.num_tree_tokens), tree.num_tree_tokens
+    assert rooted_trees(tree.subtree_end, 0) == (RootedTree(0, root_chain(tree.subtree_end, n), n),)
+    return index, tree.subtree_end, rooted_trees(tree.subtree_end, 0)
 
 
 @pytest.fixture
@@ -64,11 +66,11 @@ def test_route_matches_dense_attention(heads, kv_heads, root, align, gen, root_s
     calls = []
     monkeypatch.setattr(chain, "MATH", recording(chain.Kernel("math", chain._math_forward, chain._math_backward,
                                                               align=align), calls))
-    index, k_end, r = rooted_tree(gen, root)
-    assert r == root
-    ctx = attention.TreeAttention("sdpa", index, index, k_end, root=r)
+    index, k_end, roots = rooted_tree(gen, root)
+    assert [tree.root for tree in roots] == [root]
+    ctx = attention.TreeAttention("sdpa", index, index, k_end, roots=roots)
     ctx.routes = collections.Counter()
-    assert ctx.root == root and ctx.input_copies
+    assert ctx.roots == roots and ctx.input_copies
     dim = int(torch.randint(2, 9, (1,), generator=gen)) * 4
     q, k, v = inputs(gen, heads, kv_heads, len(index), len(index), dim)
     scale = float(torch.rand((), generator=gen, dtype=torch.float64)) + 0.2
@@ -113,8 +115,8 @@ def test_route_names_both_kernels_where_they_differ(gen, root_split, monkeypatch
     (one shape past cuDNN's bound takes the next kernel); the output stays exact."""
     other = dataclasses.replace(chain.MATH, name="other")
     monkeypatch.setattr(attention, "kernel_for", lambda q, k, causal=True: chain.MATH if causal else other)
-    index, k_end, r = rooted_tree(gen, 20)
-    ctx = attention.TreeAttention("sdpa", index, index, k_end, root=r)
+    index, k_end, roots = rooted_tree(gen, 20)
+    ctx = attention.TreeAttention("sdpa", index, index, k_end, roots=roots)
     ctx.routes = collections.Counter()
     q, k, v = inputs(gen, 4, 2, len(index), len(index), 8)
     out = attention._attend(ctx, q, k, v, None)
@@ -127,22 +129,23 @@ def test_when_the_route_runs(gen, monkeypatch):
     minimum and short of the whole call, its keys seen by every later query."""
     assert attention.ROOT_SPLIT == "cuda" and attention.ROOT_SPLIT_MIN_TOKENS == 4096
     index, k_end, r = rooted_tree(gen, 20)
-    make = lambda **kw: attention.TreeAttention("sdpa", index, index, k_end, **kw)  # noqa: E731
+    make = lambda root, **kw: attention.TreeAttention(  # noqa: E731
+        "sdpa", index, index, k_end, roots=(RootedTree(0, root, len(index)),), **kw).roots
     monkeypatch.setattr(attention, "ROOT_SPLIT", False)
-    assert make(root=r).root == 0  # the switch off
+    assert make(20) == ()  # the switch off
     monkeypatch.setattr(attention, "ROOT_SPLIT", "cuda")
-    assert make(root=r).root == 0  # CPU tensors
+    assert make(20) == ()  # CPU tensors
     monkeypatch.setattr(attention, "ROOT_SPLIT", True)
-    assert make(root=r).root == 0  # under 4096 tokens
+    assert make(20) == ()  # under 4096 tokens
     monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 20)
-    assert make(root=r).root == 20 and make(root=19).root == 0
-    assert make(root=r, causal=True).root == 0 and make(root=len(index)).root == 0
-    assert make(root=21).root == 0  # token 20 is below the root chain: not seen by every later query
+    assert make(20) == r and make(19) == ()
+    assert make(20, causal=True) == () and make(len(index)) == ()
+    assert make(21) == ()  # token 20 is below the root chain: not seen by every later query
     meta = index.to("meta")  # a device that is not the CPU: flex only (the SDPA backend has no own part there)
-    assert attention.TreeAttention("flex", meta, meta, k_end.to("meta"), root=r).root == 20
-    assert attention.TreeAttention("sdpa", meta, meta, k_end.to("meta"), root=r).root == 0
+    assert attention.TreeAttention("flex", meta, meta, k_end.to("meta"), roots=r).roots == r
+    assert attention.TreeAttention("sdpa", meta, meta, k_end.to("meta"), roots=r).roots == ()
     monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 0)
-    assert make(root=0).root == 0
+    assert make(0) == ()
 
 
 # ------------------------------------------------------------------ the engine
@@ -183,14 +186,14 @@ def test_engine_root_split_with_kept_attention(variant, separable, gen, root_spl
         plan.segments = [dataclasses.replace(s, recompute=True) for s in plan.segments]
         return plan
 
-    roots = []
+    roots_told = []
     monkeypatch.setattr(tree_engine, "make_plan", recomputing)
     monkeypatch.setattr(MemoryPolicy, "kept_attention_layers", lambda self, queries, keys, copies, spare,
-                        alone=False, root=0: roots.append(root) or frozenset(range(self.layers)))
+                        alone=False, roots=(): roots_told.append(roots) or frozenset(range(self.layers)))
     kept = []
     keep = attention.KeptAttention
     monkeypatch.setattr(attention, "KeptAttention",
-                        lambda inputs: kept.append(attention.active_tree_attention().root) or keep(inputs))
+                        lambda inputs: kept.append(attention.active_tree_attention().roots) or keep(inputs))
     model = get_model(variant, num_hidden_layers=4)
     seqs = rooted_forest(gen, 2)
     engine = check_engine(model, seqs, "auto", RandomLoss.make(seqs, gen), separable=separable,
@@ -198,7 +201,7 @@ def test_engine_root_split_with_kept_attention(variant, separable, gen, root_spl
     routes = engine.stats.attention
     assert routes["root:math"] > 0 and set(routes) == {"root:math", "kept"}, routes
     assert kept and all(kept) and routes["kept"] == len(kept), (kept, routes)
-    assert roots and all(r == 14 for r in roots), roots  # (the prompt is the root chain)
+    assert roots_told and all([tree.root for tree in roots] == [14] for roots in roots_told), roots_told  # (the prompt)
 
 
 @pytest.mark.parametrize("case", ["off", "short", "packed"])
@@ -224,18 +227,19 @@ def test_memory_model_counts_the_root_split():
     other calls' numbers unchanged."""
     model = get_model("qwen3", num_hidden_layers=16)
     m = MemoryModel.estimate(model.config, torch.float64)
-    assert root_split_outputs(100, 0) == 1.0 and root_split_outputs(100, 60) == pytest.approx(2.4)
-    per_layer = root_split_layer_bytes(m, 100, 60)
+    one = lambda n, r: (RootedTree(0, r, n),)  # noqa: E731
+    assert root_split_outputs(100, ()) == 1.0 and root_split_outputs(100, one(100, 60)) == pytest.approx(2.4)
+    per_layer = root_split_layer_bytes(m, 100, one(100, 60))
     assert per_layer == pytest.approx(100 * 2.4 * m.attention_per_query + 40 * m.attention_copies_per_query
                                       + (40 + 60) * m.attention_copies_per_key)  # 60 % 128: all 60 root keys
-    assert root_split_layer_bytes(m, 300, 256) == pytest.approx(
+    assert root_split_layer_bytes(m, 300, one(300, 256)) == pytest.approx(
         300 * (900 - 256) / 300 * m.attention_per_query + 44 * (m.attention_copies_per_query
                                                                  + m.attention_copies_per_key))
     plain_query, plain_key, plain_pair = m._kept_layer_bytes(True)
     plain = 100 * plain_query + 100 * plain_key + 100 * 100 * plain_pair
     transient = root_split_transient(m, 100)  # the split's outputs beside the call's while a layer runs
     assert transient == 2 * 100 * m.attention_per_query
-    assert m.kept_attention_layers(5.5 * per_layer + transient, 100, 100, 16, True, root=60) == 5
-    assert m.kept_attention_layers(5.5 * per_layer, 100, 100, 16, True, root=60) == int(
+    assert m.kept_attention_layers(5.5 * per_layer + transient, 100, 100, 16, True, roots=one(100, 60)) == 5
+    assert m.kept_attention_layers(5.5 * per_layer, 100, 100, 16, True, roots=one(100, 60)) == int(
         (5.5 * per_layer - transient) // per_layer)
     assert m.kept_attention_layers(5.5 * plain, 100, 100, 16, True) == 5  # without the split: as before

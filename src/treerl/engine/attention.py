@@ -21,9 +21,10 @@ excluded from compilation (it runs its own compiled flex kernel).
 
 Routes (:data:`ROUTES`): one chain without prefix runs SDPA's causal kernel; after a prefix, a chain
 piece or a group of leaves runs its prefix through a fused kernel (:mod:`treerl.engine.chain_attention`,
-:mod:`treerl.engine.group_attention`); a call without prefix that starts with a long root chain
-(:data:`ROOT_SPLIT`, on for CUDA tensors by default) runs that chain causally and the rest as a
-group after it ("root split"); everything else runs the tree mask.
+:mod:`treerl.engine.group_attention`); a call without prefix whose trees (at most
+:data:`ROOT_SPLIT_MAX_TREES`) each start with a long root chain (:data:`ROOT_SPLIT`, on for CUDA
+tensors by default) runs, per tree, that chain causally and the rest as a group after it ("root
+split"); everything else runs the tree mask.
 """
 
 from __future__ import annotations
@@ -32,15 +33,15 @@ import collections
 import contextlib
 import functools
 import threading
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ..compiled import FLEX_OFF, LazyCompiled
 from ..hf_attention import attention_routed, register
-from .chain_attention import MATH, Kernel, chain_attention, kernel_for
-from .group_attention import group_attention
+from .chain_attention import MATH, chain_attention, kernel_for
+from .group_attention import OwnPart, group_attention
 from .kept_attention import KeptAttention
 
 ATTN_NAME = "treerl"
@@ -48,6 +49,20 @@ KWARG = "tree_attention"
 BACKENDS = ("sdpa", "flex")
 
 KV = tuple[torch.Tensor, torch.Tensor]  # ([1, kv_heads, n, head_dim], same)
+
+
+class RootedTree(NamedTuple):
+    """One tree of a call without prefix (its rows ``start`` to ``end`` of the call's queries and
+    keys) whose first ``root`` tokens are its root chain (seen by every later token of the tree)."""
+
+    start: int
+    root: int
+    end: int
+
+    @property
+    def rest(self) -> int:
+        """The tree's queries after its root chain (its group; 0: the tree is one chain)."""
+        return self.end - self.start - self.root
 
 
 class TreeAttention:
@@ -60,11 +75,12 @@ class TreeAttention:
     chain attention of :mod:`treerl.engine.chain_attention` (with :data:`CHAIN_AFTER_PREFIX`);
     either needs no mask. ``group``: not one chain, after a prefix whose every key every query
     sees (with :data:`GROUPS_AFTER_PREFIX`): the prefix through a fused kernel, the own keys
-    under the tree mask (:mod:`treerl.engine.group_attention`). ``root``: the length of the
-    call's root chain (its first tokens, whose subtrees reach past its last token; from the
-    CPU's tree), without prefix: with :data:`ROOT_SPLIT` on and at least
-    :data:`ROOT_SPLIT_MIN_TOKENS` of them (not the whole call) and the flex backend (or CPU tensors),
-    :attr:`root` keeps it and the call runs the root split (:func:`_root`); else :attr:`root` is 0. ``prefix[l]`` is
+    under the tree mask (:mod:`treerl.engine.group_attention`). ``roots``: the call's trees in
+    call order (rows of its queries, without prefix; from the CPU's tree), each with its root chain:
+    where :meth:`_splits` holds (:data:`ROOT_SPLIT` on, at most :data:`ROOT_SPLIT_MAX_TREES` trees,
+    each with a root chain of at least :data:`ROOT_SPLIT_MIN_TOKENS`, not all of them one chain, the
+    flex backend or CPU tensors), :attr:`roots` keeps them and the call runs the root split
+    (:func:`_root`); else :attr:`roots` is empty. ``prefix[l]`` is
     the list of (K, V) pieces of layer ``l`` that precede this call's own keys. With
     ``capture``, each layer's own (K, V) lands in ``captured[layer]``.
 
@@ -80,7 +96,7 @@ class TreeAttention:
 
     def __init__(self, backend: str, q_index: torch.Tensor, k_index: torch.Tensor, k_end: torch.Tensor,
                  prefix: list[list[KV]] | None = None, capture: bool = False, causal: bool = False,
-                 root: int = 0):
+                 roots: tuple[RootedTree, ...] = ()):
         self.backend, self.q_index, self.k_index, self.k_end = backend, q_index, k_index, k_end
         self.prefix, self.capture = prefix, capture
         # one chain, no prefix: the tree mask is the causal mask, and SDPA's causal kernels
@@ -92,25 +108,44 @@ class TreeAttention:
         # every plan's prefix is seen by all its queries (its segments are chains of ancestors):
         # checked on the CPU (the tests), trusted on a GPU (the check is a device sync per call)
         self.group = (bool(prefix) and not causal and path_on(GROUPS_AFTER_PREFIX, device)
-                      and (device.type != "cpu" or self._seen_by_all(len(k_index) - len(q_index), 0)))
-        # a long root chain without prefix (checked on the CPU as the group's prefix; the SDPA backend on
-        # CUDA has no own part for the rest: the tree mask)
-        self.root = root if (not prefix and not causal and max(ROOT_SPLIT_MIN_TOKENS, 1) <= root < len(q_index)
-                             and path_on(ROOT_SPLIT, device) and (backend == "flex" or device.type == "cpu")
-                             and (device.type != "cpu" or self._seen_by_all(root, root))) else 0
+                      and (device.type != "cpu" or self._seen_by_all(range(len(k_index) - len(q_index)),
+                                                                      range(len(q_index)))))
+        self.roots = tuple(roots) if not (prefix or causal) and self._splits(tuple(roots)) else ()
         self.routes: collections.Counter | None = None  # layer calls by route (the engine's StepStats.attention)
         self.captured: dict[int, KV] = {}
         self.keep_layers: frozenset[int] = frozenset()
         self.kept: dict[int, KeptAttention] = {}
         self._mask = None
-        self._own_masks: dict[tuple[int, int], object] = {}
+        self._own_masks: dict[tuple[int, int, int | None], object] = {}
 
-    def _seen_by_all(self, keys: int, rows: int) -> bool:
-        """Whether the queries from row ``rows`` on see the first ``keys`` keys (true of every plan's
-        prefix: its segments are chains of ancestors, and of a root chain; a device sync where the
-        tensors are on a GPU): each key precedes those queries and its subtree reaches past the
-        last (the queries are one range)."""
-        return bool((self.k_index[:keys].max() <= self.q_index[rows]) & (self.k_end[:keys].min() > self.q_index[-1]))
+    def _seen_by_all(self, keys: range, rows: range) -> bool:
+        """Whether the queries of ``rows`` see the ``keys`` (true of every plan's prefix: its segments
+        are chains of ancestors, and of a root chain; a device sync where the tensors are on a GPU):
+        each key precedes the first query and its subtree reaches past the last (the queries are one
+        range)."""
+        k = slice(keys.start, keys.stop)
+        return bool((self.k_index[k].max() <= self.q_index[rows.start]) & (self.k_end[k].min() > self.q_index[rows.stop - 1]))
+
+    def _splits(self, roots: tuple[RootedTree, ...]) -> bool:
+        """Whether the root split runs a call without prefix, not one chain, of trees ``roots``:
+        :data:`ROOT_SPLIT` on for the device, the flex backend (or CPU tensors: the SDPA backend on
+        CUDA has no own part for a group), 1 to :data:`ROOT_SPLIT_MAX_TREES` trees covering the call,
+        each with a root chain of at least :data:`ROOT_SPLIT_MIN_TOKENS`, some with a group after it;
+        on the CPU also each tree checked as one block (:meth:`_one_block`)."""
+        device = self.q_index.device
+        starts = [0] + [tree.end for tree in roots[:-1]]
+        return (0 < len(roots) <= ROOT_SPLIT_MAX_TREES and [tree.start for tree in roots] == starts
+                and roots[-1].end == len(self.q_index) and any(tree.rest for tree in roots)
+                and all(tree.root >= max(ROOT_SPLIT_MIN_TOKENS, 1) for tree in roots)
+                and path_on(ROOT_SPLIT, device) and (self.backend == "flex" or device.type == "cpu")
+                and (device.type != "cpu" or all(self._one_block(tree) for tree in roots)))
+
+    def _one_block(self, tree: RootedTree) -> bool:
+        """Whether ``tree``'s root keys are seen by its root chain's last query and every later one of
+        the tree, and its keys by no query after the tree (a call without prefix)."""
+        last = tree.start + tree.root - 1
+        after = tree.end == len(self.q_index) or bool(self.k_end[tree.start:tree.end].max() <= self.q_index[tree.end])
+        return after and self._seen_by_all(range(tree.start, last + 1), range(last, tree.end))
 
     @property
     def input_copies(self) -> bool:
@@ -118,7 +153,7 @@ class TreeAttention:
         themselves (held by a kept attention): K/V concatenated after a prefix, SDPA's
         kernels (the math kernel expands K/V to every head), the root split's slices and copies.
         Flex on a call without prefix reads them as they are."""
-        return bool(self.prefix) or self.causal or bool(self.root) or self.backend == "sdpa"
+        return bool(self.prefix) or self.causal or bool(self.roots) or self.backend == "sdpa"
 
     def mask(self) -> object:
         """The visibility mask, built once per call and shared by all layers."""
@@ -130,16 +165,18 @@ class TreeAttention:
                 self._mask = flex_block_mask(self.q_index, self.k_index, self.k_end, square=square)
         return self._mask
 
-    def own_mask(self, first: int, rows: int = 0) -> object:
-        """The visibility of the queries from row ``rows`` on over the keys from ``first`` on (a
-        group's own part: the prefix keys its fused part leaves, then its own; the root split's:
-        those of the root chain, then the rest), built once per call, ``rows`` and ``first``:
-        dense [Nq - rows, Nk - first] for the SDPA backend, flex's block mask otherwise."""
-        if (rows, first) not in self._own_masks:
-            k_index, k_end = self.k_index[first:], self.k_end[first:]
+    def own_mask(self, first: int, rows: int = 0, stop: int | None = None) -> object:
+        """The visibility of the queries from row ``rows`` over the keys from ``first``, both up to
+        ``stop`` (None: the call's end; a bounded block is one tree of a call without prefix, whose
+        rows are both queries and keys) (a group's own part: the prefix keys its fused part leaves,
+        then its own; the root split's: those of a tree's root chain, then the rest of the tree),
+        built once per call, ``first``, ``rows`` and ``stop``: dense [Nq - rows, Nk - first] (or
+        [stop - rows, stop - first]) for the SDPA backend, flex's block mask otherwise."""
+        key = (rows, first, stop)
+        if key not in self._own_masks:
             build = dense_tree_mask if self.backend == "sdpa" else flex_block_mask
-            self._own_masks[rows, first] = build(self.q_index[rows:], k_index, k_end)
-        return self._own_masks[rows, first]
+            self._own_masks[key] = build(self.q_index[rows:stop], self.k_index[first:stop], self.k_end[first:stop])
+        return self._own_masks[key]
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The SDPA mask as 0 / -inf of ``dtype``, built once per call. SDPA would convert
@@ -180,14 +217,19 @@ CHAIN_AFTER_PREFIX: bool | str = "cuda"
 # On the H100 (2026-11-25, bench/RESULTS.md): long_prefix 5.66 -> 4.73 s with both, episodes
 # 8.44 -> 7.20 s (peak 19.7 -> 15.3 GiB), the medium shapes unchanged (no calls after a prefix).
 GROUPS_AFTER_PREFIX: bool | str = "cuda"
-# A call without prefix that is not one chain but starts with a root chain of at least
-# ROOT_SPLIT_MIN_TOKENS tokens (one tree: a long prompt and its responses in one call): the root
-# chain's causal attention through the probed fused kernel (chain_attention without prefix), the rest's queries as a group after it
-# (the root chain its prefix, treerl.engine.group_attention), concatenated ("root split"). On for
-# CUDA tensors ("cuda", half precision: the fused kernels) by default: long_prefix on the H100 3.02 -> 2.70 s
-# (bench/RESULTS.md, session 10; bench/long_trees.py's auto-noroot is the A/B). True/False to force.
+# A call without prefix that is not one chain, of at most ROOT_SPLIT_MAX_TREES trees each starting with
+# a root chain of at least ROOT_SPLIT_MIN_TOKENS tokens (e.g. a long prompt and its responses): per
+# tree, the root chain's causal attention through the probed fused kernel (chain_attention without
+# prefix) and the rest's queries as a group after it (the root chain its prefix,
+# treerl.engine.group_attention), concatenated ("root split"). On for CUDA tensors ("cuda", half
+# precision: the fused kernels) by default: long_prefix on the H100 3.02 -> 2.70 s (bench/RESULTS.md,
+# session 10; bench/long_trees.py's auto-noroot is the A/B). True/False to force.
 ROOT_SPLIT: bool | str = "cuda"
 ROOT_SPLIT_MIN_TOKENS = 4096
+# The most trees of a call the root split runs: 1 (one tree, as measured on the H100); calls of
+# several trees (the workload `long`: two in one call) take the tree mask until measured
+# (bench/long_trees.py's auto-roots).
+ROOT_SPLIT_MAX_TREES = 1
 
 
 def path_on(switch: bool | str, device: torch.device) -> bool:
@@ -413,10 +455,10 @@ def _inputs(ctx: TreeAttention, layer: int, query: torch.Tensor, key: torch.Tens
 # "mask:no-kernel" (one chain or group after a prefix that no fused kernel takes), "group:<kernel>"
 # (several leaves after a prefix: treerl.engine.group_attention, GROUPS_AFTER_PREFIX on;
 # "mask:group-sdpa": such a call under the SDPA backend on CUDA, which takes the tree mask),
-# "mask:short-prefix" (a group whose prefix is shorter than its kernel's grid), "root:<kernel>" (a
-# root chain and the rest as a group after it: ROOT_SPLIT on; "root:<chain's>+<group's>" where the two
-# kernels differ, e.g. one past cuDNN's shape bound; "mask:no-kernel" / "mask:short-prefix"
-# as a group's), "kept" (a block's recompute of a kept attention: the held output, no attention run).
+# "mask:short-prefix" (a group whose prefix is shorter than its kernel's grid), "root:<kernel>" (per
+# tree a root chain and the rest as a group after it: ROOT_SPLIT on; "root:<chain's>+<group's>" where the
+# kernels differ, e.g. one past cuDNN's shape bound, each named once in order of first use;
+# "mask:no-kernel" / "mask:short-prefix" as a part's), "kept" (a block's recompute of a kept attention: the held output, no attention run).
 ROUTES: collections.Counter = collections.Counter()
 
 
@@ -444,7 +486,7 @@ def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: t
         out = _group(ctx, query, key, value, scaling)
         if out is not None:
             return out
-    elif ctx.root:  # a long root chain, then the rest
+    elif ctx.roots:  # long root chains, each then the rest of its tree
         out = _root(ctx, query, key, value, scaling)
         if out is not None:
             return out
@@ -458,52 +500,83 @@ def _attend(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: t
 
 
 def _group(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           scaling: float | None, rows: int = 0, name: str = "group", chain: Kernel | None = None
-           ) -> torch.Tensor | None:
-    """A group's attention (:mod:`treerl.engine.group_attention`; ``query`` the call's queries from
-    row ``rows`` on), its route counted as ``name:<kernel>`` (the root split's: ``chain``, the root
-    chain's kernel, then the group's where the two differ); None where it does not run (the tree mask
-    instead). Its own part: flex with the tree mask, or on the CPU the plain-torch math (the SDPA
-    backend on CUDA has no own part that returns a log-sum-exp without the whole score matrix)."""
+           scaling: float | None) -> torch.Tensor | None:
+    """A group's attention after a prefix (:func:`_fused_group`), its route counted as ``group:<kernel>``;
+    None where it does not run (the tree mask instead). Its own part: flex with the tree mask, or on the
+    CPU the plain-torch math (the SDPA backend on CUDA has no own part that returns a log-sum-exp without
+    the whole score matrix)."""
     if ctx.backend != "flex" and query.device.type != "cpu":
-        _route(ctx, f"mask:{name}-sdpa")  # no own part with its log-sum-exp short of the whole score matrix
+        _route(ctx, "mask:group-sdpa")  # no own part with its log-sum-exp short of the whole score matrix
         return None
-    kernel = kernel_for(query, key, causal=False)
-    own = functools.partial(_own, ctx, rows=rows)
-    out = None if kernel is None else group_attention(query, key, value, scaling, own, kernel)
-    label = kernel.label if kernel is None or chain is None or chain.label == kernel.label \
-        else f"{chain.label}+{kernel.label}"
-    _route(ctx, "mask:no-kernel" if kernel is None else "mask:short-prefix" if out is None else f"{name}:{label}")
+    out, label = _fused_group(query, key, value, scaling, functools.partial(_own, ctx))
+    _route(ctx, label if out is None else f"group:{label}")
     return out
+
+
+def _fused_group(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                 own: OwnPart) -> tuple[torch.Tensor | None, str]:
+    """A group (query [1, H, n, D] after the prefix keys of key/value [1, Hk, P + n, D]) through
+    :mod:`treerl.engine.group_attention` and ``own`` -> (out [1, H, n, D], its kernel's label), or
+    (None, the route of why not: ``mask:no-kernel``, ``mask:short-prefix``)."""
+    kernel = kernel_for(query, key, causal=False)
+    out = None if kernel is None else group_attention(query, key, value, scaling, own, kernel)
+    return out, "mask:no-kernel" if kernel is None else "mask:short-prefix" if out is None else kernel.label
 
 
 def _root(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
           scaling: float | None) -> torch.Tensor | None:
-    """The root split of a call without prefix (query [1, H, N, D], key/value [1, Hk, N, D], the
-    first ``r = ctx.root`` tokens its root chain) -> [1, H, N, D]: the root chain's causal attention
-    through the probed fused kernel (:func:`~treerl.engine.chain_attention.chain_attention` without
-    prefix: cuDNN's where it passes the probe; SDPA's own choice may be flash, slower than flex on
-    long chains: bench/RESULTS.md, session 4), then the other queries' as a group (:func:`_group`)
-    whose prefix is the root chain (every one of them sees it); None where either part finds no
-    kernel (the tree mask instead)."""
-    r = ctx.root  # (the engine pads no such call to whole flex tiles: its queries are its tokens)
-    q_root, k_root, v_root = query[:, :, :r], key[:, :, :r], value[:, :, :r]
+    """The root split of a call without prefix (query [1, H, N, D], key/value [1, Hk, N, D], its trees
+    ``ctx.roots``) -> [1, H, N, D]: each tree's parts (:func:`_root_tree`) in call order, counted once as
+    ``root:<kernels>`` (those its parts ran, in order of first use: ``root:<chain's>+<group's>`` where
+    they differ, e.g. one past cuDNN's shape bound); None where a part does not run (the tree mask
+    instead; counted as the part's reason)."""
+    outs: list[torch.Tensor] = []
+    labels: dict[str, None] = {}  # (ordered, unique)
+    for tree in ctx.roots:  # (the engine pads no such call to whole flex tiles: its queries are its tokens)
+        parts = _root_tree(ctx, query, key, value, scaling, tree)
+        if isinstance(parts, str):
+            _route(ctx, parts)
+            return None
+        outs += parts[0]
+        labels.update(dict.fromkeys(parts[1]))
+    _route(ctx, "root:" + "+".join(labels))
+    return torch.cat(outs, dim=2)
+
+
+def _root_tree(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None, tree: RootedTree) -> tuple[list[torch.Tensor], list[str]] | str:
+    """One tree of the root split (the call's query/key/value as in :func:`_root`) -> its outputs in
+    order ([1, H, r, D] of the root chain, then [1, H, n, D] of the rest; none for a tree that is one
+    chain) and the labels of their kernels; or the route of why not (the group first: a part that
+    does not run costs no kernel call). The root chain's causal attention runs through the probed fused
+    kernel (:func:`~treerl.engine.chain_attention.chain_attention` without prefix: cuDNN's where it
+    passes the probe; SDPA's own choice may be flash, slower than flex on long chains: bench/RESULTS.md,
+    session 4), the rest as a group whose prefix is the root chain (every one of them sees it), its own
+    part over the tree's block (:func:`_own`)."""
+    root = slice(tree.start, tree.start + tree.root)
+    q_root, k_root, v_root = query[:, :, root], key[:, :, root], value[:, :, root]
     kernel = kernel_for(q_root, k_root)
     if kernel is None:
-        _route(ctx, "mask:no-kernel")
-        return None
-    rest = _group(ctx, query[:, :, r:], key, value, scaling, rows=r, name="root", chain=kernel)
-    if rest is None:
-        return None
-    return torch.cat([chain_attention(q_root, k_root, v_root, scaling, kernel), rest], dim=2)
+        return "mask:no-kernel"
+    outs, labels = [], [kernel.label]
+    if tree.rest:
+        block = slice(tree.start, tree.end)
+        own = functools.partial(_own, ctx, rows=root.stop, start=tree.start, stop=tree.end)
+        rest, label = _fused_group(query[:, :, root.stop:tree.end], key[:, :, block], value[:, :, block], scaling,
+                                   own)
+        if rest is None:
+            return label
+        outs, labels = [rest], labels + [label]
+    return [chain_attention(q_root, k_root, v_root, scaling, kernel)] + outs, labels
 
 
 def _own(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int,
-         scale: float, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A group's own part: the queries (the call's from row ``rows`` on) over the keys from
-    ``first`` on under the tree mask -> (out [1, H, Nq - rows, D], differentiable log-sum-exp
-    [1, H, Nq - rows])."""
-    mask = ctx.own_mask(first, rows)
+         scale: float, rows: int = 0, start: int = 0, stop: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's own part: the queries (the call's from row ``rows`` on, up to ``stop``) over the keys
+    from ``first`` on of the group's keys (the call's from key ``start`` on, up to ``stop``: one tree's
+    block of a call without prefix; None: the call's end) under the tree mask -> (out [1, H, n, D],
+    differentiable log-sum-exp [1, H, n]), n the queries."""
+    mask = ctx.own_mask(start + first, rows, stop)
     if ctx.backend == "flex":
         return flex_tree_attention(query, key, value, mask, scale, lse=True)
     out, lse, _ = MATH.forward(query, key, value, mask, scale)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .attention import TreeAttention, groups_after_prefix, prefix_as_tiles, tree_attention_enabled
+from .attention import RootedTree, TreeAttention, groups_after_prefix, prefix_as_tiles, tree_attention_enabled
 
 if TYPE_CHECKING:
     from .decoder import DecoderStack
@@ -159,14 +159,14 @@ class MemoryModel:
         return max(1, self.largest_call(budget, recompute=True, kept=layers, copies=copies))
 
     def kept_attention_layers(self, spare: float, queries: int, keys: int, layers: int, copies: bool,
-                              root: int = 0) -> int:
+                              roots: tuple[RootedTree, ...] = ()) -> int:
         """How many of ``layers`` recomputed blocks of a call (``queries`` tokens, ``keys``
         = prefix + queries) can keep their attention in ``spare`` bytes (what the budget
         leaves beside the call, :meth:`call_bytes`); ``copies``: the attention kernel gets
-        copies of its inputs (held too); ``root``: the call runs the root split on a root chain
-        of that many tokens (:data:`~treerl.engine.attention.ROOT_SPLIT`; 0: it does not)."""
-        if root:  # the root split (no prefix): its outputs, and copies for its own part's flex only
-            per_layer = root_split_layer_bytes(self, queries, root)
+        copies of its inputs (held too); ``roots``: the call runs the root split on these trees
+        (:attr:`TreeAttention.roots`, :data:`~treerl.engine.attention.ROOT_SPLIT`; empty: it does not)."""
+        if roots:  # the root split (no prefix): its outputs, and copies for its own parts' flex only
+            per_layer = root_split_layer_bytes(self, queries, roots)
             spare -= root_split_transient(self, queries)
         else:
             per_query, per_key, per_pair = self._kept_layer_bytes(copies, keys > queries)
@@ -278,28 +278,32 @@ class CallBudget:
         return text
 
 
-def root_split_outputs(queries: int, root: int) -> float:
+def root_split_outputs(queries: int, roots: tuple[RootedTree, ...]) -> float:
     """Attention outputs (and log-sum-exps) per query that a kept attention holds in a call of
-    ``queries`` tokens that runs the root split on its first ``root`` (0: it does not, 1): the
-    call's output (``N`` rows), the root chain's (``r``, saved by its kernel), and of the ``n = N - r``
-    others the group's merged output and its own part's: ``(2N + n) / N``."""
-    return (3 * queries - root) / queries if root else 1.0
+    ``queries`` tokens that runs the root split on the trees ``roots`` (empty: it does not, 1): the
+    call's output (``N`` rows), the root chains' (saved by their kernel), and of the ``n`` others
+    (the trees' queries after their root chains) the groups' merged outputs and their own parts':
+    ``(2N + n) / N``."""
+    return (2 * queries + sum(tree.rest for tree in roots)) / queries if roots else 1.0
 
 
-def root_split_layer_bytes(model: MemoryModel, queries: int, root: int, align: int = 128) -> float:
-    """Bytes one kept root-split attention holds (a call of ``queries`` tokens, root chain ``root``):
-    :func:`root_split_outputs` outputs per query, and the input copies of its own part's flex only
-    (the ``n`` other queries over the ``root % align`` root keys the fused part leaves and their
-    own; the fused kernels' padded copies are rebuilt in the backward, the chain part saves views)."""
-    rest = queries - root
-    return (queries * model.attention_per_query * root_split_outputs(queries, root)
-            + rest * model.attention_copies_per_query + (rest + root % align) * model.attention_copies_per_key)
+def root_split_layer_bytes(model: MemoryModel, queries: int, roots: tuple[RootedTree, ...], align: int = 128
+                           ) -> float:
+    """Bytes one kept root-split attention holds (a call of ``queries`` tokens, its trees ``roots``):
+    :func:`root_split_outputs` outputs per query, and the input copies of its own parts' flex only (per
+    tree with a group, its ``n_i`` queries after the root chain over the ``r_i % align`` root keys the
+    fused part leaves and their own; the fused kernels' padded copies are rebuilt in the backward, the
+    chain parts save views)."""
+    copies = sum(tree.rest * model.attention_copies_per_query
+                 + (tree.rest + tree.root % align) * model.attention_copies_per_key for tree in roots if tree.rest)
+    return queries * model.attention_per_query * root_split_outputs(queries, roots) + copies
 
 
 def root_split_transient(model: MemoryModel, queries: int) -> float:
     """Bytes a root-split call of ``queries`` tokens holds beyond a tree-mask call while one layer's
-    attention runs (kept or not): the chain's output and the group's beside the concatenated
-    one, ~2 outputs per query (measured on the H100, session 10: +0.33 GiB at 43,485 tokens)."""
+    attention runs (kept or not): the parts' outputs (the root chains' and the groups', ``N`` rows
+    in all whatever the number of trees) beside the concatenated one, ~2 outputs per query (measured on
+    the H100 with one tree, session 10: +0.33 GiB at 43,485 tokens)."""
     return 2 * queries * model.attention_per_query
 
 
@@ -419,7 +423,7 @@ class MemoryPolicy:
         return budget is not None and budget.recomputes(size, prefix)
 
     def kept_attention_layers(self, queries: int, keys: int, copies: bool, spare: float, alone: bool = False,
-                              root: int = 0) -> frozenset[int]:
+                              roots: tuple[RootedTree, ...] = ()) -> frozenset[int]:
         """The layers of a recomputed call whose attention runs once (not again in the
         recompute, :mod:`treerl.engine.kept_attention`): the last ones (their held tensors
         are freed first in the backward), as many as fit the ``spare`` bytes the plan leaves
@@ -432,11 +436,11 @@ class MemoryPolicy:
         prefix does not (the model has underestimated such calls: bench/RESULTS.md, the
         half-device memory test), nor one whose graph stays held while others run.
 
-        ``root``: :attr:`TreeAttention.root` (the call runs the root split: its kept attentions
-        hold more outputs, :func:`root_split_outputs`)."""
+        ``roots``: :attr:`TreeAttention.roots` (the call runs the root split on these trees: its kept
+        attentions hold more outputs, :func:`root_split_outputs`)."""
         if alone and keys == queries:
             spare += self.model.recompute_margin(queries)
-        count = self.model.kept_attention_layers(spare, queries, keys, self.layers, copies, root)
+        count = self.model.kept_attention_layers(spare, queries, keys, self.layers, copies, roots)
         return frozenset(range(self.layers - count, self.layers))
 
     def _measure(self) -> MemoryModel:

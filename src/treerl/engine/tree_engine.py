@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, root_split_on, tree_attention_enabled
+from .attention import BACKENDS, FLEX_BLOCK, KV, RootedTree, TreeAttention, root_split_on, tree_attention_enabled
 from .batch import Batch, outputs_and_grads, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
 from .chain_attention import FUSED_DTYPES
 from .checks import check_inputs, check_loss, check_supported
@@ -320,32 +320,32 @@ class TreeEngine:
         # one chain: every token's subtree, the prefix's included, reaches the segment's end
         spans = [b.plan.segments[a] for a in ancestors] if prefix else []
         chain = all(int(b.tree.subtree_end[s.start : s.end].min()) >= seg.end for s in spans + [seg])
-        # without prefix, the root chain: its first tokens whose subtree reaches the segment's end (the CPU's tree);
-        # only where the root split can run (else a GPU call that falls back would lose its whole-tile padding)
-        root = (root_chain(b.tree.subtree_end[seg.start : seg.end], seg.end)
-                if not (prefix or chain) and self._root_split_on() else 0)
+        # without prefix, its trees and their root chains (the CPU's tree); only where the root split can
+        # run (else a GPU call that falls back would lose its whole-tile padding)
+        roots = (rooted_trees(b.tree.subtree_end[seg.start : seg.end], seg.start)
+                 if not (prefix or chain) and self._root_split_on() else ())
         ctx = TreeAttention(self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer,
-                            capture=capture, causal=chain, root=root)
+                            capture=capture, causal=chain, roots=roots)
         ctx.routes = self.stats.attention
         recompute = grad and seg.recompute
         if recompute:
             ctx.keep_layers = self.memory.kept_attention_layers(seg.size, len(k_index), ctx.input_copies, seg.spare,
-                                                                alone=alone, root=ctx.root)
+                                                                alone=alone, roots=ctx.roots)
         # built once, before the blocks (not inside a block that is recomputed); a group or root-split call
         # builds its masks where it runs (its own part's, or the tree mask where it falls back), cached on ctx
         # for the recompute
-        if not (ctx.causal or ctx.group or ctx.root):
+        if not (ctx.causal or ctx.group or ctx.roots):
             ctx.additive_mask(self.head.weight.dtype) if self.attention == "sdpa" else ctx.mask()
         self.stats.model_calls += 1
         self.stats.tokens_run += seg.size
         self.stats.recomputed_calls += int(recompute)
         self.stats.kept_attention_layers += len(ctx.keep_layers)
         ids, pos = b.token_ids[seg.start : seg.end], b.position[seg.start : seg.end]
-        if self.attention == "flex" and not (prefix or capture or ctx.causal or ctx.root):
+        if self.attention == "flex" and not (prefix or capture or ctx.causal or ctx.roots):
             # Whole flex tiles from the input on: padded queries see nothing and padded keys
             # are seen by nobody (flex_block_mask), no row reads them, so the attention of
             # every layer runs on whole tiles without copying q/k/v to pad them. (The root
-            # split slices its queries at the root chain's end: no padding.)
+            # split slices its queries at the root chains' ends: no padding.)
             pad = -seg.size % FLEX_BLOCK
             ids, pos = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(pos, (0, pad))
         with torch.set_grad_enabled(grad), tree_attention_enabled(self.model, ctx):
@@ -481,6 +481,23 @@ def root_chain(ends: torch.Tensor, end: int) -> int:
     token of the call sees them), from their subtree ends ``ends`` [N] (on the CPU)."""
     below = (ends < end).nonzero()
     return int(below[0, 0]) if len(below) else len(ends)
+
+
+def rooted_trees(ends: torch.Tensor, start: int) -> tuple[RootedTree, ...]:
+    """The trees of a call without prefix, in call order, from the subtree ends ``ends`` [N] (on the
+    CPU) of its tokens (tree indices ``start`` to ``start + N``): trees in a call are contiguous in
+    preorder, a tree starting at row ``s`` ends at ``ends[s] - start`` (cut at the call's end), and its
+    root chain is its first tokens whose subtree reaches the tree's end (:func:`root_chain`)."""
+    n = len(ends)
+    stop = (ends - start).clamp(max=n)  # [N] one past each token's subtree's last row in the call
+    row = torch.arange(n)
+    first = torch.ones(n, dtype=torch.bool)  # a tree's first token: no earlier subtree reaches it
+    first[1:] = stop.cummax(0).values[:-1] <= row[1:]
+    starts = first.nonzero()[:, 0]
+    tree, tree_end = first.cumsum(0) - 1, stop[starts]  # [N] each token's tree, [K] the trees' ends
+    below = stop < tree_end[tree]  # [N] not in its tree's root chain
+    root_end = tree_end.scatter_reduce(0, tree, torch.where(below, row, n), "amin")
+    return tuple(RootedTree(s, r - s, e) for s, r, e in zip(starts.tolist(), root_end.tolist(), tree_end.tolist()))
 
 
 def _mirrored_preorder(plan: Plan) -> list[int]:
