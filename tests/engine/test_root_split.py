@@ -89,17 +89,10 @@ def test_rooted_trees_of_a_call(start, gen):
     assert [t.root for t in trees] == [min(w.root, len(call) + first - w.start) for w in whole]
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("root,align", [(8, 1), (45, 1), (45, 16), (64, 16), (8, 16)])
-def test_route_matches_dense_attention(heads, kv_heads, root, align, gen, root_split, monkeypatch):
-    """Output and q/k/v gradients of the route equal autograd through the dense tree mask,
-    the group's kernel calls on a grid (``align``) or not; the route is counted. A root chain
-    shorter than the grid leaves the group no full part: the tree mask, exactly."""
-    calls = []
-    monkeypatch.setattr(chain, "MATH", recording(chain.Kernel("math", chain._math_forward, chain._math_backward,
-                                                              align=align), calls))
-    index, k_end, roots = rooted_tree(gen, root)
-    assert [tree.root for tree in roots] == [root]
+def route_matches_dense_attention(gen, heads: int, kv_heads: int, index: torch.Tensor, k_end: torch.Tensor,
+                                  roots: tuple[RootedTree, ...]) -> attention.TreeAttention:
+    """A call's attention with the split on (of trees ``roots``, kept) on random float64 inputs: its output
+    and q/k/v gradients those of autograd through the dense tree mask (rel 1e-12); its context (routes)."""
     ctx = attention.TreeAttention("sdpa", index, index, k_end, roots=roots)
     ctx.routes = collections.Counter()
     assert ctx.roots == roots and ctx.input_copies
@@ -113,6 +106,21 @@ def test_route_matches_dense_attention(heads, kv_heads, root, align, gen, root_s
                     (ref, *torch.autograd.grad(ref, (q, k, v), grad))):
         assert a.shape == b.shape
         assert_rel(a, b, 1e-12)
+    return ctx
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("root,align", [(8, 1), (45, 1), (45, 16), (64, 16), (8, 16)])
+def test_route_matches_dense_attention(heads, kv_heads, root, align, gen, root_split, monkeypatch):
+    """Output and q/k/v gradients of the route equal autograd through the dense tree mask,
+    the group's kernel calls on a grid (``align``) or not; the route is counted. A root chain
+    shorter than the grid leaves the group no full part: the tree mask, exactly."""
+    calls = []
+    monkeypatch.setattr(chain, "MATH", recording(chain.Kernel("math", chain._math_forward, chain._math_backward,
+                                                              align=align), calls))
+    index, k_end, roots = rooted_tree(gen, root)
+    assert [tree.root for tree in roots] == [root]
+    ctx = route_matches_dense_attention(gen, heads, kv_heads, index, k_end, roots)
     if root < align:
         assert dict(ctx.routes) == {"mask:short-prefix": 1} and calls == [], (ctx.routes, calls)
         return
@@ -138,19 +146,8 @@ def test_route_on_several_trees_matches_dense_attention(heads, kv_heads, roots, 
     monkeypatch.setattr(chain, "MATH", recording(chain.Kernel("math", chain._math_forward, chain._math_backward,
                                                               align=align), calls))
     index, k_end, trees = rooted_call(gen, roots, chains)
-    ctx = attention.TreeAttention("sdpa", index, index, k_end, roots=trees)
-    ctx.routes = collections.Counter()
-    assert ctx.roots == trees and len(trees) == len(roots) + len(chains) and ctx.input_copies
-    dim = int(torch.randint(2, 9, (1,), generator=gen)) * 4
-    q, k, v = inputs(gen, heads, kv_heads, len(index), len(index), dim)
-    scale = float(torch.rand((), generator=gen, dtype=torch.float64)) + 0.2
-    grad = torch.randn(q.shape, generator=gen, dtype=torch.float64)
-    out = attention._attend(ctx, q, k, v, scale)
-    ref = dense_reference(q, k, v, attention.dense_tree_mask(index, index, k_end), scale)
-    for a, b in zip((out, *torch.autograd.grad(out, (q, k, v), grad)),
-                    (ref, *torch.autograd.grad(ref, (q, k, v), grad))):
-        assert a.shape == b.shape
-        assert_rel(a, b, 1e-12)
+    assert len(trees) == len(roots) + len(chains)
+    ctx = route_matches_dense_attention(gen, heads, kv_heads, index, k_end, trees)
     assert dict(ctx.routes) == {"root:math": 1}, ctx.routes
     up = lambda n: -(-n // align) * align  # noqa: E731
     want = [(up(t.rest), t.root - t.root % align, False) for t in trees if t.rest] + [(up(t.root), up(t.root), True)
@@ -164,12 +161,8 @@ def test_several_trees_fall_back_where_a_group_has_no_full_part(gen, root_split,
     monkeypatch.setattr(attention, "ROOT_SPLIT_MAX_TREES", 2)
     monkeypatch.setattr(chain, "MATH", chain.Kernel("math", chain._math_forward, chain._math_backward, align=16))
     index, k_end, trees = rooted_call(gen, [45, 8])
-    ctx = attention.TreeAttention("sdpa", index, index, k_end, roots=trees)
-    ctx.routes = collections.Counter()
-    q, k, v = inputs(gen, 4, 2, len(index), len(index), 8)
-    out = attention._attend(ctx, q, k, v, None)
+    ctx = route_matches_dense_attention(gen, 4, 2, index, k_end, trees)
     assert dict(ctx.routes) == {"mask:short-prefix": 1}, ctx.routes
-    assert_rel(out, dense_reference(q, k, v, attention.dense_tree_mask(index, index, k_end), 8 ** -0.5), 1e-12)
 
 
 def test_when_the_route_runs_on_several_trees(gen, root_split, monkeypatch):
@@ -189,11 +182,13 @@ def test_when_the_route_runs_on_several_trees(gen, root_split, monkeypatch):
     assert make(trees[:-1]) == () and make(trees[1:]) == ()  # not the whole call
     i = next(i for i, t in enumerate(trees) if t.rest)  # a tree with a group
     tree = trees[i]
-    assert make(trees[:i] + (tree._replace(root=tree.root + 1),) + trees[i + 1:]) == ()  # a token below its root chain
-    cut = (tree._replace(end=tree.end - 1), RootedTree(tree.end - 1, 1, tree.end))
-    assert make(trees[:i] + cut + trees[i + 1:]) == ()  # its last token as a tree after it: its keys seen past its block
+    longer = tree._replace(root=tree.root + 1)
+    assert make(trees[:i] + (longer,) + trees[i + 1:]) == ()  # a token below its root chain taken into it
     merged = (RootedTree(0, trees[0].root, trees[1].end),) + trees[2:]
     assert make(merged) == ()  # two trees as one: the second does not see the first's root chain
+    monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 1)
+    cut = (tree._replace(end=tree.end - 1), RootedTree(tree.end - 1, 1, tree.end))
+    assert make(trees[:i] + cut + trees[i + 1:]) == ()  # its last token as a tree after it: its keys seen past it
     index, k_end, chains = rooted_call(gen, [], [20, 24])
     assert attention.TreeAttention("sdpa", index, index, k_end, roots=chains).roots == ()  # no group: one chain each
 
@@ -231,7 +226,8 @@ def test_flex_own_part_of_a_tree_block_matches_the_math(align, gen, monkeypatch)
     for tree in (t for t in trees if t.rest):
         rows, first = tree.start + tree.root, tree.start + tree.root - tree.root % align
         mask = math_ctx.own_mask(first, rows, tree.end)
-        assert torch.equal(mask, dense[rows:tree.end, first:tree.end]) and math_ctx.own_mask(first, rows, tree.end) is mask
+        assert torch.equal(mask, dense[rows:tree.end, first:tree.end])
+        assert math_ctx.own_mask(first, rows, tree.end) is mask  # (cached)
         rest, k_own, v_own = q[:, :, rows:tree.end], k[:, :, first:tree.end], v[:, :, first:tree.end]
         kw = dict(rows=rows, start=tree.start, stop=tree.end)
         with warnings.catch_warnings():
@@ -289,7 +285,8 @@ def rooted_forest(gen, trees: int | list[int], root: int = 14, lone: int = 0) ->
     each: calls of ``max_tokens=root + 20`` run one each), and with ``lone`` a sequence of that many
     tokens sharing nothing."""
     roots = [root] * trees if isinstance(trees, int) else trees
-    return shaped_forest(gen, [(r, [(2, [(4, []), (6, [])]), (3, []), (5, [])]) for r in roots] + [(lone, [])] * bool(lone))
+    below = [(2, [(4, []), (6, [])]), (3, []), (5, [])]
+    return shaped_forest(gen, [(r, below) for r in roots] + [(lone, [])] * bool(lone))
 
 
 @pytest.mark.parametrize("mode", ["auto", "packed"])

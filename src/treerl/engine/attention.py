@@ -110,7 +110,8 @@ class TreeAttention:
         self.group = (bool(prefix) and not causal and path_on(GROUPS_AFTER_PREFIX, device)
                       and (device.type != "cpu" or self._seen_by_all(range(len(k_index) - len(q_index)),
                                                                       range(len(q_index)))))
-        self.roots = tuple(roots) if not (prefix or causal) and self._splits(tuple(roots)) else ()
+        roots = tuple(roots)
+        self.roots = roots if not (prefix or causal) and self._splits(roots) else ()
         self.routes: collections.Counter | None = None  # layer calls by route (the engine's StepStats.attention)
         self.captured: dict[int, KV] = {}
         self.keep_layers: frozenset[int] = frozenset()
@@ -124,7 +125,8 @@ class TreeAttention:
         each key precedes the first query and its subtree reaches past the last (the queries are one
         range)."""
         k = slice(keys.start, keys.stop)
-        return bool((self.k_index[k].max() <= self.q_index[rows.start]) & (self.k_end[k].min() > self.q_index[rows.stop - 1]))
+        first, last = self.q_index[rows.start], self.q_index[rows.stop - 1]
+        return bool((self.k_index[k].max() <= first) & (self.k_end[k].min() > last))
 
     def _splits(self, roots: tuple[RootedTree, ...]) -> bool:
         """Whether the root split runs a call without prefix, not one chain, of trees ``roots``:
@@ -144,8 +146,8 @@ class TreeAttention:
         """Whether ``tree``'s root keys are seen by its root chain's last query and every later one of
         the tree, and its keys by no query after the tree (a call without prefix)."""
         last = tree.start + tree.root - 1
-        after = tree.end == len(self.q_index) or bool(self.k_end[tree.start:tree.end].max() <= self.q_index[tree.end])
-        return after and self._seen_by_all(range(tree.start, last + 1), range(last, tree.end))
+        alone = tree.end == len(self.q_index) or bool(self.k_end[tree.start:tree.end].max() <= self.q_index[tree.end])
+        return alone and self._seen_by_all(range(tree.start, last + 1), range(last, tree.end))
 
     @property
     def input_copies(self) -> bool:
@@ -458,7 +460,8 @@ def _inputs(ctx: TreeAttention, layer: int, query: torch.Tensor, key: torch.Tens
 # "mask:short-prefix" (a group whose prefix is shorter than its kernel's grid), "root:<kernel>" (per
 # tree a root chain and the rest as a group after it: ROOT_SPLIT on; "root:<chain's>+<group's>" where the
 # kernels differ, e.g. one past cuDNN's shape bound, each named once in order of first use;
-# "mask:no-kernel" / "mask:short-prefix" as a part's), "kept" (a block's recompute of a kept attention: the held output, no attention run).
+# "mask:no-kernel" / "mask:short-prefix" as a part's), "kept" (a block's recompute of a kept attention:
+# the held output, no attention run).
 ROUTES: collections.Counter = collections.Counter()
 
 
@@ -558,16 +561,15 @@ def _root_tree(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value
     kernel = kernel_for(q_root, k_root)
     if kernel is None:
         return "mask:no-kernel"
-    outs, labels = [], [kernel.label]
+    rest, labels = [], [kernel.label]
     if tree.rest:
         block = slice(tree.start, tree.end)
         own = functools.partial(_own, ctx, rows=root.stop, start=tree.start, stop=tree.end)
-        rest, label = _fused_group(query[:, :, root.stop:tree.end], key[:, :, block], value[:, :, block], scaling,
-                                   own)
-        if rest is None:
+        out, label = _fused_group(query[:, :, root.stop:tree.end], key[:, :, block], value[:, :, block], scaling, own)
+        if out is None:
             return label
-        outs, labels = [rest], labels + [label]
-    return [chain_attention(q_root, k_root, v_root, scaling, kernel)] + outs, labels
+        rest, labels = [out], labels + [label]
+    return [chain_attention(q_root, k_root, v_root, scaling, kernel), *rest], labels
 
 
 def _own(ctx: TreeAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int,
