@@ -425,16 +425,17 @@ def tree_attention(measure, device) -> None:
     their TFLOP/s on the tree's visible pairs; then SDPA's causal kernels on one sequence of the same
     length, on its causal pairs (the issue's reference rate)."""
     from treerl.engine import attention as attn
-    from treerl.engine.tree_engine import root_chain, rooted_trees
+    from treerl.engine.tree_engine import rooted_trees
 
     tree = PrefixTree.from_sequences(make_workload("long_prefix", SCALES["paper"], 1000))
     n = tree.num_tree_tokens
     index = torch.arange(n, device=device)
     k_end = tree.subtree_end.to(device)
-    root = root_chain(tree.subtree_end, n)
+    roots = rooted_trees(tree.subtree_end, 0)
+    root = roots[0].root
     mask = attn.flex_block_mask(index, index, k_end)
 
-    ctx = attn.TreeAttention("flex", index, index, k_end, roots=rooted_trees(tree.subtree_end, 0))  # once, as the engine's call (its masks)
+    ctx = attn.TreeAttention("flex", index, index, k_end, roots=roots)  # once, as the engine's call (its masks)
     ctx.routes = collections.Counter()
 
     def engine_route(q, k, v):

@@ -29,7 +29,7 @@ from treerl import PrefixTree, TreeEngine
 from treerl.engine.memory import (MemoryModel, MemoryPolicy, root_split_layer_bytes, root_split_outputs,
                                   root_split_transient)
 from treerl.engine.attention import RootedTree
-from treerl.engine.tree_engine import root_chain, rooted_trees
+from treerl.engine.tree_engine import rooted_trees
 
 # below the root chain: branches at its end, a 1-token node, a strict prefix, a branch deeper down
 BELOW_ROOT = [(3, [(2, []), (4, [])]), (1, []), (1, [(1, []), (2, [])], True), (5, [(2, []), (3, [])])]  # 24 tokens
@@ -42,6 +42,15 @@ def rooted_tree(gen, root: int) -> tuple[torch.Tensor, torch.Tensor, tuple[Roote
     index, n = torch.arange(tree.num_tree_tokens), tree.num_tree_tokens
     assert rooted_trees(tree.subtree_end, 0) == (RootedTree(0, root_chain(tree.subtree_end, n), n),)
     return index, tree.subtree_end, rooted_trees(tree.subtree_end, 0)
+
+
+def root_chain(ends: torch.Tensor, end: int) -> int:
+    """The reference: how many leading tokens of a tree (subtree ends ``ends``, ending at ``end``)
+    have a subtree reaching its end, counted one by one."""
+    count = 0
+    while count < len(ends) and int(ends[count]) >= end:
+        count += 1
+    return count
 
 
 @pytest.fixture

@@ -476,18 +476,11 @@ class TreeEngine:
             close(path.pop())
 
 
-def root_chain(ends: torch.Tensor, end: int) -> int:
-    """The number of leading tokens of a call whose subtree reaches its end ``end`` (every later
-    token of the call sees them), from their subtree ends ``ends`` [N] (on the CPU)."""
-    below = (ends < end).nonzero()
-    return int(below[0, 0]) if len(below) else len(ends)
-
-
 def rooted_trees(ends: torch.Tensor, start: int) -> tuple[RootedTree, ...]:
     """The trees of a call without prefix, in call order, from the subtree ends ``ends`` [N] (on the
     CPU) of its tokens (tree indices ``start`` to ``start + N``): trees in a call are contiguous in
     preorder, a tree starting at row ``s`` ends at ``ends[s] - start`` (cut at the call's end), and its
-    root chain is its first tokens whose subtree reaches the tree's end (:func:`root_chain`)."""
+    root chain is its first tokens whose subtree reaches the tree's end."""
     n = len(ends)
     stop = (ends - start).clamp(max=n)  # [N] one past each token's subtree's last row in the call
     row = torch.arange(n)
