@@ -264,6 +264,32 @@ def test_root_split_bf16_against_float64(root, lengths, monkeypatch):
     assert len(ctx.routes) == 1 and next(iter(ctx.routes)).startswith("root:"), ctx.routes
 
 
+def test_root_split_of_two_trees_bf16_against_float64(monkeypatch):
+    """bf16 root split of a call of two trees (ROOT_SPLIT_MAX_TREES raised; the workload ``long``'s
+    shape, smaller): per tree the fused causal kernel on its root chain, the fused kernel's full part and
+    compiled flex's own part on the tree's block, against float64 with the dense tree mask."""
+    from treerl.engine.tree_engine import rooted_trees
+
+    monkeypatch.setattr(attention, "ROOT_SPLIT", True)
+    monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 512)
+    monkeypatch.setattr(attention, "ROOT_SPLIT_MAX_TREES", 2)
+    _, _, end_a = _group_tree(1000, [100, 60, 96], 5, 11)
+    _, _, end_b = _group_tree(700, [64, 64, 40], 3, 12)
+    k_end = torch.cat([end_a, end_b + len(end_a)])  # the second tree after the first
+    index = torch.arange(len(k_end), device="cuda")
+    roots = rooted_trees(k_end.cpu(), 0)
+    ctx = attention.TreeAttention("flex", index, index, k_end, roots=roots)
+    ctx.routes = collections.Counter()
+    assert ctx.roots == roots and len(roots) == 2 and all(t.root >= 700 and t.rest for t in roots)
+    n = len(index)
+    q, k, v, dout = _bf16_inputs(n, n, n + 13)
+    scale = DIM ** -0.5
+    out = attention._attend(ctx, q, k, v, scale)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    _assert_near_float64(out, grads, q, k, v, attention.dense_tree_mask(index, index, k_end), scale, dout)
+    assert len(ctx.routes) == 1 and next(iter(ctx.routes)).startswith("root:"), ctx.routes
+
+
 def test_group_float32_takes_the_tree_mask(monkeypatch):
     """float32 on CUDA: no fused kernel (the tree mask is exact there), the route says so."""
     monkeypatch.setattr(attention, "GROUPS_AFTER_PREFIX", True)
