@@ -425,7 +425,7 @@ def tree_attention(measure, device) -> None:
     their TFLOP/s on the tree's visible pairs; then SDPA's causal kernels on one sequence of the same
     length, on its causal pairs (the issue's reference rate)."""
     from treerl.engine import attention as attn
-    from treerl.engine.tree_engine import rooted_trees
+    from treerl.engine.rooted_trees import rooted_trees
 
     tree = PrefixTree.from_sequences(make_workload("long_prefix", SCALES["paper"], 1000))
     n = tree.num_tree_tokens

@@ -19,7 +19,7 @@ from treerl import PrefixTree  # noqa: E402
 from treerl.devtools.benchmark import time_forward_backward, weighted_logprob_loss  # noqa: E402
 from treerl.devtools.workloads import SCALES, make_workload  # noqa: E402
 from treerl.engine.memory import root_split_layer_bytes  # noqa: E402
-from treerl.engine.tree_engine import rooted_trees  # noqa: E402
+from treerl.engine.rooted_trees import rooted_trees  # noqa: E402
 from treerl.models import build_model  # noqa: E402
 
 device = torch.device("cuda")

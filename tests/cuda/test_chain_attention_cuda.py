@@ -246,7 +246,7 @@ def test_root_split_bf16_against_float64(root, lengths, monkeypatch):
     """bf16 root split (ROOT_SPLIT): the probed fused kernel on the root chain (causal), the fused kernel's
     full part and compiled flex's own part on the rest, forward and backward, against float64
     attention with the dense tree mask: within bf16 rounding; the route says it ran."""
-    from treerl.engine.tree_engine import rooted_trees
+    from treerl.engine.rooted_trees import rooted_trees
 
     monkeypatch.setattr(attention, "ROOT_SPLIT", True)
     monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 512)
@@ -268,7 +268,7 @@ def test_root_split_of_two_trees_bf16_against_float64(monkeypatch):
     """bf16 root split of a call of two trees (ROOT_SPLIT_MAX_TREES raised; the workload ``long``'s
     shape, smaller): per tree the fused causal kernel on its root chain, the fused kernel's full part and
     compiled flex's own part on the tree's block, against float64 with the dense tree mask."""
-    from treerl.engine.tree_engine import rooted_trees
+    from treerl.engine.rooted_trees import rooted_trees
 
     monkeypatch.setattr(attention, "ROOT_SPLIT", True)
     monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 512)

@@ -28,8 +28,7 @@ from helpers.models import get_model
 from treerl import PrefixTree, TreeEngine
 from treerl.engine.memory import (MemoryModel, MemoryPolicy, root_split_layer_bytes, root_split_outputs,
                                   root_split_transient)
-from treerl.engine.attention import RootedTree
-from treerl.engine.tree_engine import rooted_trees
+from treerl.engine.rooted_trees import RootedTree, rooted_trees
 
 # below the root chain: branches at its end, a 1-token node, a strict prefix, a branch deeper down
 BELOW_ROOT = [(3, [(2, []), (4, [])]), (1, []), (1, [(1, []), (2, [])], True), (5, [(2, []), (3, [])])]  # 24 tokens

@@ -33,7 +33,7 @@ import collections
 import contextlib
 import functools
 import threading
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -43,26 +43,13 @@ from ..hf_attention import attention_routed, register
 from .chain_attention import MATH, chain_attention, kernel_for
 from .group_attention import OwnPart, group_attention
 from .kept_attention import KeptAttention
+from .rooted_trees import RootedTree
 
 ATTN_NAME = "treerl"
 KWARG = "tree_attention"
 BACKENDS = ("sdpa", "flex")
 
 KV = tuple[torch.Tensor, torch.Tensor]  # ([1, kv_heads, n, head_dim], same)
-
-
-class RootedTree(NamedTuple):
-    """One tree of a call without prefix (its rows ``start`` to ``end`` of the call's queries and
-    keys) whose first ``root`` tokens are its root chain (seen by every later token of the tree)."""
-
-    start: int
-    root: int
-    end: int
-
-    @property
-    def rest(self) -> int:
-        """The tree's queries after its root chain (its group; 0: the tree is one chain)."""
-        return self.end - self.start - self.root
 
 
 class TreeAttention:

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .attention import RootedTree, TreeAttention, groups_after_prefix, prefix_as_tiles, tree_attention_enabled
+from .attention import TreeAttention, groups_after_prefix, prefix_as_tiles, tree_attention_enabled
+from .rooted_trees import RootedTree
 
 if TYPE_CHECKING:
     from .decoder import DecoderStack

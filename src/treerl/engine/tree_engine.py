@@ -36,7 +36,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .attention import BACKENDS, FLEX_BLOCK, KV, RootedTree, TreeAttention, root_split_on, tree_attention_enabled
+from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, root_split_on, tree_attention_enabled
+from .rooted_trees import rooted_trees
 from .batch import Batch, outputs_and_grads, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
 from .chain_attention import FUSED_DTYPES
 from .checks import check_inputs, check_loss, check_supported
@@ -474,23 +475,6 @@ class TreeEngine:
                 settle(i, None, None)
         while path:
             close(path.pop())
-
-
-def rooted_trees(ends: torch.Tensor, start: int) -> tuple[RootedTree, ...]:
-    """The trees of a call without prefix, in call order, from the subtree ends ``ends`` [N] (on the
-    CPU) of its tokens (tree indices ``start`` to ``start + N``): trees in a call are contiguous in
-    preorder, a tree starting at row ``s`` ends at ``ends[s] - start`` (cut at the call's end), and its
-    root chain is its first tokens whose subtree reaches the tree's end."""
-    n = len(ends)
-    stop = (ends - start).clamp(max=n)  # [N] one past each token's subtree's last row in the call
-    row = torch.arange(n)
-    first = torch.ones(n, dtype=torch.bool)  # a tree's first token: no earlier subtree reaches it
-    first[1:] = stop.cummax(0).values[:-1] <= row[1:]
-    starts = first.nonzero()[:, 0]
-    tree, tree_end = first.cumsum(0) - 1, stop[starts]  # [N] each token's tree, [K] the trees' ends
-    below = stop < tree_end[tree]  # [N] not in its tree's root chain
-    root_end = tree_end.scatter_reduce(0, tree, torch.where(below, row, n), "amin")
-    return tuple(RootedTree(s, r - s, e) for s, r, e in zip(starts.tolist(), root_end.tolist(), tree_end.tolist()))
 
 
 def _mirrored_preorder(plan: Plan) -> list[int]:
