@@ -287,10 +287,10 @@ def vary(run: Run, model, device, peak, smoke_budget) -> list[dict]:
         for name in run.args.configs.split(","):
             if run.over():
                 break
-            engine = make_engine(model, name, smoke_budget)
-            engine.memory.model
             row = dict(workload=wl, config=name, steps=[])
             try:
+                engine = make_engine(model, name, smoke_budget)
+                engine.memory.model
                 with switches(name):
                     for step in range(run.args.repeats + 1):  # the first: the config's warm-up on a new tree
                         rng = np.random.default_rng(1000 + step)
@@ -301,7 +301,7 @@ def vary(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                         shapes = sum(map(len, chain.SHAPES.values()))
                         sync(device)
                         t0 = time.perf_counter()
-                        engine.forward_backward(tree, loss, separable=True)
+                        engine.forward_backward(tree, loss, separable=name not in GENERAL)
                         sync(device)
                         seconds = time.perf_counter() - t0
                         model.zero_grad(set_to_none=False)
@@ -315,9 +315,12 @@ def vary(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                 timed = [s["seconds"] for s in row["steps"][1:]]
                 if timed:
                     row.update(median_s=float(np.median(timed)), mean_s=float(np.mean(timed)))
-            except Exception as exc:
+            except Exception as exc:  # an out-of-memory or a refusal is a result
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 traceback.print_exc()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            model.zero_grad(set_to_none=False)
             rows.append(row)
             run.results["sections"]["vary"] = rows
             run.save()
@@ -420,9 +423,10 @@ def attention(run: Run, device, dtype) -> list[dict]:
 
 
 def tree_attention(measure, device) -> None:
-    """long_prefix's tree (43,485 tokens: a 34,200-token root chain, 8 responses) in one call, one
+    """long_prefix's tree (43,485 tokens: a 32,000-token root chain, 8 responses) in one call, one
     layer: the tree mask through flex and the engine's route (the root split by default on CUDA),
-    their TFLOP/s on the tree's visible pairs; then SDPA's causal kernels on one sequence of the same
+    their TFLOP/s on the tree's visible pairs; the tree mask again on inputs padded to whole tiles
+    (as the engine runs it with the split off); then SDPA's causal kernels on one sequence of the same
     length, on its causal pairs (the issue's reference rate)."""
     from treerl.engine import attention as attn
     from treerl.engine.rooted_trees import rooted_trees
@@ -445,6 +449,9 @@ def tree_attention(measure, device) -> None:
                f"tree-engine (root {root})": engine_route}
     measure(f"long_prefix tree {n}", n, n, tree.attention_pairs, kernels)
     print(f"  the engine's route on long_prefix's tree: {dict(ctx.routes)}", flush=True)
+    tiles = -(-n // 128) * 128  # the engine pads a tree-mask call to whole flex tiles (FLEX_BLOCK)
+    measure(f"long_prefix tree {n} on {tiles}", tiles, tiles, tree.attention_pairs,
+            {"tree-flex (whole tiles)": lambda q, k, v: attn.flex_tree_attention(q, k, v, mask, None)})
     causal = {}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
         def fwd(q, k, v, backend=backend):

@@ -40,6 +40,7 @@ from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, root_split_on, t
 from .rooted_trees import rooted_trees
 from .batch import Batch, outputs_and_grads, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
 from .chain_attention import FUSED_DTYPES
+from .chain_attention import select as select_kernel
 from .checks import check_inputs, check_loss, check_supported
 from ..compiled import claim_compiled_code
 from .compile_cache import enable as enable_compile_cache, save as save_compile_cache
@@ -291,10 +292,20 @@ class TreeEngine:
     # ------------------------------------------------------------ one model call
     def _root_split_on(self) -> bool:
         """Whether the root split (:data:`~treerl.engine.attention.ROOT_SPLIT`) can run this engine's
-        calls: its switch on for the device, and on a GPU half precision (the fused kernels'
-        dtypes; float32 there takes the tree mask)."""
-        return root_split_on(self.device) and (
-            self.device.type == "cpu" or self.head.weight.dtype in FUSED_DTYPES)
+        calls: its switch on for the device, and on a GPU flex attention in half precision (the fused
+        kernels' dtypes; float32 there takes the tree mask) with a fused kernel that passed the probe
+        for the model's heads (else a call would lose its whole-tile padding and still take the mask)."""
+        if not root_split_on(self.device):
+            return False
+        if self.device.type == "cpu":
+            return True
+        dtype, config = self.head.weight.dtype, self.model.config
+        if self.attention != "flex" or dtype not in FUSED_DTYPES:
+            return False
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return select_kernel(self.device, dtype, heads, kv_heads, dim) is not None
 
     def _call(
         self, b: Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool,
