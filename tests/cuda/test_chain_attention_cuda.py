@@ -346,3 +346,17 @@ def test_engine_bf16_root_split_as_accurate_as_the_tree_mask(monkeypatch):
     print("max |logprob error|, max relative gradient error: tree mask", errors[False], "root split", errors[True])
     assert errors[True][0] <= 1.5 * errors[False][0] + 1e-2, errors
     assert errors[True][1] <= 1.5 * errors[False][1] + 1e-2, errors
+
+
+def test_engine_keeps_the_padded_mask_past_cudnns_shape_bound(monkeypatch):
+    """Where cuDNN may plan no new shape (CUDNN_MAX_SHAPES reached), the engine does not split a call
+    (its parts would take flash's kernel, slower than the padded tree mask): the mask, no root route."""
+    seqs, weights, model, _, _ = _long_prefix_and_float32_reference()
+    monkeypatch.setattr(attention, "ROOT_SPLIT", True)
+    monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 256)
+    monkeypatch.setattr(chain, "SHAPES", {})
+    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", 0)
+    engine = treerl.TreeEngine(model, "auto", attention="flex", compile=False, max_tokens=4096)  # one call
+    _logprobs_and_grads(model, engine, seqs, weights)
+    routes = dict(engine.stats.attention)
+    assert not any(r.startswith("root:") for r in routes) and routes.get("mask", 0) > 0, routes

@@ -157,6 +157,27 @@ def test_cudnn_shapes_bounded(gen, monkeypatch):
     assert pick(5, 8) == "cudnn"
 
 
+def test_plans_room_says_what_planned_would_do(gen, monkeypatch):
+    """plans_room (the engine's check before a root split) is True exactly where planned would keep
+    cuDNN for every part of a call: shapes it has planned, or room under CUDNN_MAX_SHAPES for all the
+    new ones together; it records nothing; any other kernel has no bound."""
+    monkeypatch.setattr(chain, "SHAPES", {})
+    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", 2)
+    cudnn = chain.Kernel("cudnn", chain._math_forward, chain._math_backward, align=4)
+    flash = chain.Kernel("flash", chain._math_forward, chain._math_backward)
+    q, k, _ = inputs(gen, 2, 1, 3, 5, 4)
+    heads = (q.device, q.dtype, 2, 1, 4)
+    parts = [(3, 5, True), (6, 8, False)]  # 4 rows after 4 keys (causal); 8 rows after 8 keys (full)
+    assert chain.plans_room(cudnn, *heads, parts) and chain.SHAPES == {}
+    assert not chain.plans_room(cudnn, *heads, parts + [(9, 0, True)])  # three new shapes, room for two
+    chain.planned(cudnn, q, k, lambda: flash)  # the first part's shape planned
+    assert chain.plans_room(cudnn, *heads, parts) and chain.plans_room(cudnn, *heads, [(9, 0, True)])
+    assert not chain.plans_room(cudnn, *heads, [(9, 0, True), (13, 0, True)])
+    assert chain.plans_room(flash, *heads, [(9, 0, True), (13, 0, True)])
+    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", None)
+    assert chain.plans_room(cudnn, *heads, [(9, 0, True), (13, 0, True)])
+
+
 # ------------------------------------------------------------------------ the probe
 def _broken(kind):
     def forward(q, k, v, causal, scale):

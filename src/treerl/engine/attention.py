@@ -219,6 +219,9 @@ ROOT_SPLIT_MIN_TOKENS = 4096
 # several trees (the workload `long`: two in one call) take the tree mask until measured
 # (bench/long_trees.py's auto-roots).
 ROOT_SPLIT_MAX_TREES = 1
+# The fused kernels the root split pays with on a GPU (H100: cuDNN's split runs at 97% of cuDNN's causal
+# rate; flash's causal kernel runs below flex's padded tree mask): with another, the engine keeps the mask.
+ROOT_SPLIT_KERNELS = ("cudnn",)
 
 
 def path_on(switch: bool | str, device: torch.device) -> bool:

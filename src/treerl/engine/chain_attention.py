@@ -427,8 +427,7 @@ def planned(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, fallback: Callable
     n = q.shape[2]
 
     def shape(kernel: Kernel) -> tuple:
-        layout = Layout.of(n, k.shape[2] - n, kernel.align, causal)
-        return (str(q.device), q.dtype, q.shape[1], k.shape[1], q.shape[3], layout.rows, layout.full_keys, causal)
+        return _shape(kernel, q.device, q.dtype, q.shape[1], k.shape[1], q.shape[3], n, k.shape[2] - n, causal)
 
     key = shape(kernel)
     if not causal and key[-2] == 0:
@@ -441,6 +440,25 @@ def planned(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, fallback: Callable
             return other
     seen.add(key)
     return kernel
+
+
+def _shape(kernel: Kernel, device, dtype, heads: int, kv_heads: int, dim: int, n: int, prefix: int,
+           causal: bool) -> tuple:
+    """The key of :data:`SHAPES` for ``n`` queries after ``prefix`` keys on ``kernel``'s grid."""
+    layout = Layout.of(n, prefix, kernel.align, causal)
+    return (str(device), dtype, heads, kv_heads, dim, layout.rows, layout.full_keys, causal)
+
+
+def plans_room(kernel: Kernel, device, dtype, heads: int, kv_heads: int, dim: int,
+               parts: list[tuple[int, int, bool]]) -> bool:
+    """Whether :func:`planned` would keep ``kernel`` for every one of ``parts`` ((queries, prefix keys,
+    causal) each, one call's kernel calls): cuDNN has planned their shapes already or has room under
+    :data:`CUDNN_MAX_SHAPES` for the new ones (records nothing)."""
+    if kernel.name != "cudnn" or CUDNN_MAX_SHAPES is None:
+        return True
+    seen = SHAPES.get(kernel.label, set())
+    new = {_shape(kernel, device, dtype, heads, kv_heads, dim, *part) for part in parts} - seen
+    return len(seen) + len(new) <= CUDNN_MAX_SHAPES
 
 
 def select(device, dtype, heads: int, kv_heads: int, dim: int, names: tuple[str, ...] | None = None,

@@ -36,10 +36,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from .attention import BACKENDS, FLEX_BLOCK, KV, TreeAttention, root_split_on, tree_attention_enabled
-from .rooted_trees import rooted_trees
+from .attention import (BACKENDS, FLEX_BLOCK, KV, ROOT_SPLIT_KERNELS, TreeAttention, root_split_on,
+                        tree_attention_enabled)
+from .rooted_trees import RootedTree, rooted_trees
 from .batch import Batch, outputs_and_grads, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
-from .chain_attention import FUSED_DTYPES
+from .chain_attention import FUSED_DTYPES, Kernel, plans_room
 from .chain_attention import select as select_kernel
 from .checks import check_inputs, check_loss, check_supported
 from ..compiled import claim_compiled_code
@@ -293,19 +294,39 @@ class TreeEngine:
     def _root_split_on(self) -> bool:
         """Whether the root split (:data:`~treerl.engine.attention.ROOT_SPLIT`) can run this engine's
         calls: its switch on for the device, and on a GPU flex attention in half precision (the fused
-        kernels' dtypes; float32 there takes the tree mask) with a fused kernel that passed the probe
-        for the model's heads (else a call would lose its whole-tile padding and still take the mask)."""
+        kernels' dtypes; float32 there takes the tree mask) with one of
+        :data:`~treerl.engine.attention.ROOT_SPLIT_KERNELS` chosen by the probe for the model's heads
+        (else a call would lose its whole-tile padding for a kernel slower than the mask)."""
         if not root_split_on(self.device):
             return False
-        if self.device.type == "cpu":
-            return True
-        dtype, config = self.head.weight.dtype, self.model.config
+        return self.device.type == "cpu" or self._split_kernel() is not None
+
+    def _split_kernel(self) -> Kernel | None:
+        """On a GPU, the probe's fused kernel for the model's heads where the root split pays with it
+        (:data:`~treerl.engine.attention.ROOT_SPLIT_KERNELS`), else None."""
+        dtype = self.head.weight.dtype
         if self.attention != "flex" or dtype not in FUSED_DTYPES:
-            return False
+            return None
+        kernel = select_kernel(self.device, dtype, *self._heads())
+        return kernel if kernel is not None and kernel.name in ROOT_SPLIT_KERNELS else None
+
+    def _heads(self) -> tuple[int, int, int]:
+        """The model's (query heads, KV heads, head dim)."""
+        config = self.model.config
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return select_kernel(self.device, dtype, heads, kv_heads, dim) is not None
+        return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+    def _split_planned(self, roots: tuple[RootedTree, ...]) -> bool:
+        """Whether a call of trees ``roots`` runs every part of its root split through the probe's
+        kernel on a GPU: cuDNN plans its shapes, new ones within ``CUDNN_MAX_SHAPES`` (past the bound a
+        part would take the next kernel, slower than the padded tree mask: bench/RESULTS.md, session 10).
+        Always on the CPU."""
+        if self.device.type == "cpu" or not roots:
+            return True
+        kernel = self._split_kernel()
+        parts = [(t.root, 0, True) for t in roots] + [(t.rest, t.root, False) for t in roots if t.rest]
+        return kernel is not None and plans_room(kernel, self.device, self.head.weight.dtype, *self._heads(), parts)
 
     def _call(
         self, b: Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool,
@@ -336,6 +357,7 @@ class TreeEngine:
         # run (else a GPU call that falls back would lose its whole-tile padding)
         roots = (rooted_trees(b.tree.subtree_end[seg.start : seg.end], seg.start)
                  if not (prefix or chain) and self._root_split_on() else ())
+        roots = roots if self._split_planned(roots) else ()  # (cuDNN's plans: past its bound, the mask)
         ctx = TreeAttention(self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer,
                             capture=capture, causal=chain, roots=roots)
         ctx.routes = self.stats.attention
