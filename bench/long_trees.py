@@ -198,9 +198,7 @@ def sweep(run: Run, model, device, smoke_budget) -> list[dict]:
                 row["measured_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
                 row["reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
         except Exception as exc:  # a result (a refusal names what the path needs), not a crash
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            failed(row, exc, device)
         model.zero_grad(set_to_none=False)
         rows.append(row)
         print("sweep", json.dumps(row), flush=True)
@@ -212,6 +210,14 @@ def sweep(run: Run, model, device, smoke_budget) -> list[dict]:
 def alloc_retries(device) -> int:
     """The caching allocator's count of allocations that failed, freed its cache and tried again."""
     return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
+def failed(row: dict, exc: Exception, device) -> None:
+    """``row`` records ``exc`` (printed with its traceback); the allocator's cache freed after it."""
+    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    traceback.print_exc()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
@@ -253,10 +259,7 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                 if peak_bytes is not None:
                     row.update(peak_gib=peak_bytes / 2**30, activation_gib=(peak_bytes - base) / 2**30)
             except Exception as exc:  # an out-of-memory or a refusal is a result
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                traceback.print_exc()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                failed(row, exc, device)
             model.zero_grad(set_to_none=False)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "times"}), flush=True)
@@ -316,10 +319,7 @@ def vary(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                 if timed:
                     row.update(median_s=float(np.median(timed)), mean_s=float(np.mean(timed)))
             except Exception as exc:  # an out-of-memory or a refusal is a result
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                traceback.print_exc()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                failed(row, exc, device)
             model.zero_grad(set_to_none=False)
             rows.append(row)
             run.results["sections"]["vary"] = rows

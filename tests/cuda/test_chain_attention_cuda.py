@@ -246,48 +246,45 @@ def test_root_split_bf16_against_float64(root, lengths, monkeypatch):
     """bf16 root split (ROOT_SPLIT): the probed fused kernel on the root chain (causal), the fused kernel's
     full part and compiled flex's own part on the rest, forward and backward, against float64
     attention with the dense tree mask: within bf16 rounding; the route says it ran."""
-    from treerl.engine.rooted_trees import rooted_trees
-
     monkeypatch.setattr(attention, "ROOT_SPLIT", True)
     monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 512)
-    _, index, k_end = _group_tree(root, lengths, 5, root + 7)
-    n = len(index)
+    _, _, k_end = _group_tree(root, lengths, 5, root + 7)
+    roots = _root_split_near_float64(k_end, root)
+    assert len(roots) == 1 and roots[0].root >= root
+
+
+def _root_split_near_float64(k_end: torch.Tensor, seed: int) -> tuple:
+    """The root split of one call (subtree ends ``k_end`` on CUDA, its trees by ``rooted_trees``) on
+    random bf16 inputs: output and q/k/v gradients within bf16 rounding of float64 through the dense
+    tree mask, its route counted once as ``root:``; its trees."""
+    from treerl.engine.rooted_trees import rooted_trees
+
+    index = torch.arange(len(k_end), device="cuda")
     roots = rooted_trees(k_end.cpu(), 0)
     ctx = attention.TreeAttention("flex", index, index, k_end, roots=roots)
     ctx.routes = collections.Counter()
-    assert ctx.roots == roots and len(roots) == 1 and roots[0].root >= root
-    q, k, v, dout = _bf16_inputs(n, n, n + root)
+    assert ctx.roots == roots
+    n = len(index)
+    q, k, v, dout = _bf16_inputs(n, n, n + seed)
     scale = DIM ** -0.5
     out = attention._attend(ctx, q, k, v, scale)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     _assert_near_float64(out, grads, q, k, v, attention.dense_tree_mask(index, index, k_end), scale, dout)
     assert len(ctx.routes) == 1 and next(iter(ctx.routes)).startswith("root:"), ctx.routes
+    return roots
 
 
 def test_root_split_of_two_trees_bf16_against_float64(monkeypatch):
     """bf16 root split of a call of two trees (ROOT_SPLIT_MAX_TREES raised; the workload ``long``'s
     shape, smaller): per tree the fused causal kernel on its root chain, the fused kernel's full part and
     compiled flex's own part on the tree's block, against float64 with the dense tree mask."""
-    from treerl.engine.rooted_trees import rooted_trees
-
     monkeypatch.setattr(attention, "ROOT_SPLIT", True)
     monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 512)
     monkeypatch.setattr(attention, "ROOT_SPLIT_MAX_TREES", 2)
     _, _, end_a = _group_tree(1000, [100, 60, 96], 5, 11)
     _, _, end_b = _group_tree(700, [64, 64, 40], 3, 12)
-    k_end = torch.cat([end_a, end_b + len(end_a)])  # the second tree after the first
-    index = torch.arange(len(k_end), device="cuda")
-    roots = rooted_trees(k_end.cpu(), 0)
-    ctx = attention.TreeAttention("flex", index, index, k_end, roots=roots)
-    ctx.routes = collections.Counter()
-    assert ctx.roots == roots and len(roots) == 2 and all(t.root >= 700 and t.rest for t in roots)
-    n = len(index)
-    q, k, v, dout = _bf16_inputs(n, n, n + 13)
-    scale = DIM ** -0.5
-    out = attention._attend(ctx, q, k, v, scale)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    _assert_near_float64(out, grads, q, k, v, attention.dense_tree_mask(index, index, k_end), scale, dout)
-    assert len(ctx.routes) == 1 and next(iter(ctx.routes)).startswith("root:"), ctx.routes
+    roots = _root_split_near_float64(torch.cat([end_a, end_b + len(end_a)]), 13)  # the second tree after the first
+    assert len(roots) == 2 and all(t.root >= 700 and t.rest for t in roots)
 
 
 def test_group_float32_takes_the_tree_mask(monkeypatch):

@@ -206,8 +206,8 @@ class MemoryModel:
         float32, q/k/v, RoPE, attention, the SwiGLU intermediates)."""
         size = torch.finfo(dtype).bits // 8
         h, layers = config.hidden_size, config.num_hidden_layers
-        head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-        q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        heads, kv_heads, head_dim = attention_heads(config)
+        q, kv = heads * head_dim, kv_heads * head_dim
         block = size * (7 * h + 5 * q + 6 * kv) + mlp_activation_bytes(config, size)
         # the loss head's float32 logits chunk (~3 alive) and its weight gradient
         fixed = 3 * (1 << 27) * 4 + weight_gradient_transients(config, size)
@@ -319,9 +319,16 @@ def weight_gradient_transients(config, size: int) -> float:
 def keys_values(config, dtype: torch.dtype) -> dict[str, float]:
     """One token's keys and values over all layers (post-RoPE, one per KV head)."""
     size = torch.finfo(dtype).bits // 8
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    _, kv_heads, head_dim = attention_heads(config)
     layers = config.num_hidden_layers
-    return dict(kv_per_token=2 * size * config.num_key_value_heads * head_dim * layers, layers=layers)
+    return dict(kv_per_token=2 * size * kv_heads * head_dim * layers, layers=layers)
+
+
+def attention_heads(config) -> tuple[int, int, int]:
+    """A model config's (query heads, KV heads, head dim)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
 def _largest_call(room: float, per_token: float, per_pair: float) -> int:
@@ -338,9 +345,8 @@ def attention_held(config, dtype: torch.dtype, dense_mask: bool) -> dict[str, fl
     log-sum-exp per query; input copies: the query and K/V (expanded to every head by
     SDPA's math kernel, which also holds the probabilities per (query, key) pair)."""
     size = torch.finfo(dtype).bits // 8
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = heads if dense_mask else config.num_key_value_heads
+    heads, kv_heads, head_dim = attention_heads(config)
+    kv_heads = heads if dense_mask else kv_heads
     return dict(attention_per_query=(size * head_dim + 4) * heads, attention_copies_per_query=size * heads * head_dim,
                 attention_copies_per_key=2 * size * kv_heads * head_dim,
                 attention_per_pair=size * heads if dense_mask else 0.0)

@@ -47,7 +47,7 @@ from ..compiled import claim_compiled_code
 from .compile_cache import enable as enable_compile_cache, save as save_compile_cache
 from .decoder import DecoderStack
 from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
-from .memory import MemoryPolicy
+from .memory import MemoryPolicy, attention_heads
 from ..models import decoder_of
 from .plan import MODES, Plan, make_plan
 from .tree import PrefixTree, TokenSequence
@@ -291,15 +291,25 @@ class TreeEngine:
         return prepare_batch(layout, plan, self.device)
 
     # ------------------------------------------------------------ one model call
-    def _root_split_on(self) -> bool:
-        """Whether the root split (:data:`~treerl.engine.attention.ROOT_SPLIT`) can run this engine's
-        calls: its switch on for the device, and on a GPU flex attention in half precision (the fused
-        kernels' dtypes; float32 there takes the tree mask) with one of
-        :data:`~treerl.engine.attention.ROOT_SPLIT_KERNELS` chosen by the probe for the model's heads
-        (else a call would lose its whole-tile padding for a kernel slower than the mask)."""
+    def _split_trees(self, ends: torch.Tensor, start: int) -> tuple[RootedTree, ...]:
+        """The trees a call without prefix (subtree ends ``ends`` [N] of its tokens from tree index
+        ``start``, on the CPU) runs the root split on (:data:`~treerl.engine.attention.ROOT_SPLIT`;
+        :class:`TreeAttention` checks their lengths), or none. On a GPU only with flex attention in half
+        precision (float32 there takes the tree mask), one of
+        :data:`~treerl.engine.attention.ROOT_SPLIT_KERNELS` chosen by the probe for the model's heads,
+        and every part's shape planned by cuDNN or within ``CUDNN_MAX_SHAPES`` (else a part would take
+        the next kernel, slower than the padded tree mask: bench/RESULTS.md, session 10). Where none, a
+        GPU call keeps its whole-tile padding."""
         if not root_split_on(self.device):
-            return False
-        return self.device.type == "cpu" or self._split_kernel() is not None
+            return ()
+        if self.device.type == "cpu":
+            return rooted_trees(ends, start)
+        kernel = self._split_kernel()
+        if kernel is None:
+            return ()
+        roots = rooted_trees(ends, start)
+        parts = [(t.root, 0, True) for t in roots] + [(t.rest, t.root, False) for t in roots if t.rest]
+        return roots if plans_room(kernel, self.device, self.head.weight.dtype, *attention_heads(self.model.config), parts) else ()
 
     def _split_kernel(self) -> Kernel | None:
         """On a GPU, the probe's fused kernel for the model's heads where the root split pays with it
@@ -307,26 +317,8 @@ class TreeEngine:
         dtype = self.head.weight.dtype
         if self.attention != "flex" or dtype not in FUSED_DTYPES:
             return None
-        kernel = select_kernel(self.device, dtype, *self._heads())
+        kernel = select_kernel(self.device, dtype, *attention_heads(self.model.config))
         return kernel if kernel is not None and kernel.name in ROOT_SPLIT_KERNELS else None
-
-    def _heads(self) -> tuple[int, int, int]:
-        """The model's (query heads, KV heads, head dim)."""
-        config = self.model.config
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
-
-    def _split_planned(self, roots: tuple[RootedTree, ...]) -> bool:
-        """Whether a call of trees ``roots`` runs every part of its root split through the probe's
-        kernel on a GPU: cuDNN plans its shapes, new ones within ``CUDNN_MAX_SHAPES`` (past the bound a
-        part would take the next kernel, slower than the padded tree mask: bench/RESULTS.md, session 10).
-        Always on the CPU."""
-        if self.device.type == "cpu" or not roots:
-            return True
-        kernel = self._split_kernel()
-        parts = [(t.root, 0, True) for t in roots] + [(t.rest, t.root, False) for t in roots if t.rest]
-        return kernel is not None and plans_room(kernel, self.device, self.head.weight.dtype, *self._heads(), parts)
 
     def _call(
         self, b: Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool,
@@ -353,11 +345,8 @@ class TreeEngine:
         # one chain: every token's subtree, the prefix's included, reaches the segment's end
         spans = [b.plan.segments[a] for a in ancestors] if prefix else []
         chain = all(int(b.tree.subtree_end[s.start : s.end].min()) >= seg.end for s in spans + [seg])
-        # without prefix, its trees and their root chains (the CPU's tree); only where the root split can
-        # run (else a GPU call that falls back would lose its whole-tile padding)
-        roots = (rooted_trees(b.tree.subtree_end[seg.start : seg.end], seg.start)
-                 if not (prefix or chain) and self._root_split_on() else ())
-        roots = roots if self._split_planned(roots) else ()  # (cuDNN's plans: past its bound, the mask)
+        # without prefix, its trees and their root chains (the CPU's tree) where the root split can run them
+        roots = () if prefix or chain else self._split_trees(b.tree.subtree_end[seg.start : seg.end], seg.start)
         ctx = TreeAttention(self.attention, q_index, k_index, b.subtree_end[k_index], prefix=per_layer,
                             capture=capture, causal=chain, roots=roots)
         ctx.routes = self.stats.attention
