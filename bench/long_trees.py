@@ -32,7 +32,9 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    a group after it, instead of the tree mask over the whole call; on for CUDA by default, forced on here),
    ``auto-noroot`` (the root split off: the tree mask over such a call), ``auto-roots`` (the root split
    forced on for calls of up to 8 trees, ``ROOT_SPLIT_MAX_TREES``: e.g. the workload ``long``'s two trees
-   in one call, which the default of one tree leaves to the tree mask).
+   in one call, which the default of one tree leaves to the tree mask), ``auto-grid`` (the fused kernels'
+   lengths on cuDNN's grid of 128 at every size, as before ``treerl.engine.chain_attention.BUCKET_BITS``),
+   ``auto-b4`` (the coarse grid at 16 points per octave instead of 8).
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan, and the timed step's attention layer calls
    by route (``attention``: ``causal``, ``chain:<kernel>``, ``group:<kernel>``, ``mask``, ``mask:chain-off``,
@@ -105,6 +107,10 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
     "auto-root": (dict(mode="auto"), {}, dict(ROOT_SPLIT=True)),
     "auto-noroot": (dict(mode="auto"), {}, dict(ROOT_SPLIT=False)),
     "auto-roots": (dict(mode="auto"), {}, dict(ROOT_SPLIT=True, ROOT_SPLIT_MAX_TREES=8)),  # calls of several trees
+    # the fused kernels' lengths on cuDNN's grid of 128 at every size (before session 11's coarser grid past
+    # 1,024: chain_attention.BUCKET_BITS = 3), and on a finer coarse grid (16 points per octave)
+    "auto-grid": (dict(mode="auto"), {}, {"chain_attention.BUCKET_BITS": None}),
+    "auto-b4": (dict(mode="auto"), {}, {"chain_attention.BUCKET_BITS": 4}),
     "auto-general": (dict(mode="auto"), {}, {}),  # the same loss, not declared separable (issue 24 item 3)
     # every recomputed layer keeps its attention whatever the memory model says (what the model's margin costs)
     "auto-keepall": (dict(mode="auto"), {"memory.kept_attention_layers": "all"}, {}),

@@ -35,7 +35,7 @@ SDPA refuses key length 1 (torch's dispatch never hands it one), cuDNN before 9.
 lengths that are not multiples of 128 (torch's sdp_utils.cpp prefers cuDNN only from there on;
 NVIDIA cudnn-frontend#160: NaN gradients), and it builds an execution plan per new shape. So the
 kernel calls of an aligned kernel run on lengths that are multiples of ``align``, exactly:
-``front = prefix % align`` prefix keys move from the full part to the causal part, whose
+``front = prefix % grid`` prefix keys move from the full part to the causal part, whose
 queries get ``front`` dummy rows in front (zero queries) and dummy rows and zero keys at the end,
 up to ``rows``, a multiple of ``align``; the full part takes the first ``prefix - front`` keys
 (a multiple of ``align``; none: no full part) with the same padded queries. Real query ``i`` sits
@@ -78,6 +78,10 @@ ALIGN: dict[str, int] = {"cudnn": 128}
 # Largest head dim each fused kernel takes here (torch's sdp_utils.cpp; cuDNN's 256 needs recent
 # cuDNN on sm90/sm100 only: 128, the families treerl supports use 64 or 128), all multiples of 8.
 HEAD_DIM_LIMIT: dict[str, int] = {"cudnn": 128, "flash": 256, "efficient": 256}
+# Lengths past ``align << BUCKET_BITS`` run on a coarser grid than ``align``: the power of two at most
+# their size / 2**BUCKET_BITS (grid(); None: ``align`` for every length), so that a run whose lengths
+# change every step reuses cuDNN's plans (8 grid points per octave) for <= 1/8 dummy rows per call.
+BUCKET_BITS: int | None = 3
 # Distinct (rows, prefix keys) shapes that cuDNN may build plans for in this process; calls of
 # other shapes beyond it take the next kernel that passed the probe (None: no bound).
 CUDNN_MAX_SHAPES: int | None = 64
@@ -139,6 +143,15 @@ def refuses(name: str, heads: int, kv_heads: int, dim: int) -> str | None:
     return None
 
 
+def grid(size: int, align: int) -> int:
+    """The grid a length of ``size`` runs on for a kernel of ``align`` (a power of two): ``align``, or
+    past ``align << BUCKET_BITS`` the power of two at most ``size / 2**BUCKET_BITS`` (a multiple of
+    ``align``): a call pads by at most 1/8 of its size and a run's lengths fall on few shapes."""
+    if align <= 1 or BUCKET_BITS is None or size < align << BUCKET_BITS:
+        return align
+    return 1 << (size.bit_length() - 1 - BUCKET_BITS)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where ``n`` queries after ``prefix`` keys sit in their kernel calls on a grid of ``align``
@@ -158,9 +171,10 @@ class Layout:
 
     @classmethod
     def of(cls, n: int, prefix: int, align: int = 1, causal: bool = True) -> "Layout":
-        front = prefix % align
+        front = prefix % grid(prefix, align)
         lead = front if causal else 0
-        return cls(n, prefix, front, prefix - front, -(-(lead + n) // align) * align, lead)
+        step = grid(lead + n, align)
+        return cls(n, prefix, front, prefix - front, -(-(lead + n) // step) * step, lead)
 
     @property
     def padded(self) -> bool:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import TreeAttention, groups_after_prefix, prefix_as_tiles, tree_attention_enabled
+from .chain_attention import Layout
 from .rooted_trees import RootedTree
 
 if TYPE_CHECKING:
@@ -292,11 +293,12 @@ def root_split_layer_bytes(model: MemoryModel, queries: int, roots: tuple[Rooted
                            ) -> float:
     """Bytes one kept root-split attention holds (a call of ``queries`` tokens, its trees ``roots``):
     :func:`root_split_outputs` outputs per query, and the input copies of its own parts' flex only (per
-    tree with a group, its ``n_i`` queries after the root chain over the ``r_i % align`` root keys the
-    fused part leaves and their own; the fused kernels' padded copies are rebuilt in the backward, the
-    chain parts save views)."""
+    tree with a group, its ``n_i`` queries after the root chain over the root keys the fused part leaves
+    (:class:`~treerl.engine.chain_attention.Layout`'s ``front``) and their own; the fused kernels' padded
+    copies are rebuilt in the backward, the chain parts save views)."""
     copies = sum(tree.rest * model.attention_copies_per_query
-                 + (tree.rest + tree.root % align) * model.attention_copies_per_key for tree in roots if tree.rest)
+                 + (tree.rest + Layout.of(tree.rest, tree.root, align, causal=False).front)
+                 * model.attention_copies_per_key for tree in roots if tree.rest)
     return queries * model.attention_per_query * root_split_outputs(queries, roots) + copies
 
 
