@@ -24,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from treerl.models import build_model  # noqa: E402
 from treerl.rollout import RolloutEngine, SamplingParams  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rollout import kv_budget  # noqa: E402
+
 SHAPES = {"0.6b": "qwen3-0.6b", "1.7b": "qwen3-1.7b", "tiny": "tiny", "small": "small"}
 CLASSES = (  # first match wins (lower-case kernel names)
     ("attention", ("fmha", "attention", "flash")),
@@ -61,7 +64,10 @@ def main(argv=None) -> dict:
         if shape != shape_now:
             model = build_model("qwen3", SHAPES[shape], dtype="bfloat16", device=dev, seed=0).eval()
             shape_now = shape
-        engine = RolloutEngine(model, sync_every=16, keep_stream_buffers=True, compile_decode=bool(args.compile))
+        # as bench_rollout.py runs it: every row at once where the K/V fits, prefill pieces of 8,192 tokens
+        budget = kv_budget(model, dev, P * G, P, args.prompt_len, args.new_tokens, 0.97, 8192)
+        engine = RolloutEngine(model, sync_every=16, max_batch_tokens=budget, keep_stream_buffers=True,
+                               compile_decode=bool(args.compile), prefill_chunk_tokens=8192)
         if args.hf_step:
             engine.decode_blocks = None
         g = torch.Generator().manual_seed(0)
@@ -81,7 +87,7 @@ def main(argv=None) -> dict:
             torch.cuda.synchronize()
         steps = max(engine.stats.decode_steps, 1)
         by_class, count = defaultdict(float), defaultdict(int)
-        top = defaultdict(float)
+        top, calls = defaultdict(float), defaultdict(float)
         for ev in prof.key_averages():
             t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
             if t <= 0 or ev.device_type != torch.autograd.DeviceType.CUDA:
@@ -90,25 +96,30 @@ def main(argv=None) -> dict:
             by_class[cls] += t / 1e3 / steps  # ms per decode step (prefill included, spread)
             count[cls] += ev.count / steps
             top[ev.key] += t / 1e3 / steps
+            calls[ev.key] += ev.count / steps
         entry = dict(case=case, rows=P * G, warm_s=warm, run_s=plain, decode_steps=steps_plain,
                      ms_per_step_wall=plain * 1e3 / max(steps_plain, 1),
                      ms_per_step_by_class=dict(by_class), kernels_per_step=dict(count),
                      kernels_per_step_total=sum(count.values()),
-                     top_kernels_ms=dict(sorted(top.items(), key=lambda kv: -kv[1])[:25]),
+                     top_kernels_ms=dict(sorted(top.items(), key=lambda kv: -kv[1])[:40]),
+                     top_kernels_per_step={k: calls[k] for k, _ in sorted(top.items(), key=lambda kv: -kv[1])[:40]},
+                     kv_budget_tokens=budget, rows_per_step=engine.stats.decode_rows / steps,
+                     admissions=engine.stats.admissions, preemptions=engine.stats.preemptions,
                      compiled=engine.decode_blocks is not None and engine.decode_blocks.compiled)
         report["cases"].append(entry)
         print(f"\n== {case} ({P * G} rows) warm-up {warm:.1f} s, compiled={entry['compiled']}: "
               f"{entry['ms_per_step_wall']:.2f} ms/step wall (incl. prefill), "
-              f"{entry['kernels_per_step_total']:.0f} kernels/step", flush=True)
+              f"{entry['kernels_per_step_total']:.0f} kernels/step, {entry['rows_per_step']:.0f} rows/step, "
+              f"{entry['admissions']} admissions, {entry['preemptions']} preemptions", flush=True)
         for cls in sorted(by_class, key=lambda c: -by_class[c]):
             print(f"   {cls:<16}{by_class[cls]:8.3f} ms/step {count[cls]:8.1f} kernels/step")
-        for k, v in list(entry["top_kernels_ms"].items())[:8]:
-            print(f"   {v:8.3f} ms  {k[:110]}")
+        for k, v in list(entry["top_kernels_ms"].items())[:20]:
+            print(f"   {v:8.3f} ms {calls[k]:6.1f}/step  {k[:100]}")
         del engine
         torch.cuda.empty_cache()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
+        if args.out:  # after every case (a later case may run out of time)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2))
     return report
 
 

@@ -79,9 +79,11 @@ ALIGN: dict[str, int] = {"cudnn": 128}
 # cuDNN on sm90/sm100 only: 128, the families treerl supports use 64 or 128), all multiples of 8.
 HEAD_DIM_LIMIT: dict[str, int] = {"cudnn": 128, "flash": 256, "efficient": 256}
 # Lengths past ``align << BUCKET_BITS`` run on a coarser grid than ``align``: the power of two at most
-# their size / 2**BUCKET_BITS (grid(); None: ``align`` for every length), so that a run whose lengths
-# change every step reuses cuDNN's plans (8 grid points per octave) for <= 1/8 dummy rows per call.
-BUCKET_BITS: int | None = 3
+# their size / 2**BUCKET_BITS (grid(); None, the default: ``align`` for every length), so that a run whose
+# lengths change every step reuses cuDNN's plans (2**BUCKET_BITS grid points per octave) for <= 2**-BUCKET_BITS
+# dummy rows per call. Off by default: at 3 on an H100 (bench/RESULTS.md, session 11) a 43k-token tree's root
+# chain padded by 4,091 rows ran 4.5% slower and 2.5 GiB over the memory model (which counts no padding).
+BUCKET_BITS: int | None = None
 # Distinct (rows, prefix keys) shapes that cuDNN may build plans for in this process; calls of
 # other shapes beyond it take the next kernel that passed the probe (None: no bound).
 CUDNN_MAX_SHAPES: int | None = 64
