@@ -12,8 +12,8 @@ timeout -k 5 170 python3 bench/profile_rollout.py --cases 0.6b:64x16,0.6b:8x8 --
     --out $OUT/profile_rollout_s11.json 2>&1 | grep -v "$F" | tail -50
 for c in auto auto-b4 auto-noroot; do
   echo "== vary long_prefix $c"
-  timeout -k 5 75 python3 bench/long_trees.py --sections vary --workloads long_prefix --configs $c \
-    --repeats 7 --max-seconds 70 --out $OUT/long_trees_vary3_$c.json 2>&1 | grep -v "$F" | grep "^vary.*median"
+  timeout -k 5 85 python3 bench/long_trees.py --sections vary --workloads long_prefix --configs $c \
+    --repeats 6 --max-seconds 80 --out $OUT/long_trees_vary3_$c.json 2>&1 | grep -v "$F" | grep "^vary.*median"
 done
 echo "== fixed long_prefix auto-b4"
 timeout -k 5 50 python3 bench/long_trees.py --sections workloads --workloads long_prefix --configs auto-b4 \
