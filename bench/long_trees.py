@@ -402,6 +402,8 @@ def attention(run: Run, device, dtype) -> list[dict]:
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
     if device.type != "cuda":
         backends = {"math": SDPBackend.MATH}
+    if run.args.attention_rows == "tree":  # long_prefix's tree only (the causal sweep and the chain piece skipped)
+        lengths, prefix_shape = [], None
     for n in lengths:
         index = torch.arange(n, device=device)
         kernels = {} if device.type != "cuda" else {"tree-flex": tree_flex(index, index, torch.full_like(index, n))}
@@ -410,6 +412,10 @@ def attention(run: Run, device, dtype) -> list[dict]:
             if name == "cudnn":
                 kernels["sdpa-cudnn-expanded"] = sdpa(backend, expand=True)
         measure(f"causal {n}", n, n, n * (n + 1) / 2, kernels)
+    if prefix_shape is None:
+        if device.type == "cuda":
+            tree_attention(measure, device)
+        return rows
     nq, prefix = prefix_shape
     nk = prefix + nq
     q_index = torch.arange(prefix, nk, device=device)
@@ -475,6 +481,8 @@ def main(argv=None):
     ap.add_argument("--configs", default="auto,dfs,auto-noreuse,auto-tiles",
                     help=f"comma-separated: {', '.join(VARIANTS)}")
     ap.add_argument("--sections", default="sweep,workloads,attention")
+    ap.add_argument("--attention-rows", choices=("all", "tree"), default="all",
+                    help="attention section: every row, or long_prefix's tree only (its kernels and causal references)")
     ap.add_argument("--repeats", type=int, default=1, help="timed steps after one warm-up step")
     ap.add_argument("--max-seconds", type=float, default=400.0, help="skip what is left after this long")
     args = ap.parse_args(argv)
