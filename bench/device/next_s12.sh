@@ -1,9 +1,8 @@
 #!/bin/bash
 # For the next session with device time (written in session 11; one call, ~9 minutes).
-# (1) issue 24: the root split on varying trees, all three configs in one call (session 11 lost the first `vary`
-#     process of calls 2 and 3 to its time limit: a fresh machine's first long_trees process pays cold compiles,
-#     so a warm-up process runs first); (2) the tree mask's attention on whole tiles beside cuDNN (session 10's open
-#     row; session 11's attention section ran out of time after the causal rows): --max-seconds 150.
+# Issue 24: the root split on varying trees, all three configs in one call (session 11 lost the first `vary`
+# process of calls 2 and 3 to its time limit: a fresh machine's first long_trees process pays cold compiles, so a
+# warm-up process runs first).
 F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$\|pow_by_natural\|split the reduction\|^softmax"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
@@ -13,5 +12,3 @@ for c in auto auto-b4 auto-noroot; do
   timeout -k 5 95 python3 bench/long_trees.py --sections vary --workloads long_prefix --configs $c \
     --repeats 6 --max-seconds 90 --out $OUT/long_trees_vary_$c.json 2>&1 | grep -v "$F" | grep "^vary.*median"
 done
-timeout -k 5 160 python3 bench/long_trees.py --sections attention --max-seconds 150 \
-    --out $OUT/long_trees_attention.json 2>&1 | grep -v "$F" | grep "^|" | tail -24
