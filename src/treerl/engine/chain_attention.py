@@ -148,7 +148,8 @@ def refuses(name: str, heads: int, kv_heads: int, dim: int) -> str | None:
 def grid(size: int, align: int) -> int:
     """The grid a length of ``size`` runs on for a kernel of ``align`` (a power of two): ``align``, or
     past ``align << BUCKET_BITS`` the power of two at most ``size / 2**BUCKET_BITS`` (a multiple of
-    ``align``): a call pads by at most 1/8 of its size and a run's lengths fall on few shapes."""
+    ``align``): a call pads by less than ``2**-BUCKET_BITS`` of its size, and a run's lengths fall on
+    few shapes."""
     if align <= 1 or BUCKET_BITS is None or size < align << BUCKET_BITS:
         return align
     return 1 << (size.bit_length() - 1 - BUCKET_BITS)
