@@ -32,9 +32,7 @@ attention, workloads; a section is skipped once ``--max-seconds`` have passed):
    a group after it, instead of the tree mask over the whole call; on for CUDA by default, forced on here),
    ``auto-noroot`` (the root split off: the tree mask over such a call), ``auto-roots`` (the root split
    forced on for calls of up to 8 trees, ``ROOT_SPLIT_MAX_TREES``: e.g. the workload ``long``'s two trees
-   in one call, which the default of one tree leaves to the tree mask), ``auto-grid`` (the fused kernels'
-   lengths on cuDNN's grid of 128 at every size, as before ``treerl.engine.chain_attention.BUCKET_BITS``),
-   ``auto-b4`` (the coarse grid at 16 points per octave instead of 8).
+   in one call, which the default of one tree leaves to the tree mask).
    Per row: seconds, unique-token TFLOP/s and % of peak (DESIGN.md's formula), peak GiB (total and above
    weights and gradients), the modelled peak, calls, the plan, and the timed step's attention layer calls
    by route (``attention``: ``causal``, ``chain:<kernel>``, ``group:<kernel>``, ``mask``, ``mask:chain-off``,
@@ -107,10 +105,6 @@ VARIANTS = {  # name -> (engine kwargs, engine attributes set on the instance, t
     "auto-root": (dict(mode="auto"), {}, dict(ROOT_SPLIT=True)),
     "auto-noroot": (dict(mode="auto"), {}, dict(ROOT_SPLIT=False)),
     "auto-roots": (dict(mode="auto"), {}, dict(ROOT_SPLIT=True, ROOT_SPLIT_MAX_TREES=8)),  # calls of several trees
-    # the fused kernels' lengths on cuDNN's grid of 128 at every size (before session 11's coarser grid past
-    # 1,024: chain_attention.BUCKET_BITS = 3), and on a finer coarse grid (16 points per octave)
-    "auto-grid": (dict(mode="auto"), {}, {"chain_attention.BUCKET_BITS": None}),
-    "auto-b4": (dict(mode="auto"), {}, {"chain_attention.BUCKET_BITS": 4}),
     "auto-general": (dict(mode="auto"), {}, {}),  # the same loss, not declared separable (issue 24 item 3)
     # every recomputed layer keeps its attention whatever the memory model says (what the model's margin costs)
     "auto-keepall": (dict(mode="auto"), {"memory.kept_attention_layers": "all"}, {}),
@@ -402,33 +396,28 @@ def attention(run: Run, device, dtype) -> list[dict]:
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
     if device.type != "cuda":
         backends = {"math": SDPBackend.MATH}
-    if run.args.attention_rows == "tree":  # long_prefix's tree only (the causal sweep and the chain piece skipped)
-        lengths, prefix_shape = [], None
-    for n in lengths:
-        index = torch.arange(n, device=device)
-        kernels = {} if device.type != "cuda" else {"tree-flex": tree_flex(index, index, torch.full_like(index, n))}
+    if run.args.attention_rows == "all":  # the causal sweep and the chain piece ("tree": long_prefix's tree only)
+        for n in lengths:
+            index = torch.arange(n, device=device)
+            kernels = {} if device.type != "cuda" else {"tree-flex": tree_flex(index, index, torch.full_like(index, n))}
+            for name, backend in backends.items():
+                kernels[f"sdpa-{name}"] = sdpa(backend)
+                if name == "cudnn":
+                    kernels["sdpa-cudnn-expanded"] = sdpa(backend, expand=True)
+            measure(f"causal {n}", n, n, n * (n + 1) / 2, kernels)
+        nq, prefix = prefix_shape
+        nk = prefix + nq
+        q_index = torch.arange(prefix, nk, device=device)
+        k_index = torch.arange(nk, device=device)
+        kernels = {}
+        if device.type == "cuda":  # the engine's prefix call, and as whole tiles (PREFIX_AS_TILES)
+            kernels["tree-flex-prefix"] = tree_flex(q_index, k_index, torch.full_like(k_index, nk))
+            kernels["tree-flex-prefix-tiles"] = tree_flex(q_index, k_index, torch.full_like(k_index, nk), square=True)
+        bias = causal_lower_right(nq, nk)
         for name, backend in backends.items():
-            kernels[f"sdpa-{name}"] = sdpa(backend)
-            if name == "cudnn":
-                kernels["sdpa-cudnn-expanded"] = sdpa(backend, expand=True)
-        measure(f"causal {n}", n, n, n * (n + 1) / 2, kernels)
-    if prefix_shape is None:
-        if device.type == "cuda":
-            tree_attention(measure, device)
-        return rows
-    nq, prefix = prefix_shape
-    nk = prefix + nq
-    q_index = torch.arange(prefix, nk, device=device)
-    k_index = torch.arange(nk, device=device)
-    kernels = {}
-    if device.type == "cuda":  # the engine's prefix call, and as whole tiles (PREFIX_AS_TILES)
-        kernels["tree-flex-prefix"] = tree_flex(q_index, k_index, torch.full_like(k_index, nk))
-        kernels["tree-flex-prefix-tiles"] = tree_flex(q_index, k_index, torch.full_like(k_index, nk), square=True)
-    bias = causal_lower_right(nq, nk)
-    for name, backend in backends.items():
-        if name != "cudnn":
-            kernels[f"sdpa-{name}-lower-right"] = sdpa(backend, bias=bias)
-    measure(f"chain piece {nq} after {prefix}", nq, nk, nq * prefix + nq * (nq + 1) / 2, kernels)
+            if name != "cudnn":
+                kernels[f"sdpa-{name}-lower-right"] = sdpa(backend, bias=bias)
+        measure(f"chain piece {nq} after {prefix}", nq, nk, nq * prefix + nq * (nq + 1) / 2, kernels)
     if device.type == "cuda":  # issue 24 item 2: long_prefix's whole tree in one call, against one causal sequence
         tree_attention(measure, device)
     return rows

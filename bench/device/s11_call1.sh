@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 11, call 1 (~9.5 minutes), issue 24: next_s11.sh (cuDNN's plan cost when the tree changes every step; the
+# Session 11, call 1 (~9.5 minutes), issue 24: session 10's planned call (cuDNN's plan cost when the tree changes every step; the
 # root split per tree: its CUDA tests and the workload `long` A/B) + the engine's CUDA test past cuDNN's shape bound +
 # the tree mask's attention row on whole tiles (session 10's row ran partial tiles).
 F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$\|pow_by_natural\|split the reduction\|^softmax"

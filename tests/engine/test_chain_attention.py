@@ -87,12 +87,10 @@ def test_kernel_formats_and_expanded_heads(layout, expand_kv, gen):
 @pytest.mark.parametrize("align", [4, 16])
 @pytest.mark.parametrize("prefix", [0, 1, 3, 16, 21, 45, 75, 300])
 @pytest.mark.parametrize("n", [1, 5, 16, 17, 70])
-@pytest.mark.parametrize("bucket_bits", [None, 3])
-def test_lengths_on_a_grid_are_exact(bucket_bits, align, prefix, n, gen, monkeypatch):
+def test_lengths_on_a_grid_are_exact(align, prefix, n, gen):
     """An aligned kernel's parts run on lengths that are multiples of ``align`` (never a key
     length of 1: cuDNN's limits), and the chain attention stays exact: moved prefix keys,
     dummy rows and zero keys change no output or gradient."""
-    monkeypatch.setattr(chain, "BUCKET_BITS", bucket_bits)  # None: the default; 3: the coarse grid past 8 align
     heads, kv_heads, dim = 4, 2, 8
     calls = []
     for expand_kv in (False, True):
@@ -110,27 +108,8 @@ def test_lengths_on_a_grid_are_exact(bucket_bits, align, prefix, n, gen, monkeyp
             assert_rel(got, want)
     assert calls and all(nq % align == 0 and nk % align == 0 and nk >= align for nq, nk, _ in calls), calls
     layout = chain.Layout.of(n, prefix, align)
-    assert layout.padded == (n % chain.grid(n, align) != 0 or prefix % chain.grid(prefix, align) != 0)
-    assert layout.front < chain.grid(prefix, align) and layout.full_keys + layout.front == prefix
-    assert 0 <= layout.rows - (layout.lead + n) < chain.grid(layout.lead + n, align)
-
-
-def test_long_lengths_run_on_a_coarser_grid(monkeypatch):
-    """With ``BUCKET_BITS`` 3, past ``align << 3`` a length runs on the power of two at most 1/8 of it:
-    a run whose root chains change length every step (30,000-34,000 tokens) plans 3 cuDNN shapes, not
-    32, and pads a call by at most 1/8 of its size. Off (the default): the grid of ``align``."""
-    assert chain.BUCKET_BITS is None and chain.grid(30000, 128) == 128
-    monkeypatch.setattr(chain, "BUCKET_BITS", 3)
-    assert [chain.grid(s, 128) for s in (1, 1023, 1024, 2047, 2048, 30000, 34816)] == [
-        128, 128, 128, 128, 256, 2048, 4096]
-    assert chain.grid(5000, 1) == 1  # kernels without a grid run lengths as they are
-    assert {chain.Layout.of(n, 0, 128).rows for n in range(30000, 34001)} == {30720, 32768, 36864}
-    for n in range(1, 40000, 97):
-        for prefix in (0, 130, 31111):
-            layout = chain.Layout.of(n, prefix, 128)
-            real = layout.lead + n
-            assert layout.rows % 128 == 0 and layout.full_keys % 128 == 0
-            assert layout.rows - real < max(128, real / 8) and layout.front < max(128, prefix / 8)
+    assert layout.padded == (n % align != 0 or prefix % align != 0)
+    assert layout.rows - n < 2 * align and layout.full_keys + layout.front == prefix
 
 
 def test_lengths_on_the_grid_already_run_as_they_are(gen):

@@ -85,13 +85,10 @@ def test_merge_and_backward_match_dense_attention(heads, kv_heads, prefix, sharp
 @pytest.mark.parametrize("align", [4, 16])
 @pytest.mark.parametrize("prefix", [1, 3, 16, 21, 45, 75, 300])
 @pytest.mark.parametrize("expand_kv", [False, True])
-@pytest.mark.parametrize("bucket_bits", [None, 3])
-def test_lengths_on_a_grid_are_exact(bucket_bits, align, prefix, expand_kv, gen, monkeypatch):
-    """An aligned kernel runs the full part on ``prefix - prefix % grid`` keys and the queries
-    with dummy rows after them up to a multiple of their grid (``chain.grid``: ``align``, coarser
-    past ``align << BUCKET_BITS``: 75 and 300 keys at ``align`` 4); the other prefix keys join the
+def test_lengths_on_a_grid_are_exact(align, prefix, expand_kv, gen):
+    """An aligned kernel runs the full part on ``prefix - prefix % align`` keys and the queries
+    with dummy rows after them up to a multiple of ``align``; the other prefix keys join the
     own part. Exact; a prefix shorter than the grid leaves no full part: None (the caller masks)."""
-    monkeypatch.setattr(chain, "BUCKET_BITS", bucket_bits)  # None: the default; 3: the coarse grid past 8 align
     calls = []
     kernel = recording(chain.Kernel("math", chain._math_forward, chain._math_backward, expand_kv, align), calls)
     if prefix < align:
@@ -104,8 +101,7 @@ def test_lengths_on_a_grid_are_exact(bucket_bits, align, prefix, expand_kv, gen,
     for a, b in zip(got, want):
         assert_rel(a, b)
     n = got[0].shape[2]
-    rows, keys = -(-n // chain.grid(n, align)) * chain.grid(n, align), prefix - prefix % chain.grid(prefix, align)
-    assert rows % align == 0 and keys % align == 0
+    rows, keys = -(-n // align) * align, prefix - prefix % align
     assert calls == [(rows, keys, False)] * 2, calls  # forward and backward: the full part only
 
 

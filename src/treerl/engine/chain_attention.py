@@ -35,7 +35,7 @@ SDPA refuses key length 1 (torch's dispatch never hands it one), cuDNN before 9.
 lengths that are not multiples of 128 (torch's sdp_utils.cpp prefers cuDNN only from there on;
 NVIDIA cudnn-frontend#160: NaN gradients), and it builds an execution plan per new shape. So the
 kernel calls of an aligned kernel run on lengths that are multiples of ``align``, exactly:
-``front = prefix % grid`` prefix keys move from the full part to the causal part, whose
+``front = prefix % align`` prefix keys move from the full part to the causal part, whose
 queries get ``front`` dummy rows in front (zero queries) and dummy rows and zero keys at the end,
 up to ``rows``, a multiple of ``align``; the full part takes the first ``prefix - front`` keys
 (a multiple of ``align``; none: no full part) with the same padded queries. Real query ``i`` sits
@@ -78,12 +78,6 @@ ALIGN: dict[str, int] = {"cudnn": 128}
 # Largest head dim each fused kernel takes here (torch's sdp_utils.cpp; cuDNN's 256 needs recent
 # cuDNN on sm90/sm100 only: 128, the families treerl supports use 64 or 128), all multiples of 8.
 HEAD_DIM_LIMIT: dict[str, int] = {"cudnn": 128, "flash": 256, "efficient": 256}
-# Lengths past ``align << BUCKET_BITS`` run on a coarser grid than ``align``: the power of two at most
-# their size / 2**BUCKET_BITS (grid(); None, the default: ``align`` for every length), so that a run whose
-# lengths change every step reuses cuDNN's plans (2**BUCKET_BITS grid points per octave) for <= 2**-BUCKET_BITS
-# dummy rows per call. Off by default: at 3 on an H100 (bench/RESULTS.md, session 11) a 43k-token tree's root
-# chain padded by 4,091 rows ran 4.5% slower and 2.5 GiB over the memory model (which counts no padding).
-BUCKET_BITS: int | None = None
 # Distinct (rows, prefix keys) shapes that cuDNN may build plans for in this process; calls of
 # other shapes beyond it take the next kernel that passed the probe (None: no bound).
 CUDNN_MAX_SHAPES: int | None = 64
@@ -145,16 +139,6 @@ def refuses(name: str, heads: int, kv_heads: int, dim: int) -> str | None:
     return None
 
 
-def grid(size: int, align: int) -> int:
-    """The grid a length of ``size`` runs on for a kernel of ``align`` (a power of two): ``align``, or
-    past ``align << BUCKET_BITS`` the power of two at most ``size / 2**BUCKET_BITS`` (a multiple of
-    ``align``): a call pads by less than ``2**-BUCKET_BITS`` of its size, and a run's lengths fall on
-    few shapes."""
-    if align <= 1 or BUCKET_BITS is None or size < align << BUCKET_BITS:
-        return align
-    return 1 << (size.bit_length() - 1 - BUCKET_BITS)
-
-
 @dataclass(frozen=True)
 class Layout:
     """Where ``n`` queries after ``prefix`` keys sit in their kernel calls on a grid of ``align``
@@ -174,10 +158,9 @@ class Layout:
 
     @classmethod
     def of(cls, n: int, prefix: int, align: int = 1, causal: bool = True) -> "Layout":
-        front = prefix % grid(prefix, align)
+        front = prefix % align
         lead = front if causal else 0
-        step = grid(lead + n, align)
-        return cls(n, prefix, front, prefix - front, -(-(lead + n) // step) * step, lead)
+        return cls(n, prefix, front, prefix - front, -(-(lead + n) // align) * align, lead)
 
     @property
     def padded(self) -> bool:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import TreeAttention, groups_after_prefix, prefix_as_tiles, tree_attention_enabled
-from .chain_attention import Layout
+from .chain_attention import ALIGN, Layout
 from .rooted_trees import RootedTree
 
 if TYPE_CHECKING:
@@ -289,8 +289,8 @@ def root_split_outputs(queries: int, roots: tuple[RootedTree, ...]) -> float:
     return (2 * queries + sum(tree.rest for tree in roots)) / queries if roots else 1.0
 
 
-def root_split_layer_bytes(model: MemoryModel, queries: int, roots: tuple[RootedTree, ...], align: int = 128
-                           ) -> float:
+def root_split_layer_bytes(model: MemoryModel, queries: int, roots: tuple[RootedTree, ...],
+                           align: int = ALIGN["cudnn"]) -> float:
     """Bytes one kept root-split attention holds (a call of ``queries`` tokens, its trees ``roots``):
     :func:`root_split_outputs` outputs per query, and the input copies of its own parts' flex only (per
     tree with a group, its ``n_i`` queries after the root chain over the root keys the fused part leaves

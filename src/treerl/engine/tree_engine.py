@@ -38,7 +38,6 @@ import torch
 
 from .attention import (BACKENDS, FLEX_BLOCK, KV, ROOT_SPLIT_KERNELS, TreeAttention, root_split_on,
                         tree_attention_enabled)
-from .rooted_trees import RootedTree, rooted_trees
 from .batch import Batch, outputs_and_grads, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
 from .chain_attention import FUSED_DTYPES, Kernel, plans_room
 from .chain_attention import select as select_kernel
@@ -50,6 +49,7 @@ from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
 from .memory import MemoryPolicy, attention_heads
 from ..models import decoder_of
 from .plan import MODES, Plan, make_plan
+from .rooted_trees import RootedTree, rooted_trees
 from .tree import PrefixTree, TokenSequence
 from .one_pass import SegmentLosses, forward_backward as one_pass
 from .two_phase import forward_backward as two_phase
