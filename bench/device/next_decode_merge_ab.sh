@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 25, the branch decode-merge-unmeasured (written in session 11 on the CPU), one call (~7 minutes), nvidia-h100-x1.
+# Issue 25, the branch decode-merge-unmeasured (written in session 11 on the CPU), one call (~8.5 minutes), nvidia-h100-x1.
 # Before the call, here: rm -rf .v && mkdir -p .v/main && git archive main src bench | tar -x -C .v/main
 # and run with carry [".v"]. main and the branch in the same call, then the rollout CUDA tests on the branch.
 # What it changes: the decode step's own part runs one key range per (row, KV head) and merges the prompt part's
@@ -18,6 +18,10 @@ for v in main branch; do
   PYTHONPATH=$root/src timeout -k 5 170 python3 $root/bench/bench_rollout.py --device cuda --extras "" \
       --cases 0.6b:8x8,0.6b:64x16 --out $OUT/rollout_merge_ab_$v.json 2>&1 | grep -v "$F" | tail -6
 done
+# the prompt part at 1,024 rows (64 groups x 32 queries, 2.57 TB/s alone in session 7, never on the wide grid): more
+# key ranges (target 1056-2112) may take it toward 3 TB/s (-0.4 ms a step at 104 -> 89 us a layer)
+PYTHONPATH=src timeout -k 5 80 python3 bench/tune_split_attention.py --wide --cases "prefix 64" \
+    --out $OUT/tune_split_prefix1024_wide.json 2>&1 | grep -v "$F" | tail -2
 PYTHONPATH=src timeout -k 5 90 python3 bench/profile_rollout.py --cases 0.6b:8x8 --new-tokens 512 \
     --out $OUT/profile_rollout_merge.json 2>&1 | grep -v "$F" | head -12
 PYTHONPATH=src timeout -k 5 150 python3 -m pytest -q -m cuda tests/cuda/test_rollout_cuda.py -p no:cacheprovider -rfE \
