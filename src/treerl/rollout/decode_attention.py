@@ -144,9 +144,9 @@ if triton is not None:
                 new = tl.maximum(run, l2)
                 safe = tl.where(new == float("-inf"), 0.0, new)  # neither part has keys yet: weights 0
                 a = tl.exp(run - safe)
-                c = tl.exp(l2 - safe)
-                out = out * a[:, None] + o2 * c[:, None]
-                den = den * a + c
+                w2 = tl.exp(l2 - safe)  # (not `c`: the mask loop's int32 variable above)
+                out = out * a[:, None] + o2 * w2[:, None]
+                den = den * a + w2
                 run = new
             out = out / tl.where(den > 0, den, 1.0)[:, None]
             tl.store(O + b * sob + (h * M + offs_m)[:, None] * soh + offs_dv[None, :], out.to(O.dtype.element_ty),
