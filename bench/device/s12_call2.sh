@@ -15,7 +15,7 @@ e.record(); torch.cuda.synchronize(); print(f"{2 * x.numel() * 20 / (s.elapsed_t
 PY
 )
 echo "copy bandwidth (read + write) $BW B/s"
-for v in main branch main branch; do
+for v in main branch; do
   if [ $v = main ]; then root=.v/main; else root=.; fi
   echo "== $v"
   PYTHONPATH=$root/src timeout -k 5 120 python3 $root/bench/bench_rollout.py --device cuda --extras "" --bandwidth $BW \
