@@ -390,27 +390,36 @@ def test_cuda_race_kernel_matches_the_reference(rows, vocab, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("B, G, Hkv, gq, S1, S2, Dv", [(64, 8, 8, 2, 2, 9, 128), (6, 1, 3, 1, 1, 3, 64),
-                                                      (8, 2, 2, 4, 5, 1, 128), (1, 1, 8, 2, 66, 40, 128)])
-def test_cuda_merge_splits_matches_merge_parts(dtype, B, G, Hkv, gq, S1, S2, Dv):
-    """The merge kernel of the split attention's key ranges against ``merge_parts`` in float64
-    (a range with no keys has LSE -inf), from the split kernel's own layout."""
-    from treerl.rollout.decode_attention import merge_splits
-    from treerl.rollout.shared import merge_parts, merge_splits_ok
+@pytest.mark.parametrize("B, G, Hkv, gq, N, S2, Dv", [(64, 8, 8, 2, 512, 9, 128), (6, 1, 3, 1, 70, 3, 64),
+                                                     (8, 2, 2, 4, 300, 1, 128), (1, 1, 8, 2, 4096, 40, 128)])
+def test_cuda_merged_attention_matches_merge_parts(dtype, B, G, Hkv, gq, N, S2, Dv):
+    """The own part in one key range merged in its kernel with the prompt part's ranges
+    (``split_attention_merged``) against the own part in float64 merged by ``merge_parts``
+    (a range with no keys has LSE -inf; rows of different lengths), dense and through a block table."""
+    from treerl.rollout.decode_attention import split_attention_merged, to_pages
+    from treerl.rollout.shared import _attend_math, merge_parts, merged_attention_ok
 
-    assert merge_splits_ok("cuda:0", dtype, Dv)
-
-    g = torch.Generator(device="cuda").manual_seed(B + S1)
-    o1 = torch.randn(B, Hkv, S1, gq, Dv, device="cuda", generator=g)
-    l1 = torch.randn(B, Hkv, S1, gq, device="cuda", generator=g) * 3
+    assert merged_attention_ok("cuda:0", dtype, 128, Dv)
+    g = torch.Generator(device="cuda").manual_seed(B + N)
+    q = torch.randn(B, Hkv, gq, 128, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, Hkv, N, 128, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, Hkv, N, Dv, device="cuda", dtype=dtype, generator=g)
+    lens = torch.randint(1, N + 1, (B,), device="cuda", generator=g)
+    mask = torch.where(torch.arange(N, device="cuda")[None] < lens[:, None], 0.0, torch.finfo(dtype).min).to(dtype)
+    mask = mask[:, None, None]
     o2 = torch.randn(B // G, Hkv, S2, G * gq, Dv, device="cuda", generator=g)
     l2 = torch.randn(B // G, Hkv, S2, G * gq, device="cuda", generator=g) * 3
     l2[0, 0, 0] = float("-inf")
-    want = merge_parts(o1.double(), l1.double(), o2.double(), l2.double(), G, torch.float64)
-    got = merge_splits(o1, l1, o2, l2, G, dtype)
-    assert got.dtype == dtype and got.shape == want.shape
+    o1, l1 = _attend_math(q.double(), k.double(), v.double(), mask.double(), 128 ** -0.5)
+    want = merge_parts(o1.unsqueeze(2), l1.unsqueeze(2), o2.double(), l2.double(), G, torch.float64)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    got = split_attention_merged(q, k, v, mask, 128 ** -0.5, o2, l2, G, dtype)
+    assert got.dtype == dtype and got.shape == want.shape
     assert torch.allclose(got.double(), want, atol=tol), (got.double() - want).abs().max()
+    if N % 64 == 0:
+        pk, pv, table = to_pages(k, v, 64, g)
+        got = split_attention_merged(q, pk, pv, mask, 128 ** -0.5, o2, l2, G, dtype, table=table)
+        assert torch.allclose(got.double(), want, atol=tol), (got.double() - want).abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -225,8 +225,9 @@ def _kernel_dtypes():
 def test_split_kernel_reads_own_keys_through_the_block_table(page, dtype):
     """The split-key kernel over a block pool (blocks in random order, trash block and
     unowned entries included) equals exact attention over the row's dense keys, with the
-    two-level merge; through :meth:`SharedPrefixCache.attend_own` too."""
-    from treerl.rollout.decode_attention import split_attention, to_pages
+    two-level merge, or with the merge in its epilogue (``split_attention_merged``); through
+    :meth:`SharedPrefixCache.attend_own` too."""
+    from treerl.rollout.decode_attention import split_attention, split_attention_merged, to_pages
     from treerl.rollout.shared import SharedPrefixCache, merge_parts, split_queries, two_level_attention
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -263,6 +264,16 @@ def test_split_kernel_reads_own_keys_through_the_block_table(page, dtype):
     out = merge_parts(o_own, l_own, o_pre, l_pre, G, dtype)
     tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}[dtype]
     assert (out.double() - ref).abs().max() <= tol
+    # the merge in the own part's epilogue (one launch for the own part and the merge): paged, dense, and with
+    # the prompt part in the rows' layout (G = 1, as tree rollouts' fork levels leave it)
+    merged = split_attention_merged(q_own, pool_k, pool_v, om, D ** -0.5, o_pre, l_pre, G, dtype, table=table)
+    assert merged.shape == out.shape and merged.dtype == dtype and (merged.double() - ref).abs().max() <= tol
+    merged = split_attention_merged(q_own, c[1][:, :, :L], c[2][:, :, :L], om, D ** -0.5, o_pre, l_pre, G, dtype)
+    assert (merged.double() - ref).abs().max() <= tol
+    o_rows, l_rows = split_attention(q_own, *(x.repeat_interleave(G, 0) for x in (c[3], c[4])),
+                                     pm.repeat_interleave(G, 0), D ** -0.5, splits=3)
+    merged = split_attention_merged(q_own, pool_k, pool_v, om, D ** -0.5, o_rows, l_rows, 1, dtype, table=table)
+    assert (merged.double() - ref).abs().max() <= tol
     # the cache's own part: split kernel and the gathered fallback agree
     cache = SharedPrefixCache(1, NG, G, P, table, pool_k.shape[0] - 1, page, Hkv, D, D, dtype, torch.device(dev))
     cache.layers[0].ok, cache.layers[0].ov = pool_k, pool_v

@@ -689,8 +689,8 @@ def _triton_interprets() -> bool:
                                                      "tests/cuda/test_rollout_cuda.py")
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_kernel_step_matches_the_torch_step(family, monkeypatch):
-    """The decode step of the split-key kernels (rope kernel, split attention through the
-    block table, merge kernel, tail with the next norm) run by Triton's interpreter on the
+    """The decode step of the split-key kernels (rope kernel, the prompt part's split attention,
+    the own part through the block table merged in its kernel, tail with the next norm) run by Triton's interpreter on the
     CPU in float32: the same greedy tokens as the torch step, logprobs to 1e-5, and every
     step after the first took it."""
     import treerl.rollout.blocks as blocks
@@ -701,7 +701,7 @@ def test_kernel_step_matches_the_torch_step(family, monkeypatch):
     params = SamplingParams(n=3, temperature=0.0, max_new_tokens=12, seed=0, branch_points=[5])
     want = RolloutEngine(model, sync_every=4).generate(prompts, params)
     monkeypatch.setattr(SharedPrefixCache, "backend", lambda self, own_len, prefix_len: "split")
-    monkeypatch.setattr(blocks, "merge_splits_ok", lambda device, dtype, value_dim: True)  # (its probe needs CUDA)
+    monkeypatch.setattr(blocks, "merged_attention_ok", lambda *a: True)  # (its probe needs CUDA)
     steps = []
     kernel_step = blocks.DecodeBlocks._kernel_step
     monkeypatch.setattr(blocks.DecodeBlocks, "_kernel_step", lambda self, *a: steps.append(1) or kernel_step(self, *a))
@@ -714,20 +714,20 @@ def test_kernel_step_matches_the_torch_step(family, monkeypatch):
             assert torch.allclose(x.logprobs, y.logprobs, atol=1e-5)
 
 
-def test_merge_kernel_probe_warns_when_it_fails(monkeypatch):
-    """The merge kernel's probe (its CUDA check aside): False, with a warning naming the
-    failure, when the kernel fails or disagrees with merge_parts."""
+def test_merged_attention_probe_warns_when_it_fails(monkeypatch):
+    """The merged attention kernel's probe (its CUDA check aside): False, with a warning naming
+    the failure, when the kernel fails or disagrees with merge_parts."""
     import treerl.rollout.shared as shared
 
     monkeypatch.setattr(shared, "split_attention_ok", lambda *a: True)
-    probe = shared.merge_splits_ok.__wrapped__
+    probe = shared.merged_attention_ok.__wrapped__
 
     def fails(*a, **k):
         raise RuntimeError("no kernel")
 
-    monkeypatch.setattr(shared, "merge_splits", fails)
-    with pytest.warns(UserWarning, match="merge kernel failed .*no kernel"):
-        assert not probe("cpu", torch.float32, 16)
-    monkeypatch.setattr(shared, "merge_splits", lambda o1, l1, o2, l2, G, dtype: torch.zeros(6, 1, 4, 16, dtype=dtype))
-    with pytest.warns(UserWarning, match="merge kernel disagreed"):
-        assert not probe("cpu", torch.float32, 16)
+    monkeypatch.setattr(shared, "split_attention_merged", fails)
+    with pytest.warns(UserWarning, match="merged attention kernel failed .*no kernel"):
+        assert not probe("cpu", torch.float32, 16, 16)
+    monkeypatch.setattr(shared, "split_attention_merged", lambda *a: torch.zeros(6, 1, 4, 16))
+    with pytest.warns(UserWarning, match="merged attention kernel disagreed"):
+        assert not probe("cpu", torch.float32, 16, 16)

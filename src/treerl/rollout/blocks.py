@@ -15,8 +15,8 @@ against a 1.3 ms bandwidth floor). Here each layer runs as
    its log-sum-exp (:func:`~treerl.rollout.shared.attend_with_lse`,
    :meth:`~treerl.rollout.shared.SharedPrefixCache.attend_own`);
 3. ``post`` — the LSE merge, output projection, residual, norm, MLP, residual (with the
-   split-key kernels, on CUDA: their merge kernel,
-   :func:`~treerl.rollout.decode_attention.merge_splits`, then ``tail``, the rest);
+   split-key kernels, on CUDA: the own part merged with the prompt part's ranges in one kernel,
+   :func:`~treerl.rollout.decode_attention.split_attention_merged`, then ``tail``, the rest);
 
 (tree rollouts, eagerly between ``pre`` and ``post``: the token's K/V written into its fork
 segment, :meth:`~treerl.rollout.shared.SharedPrefixCache.write_forks`,
@@ -52,9 +52,8 @@ from ..compiled import DECODE_OFF, LazyCompiled
 from ..lora import effective_weight
 from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
-from .decode_attention import merge_splits
 from .rope_kernel import rope_write
-from .shared import SharedPrefixCache, attend_with_lse, merge_parts, merge_splits_ok, shared_part, split_queries
+from .shared import SharedPrefixCache, attend_with_lse, merge_parts, merged_attention_ok, shared_part, split_queries
 
 
 def qkv_rope(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor,
@@ -271,7 +270,8 @@ class DecodeBlocks:
         cos, sin = base.rotary_emb(hidden, pos)
         backend = cache.backend(own_mask.shape[-1], prefix_mask.shape[-1])
         f = self.fused
-        if (backend == "split" and merge_splits_ok(str(hidden.device), hidden.dtype, cache.layers[0].ov.shape[-1])
+        if (backend == "split" and merged_attention_ok(str(hidden.device), hidden.dtype, cache.layers[0].ok.shape[-1],
+                                                       cache.layers[0].ov.shape[-1])
                 and self._rope_kernel(base.layers[0], hidden, cos, sin, G, f.qkv_w[0], f.qkv_b[0], cache.layers[0])):
             return self._kernel_step(hidden, cos, sin, cache, own_mask, prefix_mask)
         for i, layer in enumerate(base.layers):
@@ -283,12 +283,13 @@ class DecodeBlocks:
         return self.model.lm_head(base.norm(hidden)[:, -1])
 
     def _kernel_step(self, hidden, cos, sin, cache: SharedPrefixCache, own_mask, prefix_mask) -> torch.Tensor:
-        """The step with the split-key kernels (CUDA, where the merge and rope kernels passed
-        their probes): per layer the Q/K/V product, the rope kernel
-        (:func:`~treerl.rollout.rope_kernel.rope_write`), the two attention parts, their merge
-        kernel (:func:`~treerl.rollout.decode_attention.merge_splits`), and the block's compiled
+        """The step with the split-key kernels (CUDA, where the merged attention and rope kernels
+        passed their probes): per layer the Q/K/V product, the rope kernel
+        (:func:`~treerl.rollout.rope_kernel.rope_write`), the prompt part's key ranges, the rows' own
+        part merged with them in one kernel
+        (:func:`~treerl.rollout.decode_attention.split_attention_merged`), and the block's compiled
         tail with the next norm (the next layer's input norm, or the final norm) fused after its
-        residual: ~13 kernels a layer (365 a step at 64 rows on the H100's 28-layer 0.6B)."""
+        residual: ~12 kernels a layer."""
         base, f, G = self.base, self.fused, cache.G
         layers = base.layers
         x = self.norm(layers[0].input_layernorm, hidden)
@@ -297,9 +298,9 @@ class DecodeBlocks:
             q_own, q_pre, k, v = rope_write(torch.nn.functional.linear(x, f.qkv_w[i], f.qkv_b[i]), cos, sin,
                                             *_qk_norms(layer), *_heads(layer), G, store.ok, store.ov,
                                             cache.write_block, cache.write_offset)
-            o_own, l_own, o_pre, l_pre, merge_g = self._attention(i, layer, cache, q_own, q_pre, k, v, own_mask,
-                                                                  prefix_mask, "split")
-            attn = merge_splits(o_own, l_own, o_pre, l_pre, merge_g, hidden.dtype)
+            o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask, "split")
+            attn = cache.attend_own_merged(i, q_own, own_mask, layer.self_attn.scaling, o_pre, l_pre, merge_g,
+                                           hidden.dtype)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else base.norm
             hidden, x = self.tail_norm(layer, hidden, attn.reshape(*hidden.shape[:-1], -1), f.gate_up_w[i],
                                        f.gate_up_b[i], f.o_w[i], f.down_w[i], following)
@@ -309,6 +310,14 @@ class DecodeBlocks:
     def _attention(i: int, layer, cache: SharedPrefixCache, q_own, q_pre, k, v, own_mask, prefix_mask, backend: str):
         """Layer ``i``'s two attention parts (and fork levels) in key ranges: ``(o_own, l_own,
         o_pre, l_pre, G of the merge)`` (:func:`~treerl.rollout.shared.merge_parts`)."""
+        o_pre, l_pre, merge_g = DecodeBlocks._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask, backend)
+        o_own, l_own = cache.attend_own(i, q_own, own_mask, layer.self_attn.scaling, backend)
+        return o_own, l_own, o_pre, l_pre, merge_g
+
+    @staticmethod
+    def _prompt_part(i: int, layer, cache: SharedPrefixCache, q_own, q_pre, k, v, prefix_mask, backend: str):
+        """Layer ``i``'s prompt part (and fork levels) in key ranges: ``(o_pre, l_pre, G of the
+        merge)``; writes the token's K/V into its fork segment first (tree rollouts)."""
         G = cache.G
         cache.write_forks(i, k, v)  # tree rollouts: the token's K/V into its fork segment
         pk, pv = cache.prefix(i, q_pre.shape[0])
@@ -319,8 +328,7 @@ class DecodeBlocks:
             forks = cache.fork_levels(i, q_pre.shape[0])
             o_pre, l_pre = shared_part(q_own, o_pre, l_pre, G, forks, scale, backend)
             merge_g = 1
-        o_own, l_own = cache.attend_own(i, q_own, own_mask, scale, backend)
-        return o_own, l_own, o_pre, l_pre, merge_g
+        return o_pre, l_pre, merge_g
 
 
 def _qk_norms(layer: torch.nn.Module) -> tuple:

@@ -7,8 +7,9 @@ head) leaves most of the GPU idle when entries are few and long (8 prompts of 1,
 tokens: 64 programs on 132 SMs), and a kernel tiled for prefill wastes most of its query
 tile on 2 queries. Here the keys of each (entry, head) are split into ``S`` ranges run by
 separate programs (enough programs to fill the GPU), each writing a partial output and
-its LSE; :func:`merge_splits` (the kernel of :func:`~treerl.rollout.shared.merge_parts`)
-merges the splits of both attention levels exactly in one pass.
+its LSE. :func:`split_attention_merged` runs the rows' own part in one key range per (row,
+head) and merges it with the prompt part's ranges in its epilogue (what
+:func:`~treerl.rollout.shared.merge_parts` computes), writing the layer's attention output.
 
 ``q [B, H, M, D]``, ``k/v [B, H, N, D]`` (any strides, last dim contiguous), additive
 ``mask`` rows ``[B, N]`` (broadcast over heads and queries) -> ``out [B, H, S, M, Dv]``
@@ -90,12 +91,13 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _split_kernel(Q, K, V, Mask, O, L, Table,
+    def _split_kernel(Q, K, V, Mask, O, L, Table, O2, L2,
                       sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, stb,
                       sob, soh, sos, som, slb, slh, sls,
+                      s2b, s2h, s2s, s2m, t2b, t2h, t2s, S2, G2,
                       H, M, N, keys_per_split, scale, HIDDEN,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                      IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr):
+                      IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr, MERGE: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
@@ -130,37 +132,29 @@ if triton is not None:
         out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
         keep = offs_m < M
-        tl.store(O + b * sob + h * soh + split * sos + offs_m[:, None] * som + offs_dv[None, :], out, mask=keep[:, None])
-        tl.store(L + b * slb + h * slh + split * sls + offs_m, lse, mask=keep)
-
-    @triton.jit
-    def _merge_kernel(O1, L1, O2, L2, Out,
-                      s1b, s1h, s1s, s1m, t1b, t1h, t1s,
-                      s2b, s2h, s2s, s2m, t2b, t2h, t2s,
-                      sob, soh, S1, S2, G,
-                      GQ: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr, DV: tl.constexpr):
-        """One program per (row, KV head): its ``GQ`` query heads' outputs merged over the
-        key ranges of both parts (:func:`merge_splits`)."""
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        g = b // G
-        r = b % G
-        k1 = tl.arange(0, BS1)
-        k2 = tl.arange(0, BS2)
-        d = tl.arange(0, DV)
-        for j in tl.static_range(GQ):
-            m2 = r * GQ + j  # the query's index in its group's layout
-            l1 = tl.load(L1 + b * t1b + h * t1h + k1 * t1s + j, mask=k1 < S1, other=-float("inf"))
-            l2 = tl.load(L2 + g * t2b + h * t2h + k2 * t2s + m2, mask=k2 < S2, other=-float("inf"))
-            m = tl.maximum(tl.max(l1, 0), tl.max(l2, 0))
-            w1 = tl.exp(l1 - m)
-            w2 = tl.exp(l2 - m)
-            o1 = tl.load(O1 + b * s1b + h * s1h + k1[:, None] * s1s + j * s1m + d[None, :],
-                         mask=(k1 < S1)[:, None], other=0.0)
-            o2 = tl.load(O2 + g * s2b + h * s2h + k2[:, None] * s2s + m2 * s2m + d[None, :],
-                         mask=(k2 < S2)[:, None], other=0.0)
-            out = (tl.sum(w1[:, None] * o1, 0) + tl.sum(w2[:, None] * o2, 0)) / (tl.sum(w1, 0) + tl.sum(w2, 0))
-            tl.store(Out + b * sob + (h * GQ + j) * soh + d, out.to(Out.dtype.element_ty))
+        if MERGE:  # one key range (split 0): merged here with the other part's S2 ranges of query r x M + m of
+            # group b // G2 (r = b % G2) by their LSEs, the result written as O [B, 1, H x M, DV] (its dtype)
+            rows = (b % G2) * M + offs_m
+            run = lse
+            den = tl.where(has, 1.0, 0.0)
+            for j in range(0, S2):
+                l2 = tl.load(L2 + (b // G2) * t2b + h * t2h + j * t2s + rows, mask=keep, other=float("-inf"))
+                o2 = tl.load(O2 + (b // G2) * s2b + h * s2h + j * s2s + rows[:, None] * s2m + offs_dv[None, :],
+                             mask=keep[:, None], other=0.0)
+                new = tl.maximum(run, l2)
+                safe = tl.where(new == float("-inf"), 0.0, new)  # neither part has keys yet: weights 0
+                a = tl.exp(run - safe)
+                w2 = tl.exp(l2 - safe)  # (not `c`: the mask loop's int32 variable above)
+                out = out * a[:, None] + o2 * w2[:, None]
+                den = den * a + w2
+                run = new
+            out = out / tl.where(den > 0, den, 1.0)[:, None]
+            tl.store(O + b * sob + (h * M + offs_m)[:, None] * soh + offs_dv[None, :], out.to(O.dtype.element_ty),
+                     mask=keep[:, None])
+        else:
+            tl.store(O + b * sob + h * soh + split * sos + offs_m[:, None] * som + offs_dv[None, :], out,
+                     mask=keep[:, None])
+            tl.store(L + b * slb + h * slh + split * sls + offs_m, lse, mask=keep)
 
 
 def splits_for(batch: int, heads: int, keys: int, target: int = TARGET_PROGRAMS, block_n: int = BLOCK_N) -> int:
@@ -177,6 +171,40 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     ``[B, max_blocks]`` (integer): ``k/v`` are block pools ``[blocks, H, PAGE, D]`` read
     through it, ``N`` = the mask's width. The other keyword arguments are kernel settings
     (``bench/tune_split_attention.py`` measures them)."""
+    B, H, M, _ = q.shape
+    N = k.shape[2] if table is None else mask.shape[-1]
+    S = splits_for(B, H, N, target, block_n) if splits is None else splits
+    per = -(-(-(-N // S)) // block_n) * block_n  # keys per split, whole blocks
+    S = max(1, -(-N // per))
+    out = torch.empty(B, H, S, M, v.shape[3], device=q.device, dtype=torch.float32)
+    lse = torch.empty(B, H, S, M, device=q.device, dtype=torch.float32)
+    _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, out,
+            (out.stride(0), out.stride(1), out.stride(2), out.stride(3)), lse)
+    return out, lse
+
+
+def split_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                           o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, dtype: torch.dtype, *,
+                           table: torch.Tensor | None = None, block_n: int = BLOCK_N, num_warps: int | None = None,
+                           num_stages: int = 2) -> torch.Tensor:
+    """:func:`split_attention` over one key range per (entry, head) with
+    :func:`~treerl.rollout.shared.merge_parts` in its epilogue: ``q/k/v/mask/table`` as there (the rows' own part, ``M = gq`` queries), ``o_pre
+    [B/G, H, S2, G x gq, Dv]`` / ``l_pre`` the other part's key ranges (:func:`split_attention`'s
+    outputs for the groups' queries) -> ``[B, 1, H x gq, Dv]`` in ``dtype``. No partials of the own
+    part are written and no merge kernel runs (one launch a layer fewer)."""
+    B, H, M, _ = q.shape
+    N = k.shape[2] if table is None else mask.shape[-1]
+    assert o_pre.shape[0] * G == B and o_pre.shape[1] == H and o_pre.shape[3] == G * M and o_pre.stride(-1) == 1
+    out = torch.empty(B, 1, H * M, v.shape[3], device=q.device, dtype=dtype)
+    per = -(-N // block_n) * block_n
+    _launch(q, k, v, mask, scale, table, 1, per, block_n, num_warps, num_stages, out,
+            (out.stride(0), out.stride(2), 0, 0), None, (o_pre, l_pre, G))
+    return out
+
+
+def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, out, out_strides, lse,
+            merge=None) -> None:
+    """One launch of ``_split_kernel`` over ``(B x H, S)`` programs of ``per`` keys each."""
     B, H, M, D = q.shape
     DV = v.shape[3]
     mask = mask.reshape(mask.shape[0], mask.shape[-1]) if mask.dim() == 4 else mask
@@ -185,44 +213,21 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     else:
         N, page = mask.shape[-1], k.shape[2]
         assert table.shape[0] == B and table.shape[1] * page >= N and table.stride(1) == 1
-    S = splits_for(B, H, N, target, block_n) if splits is None else splits
-    per = -(-(-(-N // S)) // block_n) * block_n  # keys per split, whole blocks
-    S = max(1, -(-N // per))
-    out = torch.empty(B, H, S, M, DV, device=q.device, dtype=torch.float32)
-    lse = torch.empty(B, H, S, M, device=q.device, dtype=torch.float32)
+    o2, l2, G2 = merge if merge is not None else (out, out, 1)  # (not read without a merge)
+    lse = out if lse is None else lse  # (not written with a merge)
     block_m = max(16, triton.next_power_of_2(M))
     _split_kernel[(B * H, S)](
-        q, k, v, mask, out, lse, table,
+        q, k, v, mask, out, lse, table, o2, l2,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0), table.stride(0),
-        out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
+        *out_strides, lse.stride(0), lse.stride(1), lse.stride(2) if lse.dim() > 2 else 0,
+        *((o2.stride(0), o2.stride(1), o2.stride(2), o2.stride(3), l2.stride(0), l2.stride(1), l2.stride(2),
+           o2.shape[2]) if merge is not None else (0,) * 8), G2,
         H, M, N, per, scale, float(torch.finfo(mask.dtype).min),
         BLOCK_M=block_m, BLOCK_N=block_n, D=D, DV=DV, IEEE=q.dtype == torch.float32, PAGE=page,
-        MASK_CHUNK=min(1024, max(16, triton.next_power_of_2(per))),
+        MASK_CHUNK=min(1024, max(16, triton.next_power_of_2(per))), MERGE=merge is not None,
         num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages,
     )
-    return out, lse
-
-
-def merge_splits(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, l_pre: torch.Tensor, G: int,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """:func:`~treerl.rollout.shared.merge_parts` in one kernel: the key ranges of both parts
-    (``o_own [B, Hkv, S1, gq, Dv]``, ``l_own [B, Hkv, S1, gq]``; ``o_pre [B/G, Hkv, S2, G x gq,
-    Dv]``, ``l_pre`` likewise: :func:`split_attention`'s outputs, last dim contiguous) merged by
-    their LSEs, read where the splits wrote them (no regrouping copy): ``[B, 1, Hkv x gq, Dv]``
-    in ``dtype``."""
-    B, Hkv, S1, gq, Dv = o_own.shape
-    S2 = o_pre.shape[2]
-    out = torch.empty(B, 1, Hkv * gq, Dv, device=o_own.device, dtype=dtype)
-    _merge_kernel[(B, Hkv)](
-        o_own, l_own, o_pre, l_pre, out,
-        o_own.stride(0), o_own.stride(1), o_own.stride(2), o_own.stride(3), l_own.stride(0), l_own.stride(1), l_own.stride(2),
-        o_pre.stride(0), o_pre.stride(1), o_pre.stride(2), o_pre.stride(3), l_pre.stride(0), l_pre.stride(1), l_pre.stride(2),
-        out.stride(0), out.stride(2), S1, S2, G,
-        GQ=gq, BS1=max(2, triton.next_power_of_2(S1)), BS2=max(2, triton.next_power_of_2(S2)), DV=Dv,
-        num_warps=1 if Dv <= 64 else 2,
-    )
-    return out
 
 
 def to_pages(k: torch.Tensor, v: torch.Tensor, page: int,

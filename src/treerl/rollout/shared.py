@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .decode_attention import merge_splits, split_attention, split_attention_ok
+from .decode_attention import split_attention, split_attention_merged, split_attention_ok
 from .kernel_probe import kernel_agrees
 
 
@@ -184,6 +184,16 @@ class SharedPrefixCache(Cache):
             return x.transpose(1, 2).reshape(s, x.shape[2], -1, x.shape[-1])[:, :, :n]
 
         return dense(layer.ok), dense(layer.ov)
+
+    def attend_own_merged(self, layer_idx: int, q_own: torch.Tensor, own_mask: torch.Tensor, scale: float,
+                          o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`attend_own` through the split-key kernel in one key range per row, merged in the
+        kernel with the prompt part's ranges ``o_pre``/``l_pre`` (groups of ``G`` rows; 1: the rows'
+        layout) -> the layer's attention ``[s, 1, Hkv x gq, Dv]`` in ``dtype``
+        (:func:`~treerl.rollout.decode_attention.split_attention_merged`)."""
+        layer = self.layers[layer_idx]
+        return split_attention_merged(q_own, layer.ok, layer.ov, own_mask, scale, o_pre, l_pre, G, dtype,
+                                      table=self.table[:q_own.shape[0]])
 
     def attend_own(self, layer_idx: int, q_own: torch.Tensor, own_mask: torch.Tensor, scale: float,
                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,25 +406,31 @@ def merge_parts(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, l
 
 
 @functools.lru_cache(maxsize=None)
-def merge_splits_ok(device: str, dtype: torch.dtype, value_dim: int) -> bool:
-    """Whether :func:`~treerl.rollout.decode_attention.merge_splits` runs here and agrees with
-    :func:`merge_parts` (probed once per device, dtype and value size, on
-    two groups of 3 rows, 2 KV heads of 2 query heads, 3 and 2 ranges, one of them empty). A
-    failure warns with its reason (:func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
-    if not split_attention_ok(device, dtype, value_dim, value_dim) or value_dim & (value_dim - 1):
+def merged_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int) -> bool:
+    """Whether :func:`~treerl.rollout.decode_attention.split_attention_merged` runs here and agrees
+    with the own part in float64 merged by :func:`merge_parts` (probed once per device, dtype and
+    head sizes, on two groups of 3 rows, 2 KV heads of 2 query heads, a row with fewer keys, the
+    prompt part in 2 ranges, one of them empty). A failure warns with its reason
+    (:func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
+    if not split_attention_ok(device, dtype, head_dim, value_dim) or value_dim & (value_dim - 1):
         return False
+
     def check() -> bool:
         g = torch.Generator(device=device).manual_seed(0)
-        o1 = torch.randn(6, 2, 3, 2, value_dim, device=device, generator=g)
-        l1 = torch.randn(6, 2, 3, 2, device=device, generator=g)
+        q = torch.randn(6, 2, 2, head_dim, device=device, dtype=dtype, generator=g)
+        k = torch.randn(6, 2, 40, head_dim, device=device, dtype=dtype, generator=g)
+        v = torch.randn(6, 2, 40, value_dim, device=device, dtype=dtype, generator=g)
+        mask = torch.zeros(6, 1, 1, 40, device=device, dtype=dtype)
+        mask[4, ..., 17:] = torch.finfo(dtype).min
         o2 = torch.randn(2, 2, 2, 6, value_dim, device=device, generator=g)
         l2 = torch.randn(2, 2, 2, 6, device=device, generator=g)
         l2[0, 0, 1] = float("-inf")
-        want = merge_parts(o1.double(), l1.double(), o2.double(), l2.double(), 3, torch.float64)
-        got = merge_splits(o1, l1, o2, l2, 3, dtype)
+        o1, l1 = _attend_math(q.double(), k.double(), v.double(), mask.double(), 0.125)
+        want = merge_parts(o1.unsqueeze(2), l1.unsqueeze(2), o2.double(), l2.double(), 3, torch.float64)
+        got = split_attention_merged(q, k, v, mask, 0.125, o2, l2, 3, dtype)
         return torch.allclose(got.double(), want, atol=1e-5 if dtype == torch.float32 else 2e-2)
 
-    return kernel_agrees(check, what="the decode step's merge kernel", reference="merge_parts",
+    return kernel_agrees(check, what="the decode step's merged attention kernel", reference="merge_parts",
                          where=f"{device} ({dtype})",
                          fallback="the decode step runs without its split-key kernel step (slower)")
 
