@@ -178,8 +178,10 @@ async def run_agents(args, vocab: int, call, agents: range, probe: bool = False)
     seconds."""
     latencies: list[float] = []
     probes: list[float] = []
+    probe_starts: list[float] = []  # seconds after the run's start
     tokens = 0
     done = asyncio.Event()
+    t0 = time.perf_counter()
 
     async def agent(i: int) -> None:
         nonlocal tokens
@@ -201,6 +203,7 @@ async def run_agents(args, vocab: int, call, agents: range, probe: bool = False)
             await call(probe_prompt(args, vocab, 10**5 + k), args.probe_tokens, 0.0)
             if not done.is_set():  # only probes that ran entirely behind the agents
                 probes.append(time.perf_counter() - t)
+                probe_starts.append(t - t0)
             k += 1
 
     async def agents_then_done() -> None:
@@ -211,7 +214,8 @@ async def run_agents(args, vocab: int, call, agents: range, probe: bool = False)
 
     start, cpu = time.monotonic(), time.process_time()
     await asyncio.gather(agents_then_done(), *([prober()] if probe else []))
-    return {"tokens": tokens, "latencies": latencies, "probe_latencies": probes, "start": start,
+    return {"tokens": tokens, "latencies": latencies, "probe_latencies": probes, "probe_starts": probe_starts,
+            "start": start,
             "end": time.monotonic(), "cpu_s": time.process_time() - cpu}
 
 
@@ -228,6 +232,9 @@ def combine(parts: list[dict]) -> dict:
     if probes:
         pq = np.percentile(probes, [50, 99])
         out |= {"probes": len(probes), "probe_p50_s": float(pq[0]), "probe_p99_s": float(pq[1])}
+        starts = [x for p in parts for x in p.get("probe_starts", [])]
+        out["probe_slowest"] = [dict(start_s=round(s, 4), latency_s=round(x, 4))  # where the tail comes from
+                                for x, s in sorted(zip(probes, starts), reverse=True)[:6]]
     return out
 
 
@@ -498,6 +505,8 @@ def main(argv=None) -> dict:
             print(f"{name:12} alone p50 {r['probe_alone_p50_s']:.3f} s p99 {r['probe_alone_p99_s']:.3f} s; behind "
                   f"p50 {r['probe_p50_s']:.3f} s p99 {r['probe_p99_s']:.3f} s ({r['probes']} probes): "
                   f"x{r['probe_behind_over_alone_p50']:.2f} p50, x{r['probe_behind_over_alone_p99']:.2f} p99")
+            print(f"{name:12} slowest probes (start s after the run's start: latency s): "
+                  + ", ".join(f"{p['start_s']:.2f}: {p['latency_s']:.3f}" for p in r["probe_slowest"]))
     for name in modes:
         print(f"{name}: {summary(results[name])}")
     for name in modes:
