@@ -731,3 +731,52 @@ def test_merged_attention_probe_warns_when_it_fails(monkeypatch):
     monkeypatch.setattr(shared, "split_attention_merged", lambda *a: torch.zeros(6, 1, 4, 16))
     with pytest.warns(UserWarning, match="merged attention kernel disagreed"):
         assert not probe("cpu", torch.float32, 16, 16)
+
+
+def test_prefill_runs_in_a_captured_bucket_that_holds_it():
+    """A shape whose own bucket has no graph runs in the smallest captured bucket that holds it
+    (at most COVER_PADDING x its query slots) instead of capturing one; an uncaptured bucket
+    covers nothing, and without graphs every shape keeps its own bucket."""
+    from types import SimpleNamespace
+
+    from treerl.rollout.prefill_graphs import COVER_PADDING, PrefillBucket, PrefillGraphs
+
+    graphs = PrefillGraphs(None, None, 1, (1, 16, 16), torch.float32, torch.device("cpu"), 2048, use_graphs=True)
+    captured, uncaptured = SimpleNamespace(graph=object()), SimpleNamespace(graph=None)
+    graphs._runs = {PrefillBucket(8, 64, 512): captured, PrefillBucket(4, 64, 512): captured,
+                    PrefillBucket(16, 128, 256): uncaptured}
+    assert graphs.bucket(3, 30, 300) == PrefillBucket(4, 64, 512)  # own (4, 32, 512): 2x padding, the smallest
+    assert graphs.bucket(5, 64, 257) == PrefillBucket(8, 64, 512)
+    assert graphs.bucket(2, 16, 256) == PrefillBucket(2, 16, 256)  # 8x padding: > COVER_PADDING (4), its own
+    assert graphs.bucket(9, 100, 200) == PrefillBucket(16, 128, 256)  # not captured: its own (captured at its use)
+    assert graphs.bucket(4, 40, 600) == PrefillBucket(4, 64, 1024)  # no captured bucket holds its slots
+    assert graphs.bucket(4, 64, 512) == PrefillBucket(4, 64, 512) and COVER_PADDING == 4
+    graphs.use_graphs = False
+    assert graphs.bucket(3, 30, 300) == PrefillBucket(4, 32, 512)
+
+
+def test_prefill_in_a_larger_bucket_equals_each_sequence_alone(model):
+    """The prefill of cache hits and misses laid out in a bucket larger than its own in every
+    dimension (what a captured bucket that holds it runs): every sequence's K/V and last
+    logits equal an independent forward of it alone, in float64."""
+    from treerl.rollout.kv import rollout_attention_enabled
+    from treerl.rollout.prefill_graphs import PrefillBucket
+    from treerl.rollout.prefix_cache import PrefixEntry
+
+    seqs = random_prompts([20, 9, 31, 5, 17], seed=31)
+    cut = [7, 0, 30, 5, 0]
+    cached = [PrefixEntry(tuple(s[:c]), *_full_forward(model, s[:c]), 0) if c else None for s, c in zip(seqs, cut)]
+    engine = RolloutEngine(model, prefill_graph_tokens=2048)  # own bucket (8, 32, 256); run in (16, 64, 512)
+    graphs = engine.prefiller.graphs
+    own = graphs.bucket
+    graphs.bucket = lambda rows, window, slots: PrefillBucket(2 * own(rows, window, slots).rows, 2 * own(
+        rows, window, slots).window, 2 * own(rows, window, slots).slots)
+    with rollout_attention_enabled(model), torch.no_grad():
+        cache, lens, logits = engine.prefiller(seqs, cached, engine.stats)
+    C = cache.length
+    assert C == 512 and cache.all_keys.shape[1] == 16 and engine.stats.prefill_graph_calls == 1
+    for i, s in enumerate(seqs):
+        keys, values, last = _full_forward(model, s)
+        assert torch.allclose(cache.all_keys[:, i, :, C - len(s) :], keys, rtol=1e-9, atol=1e-12), i
+        assert torch.allclose(cache.all_values[:, i, :, C - len(s) :], values, rtol=1e-9, atol=1e-12), i
+        assert torch.allclose(logits[i], last, rtol=1e-9, atol=1e-12), i

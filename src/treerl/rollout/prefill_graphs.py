@@ -12,7 +12,8 @@ padding rows and queries see, and write, slot 0 only, which no real query sees, 
 real token's attention is the one of the exact shape. The inputs are copied into the
 bucket's static tensors and its forward is replayed as a CUDA graph captured at the
 bucket's first use (``use_graphs``; without it, on the CPU for instance, the same layout
-runs eagerly).
+runs eagerly). A shape that a captured bucket holds with little padding runs there instead
+of capturing its own (:meth:`PrefillGraphs.bucket`): a busy server captures few graphs.
 
 Every bucket's cache is a view of one pair of K/V buffers (``max_slots`` rows x slots,
 allocated at the first small prefill): a prefill's K/V is copied out, into the running
@@ -32,6 +33,7 @@ from .kv import SlotCache
 
 MIN_WINDOW, MIN_SLOTS = 16, 256  # the smallest buckets (fewer shapes, hence fewer captures)
 DEFAULT_TOKENS = 2048  # the rollout engine's default on CUDA (``prefill_graph_tokens``)
+COVER_PADDING = 4  # a captured bucket runs a shape of up to this many times fewer query slots (bucket())
 
 
 def _pow2(n: int, floor: int) -> int:
@@ -100,11 +102,20 @@ class PrefillGraphs:
 
     def bucket(self, rows: int, window: int, slots: int) -> PrefillBucket | None:
         """The bucket of a prefill of ``rows`` sequences, ``window`` queries and ``slots`` K/V
-        slots per row, or None when it is too large for one."""
+        slots per row, or None when it is too large for one. A shape whose own bucket has no
+        graph yet runs in the smallest captured bucket that holds it (at most ``COVER_PADDING``
+        times its query slots) instead of capturing one: a capture stalls every running row's
+        decode for ~0.1-0.2 s (session 12 on an H200: the served short request's slowest
+        probes), a padded replay costs ~1 ms."""
         b = PrefillBucket(_pow2(rows, 1), _pow2(window, MIN_WINDOW), _pow2(slots, MIN_SLOTS))
         if b.rows * b.window > self.max_tokens or b.rows * b.slots > self.max_slots:
             return None
-        return b
+        run = self._runs.get(b)
+        if not self.use_graphs or (run is not None and run.graph is not None):
+            return b
+        covers = [c for c, r in self._runs.items() if r.graph is not None and c.rows >= b.rows and c.window >= b.window
+                  and c.slots >= b.slots and c.rows * c.window <= COVER_PADDING * b.rows * b.window]
+        return min(covers, key=lambda c: (c.rows * c.window, c.rows * c.slots), default=b)
 
     def cache(self, bucket: PrefillBucket) -> SlotCache:
         """The bucket's cache (its K/V slots hold what the last prefill left: finite values)."""
