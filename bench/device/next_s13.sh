@@ -1,6 +1,6 @@
 #!/bin/bash
 # For the next session with device time (written in session 12; one call, ~9 minutes; any H100/H200 kind).
-# Before the call, here: rm -rf .v && mkdir -p .v/base && git archive 8d33348 src bench | tar -x -C .v/base
+# Before the call, here: rm -rf .v && mkdir -p .v/base && git archive "$(git log --format=%h -1 --grep='^loss head: the weight')~1" src bench | tar -x -C .v/base
 # (main before the loss head's change) and run with carry [".v"] (plus ".whl" on an H200 without FastAPI, not needed here).
 # 1. Issue 24: the loss head's weight gradient accumulated by the product itself (addmm_, beta = 1) instead of a
 #    product then an add per chunk of 883 rows. Predicted from session 12's grpo profile (H200, H100 budget): the bf16
