@@ -50,3 +50,43 @@ def test_chunked_loss_head_weight_only_and_hidden_only():
         ref = torch.log_softmax(h2 @ w2.t(), -1).gather(1, targets[:, None]).sum()
         (r,) = torch.autograd.grad(ref, h2 if grad_hidden else w2)
         assert torch.allclose(g, r, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_loss_head_no_rows_gives_zero_weight_gradient():
+    """A call with no rows (e.g. a one-token sequence: nothing to predict) adds nothing to the head's gradient."""
+    hidden = torch.zeros(0, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 4, dtype=torch.float64, requires_grad=True)
+    logprob, _ = token_logprobs(hidden, weight, torch.zeros(0, dtype=torch.int64), chunk_elements=2 * 11)
+    (g,) = torch.autograd.grad(logprob.sum() + 0.0 * weight.sum(), weight)
+    assert torch.equal(g, torch.zeros_like(weight))
+
+
+def test_chunked_loss_head_under_autocast_runs_its_products_in_the_autocast_dtype():
+    """Under autocast (an fp32 model, ``train.autocast_bf16``) the backward's vocabulary-sized products run in
+    bf16, as ``a @ b`` does there (``out=`` and ``addmm_`` bypass autocast), and the gradients keep fp32."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+                self.dtypes.append(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(2)
+    hidden = torch.randn(9, 8, requires_grad=True)
+    weight = torch.randn(13, 8, requires_grad=True)
+    targets = torch.randint(0, 13, (9,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logprob, _ = token_logprobs(hidden, weight, targets, chunk_elements=4 * 13)
+        with Products() as seen:
+            gh, gw = torch.autograd.grad(logprob.sum(), (hidden, weight))
+    assert seen.dtypes and set(seen.dtypes) == {torch.bfloat16}, seen.dtypes
+    assert gh.dtype == gw.dtype == torch.float32
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref = torch.autograd.grad(torch.log_softmax(h64 @ w64.t(), -1).gather(1, targets[:, None]).sum(), (h64, w64))
+    for g, r in zip((gh, gw), ref):
+        assert torch.allclose(g.double(), r, rtol=0.05, atol=0.05)

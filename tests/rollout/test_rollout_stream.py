@@ -735,7 +735,7 @@ def test_merged_attention_probe_warns_when_it_fails(monkeypatch):
 
 def test_prefill_runs_in_a_captured_bucket_that_holds_it():
     """A shape whose own bucket has no graph runs in the smallest captured bucket that holds it
-    (at most COVER_PADDING x its query slots) instead of capturing one; an uncaptured bucket
+    (at most COVER_PADDING x its query slots and K/V slots) instead of capturing one; an uncaptured bucket
     covers nothing, and without graphs every shape keeps its own bucket."""
     from types import SimpleNamespace
 
@@ -751,6 +751,9 @@ def test_prefill_runs_in_a_captured_bucket_that_holds_it():
     assert graphs.bucket(9, 100, 200) == PrefillBucket(16, 128, 256)  # not captured: its own (captured at its use)
     assert graphs.bucket(4, 40, 600) == PrefillBucket(4, 64, 1024)  # no captured bucket holds its slots
     assert graphs.bucket(4, 64, 512) == PrefillBucket(4, 64, 512) and COVER_PADDING == 4
+    graphs._runs[PrefillBucket(1, 64, 8192)] = captured
+    assert graphs.bucket(1, 16, 200) == PrefillBucket(1, 16, 256)  # (1, 64, 8192): 32x its K/V slots, its own
+    assert graphs.bucket(1, 40, 3000) == PrefillBucket(1, 64, 8192)  # own (1, 64, 4096): 2x
     graphs.use_graphs = False
     assert graphs.bucket(3, 30, 300) == PrefillBucket(4, 32, 512)
 

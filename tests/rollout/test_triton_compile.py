@@ -4,23 +4,30 @@ Triton's interpreter (``TRITON_INTERPRET=1``) runs a kernel's Python on the CPU 
 type-check the kernel as the compiler does: session 12 sent a kernel to the GPU whose loop reused an ``int32`` loop
 variable as a float, which the interpreter ran and the compiler refused. These tests run each launcher on small CPU
 tensors with its kernel replaced by a recorder, then compile every recorded launch ahead of time for an H100/H200
-(``triton.compile`` with a ``GPUTarget``: front end, LLVM and ``ptxas``, no GPU needed).
+(``triton.compile`` with a ``GPUTarget``: front end, LLVM and ``ptxas``, no GPU needed). The launch's signature,
+its arguments specialised to constants (integers equal to 1) and its divisibility hints come from Triton's own
+binder, as the runtime builds them (private API of the pinned Triton 3.6.0), so the compiled variant is the one the
+GPU compiles; each must fit an SM's shared memory.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # (the interpreter's kernels are Python functions: nothing to compile)
+    pytest.skip("compiles kernels; TRITON_INTERPRET=1 interprets them", allow_module_level=True)
 triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from treerl.rollout import decode_attention, race_kernel, rope_kernel  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
-           torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+SHARED_MEMORY = 232_448  # bytes of shared memory one program may take on sm_90 (227 KB)
 
 
 class _Recorder:
@@ -34,33 +41,21 @@ class _Recorder:
         return lambda *args, **kwargs: self.calls.append((args, kwargs))
 
 
-def _arg_type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + _DTYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {type(value).__name__}")
-
-
-def _compile(recorder: _Recorder) -> int:
-    """Compiles each recorded launch for sm_90; returns how many."""
-    kernel = recorder.kernel
-    names = kernel.arg_names
+def _compile(recorder: _Recorder) -> list:
+    """Compiles each recorded launch for sm_90 as the runtime would; returns the compiled kernels."""
+    kernel, backend = recorder.kernel, make_backend(HOPPER)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    compiled = []
     for args, kwargs in recorder.calls:
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-        values = dict(zip(names, args)) | kwargs
-        assert set(values) == set(names), f"{kernel.__name__}: arguments {sorted(set(names) - set(values))} not given"
-        constexpr = {p.name for p in kernel.params if p.is_constexpr}
-        signature = {n: "constexpr" if n in constexpr else _arg_type(values[n]) for n in names}
-        constants = {(names.index(n),): values[n] for n in constexpr}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=HOPPER,
-                                  options=options)
-        assert compiled.asm["cubin"], kernel.__name__
-    return len(recorder.calls)
+        bound, specialization, options = binder(*args, **dict(kwargs))
+        options, signature, constexprs, attrs = kernel._pack_args(backend, dict(kwargs), bound, specialization,
+                                                                  options)
+        c = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                           target=HOPPER, options=options.__dict__)
+        assert c.asm["cubin"] and c.metadata.shared <= SHARED_MEMORY, (kernel.__name__, c.metadata.shared)
+        compiled.append(c)
+    recorder.calls.clear()
+    return compiled
 
 
 @pytest.fixture
@@ -72,19 +67,23 @@ def record(monkeypatch):
     return install
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_split_attention_compiles_for_hopper(record, dtype):
-    """The split kernel: the prompt part's ranges (dense), the own part (paged, through a block table) with and
-    without the merge in its epilogue, both dense and paged."""
+@pytest.mark.parametrize("dtype, page, G, gq, D", [
+    (torch.bfloat16, 64, 8, 2, 128),  # Qwen3's decode (16 query heads over 8 KV heads), the default block of 64
+    (torch.bfloat16, 16, 2, 2, 64),  # a block smaller than the key tile
+    (torch.float16, 128, 1, 1, 64),  # one row a group, one query a head: the arguments equal to 1 are constants
+    (torch.float32, 64, 4, 2, 64),  # float32 (its products in IEEE float32)
+])
+def test_split_attention_compiles_for_hopper(record, dtype, page, G, gq, D):
+    """The split kernel: the prompt part's ranges (dense), the rows' own part (paged, through a block table)
+    with and without the merge in its epilogue, and the merge over dense keys."""
     kernel = record(decode_attention, "_split_kernel")
-    B, G, H, gq, N, D, page = 4, 2, 2, 2, 96, 64, 16
+    B, H, N, own = 2 * G, 2, 96, 2 * page
     q_pre = torch.randn(B // G, H, G * gq, D, dtype=dtype)
     k, v = torch.randn(B // G, H, N, D, dtype=dtype), torch.randn(B // G, H, N, D, dtype=dtype)
-    mask = torch.zeros(B // G, N, dtype=dtype)
-    o_pre, l_pre = decode_attention.split_attention(q_pre, k, v, mask, 0.125, splits=2)
+    o_pre, l_pre = decode_attention.split_attention(q_pre, k, v, torch.zeros(B // G, N, dtype=dtype), 0.125)
     q = torch.randn(B, H, gq, D, dtype=dtype)
-    own_k, own_v = torch.randn(B, H, 32, D, dtype=dtype), torch.randn(B, H, 32, D, dtype=dtype)
-    own_mask = torch.zeros(B, 32, dtype=dtype)
+    own_k, own_v = torch.randn(B, H, own, D, dtype=dtype), torch.randn(B, H, own, D, dtype=dtype)
+    own_mask = torch.zeros(B, own, dtype=dtype)
     pk, pv, table = decode_attention.to_pages(own_k, own_v, page)
     table = table.to(torch.int32)
     decode_attention.split_attention(q, pk, pv, own_mask, 0.125, table=table)
@@ -92,13 +91,35 @@ def test_split_attention_compiles_for_hopper(record, dtype):
         kv = (pk, pv) if paged else (own_k, own_v)
         decode_attention.split_attention_merged(q, *kv, own_mask, 0.125, o_pre, l_pre, G, dtype,
                                                 table=table if paged else None)
-    assert _compile(kernel) == 4
+    assert len(_compile(kernel)) == 4
 
 
-@pytest.mark.parametrize("norm", [False, True])
-def test_rope_write_compiles_for_hopper(record, norm):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_attention_runs_large_groups_in_slices_that_fit(record, dtype):
+    """A group's queries beyond one program's tile (``MAX_QUERIES``: 256 16-bit, 128 float32 queries of 128) run
+    in slices of it, every query once, each launch within an SM's shared memory (float32's 256-query tile would
+    take 263 KB)."""
+    kernel = record(decode_attention, "_split_kernel")
+    step = decode_attention.MAX_QUERIES[dtype == torch.float32]
+    M, D, N = 2 * step + 8, 128, 300
+    q = torch.randn(1, 2, M, D, dtype=dtype)
+    k, v = torch.randn(1, 2, N, D, dtype=dtype), torch.randn(1, 2, N, D, dtype=dtype)
+    out, lse = decode_attention.split_attention(q, k, v, torch.zeros(1, N, dtype=dtype), 0.125)
+    starts = [args[0].data_ptr() for args, _ in kernel.calls]
+    assert [args[0].shape[2] for args, _ in kernel.calls] == [step, step, 8]
+    assert starts == [q.data_ptr() + m * q.stride(2) * q.element_size() for m in (0, step, 2 * step)]
+    assert [args[4].data_ptr() for args, _ in kernel.calls] == [
+        out.data_ptr() + m * out.stride(3) * out.element_size() for m in (0, step, 2 * step)]
+    assert [args[5].data_ptr() for args, _ in kernel.calls] == [
+        lse.data_ptr() + m * lse.stride(3) * lse.element_size() for m in (0, step, 2 * step)]
+    kernel.calls[2:] = []  # (the largest tiles: the limit)
+    _compile(kernel)
+
+
+@pytest.mark.parametrize("D, heads, kv_heads, G", [(64, 4, 2, 2), (128, 16, 8, 16), (128, 8, 8, 1)])
+def test_rope_write_compiles_for_hopper(record, D, heads, kv_heads, G):
     kernel = record(rope_kernel, "_rope_write_kernel")
-    B, G, heads, kv_heads, D, page = 4, 2, 4, 2, 64, 16
+    B, page = 2 * G, 64
 
     class Norm(torch.nn.Module):
         weight = torch.ones(D, dtype=torch.bfloat16)
@@ -107,14 +128,19 @@ def test_rope_write_compiles_for_hopper(record, norm):
     qkv = torch.randn(B, 1, (heads + 2 * kv_heads) * D, dtype=torch.bfloat16)
     cos, sin = torch.randn(B, 1, D, dtype=torch.bfloat16), torch.randn(B, 1, D, dtype=torch.bfloat16)
     own_k = torch.zeros(8, kv_heads, page, D, dtype=torch.bfloat16)
-    rope_kernel.rope_write(qkv, cos, sin, Norm() if norm else None, Norm() if norm else None, heads, kv_heads, G,
-                           own_k, own_k.clone(), torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32))
-    assert _compile(kernel) == 1
+    for norm in (None, Norm()):
+        rope_kernel.rope_write(qkv, cos, sin, norm, norm, heads, kv_heads, G, own_k, own_k.clone(),
+                               torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32))
+    assert len(_compile(kernel)) == 2
 
 
 def test_race_kernel_compiles_for_hopper(record):
+    """The sampling race over a vocabulary in split column ranges, and in one (``splits=1``), float32 and bf16
+    logits, one temperature per row or one for all."""
     partial, combine = record(race_kernel, "_partial"), record(race_kernel, "_combine")
-    logits = torch.randn(3, 1000, dtype=torch.float32)
-    race_kernel.race_kernel(logits, torch.full((3,), 0.7), torch.arange(3, dtype=torch.int64))
-    race_kernel.race_kernel(logits.bfloat16(), torch.ones(1), torch.arange(3, dtype=torch.int64))
-    assert _compile(partial) == 2 and _compile(combine) == 2
+    logits = torch.randn(3, 5000, dtype=torch.float32)
+    seeds = torch.arange(3, dtype=torch.int64)
+    race_kernel.race_kernel(logits, torch.full((3,), 0.7), seeds)
+    race_kernel.race_kernel(logits.bfloat16(), torch.ones(1), seeds)
+    race_kernel.race_kernel(logits, torch.full((3,), 0.7), seeds, splits=1)
+    assert len(_compile(partial)) == 3 and len(_compile(combine)) == 3

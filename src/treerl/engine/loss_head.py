@@ -61,6 +61,19 @@ def _kernels(compiled: bool):
     return _COMPILED if compiled else (_chunk_forward, _chunk_grad_logits)
 
 
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """``out = a @ b`` (``out += a @ b`` with ``accumulate``) written by the product itself. Under
+    autocast (which ``out=`` and ``addmm_`` bypass) or with other dtypes, the product runs as
+    ``a @ b`` does there (e.g. bf16 for an fp32 model) and is then copied or added into ``out``."""
+    if torch.is_autocast_enabled(out.device.type) or not a.dtype == b.dtype == out.dtype:
+        product = a @ b
+        out.add_(product) if accumulate else out.copy_(product)
+    elif accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, inv_temperature: float, rows: int, with_entropy: bool,
@@ -84,22 +97,21 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprob, grad_entropy):
         hidden, weight, targets, lse = ctx.saved_tensors
         grad_hidden = hidden.new_empty(hidden.shape) if ctx.needs_input_grad[0] else None  # (contiguous: mm out=)
-        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # (no rows: no chunk writes it)
+            grad_weight = torch.empty_like(weight) if hidden.shape[0] else torch.zeros_like(weight)
         with_entropy = grad_entropy is not None and grad_entropy.numel() > 0
         _, grad_chunk = _kernels(ctx.compiled)
         for i, c in enumerate(_chunks(hidden.shape[0], ctx.rows)):
             grad_logits = grad_chunk(hidden[c], weight, targets[c], lse[c], grad_logprob[c],
                                      grad_entropy[c] if with_entropy else None, ctx.inv_temperature)
             if grad_hidden is not None:
-                torch.mm(grad_logits, weight, out=grad_hidden[c])
+                _mm_into(grad_hidden[c], grad_logits, weight, accumulate=False)
             # [vocab x hidden] per chunk: the first written, the others added by the product itself (beta = 1:
             # one pass over the weight's gradient, where a product then an add took three; session 12's grpo
             # profile had those adds at ~26 ms of a 1.43 s step on an H200)
             if grad_weight is not None:
-                if i == 0:
-                    torch.mm(grad_logits.t(), hidden[c], out=grad_weight)
-                else:
-                    grad_weight.addmm_(grad_logits.t(), hidden[c])
+                _mm_into(grad_weight, grad_logits.t(), hidden[c], accumulate=i > 0)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 

@@ -47,6 +47,10 @@ except ImportError:  # pragma: no cover - CPU-only torch has no triton
 # programs to launch at least (~4 per SM of an H100/H200): splits are chosen to reach it
 TARGET_PROGRAMS = 528
 BLOCK_N = 64
+# queries of one program at most (16-bit, float32): a program's query tile, accumulator and K/V stages live in its
+# shared memory (sm_90: 227 KB); beyond this many a launch would fail (float32, 256 queries of 128: 263 KB), so
+# larger groups run in slices (tests/rollout/test_triton_compile.py checks the largest tiles' shared memory)
+MAX_QUERIES = {False: 256, True: 128}
 
 if triton is not None:
 
@@ -178,8 +182,11 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     S = max(1, -(-N // per))
     out = torch.empty(B, H, S, M, v.shape[3], device=q.device, dtype=torch.float32)
     lse = torch.empty(B, H, S, M, device=q.device, dtype=torch.float32)
-    _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, out,
-            (out.stride(0), out.stride(1), out.stride(2), out.stride(3)), lse)
+    step = MAX_QUERIES[q.dtype == torch.float32]
+    for m in range(0, M, step):  # (queries are independent: a group larger than one tile runs in slices)
+        o = out[:, :, :, m:m + step]
+        _launch(q[:, :, m:m + step], k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, o,
+                (o.stride(0), o.stride(1), o.stride(2), o.stride(3)), lse[..., m:m + step])
     return out, lse
 
 

@@ -33,7 +33,7 @@ from .kv import SlotCache
 
 MIN_WINDOW, MIN_SLOTS = 16, 256  # the smallest buckets (fewer shapes, hence fewer captures)
 DEFAULT_TOKENS = 2048  # the rollout engine's default on CUDA (``prefill_graph_tokens``)
-COVER_PADDING = 4  # a captured bucket runs a shape of up to this many times fewer query slots (bucket())
+COVER_PADDING = 4  # a captured bucket runs a shape of up to this many times fewer query / K/V slots (bucket())
 
 
 def _pow2(n: int, floor: int) -> int:
@@ -104,9 +104,9 @@ class PrefillGraphs:
         """The bucket of a prefill of ``rows`` sequences, ``window`` queries and ``slots`` K/V
         slots per row, or None when it is too large for one. A shape whose own bucket has no
         graph yet runs in the smallest captured bucket that holds it (at most ``COVER_PADDING``
-        times its query slots) instead of capturing one: a capture stalls every running row's
-        decode for ~0.1-0.2 s (session 12 on an H200: the served short request's slowest
-        probes), a padded replay costs ~1 ms."""
+        times its query slots and its K/V slots) instead of capturing one: a capture stalls
+        every running row's decode for ~0.1-0.2 s (session 12 on an H200: the served short
+        request's slowest probes), a padded replay costs ~1 ms."""
         b = PrefillBucket(_pow2(rows, 1), _pow2(window, MIN_WINDOW), _pow2(slots, MIN_SLOTS))
         if b.rows * b.window > self.max_tokens or b.rows * b.slots > self.max_slots:
             return None
@@ -114,7 +114,8 @@ class PrefillGraphs:
         if not self.use_graphs or (run is not None and run.graph is not None):
             return b
         covers = [c for c, r in self._runs.items() if r.graph is not None and c.rows >= b.rows and c.window >= b.window
-                  and c.slots >= b.slots and c.rows * c.window <= COVER_PADDING * b.rows * b.window]
+                  and c.slots >= b.slots and c.rows * c.window <= COVER_PADDING * b.rows * b.window
+                  and c.rows * c.slots <= COVER_PADDING * b.rows * b.slots]
         return min(covers, key=lambda c: (c.rows * c.window, c.rows * c.slots), default=b)
 
     def cache(self, bucket: PrefillBucket) -> SlotCache:
