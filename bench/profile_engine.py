@@ -134,7 +134,7 @@ def profile_step(engine, tree, loss_fn, out: Path | None, label: str) -> dict:
     busy = sum(by_kind.values())
     if out is not None:
         (out / f"kernels_{label.replace(':', '_')}.txt").write_text(
-            prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
+            prof.key_averages().table(sort_by="cuda_time_total", row_limit=80, max_name_column_width=240))
     return dict(wall_s=wall, gpu_busy_s=busy, host_gap_s=wall - busy, kernels=kernels,
                 by_kind={k: round(v, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])})
 
