@@ -7,6 +7,7 @@
 #    adds' ~26 ms of 1.43 s go, less the product's read of the gradient (~0.6 GB a chunk, partly under its compute):
 #    grpo -20..-30 ms on an H100 (52.4% -> ~53.3% of peak), agentic alike; no change in memory (one [V x H] transient
 #    fewer: lower).
+#    The new code's grpo step is profiled (kernel names in full: what else moves memory).
 # 2. The CUDA tests of both changes: the loss head through the engine, the prefill graphs (both cases; session 12's
 #    call was cut after one).
 F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$\|pow_by_natural\|split the reduction\|^softmax"
@@ -17,7 +18,8 @@ B=$(python3 -c "import torch; print(f'{19.79 * 2**30 / torch.cuda.get_device_pro
 for v in new base; do
   s=src; d=.; [ $v = base ] && s=.v/base/src && d=.v/base
   PYTHONPATH=$s timeout -k 5 200 python3 $d/bench/profile_engine.py --device cuda --shape qwen3-1.7b \
-      --workloads grpo,agentic --configs auto-b$B --profile "" --repeats 3 --out $OUT/loss_head_$v 2>&1 \
+      --workloads grpo,agentic --configs auto-b$B --profile "$([ $v = new ] && echo grpo:auto-b$B)" --repeats 3 \
+      --out $OUT/loss_head_$v 2>&1 \
       | grep -v "$F" | grep "^|" | tail -3
 done
 PYTHONPATH=src timeout -k 5 120 python3 -m pytest -q -m cuda tests/cuda/test_rollout_cuda.py -k prefill_graphs \
