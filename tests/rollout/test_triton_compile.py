@@ -96,7 +96,7 @@ def test_split_attention_compiles_for_hopper(record, dtype, page, G, gq, D):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_split_attention_runs_large_groups_in_slices_that_fit(record, dtype):
-    """A group's queries beyond one program's tile (``MAX_QUERIES``: 256 16-bit, 128 float32 queries of 128) run
+    """A group's queries beyond one program's tile (``MAX_QUERIES``: 512 16-bit, 128 float32 queries of 128) run
     in slices of it, every query once, each launch within an SM's shared memory (float32's 256-query tile would
     take 263 KB)."""
     kernel = record(decode_attention, "_split_kernel")
