@@ -2,7 +2,7 @@
 # For a session with device time (written in session 12; one call, ~4 minutes; any H100/H200 kind).
 # Issue 23: on the H200 the in-process serving engine's thread was on a CPU 98% of the run (6.18 of 6.30 s, call 6 of
 # session 12): 1,231 decode steps of ~42 rows at ~5 ms a step against ~2.5 ms of GPU work (bench_rollout's 64 rows:
-# 2.55 ms a step). The host bounds both the throughput and the short request's p50 there. This profiles that thread
+# 2.55 ms a step): Python's work or CUDA's spinning in syncs (counted as CPU time) - a profile tells. This profiles that thread
 # (cProfile, after the warm-up run; bench/profile_engine_thread.py) and runs the serving A/B once more with twice the
 # probes' time (6 turns), so p99 rests on more than the two slowest of 76 probes.
 # The GPU machine has no FastAPI: carry [".whl"] (pip download fastapi uvicorn --only-binary=:all: --python-version
