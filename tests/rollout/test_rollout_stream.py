@@ -714,6 +714,35 @@ def test_kernel_step_matches_the_torch_step(family, monkeypatch):
             assert torch.allclose(x.logprobs, y.logprobs, atol=1e-5)
 
 
+def test_own_part_merged_in_its_kernel_only_where_rows_fill_the_gpu(monkeypatch):
+    """The kernel step's own part: one key range per row merged in its kernel with the prompt part's ranges while
+    rows x KV heads give every SM a program or the keys fit one tile; a few rows over long own keys (served
+    conversations) run in key ranges instead, merged by merge_parts."""
+    from types import SimpleNamespace
+
+    import treerl.rollout.shared as shared
+
+    calls, ranges = [], []
+
+    def split(q, k, v, mask, scale, table=None):  # the own part's 3 key ranges
+        calls.append("split")
+        ranges[:] = [torch.randn(q.shape[0], q.shape[1], 3, q.shape[2], 16), torch.randn(*q.shape[:2], 3, q.shape[2])]
+        return tuple(ranges)
+
+    monkeypatch.setattr(shared, "split_attention", split)
+    monkeypatch.setattr(shared, "split_attention_merged", lambda *a, **k: calls.append("merged") or "merged")
+    for rows, keys, kernel in ((64, 512, "merged"), (2, 64, "merged"), (2, 2048, "split"), (8, 256, "split")):
+        cache = SimpleNamespace(layers=[SimpleNamespace(ok=None, ov=None)], table=torch.zeros(rows, 4))
+        q = torch.randn(rows, 8, 2, 16)
+        o_pre, l_pre = torch.randn(rows // 2, 8, 2, 4, 16), torch.randn(rows // 2, 8, 2, 4)
+        calls.clear()
+        got = shared.SharedPrefixCache.attend_own_merged(cache, 0, q, torch.zeros(rows, 1, 1, keys), 0.25, o_pre,
+                                                         l_pre, 2, torch.float32)
+        assert calls == [kernel], (rows, keys, calls)
+        if kernel == "split":
+            assert torch.equal(got, shared.merge_parts(*ranges, o_pre, l_pre, 2, torch.float32))
+
+
 def test_merged_attention_probe_warns_when_it_fails(monkeypatch):
     """The merged attention kernel's probe (its CUDA check aside): False, with a warning naming
     the failure, when the kernel fails or disagrees with merge_parts."""

@@ -46,6 +46,8 @@ except ImportError:  # pragma: no cover - CPU-only torch has no triton
 
 # programs to launch at least (~4 per SM of an H100/H200): splits are chosen to reach it
 TARGET_PROGRAMS = 528
+# the merged own part's programs at least (one per SM): fewer rows x heads over longer keys run in key ranges
+MERGED_MIN_PROGRAMS = TARGET_PROGRAMS // 4
 BLOCK_N = 64
 # queries of one program at most (16-bit, float32): a program's query tile, accumulator and K/V stages live in its
 # shared memory (sm_90: 227 KB; of 128: float32 256 queries take 263 KB, 16-bit 512 take 197 KB), so

@@ -37,7 +37,8 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .decode_attention import split_attention, split_attention_merged, split_attention_ok
+from .decode_attention import (MERGED_MIN_PROGRAMS, split_attention, split_attention_merged, split_attention_ok,
+                               splits_for)
 from .kernel_probe import kernel_agrees
 
 
@@ -190,10 +191,16 @@ class SharedPrefixCache(Cache):
         """:meth:`attend_own` through the split-key kernel in one key range per row, merged in the
         kernel with the prompt part's ranges ``o_pre``/``l_pre`` (groups of ``G`` rows; 1: the rows'
         layout) -> the layer's attention ``[s, 1, Hkv x gq, Dv]`` in ``dtype``
-        (:func:`~treerl.rollout.decode_attention.split_attention_merged`)."""
-        layer = self.layers[layer_idx]
+        (:func:`~treerl.rollout.decode_attention.split_attention_merged`). Where rows x KV heads
+        would not give every SM a program and the own keys span several tiles (a few served
+        conversations, each its whole context in its own blocks), one range per row would leave the
+        GPU idle: the own part runs in key ranges and :func:`merge_parts` merges them."""
+        s, layer = q_own.shape[0], self.layers[layer_idx]
+        if splits_for(s, q_own.shape[1], own_mask.shape[-1], MERGED_MIN_PROGRAMS) > 1:
+            o_own, l_own = split_attention(q_own, layer.ok, layer.ov, own_mask, scale, table=self.table[:s])
+            return merge_parts(o_own, l_own, o_pre, l_pre, G, dtype)
         return split_attention_merged(q_own, layer.ok, layer.ov, own_mask, scale, o_pre, l_pre, G, dtype,
-                                      table=self.table[:q_own.shape[0]])
+                                      table=self.table[:s])
 
     def attend_own(self, layer_idx: int, q_own: torch.Tensor, own_mask: torch.Tensor, scale: float,
                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
