@@ -302,7 +302,8 @@ def test_admissions_while_rows_decode_prefill_at_most_a_chunk(model):
     four 12-token prompts and a 3-token one arrive together behind a running group
     (chunk: 20 tokens) and are admitted one 12-token prompt per admission, the short prompt
     with the first (it fits what is left, so it passes the longer ones); with nothing
-    decoding, everything waiting is admitted at once. Greedy outputs equal the reference."""
+    decoding, a burst likewise (a short request waits for one piece, not for all). Greedy
+    outputs equal the reference."""
     prompts = random_prompts([5, 12, 12, 12, 12, 3], seed=36)
     engine = RolloutEngine(model, sync_every=1, prefill_chunk_tokens=20)
     sizes = []
@@ -331,9 +332,12 @@ def test_admissions_while_rows_decode_prefill_at_most_a_chunk(model):
     for i in range(1, 6):
         assert groups[i][0].completion_ids.tolist() == greedy_reference(model, prompts[i]), i
     assert engine.stats.admissions == 5
-    # nothing decoding: one admission of everything waiting (in prefill pieces of <= 20 tokens)
-    list(engine.generate_stream(prompts[1:], params(n=1), max_rows=8))
-    assert engine.stats.admissions == 1
+    # nothing decoding: a burst is admitted a chunk per decode step too, the short prompt with the first
+    sizes.clear()
+    burst = {g.prompt_index: g for g in engine.generate_stream(prompts[1:], params(n=1), max_rows=8)}
+    assert sizes == [[3, 12], [12], [12], [12]] and engine.stats.admissions == 4
+    for i in range(5):
+        assert burst[i][0].completion_ids.tolist() == greedy_reference(model, prompts[i + 1]), i
 
 
 def test_stream_input_errors(model):

@@ -42,6 +42,17 @@ from .decode_attention import (MERGED_MIN_PROGRAMS, split_attention, split_atten
 from .kernel_probe import kernel_agrees
 
 
+LOAD_TEMP_BYTES = 64 << 20  # a load's gathered keys (or values) of several layers at once: at most this (bytes)
+
+
+def _stacked(cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill cache's keys and values of every layer ``[layers, B, Hkv, slots, D]`` (a
+    :class:`~treerl.rollout.kv.SlotCache`'s own buffers; other caches' layers stacked)."""
+    if getattr(cache, "all_keys", None) is not None:
+        return cache.all_keys, cache.all_values
+    return torch.stack([x.keys for x in cache.layers]), torch.stack([x.values for x in cache.layers])
+
+
 class _TwoLevelLayer(CacheLayerMixin):
     """One layer: prefix keys/values ``[NG, Hkv, Pcap, D]``, the own store's block pools
     ``ok/ov [num_blocks + 1, Hkv, B, D]`` (``own_capacity`` slots per row through the block
@@ -97,15 +108,16 @@ class SharedPrefixCache(Cache):
         S = groups * G
         own_capacity = table.shape[1] * block_size
 
-        def z(n, c, d):
-            return torch.zeros(n, kv_heads, c, d, dtype=dtype, device=device)
+        def z(n, c, d):  # one buffer for all layers (each layer's store is a view): loads move every layer at once
+            return torch.zeros(num_layers, n, kv_heads, c, d, dtype=dtype, device=device)
 
-        layers = [_TwoLevelLayer(z(groups, prefix_capacity, head_dim), z(groups, prefix_capacity, value_dim),
-                                 z(num_blocks + 1, block_size, head_dim), z(num_blocks + 1, block_size, value_dim),
-                                 own_capacity,
-                                 [z(groups * c, cap, head_dim) for c, cap, _ in forks],
-                                 [z(groups * c, cap, value_dim) for c, cap, _ in forks])
-                  for _ in range(num_layers)]
+        self.all_pk, self.all_pv = z(groups, prefix_capacity, head_dim), z(groups, prefix_capacity, value_dim)
+        self.all_ok, self.all_ov = z(num_blocks + 1, block_size, head_dim), z(num_blocks + 1, block_size, value_dim)
+        self.all_fk = [z(groups * c, cap, head_dim) for c, cap, _ in forks]
+        self.all_fv = [z(groups * c, cap, value_dim) for c, cap, _ in forks]
+        layers = [_TwoLevelLayer(self.all_pk[i], self.all_pv[i], self.all_ok[i], self.all_ov[i], own_capacity,
+                                 [f[i] for f in self.all_fk], [f[i] for f in self.all_fv])
+                  for i in range(num_layers)]
         super().__init__(layers=layers)
         self.groups, self.G, self.rows = groups, G, S
         self.prefix_capacity, self.own_capacity = prefix_capacity, own_capacity
@@ -250,22 +262,27 @@ class SharedPrefixCache(Cache):
         L = src_cache.length
         j = torch.arange(n, device=start.device)
         idx = (j[None, :] + start[:, None]).clamp(max=L - 1)
-        if store == "own":
+        if store == "prefix":
+            targets = (self.all_pk, self.all_pv)
+        elif store == "own":
+            targets = (self.all_ok, self.all_ov)
             blk = self.table[dst][:, j // self.block_size]  # [len(dst), n]
             off = (j % self.block_size)[None, :].expand_as(blk)
-        for mine, theirs in zip(self.layers, src_cache.layers):
-            if store == "prefix":
-                targets = (mine.pk, mine.pv)
-            elif store == "own":
-                targets = (mine.ok, mine.ov)
-            else:
-                targets = (mine.fk[store], mine.fv[store])
-            for target, x in zip(targets, (theirs.keys, theirs.values)):
-                x = x[src, :, :L].gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+        else:
+            targets = (self.all_fk[store], self.all_fv[store])
+        sources = _stacked(src_cache)
+        # every layer in one gather and one write (in groups of layers that bound the temporary), indexed
+        # [len(dst), n, layers, Hkv, D]: the advanced indices are apart, so their dims lead
+        _, _, kv_heads, _, dim = sources[0].shape
+        per = max(1, LOAD_TEMP_BYTES // (len(dst) * n * kv_heads * dim * sources[0].element_size()))
+        rows = src[:, None]
+        for target, x_all in zip(targets, sources):
+            for a in range(0, x_all.shape[0], per):
+                x = x_all[a : a + per][:, rows, :, idx].to(target.dtype)
                 if store == "own":
-                    target[blk, :, off] = x.transpose(1, 2).to(target.dtype)  # [len(dst), n, Hkv, D]
+                    target[a : a + per, blk, :, off] = x
                 else:
-                    target[dst, :, :n] = x
+                    target[a : a + per, dst, :, :n] = x.permute(2, 0, 3, 1, 4)
 
     def move_groups(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Move group slots ``src`` (prefix, fork segments, and their ``G`` rows' block
@@ -278,20 +295,21 @@ class SharedPrefixCache(Cache):
         rdst, rsrc = expand(dst, self.G), expand(src, self.G)
         self.table[rdst] = self.table[rsrc]
         self.table[rsrc] = self.num_blocks
-        for layer in self.layers:
-            layer.pk[dst], layer.pv[dst] = layer.pk[src], layer.pv[src]
-            for fk, fv, (c, _, _) in zip(layer.fk, layer.fv, self.forks):
-                ndst, nsrc = expand(dst, c), expand(src, c)
-                fk[ndst], fv[ndst] = fk[nsrc], fv[nsrc]
+        for store in (self.all_pk, self.all_pv):
+            store[:, dst] = store[:, src]
+        for fk, fv, (c, _, _) in zip(self.all_fk, self.all_fv, self.forks):
+            ndst, nsrc = expand(dst, c), expand(src, c)
+            fk[:, ndst], fv[:, ndst] = fk[:, nsrc], fv[:, nsrc]
 
     def grow_prefix(self, capacity: int) -> None:
         """More prefix slots per group (keeps the contents)."""
-        for layer in self.layers:
-            for name in ("pk", "pv"):
-                old = getattr(layer, name)
-                new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
-                new[:, :, : old.shape[2]] = old
-                setattr(layer, name, new)
+        for name in ("all_pk", "all_pv"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
+            new[:, :, :, : old.shape[3]] = old
+            setattr(self, name, new)
+        for i, layer in enumerate(self.layers):
+            layer.pk, layer.pv = self.all_pk[i], self.all_pv[i]
         self.prefix_capacity = capacity
 
 

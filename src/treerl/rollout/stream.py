@@ -530,12 +530,14 @@ class RunningBatch:
 
 
 def chunk_admission(batch: RunningBatch, items: list) -> list:
-    """Chunked admission: while rows are decoding, the prefill between two decode steps
-    computes at most ``prefill_chunk_tokens`` new tokens (after prefix-cache hits; a
-    preempted group: its prompt and tokens so far). The items that fit, in order, are
-    admitted (the first always: the oldest waiting group progresses); the others wait, in
-    order, at the front of the deferred groups, so a short prompt may pass a long one."""
-    if len(items) < 2 or not batch.host.live.any():
+    """Chunked admission: the prefill before a decode step computes at most
+    ``prefill_chunk_tokens`` new tokens (after prefix-cache hits; a preempted group: its
+    prompt and tokens so far). The items that fit, in order, are admitted (the first
+    always: the oldest waiting group progresses); the others wait, in order, at the front
+    of the deferred groups, so a short prompt may pass a long one. Also when nothing is
+    decoding: a burst of long prompts is prefilled a piece per decode step, so a short
+    request that came with it starts decoding after the first piece, not after all."""
+    if len(items) < 2:
         return items
     left, keep, wait = batch.e.prefill_chunk_tokens, [], []
     for item in items:
