@@ -51,6 +51,8 @@ class DeviceBatch:
         self.neg = torch.finfo(self.dtype).min
         self.zero = torch.zeros((), dtype=self.dtype, device=self.device)
         self.hide = torch.full((), self.neg, dtype=self.dtype, device=self.device)
+        self._settings_key: tuple | None = None  # the rows' sampling settings last uploaded (_row_settings)
+        self._settings: tuple[torch.Tensor, ...] = ()
 
     def arena_key(self, groups: int, prefix_capacity: int, num_blocks: int) -> tuple:
         e = self.e
@@ -257,9 +259,7 @@ class DeviceBatch:
         if how.params is not None:
             tokens, logp = sample(logits, how.params, generator, *out)
         else:
-            f = lambda a: self._upload(a)  # noqa: E731
-            tokens, logp = sample_rows(logits, f(how.temperature), f(how.top_p), f(how.top_k), f(how.min_p),
-                                       generator, how.seeds, how.truncate, *out)
+            tokens, logp = sample_rows(logits, *self._row_settings(how), generator, how.seeds, how.truncate, *out)
         self.last[idx] = tokens
         if tokens is not out[0]:
             self.log_tok[k, idx] = tokens
@@ -269,11 +269,25 @@ class DeviceBatch:
                 K, S = self.log_tok.shape
                 self.log_topi = torch.zeros(K, S, TOP_LOGPROBS, dtype=torch.int64, device=self.device)
                 self.log_topv = torch.zeros(K, S, TOP_LOGPROBS, dtype=self.log_lp.dtype, device=self.device)
-            t = how.params.temperature if how.params is not None else self._upload(how.temperature)
+            t = how.params.temperature if how.params is not None else self._row_settings(how)[0]
             scale = (t if t > 0 else 1.0) if how.params is not None else torch.where(t > 0, t, 1.0).to(logits.dtype)[:, None]
             top = torch.log_softmax(logits / scale, dim=-1).topk(min(TOP_LOGPROBS, logits.shape[-1]), dim=-1)
             self.log_topi[k, idx, : top.indices.shape[-1]] = top.indices  # a vocabulary under 20 tokens: the rest 0
             self.log_topv[k, idx, : top.values.shape[-1]] = top.values
+
+    def _row_settings(self, how: RowSampling) -> tuple[torch.Tensor, ...]:
+        """The rows' ``temperature, top_p, top_k, min_p`` ``[B]`` on the device, in one upload,
+        and none while they stay the same (they change only when rows are admitted or finish);
+        without truncation only the temperature is read (the others: its tensor, unread)."""
+        width = 4 if how.truncate else 1
+        host = np.stack([how.temperature, how.top_p, how.top_k, how.min_p][:width]).astype(np.float64)
+        key = (host.shape, host.tobytes())
+        if self._settings_key != key:
+            dev = self._upload(host)
+            t = dev[0].to(torch.from_numpy(how.temperature).dtype)
+            rest = (dev[1], dev[2].to(torch.int64), dev[3]) if how.truncate else (t, t, t)
+            self._settings, self._settings_key = (t, *rest), key
+        return self._settings
 
     def _upload(self, a: np.ndarray) -> torch.Tensor:
         """A small host array on the device without a sync (pinned, asynchronous on CUDA)."""
