@@ -124,7 +124,6 @@ def parse_args(argv=None):
                    "(device busy against wall time, the top kernels and host operations)")
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16)
     p.add_argument("--prefill-chunk-tokens", type=int, default=8192, help="the engine's (its default: 8192)")
-    p.add_argument("--prefill-step-tokens", type=int, default=0, help="the engine's admission pacing (default 0: off)")
     p.add_argument("--prefill-graph-tokens", type=int, default=None,
                    help="the engine's (default: 2048 on CUDA; 0: every prefill in its exact shape, no graphs)")
     p.add_argument("--max-rows", type=int, default=256, help="rows of the running batch (treerl serve's default)")
@@ -268,8 +267,7 @@ def measure(args, run, counters, alone=None) -> dict:
 # ---------------------------------------------------------------------- in process
 def in_process(args, model, vocab: int) -> dict:
     engine = RolloutEngine(model, prefix_cache_tokens=args.prefix_cache_tokens,
-                           prefill_chunk_tokens=args.prefill_chunk_tokens, prefill_graph_tokens=args.prefill_graph_tokens,
-                           prefill_step_tokens=args.prefill_step_tokens)
+                           prefill_chunk_tokens=args.prefill_chunk_tokens, prefill_graph_tokens=args.prefill_graph_tokens)
     loop = EngineLoop(engine, max_rows=args.max_rows, idle_timeout_s=args.idle_timeout_s)
 
     async def call(prompt, max_tokens, temperature):
@@ -342,8 +340,6 @@ class ServerProcess:
                "--idle-timeout-s", str(args.idle_timeout_s)]
         if args.prefill_graph_tokens is not None:
             cmd.append(f"rollout.prefill_graph_tokens={args.prefill_graph_tokens}")
-        if args.prefill_step_tokens:
-            cmd.append(f"rollout.prefill_step_tokens={args.prefill_step_tokens}")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
         self.log = log
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))

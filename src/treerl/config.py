@@ -152,8 +152,6 @@ class RolloutConfig:
     max_batch_tokens: int = key(1 << 17, ge=1, help="rollout engine: K/V slots of the running batch")
     kv_block_size: int = key(64, ge=16, multiple_of=16, help="rollout engine: tokens per paged K/V block")
     prefill_chunk_tokens: int = key(8192, ge=1, help="rollout engine: prompt tokens prefilled in one piece")
-    prefill_step_tokens: int = key(0, ge=0, help="rollout engine: while rows decode, prompt tokens admitted are "
-                                   "paid off at this many per decode step before the next admission (0: unpaced)")
     prefill_graph_tokens: int | None = key(None, ge=0, help="rollout engine: a prefill of at most this many (padded) "
                                            "query tokens runs in fixed shapes, as a CUDA graph; null: 2048 on CUDA, "
                                            "0: off")

@@ -371,42 +371,6 @@ def test_a_short_prompt_passes_a_deferred_burst(model):
         assert groups[i][0].completion_ids.tolist() == greedy_reference(model, prompts[i]), i
 
 
-@pytest.mark.parametrize("step_tokens", [0, 4])
-def test_paced_admissions_pay_off_their_tokens_in_decode_steps(model, step_tokens):
-    """``prefill_step_tokens``: while rows decode, an admission of ``t`` new tokens is
-    followed by at least ``t / prefill_step_tokens`` decode steps before the next one (0:
-    unpaced, the next admission right after a step); greedy outputs equal the reference."""
-    prompts = random_prompts([5, 12, 12, 12, 3], seed=38)
-    engine = RolloutEngine(model, sync_every=1, prefill_chunk_tokens=20, prefill_step_tokens=step_tokens)
-    at = []  # (decode steps so far, new tokens) of each prefill
-    prefill = engine.prefiller
-
-    def recording(seqs, cached=None, stats=None):
-        at.append((engine.stats.decode_steps, sum(len(x) for x in seqs)))
-        return prefill(seqs, cached, stats)
-
-    engine.prefiller = recording
-    queue = PromptQueue()
-    arrived = threading.Event()
-
-    def first_tokens(delta):  # (the stream's thread, at the first sync: group 0 decodes)
-        if not arrived.is_set():
-            arrived.set()
-            queue.put_many([(i, p) for i, p in enumerate(prompts) if i])
-            queue.close()
-
-    long = SamplingParams(n=1, temperature=0, max_new_tokens=MAX_NEW)
-    queue.put(prompts[0], 0, params=long, listener=first_tokens)
-    groups = {g.prompt_index: g for g in engine.generate_stream(queue, params(n=1), max_rows=8)}
-    assert [t for _, t in at] == [5, 15, 12, 12]
-    gaps = [b[0] - a[0] for a, b in zip(at[1:], at[2:])]
-    assert gaps == ([1, 1] if not step_tokens else [-(-15 // step_tokens), -(-12 // step_tokens)])
-    no_stop = _greedy_reference(model, prompts[0], MAX_NEW, length=lambda ids: MAX_NEW + 1)
-    assert groups[0][0].completion_ids.tolist() == no_stop
-    for i in range(1, 5):
-        assert groups[i][0].completion_ids.tolist() == greedy_reference(model, prompts[i]), i
-
-
 def test_stream_input_errors(model):
     engine = RolloutEngine(model)
     with pytest.raises(ValueError, match="branch point"):

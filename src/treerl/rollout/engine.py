@@ -68,11 +68,7 @@ class RolloutEngine:
     prefix-cache hits included: their cached K/V is part of the piece) and, while rows are
     decoding, the new tokens prefilled between two decode steps (chunked admission: the
     oldest waiting prompt always, others while they fit; a longer wait for the rest instead
-    of a long stall for every running row). ``prefill_step_tokens`` (0: off) paces
-    admissions while rows decode: the new tokens admitted are paid off at that many per
-    decode step before the next admission, so prefills take a bounded share of the steps
-    and a short request's decode is not stalled by a burst of long prompts (their first
-    tokens come later instead). Groups of one row (``n = 1``: a serving batch)
+    of a long stall for every running row). Groups of one row (``n = 1``: a serving batch)
     keep their prompts in their own blocks, not in a prompt store. ``sync_every``:
     decode steps between host syncs (stop checks); stops are exact whatever its value.
 
@@ -116,7 +112,6 @@ class RolloutEngine:
         device: str | torch.device | None = None,
         max_batch_tokens: int = 1 << 17,
         prefill_chunk_tokens: int = 8192,
-        prefill_step_tokens: int = 0,
         prefill_graph_tokens: int | None = None,
         sync_every: int = 8,
         cuda_graphs: bool | None = None,
@@ -133,14 +128,11 @@ class RolloutEngine:
         self.version = int(version)
         if max_batch_tokens < 1 or prefill_chunk_tokens < 1 or sync_every < 1:
             raise ValueError("max_batch_tokens, prefill_chunk_tokens and sync_every must be >= 1")
-        if prefill_step_tokens < 0:
-            raise ValueError(f"prefill_step_tokens must be >= 0 (0: admissions unpaced), got {prefill_step_tokens}")
         if kv_block_size < 16 or kv_block_size % 16:
             raise ValueError(f"kv_block_size must be a positive multiple of 16, got {kv_block_size}")
         self.kv_block_size = int(kv_block_size)
         self.max_batch_tokens = int(max_batch_tokens)
         self.prefill_chunk_tokens = int(prefill_chunk_tokens)
-        self.prefill_step_tokens = int(prefill_step_tokens)
         self.sync_every = int(sync_every)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         layer_types = getattr(config, "layer_types", None) or ["full_attention"]

@@ -152,7 +152,6 @@ class RunningBatch:
     def __init__(self, engine, queue: PromptQueue, params: SamplingParams, generator: torch.Generator,
                  groups: int, prefix_capacity: int, budget: int, arena: tuple | None = None):
         self.e, self.q, self.p, self.gen = engine, queue, params, generator
-        self.prefill_debt = 0  # new tokens admitted while rows decode, not yet paid off (engine.prefill_step_tokens)
         self.tree = tree = ForkLayout.of(params)
         self.G, self.max_new, self.budget = tree.rows, params.max_new_tokens, budget
         # a group of one row keeps its prompt in its own blocks (own_prompts: the prompt store is unused)
@@ -214,9 +213,7 @@ class RunningBatch:
                 self._sync()
             yield from self._flush()
             free = h.free()
-            if not h.live.any():
-                self.prefill_debt = 0
-            if free and h.room() and self.prefill_debt <= 0:  # admit waiting prompts into free group slots
+            if free and h.room():  # admit waiting prompts into free group slots
                 timeout = 0.0
                 if not h.live.any():
                     waited = time.monotonic() if waited is None else waited
@@ -227,8 +224,6 @@ class RunningBatch:
                     waited = None
                     with e.generation_turn():
                         items = chunk_admission(self, self._fit(items))
-                        if items and e.prefill_step_tokens and h.live.any():  # paced: paid off by decode steps
-                            self.prefill_debt += sum(_new_tokens(self, item) for item in items)
                         if items:
                             rows = self._admit(items, np.asarray(h.free()[: len(items)]))
                             if len(rows):
@@ -257,7 +252,6 @@ class RunningBatch:
                     self._decode()
                     self._fork()
                     self._sample(None)
-                    self.prefill_debt = max(0, self.prefill_debt - e.prefill_step_tokens)
 
     def _cancel(self, keys: set) -> None:
         """Stop the cancelled groups the batch holds (synced first: their rows keep every
@@ -274,11 +268,10 @@ class RunningBatch:
 
     def _take(self, n: int, timeout: float) -> list:
         """Up to ``n`` waiting groups: deferred ones (preempted, then prompts) first, then
-        prompts from the queue (so a short prompt that came after deferred ones can pass
-        them in :func:`chunk_admission` when it fits)."""
+        prompts from the queue."""
         deferred = self.host.deferred
         items = [deferred.popleft() for _ in range(min(n, len(deferred)))]
-        if len(items) < n:
+        if len(items) < n and not deferred:
             items += self.q.take(n - len(items), 0.0 if items else timeout)
         return items
 
