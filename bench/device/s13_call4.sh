@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 13 call 4 (nvidia-h200): issue 23 after this session's changes (c0bb249): the 6-turn serving benchmark
+# Session 13 call 4 (nvidia-h200), run at c0bb249 (its --prefill-step-tokens was reverted after this call: no gain): issue 23 after this session's changes: the 6-turn serving benchmark
 # in process and served (HTTP, openai SDK: its wheel travels in .whl), then admission pacing (prefill_step_tokens 512,
 # with the default 8,192-token chunk and with 2,048) in process; the CUDA rollout tests (call 3's output lost them).
 # main before the session (a6fb853) ran the same benchmark in call 3 (serve_mixed_h200_s13_base.json). carry [".whl"].
