@@ -7,6 +7,7 @@ import torch
 import dataclasses
 
 from treerl.rollout import SamplingParams, ForkLayout
+from treerl.rollout.log_reads import check_stops, record
 from treerl.rollout.prompts import Waiting
 from treerl.rollout.scheduler import ROW_STATE, Preempted, Scheduler, group_bucket, own_bucket
 from treerl.rollout.types import RolloutStats
@@ -31,15 +32,15 @@ def admit(s: Scheduler, keys, prompts, slots, version=0, params=None):
 def step(s: Scheduler, tokens: dict[int, int]) -> None:
     """Every live row samples a token (``tokens[row]``, default 1) and feeds it; synced."""
     rows = np.flatnonzero(s.live)
-    k = s.logged(rows)
-    tok = np.zeros((k + 1, s.S), np.int64)
-    lp = np.zeros((k + 1, s.S))
-    for r in rows:
-        tok[k, r] = tokens.get(int(r), 1)
-        lp[k, r] = -0.5
     s.fed_h[s.live] += 1
-    s.record(tok, lp)
-    s.check_stops()
+    s.logged(rows)
+    tok = np.zeros((1, s.S), np.int64)
+    lp = np.zeros((1, s.S))
+    for r in rows:
+        tok[0, r] = tokens.get(int(r), 1)
+        lp[0, r] = -0.5
+    record(s, s.take_log(), tok, lp)
+    check_stops(s)
 
 
 def test_rows_longer_than_the_first_host_width_widen_it():
@@ -83,7 +84,7 @@ def test_length_limit_finishes_the_group():
     s = scheduler(SamplingParams(n=1, max_new_tokens=3), groups=2, num_blocks=2)
     admit(s, [0], [[1]], [0], version=0)
     for _ in range(3):
-        assert not s.at_limit()
+        assert not s.ending.any()
         step(s, {})
     [g] = s.out
     assert g[0].finish_reason == "length" and len(g[0]) == 3 and s.stats.generated_tokens == 3
@@ -182,3 +183,26 @@ def test_abort_running_preempted_and_waiting_groups():
         assert mine[-1].finish_reason == "abort"
     assert s.abort("c") and not s.deferred and s.out[-1][0].completion_ids.tolist() == [7, 7, 7]
     assert s.out[-1][0].finish_reason == "abort" and "c" not in s.groups
+
+
+def test_rows_end_at_max_new_without_a_read_and_stopped_rows_drop_later_tokens():
+    """Reads of the log lag behind the steps (CUDA): a row at ``max_new`` stops decoding at
+    once (not live, ending; its slot stays taken) and finishes when its tokens are read; a
+    row whose stop arrives in a read while it decoded on has its later logged tokens dropped."""
+    s = scheduler(SamplingParams(n=1, max_new_tokens=2), groups=2, num_blocks=4)
+    admit(s, ["a", "b"], [[1], [2]], [0, 1])
+    rows = np.flatnonzero(s.live)
+    assert not s.logged(rows)  # each row's first token
+    first = s.take_log()  # its read starts (in flight)
+    assert s.logged(rows)  # the second: both at max_new
+    assert not s.live.any() and s.ending[:2].all() and s.sync_due() and s.gkey == ["a", "b"]
+    tok, lp = np.array([[STOP, 7]]), np.full((1, s.S), -0.5)
+    record(s, first, tok, lp)  # the first read completes: row 0 stopped at its first token
+    assert check_stops(s)
+    [a] = s.out
+    assert a.prompt_index == "a" and a[0].completion_ids.tolist() == [STOP] and a[0].finish_reason == "stop"
+    assert [r.tolist() for r, _ in s.log_rows] == [[1]] and s.gkey == [None, "b"] and s.ending.tolist() == [False, True]
+    record(s, s.take_log(), np.array([[0, 8]]), lp)
+    assert check_stops(s) and not s.ending.any()
+    b = s.out[1]
+    assert b[0].completion_ids.tolist() == [7, 8] and b[0].finish_reason == "length" and s.blocks.free == 4

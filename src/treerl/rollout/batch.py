@@ -18,6 +18,7 @@ import torch
 
 from .paging import BlockTable
 from .sampling import sample, sample_rows
+from .log_reads import LogRead
 from .scheduler import RowSampling
 from .shared import SharedPrefixCache
 from .step import DecodeStep
@@ -293,10 +294,20 @@ class DeviceBatch:
         """A small host array on the device without a sync (pinned, asynchronous on CUDA)."""
         return to_device(np.ascontiguousarray(a), self.device)
 
-    def read_log(self, k: int, top: bool = False) -> tuple:
-        """The first ``k`` logged sample calls' tokens and logprobs ``[k, S]`` on the host (a
-        sync); ``top``: and the top tokens' ids and logprobs ``[k, S, 20]``."""
-        out = (self.log_tok[:k].cpu().numpy(), self.log_lp[:k].double().cpu().numpy())
+    def start_read(self, k: int, top: bool = False) -> "LogRead":
+        """Start copying the first ``k`` logged sample calls' tokens and logprobs ``[k, S]``
+        (``top``: and the top tokens' ids and logprobs ``[k, S, 20]``) to the host: on CUDA
+        into pinned memory, asynchronously (ordered before the next steps' writes to the
+        log, on the same stream); the copy is complete when :meth:`LogRead.ready`."""
+        parts = [self.log_tok[:k], self.log_lp[:k].double()]
         if top and self.log_topi is not None:
-            out += ((self.log_topi[:k].cpu().numpy(), self.log_topv[:k].double().cpu().numpy()),)
-        return out
+            parts += [self.log_topi[:k], self.log_topv[:k].double()]
+        if self.device.type != "cuda":
+            return LogRead([x.clone() for x in parts], None)
+        host = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in parts]
+        for h, x in zip(host, parts):
+            h.copy_(x, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LogRead(host, event)
+

@@ -6,7 +6,9 @@ which blocks each row owns, admission, preemption, forks, stops and compaction p
 (:class:`~treerl.rollout.batch.DeviceBatch`). Testable alone (``tests/rollout/test_rollout_scheduler.py``).
 
 Rows: ``groups`` group slots of ``G = tree.rows`` rows (:class:`~treerl.rollout.forks.ForkLayout`).
-Per row (:data:`ROW_STATE`): live, tokens sampled (``steps``), tokens checked for stops,
+Per row (:data:`ROW_STATE`): live, ending (sampled its last token, not yet on the host:
+it decodes no more and finishes when its tokens arrive), tokens sampled (``steps``),
+tokens on the host (``recorded``), tokens checked for stops,
 tokens fed (``fed_h``: the host copy of the device's ``fed``), the weight versions of its
 K/V and of its pending logits, and its sampled tokens, logprobs and versions. Per group
 slot: the group's key, prompt length, forks applied (``level``), admission order
@@ -33,8 +35,8 @@ from .forks import ForkLayout
 from .types import Group, RolloutStats
 
 # host state per row: what a row carries through forks, compaction and preemption
-ROW_STATE = ("live", "steps", "checked", "emitted", "fed_h", "row_version", "logit_version", "host_tok", "host_lp",
-             "host_ver", "top_id", "top_lp")
+ROW_STATE = ("live", "ending", "steps", "recorded", "checked", "emitted", "fed_h", "row_version", "logit_version",
+             "host_tok", "host_lp", "host_ver", "top_id", "top_lp")
 
 
 def group_bucket(n: int, groups: int, G: int, exact: bool = False) -> int:
@@ -104,6 +106,8 @@ class Scheduler:
         self.arrivals = 0  # groups admitted so far (preemption takes the latest first)
         self.out: list[Group] = []  # groups finished, to be yielded
         self.log_rows: list[tuple[np.ndarray, np.ndarray]] = []  # per logged sample call: (rows, step index)
+        self.reading: list[tuple[np.ndarray, np.ndarray]] | None = None  # log_rows being copied to the host
+        self.ending_new = False  # rows began ending since the last read of the log was started
 
     def reset(self, groups: int, num_blocks: int) -> None:
         """Empty state for ``groups`` group slots and a pool of ``num_blocks`` blocks."""
@@ -112,7 +116,9 @@ class Scheduler:
         self.blocks = BlockTable(S, self.max_blocks, num_blocks, self.block)
         self.blocks.dirty = False  # the device table starts all trash
         self.live = np.zeros(S, dtype=bool)
+        self.ending = np.zeros(S, dtype=bool)  # at max_new: not decoding, finishing when its tokens are read
         self.steps = np.zeros(S, dtype=np.int64)  # tokens sampled
+        self.recorded = np.zeros(S, dtype=np.int64)  # tokens on the host (read from the device's log)
         self.checked = np.zeros(S, dtype=np.int64)  # tokens synced and checked for stops
         self.emitted = np.zeros(S, dtype=np.int64)  # tokens given to the group's listener
         self.fed_h = np.zeros(S, dtype=np.int64)  # tokens fed (host copy of the device's ``fed``)
@@ -157,12 +163,13 @@ class Scheduler:
         return (np.asarray(slots, dtype=np.int64)[:, None] * self.G + np.arange(self.G)).reshape(-1)
 
     def sync_due(self) -> bool:
-        """A sync is due: a full window logged, or a row at ``max_new``."""
-        return bool(self.log_rows) and (len(self.log_rows) >= self.sync_every or self.at_limit())
+        """A read of the log is due: a full window logged, or a row began ending."""
+        return bool(self.log_rows) and (len(self.log_rows) >= self.sync_every or self.ending_new)
 
-    def at_limit(self) -> bool:
-        """A live row has sampled its last token (it finishes at the next sync)."""
-        return bool((self.steps[self.live] >= np.repeat(self.max_new_g, self.G)[self.live]).any())
+    def take_log(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The logged calls' ``(rows, step index)``, as their read starts (the log restarts)."""
+        out, self.log_rows, self.ending_new = self.log_rows, [], False
+        return out
 
     def live_span(self) -> int:
         """Group slots a decode step covers now (every used slot)."""
@@ -270,7 +277,9 @@ class Scheduler:
         first = np.asarray(first, dtype=np.int64)
         self.level[slots] = 0
         self.live[first] = True
+        self.ending[rows] = False
         self.steps[first] = 0
+        self.recorded[first] = 0
         self.checked[first] = 0
         self.emitted[first] = 0
         self.row_version[rows] = version
@@ -334,15 +343,21 @@ class Scheduler:
         return [list(t) for t in distinct], group_src, row_src, plen
 
     # ------------------------------------------------------------ samples, stops
-    def logged(self, rows: np.ndarray) -> int:
-        """``rows`` sampled their next token (logged on the device at the returned index)."""
-        k = len(self.log_rows)
+    def logged(self, rows: np.ndarray) -> bool:
+        """``rows`` sampled their next token (logged on the device at the next index); those
+        at their group's ``max_new`` stop decoding and end (finished when their tokens are
+        read). Whether any row ended (the device's live rows change)."""
         if len(rows) and self.steps[rows].max() >= self.host_tok.shape[1]:
             self._widen(min(2 * self.host_tok.shape[1], self.max_new))
         self.log_rows.append((rows, self.steps[rows].copy()))
         self.host_ver[rows, self.steps[rows]] = self.logit_version[rows]
         self.steps[rows] += 1
-        return k
+        done = rows[self.steps[rows] >= self.max_new_g[rows // self.G]]
+        if len(done):
+            self.live[done] = False
+            self.ending[done] = True
+            self.ending_new = True
+        return bool(len(done))
 
     def _widen(self, width: int, k: int | None = None) -> None:
         """Room for ``width`` tokens per row (and ``k`` top tokens each)."""
@@ -358,36 +373,6 @@ class Scheduler:
         (:func:`~treerl.rollout.requests.plan_sampling`)."""
         return plan_sampling(self, rows, span)
 
-    def record(self, tok: np.ndarray, lp: np.ndarray, top: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        """The device's logged tokens and logprobs ``[k, S]`` (one row per logged call; with
-        ``top``: the top tokens' ids and logprobs ``[k, S, 20]``) into the rows' host arrays."""
-        for j, (rows, idx) in enumerate(self.log_rows):
-            self.host_tok[rows, idx] = tok[j, rows]
-            self.host_lp[rows, idx] = lp[j, rows]
-            if top is not None and self.top_id.shape[2]:
-                kk = self.top_id.shape[2]
-                self.top_id[rows, idx] = top[0][j, rows, :kk]
-                self.top_lp[rows, idx] = top[1][j, rows, :kk]
-        self.log_rows = []
-
-    def check_stops(self) -> bool:
-        """(Synced.) Finish the live rows that stopped or reached ``max_new``; whether any did."""
-        finished = False
-        for r in np.flatnonzero(self.live):
-            n = int(self.steps[r])
-            found = self.groups[self.key[r]].stopper.find(self.host_tok[r, :n], int(self.checked[r]))
-            if found is not None:
-                self.finish(r, found[0], "stop", found[1])
-                finished = True
-            elif n >= self.max_new_g[r // self.G]:
-                self.finish(r, n, "length", None)
-                finished = True
-            else:
-                self.checked[r] = n
-                if n > self.emitted[r] and self.groups[self.key[r]].listener is not None:
-                    emit(self, r, n, None)
-        return finished
-
     def finish(self, r: int, length: int, reason: str, stop) -> None:
         """Row ``r`` ends with its first ``length`` tokens; its blocks are freed, and its
         group is done (queued in ``out``) when it was the group's last live row."""
@@ -399,9 +384,13 @@ class Scheduler:
         g.completions.append(row_completion(self, r, length, reason, stop))
         self.stats.generated_tokens += length
         self.live[r] = False
+        self.ending[r] = False
         self.key[r] = None
         self.blocks.release([r])
-        if not self.live[slot * self.G : (slot + 1) * self.G].any():  # the group's slot is free
+        # a row still logged after the read (it decoded past its stop): those tokens are not its own any more
+        self.log_rows = [(rows[rows != r], idx[rows != r]) for rows, idx in self.log_rows]
+        rows = slice(slot * self.G, (slot + 1) * self.G)
+        if not (self.live[rows] | self.ending[rows]).any():  # the group's slot is free
             del self.groups[key]
             self.gkey[slot] = None
             g.completions.sort(key=lambda c: c.branch)
@@ -448,6 +437,14 @@ class Scheduler:
         return par, kid
 
     # --------------------------------------------------------------- compaction
+    def compaction_due(self) -> bool:
+        """Whether the used group slots would fit a smaller bucket if moved down."""
+        used = self.used()
+        if not used:
+            return False
+        return group_bucket(max(used) + 1, self.NG, self.G, self.exact) > group_bucket(len(used), self.NG, self.G,
+                                                                                       self.exact)
+
     def compact(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Plan and apply (host side) moving live groups down into free group slots when they
         would fit a smaller bucket (only at a sync point: no logged tokens refer to the rows
@@ -455,7 +452,7 @@ class Scheduler:
         used = np.asarray(self.used())
         top = group_bucket(int(used.max()) + 1, self.NG, self.G, self.exact)
         target = group_bucket(len(used), self.NG, self.G, self.exact)
-        if self.log_rows or top <= target:
+        if self.log_rows or self.reading is not None or top <= target:
             self.hg = top
             return None
         src = used[used >= target]

@@ -69,13 +69,15 @@ the stream's). Rows of different settings are sampled in the same call with per-
 tensors (:func:`~treerl.rollout.sampling.sample_rows`, outside the captured decode step);
 when every row has the stream's (or one common) setting the single-setting path runs. A
 seeded group's rows draw their noise from ``(seed, branch, token index)`` alone. A group's
-``listener`` gets each row's new tokens at the host syncs (no extra syncs), and
+``listener`` gets each row's new tokens as each read of the log completes (no extra syncs), and
 ``PromptQueue.cancel`` stops a group at the next sync (yielded with ``finish_reason="abort"``).
 
-Host syncs: sampled tokens and logprobs are logged on the device and copied to the host
-every ``sync_every`` steps (and when a row reaches ``max_new_tokens`` or a fork point, or
-before a preemption), where stops are found exactly (tokens a row sampled after its stop are
-discarded). Admissions need no sync (free slots and blocks are known on the host): a slot
+Reads of the log: sampled tokens and logprobs are logged on the device and copied to the
+host every ``sync_every`` steps and when a row reaches ``max_new_tokens`` (it stops decoding
+at once), without waiting: decode steps run on while the copy completes, then stops are
+found exactly (later tokens of a row that stopped are discarded). A blocking sync remains
+where a row's whole history is needed (preemption, fork points, recomputes, cancels,
+compaction) and when nothing decodes. Admissions need no sync (free slots and blocks are known on the host): a slot
 freed at a sync is refilled right away, before the next decode step; the admitted rows'
 first tokens are sampled from the prefill's logits, and they join the next decode step.
 Block tables are copied to the device only when they changed (in place: captured graphs
@@ -102,6 +104,7 @@ import numpy as np
 import torch
 
 from .batch import DeviceBatch
+from .log_reads import LogReader
 from .params import SamplingParams
 from .paging import block_size_for
 from .prefix_cache import PrefixEntry
@@ -165,6 +168,7 @@ class RunningBatch:
         if self.own_prompts:
             prefix_capacity = OWN_PROMPT_STORE
         self.dev = DeviceBatch(engine, tree, self.block, self.max_blocks, engine.stats)
+        self.reads = LogReader(self.host, self.dev)
         self._allocate(groups, prefix_capacity, arena)
 
     def arena(self) -> tuple:
@@ -209,8 +213,12 @@ class RunningBatch:
             cancelled = q.take_cancelled()
             if cancelled:
                 self._cancel(cancelled)
+            if not h.live.any() and self.reads.unsynced():
+                self.reads.sync()  # nothing decodes: the ending rows' tokens now
+            else:
+                self.reads.poll()
             if h.sync_due():
-                self._sync()
+                self.reads.start()
             yield from self._flush()
             free = h.free()
             if free and h.room():  # admit waiting prompts into free group slots
@@ -236,12 +244,10 @@ class RunningBatch:
                     if q.end_if_empty():
                         return
                 continue
-            if h.at_limit():
-                continue  # finish those rows (sync) before the next step
             with e.generation_turn():
                 stale = h.live & (h.row_version != e.version)
                 if stale.any():
-                    self._sync()
+                    self.reads.sync()
                     stale = h.live & (h.row_version != e.version)
                     if stale.any():
                         self._recompute(np.flatnonzero(stale))
@@ -257,8 +263,8 @@ class RunningBatch:
         """Stop the cancelled groups the batch holds (synced first: their rows keep every
         token sampled so far); they are yielded with ``finish_reason="abort"``."""
         h = self.host
-        if h.log_rows and any(k in h.gkey for k in keys):
-            self._sync()
+        if self.reads.unsynced() and any(k in h.gkey for k in keys):
+            self.reads.sync()
         if any([h.abort(k) for k in keys]):
             self.dev.set_live(h.live)
 
@@ -340,8 +346,8 @@ class RunningBatch:
         latest-admitted first); the device table is updated if it changed."""
         h = self.host
         if not h.grow_for_step():
-            if h.log_rows:
-                self._sync()
+            if self.reads.unsynced():
+                self.reads.sync()
             h.make_room()
             self.dev.set_live(h.live)
         h.blocks.upload(self.dev.table)
@@ -356,14 +362,7 @@ class RunningBatch:
         live = np.flatnonzero(h.live) if rows is None else rows
         how = h.sampling(live, np.arange(h.hi) if rows is None else rows)
         self.dev.sample(k, rows, h.hi, how, self.gen)
-        h.logged(live)
-
-    def _sync(self) -> None:
-        """Bring the logged tokens to the host; finish rows that stopped."""
-        h = self.host
-        if h.log_rows:
-            h.record(*self.dev.read_log(len(h.log_rows), top=h.top_id.shape[2] > 0))
-        if h.check_stops():
+        if h.logged(live):  # rows at max_new stop decoding (they finish when their tokens are read)
             self.dev.set_live(h.live)
 
     # -------------------------------------------------------------------- forks
@@ -375,8 +374,8 @@ class RunningBatch:
         if not self.tree.depth:
             return
         due = h.due_forks()
-        if due and h.log_rows:
-            self._sync()  # rows that stopped before the fork are not forked
+        if due and self.reads.unsynced():
+            self.reads.sync()  # rows that stopped before the fork are not forked
             due = h.due_forks()
         if not due:
             return
@@ -507,7 +506,12 @@ class RunningBatch:
 
     # ------------------------------------------------------------------- decode
     def _compact(self) -> None:
-        """Move live groups down into free group slots when they would fit a smaller bucket."""
+        """Move live groups down into free group slots when they would fit a smaller bucket
+        (synced first: no logged token may refer to a row that moves)."""
+        if self.host.compaction_due() and self.reads.unsynced():
+            self.reads.sync()
+            if not self.host.live.any():
+                return
         moved = self.host.compact()
         if moved is not None:
             self.dev.move(*moved)

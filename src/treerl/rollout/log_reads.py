@@ -1,0 +1,128 @@
+"""Reads of the decode log to the host, without waiting.
+
+Each sample call logs the rows' tokens and logprobs on the device (``DeviceBatch.log_tok``,
+``log_lp``; the host notes which rows at which token index: ``Scheduler.log_rows``). A read
+copies the log to the host (:class:`LogRead`: on CUDA into pinned memory, with an event)
+while the next decode steps run; once it is complete, :func:`record` puts the tokens into
+the rows' host arrays and :func:`check_stops` finishes the rows that stopped or ended.
+:class:`LogReader` keeps at most one read in flight for the running batch, and does the
+blocking sync where a row's whole history is needed. Functions of the
+:class:`~treerl.rollout.scheduler.Scheduler`'s state, as :mod:`~treerl.rollout.requests`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .requests import emit
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .batch import DeviceBatch
+    from .scheduler import Scheduler
+
+
+class LogRead:
+    """A copy of the decode log to the host (:meth:`DeviceBatch.start_read
+    <treerl.rollout.batch.DeviceBatch.start_read>`) in flight."""
+
+    def __init__(self, host: list[torch.Tensor], event: "torch.cuda.Event | None"):
+        self.host, self.event = host, event
+
+    def ready(self) -> bool:
+        """Whether the copy is complete (no wait)."""
+        return self.event is None or self.event.query()
+
+    def result(self) -> tuple:
+        """(Waits for the copy.) ``(tokens, logprobs[, (top ids, top logprobs)])`` as numpy arrays."""
+        if self.event is not None:
+            self.event.synchronize()
+        out = tuple(x.numpy() for x in self.host)
+        return out[:2] + ((out[2:],) if len(out) > 2 else ())
+
+
+def record(s: "Scheduler", log_rows: list[tuple[np.ndarray, np.ndarray]], tok: np.ndarray, lp: np.ndarray,
+           top: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """The device's logged tokens and logprobs ``[k, S]`` of the calls ``log_rows`` (taken by
+    ``Scheduler.take_log``; with ``top``: the top tokens' ids and logprobs ``[k, S, 20]``)
+    into the rows' host arrays."""
+    for j, (rows, idx) in enumerate(log_rows):
+        s.host_tok[rows, idx] = tok[j, rows]
+        s.host_lp[rows, idx] = lp[j, rows]
+        s.recorded[rows] = np.maximum(s.recorded[rows], idx + 1)
+        if top is not None and s.top_id.shape[2]:
+            kk = s.top_id.shape[2]
+            s.top_id[rows, idx] = top[0][j, rows, :kk]
+            s.top_lp[rows, idx] = top[1][j, rows, :kk]
+
+
+def check_stops(s: "Scheduler") -> bool:
+    """Finish the rows whose tokens on the host (``recorded``) hold a stop or reach
+    ``max_new``; give the others' new tokens to their listeners. Whether any finished."""
+    finished = False
+    for r in np.flatnonzero(s.live | s.ending):
+        n = int(s.recorded[r])
+        found = s.groups[s.key[r]].stopper.find(s.host_tok[r, :n], int(s.checked[r]))
+        if found is not None:
+            s.finish(r, found[0], "stop", found[1])
+            finished = True
+        elif n >= s.max_new_g[r // s.G]:
+            s.finish(r, n, "length", None)
+            finished = True
+        else:
+            s.checked[r] = n
+            if n > s.emitted[r] and s.groups[s.key[r]].listener is not None:
+                emit(s, r, n, None)
+    return finished
+
+
+class LogReader:
+    """The running batch's reads of its decode log: at most one in flight (``reading``; its
+    calls' rows in ``host.reading``)."""
+
+    def __init__(self, host: "Scheduler", dev: "DeviceBatch"):
+        self.host, self.dev = host, dev
+        self.reading: LogRead | None = None
+
+    def unsynced(self) -> bool:
+        """Whether logged tokens are not on the host yet (in the log, or being read)."""
+        return bool(self.host.log_rows) or self.reading is not None
+
+    def start(self) -> None:
+        """Start reading the calls logged so far (the log restarts; an earlier read is
+        finished first); finished at once where the copy already is (the CPU)."""
+        h = self.host
+        self.finish()
+        self.reading = self.dev.start_read(len(h.log_rows), top=h.top_id.shape[2] > 0)
+        h.reading = h.take_log()
+        if self.reading.ready():  # (on CUDA: once the device has run the steps logged)
+            self.finish()
+
+    def poll(self) -> None:
+        """Finish the read in flight if it is complete (no wait)."""
+        if self.reading is not None and self.reading.ready():
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for the read in flight (if any), record its tokens, finish the rows that
+        stopped or ended. Rows still decoding may have run past a stop meanwhile: their
+        later tokens are dropped as they finish (``Scheduler.finish``)."""
+        h = self.host
+        if self.reading is None:
+            return
+        out, self.reading = self.reading.result(), None
+        rows, h.reading = h.reading, None
+        record(h, rows, *out)
+        if check_stops(h):
+            self.dev.set_live(h.live)
+
+    def sync(self) -> None:
+        """Bring every logged token to the host (a host sync); finish rows that stopped or ended."""
+        h = self.host
+        self.finish()
+        if h.log_rows:
+            k = len(h.log_rows)
+            record(h, h.take_log(), *self.dev.start_read(k, top=h.top_id.shape[2] > 0).result())
+        if check_stops(h):
+            self.dev.set_live(h.live)
