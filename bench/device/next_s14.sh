@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 13 call 5 (nvidia-h200, ~3 minutes: the session's last device time): the serving benchmark after reads of
+# For the next session (written in session 13; not run: the device time ran out; ~3 minutes, any H100/H200 kind): the serving benchmark after reads of
 # the decode log stopped waiting (log_reads.py), in process, 6 turns (compare call 4's serve_mixed_h200_s13_new.json:
 # same code before it), then as many CUDA rollout tests as fit. carry [".whl"].
 F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$\|pow_by_natural\|split the reduction\|^softmax"
