@@ -308,6 +308,6 @@ class DeviceBatch:
         for h, x in zip(host, parts):
             h.copy_(x, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # (the copies' stream: the log's device's)
         return LogRead(host, event)
 

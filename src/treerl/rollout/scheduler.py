@@ -111,6 +111,8 @@ class Scheduler:
 
     def reset(self, groups: int, num_blocks: int) -> None:
         """Empty state for ``groups`` group slots and a pool of ``num_blocks`` blocks."""
+        if self.log_rows or self.reading is not None:  # pragma: no cover - the batch reads everything first
+            raise RuntimeError("the running batch was rebuilt with logged tokens not read")
         S = groups * self.G
         self.NG, self.S = groups, S
         self.blocks = BlockTable(S, self.max_blocks, num_blocks, self.block)

@@ -237,6 +237,8 @@ class RunningBatch:
                             if len(rows):
                                 self._sample(rows)
             if not h.live.any():
+                if self.reads.unsynced():
+                    continue  # rows ending with tokens not read yet: the next turn syncs them
                 if not h.deferred and q.closed and not len(q):
                     return
                 if (not h.deferred and q.idle_timeout is not None and waited is not None
@@ -298,7 +300,7 @@ class RunningBatch:
             if self._tokens_needed(self.NG, need) <= self.budget:
                 longest = max(longest, need)
                 continue
-            if self.host.live.any():
+            if self.host.live.any() or self.reads.unsynced():  # (rebuilt only once every token is read)
                 self.host.deferred.extendleft(reversed(items[i:]))
                 items = items[:i]
                 break

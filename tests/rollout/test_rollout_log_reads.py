@@ -1,0 +1,68 @@
+"""Reads of the decode log that complete late (``treerl.rollout.log_reads``): no group is lost
+or changed when rows end, stop or are rebuilt around a read in flight."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.models import tiny_model
+from helpers.rollout import greedy_reference, random_prompts, sampling
+from treerl.rollout import PromptQueue, RolloutEngine, SamplingParams, log_reads
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.mark.parametrize("max_new,sync_every,max_rows", [(1, 4, 4), (2, 4, 4), (12, 4, 3), (12, 1, 2), (7, 3, 5)])
+def test_every_group_comes_out_whatever_ends_when(model, read_lag, max_new, sync_every, max_rows):
+    """Rows that end at their admission sample (``max_new_tokens`` 1), at ``max_new`` or at a stop,
+    in every order against the reads: every group is yielded once, equal to a per-prompt
+    greedy forward (a stream over a list ends only when every token has been read)."""
+    prompts = random_prompts([5, 3, 7, 4, 6, 2], seed=1)
+    engine = RolloutEngine(model, sync_every=sync_every)
+    groups = list(engine.generate_stream(prompts, sampling(max_new, n=1), max_rows=max_rows))
+    assert sorted(g.prompt_index for g in groups) == list(range(len(prompts)))
+    for g in groups:
+        assert g[0].completion_ids.tolist() == greedy_reference(model, prompts[g.prompt_index], max_new)
+
+
+@pytest.mark.parametrize("case", ["closed", "rebuilt"])
+def test_a_read_in_flight_when_the_last_live_rows_finish(model, monkeypatch, case):
+    """Group A ends by length (6 tokens) while group B stops at 5; reads complete one poll late,
+    so when the read with B's stop finishes B, A's rows are ending and the read of their last
+    token is in flight. ``closed``: the queue is closed and empty: the stream still yields A.
+    ``rebuilt``: a prompt arrives then that needs the batch rebuilt for its length: the batch
+    reads A's tokens first, and every group equals its reference."""
+    ready = log_reads.LogRead.ready
+    monkeypatch.setattr(log_reads.LogRead, "ready", lambda self: (setattr(self, "polls", getattr(self, "polls", 0) + 1)
+                                                                   or self.polls > 1) and ready(self))
+    queue = PromptQueue(idle_timeout=0.5) if case == "rebuilt" else PromptQueue()
+    long_prompt = random_prompts([700], seed=99)[0]
+    seen = []
+    poll = log_reads.LogReader.poll
+
+    def polling(self):
+        poll(self)
+        h = self.host
+        if not seen and not h.live.any() and h.ending.any() and self.unsynced():
+            seen.append(True)  # the state this test is about was reached
+            if case == "rebuilt":
+                queue.put(long_prompt, key="long")
+
+    monkeypatch.setattr(log_reads.LogReader, "poll", polling)
+    stream = sampling(8, length=lambda ids: 5)
+    pa, pb = random_prompts([5, 7], seed=3)
+    queue.put(pa, key="A", params=SamplingParams(n=2, temperature=0, max_new_tokens=6))
+    queue.put(pb, key="B")
+    if case == "closed":
+        queue.close()
+    engine = RolloutEngine(model, sync_every=1, max_batch_tokens=1200)
+    groups = {g.prompt_index: g for g in engine.generate_stream(queue, stream, max_rows=4)}
+    assert seen and set(groups) == ({"A", "B", "long"} if case == "rebuilt" else {"A", "B"})
+    assert [len(c) for c in groups["A"]] == [6, 6] and [c.finish_reason for c in groups["A"]] == ["length"] * 2
+    assert all(c.completion_ids.tolist() == greedy_reference(model, pb, 8, length=lambda ids: 5) for c in groups["B"])
+    if case == "rebuilt":
+        want = greedy_reference(model, long_prompt, 8, length=lambda ids: 5)
+        assert [c.completion_ids.tolist() for c in groups["long"]] == [want, want]
