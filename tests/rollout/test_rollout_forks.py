@@ -60,7 +60,7 @@ SCHEDULES = {
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=list(SCHEDULES))
 @pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
-def test_greedy_forks_equal_per_prompt_full_forward(model, schedule, static_kv, read_lag):
+def test_greedy_forks_equal_per_prompt_full_forward(model, schedule, static_kv):
     prompts = random_prompts([7, 1, 13, 4, 10, 3, 9], seed=1)
     p = params(**SCHEDULES[schedule])
     G = p.max_leaves
@@ -84,7 +84,7 @@ def test_generate_returns_trees_in_prompt_order(model):
     check_greedy_trees(model, groups, prompts, p)
 
 
-def test_sampled_trees_logprobs_shared_prefixes_and_early_stops(model, read_lag):
+def test_sampled_trees_logprobs_shared_prefixes_and_early_stops(model):
     """Temperature/top-k sampling with stop tokens, a sync window longer than the gaps
     between forks: behaviour logprobs equal a full forward; siblings share exactly the
     tokens before their fork; rows that stopped at or before a fork were not forked; every

@@ -1,5 +1,6 @@
-"""Reads of the decode log that complete late (``treerl.rollout.log_reads``): no group is lost
-or changed when rows end, stop or are rebuilt around a read in flight."""
+"""Reads of the decode log (``treerl.rollout.log_reads``), finished a decode step after they
+start: no group is lost or changed when rows end, stop or are rebuilt around a read in
+flight, and the schedule depends on step counts only."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def model():
 
 
 @pytest.mark.parametrize("max_new,sync_every,max_rows", [(1, 4, 4), (2, 4, 4), (12, 4, 3), (12, 1, 2), (7, 3, 5)])
-def test_every_group_comes_out_whatever_ends_when(model, read_lag, max_new, sync_every, max_rows):
+def test_every_group_comes_out_whatever_ends_when(model, max_new, sync_every, max_rows):
     """Rows that end at their admission sample (``max_new_tokens`` 1), at ``max_new`` or at a stop,
     in every order against the reads: every group is yielded once, equal to a per-prompt
     greedy forward (a stream over a list ends only when every token has been read)."""
@@ -30,28 +31,25 @@ def test_every_group_comes_out_whatever_ends_when(model, read_lag, max_new, sync
 
 @pytest.mark.parametrize("case", ["closed", "rebuilt"])
 def test_a_read_in_flight_when_the_last_live_rows_finish(model, monkeypatch, case):
-    """Group A ends by length (6 tokens) while group B stops at 5; reads complete one poll late,
-    so when the read with B's stop finishes B, A's rows are ending and the read of their last
-    token is in flight. ``closed``: the queue is closed and empty: the stream still yields A.
-    ``rebuilt``: a prompt arrives then that needs the batch rebuilt for its length: the batch
-    reads A's tokens first, and every group equals its reference."""
-    ready = log_reads.LogRead.ready
-    monkeypatch.setattr(log_reads.LogRead, "ready", lambda self: (setattr(self, "polls", getattr(self, "polls", 0) + 1)
-                                                                   or self.polls > 1) and ready(self))
+    """Group A ends by length (6 tokens) while group B stops at 5: when the read with B's stop
+    finishes B, A's rows are ending and the read of their last token is in flight.
+    ``closed``: the queue is closed and empty: the stream still yields A. ``rebuilt``: a
+    prompt arrives then that needs the batch rebuilt for its length: the batch reads A's
+    tokens first, and every group equals its reference."""
     queue = PromptQueue(idle_timeout=0.5) if case == "rebuilt" else PromptQueue()
     long_prompt = random_prompts([700], seed=99)[0]
     seen = []
-    poll = log_reads.LogReader.poll
+    due = log_reads.LogReader.due
 
-    def polling(self):
-        poll(self)
+    def finishing(self, steps):
+        due(self, steps)
         h = self.host
         if not seen and not h.live.any() and h.ending.any() and self.unsynced():
             seen.append(True)  # the state this test is about was reached
             if case == "rebuilt":
                 queue.put(long_prompt, key="long")
 
-    monkeypatch.setattr(log_reads.LogReader, "poll", polling)
+    monkeypatch.setattr(log_reads.LogReader, "due", finishing)
     stream = sampling(8, length=lambda ids: 5)
     pa, pb = random_prompts([5, 7], seed=3)
     queue.put(pa, key="A", params=SamplingParams(n=2, temperature=0, max_new_tokens=6))
@@ -66,3 +64,32 @@ def test_a_read_in_flight_when_the_last_live_rows_finish(model, monkeypatch, cas
     if case == "rebuilt":
         want = greedy_reference(model, long_prompt, 8, length=lambda ids: 5)
         assert [c.completion_ids.tolist() for c in groups["long"]] == [want, want]
+
+
+def test_reads_finish_a_decode_step_after_they_start(model, monkeypatch):
+    """Each read is finished at the first turn after one more decode step was queued (so the
+    device always has a step to run while the host waits for the copy): never at the turn it
+    started, never later; the samples of a seeded stream are the same run after run."""
+    gaps = []
+    start, finish = log_reads.LogReader.start, log_reads.LogReader.finish
+
+    def starting(self, steps):
+        start(self, steps)
+        self.at = steps
+
+    def finishing(self):
+        if self.reading is not None and hasattr(self, "at"):
+            gaps.append(engine.stats.decode_steps - self.at)
+        finish(self)
+
+    monkeypatch.setattr(log_reads.LogReader, "start", starting)
+    monkeypatch.setattr(log_reads.LogReader, "finish", finishing)
+    prompts = random_prompts([5, 3, 7, 4, 6, 2], seed=2)
+    runs = []
+    for _ in range(2):
+        engine = RolloutEngine(model, sync_every=2)
+        params = SamplingParams(n=2, temperature=1.0, max_new_tokens=9, seed=7)  # (the stream's generator)
+        runs.append({g.prompt_index: [c.completion_ids.tolist() for c in g]
+                     for g in engine.generate_stream(prompts, params, max_rows=6)})
+    assert runs[0] == runs[1] and len(runs[0]) == len(prompts)
+    assert gaps and set(gaps) <= {0, 1} and gaps.count(1) > len(gaps) // 2  # (0: a blocking sync, nothing decoding)

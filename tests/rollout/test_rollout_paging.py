@@ -68,7 +68,7 @@ PROMPTS = random_prompts([7, 1, 13, 4, 10, 3, 9, 16, 5, 12], seed=24)  # complet
 
 @pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
 @pytest.mark.parametrize("sync_every", [1, 4])
-def test_preempted_groups_equal_per_prompt_full_forward(model, refs, static_kv, sync_every, read_lag):
+def test_preempted_groups_equal_per_prompt_full_forward(model, refs, static_kv, sync_every):
     """n=3, blocks of 16 own slots (3 per row at most), a budget of 12 blocks for 4 group
     slots that could fill 36: groups are preempted again and again, and every sample still
     equals the full forward and comes out exactly once."""
@@ -85,7 +85,7 @@ def test_preempted_groups_equal_per_prompt_full_forward(model, refs, static_kv, 
 
 
 @pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
-def test_preempted_trees_equal_per_prompt_full_forward(model, refs, static_kv, read_lag):
+def test_preempted_trees_equal_per_prompt_full_forward(model, refs, static_kv):
     """Tree rollouts (forks at 2 and 5, 8 leaves per tree) with too few blocks: whole trees
     are preempted (before, between and after their forks) and readmitted; every leaf equals
     the full forward, every branch comes out once."""
@@ -150,7 +150,7 @@ def test_hf_forward_path_under_preemption(model, refs, tree):
     assert engine.stats.preemptions > 0
 
 
-def test_block_accounting_no_leak(model, read_lag):
+def test_block_accounting_no_leak(model):
     """Through a stream with preemptions, forks, finished rows and compaction: at every
     group it yields, each block is free or owned by one row, live rows own the blocks their
     own tokens fill, idle rows own none; at the end every block is free."""

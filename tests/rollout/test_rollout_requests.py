@@ -29,7 +29,7 @@ def greedy(model, prompt, max_new, stop=None):
     return ids[len(prompt):]
 
 
-def test_mixed_settings_in_one_batch(model, read_lag):
+def test_mixed_settings_in_one_batch(model):
     """Greedy groups of different lengths and stops beside sampled ones (top-k, top-p,
     min-p, temperatures) in one stream of fixed-shape steps: greedy completions equal full
     forwards; every logprob is the temperature-scaled log-softmax of a full forward."""
@@ -58,7 +58,7 @@ def test_mixed_settings_in_one_batch(model, read_lag):
     assert engine.stats.admissions == 1  # no group waited for another
 
 
-def test_seed_gives_the_same_sample_whatever_the_batch(model, read_lag):
+def test_seed_gives_the_same_sample_whatever_the_batch(model):
     prompts = random_prompts([6, 9, 4, 8], seed=41)
     seeded = SamplingParams(temperature=1.0, top_k=50, max_new_tokens=10, n=2, seed=123)
     q = PromptQueue()
@@ -102,7 +102,7 @@ def test_group_settings_checked_against_the_stream(model, own, match):
         list(engine.generate_stream(q, stream))
 
 
-def test_listener_deltas_concatenate_to_the_completions(model, read_lag):
+def test_listener_deltas_concatenate_to_the_completions(model):
     """Deltas come at the host syncs; a row's deltas concatenate to its completion (tokens,
     logprobs, versions) and its last one carries the finish reason; a listener that raises
     is dropped without stopping the stream."""
@@ -132,7 +132,7 @@ def test_listener_deltas_concatenate_to_the_completions(model, read_lag):
             assert sum((d.versions for d in ds), []) == c.versions.tolist()
 
 
-def test_cancel_waiting_and_running_groups(model, read_lag):
+def test_cancel_waiting_and_running_groups(model):
     """A waiting prompt is removed; a running group stops at the next sync, frees its
     blocks and is yielded with "abort" (its tokens so far); the others run to the end."""
     prompts = random_prompts([5, 8, 3, 6], seed=44)
@@ -161,7 +161,7 @@ def test_cancel_waiting_and_running_groups(model, read_lag):
     assert groups["short"][0].finish_reason == "length" and len(groups["late"][0]) == 30
 
 
-def test_top_logprobs(model, read_lag):
+def test_top_logprobs(model):
     """Groups asking for k alternatives get ``[T, k]`` ids and logprobs: the k most likely
     tokens under the temperature-scaled distribution of a full forward (the sampled token's
     logprob among them when it is one of them); others get None; deltas carry them too."""

@@ -53,7 +53,7 @@ def check_greedy(model, groups, prompts, n, rtol=1e-9, atol=1e-12):
 
 @pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
 @pytest.mark.parametrize("sync_every", [1, 3])
-def test_stream_greedy_equals_per_prompt_reference(model, static_kv, sync_every, read_lag):
+def test_stream_greedy_equals_per_prompt_reference(model, static_kv, sync_every):
     prompts = random_prompts([7, 1, 13, 4, 10, 3, 9, 5, 12, 2], seed=1)
     engine = RolloutEngine(model, static_kv=static_kv, sync_every=sync_every, prefill_chunk_tokens=16,
                            prefill_graph_tokens=GRAPH_TOKENS[static_kv])
@@ -92,19 +92,20 @@ def test_groups_come_out_as_they_finish(model):
     for g in engine.generate_stream(prompts, params(n=2), max_rows=4):
         seen.append((engine.stats.decode_steps, g.prompt_index))
     # expected: two groups run at a time; a group admitted after decode step a (its first
-    # token from the prefill) finishes at step a + length - 1, is yielded then, and the
-    # next waiting prompt takes its slots at once
+    # token from the prefill) samples its last token at step a + length - 1; the read of that
+    # token is finished once one more step is queued, so the group is yielded after step
+    # a + length, and the next waiting prompt takes its slots then
     expected, running, waiting = [], {0: length[0] - 1, 1: length[1] - 1}, list(range(2, len(prompts)))
     while running:
         step = min(running.values())
         done = sorted(k for k, s in running.items() if s == step)
         for k in done:
-            expected.append((step, k))
+            expected.append((step + 1, k))
             del running[k]
         for _ in done:
             if waiting:
                 k = waiting.pop(0)
-                running[k] = step + length[k] - 1
+                running[k] = step + 1 + length[k] - 1
     assert len(set(length)) > 3
     assert sorted(seen) == sorted(expected)
     assert [s for s, _ in seen] == sorted(s for s, _ in seen)  # yielded as they finished
@@ -157,7 +158,7 @@ def test_versions_and_kv_after_mid_stream_weight_update(static_kv):
     assert any(min(g[0].versions.tolist()) == 1 for g in groups)  # admitted after the update
 
 
-def test_prompts_from_another_thread_none_lost_or_duplicated(model, read_lag):
+def test_prompts_from_another_thread_none_lost_or_duplicated(model):
     prompts = random_prompts([random.Random(7).randint(1, 12) for _ in range(14)], seed=7)
     queue = PromptQueue()
     engine = RolloutEngine(model, sync_every=2)
@@ -202,7 +203,7 @@ def test_idle_timeout_ends_the_stream_atomically(model):
     assert out == ["a", "b"]
 
 
-def test_sampled_stream_logprobs_and_compaction(model, read_lag):
+def test_sampled_stream_logprobs_and_compaction(model):
     """Temperature/top-k/top-p sampling with stop tokens: behaviour logprobs equal a full
     forward; rows of a long tail are compacted into smaller decode steps."""
     prompts = random_prompts([9, 3, 14, 6, 2, 11, 5, 8], seed=5)
@@ -272,7 +273,7 @@ def test_prompt_store_grows_geometrically(model, budget, max_new, grows, realloc
 
 
 @pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
-def test_groups_of_one_row_keep_their_prompts_in_own_blocks(static_kv, read_lag):
+def test_groups_of_one_row_keep_their_prompts_in_own_blocks(static_kv):
     """Groups of one row (a serving batch: ``n = 1``) keep their prompts in their rows' own
     blocks, not in a prompt store sized for the longest prompt: prompts of 5 ... 113 tokens
     never grow or rebuild a prompt store, admission is by the blocks a prompt takes, and a
@@ -366,7 +367,7 @@ def test_a_short_prompt_passes_a_deferred_burst(model):
     queue.put(prompts[0], 0, params=long, listener=first_tokens)
     queue.put_many([(i, prompts[i]) for i in range(1, 4)])
     groups = {g.prompt_index: g for g in engine.generate_stream(queue, params(n=1), max_rows=8)}
-    assert sizes == [[12], [3, 12], [12], [12]]
+    assert sizes == [[12], [12], [3, 12], [12]]  # (the first read, whose listener sends it, ends after step 2)
     for i in range(1, 5):
         assert groups[i][0].completion_ids.tolist() == greedy_reference(model, prompts[i]), i
 
@@ -431,7 +432,7 @@ def test_prompt_stored_once_and_prefilled_once_per_group(model, static_kv):
     assert s.decode_rows <= s.decode_steps * 3 * G
 
 
-def test_small_capacity_defers_longer_prompts_never_loses_a_sample(model, read_lag):
+def test_small_capacity_defers_longer_prompts_never_loses_a_sample(model):
     """A budget too small to grow the prompt store while groups run: the longer prompt
     (and the ones after it) wait until the batch drains, which is rebuilt with fewer,
     larger group slots; a prompt larger than the whole budget runs alone. Every group
@@ -454,7 +455,7 @@ def test_small_capacity_defers_longer_prompts_never_loses_a_sample(model, read_l
     assert engine.stats.kv_slots == 160 + G * 32  # the 150-token prompt alone: over the budget, never more
 
 
-def test_weight_update_recomputes_shared_prompt_and_own_tokens(model, read_lag):
+def test_weight_update_recomputes_shared_prompt_and_own_tokens(model):
     """Weights updated while the stream is paused at its first group (same thread, no
     timing): the running groups (different prompt lengths) recompute their prompt store
     and each row's own tokens; every logprob equals a full forward of the weights that

@@ -298,7 +298,7 @@ class DeviceBatch:
         """Start copying the first ``k`` logged sample calls' tokens and logprobs ``[k, S]``
         (``top``: and the top tokens' ids and logprobs ``[k, S, 20]``) to the host: on CUDA
         into pinned memory, asynchronously (ordered before the next steps' writes to the
-        log, on the same stream); the copy is complete when :meth:`LogRead.ready`."""
+        log, on the same stream); :meth:`LogRead.result` waits for it."""
         parts = [self.log_tok[:k], self.log_lp[:k].double()]
         if top and self.log_topi is not None:
             parts += [self.log_topi[:k], self.log_topv[:k].double()]

@@ -3,10 +3,14 @@
 Each sample call logs the rows' tokens and logprobs on the device (``DeviceBatch.log_tok``,
 ``log_lp``; the host notes which rows at which token index: ``Scheduler.log_rows``). A read
 copies the log to the host (:class:`LogRead`: on CUDA into pinned memory, with an event)
-while the next decode steps run; once it is complete, :func:`record` puts the tokens into
-the rows' host arrays and :func:`check_stops` finishes the rows that stopped or ended.
-:class:`LogReader` keeps at most one read in flight for the running batch, and does the
-blocking sync where a row's whole history is needed. Functions of the
+while the next decode step runs; after that step has been queued, the read is finished
+(waiting for the copy if needed: the device is busy with the next step meanwhile, its
+queue never drains): :func:`record` puts the tokens into the rows' host arrays and
+:func:`check_stops` finishes the rows that stopped or ended. When a read is finished
+depends on step counts only, never on the device's timing, so a stream's samples stay a
+function of its seed, and the CPU runs the schedule CUDA runs. :class:`LogReader` keeps at
+most one read in flight for the running batch, and does the blocking sync where a row's
+whole history is needed. Functions of the
 :class:`~treerl.rollout.scheduler.Scheduler`'s state, as :mod:`~treerl.rollout.requests`."""
 
 from __future__ import annotations
@@ -29,10 +33,6 @@ class LogRead:
 
     def __init__(self, host: list[torch.Tensor], event: "torch.cuda.Event | None"):
         self.host, self.event = host, event
-
-    def ready(self) -> bool:
-        """Whether the copy is complete (no wait)."""
-        return self.event is None or self.event.query()
 
     def result(self) -> tuple:
         """(Waits for the copy.) ``(tokens, logprobs[, (top ids, top logprobs)])`` as numpy arrays."""
@@ -79,29 +79,30 @@ def check_stops(s: "Scheduler") -> bool:
 
 class LogReader:
     """The running batch's reads of its decode log: at most one in flight (``reading``; its
-    calls' rows in ``host.reading``)."""
+    calls' rows in ``host.reading``), started after decode step ``started`` (a count)."""
 
     def __init__(self, host: "Scheduler", dev: "DeviceBatch"):
         self.host, self.dev = host, dev
         self.reading: LogRead | None = None
+        self.started = 0
 
     def unsynced(self) -> bool:
         """Whether logged tokens are not on the host yet (in the log, or being read)."""
         return bool(self.host.log_rows) or self.reading is not None
 
-    def start(self) -> None:
-        """Start reading the calls logged so far (the log restarts; an earlier read is
-        finished first); finished at once where the copy already is (the CPU)."""
+    def start(self, steps: int) -> None:
+        """Start reading the calls logged so far, after ``steps`` decode steps (the log
+        restarts; an earlier read is finished first)."""
         h = self.host
         self.finish()
         self.reading = self.dev.start_read(len(h.log_rows), top=h.top_id.shape[2] > 0)
+        self.started = steps
         h.reading = h.take_log()
-        if self.reading.ready():  # (on CUDA: once the device has run the steps logged)
-            self.finish()
 
-    def poll(self) -> None:
-        """Finish the read in flight if it is complete (no wait)."""
-        if self.reading is not None and self.reading.ready():
+    def due(self, steps: int) -> None:
+        """Finish the read in flight once a decode step has been queued after it (``steps``:
+        decode steps so far)."""
+        if self.reading is not None and steps > self.started:
             self.finish()
 
     def finish(self) -> None:

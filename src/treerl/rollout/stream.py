@@ -216,9 +216,9 @@ class RunningBatch:
             if not h.live.any() and self.reads.unsynced():
                 self.reads.sync()  # nothing decodes: the ending rows' tokens now
             else:
-                self.reads.poll()
+                self.reads.due(e.stats.decode_steps)
             if h.sync_due():
-                self.reads.start()
+                self.reads.start(e.stats.decode_steps)
             yield from self._flush()
             free = h.free()
             if free and h.room():  # admit waiting prompts into free group slots
