@@ -206,3 +206,23 @@ def test_rows_end_at_max_new_without_a_read_and_stopped_rows_drop_later_tokens()
     assert check_stops(s) and not s.ending.any()
     b = s.out[1]
     assert b[0].completion_ids.tolist() == [7, 8] and b[0].finish_reason == "length" and s.blocks.free == 4
+
+
+def test_readmission_into_a_rebuilt_batch_widens_its_host_arrays():
+    """A group preempted after its host arrays grew (300 tokens, top logprobs) is readmitted into
+    a batch rebuilt since (narrow arrays again): its rows come back whole."""
+    p = SamplingParams(n=1, max_new_tokens=600, top_logprobs=5)
+    s = scheduler(SamplingParams(n=1, max_new_tokens=600), groups=2, num_blocks=40)
+    admit(s, ["g"], [[1]], [0], params=p)
+    for _ in range(300):
+        step(s, {})
+    assert s.host_tok.shape[1] == 512 and s.top_id.shape[2] == 20
+    before = {name: getattr(s, name)[0].copy() for name in ROW_STATE}
+    s.preempt(0)
+    [item] = s.deferred
+    s.deferred.clear()
+    s.reset(2, 40)  # the batch rebuilt (e.g. for a longer prompt): arrays 256 wide, no top logprobs
+    assert s.host_tok.shape[1] == 256 and s.top_id.shape[2] == 0
+    assert s.readmit(item, 1).tolist() == [1]
+    for name in ROW_STATE:
+        assert (getattr(s, name)[1] == before[name]).all(), name

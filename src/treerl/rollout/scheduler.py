@@ -305,6 +305,9 @@ class Scheduler:
         """A preempted group's host state back into group slot ``slot``, with blocks for its
         live rows (its K/V is to be recomputed). Returns its live rows."""
         rows = self.slot_rows([slot])
+        width, k = item.rows["host_tok"].shape[1], item.rows["top_id"].shape[2]
+        if width > self.host_tok.shape[1] or k > self.top_id.shape[2]:  # (a rebuilt batch's arrays start narrow)
+            self._widen(max(width, self.host_tok.shape[1]), max(k, self.top_id.shape[2]))
         for name in ROW_STATE:
             a, saved = getattr(self, name), item.rows[name]
             if a.ndim >= 2:  # (host arrays may have grown since)
