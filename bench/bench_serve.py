@@ -455,9 +455,24 @@ def host_summary(r: dict) -> str:
             f"{h['gc_s']:.3f} s ({h['gc_full_passes']} full, {h['gc_full_s']:.3f} s)")
 
 
+SERVED_NEEDS = ("fastapi", "uvicorn", "openai", "prometheus_client")  # the served mode's server and client
+
+
+def missing_modules(names) -> list[str]:
+    """Those of ``names`` that cannot be imported here."""
+    import importlib.util
+
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     modes = args.modes.split(",")
+    missing = missing_modules(SERVED_NEEDS) if "served" in modes else []
+    if missing:  # (checked first: the in-process run before it would be lost)
+        raise SystemExit(f"--modes served needs {', '.join(missing)}, not importable here: install treerl[serve], "
+                         "or on a machine without a registry bring their wheels (bench/device/s13_call4.sh), or "
+                         "leave served out of --modes")
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     context = args.prompt_len + args.turns * (args.max_tokens + args.tool_tokens) + 16
@@ -472,6 +487,8 @@ def main(argv=None) -> dict:
             save_model_dir(model, vocab, Path(tmp) / "model")
         if "in-process" in modes:
             results["in-process"] = in_process(args, model, vocab)
+            if args.json:  # (kept if the served run fails)
+                args.json.write_text(json.dumps(results, indent=1))
         del model
         gc.collect()
         if device.type == "cuda":
