@@ -298,6 +298,18 @@ def test_groups_of_one_row_keep_their_prompts_in_own_blocks(static_kv):
     assert s.kv_slots <= budget
 
 
+def prefill_sizes(engine) -> list[list[int]]:
+    """A list that gets each of ``engine``'s prefill calls' sequence lengths (sorted), as they run."""
+    sizes, prefill = [], engine.prefiller
+
+    def recording(seqs, cached=None, stats=None):
+        sizes.append(sorted(len(x) for x in seqs))
+        return prefill(seqs, cached, stats)
+
+    engine.prefiller = recording
+    return sizes
+
+
 def test_admissions_while_rows_decode_prefill_at_most_a_chunk(model):
     """While rows decode, one admission prefills at most ``prefill_chunk_tokens`` new tokens:
     four 12-token prompts and a 3-token one arrive together behind a running group
@@ -307,14 +319,7 @@ def test_admissions_while_rows_decode_prefill_at_most_a_chunk(model):
     outputs equal the reference."""
     prompts = random_prompts([5, 12, 12, 12, 12, 3], seed=36)
     engine = RolloutEngine(model, sync_every=1, prefill_chunk_tokens=20)
-    sizes = []
-    prefill = engine.prefiller
-
-    def recording(seqs, cached=None, stats=None):
-        sizes.append(sorted(len(x) for x in seqs))
-        return prefill(seqs, cached, stats)
-
-    engine.prefiller = recording
+    sizes = prefill_sizes(engine)
     queue = PromptQueue()
     arrived = threading.Event()
 
@@ -346,14 +351,7 @@ def test_a_short_prompt_passes_a_deferred_burst(model):
     with the next chunk (it fits what the chunk leaves), not after every deferred prompt."""
     prompts = random_prompts([12, 12, 12, 12, 3], seed=37)
     engine = RolloutEngine(model, sync_every=1, prefill_chunk_tokens=20)
-    sizes = []
-    prefill = engine.prefiller
-
-    def recording(seqs, cached=None, stats=None):
-        sizes.append(sorted(len(x) for x in seqs))
-        return prefill(seqs, cached, stats)
-
-    engine.prefiller = recording
+    sizes = prefill_sizes(engine)
     queue = PromptQueue()
     sent = threading.Event()
 

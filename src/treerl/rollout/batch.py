@@ -284,10 +284,9 @@ class DeviceBatch:
         host = np.stack([how.temperature, how.top_p, how.top_k, how.min_p][:width]).astype(np.float64)
         key = (host.shape, host.tobytes())
         if self._settings_key != key:
-            dev = self._upload(host)
-            t = dev[0].to(torch.from_numpy(how.temperature).dtype)
-            rest = (dev[1], dev[2].to(torch.int64), dev[3]) if how.truncate else (t, t, t)
-            self._settings, self._settings_key = (t, *rest), key
+            dev = self._upload(host)  # (float64, as the host's settings)
+            rest = (dev[1], dev[2].to(torch.int64), dev[3]) if how.truncate else (dev[0],) * 3
+            self._settings, self._settings_key = (dev[0], *rest), key
         return self._settings
 
     def _upload(self, a: np.ndarray) -> torch.Tensor:

@@ -78,12 +78,13 @@ def check_stops(s: "Scheduler") -> bool:
 
 
 class LogReader:
-    """The running batch's reads of its decode log: at most one in flight (``reading``; its
-    calls' rows in ``host.reading``), started after decode step ``started`` (a count)."""
+    """The running batch's reads of its decode log: at most one in flight (``reading``, the
+    ``(rows, step index)`` of its calls in ``rows``), started after decode step ``started`` (a count)."""
 
     def __init__(self, host: "Scheduler", dev: "DeviceBatch"):
         self.host, self.dev = host, dev
         self.reading: LogRead | None = None
+        self.rows: list[tuple[np.ndarray, np.ndarray]] = []
         self.started = 0
 
     def unsynced(self) -> bool:
@@ -97,7 +98,7 @@ class LogReader:
         self.finish()
         self.reading = self.dev.start_read(len(h.log_rows), top=h.top_id.shape[2] > 0)
         self.started = steps
-        h.reading = h.take_log()
+        self.rows = h.take_log()
 
     def due(self, steps: int) -> None:
         """Finish the read in flight once a decode step has been queued after it (``steps``:
@@ -113,7 +114,7 @@ class LogReader:
         if self.reading is None:
             return
         out, self.reading = self.reading.result(), None
-        rows, h.reading = h.reading, None
+        rows, self.rows = self.rows, []
         record(h, rows, *out)
         if check_stops(h):
             self.dev.set_live(h.live)

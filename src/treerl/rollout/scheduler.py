@@ -106,13 +106,10 @@ class Scheduler:
         self.arrivals = 0  # groups admitted so far (preemption takes the latest first)
         self.out: list[Group] = []  # groups finished, to be yielded
         self.log_rows: list[tuple[np.ndarray, np.ndarray]] = []  # per logged sample call: (rows, step index)
-        self.reading: list[tuple[np.ndarray, np.ndarray]] | None = None  # log_rows being copied to the host
         self.ending_new = False  # rows began ending since the last read of the log was started
 
     def reset(self, groups: int, num_blocks: int) -> None:
         """Empty state for ``groups`` group slots and a pool of ``num_blocks`` blocks."""
-        if self.log_rows or self.reading is not None:  # pragma: no cover - the batch reads everything first
-            raise RuntimeError("the running batch was rebuilt with logged tokens not read")
         S = groups * self.G
         self.NG, self.S = groups, S
         self.blocks = BlockTable(S, self.max_blocks, num_blocks, self.block)
@@ -442,22 +439,26 @@ class Scheduler:
         return par, kid
 
     # --------------------------------------------------------------- compaction
+    def _buckets(self, used) -> tuple[int, int]:
+        """The group-slot buckets the ``used`` slots span now and would after compaction."""
+        return (group_bucket(int(max(used)) + 1, self.NG, self.G, self.exact),
+                group_bucket(len(used), self.NG, self.G, self.exact))
+
     def compaction_due(self) -> bool:
         """Whether the used group slots would fit a smaller bucket if moved down."""
         used = self.used()
         if not used:
             return False
-        return group_bucket(max(used) + 1, self.NG, self.G, self.exact) > group_bucket(len(used), self.NG, self.G,
-                                                                                       self.exact)
+        top, target = self._buckets(used)
+        return top > target
 
     def compact(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Plan and apply (host side) moving live groups down into free group slots when they
         would fit a smaller bucket (only at a sync point: no logged tokens refer to the rows
         moved). Sets ``hg``. Returns ``(src, dst)`` group slots moved, or None."""
         used = np.asarray(self.used())
-        top = group_bucket(int(used.max()) + 1, self.NG, self.G, self.exact)
-        target = group_bucket(len(used), self.NG, self.G, self.exact)
-        if self.log_rows or self.reading is not None or top <= target:
+        top, target = self._buckets(used)
+        if self.log_rows or top <= target:  # (the running batch finishes any read first: LogReader.sync)
             self.hg = top
             return None
         src = used[used >= target]

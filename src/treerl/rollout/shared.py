@@ -45,14 +45,6 @@ from .kernel_probe import kernel_agrees
 LOAD_TEMP_BYTES = 64 << 20  # a load's gathered keys (or values) of several layers at once: at most this (bytes)
 
 
-def _stacked(cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefill cache's keys and values of every layer ``[layers, B, Hkv, slots, D]`` (a
-    :class:`~treerl.rollout.kv.SlotCache`'s own buffers; other caches' layers stacked)."""
-    if getattr(cache, "all_keys", None) is not None:
-        return cache.all_keys, cache.all_values
-    return torch.stack([x.keys for x in cache.layers]), torch.stack([x.values for x in cache.layers])
-
-
 class _TwoLevelLayer(CacheLayerMixin):
     """One layer: prefix keys/values ``[NG, Hkv, Pcap, D]``, the own store's block pools
     ``ok/ov [num_blocks + 1, Hkv, B, D]`` (``own_capacity`` slots per row through the block
@@ -270,7 +262,7 @@ class SharedPrefixCache(Cache):
             off = (j % self.block_size)[None, :].expand_as(blk)
         else:
             targets = (self.all_fk[store], self.all_fv[store])
-        sources = _stacked(src_cache)
+        sources = (src_cache.all_keys, src_cache.all_values)  # every layer's [layers, B, Hkv, slots, D]
         # every layer in one gather and one write (in groups of layers that bound the temporary), indexed
         # [len(dst), n, layers, Hkv, D]: the advanced indices are apart, so their dims lead
         _, _, kv_heads, _, dim = sources[0].shape

@@ -189,7 +189,9 @@ class RunningBatch:
         return max(worst, min(groups * worst, left))
 
     def _allocate(self, groups: int, prefix_capacity: int, kept: tuple | None = None) -> None:
-        """(Re)build the batch for ``groups`` group slots (nothing may be live)."""
+        """(Re)build the batch for ``groups`` group slots (nothing may be live, no token unread)."""
+        if self.reads.unsynced():  # pragma: no cover - _fit defers a rebuild until every token is read
+            raise RuntimeError("the running batch was rebuilt with logged tokens not read")
         num_blocks = self._pool_blocks(groups, prefix_capacity)
         self.dev.allocate(groups, prefix_capacity, num_blocks, kept)
         self.host.reset(groups, num_blocks)
