@@ -299,20 +299,23 @@ def profiled(run, device: str) -> dict:
     with torch.profiler.profile(activities=acts) as prof:
         run()
     wall = time.perf_counter() - t0
-    dev, host = {}, {}
+    dev, host, phases = {}, {}, {}
     for ev in prof.key_averages():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             dev[ev.key] = (getattr(ev, "device_time_total", 0.0) / 1e3, ev.count)
         else:
             host[ev.key] = (ev.self_cpu_time_total / 1e3, ev.count)
+            if ev.key.startswith("treerl."):  # labelled phases (profile_serve_phases.py): inclusive host time
+                phases[ev.key] = (ev.cpu_time_total / 1e3, ev.count)
     out = {"wall_s": wall, "device_busy_s": sum(t for t, _ in dev.values()) / 1e3,
            "kernels": sum(c for _, c in dev.values()),
            "top_kernels_ms": dict(sorted(dev.items(), key=lambda kv: -kv[1][0])[:15]),
-           "top_host_self_ms": dict(sorted(host.items(), key=lambda kv: -kv[1][0])[:15])}
+           "top_host_self_ms": dict(sorted(host.items(), key=lambda kv: -kv[1][0])[:25]),
+           "phases_ms": dict(sorted(phases.items(), key=lambda kv: -kv[1][0]))}
     print(f"profiled run: wall {wall:.2f} s, device busy {out['device_busy_s']:.2f} s, {out['kernels']} kernels")
-    for what in ("top_kernels_ms", "top_host_self_ms"):
+    for what in ("top_kernels_ms", "top_host_self_ms", "phases_ms"):
         for k, (ms, n) in out[what].items():
-            print(f"  {what[4:-3]:10} {ms:9.1f} ms {n:7d}x  {k[:100]}")
+            print(f"  {what.removeprefix('top_').removesuffix('_ms'):10} {ms:9.1f} ms {n:7d}x  {k[:100]}")
     return out
 
 

@@ -1,0 +1,215 @@
+"""Where a decode step's period goes while serving: the torch profiler, run in the engine
+thread (the profiler records the host operations of the thread that starts it) over
+``--window`` decode steps of ``bench_serve.py``'s timed in-process run (after the untimed
+run and the alone probes), with the engine thread's phases labelled (``treerl.<phase>``
+ranges: the decode step, sampling, admissions, reads of the decode log, stop checks,
+deliveries). Prints the window's wall and device-busy milliseconds per decode step, each
+phase's inclusive host milliseconds and count, the top host operations (self) and kernels.
+
+    PYTHONPATH=src python bench/profile_serve_phases.py --window 1000 --device cuda --shape qwen3-0.6b \
+        --dtype bfloat16 --mixed --probe --turns 6 --min-tokens 16 --max-tokens 512 --modes in-process --repeats 1
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import inspect
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serve as bs  # noqa: E402
+
+from treerl.rollout import log_reads, stream  # noqa: E402
+from treerl.rollout.batch import DeviceBatch  # noqa: E402
+from treerl.rollout.prefill import Prefiller  # noqa: E402
+from treerl.rollout.prefill_graphs import MIN_SLOTS, MIN_WINDOW, PrefillGraphs, _pow2  # noqa: E402
+from treerl.rollout.stream import RunningBatch  # noqa: E402
+from treerl.serve.loop import EngineLoop  # noqa: E402
+
+PHASES = {RunningBatch: ("_decode", "_sample", "_admit", "_fork", "_compact", "_ensure_blocks", "_take", "_cancel",
+                         "_recompute", "_fit", "_load_prompts", "_store_prompts", "_load"),
+          DeviceBatch: ("load", "set_logits"),
+          Prefiller: ("__call__", "_load_cached", "_forward", "mask"),
+          PrefillGraphs: ("__call__",),
+          log_reads.LogReader: ("start", "finish", "sync"),
+          log_reads.LogRead: ("result",),
+          EngineLoop: ("_deliver",)}
+SHAPES: list[tuple] = []  # each small prefill's (exact rows, window, slots, bucket rows, window, slots)
+_bucket = PrefillGraphs.bucket
+
+
+def bucket(self, rows: int, window: int, slots: int):
+    b = _bucket(self, rows, window, slots)
+    if b is not None:
+        SHAPES.append((rows, window, slots, b.rows, b.window, b.slots))
+    return b
+
+
+PrefillGraphs.bucket = bucket
+
+
+def labelled(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.profiler.record_function(f"treerl.{name}"):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+for cls, names in PHASES.items():
+    for n in names:
+        fn = labelled(f"{cls.__name__}.{n}", getattr(cls, n))
+        setattr(cls, n, staticmethod(fn) if isinstance(inspect.getattr_static(cls, n), staticmethod) else fn)
+for n in ("record", "check_stops"):  # module functions LogReader calls by their module names
+    setattr(log_reads, n, labelled(n, getattr(log_reads, n)))
+stream.chunk_admission = labelled("chunk_admission", stream.chunk_admission)
+
+STATE = {"runs": 0, "prof": None, "steps": 0, "t0": 0.0, "window": 1000, "out": None, "events": []}
+_decode, _run_agents = RunningBatch._decode, bs.run_agents
+
+
+def timed_on_device(fn):
+    """CUDA events around each decode step in the window: the device's own time for the step's
+    kernels (also where the profiler's device activity is missing)."""
+    if not torch.cuda.is_available():
+        return fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    out = fn()
+    b.record()
+    STATE["events"].append((a, b))
+    return out
+
+
+def report(prof, wall: float, steps: int) -> dict:
+    """The window's per-step wall and device-busy time, phases (inclusive host), top host
+    operations (self) and kernels; printed and returned."""
+    dev, host, phases = {}, {}, {}
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            dev[ev.key] = (getattr(ev, "device_time_total", 0.0) / 1e3, ev.count)
+        else:
+            host[ev.key] = (ev.self_cpu_time_total / 1e3, ev.count)
+            if ev.key.startswith("treerl."):
+                phases[ev.key] = (ev.cpu_time_total / 1e3, ev.count)
+    busy = sum(t for k, (t, _) in dev.items() if not k.startswith("treerl."))
+    out = {"steps": steps, "wall_ms": wall * 1e3, "wall_ms_per_step": wall * 1e3 / steps,
+           "device_busy_ms_per_step": busy / steps, "kernels_per_step": sum(c for _, c in dev.values()) / steps,
+           "phases_ms": dict(sorted(phases.items(), key=lambda kv: -kv[1][0])),
+           "top_host_self_ms": dict(sorted(host.items(), key=lambda kv: -kv[1][0])[:30]),
+           "top_kernels_ms": dict(sorted(dev.items(), key=lambda kv: -kv[1][0])[:20])}
+    print(f"window: {steps} decode steps, {wall:.3f} s: {out['wall_ms_per_step']:.2f} ms a step, device busy "
+          f"{out['device_busy_ms_per_step']:.2f} ms a step ({out['kernels_per_step']:.1f} kernels)")
+    for what in ("phases_ms", "top_host_self_ms", "top_kernels_ms"):
+        for k, (ms, n) in out[what].items():
+            print(f"  {what:16} {ms:9.1f} ms {ms / steps:7.3f} ms/step {n:7d}x  {k[:110]}")
+    out["device_ranges"] = device_ranges(prof, steps)
+    return out
+
+
+def device_ranges(prof, steps: int) -> dict:
+    """Each kernel's device time attributed to the innermost labelled range (on the device's
+    timeline) that holds its start: per range, its kernels' total and top kernels."""
+    ranges, kernels = [], []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        (ranges if ev.name.startswith("treerl.") else kernels).append(
+            (ev.time_range.start, ev.time_range.end, ev.name))
+    ranges.sort()
+    starts = [r[0] for r in ranges]
+    per: dict[str, dict[str, list]] = {}
+    for k0, k1, name in kernels:
+        inner = None  # the latest-starting range that holds k0 (ranges nest): a short scan back
+        for i in range(bisect.bisect_right(starts, k0) - 1, max(-1, bisect.bisect_right(starts, k0) - 65), -1):
+            if ranges[i][1] >= k0:
+                inner = ranges[i]
+                break
+        key = inner[2] if inner else "(none)"
+        t = per.setdefault(key, {}).setdefault(name, [0.0, 0])
+        t[0] += (k1 - k0) / 1e3
+        t[1] += 1
+    out = {}
+    for rn, ks in sorted(per.items(), key=lambda kv: -sum(v[0] for v in kv[1].values())):
+        total = sum(v[0] for v in ks.values())
+        top = dict(sorted(ks.items(), key=lambda kv: -kv[1][0])[:12])
+        out[rn] = {"ms": total, "kernels": sum(v[1] for v in ks.values()), "top": top}
+        print(f"device in {rn}: {total:.1f} ms ({total / steps:.3f} ms/step), {out[rn]['kernels']} kernels")
+        for k, (ms, n) in top.items():
+            print(f"    {ms:8.1f} ms {n:6d}x {k[:120]}")
+    return out
+
+
+def shapes_summary() -> dict:
+    """The small prefills' padding: query slots and query x K/V slots of their buckets over
+    their exact shapes' (the whole process: warm-up, alone probes and runs)."""
+    if not SHAPES:
+        return {}
+    a = np.asarray(SHAPES, dtype=np.float64)
+    out = {"count": len(SHAPES),
+           "query_padding": float((a[:, 3] * a[:, 4]).sum() / (a[:, 0] * a[:, 1]).sum()),
+           "attention_padding": float((a[:, 3] * a[:, 4] * a[:, 5]).sum() / (a[:, 0] * a[:, 1] * a[:, 2]).sum()),
+           "in_a_larger_bucket": int(sum(tuple(x[3:]) != (_pow2(x[0], 1), _pow2(x[1], MIN_WINDOW), _pow2(x[2], MIN_SLOTS))
+                                         for x in SHAPES)),
+           "shapes": SHAPES[-400:]}
+    print(f"small prefills: {len(SHAPES)}, padded query slots / exact {out['query_padding']:.2f}, "
+          f"padded query x K/V slots / exact {out['attention_padding']:.2f}, {out['in_a_larger_bucket']} in a larger "
+          "bucket than their own (a captured one that covers them)")
+    return out
+
+
+def decode(self):  # the engine thread: the profiler starts and stops here
+    if STATE["runs"] >= 1 and STATE["prof"] is None and STATE["steps"] == 0:
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if torch.cuda.is_available() else [])
+        STATE["prof"] = torch.profiler.profile(activities=acts)
+        STATE["prof"].__enter__()
+        STATE["t0"] = time.perf_counter()
+    out = timed_on_device(lambda: _decode(self)) if STATE["prof"] is not None else _decode(self)
+    if STATE["prof"] is not None:
+        STATE["steps"] += 1
+        if STATE["steps"] >= STATE["window"]:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - STATE["t0"]
+            prof, STATE["prof"] = STATE["prof"], None
+            prof.__exit__(None, None, None)
+            r = report(prof, wall, STATE["steps"])
+            ev = STATE["events"]
+            if ev:
+                r["decode_device_ms_per_step"] = sum(a.elapsed_time(b) for a, b in ev) / len(ev)
+                r["first_to_last_device_ms"] = ev[0][0].elapsed_time(ev[-1][1])
+                print(f"decode steps' own device time {r['decode_device_ms_per_step']:.3f} ms a step (events); "
+                      f"device clock over the window {r['first_to_last_device_ms']:.1f} ms")
+            r["small_prefills"] = shapes_summary()
+            if STATE["out"]:
+                Path(STATE["out"]).write_text(json.dumps(r, indent=1))
+    return out
+
+
+async def run_agents(*args, **kwargs):
+    out = await _run_agents(*args, **kwargs)
+    STATE["runs"] += 1
+    return out
+
+
+RunningBatch._decode, bs.run_agents = decode, run_agents
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    for flag in ("--window", "--profile-json"):
+        if flag in argv:
+            i = argv.index(flag)
+            STATE["window" if flag == "--window" else "out"] = int(argv[i + 1]) if flag == "--window" else argv[i + 1]
+            del argv[i:i + 2]
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    bs.main(argv)
+    shapes_summary()
