@@ -8,14 +8,15 @@
 # carry [".whl", ".v"].
 F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$\|pow_by_natural\|split the reduction\|^softmax"
 export PYTHONUNBUFFERED=1
-for v in new:65536 base:65536 new:131072 new:262144; do
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
+for v in new:65536 base:65536 new:131072; do
   s=src; [ ${v%%:*} = base ] && s=.v/base/src
-  PYTHONPATH=$s timeout -k 5 120 python3 bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 \
+  PYTHONPATH=/tmp/site:$s timeout -k 5 120 python3 bench/bench_serve.py --device cuda --shape qwen3-0.6b --dtype bfloat16 \
       --mixed --probe --repeats 1 --turns 6 --min-tokens 16 --max-tokens 512 --modes in-process \
       --prefix-cache-tokens ${v##*:} --json $OUT/serve_${v%%:*}_${v##*:}.json > $OUT/serve_${v%%:*}_${v##*:}.txt 2>&1
   echo "== $v"; grep -v "$F" $OUT/serve_${v%%:*}_${v##*:}.txt | grep "in-process\|alone" | cut -c1-250
 done
-PYTHONPATH=src timeout -k 5 170 python3 bench/profile_serve_phases.py --window 300 --profile-json \
+PYTHONPATH=/tmp/site:src timeout -k 5 150 python3 bench/profile_serve_phases.py --window 200 --profile-json \
     $OUT/serve_phases.json --device cuda --shape qwen3-0.6b --dtype bfloat16 --mixed --probe --repeats 1 --turns 6 \
     --min-tokens 16 --max-tokens 512 --modes in-process > $OUT/serve_phases.txt 2>&1
 grep -v "$F" $OUT/serve_phases.txt | grep -v "top_host\|top_kern" | grep -B2 -A14 "^window" | cut -c1-180 | head -30

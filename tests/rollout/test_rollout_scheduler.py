@@ -9,7 +9,7 @@ import dataclasses
 from treerl.rollout import SamplingParams, ForkLayout
 from treerl.rollout.log_reads import check_stops, record
 from treerl.rollout.prompts import Waiting
-from treerl.rollout.scheduler import COMPACT_AFTER, ROW_STATE, Preempted, Scheduler, group_bucket, own_bucket
+from treerl.rollout.scheduler import ROW_STATE, Preempted, Scheduler, group_bucket, own_bucket
 from treerl.rollout.types import RolloutStats
 
 STOP = 99
@@ -137,17 +137,12 @@ def test_forks_copy_the_parent_rows():
 
 
 def test_compaction_moves_groups_down():
-    """Groups move down once the used slots have fit a smaller bucket for COMPACT_AFTER
-    decode steps (not before: an admission may refill the top slots meanwhile)."""
-    s = scheduler(SamplingParams(n=1, max_new_tokens=64), groups=4, num_blocks=8)
+    s = scheduler(SamplingParams(n=1, max_new_tokens=32), groups=4, num_blocks=8)
     admit(s, list("abcd"), [[1], [2], [3], [4]], np.arange(4), version=0)
     step(s, {})
     for r in (0, 1):
         s.finish(r, 1, "length", None)
     owned = s.blocks.table[[2, 3]].copy()
-    for _ in range(COMPACT_AFTER):
-        assert s.compact() is None and s.hg == 4
-        s.stats.decode_steps += 1
     src, dst = s.compact()
     assert src.tolist() == [2, 3] and dst.tolist() == [0, 1] and s.hg == 2
     assert s.gkey == ["c", "d", None, None] and s.key == ["c", "d", None, None]
@@ -156,29 +151,11 @@ def test_compaction_moves_groups_down():
     s.blocks.check()
 
 
-def test_compaction_waits_while_the_top_is_refilled():
-    """A smaller bucket that stops being possible before COMPACT_AFTER steps (a slot below
-    refilled) moves nothing, and its count starts again."""
-    s = scheduler(SamplingParams(n=1, max_new_tokens=64), groups=4, num_blocks=8)
-    admit(s, list("abcd"), [[1], [2], [3], [4]], np.arange(4), version=0)
-    step(s, {})
-    for r in (0, 1):
-        s.finish(r, 1, "length", None)
-    s.compact()
-    s.stats.decode_steps += COMPACT_AFTER - 1
-    admit(s, list("ef"), [[5], [6]], [0, 1], version=0)  # every slot used again
-    assert s.compact() is None and s.compactable_since is None
-    s.finish(0, 0, "length", None)
-    s.stats.decode_steps += 1
-    assert s.compact() is None and s.compactable_since == s.stats.decode_steps
-
 def test_compaction_waits_for_a_sync():
     s = scheduler(SamplingParams(n=1, max_new_tokens=32), groups=4, num_blocks=8)
     admit(s, list("ab"), [[1], [2]], [2, 3], version=0)
-    s.compact()
-    s.stats.decode_steps += COMPACT_AFTER
     s.logged(np.flatnonzero(s.live))  # logged, not synced: the rows may not move
-    assert s.compaction_due() and s.compact() is None and s.hg == 4
+    assert s.compact() is None and s.hg == 4
     assert torch.equal(s.groups["a"].prompt_ids, torch.tensor([1]))
 
 

@@ -34,10 +34,6 @@ from .stops import StopChecker
 from .forks import ForkLayout
 from .types import Group, RolloutStats
 
-# decode steps the used group slots must have fit a smaller bucket before groups move down: a serving
-# batch's next admission often refills the top at once, and a move costs a sync and K/V copies (session 14,
-# 64 agents on an H200: 95 compactions in 1,000 decode steps, 1.35 ms of device time each)
-COMPACT_AFTER = 32
 # host state per row: what a row carries through forks, compaction and preemption
 ROW_STATE = ("live", "ending", "steps", "recorded", "checked", "emitted", "fed_h", "row_version", "logit_version",
              "host_tok", "host_lp", "host_ver", "top_id", "top_lp")
@@ -111,7 +107,6 @@ class Scheduler:
         self.out: list[Group] = []  # groups finished, to be yielded
         self.log_rows: list[tuple[np.ndarray, np.ndarray]] = []  # per logged sample call: (rows, step index)
         self.ending_new = False  # rows began ending since the last read of the log was started
-        self.compactable_since: int | None = None  # decode step count since which compaction could shrink hg
 
     def reset(self, groups: int, num_blocks: int) -> None:
         """Empty state for ``groups`` group slots and a pool of ``num_blocks`` blocks."""
@@ -450,17 +445,12 @@ class Scheduler:
                 group_bucket(len(used), self.NG, self.G, self.exact))
 
     def compaction_due(self) -> bool:
-        """Whether the used group slots have fit a smaller bucket if moved down for
-        :data:`COMPACT_AFTER` decode steps (``stats.decode_steps``)."""
+        """Whether the used group slots would fit a smaller bucket if moved down."""
         used = self.used()
-        top, target = self._buckets(used) if used else (0, 0)
-        if top <= target:
-            self.compactable_since = None
+        if not used:
             return False
-        now = self.stats.decode_steps
-        if self.compactable_since is None:
-            self.compactable_since = now
-        return now - self.compactable_since >= COMPACT_AFTER
+        top, target = self._buckets(used)
+        return top > target
 
     def compact(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Plan and apply (host side) moving live groups down into free group slots when they
@@ -468,7 +458,7 @@ class Scheduler:
         moved). Sets ``hg``. Returns ``(src, dst)`` group slots moved, or None."""
         used = np.asarray(self.used())
         top, target = self._buckets(used)
-        if self.log_rows or not self.compaction_due():  # (the running batch finishes any read first: LogReader.sync)
+        if self.log_rows or top <= target:  # (the running batch finishes any read first: LogReader.sync)
             self.hg = top
             return None
         src = used[used >= target]
@@ -486,5 +476,5 @@ class Scheduler:
             a[dst] = a[src]
         for d, s in zip(dst, src):
             self.gkey[d], self.gkey[s] = self.gkey[s], None
-        self.hg, self.compactable_since = target, None
+        self.hg = target
         return src, dst
