@@ -122,7 +122,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="in-process: one more run under the torch profiler "
                    "(device busy against wall time, the top kernels and host operations)")
-    p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16)
+    p.add_argument("--prefix-cache-tokens", type=int, default=1 << 17,
+                   help="the engine's prefix cache in and out of process (treerl serve's default: 131,072)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=8192, help="the engine's (its default: 8192)")
     p.add_argument("--prefill-graph-tokens", type=int, default=None,
                    help="the engine's (default: 2048 on CUDA; 0: every prefill in its exact shape, no graphs)")

@@ -169,22 +169,28 @@ def test_cuda_graph_stream_kept_buffers_prefix_cache(compile_decode, n):
     """CUDA graphs per (group slots, own slots) bucket, reused by a second stream through
     keep_stream_buffers, prefix-cache hits, compaction; optionally compiled (decode and
     prefill blocks); ``n = 1``: prompts in the rows' own blocks (read by the split kernel
-    through the block table): greedy equals the eager stream and float32 logprobs equal a
-    float64 full forward to 2e-4 (TF32 off)."""
+    through the block table), and turn 2 extends turn 1's kept contexts (prompt +
+    completion): greedy equals the eager stream and float32 logprobs equal a float64 full
+    forward to 2e-4 (TF32 off)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = tiny_model(dtype=torch.float32, seed=2).cuda()
     prompts = random_prompts([9, 30, 3, 17, 5, 12, 21, 2, 8, 14], seed=6)
     graphed = RolloutEngine(model, sync_every=4, keep_stream_buffers=True, compile_decode=compile_decode,
                             prefix_cache_tokens=4096)
-    eager = RolloutEngine(model, cuda_graphs=False)
+    eager = RolloutEngine(model, cuda_graphs=False, prefix_cache_tokens=4096)
     key = lambda gs: [[c.completion_ids.tolist() for c in g] for g in sorted(gs, key=lambda g: g.prompt_index)]  # noqa: E731
     a = list(graphed.generate_stream(prompts, sampling(24, n=n), max_rows=8))
     b = list(eager.generate_stream(prompts, sampling(24, n=n), max_rows=8))
     assert key(a) == key(b)
-    turn2 = [p + [1, 2, 3] for p in prompts]
+    # n = 1: the rows kept prompt + completion (kept_contexts; the prompts' own entries superseded), and turn 2
+    # shares their first blocks; the kept K/V is the decode steps' own (graphs, split kernel), checked below
+    assert graphed.stats.contexts_kept == eager.stats.contexts_kept == (len(prompts) if n == 1 else 0)
+    turn2 = [p + [1, 2, 3] for p in prompts] if n == 2 else [
+        p + g[0].completion_ids.tolist() + [1, 2, 3] for p, g in zip(prompts, sorted(a, key=lambda g: g.prompt_index))]
     c = list(graphed.generate_stream(turn2, sampling(24, n=n), max_rows=8))  # same shapes: buffers, graphs reused
-    assert graphed.stats.prefix_cache_hit_tokens == sum(len(p) for p in prompts)
     assert key(c) == key(eager.generate_stream(turn2, sampling(24, n=n), max_rows=8))
+    hits = sum(len(p) for p in prompts) if n == 2 else sum(len(t) - 4 for t in turn2)
+    assert graphed.stats.prefix_cache_hit_tokens == eager.stats.prefix_cache_hit_tokens == hits
     if compile_decode:
         assert graphed.decode_blocks.compiled and graphed.prefiller.forward.pre.compiled, "not compiled"
     assert graphed.stats.prefill_graph_calls > 0 and graphed.prefiller.graphs.use_graphs, graphed.stats

@@ -182,15 +182,17 @@ def test_weight_update_recomputes_fork_segments():
 
 
 def test_prefix_cache_hit_with_tree_rollouts(model):
-    """Turn 2 extends turn 1's prompt and forks: it prefills only its new tokens, and its
-    trees equal a full forward."""
+    """Turn 2 extends turn 1's prompt and completion and forks: it prefills only its new
+    tokens and turn 1's last token (turn 1's row of one kept its context), and its trees
+    equal a full forward."""
     engine = RolloutEngine(model, sync_every=2, prefix_cache_tokens=1000)
     p1 = random_prompts([13], seed=19)[0]
     [g1] = engine.generate_stream([p1], params(n=1))
     p2 = p1 + g1[0].completion_ids.tolist() + [5, 6, 7]
     p = params(n=2, branch_points=[3], branch_factor=2)
     [g2] = engine.generate_stream([p2], p)
-    assert engine.stats.prefix_cache_hit_tokens == 13 and engine.stats.prefill_tokens == len(p2) - 13
+    kept = 13 + len(g1[0].completion_ids) - 1
+    assert engine.stats.prefix_cache_hit_tokens == kept and engine.stats.prefill_tokens == len(p2) - kept == 4
     check_greedy_trees(model, [g2], [p2], p)
 
 

@@ -496,7 +496,8 @@ def test_serve_options_are_the_rollout_keys_and_the_engine_comes_from_the_one_bu
     assert r.prefill_chunk_tokens == 256 and r.prefix_cache_tokens == 0
     none = Namespace(prefix_cache_tokens=None, prefill_chunk_tokens=None)
     assert serving_rollout_config(None, ["rollout.prefix_cache_tokens=96"], none).prefix_cache_tokens == 96
-    assert serving_rollout_config(None, [], none).prefix_cache_tokens == 1 << 16
+    assert serving_rollout_config(None, [], none).prefix_cache_tokens == 1 << 17  # max_batch_tokens
+    assert serving_rollout_config(None, ["rollout.max_batch_tokens=5000"], none).prefix_cache_tokens == 5000
     engine = build_rollout_engine(r, tiny_model(), version=3)
     assert (engine.version, engine.max_batch_tokens, engine.kv_block_size, engine.prefill_chunk_tokens) == (3, 4096, 32, 256)
     assert engine.keep_stream_buffers is False and engine.prefix_cache is None

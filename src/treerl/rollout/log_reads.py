@@ -79,10 +79,11 @@ def check_stops(s: "Scheduler") -> bool:
 
 class LogReader:
     """The running batch's reads of its decode log: at most one in flight (``reading``, the
-    ``(rows, step index)`` of its calls in ``rows``), started after decode step ``started`` (a count)."""
+    ``(rows, step index)`` of its calls in ``rows``), started after decode step ``started`` (a count).
+    ``on_finished()``: called when rows finished, before any other device work is queued."""
 
-    def __init__(self, host: "Scheduler", dev: "DeviceBatch"):
-        self.host, self.dev = host, dev
+    def __init__(self, host: "Scheduler", dev: "DeviceBatch", on_finished=None):
+        self.host, self.dev, self.on_finished = host, dev, on_finished
         self.reading: LogRead | None = None
         self.rows: list[tuple[np.ndarray, np.ndarray]] = []
         self.started = 0
@@ -116,8 +117,7 @@ class LogReader:
         out, self.reading = self.reading.result(), None
         rows, self.rows = self.rows, []
         record(h, rows, *out)
-        if check_stops(h):
-            self.dev.set_live(h.live)
+        self._stops()
 
     def sync(self) -> None:
         """Bring every logged token to the host (a host sync); finish rows that stopped or ended."""
@@ -126,5 +126,11 @@ class LogReader:
         if h.log_rows:
             k = len(h.log_rows)
             record(h, h.take_log(), *self.dev.start_read(k, top=h.top_id.shape[2] > 0).result())
-        if check_stops(h):
-            self.dev.set_live(h.live)
+        self._stops()
+
+    def _stops(self) -> None:
+        """Finish the rows whose recorded tokens stop or end them."""
+        if check_stops(self.host):
+            if self.on_finished is not None:
+                self.on_finished()
+            self.dev.set_live(self.host.live)

@@ -2,9 +2,14 @@
 
 Multi-turn episodes and agents send prompts that extend earlier ones. The streaming path
 stores each prompt it prefills (K/V of every layer, ``[layers, Hkv, P, D]``, post-RoPE at
-positions ``0..P-1``, and the logits after its last token) under its token ids; a later
-prompt whose first ``m`` tokens equal a stored prompt reuses that K/V and prefills only its
-tokens from ``m`` on. Entries hold the weight version they were computed with; a lookup or
+positions ``0..P-1``, and the logits after its last token) under its token ids, and each
+finished row's context (prompt + completion, :mod:`~treerl.rollout.kept_contexts`: no
+logits); a later prompt whose first ``m`` tokens equal a stored entry reuses that K/V and
+prefills only its tokens from ``m`` on. A prompt that shares only a prefix with an entry (a
+retry of a turn, another continuation of a prompt) reuses that prefix, a view of the
+entry's K/V. The logits after a prompt's last token come from an entry only where the
+prompt is the whole entry and the entry has them; otherwise at least that last token is
+computed. Entries hold the weight version they were computed with; a lookup or
 insert under other weights drops them all. A stored prompt that a newer one extends is
 superseded (dropped): the newer entry covers it. Least recently used entries are evicted to
 stay within ``max_tokens``.
@@ -14,8 +19,9 @@ hash chained over its full blocks of :data:`BLOCK` tokens (``h_0 = 0``,
 ``h_k = hash((h_{k-1}, block_k))``); a lookup computes the chain of the prompt and, from the
 longest block boundary down, compares the prompt only with the entries filed under its hash
 there (an entry of ``l`` tokens is filed under ``h_{l // BLOCK}`` of its own tokens, so a
-stored prefix of the prompt is always found under the prompt's chain; a hash collision
-costs one comparison, never a wrong answer).
+stored prefix of the prompt is always found under the prompt's chain, and under each of
+``h_1 .. h_{l // BLOCK}`` for prefixes it shares with prompts; a hash collision costs one
+comparison, never a wrong answer).
 """
 
 from __future__ import annotations
@@ -31,13 +37,19 @@ BLOCK = 16  # tokens per hashed block of the index
 @dataclass
 class PrefixEntry:
     """One stored prompt: ``keys``/``values`` ``[layers, Hkv, P, D]``, ``logits [V]``
-    (after its last token)."""
+    (after its last token; None: a kept context's, see the module docstring)."""
 
     tokens: tuple[int, ...]
     keys: torch.Tensor
     values: torch.Tensor
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     version: int
+
+    def prefix(self, m: int) -> "PrefixEntry":
+        """Its first ``m`` tokens (itself if all): views of its K/V, no logits."""
+        if m == len(self):
+            return self
+        return PrefixEntry(self.tokens[:m], self.keys[:, :, :m], self.values[:, :, :m], None, self.version)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -51,6 +63,16 @@ def block_hashes(tokens: tuple[int, ...]) -> list[int]:
     return h
 
 
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...], start: int = 0) -> int:
+    """Length of the common prefix of ``a`` and ``b`` (known equal before ``start``)."""
+    n = start
+    for x, y in zip(a[start:], b[start:]):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class PrefixCache:
     """LRU of :class:`PrefixEntry`, at most ``max_tokens`` stored tokens in all, all of one
     weight version."""
@@ -60,6 +82,8 @@ class PrefixCache:
         self._entries: OrderedDict[tuple[int, ...], PrefixEntry] = OrderedDict()  # least recent first
         self._index: dict[int, set[tuple[int, ...]]] = {}  # chain hash -> entries filed under it
         self._filed: dict[tuple[int, ...], int] = {}  # entry -> its chain hash
+        self._shared: dict[int, set[tuple[int, ...]]] = {}  # h_k (k >= 1) -> entries whose first k blocks it hashes
+        self._chains: dict[tuple[int, ...], list[int]] = {}  # entry -> its h_1 .. h_{l // BLOCK}
         self.tokens = 0  # stored tokens
         self.version: int | None = None  # the weights of the stored entries
 
@@ -70,6 +94,8 @@ class PrefixCache:
         self._entries.clear()
         self._index.clear()
         self._filed.clear()
+        self._shared.clear()
+        self._chains.clear()
         self.tokens = 0
 
     def _use_version(self, version: int) -> None:
@@ -84,6 +110,11 @@ class PrefixCache:
         bucket.discard(key)
         if not bucket:
             del self._index[h]
+        for h in self._chains.pop(key):
+            bucket = self._shared[h]
+            bucket.discard(key)
+            if not bucket:
+                del self._shared[h]
 
     def _stored_prefixes(self, tokens: tuple[int, ...], hashes: list[int]):
         """Stored keys that ``tokens`` starts with (its chain ``hashes``), longest block first."""
@@ -93,22 +124,42 @@ class PrefixCache:
                     yield key
 
     def lookup(self, tokens: list[int] | tuple[int, ...], version: int) -> PrefixEntry | None:
-        """The longest stored prompt (of weights ``version``) that ``tokens`` starts with,
-        marked most recently used; None if there is none."""
+        """The stored K/V (of weights ``version``) of the longest prefix of ``tokens`` that a
+        stored entry holds (that entry, or a view of its first tokens: see the module
+        docstring), the entry marked most recently used; None if there is none."""
         self._use_version(version)
-        best = self._longest(tuple(tokens))
-        if best is None:
+        key, m = self._reusable(tuple(tokens))
+        if not m:
             return None
-        self._entries.move_to_end(best)
-        return self._entries[best]
+        self._entries.move_to_end(key)
+        return self._entries[key].prefix(m)
 
     def hit_tokens(self, tokens: list[int] | tuple[int, ...], version: int) -> int:
         """Tokens of ``tokens`` that :meth:`lookup` would find, without using the entry (its
         recency and the stored version are left as they are): for estimating a prefill."""
         if version != self.version:
             return 0
-        best = self._longest(tuple(tokens))
-        return 0 if best is None else len(best)
+        return self._reusable(tuple(tokens))[1]
+
+    def _reusable(self, tokens: tuple[int, ...]) -> tuple[tuple[int, ...] | None, int]:
+        """The entry sharing the longest prefix with ``tokens`` and how many of its tokens a
+        prefill of ``tokens`` reuses (0: none)."""
+        key = self._longest(tokens)  # an entry that tokens starts with
+        m = 0 if key is None else len(key)
+        hashes = block_hashes(tokens)
+        for k in range(len(hashes) - 1, 0, -1):  # entries that share tokens' first k blocks, then some
+            if k * BLOCK <= m:
+                break
+            shared = [(common_prefix(other, tokens, k * BLOCK), other) for other in self._shared.get(hashes[k], ())
+                      if other[: k * BLOCK] == tokens[: k * BLOCK]]
+            if shared:
+                n, other = max(shared)
+                if n > m:
+                    key, m = other, n
+                break
+        if key is not None and m == len(tokens) and not (m == len(key) and self._entries[key].logits is not None):
+            m -= 1  # the logits after the prompt's last token: computed
+        return key, m
 
     def _longest(self, tokens: tuple[int, ...]) -> tuple[int, ...] | None:
         best = None
@@ -132,6 +183,9 @@ class PrefixCache:
         h = hashes[len(entry) // BLOCK]
         self._filed[entry.tokens] = h
         self._index.setdefault(h, set()).add(entry.tokens)
+        self._chains[entry.tokens] = hashes[1:]
+        for h in hashes[1:]:
+            self._shared.setdefault(h, set()).add(entry.tokens)
         self.tokens += len(entry)
         while self.tokens > self.max_tokens:
             self._drop(next(iter(self._entries)))

@@ -26,6 +26,7 @@ from typing import Hashable
 import numpy as np
 import torch
 
+from .kept_contexts import note as note_finished
 from .paging import BlockTable
 from .params import SamplingParams
 from .prompts import Waiting
@@ -107,6 +108,8 @@ class Scheduler:
         self.out: list[Group] = []  # groups finished, to be yielded
         self.log_rows: list[tuple[np.ndarray, np.ndarray]] = []  # per logged sample call: (rows, step index)
         self.ending_new = False  # rows began ending since the last read of the log was started
+        self.keep_finished = False  # finished rows' contexts noted for the prefix cache (kept_contexts)
+        self.kept: list = []  # those noted and not kept yet (kept_contexts.KeptContext)
 
     def reset(self, groups: int, num_blocks: int) -> None:
         """Empty state for ``groups`` group slots and a pool of ``num_blocks`` blocks."""
@@ -385,6 +388,8 @@ class Scheduler:
         slot = int(r) // self.G
         g.completions.append(row_completion(self, r, length, reason, stop))
         self.stats.generated_tokens += length
+        if self.keep_finished:
+            note_finished(self, r, length, reason)
         self.live[r] = False
         self.ending[r] = False
         self.key[r] = None

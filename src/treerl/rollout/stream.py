@@ -104,6 +104,7 @@ import numpy as np
 import torch
 
 from .batch import DeviceBatch
+from .kept_contexts import keep as keep_contexts
 from .log_reads import LogReader
 from .params import SamplingParams
 from .paging import block_size_for
@@ -168,7 +169,9 @@ class RunningBatch:
         if self.own_prompts:
             prefix_capacity = OWN_PROMPT_STORE
         self.dev = DeviceBatch(engine, tree, self.block, self.max_blocks, engine.stats)
-        self.reads = LogReader(self.host, self.dev)
+        # a row holding its whole context in its own blocks leaves it to the prefix cache as it finishes
+        self.host.keep_finished = self.own_prompts and engine.prefix_cache is not None
+        self.reads = LogReader(self.host, self.dev, self._keep_finished)
         self._allocate(groups, prefix_capacity, arena)
 
     def arena(self) -> tuple:
@@ -262,6 +265,10 @@ class RunningBatch:
                     self._decode()
                     self._fork()
                     self._sample(None)
+
+    def _keep_finished(self) -> None:
+        if self.host.kept:
+            self.e.stats.contexts_kept += keep_contexts(self.host, self.dev.cache, self.e.prefix_cache, self.e.version)
 
     def _cancel(self, keys: set) -> None:
         """Stop the cancelled groups the batch holds (synced first: their rows keep every

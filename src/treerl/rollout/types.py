@@ -121,6 +121,7 @@ class RolloutStats:
     generated_tokens: int = 0  # tokens in the returned completions
     recomputes: int = 0  # KV recomputations after a weight update
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    contexts_kept: int = 0  # finished rows' contexts (prompt + completion) put into the prefix cache
     reallocations: int = 0  # running batch rebuilt for a longer prompt
     preemptions: int = 0  # groups preempted (own K/V blocks ran out), re-queued and recomputed later
     prefix_grows: int = 0  # prompt store grown in place for a longer prompt (decode steps rebuilt)
