@@ -370,6 +370,20 @@ def test_a_short_prompt_passes_a_deferred_burst(model):
         assert groups[i][0].completion_ids.tolist() == greedy_reference(model, prompts[i]), i
 
 
+def test_admission_takes_the_fewest_new_tokens_after_the_oldest(model):
+    """After the oldest waiting prompt, an admission takes the prompts with the fewest new
+    tokens that fit the chunk: a 10-token prompt at the end of a burst of 12-token ones
+    (chunk 24) starts with the first, where in arrival order it would wait for two pieces;
+    the others keep their order. Greedy outputs equal the reference."""
+    prompts = random_prompts([12, 12, 12, 10], seed=38)
+    engine = RolloutEngine(model, sync_every=1, prefill_chunk_tokens=24)
+    sizes = prefill_sizes(engine)
+    groups = {g.prompt_index: g for g in engine.generate_stream(prompts, params(n=1), max_rows=8)}
+    assert sizes == [[10, 12], [12, 12]] and engine.stats.admissions == 2
+    for i, p in enumerate(prompts):
+        assert groups[i][0].completion_ids.tolist() == greedy_reference(model, p), i
+
+
 def test_stream_input_errors(model):
     engine = RolloutEngine(model)
     with pytest.raises(ValueError, match="branch point"):

@@ -547,23 +547,23 @@ class RunningBatch:
 def chunk_admission(batch: RunningBatch, items: list) -> list:
     """Chunked admission: the prefill before a decode step computes at most
     ``prefill_chunk_tokens`` new tokens (after prefix-cache hits; a preempted group: its
-    prompt and tokens so far). The items that fit, in order, are admitted (the first
-    always: the oldest waiting group progresses); the others wait, in order, at the front
-    of the deferred groups, so a short prompt may pass a long one. Also when nothing is
+    prompt and tokens so far). The first item (the oldest waiting group) is always
+    admitted, then the others that fit what is left, fewest new tokens first, so a short
+    request passes long prompts that wait (a burst's, or a conversation's whole history);
+    the others wait, in order, at the front of the deferred groups. Also when nothing is
     decoding: a burst of long prompts is prefilled a piece per decode step, so a short
     request that came with it starts decoding after the first piece, not after all."""
     if len(items) < 2:
         return items
-    left, keep, wait = batch.e.prefill_chunk_tokens, [], []
-    for item in items:
-        n = _new_tokens(batch, item)
-        if not keep or n <= left:
-            keep.append(item)
-            left -= n
-        else:
-            wait.append(item)
-    batch.host.deferred.extendleft(reversed(wait))
-    return keep
+    new = [_new_tokens(batch, item) for item in items]
+    left, taken = batch.e.prefill_chunk_tokens - new[0], {0}
+    for i in sorted(range(1, len(items)), key=lambda i: new[i]):  # (stable: in order among equals)
+        if new[i] > left:
+            break
+        taken.add(i)
+        left -= new[i]
+    batch.host.deferred.extendleft(reversed([item for i, item in enumerate(items) if i not in taken]))
+    return [item for i, item in enumerate(items) if i in taken]
 
 
 def _new_tokens(batch: RunningBatch, item) -> int:
