@@ -8,7 +8,9 @@
 # 2. Issue 23: bench_serve 6 turns at a prefix cache of 131,072 (the new default): kept contexts (with the fixed,
 #    asynchronous upload) against 1afbfb1, in process, and served for the new code. Predicted (RESULTS.md session
 #    14): >= 9,042 tok/s in process, probe p50 ratio < x2.0, p99 < x3.2; served / in process >= 0.9. If the kept
-#    contexts do not gain: revert 8f1d776 and 86b9035.
+#    contexts do not gain: revert 8f1d776 and 86b9035. Also in "new": admissions take the fewest new tokens after the
+#    oldest (3b8ad22): the probe sent with the agents' first prompts (probe_slowest at start 0.00) should fall from
+#    0.26-0.47 s to ~0.1-0.17 s.
 F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$\|pow_by_natural\|split the reduction\|^softmax"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
