@@ -158,7 +158,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     p.add_argument("--max-rows", type=int, default=256, help="most rows of the running batch")
     p.add_argument("--prefix-cache-tokens", type=int, default=None,
-                   help="K/V tokens of prompts kept for later turns that extend them (0: off); "
+                   help="K/V tokens of prompts and finished responses kept for later turns that extend "
+                        "them (0: off); "
                         "default: the config's rollout.prefix_cache_tokens, else rollout.max_batch_tokens")
     p.add_argument("--prefill-chunk-tokens", type=int, default=None,
                    help="prompt tokens prefilled together in one piece (bounds the temporary K/V); "

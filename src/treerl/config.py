@@ -146,9 +146,9 @@ class RolloutConfig:
     max_new_tokens: int | None = key(None, ge=1, help="tokens per response; null: the task's recommendation")
     branch_every: int = key(0, ge=0, help="tree rollouts: fork a partial response every N tokens (0: off)")
     branch_factor: int = key(2, ge=1, help="tree rollouts: continuations per fork")
-    prefix_cache_tokens: int | None = key(None, ge=0, help="K/V of earlier prompts kept for prompts that extend "
-                                          "them, in tokens; null: multi-turn tasks prompts x group x "
-                                          "task.max_episode_tokens, else 0")
+    prefix_cache_tokens: int | None = key(None, ge=0, help="K/V of earlier prompts and finished responses kept for "
+                                          "prompts that extend them, in tokens; null: multi-turn tasks prompts x "
+                                          "group x task.max_episode_tokens, treerl serve max_batch_tokens, else 0")
     max_batch_tokens: int = key(1 << 17, ge=1, help="rollout engine: K/V slots of the running batch")
     kv_block_size: int = key(64, ge=16, multiple_of=16, help="rollout engine: tokens per paged K/V block")
     prefill_chunk_tokens: int = key(8192, ge=1, help="rollout engine: prompt tokens prefilled in one piece")

@@ -135,3 +135,27 @@ def test_an_entry_without_logits_is_reused_up_to_its_last_token():
     assert c.hit_tokens([1, 2, 3, 4, 5], 0) == 4 and len(c) == 1 and c.tokens == 5
     c.insert(PrefixEntry((9,), k[:, :, :1], k[:, :, :1], None, 0))
     assert c.lookup([9], 0) is None and c.hit_tokens([9], 0) == 0
+
+
+def test_a_one_token_completion_keeps_the_prompt_entry_and_its_logits(model):
+    """A row that finishes after one token has its prompt as context: nothing is kept (the
+    prompt's entry, with its logits, stays), and the same prompt again prefills nothing."""
+    engine = RolloutEngine(model, prefix_cache_tokens=4000, kv_block_size=16)
+    p = random_prompts([21], seed=3)[0]
+    [[c]] = engine.generate_stream([p], sampling(1, n=1))
+    assert engine.stats.contexts_kept == 0 and engine.prefix_cache.lookup(p, engine.version).logits is not None
+    [[again]] = engine.generate_stream([p], sampling(1, n=1))
+    assert engine.stats.prefill_tokens == 0 and again.completion_ids.tolist() == c.completion_ids.tolist()
+
+
+def test_the_longest_shared_prefix_is_found_past_a_block_boundary():
+    """An entry that shares a few tokens past the prompt's last full shared block beats one
+    that the prompt merely starts with (the boundary search goes on while a longer one can
+    be there)."""
+    c = PrefixCache(max_tokens=1000)
+    k = torch.zeros(1, 1, 57, 1)
+    c.insert(PrefixEntry(tuple(range(47)) + (900,) * 10, k, k, torch.zeros(3), 0))
+    c.insert(PrefixEntry(tuple(range(40)), k[:, :, :40], k[:, :, :40], torch.zeros(3), 0))
+    query = list(range(47)) + [1, 2, 3]
+    assert c.lookup(query, 0).tokens == tuple(range(47)) and c.hit_tokens(query, 0) == 47
+    assert c.holds(tuple(range(47))) and not c.holds(tuple(range(48)))

@@ -153,7 +153,7 @@ class AgentRollout:
             from ..serve.security import new_api_key
 
             if engine.prefix_cache is None:  # an agent's next turn extends its previous prompt
-                engine.prefix_cache = PrefixCache(engine.max_batch_tokens)
+                engine.prefix_cache = PrefixCache(1 << 16)
             self.state = make_state(engine, tokenizer, ServeOptions(model_name=self.model_name,
                                                                     default_max_tokens=max_new_tokens,
                                                                     tool_call_parser=r.tool_call_parser))

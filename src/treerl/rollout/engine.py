@@ -93,9 +93,11 @@ class RolloutEngine:
     decodes itself only. Without ``cuda_graphs`` a value > 0 runs the same layout eagerly.
 
     ``prefix_cache_tokens`` (default 0: off): the engine keeps the K/V of prompts it
-    prefilled, up to this many tokens (LRU, :mod:`~treerl.rollout.prefix_cache`); a prompt
-    that extends a kept one (the next turn of a conversation) prefills only its new tokens,
-    batched with the other prompts admitted with it.
+    prefilled and of finished rows of one (prompt + completion,
+    :mod:`~treerl.rollout.kept_contexts`), up to this many tokens (LRU,
+    :mod:`~treerl.rollout.prefix_cache`); a prompt that extends a kept one (the next turn of
+    a conversation) prefills only its new tokens, batched with the other prompts admitted
+    with it, and one that shares a prefix with a kept one reuses that prefix.
 
     ``keep_stream_buffers`` (default False): keep a finished stream's device buffers, K/V
     cache and captured CUDA graphs, and reuse them in the next stream with the same group

@@ -45,8 +45,10 @@ class KeptContext:
 
 def note(s: "Scheduler", r: int, length: int, reason: str) -> None:
     """Row ``r`` finishes with ``length`` tokens (called before its blocks are released):
-    note its context (an aborted row's too short a history to be worth it: not noted)."""
-    if reason == "abort" or length < 1:
+    note its context. Not noted: a row of one token (its context is its prompt, stored with
+    its logits at admission) and an aborted row (a cancel finishes rows outside a read of the
+    log, where :func:`keep` runs: its blocks could be reused before a later read kept it)."""
+    if reason == "abort" or length < 2:
         return
     prompt = s.groups[s.key[r]].prompt_ids
     n = len(prompt) + length - 1
@@ -63,10 +65,11 @@ def keep(s: "Scheduler", store: "SharedPrefixCache", cache: PrefixCache, version
     could write those blocks (they were released as the rows finished). Returns how many."""
     kept, s.kept = s.kept, []
     n = 0
-    for c in kept:
-        if c.version != version:
+    for c in kept:  # (not stored: other weights, longer than the cache, or held by an entry already)
+        if c.version != version or len(c.tokens) > cache.max_tokens or cache.holds(c.tokens):
             continue
-        k, v = own_context(store, c.blocks, len(c.tokens))
+        with torch.no_grad():
+            k, v = own_context(store, c.blocks, len(c.tokens))
         cache.insert(PrefixEntry(c.tokens, k, v, None, version))
         n += 1
     return n

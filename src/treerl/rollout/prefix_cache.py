@@ -36,8 +36,9 @@ BLOCK = 16  # tokens per hashed block of the index
 
 @dataclass
 class PrefixEntry:
-    """One stored prompt: ``keys``/``values`` ``[layers, Hkv, P, D]``, ``logits [V]``
-    (after its last token; None: a kept context's, see the module docstring)."""
+    """One stored sequence (a prompt, or a finished row's context): ``keys``/``values``
+    ``[layers, Hkv, P, D]``, ``logits [V]`` (after its last token; None: a kept context's,
+    see the module docstring)."""
 
     tokens: tuple[int, ...]
     keys: torch.Tensor
@@ -64,11 +65,9 @@ def block_hashes(tokens: tuple[int, ...]) -> list[int]:
 
 
 def common_prefix(a: tuple[int, ...], b: tuple[int, ...], start: int = 0) -> int:
-    """Length of the common prefix of ``a`` and ``b`` (known equal before ``start``)."""
-    n = start
-    for x, y in zip(a[start:], b[start:]):
-        if x != y:
-            break
+    """Length of the common prefix of ``a`` and ``b`` (taken as equal before ``start``)."""
+    n, end = start, min(len(a), len(b))
+    while n < end and a[n] == b[n]:
         n += 1
     return n
 
@@ -110,7 +109,7 @@ class PrefixCache:
         bucket.discard(key)
         if not bucket:
             del self._index[h]
-        for h in self._chains.pop(key):
+        for h in set(self._chains.pop(key)):  # (a chain may repeat a hash: a collision)
             bucket = self._shared[h]
             bucket.discard(key)
             if not bucket:
@@ -141,29 +140,41 @@ class PrefixCache:
             return 0
         return self._reusable(tuple(tokens))[1]
 
+    def holds(self, tokens: tuple[int, ...]) -> bool:
+        """Whether a stored entry starts with ``tokens`` (any version)."""
+        return self._match(tokens)[1] == len(tokens)
+
     def _reusable(self, tokens: tuple[int, ...]) -> tuple[tuple[int, ...] | None, int]:
         """The entry sharing the longest prefix with ``tokens`` and how many of its tokens a
-        prefill of ``tokens`` reuses (0: none)."""
-        key = self._longest(tokens)  # an entry that tokens starts with
-        m = 0 if key is None else len(key)
-        hashes = block_hashes(tokens)
-        for k in range(len(hashes) - 1, 0, -1):  # entries that share tokens' first k blocks, then some
-            if k * BLOCK <= m:
-                break
-            shared = [(common_prefix(other, tokens, k * BLOCK), other) for other in self._shared.get(hashes[k], ())
-                      if other[: k * BLOCK] == tokens[: k * BLOCK]]
-            if shared:
-                n, other = max(shared)
-                if n > m:
-                    key, m = other, n
-                break
+        prefill of ``tokens`` reuses (0: none; the logits after the last token are computed
+        unless the entry is ``tokens`` and has them)."""
+        key, m = self._match(tokens)
         if key is not None and m == len(tokens) and not (m == len(key) and self._entries[key].logits is not None):
-            m -= 1  # the logits after the prompt's last token: computed
+            m -= 1
         return key, m
 
-    def _longest(self, tokens: tuple[int, ...]) -> tuple[int, ...] | None:
+    def _match(self, tokens: tuple[int, ...]) -> tuple[tuple[int, ...] | None, int]:
+        """The entry sharing the longest prefix with ``tokens``, and that prefix's length."""
+        hashes = block_hashes(tokens)
+        key = self._longest(tokens, hashes)  # an entry that tokens starts with
+        m = 0 if key is None else len(key)
+        for k in range(len(hashes) - 1, 0, -1):  # entries that share tokens' first k blocks (and < a block more)
+            if (k + 1) * BLOCK - 1 <= m:
+                break
+            shared = self._shared.get(hashes[k])
+            if not shared:
+                continue
+            head = tokens[: k * BLOCK]
+            for n, other in sorted(((common_prefix(o, tokens, k * BLOCK), o) for o in shared), key=lambda t: -t[0]):
+                if other[: k * BLOCK] == head:  # (a hash collision: the next one)
+                    if n > m:
+                        key, m = other, n
+                    return key, m
+        return key, m
+
+    def _longest(self, tokens: tuple[int, ...], hashes: list[int]) -> tuple[int, ...] | None:
         best = None
-        for key in self._stored_prefixes(tokens, block_hashes(tokens)):
+        for key in self._stored_prefixes(tokens, hashes):
             if best is not None and len(key) // BLOCK < len(best) // BLOCK:
                 break  # a shorter block boundary: no longer key below
             if best is None or len(key) > len(best):
