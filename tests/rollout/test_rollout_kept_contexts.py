@@ -8,7 +8,7 @@ import torch
 
 from helpers.models import tiny_model
 from helpers.reference import completion_logprobs
-from helpers.rollout import greedy_reference, random_prompts, sampling, target_length
+from helpers.rollout import greedy_reference, long_target_length, random_prompts, sampling, target_length
 from treerl.rollout import PromptQueue, RolloutEngine
 from treerl.rollout.prefix_cache import PrefixCache, PrefixEntry
 
@@ -84,6 +84,47 @@ def test_agents_in_one_stream_reuse_their_contexts_while_blocks_are_reused(model
     assert s.contexts_kept == len(first) * turns
     assert s.prefix_cache_hit_tokens == expected_hits
     assert s.prefill_tokens == sum(map(len, first)) + new
+
+
+@torch.no_grad()
+def assert_entries_equal_a_prefill(engine) -> int:
+    """Every stored entry's K/V (and logits, where it has them) equals a prefill of its
+    tokens alone, in float64. Returns how many entries."""
+    for tokens, e in list(engine.prefix_cache._entries.items()):
+        cache, _, logits = engine.prefiller([list(tokens)], None, None)
+        C = cache.length
+        for got, want in ((e.keys, cache.all_keys[:, 0, :, C - len(tokens):]),
+                          (e.values, cache.all_values[:, 0, :, C - len(tokens):])):
+            assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-9, atol=1e-12), len(tokens)
+        if e.logits is not None:
+            assert torch.allclose(e.logits, logits[0].to(e.logits.dtype), rtol=1e-9, atol=1e-12)
+    return len(engine.prefix_cache)
+
+
+@pytest.mark.parametrize("static_kv", [False, True], ids=["sliced-kv", "static-kv"])
+def test_kept_contexts_under_preemption_equal_a_prefill(model, static_kv):
+    """Eight conversations of three turns through a pool too small for them (groups are
+    preempted and recomputed): every turn equals the greedy reference, and every entry the
+    cache holds afterwards (prompts and kept contexts) equals a prefill of its tokens."""
+    engine = RolloutEngine(model, sync_every=1, prefix_cache_tokens=100_000, static_kv=static_kv, kv_block_size=16,
+                           max_batch_tokens=16 * 16, prefill_graph_tokens=GRAPH_TOKENS[static_kv])
+    first = random_prompts([40, 70, 33, 90, 21, 55, 60, 17], seed=11)
+    p = sampling(40, length=long_target_length, n=1)
+    queue = PromptQueue()
+    queue.put_many([((a, 0), q) for a, q in enumerate(first)])
+    prompts, out = {(a, 0): q for a, q in enumerate(first)}, {}
+    for g in engine.generate_stream(queue, p, max_rows=6):
+        (a, t), [c] = g.prompt_index, g
+        out[(a, t)] = c
+        if t < 2:
+            prompts[(a, t + 1)] = prompts[(a, t)] + c.completion_ids.tolist() + [3 + a, 4]
+            queue.put(prompts[(a, t + 1)], key=(a, t + 1))
+            if len(prompts) == 3 * len(first):
+                queue.close()
+    assert engine.stats.preemptions > 0 and engine.stats.contexts_kept > 0, engine.stats
+    for key, c in out.items():
+        assert c.completion_ids.tolist() == greedy_reference(model, prompts[key], 40, long_target_length), key
+    assert assert_entries_equal_a_prefill(engine) >= len(first)
 
 
 def test_contexts_of_other_weights_are_not_kept(model):
