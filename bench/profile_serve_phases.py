@@ -1,7 +1,7 @@
 """Where a decode step's period goes while serving: the torch profiler, run in the engine
 thread (the profiler records the host operations of the thread that starts it) over
-``--window`` decode steps of ``bench_serve.py``'s timed in-process run (after the untimed
-run and the alone probes), with the engine thread's phases labelled (``treerl.<phase>``
+``--window`` decode steps of ``bench_serve.py``'s timed in-process run (from its first
+decode step: after the untimed run and the alone probes), with the engine thread's phases labelled (``treerl.<phase>``
 ranges: the decode step, sampling, admissions, reads of the decode log, stop checks,
 deliveries). Prints the window's wall and device-busy milliseconds per decode step, each
 phase's inclusive host milliseconds and count, the top host operations (self) and kernels.
@@ -72,7 +72,7 @@ for n in ("record", "check_stops"):  # module functions LogReader calls by their
     setattr(log_reads, n, labelled(n, getattr(log_reads, n)))
 stream.chunk_admission = labelled("chunk_admission", stream.chunk_admission)
 
-STATE = {"runs": 0, "prof": None, "steps": 0, "t0": 0.0, "window": 1000, "out": None, "events": []}
+STATE = {"runs": 0, "armed": False, "prof": None, "steps": 0, "t0": 0.0, "window": 1000, "out": None, "events": []}
 _decode, _run_agents = RunningBatch._decode, bs.run_agents
 
 
@@ -167,7 +167,7 @@ def shapes_summary() -> dict:
 
 
 def decode(self):  # the engine thread: the profiler starts and stops here
-    if STATE["runs"] >= 1 and STATE["prof"] is None and STATE["steps"] == 0:
+    if STATE["armed"] and STATE["prof"] is None and STATE["steps"] == 0:
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                           if torch.cuda.is_available() else [])
         STATE["prof"] = torch.profiler.profile(activities=acts)
@@ -196,6 +196,9 @@ def decode(self):  # the engine thread: the profiler starts and stops here
 
 
 async def run_agents(*args, **kwargs):
+    # (armed as the timed run starts: session 14's calls 2-3 armed at the untimed run's end, so their windows
+    # began with the alone probes' one-row steps)
+    STATE["armed"] = STATE["runs"] >= 1
     out = await _run_agents(*args, **kwargs)
     STATE["runs"] += 1
     return out
