@@ -285,6 +285,36 @@ def test_split_kernel_reads_own_keys_through_the_block_table(page, dtype):
 
 
 @pytest.mark.skipif(not _triton_runs(), reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("B, G, H, M, S1, S2, Dv", [(6, 3, 2, 2, 4, 3, 16), (1, 1, 8, 2, 5, 1, 128),
+                                                   (4, 1, 3, 1, 1, 2, 64), (8, 4, 2, 3, 7, 5, 32)])
+def test_merge_ranges_equals_merge_parts(dtype, B, G, H, M, S1, S2, Dv):
+    """The own part's key ranges merged with the prompt part's in one kernel
+    (``decode_attention.merge_ranges``, where the own part runs in several ranges) equals
+    ``merge_parts`` (float64 through it: to 1e-12), empty ranges (LSE -inf) included."""
+    from treerl.rollout.decode_attention import merge_ranges
+    from treerl.rollout.shared import merge_parts
+
+    if dtype == torch.float64 and torch.cuda.is_available():
+        pytest.skip("float64: the interpreter's check (CUDA runs the kernel's own dtypes)")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(B + S1)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    o_own = torch.randn(B, H, S1, M, Dv, generator=g, device=dev, dtype=acc)
+    l_own = torch.randn(B, H, S1, M, generator=g, device=dev, dtype=acc) * 3
+    o_pre = torch.randn(B // G, H, S2, G * M, Dv, generator=g, device=dev, dtype=acc)
+    l_pre = torch.randn(B // G, H, S2, G * M, generator=g, device=dev, dtype=acc) * 3
+    l_pre[0, 0, -1] = float("-inf")  # a range with no keys
+    if S1 > 1:
+        l_own[-1, -1, 0] = float("-inf")
+    want = merge_parts(o_own, l_own, o_pre, l_pre, G, dtype)
+    got = merge_ranges(o_own, l_own, o_pre, l_pre, G, dtype)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    assert got.shape == want.shape == (B, 1, H * M, Dv) and got.dtype == dtype
+    assert torch.allclose(got.double(), want.double(), rtol=tol, atol=tol), (got.double() - want.double()).abs().max()
+
+
+@pytest.mark.skipif(not _triton_runs(), reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("page", [0, 64, 16], ids=["dense", "page64", "page16"])
 def test_split_kernel_reads_no_key_past_a_rows_last_visible_key(page):
     """The split kernel stops at each split's last visible key (rows shorter than the step's

@@ -762,10 +762,36 @@ def test_kernel_step_matches_the_torch_step(family, monkeypatch):
             assert torch.allclose(x.logprobs, y.logprobs, atol=1e-5)
 
 
+@pytest.mark.skipif(not _triton_interprets(), reason="needs triton's interpreter (TRITON_INTERPRET=1); on CUDA: "
+                                                     "tests/cuda/test_rollout_cuda.py")
+def test_kernel_step_of_a_few_long_conversations_matches_the_torch_step(monkeypatch):
+    """Two served conversations (rows of one, their prompts of 150-200 tokens in their own
+    blocks): the kernel step runs the own part in several key ranges merged by merge_ranges,
+    and gives the torch step's greedy tokens and logprobs to 1e-5 (Triton's interpreter, float32)."""
+    import treerl.rollout.blocks as blocks
+    import treerl.rollout.shared as shared
+
+    model = tiny_model("qwen3", dtype=torch.float32, seed=2, head_dim=16, max_position_embeddings=256)
+    prompts = random_prompts([150, 200], seed=9)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=10, seed=0)
+    want = RolloutEngine(model, sync_every=4).generate(prompts, params)
+    monkeypatch.setattr(shared.SharedPrefixCache, "backend", lambda self, own_len, prefix_len: "split")
+    monkeypatch.setattr(blocks, "merged_attention_ok", lambda *a: True)  # (its probe needs CUDA)
+    merges = []
+    merge_ranges = shared.merge_ranges
+    monkeypatch.setattr(shared, "merge_ranges", lambda *a: merges.append(a[0].shape[2]) or merge_ranges(*a))
+    engine = RolloutEngine(model, sync_every=4)
+    got = engine.generate(prompts, params)
+    assert merges and min(merges) > 1, merges  # (several key ranges in every merged call)
+    for a, b in zip(want, got):
+        assert a[0].completion_ids.tolist() == b[0].completion_ids.tolist()
+        assert torch.allclose(a[0].logprobs, b[0].logprobs, atol=1e-5)
+
+
 def test_own_part_merged_in_its_kernel_only_where_rows_fill_the_gpu(monkeypatch):
     """The kernel step's own part: one key range per row merged in its kernel with the prompt part's ranges while
     rows x KV heads give every SM a program or the keys fit one tile; a few rows over long own keys (served
-    conversations) run in key ranges instead, merged by merge_parts."""
+    conversations) run in key ranges instead, merged by merge_ranges (merge_parts in one kernel)."""
     from types import SimpleNamespace
 
     import treerl.rollout.shared as shared
@@ -779,6 +805,7 @@ def test_own_part_merged_in_its_kernel_only_where_rows_fill_the_gpu(monkeypatch)
 
     monkeypatch.setattr(shared, "split_attention", split)
     monkeypatch.setattr(shared, "split_attention_merged", lambda *a, **k: calls.append("merged") or "merged")
+    monkeypatch.setattr(shared, "merge_ranges", shared.merge_parts)  # (the kernel: test_rollout_paging.py)
     for rows, keys, kernel in ((64, 512, "merged"), (2, 64, "merged"), (2, 2048, "split"), (8, 256, "split")):
         cache = SimpleNamespace(layers=[SimpleNamespace(ok=None, ov=None)], table=torch.zeros(rows, 4))
         q = torch.randn(rows, 8, 2, 16)
@@ -792,8 +819,9 @@ def test_own_part_merged_in_its_kernel_only_where_rows_fill_the_gpu(monkeypatch)
 
 
 def test_merged_attention_probe_warns_when_it_fails(monkeypatch):
-    """The merged attention kernel's probe (its CUDA check aside): False, with a warning naming
-    the failure, when the kernel fails or disagrees with merge_parts."""
+    """The merged attention kernels' probe (its CUDA check aside): False, with a warning naming
+    the failure, when the kernel fails or disagrees with merge_parts, or the merge of the own
+    part's key ranges (merge_ranges) fails."""
     import treerl.rollout.shared as shared
 
     monkeypatch.setattr(shared, "split_attention_ok", lambda *a: True)
@@ -803,10 +831,23 @@ def test_merged_attention_probe_warns_when_it_fails(monkeypatch):
         raise RuntimeError("no kernel")
 
     monkeypatch.setattr(shared, "split_attention_merged", fails)
-    with pytest.warns(UserWarning, match="merged attention kernel failed .*no kernel"):
+    with pytest.warns(UserWarning, match="merged attention kernels failed .*no kernel"):
         assert not probe("cpu", torch.float32, 16, 16)
     monkeypatch.setattr(shared, "split_attention_merged", lambda *a: torch.zeros(6, 1, 4, 16))
-    with pytest.warns(UserWarning, match="merged attention kernel disagreed"):
+    with pytest.warns(UserWarning, match="merged attention kernels disagreed"):
+        assert not probe("cpu", torch.float32, 16, 16)
+
+    def exact(q, k, v, mask, scale, o2, l2, G, dtype):  # the own part in one range, merged exactly
+        o, lse = shared._attend_math(q.double(), k.double(), v.double(), mask.double(), scale)
+        return shared.merge_parts(o.unsqueeze(2), lse.unsqueeze(2), o2.double(), l2.double(), G, dtype)
+
+    def no_merge(*a):
+        raise RuntimeError("no merge")
+
+    monkeypatch.setattr(shared, "split_attention_merged", exact)
+    monkeypatch.setattr(shared, "split_attention", lambda q, k, v, mask, scale, splits: (q[..., :1], q[..., 0]))
+    monkeypatch.setattr(shared, "merge_ranges", no_merge)
+    with pytest.warns(UserWarning, match="merged attention kernels failed .*no merge"):
         assert not probe("cpu", torch.float32, 16, 16)
 
 

@@ -94,6 +94,19 @@ def test_split_attention_compiles_for_hopper(record, dtype, page, G, gq, D):
     assert len(_compile(kernel)) == 4
 
 
+@pytest.mark.parametrize("dtype, G, M, S1, S2, Dv", [(torch.bfloat16, 1, 2, 5, 1, 128), (torch.float32, 8, 2, 3, 4, 64),
+                                                   (torch.float16, 1, 1, 1, 1, 64)])
+def test_merge_ranges_compiles_for_hopper(record, dtype, G, M, S1, S2, Dv):
+    """The merge of the own part's key ranges with the prompt part's (one row a group and one query a head: the
+    arguments equal to 1 are constants)."""
+    kernel = record(decode_attention, "_merge_kernel")
+    B, H = 2 * G, 8
+    o_own, l_own = torch.randn(B, H, S1, M, Dv), torch.randn(B, H, S1, M)
+    o_pre, l_pre = torch.randn(B // G, H, S2, G * M, Dv), torch.randn(B // G, H, S2, G * M)
+    decode_attention.merge_ranges(o_own, l_own, o_pre, l_pre, G, dtype)
+    assert len(_compile(kernel)) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_split_attention_runs_large_groups_in_slices_that_fit(record, dtype):
     """A group's queries beyond one program's tile (``MAX_QUERIES``: 512 16-bit, 128 float32 queries of 128) run

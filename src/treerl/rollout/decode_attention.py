@@ -163,6 +163,29 @@ if triton is not None:
             tl.store(L + b * slb + h * slh + split * sls + offs_m, lse, mask=keep)
 
 
+    @triton.jit
+    def _merge_kernel(O1, L1, O2, L2, Out, s1b, s1h, s1s, s1m, t1b, t1h, t1s, s2b, s2h, s2s, s2m, t2b, t2h, t2s,
+                      sob, som, S1, S2, G, M, DV: tl.constexpr, BLOCK_S1: tl.constexpr, BLOCK_S2: tl.constexpr):
+        """One (row, query head) of :func:`merge_ranges`: its own part's ``S1`` key ranges and its
+        group's prompt part's ``S2``, weighted by ``exp(lse - lse_all)``."""
+        b = tl.program_id(0)
+        hm = tl.program_id(1)  # h x M + m: the query head
+        h, m = hm // M, hm % M
+        g, qm = b // G, (b % G) * M + m  # the row's group, and its query among the group's prompt-part queries
+        i1, i2, dv = tl.arange(0, BLOCK_S1), tl.arange(0, BLOCK_S2), tl.arange(0, DV)
+        l1 = tl.load(L1 + b * t1b + h * t1h + i1 * t1s + m, mask=i1 < S1, other=float("-inf"))
+        l2 = tl.load(L2 + g * t2b + h * t2h + i2 * t2s + qm, mask=i2 < S2, other=float("-inf"))
+        top = tl.maximum(tl.max(l1, 0), tl.max(l2, 0))
+        w1, w2 = tl.exp(l1 - top), tl.exp(l2 - top)
+        o1 = tl.load(O1 + b * s1b + h * s1h + i1[:, None] * s1s + m * s1m + dv[None, :], mask=(i1 < S1)[:, None],
+                     other=0.0)
+        o2 = tl.load(O2 + g * s2b + h * s2h + i2[:, None] * s2s + qm * s2m + dv[None, :], mask=(i2 < S2)[:, None],
+                     other=0.0)
+        acc = tl.sum(w1[:, None] * o1, 0) + tl.sum(w2[:, None] * o2.to(w2.dtype), 0)
+        out = acc / (tl.sum(w1, 0) + tl.sum(w2, 0))
+        tl.store(Out + b * sob + hm * som + dv, out.to(Out.dtype.element_ty))
+
+
 def splits_for(batch: int, heads: int, keys: int, target: int = TARGET_PROGRAMS, block_n: int = BLOCK_N) -> int:
     """Key ranges per (entry, head): enough programs to fill the GPU, >= one block each."""
     want = -(-target // max(batch * heads, 1))
@@ -208,6 +231,24 @@ def split_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     per = -(-N // block_n) * block_n
     _launch(q, k, v, mask, scale, table, 1, per, block_n, num_warps, num_stages, out,
             (out.stride(0), out.stride(2), 0, 0), None, (o_pre, l_pre, G))
+    return out
+
+
+def merge_ranges(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, l_pre: torch.Tensor, G: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """:func:`~treerl.rollout.shared.merge_parts` in one launch (where the own part runs in
+    several key ranges: a few rows over long own keys; ~7 small kernels a layer there):
+    ``o_own [B, H, S1, M, Dv]`` / ``l_own [B, H, S1, M]`` (:func:`split_attention`'s), ``o_pre
+    [B/G, H, S2, G x M, Dv]`` / ``l_pre`` -> ``[B, 1, H x M, Dv]`` in ``dtype``."""
+    B, H, S1, M, DV = o_own.shape
+    S2 = o_pre.shape[2]
+    assert o_pre.shape[0] * G == B and o_pre.shape[1] == H and o_pre.shape[3] == G * M
+    assert o_own.stride(-1) == o_pre.stride(-1) == l_own.stride(-1) == l_pre.stride(-1) == 1
+    out = torch.empty(B, 1, H * M, DV, device=o_own.device, dtype=dtype)
+    _merge_kernel[(B, H * M)](
+        o_own, l_own, o_pre, l_pre, out, *o_own.stride()[:4], *l_own.stride()[:3], *o_pre.stride()[:4],
+        *l_pre.stride()[:3], out.stride(0), out.stride(2), S1, S2, G, M,
+        DV=DV, BLOCK_S1=triton.next_power_of_2(S1), BLOCK_S2=triton.next_power_of_2(S2), num_warps=1)
     return out
 
 

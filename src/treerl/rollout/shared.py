@@ -37,8 +37,8 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .decode_attention import (MERGED_MIN_PROGRAMS, split_attention, split_attention_merged, split_attention_ok,
-                               splits_for)
+from .decode_attention import (MERGED_MIN_PROGRAMS, merge_ranges, split_attention, split_attention_merged,
+                               split_attention_ok, splits_for)
 from .kernel_probe import kernel_agrees
 
 
@@ -198,11 +198,12 @@ class SharedPrefixCache(Cache):
         (:func:`~treerl.rollout.decode_attention.split_attention_merged`). Where rows x KV heads
         would not give every SM a program and the own keys span several tiles (a few served
         conversations, each its whole context in its own blocks), one range per row would leave the
-        GPU idle: the own part runs in key ranges and :func:`merge_parts` merges them."""
+        GPU idle: the own part runs in key ranges, merged with the prompt part's in one kernel
+        (:func:`~treerl.rollout.decode_attention.merge_ranges`, :func:`merge_parts`' ~7 kernels)."""
         s, layer = q_own.shape[0], self.layers[layer_idx]
         if splits_for(s, q_own.shape[1], own_mask.shape[-1], MERGED_MIN_PROGRAMS) > 1:
             o_own, l_own = split_attention(q_own, layer.ok, layer.ov, own_mask, scale, table=self.table[:s])
-            return merge_parts(o_own, l_own, o_pre, l_pre, G, dtype)
+            return merge_ranges(o_own, l_own, o_pre, l_pre, G, dtype)
         return split_attention_merged(q_own, layer.ok, layer.ov, own_mask, scale, o_pre, l_pre, G, dtype,
                                       table=self.table[:s])
 
@@ -427,8 +428,9 @@ def merged_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_di
     """Whether :func:`~treerl.rollout.decode_attention.split_attention_merged` runs here and agrees
     with the own part in float64 merged by :func:`merge_parts` (probed once per device, dtype and
     head sizes, on two groups of 3 rows, 2 KV heads of 2 query heads, a row with fewer keys, the
-    prompt part in 2 ranges, one of them empty). A failure warns with its reason
-    (:func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
+    prompt part in 2 ranges, one of them empty), and so does the own part in 3 key ranges
+    merged by :func:`~treerl.rollout.decode_attention.merge_ranges`. A failure warns with its
+    reason (:func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
     if not split_attention_ok(device, dtype, head_dim, value_dim) or value_dim & (value_dim - 1):
         return False
 
@@ -444,10 +446,14 @@ def merged_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_di
         l2[0, 0, 1] = float("-inf")
         o1, l1 = _attend_math(q.double(), k.double(), v.double(), mask.double(), 0.125)
         want = merge_parts(o1.unsqueeze(2), l1.unsqueeze(2), o2.double(), l2.double(), 3, torch.float64)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
         got = split_attention_merged(q, k, v, mask, 0.125, o2, l2, 3, dtype)
-        return torch.allclose(got.double(), want, atol=1e-5 if dtype == torch.float32 else 2e-2)
+        if not torch.allclose(got.double(), want, atol=tol):
+            return False
+        got = merge_ranges(*split_attention(q, k, v, mask, 0.125, splits=3), o2, l2, 3, dtype)
+        return torch.allclose(got.double(), want, atol=tol)
 
-    return kernel_agrees(check, what="the decode step's merged attention kernel", reference="merge_parts",
+    return kernel_agrees(check, what="the decode step's merged attention kernels", reference="merge_parts",
                          where=f"{device} ({dtype})",
                          fallback="the decode step runs without its split-key kernel step (slower)")
 
