@@ -10,14 +10,15 @@
 #    14): >= 9,042 tok/s in process, probe p50 ratio < x2.0, p99 < x3.2; served / in process >= 0.9. If the kept
 #    contexts do not gain: revert 8f1d776 and 86b9035. Also in "new": admissions take the fewest new tokens after the
 #    oldest (3b8ad22): the probe sent with the agents' first prompts (probe_slowest at start 0.00) should fall from
-#    0.26-0.47 s to ~0.1-0.17 s.
+#    0.26-0.47 s to ~0.1-0.17 s. And merge_ranges (76ebb7c): the alone probe's p50 (one row) 37-40 ms -> ~30 ms.
 F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$\|pow_by_natural\|split the reduction\|^softmax"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
 PYTHONPATH=/tmp/site python3 -c "import fastapi, uvicorn, openai, prometheus_client" || echo "WHEELS MISSING"
-PYTHONPATH=src timeout -k 5 75 python3 -m pytest -q -m cuda tests/cuda/test_rollout_cuda.py -p no:cacheprovider -rfE \
-    --tb=short -k "kept_buffers_prefix_cache and not compiled" > $OUT/cuda_kept_tests.txt 2>&1
+PYTHONPATH=src timeout -k 5 100 python3 -m pytest -q tests/cuda/test_rollout_cuda.py tests/rollout/test_rollout_paging.py \
+    -p no:cacheprovider -rfE --tb=short -k "kept_buffers_prefix_cache and not compiled or merge_ranges or block_table" \
+    > $OUT/cuda_kept_tests.txt 2>&1
 grep "passed\|failed\|FAILED\|ERROR\|assert" $OUT/cuda_kept_tests.txt | cut -c1-300 | tail -6
 for v in new base; do
   s=src; m=in-process,served; [ $v = base ] && s=.v/base/src && m=in-process
