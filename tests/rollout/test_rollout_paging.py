@@ -287,7 +287,8 @@ def test_split_kernel_reads_own_keys_through_the_block_table(page, dtype):
 @pytest.mark.skipif(not _triton_runs(), reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("B, G, H, M, S1, S2, Dv", [(6, 3, 2, 2, 4, 3, 16), (1, 1, 8, 2, 5, 1, 128),
-                                                   (4, 1, 3, 1, 1, 2, 64), (8, 4, 2, 3, 7, 5, 32)])
+                                                   (4, 1, 3, 1, 1, 2, 64), (8, 4, 2, 3, 7, 5, 32),
+                                                   (1, 1, 2, 2, 66, 1, 128)])  # (one row over ~4k keys)
 def test_merge_ranges_equals_merge_parts(dtype, B, G, H, M, S1, S2, Dv):
     """The own part's key ranges merged with the prompt part's in one kernel
     (``decode_attention.merge_ranges``, where the own part runs in several ranges) equals

@@ -167,23 +167,25 @@ if triton is not None:
     def _merge_kernel(O1, L1, O2, L2, Out, s1b, s1h, s1s, s1m, t1b, t1h, t1s, s2b, s2h, s2s, s2m, t2b, t2h, t2s,
                       sob, som, S1, S2, G, M, DV: tl.constexpr, BLOCK_S1: tl.constexpr, BLOCK_S2: tl.constexpr):
         """One (row, query head) of :func:`merge_ranges`: its own part's ``S1`` key ranges and its
-        group's prompt part's ``S2``, weighted by ``exp(lse - lse_all)``."""
+        group's prompt part's ``S2``, weighted by ``exp(lse - lse_all)`` (the ranges' outputs one
+        at a time: a row over long keys has up to ~66 of them)."""
         b = tl.program_id(0)
         hm = tl.program_id(1)  # h x M + m: the query head
         h, m = hm // M, hm % M
         g, qm = b // G, (b % G) * M + m  # the row's group, and its query among the group's prompt-part queries
         i1, i2, dv = tl.arange(0, BLOCK_S1), tl.arange(0, BLOCK_S2), tl.arange(0, DV)
-        l1 = tl.load(L1 + b * t1b + h * t1h + i1 * t1s + m, mask=i1 < S1, other=float("-inf"))
-        l2 = tl.load(L2 + g * t2b + h * t2h + i2 * t2s + qm, mask=i2 < S2, other=float("-inf"))
+        l1_at, l2_at = L1 + b * t1b + h * t1h + m, L2 + g * t2b + h * t2h + qm
+        l1 = tl.load(l1_at + i1 * t1s, mask=i1 < S1, other=float("-inf"))
+        l2 = tl.load(l2_at + i2 * t2s, mask=i2 < S2, other=float("-inf"))
         top = tl.maximum(tl.max(l1, 0), tl.max(l2, 0))
-        w1, w2 = tl.exp(l1 - top), tl.exp(l2 - top)
-        o1 = tl.load(O1 + b * s1b + h * s1h + i1[:, None] * s1s + m * s1m + dv[None, :], mask=(i1 < S1)[:, None],
-                     other=0.0)
-        o2 = tl.load(O2 + g * s2b + h * s2h + i2[:, None] * s2s + qm * s2m + dv[None, :], mask=(i2 < S2)[:, None],
-                     other=0.0)
-        acc = tl.sum(w1[:, None] * o1, 0) + tl.sum(w2[:, None] * o2.to(w2.dtype), 0)
-        out = acc / (tl.sum(w1, 0) + tl.sum(w2, 0))
-        tl.store(Out + b * sob + hm * som + dv, out.to(Out.dtype.element_ty))
+        total = tl.sum(tl.exp(l1 - top), 0) + tl.sum(tl.exp(l2 - top), 0)
+        o1_at, o2_at = O1 + b * s1b + h * s1h + m * s1m + dv, O2 + g * s2b + h * s2h + qm * s2m + dv
+        acc = tl.zeros([DV], dtype=O1.dtype.element_ty)
+        for s in range(0, S1):
+            acc += tl.exp(tl.load(l1_at + s * t1s) - top) * tl.load(o1_at + s * s1s)
+        for s in range(0, S2):
+            acc += tl.exp(tl.load(l2_at + s * t2s) - top) * tl.load(o2_at + s * s2s).to(acc.dtype)
+        tl.store(Out + b * sob + hm * som + dv, (acc / total).to(Out.dtype.element_ty))
 
 
 def splits_for(batch: int, heads: int, keys: int, target: int = TARGET_PROGRAMS, block_n: int = BLOCK_N) -> int:
