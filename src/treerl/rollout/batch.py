@@ -43,8 +43,10 @@ class DeviceBatch:
     STATE = ("cache", "prefix_mask", "own_mask", "table", "fill", "fed", "pos", "live_d", "last", "logits",
              "log_tok", "log_lp", "fork_mask", "fork_node", "fork_slot", "steps_cache", "graph_pool")
 
-    def __init__(self, engine, tree: ForkLayout, block: int, max_blocks: int, stats: RolloutStats):
+    def __init__(self, engine, tree: ForkLayout, block: int, max_blocks: int, stats: RolloutStats,
+                 own_prompts: bool = False):
         self.e, self.tree, self.G, self.block, self.max_blocks = engine, tree, tree.rows, block, max_blocks
+        self.own_prompts = own_prompts  # prompts in the rows' own blocks (the prompt store unused)
         self.N = max_blocks * block
         self.stats = stats
         self.device = engine.device
@@ -127,7 +129,8 @@ class DeviceBatch:
             k, v = tmp.layers[0].keys, tmp.layers[0].values
             forks = [(tree.nodes(j), tree.segment_capacity(j), tree.rows_per_node(j)) for j in range(tree.depth)]
             self.cache = SharedPrefixCache(e.num_layers, self.NG, G, self.P, self.table, self.num_blocks,
-                                           self.block, k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device, forks)
+                                           self.block, k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device, forks,
+                                           prompts_in_own_blocks=self.own_prompts)
         t = lambda a: _t(a, dev)  # noqa: E731
         lens = np.asarray(seq_lens)
         pad = tmp.length - lens  # slot of each sequence's first token

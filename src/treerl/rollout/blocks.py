@@ -319,6 +319,8 @@ class DecodeBlocks:
         """Layer ``i``'s prompt part (and fork levels) in key ranges: ``(o_pre, l_pre, G of the
         merge)``; writes the token's K/V into its fork segment first (tree rollouts)."""
         G = cache.G
+        if cache.prompts_in_own_blocks:  # the prompt store is unused: nothing to attend there
+            return (*cache.no_prompt_part(q_pre), G)
         cache.write_forks(i, k, v)  # tree rollouts: the token's K/V into its fork segment
         pk, pv = cache.prefix(i, q_pre.shape[0])
         scale = layer.self_attn.scaling

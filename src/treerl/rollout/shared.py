@@ -92,11 +92,14 @@ class SharedPrefixCache(Cache):
     per level ``[hg x c_k, 1, 1, cap_k]``.
 
     ``forks``: per fork level ``(c_k, cap_k, r_k)``: nodes per group slot, slots per node,
-    rows per node (empty: plain groups, two levels)."""
+    rows per node (empty: plain groups, two levels). ``prompts_in_own_blocks``: the rows keep
+    their prompts in their own blocks and the prompt store is unused (all masked): a decode
+    step's prompt part is then one empty key range (:meth:`no_prompt_part`), not a kernel."""
 
     def __init__(self, num_layers: int, groups: int, G: int, prefix_capacity: int, table: torch.Tensor,
                  num_blocks: int, block_size: int, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype,
-                 device: torch.device, forks: Sequence[tuple[int, int, int]] = ()):
+                 device: torch.device, forks: Sequence[tuple[int, int, int]] = (),
+                 prompts_in_own_blocks: bool = False):
         S = groups * G
         own_capacity = table.shape[1] * block_size
 
@@ -115,6 +118,8 @@ class SharedPrefixCache(Cache):
         self.prefix_capacity, self.own_capacity = prefix_capacity, own_capacity
         self.table, self.num_blocks, self.block_size = table, num_blocks, block_size
         self.forks = tuple(forks)
+        self.prompts_in_own_blocks = prompts_in_own_blocks and not self.forks
+        self._no_prompt: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.fork_index: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.fork_masks: list[torch.Tensor] = []
         # the CUDA kernels with LSE that run here (probed now: never inside a capture or a compile)
@@ -229,6 +234,18 @@ class SharedPrefixCache(Cache):
         if self.efficient and (self.efficient_unaligned or (own_len % 16 == 0 and prefix_len % 16 == 0)):
             return "efficient"
         return "math"
+
+    def no_prompt_part(self, q_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt part of a step whose prompts are in the rows' own blocks: one key range
+        with no key (output 0, LSE ``-inf``: it adds nothing to the merge), ``[groups, Hkv, 1,
+        queries, Dv]`` / ``[groups, Hkv, 1, queries]`` for ``q_pre [groups, Hkv, queries, D]``;
+        made once per shape, at a step's first (eager) run, so a captured step reads them."""
+        key = tuple(q_pre.shape[:3])
+        if key not in self._no_prompt:
+            dv, dev = self.all_ov.shape[-1], q_pre.device
+            self._no_prompt[key] = (torch.zeros(*key[:2], 1, key[2], dv, device=dev),
+                                    torch.full((*key[:2], 1, key[2]), float("-inf"), device=dev))
+        return self._no_prompt[key]
 
     def prefix(self, layer_idx: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefix keys/values of group slots ``[:groups]`` over the attended slots."""

@@ -168,7 +168,7 @@ class RunningBatch:
                               engine.stats, engine.logit_dtype, self.own_prompts)
         if self.own_prompts:
             prefix_capacity = OWN_PROMPT_STORE
-        self.dev = DeviceBatch(engine, tree, self.block, self.max_blocks, engine.stats)
+        self.dev = DeviceBatch(engine, tree, self.block, self.max_blocks, engine.stats, self.own_prompts)
         # a row holding its whole context in its own blocks leaves it to the prefix cache as it finishes
         self.host.keep_finished = self.own_prompts and engine.prefix_cache is not None
         self.reads = LogReader(self.host, self.dev, self._keep_finished)
