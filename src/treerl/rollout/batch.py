@@ -135,6 +135,7 @@ class DeviceBatch:
         lens = np.asarray(seq_lens)
         pad = tmp.length - lens  # slot of each sequence's first token
         plen_a = np.asarray(plen, dtype=np.int64)
+        assert not self.own_prompts or not plen_a.any(), "prompts in own blocks leave the prompt store empty"
         rows = (slots[:, None] * G + np.arange(G)).reshape(-1)
         src = np.asarray(row_src, dtype=np.int64)
         row_plen = np.repeat(plen_a, G)

@@ -182,9 +182,9 @@ if triton is not None:
         o1_at, o2_at = O1 + b * s1b + h * s1h + m * s1m + dv, O2 + g * s2b + h * s2h + qm * s2m + dv
         acc = tl.zeros([DV], dtype=O1.dtype.element_ty)
         for s in range(0, S1):
-            acc += tl.exp(tl.load(l1_at + s * t1s) - top) * tl.load(o1_at + s * s1s)
+            acc += tl.exp(tl.load(l1_at + s * t1s) - top).to(acc.dtype) * tl.load(o1_at + s * s1s).to(acc.dtype)
         for s in range(0, S2):
-            acc += tl.exp(tl.load(l2_at + s * t2s) - top) * tl.load(o2_at + s * s2s).to(acc.dtype)
+            acc += tl.exp(tl.load(l2_at + s * t2s) - top).to(acc.dtype) * tl.load(o2_at + s * s2s).to(acc.dtype)
         tl.store(Out + b * sob + hm * som + dv, (acc / total).to(Out.dtype.element_ty))
 
 

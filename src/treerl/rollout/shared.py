@@ -238,14 +238,19 @@ class SharedPrefixCache(Cache):
     def no_prompt_part(self, q_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt part of a step whose prompts are in the rows' own blocks: one key range
         with no key (output 0, LSE ``-inf``: it adds nothing to the merge), ``[groups, Hkv, 1,
-        queries, Dv]`` / ``[groups, Hkv, 1, queries]`` for ``q_pre [groups, Hkv, queries, D]``;
-        made once per shape, at a step's first (eager) run, so a captured step reads them."""
-        key = tuple(q_pre.shape[:3])
+        queries, Dv]`` / ``[groups, Hkv, 1, queries]`` (float32) for ``q_pre [groups, Hkv,
+        queries, D]``: views of one pair for every group slot, made at the first step's eager
+        warm-up (``graphs.capture_graph``), never inside a capture."""
+        key = tuple(q_pre.shape[1:3])
         if key not in self._no_prompt:
-            dv, dev = self.all_ov.shape[-1], q_pre.device
-            self._no_prompt[key] = (torch.zeros(*key[:2], 1, key[2], dv, device=dev),
-                                    torch.full((*key[:2], 1, key[2]), float("-inf"), device=dev))
-        return self._no_prompt[key]
+            if q_pre.device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # pragma: no cover
+                raise RuntimeError("the empty prompt part must be made before a capture (its warm-up)")
+            heads, queries = key
+            self._no_prompt[key] = (
+                torch.zeros(self.groups, heads, 1, queries, self.all_ov.shape[-1], device=q_pre.device),
+                torch.full((self.groups, heads, 1, queries), float("-inf"), device=q_pre.device))
+        o, lse = self._no_prompt[key]
+        return o[: q_pre.shape[0]], lse[: q_pre.shape[0]]
 
     def prefix(self, layer_idx: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefix keys/values of group slots ``[:groups]`` over the attended slots."""
@@ -445,8 +450,8 @@ def merged_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_di
     """Whether :func:`~treerl.rollout.decode_attention.split_attention_merged` runs here and agrees
     with the own part in float64 merged by :func:`merge_parts` (probed once per device, dtype and
     head sizes, on two groups of 3 rows, 2 KV heads of 2 query heads, a row with fewer keys, the
-    prompt part in 2 ranges, one of them empty), and so does the own part in 3 key ranges
-    merged by :func:`~treerl.rollout.decode_attention.merge_ranges`. A failure warns with its
+    prompt part in 2 ranges, one of them empty), and so does the own part in 3 key ranges (the
+    short row's last two hidden) merged by :func:`~treerl.rollout.decode_attention.merge_ranges`. A failure warns with its
     reason (:func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
     if not split_attention_ok(device, dtype, head_dim, value_dim) or value_dim & (value_dim - 1):
         return False
@@ -454,9 +459,9 @@ def merged_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_di
     def check() -> bool:
         g = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(6, 2, 2, head_dim, device=device, dtype=dtype, generator=g)
-        k = torch.randn(6, 2, 40, head_dim, device=device, dtype=dtype, generator=g)
-        v = torch.randn(6, 2, 40, value_dim, device=device, dtype=dtype, generator=g)
-        mask = torch.zeros(6, 1, 1, 40, device=device, dtype=dtype)
+        k = torch.randn(6, 2, 160, head_dim, device=device, dtype=dtype, generator=g)  # (splits=3: 3 ranges of 64)
+        v = torch.randn(6, 2, 160, value_dim, device=device, dtype=dtype, generator=g)
+        mask = torch.zeros(6, 1, 1, 160, device=device, dtype=dtype)
         mask[4, ..., 17:] = torch.finfo(dtype).min
         o2 = torch.randn(2, 2, 2, 6, value_dim, device=device, generator=g)
         l2 = torch.randn(2, 2, 2, 6, device=device, generator=g)
