@@ -5,8 +5,10 @@
 # fastapi, uvicorn, openai, prometheus_client wheels; see the summary in RESULTS.md session 13 for how to make them).
 # 1. The CUDA test of kept contexts through graphs and the split kernel (session 14 call 4: 2 passed), then the whole
 #    CUDA rollout file if time allows.
-# 2. Issue 23: bench_serve 6 turns at a prefix cache of 131,072 (the new default): kept contexts (with the fixed,
-#    asynchronous upload) against 1afbfb1, in process, and served for the new code. Predicted (RESULTS.md session
+# 2. Issue 23: bench_serve 6 turns at a prefix cache of 131,072 (the new default): main against 1afbfb1, in process,
+#    and served for main. Main holds four unmeasured changes: kept contexts (8f1d776, 86b9035, e7ec0c8), fewest new
+#    tokens first at admission (3b8ad22), merge_ranges (76ebb7c, e8da6ed: the merge of a few long rows' ranges in
+#    one kernel) and the empty prompt part (80a08bd); if the whole does not gain, a second call bisects them. Predicted (RESULTS.md session
 #    14): >= 9,042 tok/s in process, probe p50 ratio < x2.0, p99 < x3.2; served / in process >= 0.9. If the kept
 #    contexts do not gain: revert 8f1d776 and 86b9035. Also in "new": admissions take the fewest new tokens after the
 #    oldest (3b8ad22): the probe sent with the agents' first prompts (probe_slowest at start 0.00) should fall from
