@@ -292,6 +292,22 @@ def in_process(args, model, vocab: int) -> dict:
         loop.stop()
 
 
+def profile_tables(prof) -> tuple[dict, dict, dict]:
+    """A torch profile's ``{name: (ms, count)}`` tables: device kernels (device time; not the
+    labelled ranges' spans), host operations (self time), and the ranges labelled
+    ``treerl.<phase>`` (``profile_serve_phases.py``: inclusive host time)."""
+    dev, host, phases = {}, {}, {}
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            if not ev.key.startswith("treerl."):
+                dev[ev.key] = (getattr(ev, "device_time_total", 0.0) / 1e3, ev.count)
+        else:
+            host[ev.key] = (ev.self_cpu_time_total / 1e3, ev.count)
+            if ev.key.startswith("treerl."):
+                phases[ev.key] = (ev.cpu_time_total / 1e3, ev.count)
+    return dev, host, phases
+
+
 def profiled(run, device: str) -> dict:
     """``run()`` under the torch profiler: wall and device-busy seconds, the top device kernels
     and host operations (self time), printed and returned."""
@@ -300,14 +316,7 @@ def profiled(run, device: str) -> dict:
     with torch.profiler.profile(activities=acts) as prof:
         run()
     wall = time.perf_counter() - t0
-    dev, host, phases = {}, {}, {}
-    for ev in prof.key_averages():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            dev[ev.key] = (getattr(ev, "device_time_total", 0.0) / 1e3, ev.count)
-        else:
-            host[ev.key] = (ev.self_cpu_time_total / 1e3, ev.count)
-            if ev.key.startswith("treerl."):  # labelled phases (profile_serve_phases.py): inclusive host time
-                phases[ev.key] = (ev.cpu_time_total / 1e3, ev.count)
+    dev, host, phases = profile_tables(prof)
     out = {"wall_s": wall, "device_busy_s": sum(t for t, _ in dev.values()) / 1e3,
            "kernels": sum(c for _, c in dev.values()),
            "top_kernels_ms": dict(sorted(dev.items(), key=lambda kv: -kv[1][0])[:15]),

@@ -92,15 +92,8 @@ def timed_on_device(fn):
 def report(prof, wall: float, steps: int) -> dict:
     """The window's per-step wall and device-busy time, phases (inclusive host), top host
     operations (self) and kernels; printed and returned."""
-    dev, host, phases = {}, {}, {}
-    for ev in prof.key_averages():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            dev[ev.key] = (getattr(ev, "device_time_total", 0.0) / 1e3, ev.count)
-        else:
-            host[ev.key] = (ev.self_cpu_time_total / 1e3, ev.count)
-            if ev.key.startswith("treerl."):
-                phases[ev.key] = (ev.cpu_time_total / 1e3, ev.count)
-    busy = sum(t for k, (t, _) in dev.items() if not k.startswith("treerl."))
+    dev, host, phases = bs.profile_tables(prof)
+    busy = sum(t for t, _ in dev.values())
     out = {"steps": steps, "wall_ms": wall * 1e3, "wall_ms_per_step": wall * 1e3 / steps,
            "device_busy_ms_per_step": busy / steps, "kernels_per_step": sum(c for _, c in dev.values()) / steps,
            "phases_ms": dict(sorted(phases.items(), key=lambda kv: -kv[1][0])),

@@ -80,9 +80,8 @@ class PrefixCache:
         self.max_tokens = int(max_tokens)
         self._entries: OrderedDict[tuple[int, ...], PrefixEntry] = OrderedDict()  # least recent first
         self._index: dict[int, set[tuple[int, ...]]] = {}  # chain hash -> entries filed under it
-        self._filed: dict[tuple[int, ...], int] = {}  # entry -> its chain hash
         self._shared: dict[int, set[tuple[int, ...]]] = {}  # h_k (k >= 1) -> entries whose first k blocks it hashes
-        self._chains: dict[tuple[int, ...], list[int]] = {}  # entry -> its h_1 .. h_{l // BLOCK}
+        self._chains: dict[tuple[int, ...], list[int]] = {}  # entry -> its h_0 .. h_{l // BLOCK} (filed under the last)
         self.tokens = 0  # stored tokens
         self.version: int | None = None  # the weights of the stored entries
 
@@ -92,7 +91,6 @@ class PrefixCache:
     def clear(self) -> None:
         self._entries.clear()
         self._index.clear()
-        self._filed.clear()
         self._shared.clear()
         self._chains.clear()
         self.tokens = 0
@@ -104,12 +102,12 @@ class PrefixCache:
 
     def _drop(self, key: tuple[int, ...]) -> None:
         self.tokens -= len(self._entries.pop(key))
-        h = self._filed.pop(key)
-        bucket = self._index[h]
+        chain = self._chains.pop(key)
+        bucket = self._index[chain[-1]]
         bucket.discard(key)
         if not bucket:
-            del self._index[h]
-        for h in set(self._chains.pop(key)):  # (a chain may repeat a hash: a collision)
+            del self._index[chain[-1]]
+        for h in set(chain[1:]):  # (a chain may repeat a hash: a collision)
             bucket = self._shared[h]
             bucket.discard(key)
             if not bucket:
@@ -191,10 +189,8 @@ class PrefixCache:
         for key in list(self._stored_prefixes(entry.tokens, hashes)):
             self._drop(key)
         self._entries[entry.tokens] = entry
-        h = hashes[len(entry) // BLOCK]
-        self._filed[entry.tokens] = h
-        self._index.setdefault(h, set()).add(entry.tokens)
-        self._chains[entry.tokens] = hashes[1:]
+        self._index.setdefault(hashes[-1], set()).add(entry.tokens)  # (hashes[-1]: h_{len // BLOCK})
+        self._chains[entry.tokens] = hashes
         for h in hashes[1:]:
             self._shared.setdefault(h, set()).add(entry.tokens)
         self.tokens += len(entry)

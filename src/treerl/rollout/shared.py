@@ -118,7 +118,7 @@ class SharedPrefixCache(Cache):
         self.prefix_capacity, self.own_capacity = prefix_capacity, own_capacity
         self.table, self.num_blocks, self.block_size = table, num_blocks, block_size
         self.forks = tuple(forks)
-        self.prompts_in_own_blocks = prompts_in_own_blocks and not self.forks
+        self.prompts_in_own_blocks = prompts_in_own_blocks  # (groups of one row: no fork levels)
         self._no_prompt: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.fork_index: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.fork_masks: list[torch.Tensor] = []
