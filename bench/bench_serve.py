@@ -136,6 +136,8 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="in-process,served")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--server-log", type=Path, default=None,
+                   help="keep treerl serve's log (stderr) here (default: a temporary file, removed)")
     args = p.parse_args(argv)
     if args.tiny:
         args.shape, args.agents, args.turns, args.prompt_len, args.tool_tokens = "tiny", 8, 2, 16, 4
@@ -242,7 +244,9 @@ def combine(parts: list[dict]) -> dict:
 def measure(args, run, counters, alone=None) -> dict:
     """One untimed run, then ``--repeats`` timed ones; the best, with the engine counters it
     moved. ``alone()``: the probes' latencies on the idle engine (after the untimed run)."""
+    t0 = time.perf_counter()
     run()
+    print(f"  untimed run done ({time.perf_counter() - t0:.1f} s)", flush=True)
     alone_q = None
     if alone is not None:
         lat = alone()
@@ -252,6 +256,7 @@ def measure(args, run, counters, alone=None) -> dict:
     for _ in range(args.repeats):
         before = counters()
         r = run()
+        print(f"  timed run done: {r['tok_s']:.1f} tok/s", flush=True)
         after = counters()
         r["engine"] = {k: after[k] - before[k] for k in COUNTERS + ("streams",)}
         r["host"] = {k: after[k] - before[k] for k in HOST}
@@ -500,6 +505,7 @@ def main(argv=None) -> dict:
             save_model_dir(model, vocab, Path(tmp) / "model")
         if "in-process" in modes:
             results["in-process"] = in_process(args, model, vocab)
+            print(f"in-process done: {results['in-process']['tok_s']:.1f} tok/s", flush=True)
             if args.json:  # (kept if the served run fails)
                 args.json.write_text(json.dumps(results, indent=1))
         del model
@@ -507,7 +513,8 @@ def main(argv=None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if "served" in modes:
-            server = ServerProcess(args, Path(tmp) / "model", dtype, Path(tmp) / "serve.log")
+            server = ServerProcess(args, Path(tmp) / "model", dtype, args.server_log or Path(tmp) / "serve.log")
+            print(f"treerl serve started: {server.url}", flush=True)
             try:
                 results["served"] = served(args, server, vocab)
             finally:

@@ -1,7 +1,7 @@
 """Where a decode step's period goes while serving: the torch profiler, run in the engine
 thread (the profiler records the host operations of the thread that starts it) over
 ``--window`` decode steps of ``bench_serve.py``'s timed in-process run (from its first
-decode step: after the untimed run and the alone probes), with the engine thread's phases labelled (``treerl.<phase>``
+decode step, or after ``--skip`` of its decode steps: after the untimed run and the alone probes), with the engine thread's phases labelled (``treerl.<phase>``
 ranges: the decode step, sampling, admissions, reads of the decode log, stop checks,
 deliveries). Prints the window's wall and device-busy milliseconds per decode step, each
 phase's inclusive host milliseconds and count, the top host operations (self) and kernels.
@@ -72,7 +72,7 @@ for n in ("record", "check_stops"):  # module functions LogReader calls by their
     setattr(log_reads, n, labelled(n, getattr(log_reads, n)))
 stream.chunk_admission = labelled("chunk_admission", stream.chunk_admission)
 
-STATE = {"runs": 0, "armed": False, "prof": None, "steps": 0, "t0": 0.0, "window": 1000, "out": None, "events": []}
+STATE = {"runs": 0, "armed": False, "prof": None, "steps": 0, "skip": 0, "skipped": 0, "t0": 0.0, "window": 1000, "out": None, "events": []}
 _decode, _run_agents = RunningBatch._decode, bs.run_agents
 
 
@@ -160,7 +160,9 @@ def shapes_summary() -> dict:
 
 
 def decode(self):  # the engine thread: the profiler starts and stops here
-    if STATE["armed"] and STATE["prof"] is None and STATE["steps"] == 0:
+    if STATE["armed"] and STATE["prof"] is None and STATE["steps"] == 0 and STATE["skipped"] < STATE["skip"]:
+        STATE["skipped"] += 1  # (--skip: the window starts after the timed run's first decode steps)
+    elif STATE["armed"] and STATE["prof"] is None and STATE["steps"] == 0:
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                           if torch.cuda.is_available() else [])
         STATE["prof"] = torch.profiler.profile(activities=acts)
@@ -201,10 +203,10 @@ RunningBatch._decode, bs.run_agents = decode, run_agents
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    for flag in ("--window", "--profile-json"):
+    for flag, key, kind in (("--window", "window", int), ("--skip", "skip", int), ("--profile-json", "out", str)):
         if flag in argv:
             i = argv.index(flag)
-            STATE["window" if flag == "--window" else "out"] = int(argv[i + 1]) if flag == "--window" else argv[i + 1]
+            STATE[key] = kind(argv[i + 1])
             del argv[i:i + 2]
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     bs.main(argv)
