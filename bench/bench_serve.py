@@ -499,7 +499,7 @@ def main(argv=None) -> dict:
     vocab = model.get_input_embeddings().num_embeddings
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                      "shape": args.shape, "dtype": dtype, "torch": torch.__version__,
-                     "settings": {k: v for k, v in vars(args).items() if k != "json"}}
+                     "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         if "served" in modes:
             save_model_dir(model, vocab, Path(tmp) / "model")

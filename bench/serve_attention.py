@@ -1,0 +1,114 @@
+"""The serving step's own-part decode attention (``PagedKV.attend_own_merged``) on the shape
+``bench_serve.py --mixed`` runs at steady state: ~44 conversations of 700-2,600 tokens, each
+its whole context in its own paged blocks (64 slots), Qwen3-0.6B's 8 KV heads x 128 and 2
+queries per KV head, bf16, the prompt part empty. Times (CUDA graph replays, inputs rotated over
+4 layers' pools) each way to run it:
+
+- ``merged``: one key range per (row, head), merged in the kernel's epilogue (the default where
+  rows x heads >= ``MERGED_MIN_PROGRAMS``), with its tile settings;
+- ``split``: ``split_attention`` in key ranges for ``target`` programs, then ``merge_ranges``;
+
+and the bandwidth each reaches on the K/V bytes the rows hold (read once). Each result is
+checked against float32 attention over the rows' dense keys.
+
+    python bench/serve_attention.py --out $OUT/serve_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from treerl.rollout.decode_attention import merge_ranges, split_attention, split_attention_merged  # noqa: E402
+
+H, M, D, PAGE = 8, 2, 128, 64
+
+
+def case(rows: int, slots: int, lo: int, hi: int, device: str, dtype: torch.dtype, seed: int = 0):
+    """``slots`` group slots, the first ``rows`` live with lengths uniform in [lo, hi]; 4 layers'
+    pools (random block order), the queries, the additive mask and the block table."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (rows,), generator=g).tolist() + [0] * (slots - rows)
+    span = -(-max(lens) // PAGE) * PAGE
+    nblk = span // PAGE
+    blocks = slots * nblk + 1
+    order = torch.randperm(slots * nblk, generator=g).reshape(slots, nblk)
+    mask = torch.full((slots, span), torch.finfo(dtype).min, dtype=dtype)
+    for i, n in enumerate(lens):
+        mask[i, :n] = 0
+    layers = [(torch.randn(slots, H, M, D, dtype=dtype, device=device),
+               torch.randn(blocks, H, PAGE, D, dtype=dtype, device=device),
+               torch.randn(blocks, H, PAGE, D, dtype=dtype, device=device)) for _ in range(4)]
+    return lens, layers, mask.to(device), order.to(device)
+
+
+def reference(q, pk, pv, mask, table, lens) -> torch.Tensor:
+    """float32 attention over each live row's dense keys -> ``[B, 1, H x M, D]``."""
+    out = torch.zeros(q.shape[0], 1, H * M, D, device=q.device)
+    for i, n in enumerate(lens):
+        if n == 0:
+            continue
+        blk = table[i, : -(-n // PAGE)]
+        k = pk[blk].transpose(0, 1).reshape(H, -1, D)[:, :n].float()
+        v = pv[blk].transpose(0, 1).reshape(H, -1, D)[:, :n].float()
+        p = torch.softmax(q[i].float() @ k.transpose(-1, -2) * D ** -0.5, -1)
+        out[i, 0] = (p @ v).reshape(H * M, D)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--smoke", action="store_true", help="short rows, no timing (on the CPU: TRITON_INTERPRET=1)")
+    args = p.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.float32 if args.smoke else torch.bfloat16  # (the interpreter's bf16 dots are not bf16 math)
+    variants = [("merged", dict(num_warps=w, num_stages=s)) for w, s in itertools.product((4, 8), (2, 3, 4))]
+    variants += [("split", dict(target=t)) for t in (264, 528, 1056, 2112)]
+    variants.append(("merged", dict(num_warps=4, num_stages=2)))  # the default again: the spread of one setting
+    cases = [("serve: 44 live of 64 slots, 700-2600 keys", 44, 64, 700, 2600),
+             ("serve: 44 live of 44 slots, 700-2600 keys", 44, 44, 700, 2600),
+             ("serve: 20 live of 32 slots, 1500-3000 keys", 20, 32, 1500, 3000),
+             ("alone: 1 row, 1100 keys", 1, 1, 1100, 1100)]
+    if args.smoke:  # (Triton's interpreter: one of each kind, a small case)
+        variants, cases = [variants[0], variants[7]], [("smoke: 5 live of 8 slots", 5, 8, 700, 2600)]
+    rows = []
+    for name, live, slots, lo, hi in cases:
+        if args.smoke:
+            lo, hi = lo // 20, hi // 20
+        lens, layers, mask, table = case(live, slots, lo, hi, dev, dt)
+        nbytes = 2 * sum(-(-n // PAGE) * PAGE for n in lens) * H * D * 2
+        o_pre = torch.zeros(slots, H, 1, M, D, device=dev)
+        l_pre = torch.full((slots, H, 1, M), float("-inf"), device=dev)
+        ref = reference(*layers[0], mask, table, lens)
+        for kind, st in variants:
+            def run(layer, kind=kind, st=st):
+                q, pk, pv = layer
+                if kind == "merged":
+                    return split_attention_merged(q, pk, pv, mask, D ** -0.5, o_pre, l_pre, 1, dt,
+                                                  table=table, **st)
+                o, l = split_attention(q, pk, pv, mask, D ** -0.5, table=table, **st)
+                return merge_ranges(o, l, o_pre, l_pre, 1, dt)
+
+            err = (run(layers[0]).float() - ref)[:live].abs().max().item()  # (empty slots: dead rows, any output)
+            turn = itertools.cycle(layers)
+            ms = 1.0 if args.smoke else triton.testing.do_bench_cudagraph(lambda: run(next(turn)), rep=50,
+                                                                            return_mode="median")
+            r = dict(case=name, kind=kind, setting=st, us=ms * 1e3, tb_s=nbytes / ms / 1e9, err=err)
+            rows.append(r)
+            print(f"{name:<44} {kind:6} {str(st):36} {r['us']:8.1f} us {r['tb_s']:5.2f} TB/s err {err:.1e}",
+                  flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
