@@ -346,3 +346,47 @@ def test_split_kernel_reads_no_key_past_a_rows_last_visible_key(page):
         assert (o - ref).abs().max() <= 1e-5, splits
         if splits == 1:
             assert (lse[:, :, 0].double() - torch.logsumexp(s, -1)).abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(not _triton_runs(), reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("page", [64, 16], ids=["page64", "page16"])
+def test_paged_split_kernel_ranges_follow_each_rows_length(page):
+    """Paged keys (the rows' own store): each row's S key ranges split that row's keys up to its
+    last visible one (rows of 40 to 700 keys in a 1,024-key span: balanced work, whatever the
+    span's bucket), so a range past a short row's end reads nothing (LSE -inf, output 0) and
+    range 0 always has keys. Every split count gives float64 attention on the visible keys, and
+    merged with an empty prompt part by ``merge_ranges`` the layer's output (float32, to 1e-5 of
+    float64; a dead row, every key hidden: its outputs finite)."""
+    from treerl.rollout.decode_attention import merge_ranges, split_attention, to_pages
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.float32  # (a float64 mask's hidden value is -inf in the kernel's float32: only 16/32-bit run there)
+    g = torch.Generator(device=dev).manual_seed(7)
+    B, H, M, N, D = 5, 2, 2, 1024, 16
+    q, k, v = (torch.randn(B, H, n, D, generator=g, device=dev, dtype=dt) for n in (M, N, N))
+    lens = torch.tensor([700, 40, 129, 0, 512], device=dev)
+    neg = torch.finfo(dt).min
+    mask = torch.full((B, N), neg, device=dev, dtype=dt)
+    mask[torch.arange(N, device=dev)[None] < lens[:, None]] = 0.0
+    mask[4, 100:300] = neg  # a hidden run inside a row
+    s = (q.double() @ k.double().transpose(-1, -2)) * D ** -0.5 + mask.double()[:, None, None, :]
+    ref = torch.softmax(s, -1) @ v.double()
+    for b, n in enumerate(lens.tolist()):  # every tile after the one holding the row's last key: poisoned
+        start = max(-(-n // 64) * 64, 64)
+        k[b, :, start:], v[b, :, start:] = float("nan"), float("nan")
+    pk, pv, table = to_pages(k, v, page, g)
+    empty = (torch.zeros(B, H, 1, M, D, device=dev), torch.full((B, H, 1, M), float("-inf"), device=dev))
+    tol = 1e-5
+    for splits in (1, 2, 3, 7):
+        out, lse = split_attention(q, pk, pv, mask, D ** -0.5, splits=splits, table=table)
+        live = lens > 0
+        assert torch.isfinite(lse[live][:, :, 0]).all() and torch.isfinite(out).all(), splits
+        o = (torch.softmax(lse.double(), dim=2)[..., None] * out.double()).sum(2)
+        assert (o[live] - ref[live]).abs().max() <= tol, splits
+        per = [-(-(-(-max(n, 1) // splits)) // 64) * 64 for n in lens.tolist()]
+        for b, n in enumerate(lens.tolist()):  # ranges starting past the row's end: no keys
+            for r in range(out.shape[2]):
+                if r * per[b] >= max(n, 1):
+                    assert (lse[b, :, r] == float("-inf")).all() and (out[b, :, r] == 0).all(), (splits, b, r)
+        merged = merge_ranges(out, lse, *empty, 1, dt).double()
+        assert (merged[live] - ref[live].reshape(-1, 1, H * M, D)).abs().max() <= tol, splits

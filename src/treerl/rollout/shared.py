@@ -37,9 +37,11 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .decode_attention import (MERGED_MIN_PROGRAMS, merge_ranges, split_attention, split_attention_merged,
-                               split_attention_ok, splits_for)
+from .decode_attention import (MERGED_MIN_PROGRAMS, TARGET_PROGRAMS, merge_ranges, split_attention,
+                               split_attention_merged, split_attention_ok, splits_for)
 from .kernel_probe import kernel_agrees
+
+LONG_OWN_KEYS = 512  # own spans longer than this run in key ranges below TARGET_PROGRAMS (attend_own_merged)
 
 
 LOAD_TEMP_BYTES = 64 << 20  # a load's gathered keys (or values) of several layers at once: at most this (bytes)
@@ -204,9 +206,12 @@ class SharedPrefixCache(Cache):
         would not give every SM a program and the own keys span several tiles (a few served
         conversations, each its whole context in its own blocks), one range per row would leave the
         GPU idle: the own part runs in key ranges, merged with the prompt part's in one kernel
-        (:func:`~treerl.rollout.decode_attention.merge_ranges`, :func:`merge_parts`' ~7 kernels)."""
-        s, layer = q_own.shape[0], self.layers[layer_idx]
-        if splits_for(s, q_own.shape[1], own_mask.shape[-1], MERGED_MIN_PROGRAMS) > 1:
+        (:func:`~treerl.rollout.decode_attention.merge_ranges`, :func:`merge_parts`' ~7 kernels).
+        So it does over own spans longer than ``LONG_OWN_KEYS`` below ``TARGET_PROGRAMS``: one
+        range per row is as slow as the longest row (session 15, H200, 44 served conversations of
+        700-2,600 keys: 104 us a layer merged, 92 us in 2 ranges + ``merge_ranges``)."""
+        s, layer, N = q_own.shape[0], self.layers[layer_idx], own_mask.shape[-1]
+        if splits_for(s, q_own.shape[1], N, MERGED_MIN_PROGRAMS if N <= LONG_OWN_KEYS else TARGET_PROGRAMS) > 1:
             o_own, l_own = split_attention(q_own, layer.ok, layer.ov, own_mask, scale, table=self.table[:s])
             return merge_ranges(o_own, l_own, o_pre, l_pre, G, dtype)
         return split_attention_merged(q_own, layer.ok, layer.ov, own_mask, scale, o_pre, l_pre, G, dtype,
