@@ -27,11 +27,7 @@ Paged keys (the rows' own store, :mod:`~treerl.rollout.paging`): ``k/v`` are blo
 ``[num_blocks, H, PAGE, D]`` and ``table [B, max_blocks]`` names the block of each entry's
 keys ``[j x PAGE, (j + 1) x PAGE)``; ``N`` (keys per entry) is then the mask's width. When
 ``PAGE`` is a multiple of the key tile (``BLOCK_N``), a tile lies in one block (one table
-entry per tile); otherwise each key looks up its block. Paged, the ``S`` key ranges of an
-entry split *its* keys up to its last visible one (the whole mask row is read first), not the
-step's span: rows of unequal lengths get work in proportion to their lengths, and a step's
-span (a bucket of the longest row, fixed for a CUDA graph) costs only that mask read; a range
-past an entry's last key reads nothing (LSE ``-inf``; range 0 always runs its first tile).
+entry per tile); otherwise each key looks up its block.
 """
 
 from __future__ import annotations
@@ -107,8 +103,7 @@ if triton is not None:
                       s2b, s2h, s2s, s2m, t2b, t2h, t2s, S2, G2,
                       H, M, N, keys_per_split, scale, HIDDEN,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                      IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr, MERGE: tl.constexpr,
-                      ROW_RANGES: tl.constexpr):
+                      IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr, MERGE: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
@@ -121,30 +116,17 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DV], tl.float32)
-        if ROW_RANGES:  # the row's keys up to its last visible one, in S equal ranges of whole tiles: the rows'
-            # ranges scale with their own lengths (rows of 700 and 2,600 keys in one step), so the step's span only
-            # bounds the mask read here (~1/128 of the K/V bytes). A range past the row's end reads nothing (its LSE
-            # -inf: it drops out of the merge); range 0 always runs its first tile (a finite LSE, as before)
-            row_end = 1
-            for c in range(0, N, MASK_CHUNK):
-                offs_c = c + tl.arange(0, MASK_CHUNK)
-                seen = tl.load(Mask + b * smb + offs_c, mask=offs_c < N, other=HIDDEN).to(tl.float32) > HIDDEN
-                row_end = tl.maximum(row_end, tl.max(tl.where(seen, offs_c + 1, 0), 0))
-            per = tl.cdiv(tl.cdiv(row_end, tl.num_programs(1)), BLOCK_N) * BLOCK_N
-            start = split * per
-            end = tl.maximum(tl.minimum(start + per, row_end), start)
-        else:
-            start = split * keys_per_split  # keys_per_split: whole blocks; split starts < N
-            # the split's visible keys end before `end` (the mask, read alone first: ~1/128 of the K/V bytes); the
-            # K/V loop runs to that bound without a branch per tile, so the compiler pipelines its loads. Tiles past
-            # the row's last visible key (rows shorter than the step's span, prompts shorter than the prefix store)
-            # are not read; the split's first tile always runs, so every split keeps a finite LSE as before
-            stop = tl.minimum(start + keys_per_split, N)
-            end = start + 1
-            for c in range(start, stop, MASK_CHUNK):
-                offs_c = c + tl.arange(0, MASK_CHUNK)
-                seen = tl.load(Mask + b * smb + offs_c, mask=offs_c < stop, other=HIDDEN).to(tl.float32) > HIDDEN
-                end = tl.maximum(end, tl.max(tl.where(seen, offs_c + 1, 0), 0))
+        start = split * keys_per_split  # keys_per_split: whole blocks; split starts < N
+        # the split's visible keys end before `end` (the mask, read alone first: ~1/128 of the K/V bytes); the K/V
+        # loop runs to that bound without a branch per tile, so the compiler pipelines its loads. Tiles past the
+        # row's last visible key (rows shorter than the step's span, prompts shorter than the prefix store) are not
+        # read; the split's first tile always runs, so every split keeps a finite LSE as before
+        stop = tl.minimum(start + keys_per_split, N)
+        end = start + 1
+        for c in range(start, stop, MASK_CHUNK):
+            offs_c = c + tl.arange(0, MASK_CHUNK)
+            seen = tl.load(Mask + b * smb + offs_c, mask=offs_c < stop, other=HIDDEN).to(tl.float32) > HIDDEN
+            end = tl.maximum(end, tl.max(tl.where(seen, offs_c + 1, 0), 0))
         for i in range(0, tl.cdiv(end - start, BLOCK_N)):
             offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = offs_n < N
@@ -295,8 +277,7 @@ def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages,
            o2.shape[2]) if merge is not None else (0,) * 8), G2,
         H, M, N, per, scale, float(torch.finfo(mask.dtype).min),
         BLOCK_M=block_m, BLOCK_N=block_n, D=D, DV=DV, IEEE=q.dtype == torch.float32, PAGE=page,
-        MASK_CHUNK=min(1024, max(16, triton.next_power_of_2(N if page else per))), MERGE=merge is not None,
-        ROW_RANGES=bool(page),
+        MASK_CHUNK=min(1024, max(16, triton.next_power_of_2(per))), MERGE=merge is not None,
         num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages,
     )
 

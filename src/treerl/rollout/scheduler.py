@@ -52,16 +52,9 @@ def group_bucket(n: int, groups: int, G: int, exact: bool = False) -> int:
 
 
 def own_bucket(n: int, capacity: int, exact: bool = False, step: int = 64) -> int:
-    """Own slots a decode step attends to cover ``[:n]``: a power of two of at least ``step``
-    (fixed shapes: few CUDA graphs, each captured while rows wait; the split-key kernel reads
-    each row's keys up to its own last visible one, so a wider span costs a mask read), at most
-    ``capacity``; ``exact``: ``n``."""
-    if exact:
-        return min(n, capacity)
-    b = step
-    while b < n:
-        b *= 2
-    return min(b, capacity)
+    """Own slots a decode step attends to cover ``[:n]``: ``n`` rounded up to ``step``
+    (fixed shapes), at most ``capacity``; ``exact``: ``n``."""
+    return min(n if exact else -(-n // step) * step, capacity)
 
 
 @dataclass
