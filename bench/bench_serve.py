@@ -57,6 +57,7 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -72,13 +73,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-sys.path.insert(0, str(SRC))
+# this checkout's src, unless a treerl is importable already: an A/B runs another commit's src through PYTHONPATH
+# (session 15 found that inserting ours first made sessions 14's serving A/Bs run main twice)
+if importlib.util.find_spec("treerl") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import treerl  # noqa: E402
 from treerl.models import build_model  # noqa: E402
 from treerl.rollout import RolloutEngine  # noqa: E402
 from treerl.rollout import SamplingParams  # noqa: E402
 from treerl.serve import EngineLoop  # noqa: E402
+
+SRC = Path(treerl.__file__).resolve().parents[1]  # the treerl imported here: the server runs the same
 
 # engine counters reported per mode (RolloutStats fields)
 COUNTERS = ("admissions", "admitted", "prefill_calls", "prefill_graph_calls", "prefill_graph_builds", "prefill_tokens",
@@ -173,9 +179,11 @@ async def probe_alone(args, vocab: int, call) -> list[float]:
 
 
 # ---------------------------------------------------------------------- the agents
-async def run_agents(args, vocab: int, call, agents: range, probe: bool = False) -> dict:
+async def run_agents(args, vocab: int, call, agents: range, probe: bool = False, stop=None) -> dict:
     """Agents ``agents`` concurrently; ``call(prompt_ids, max_tokens, temperature) ->
-    completion ids``. ``probe``: a short request after another while they run. Returns the
+    completion ids``. ``probe``: a short request after another while they run (``stop``: an
+    event the agents' processes set when they finish, where this process runs the probe
+    alone). Returns the
     tokens generated, each request's latency, the probes' latencies, the start and end
     (``time.monotonic``, one clock for every process of the machine) and this process's CPU
     seconds."""
@@ -199,12 +207,15 @@ async def run_agents(args, vocab: int, call, agents: range, probe: bool = False)
             tokens += len(ids)
             prompt = prompt + ids + [rng.randrange(vocab) for _ in range(args.tool_tokens)]
 
+    def finished() -> bool:
+        return done.is_set() if stop is None else stop.is_set()
+
     async def prober() -> None:
         k = 0
-        while not done.is_set():
+        while not finished():
             t = time.perf_counter()
             await call(probe_prompt(args, vocab, 10**5 + k), args.probe_tokens, 0.0)
-            if not done.is_set():  # only probes that ran entirely behind the agents
+            if not finished():  # only probes that ran entirely behind the agents
                 probes.append(time.perf_counter() - t)
                 probe_starts.append(t - t0)
             k += 1
@@ -222,8 +233,9 @@ async def run_agents(args, vocab: int, call, agents: range, probe: bool = False)
             "end": time.monotonic(), "cpu_s": time.process_time() - cpu}
 
 
-def combine(parts: list[dict]) -> dict:
-    """One run's figures from its client processes' :func:`run_agents` results."""
+def combine(parts: list[dict], prober: dict | None = None) -> dict:
+    """One run's figures from its client processes' :func:`run_agents` results (``prober``: the
+    probe's own process, if it ran in one: its probes, not its time or CPU)."""
     tokens = sum(p["tokens"] for p in parts)
     latencies = [x for p in parts for x in p["latencies"]]
     wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
@@ -231,6 +243,7 @@ def combine(parts: list[dict]) -> dict:
     out = {"tokens": tokens, "requests": len(latencies), "wall_s": wall, "tok_s": tokens / wall,
            "latency_p50_s": float(q[0]), "latency_p90_s": float(q[1]), "latency_p99_s": float(q[2]),
            "client_cpu_ms_per_request": 1000 * sum(p["cpu_s"] for p in parts) / len(latencies)}
+    parts = parts + ([prober] if prober is not None else [])
     probes = [x for p in parts for x in p.get("probe_latencies", [])]
     if probes:
         pq = np.percentile(probes, [50, 99])
@@ -391,7 +404,7 @@ class ServerProcess:
 
 
 def client_agents(args, url: str, vocab: int, agents: range, start_at: float | None = None, probe: bool = False,
-                  alone: bool = False) -> dict:
+                  alone: bool = False, stop=None) -> dict:
     """:func:`run_agents` through ``openai.AsyncOpenAI`` (one client) against ``url``, from
     ``start_at`` (``time.monotonic``) on (``alone``: :func:`probe_alone` instead). Runs in a
     client process."""
@@ -417,7 +430,7 @@ def client_agents(args, url: str, vocab: int, agents: range, start_at: float | N
         try:
             if alone:
                 return await probe_alone(args, vocab, call)
-            return await run_agents(args, vocab, call, agents, probe)
+            return await run_agents(args, vocab, call, agents, probe, stop)
         finally:
             await client.close()
 
@@ -425,7 +438,11 @@ def client_agents(args, url: str, vocab: int, agents: range, start_at: float | N
 
 
 def served(args, server: ServerProcess, vocab: int) -> dict:
-    """The agents in ``--client-procs`` processes (agent ``i`` in process ``i % procs``)."""
+    """The agents in ``--client-procs`` processes (agent ``i`` in process ``i % procs``), the
+    probe (``--probe``) in a process of its own: sharing one with agents, it waited for their
+    requests' client CPU (the ``openai`` client: ~25 ms a long token-id prompt; session 15, H200:
+    served probes of 0.4-0.87 s where the in-process ones took at most 0.18 s), which measures
+    the client, not the server."""
     from concurrent.futures import ProcessPoolExecutor
 
     procs = max(1, min(args.client_procs, args.agents))
@@ -436,15 +453,21 @@ def served(args, server: ServerProcess, vocab: int) -> dict:
         return health["engine"] | {"streams": health["stats"]["streams"]} | host_counters(health["host"])
 
     alone = (lambda: client_agents(args, server.url, vocab, range(0), alone=True)) if args.probe else None
-    if procs == 1:
-        return measure(args, lambda: combine([client_agents(args, server.url, vocab, shares[0], probe=args.probe)]),
-                       counters, alone)
-    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    if procs == 1 and not args.probe:
+        return measure(args, lambda: combine([client_agents(args, server.url, vocab, shares[0])]), counters)
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(procs + bool(args.probe), mp_context=spawn) as pool, spawn.Manager() as manager:
         def run() -> dict:
+            stop = manager.Event()  # set when every agent has finished: the probe's process stops
             start_at = time.monotonic() + 0.25  # every client process ready (imports done in the untimed run)
-            futures = [pool.submit(client_agents, args, server.url, vocab, share, start_at, args.probe and k == 0)
-                       for k, share in enumerate(shares)]
-            return combine([f.result() for f in futures])
+            futures = [pool.submit(client_agents, args, server.url, vocab, share, start_at) for share in shares]
+            prober = (pool.submit(client_agents, args, server.url, vocab, range(0), start_at, True, stop=stop)
+                      if args.probe else None)
+            try:
+                parts = [f.result() for f in futures]
+            finally:
+                stop.set()
+            return combine(parts, prober.result() if prober is not None else None)
 
         return measure(args, run, counters, alone)
 
@@ -478,8 +501,6 @@ SERVED_NEEDS = ("fastapi", "uvicorn", "openai", "prometheus_client")  # the serv
 
 def missing_modules(names) -> list[str]:
     """Those of ``names`` that cannot be imported here."""
-    import importlib.util
-
     return [n for n in names if importlib.util.find_spec(n) is None]
 
 
