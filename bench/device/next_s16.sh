@@ -7,8 +7,11 @@
 # where rows x heads < TARGET_PROGRAMS (session 15 call 3's kernel bench: 92 vs 104 us a layer at 44 served rows,
 # 61 vs 95 us at 20) and the served probe in a client process of its own (calls 3-4: served probes of 0.4-0.87 s
 # behind the agents, in-process ones at most 0.18 s: the shared client process's CPU, ~25 ms a long request).
-# Predicted: in process +5-7% tokens/s against session 15's main runs (8,137-8,758) and the decode step's attention
-# 2.73 -> ~2.45 ms; served probe p99 from ~0.87 s to near the in-process p99 (~0.17 s); served / in process >= 0.9.
+# Also unmeasured: rollout/kv_copy.py, the K/V slot copy kernel (an admitted served row's context into its own
+# blocks, a finished row's out of them into the prefix cache; was advanced indexing: call 2's profile 0.26 + 0.15 ms
+# a decode step). Predicted: in process +8-12% tokens/s against session 15's main runs (8,137-8,758: the attention
+# 2.73 -> ~2.45 ms a step, the copies 0.41 -> ~0.12 ms); served probe p99 from ~0.87 s to near the in-process p99
+# (~0.17 s); served / in process >= 0.9. Then next_s16_b.sh: the steady-state profile, phase by phase.
 # (1) CUDA tests of the merged/ranged own part; (2) main in process + served; (3) 1afbfb1 in process.
 F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$\|pow_by_natural\|split the reduction\|^softmax"
 export PYTHONUNBUFFERED=1
@@ -16,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
 PYTHONPATH=/tmp/site python3 -c "import fastapi, uvicorn, openai, prometheus_client" || echo "WHEELS MISSING"
 PYTHONPATH=src:tests timeout -k 5 110 python3 -m pytest -q tests/cuda/test_rollout_cuda.py tests/rollout/test_rollout_paging.py \
-    -p no:cacheprovider -rfE --tb=short -k "merge or kept_buffers or split_kernel" > $OUT/cuda_tests.txt 2>&1
+    -p no:cacheprovider -rfE --tb=short tests/rollout/test_rollout_kv_copy.py -k "merge or kept_buffers or split_kernel or copy" > $OUT/cuda_tests.txt 2>&1
 grep "passed\|failed\|FAILED\|ERROR\|assert" $OUT/cuda_tests.txt | cut -c1-300 | tail -6
 ARGS="--device cuda --shape qwen3-0.6b --dtype bfloat16 --mixed --probe --repeats 1 --turns 6 --min-tokens 16 --max-tokens 512 --prefix-cache-tokens 131072"
 PYTHONPATH=/tmp/site:src timeout -k 5 300 python3 bench/bench_serve.py $ARGS --modes in-process,served \

@@ -157,3 +157,19 @@ def test_race_kernel_compiles_for_hopper(record):
     race_kernel.race_kernel(logits.bfloat16(), torch.ones(1), seeds)
     race_kernel.race_kernel(logits, torch.full((3,), 0.7), seeds, splits=1)
     assert len(_compile(partial)) == 3 and len(_compile(combine)) == 3
+
+
+@pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 128), (torch.float32, 64)])
+def test_kv_copy_compiles_for_hopper(record, dtype, D):
+    """The K/V slot copy (an admitted row's context into its own blocks, a finished row's out
+    of them), dense to paged and paged to dense, as its launcher calls it."""
+    from treerl.rollout import kv_copy
+
+    rec = record(kv_copy, "_copy_kernel")
+    dense = torch.zeros(28, 4, 8, 300, D, dtype=dtype)
+    pool = torch.zeros(28, 20, 8, 64, D, dtype=dtype)
+    table = torch.zeros(4, 5, dtype=torch.int64)
+    i64 = lambda *a: torch.tensor(a, dtype=torch.int64)  # noqa: E731
+    kv_copy.copy_slots(dense, pool, i64(0, 3), i64(5, 0), i64(1, 2), i64(0, 0), i64(290, 100), 290, dst_table=table)
+    kv_copy.copy_slots(pool, dense[:, :1], i64(2), i64(0), i64(0), i64(0), i64(290), 290, src_table=table)
+    assert len(_compile(rec)) == 2

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .kv_copy import copy_slots, copy_slots_ok
 from .prefix_cache import PrefixCache, PrefixEntry
 from .types import to_device
 
@@ -79,6 +80,15 @@ def own_context(store: "SharedPrefixCache", blocks: np.ndarray, n: int) -> tuple
     """The first ``n`` own slots held by ``blocks`` (a row's first table entries), every layer:
     keys and values ``[layers, Hkv, n, D]`` (views of one gathered copy each)."""
     device = store.all_ok.device
+    if copy_slots_ok(str(device), store.all_ok.dtype, store.all_ok.shape[-1]):
+        table = to_device(blocks, device)[None]
+        zero, count = torch.zeros(1, dtype=torch.int64, device=device), torch.full((1,), n, device=device)
+        out = []
+        for pool in (store.all_ok, store.all_ov):
+            x = pool.new_empty(pool.shape[0], 1, pool.shape[2], n, pool.shape[4])
+            copy_slots(pool, x, zero, zero, zero, zero, count, n, src_table=table)
+            out.append(x[:, 0])
+        return out[0], out[1]
     j = torch.arange(n, device=device)
     # (to_device: no host sync; session 14 call 4 measured torch.as_tensor(blocks, device=...) here, whose copy from
     # pageable memory waits for all queued device work: one drained queue per finished row, 7,657 tokens/s against

@@ -40,6 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .decode_attention import (MERGED_MIN_PROGRAMS, TARGET_PROGRAMS, merge_ranges, split_attention,
                                split_attention_merged, split_attention_ok, splits_for)
 from .kernel_probe import kernel_agrees
+from .kv_copy import copy_slots, copy_slots_ok
 
 LONG_OWN_KEYS = 512  # own spans longer than this run in key ranges below TARGET_PROGRAMS (attend_own_merged)
 
@@ -280,6 +281,13 @@ class SharedPrefixCache(Cache):
         if len(dst) == 0 or n == 0:
             return
         L = src_cache.length
+        if (store == "own" and src_cache.all_keys.dtype == self.all_ok.dtype
+                and copy_slots_ok(str(start.device), self.all_ok.dtype, self.all_ok.shape[-1])):
+            # (slots [L - start, n) of a row are left as they were, not filled with copies of its last: masked)
+            count, zero = (L - start).clamp(max=n), torch.zeros_like(start)
+            for target, x_all in ((self.all_ok, src_cache.all_keys), (self.all_ov, src_cache.all_values)):
+                copy_slots(x_all, target, src, start, dst, zero, count, n, dst_table=self.table)
+            return
         j = torch.arange(n, device=start.device)
         idx = (j[None, :] + start[:, None]).clamp(max=L - 1)
         if store == "prefix":
