@@ -57,7 +57,6 @@ import argparse
 import asyncio
 import dataclasses
 import gc
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -73,9 +72,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# this checkout's src, unless a treerl is importable already: an A/B runs another commit's src through PYTHONPATH
-# (session 15 found that inserting ours first made sessions 14's serving A/Bs run main twice)
-if importlib.util.find_spec("treerl") is None:
+# this checkout's src, unless PYTHONPATH names a treerl: an A/B runs another commit's src through PYTHONPATH (session 15
+# found that inserting ours first made session 14's serving A/Bs run main twice); an installed treerl (an editable
+# install of another checkout) does not win over this one. The run prints and records the treerl it measured.
+if not any((Path(p) / "treerl").is_dir() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import treerl  # noqa: E402
@@ -501,6 +501,8 @@ SERVED_NEEDS = ("fastapi", "uvicorn", "openai", "prometheus_client")  # the serv
 
 def missing_modules(names) -> list[str]:
     """Those of ``names`` that cannot be imported here."""
+    import importlib.util
+
     return [n for n in names if importlib.util.find_spec(n) is None]
 
 
@@ -518,8 +520,9 @@ def main(argv=None) -> dict:
     model = build_model(args.family, args.shape, dtype=dtype, device=device, seed=args.seed,
                         max_position_embeddings=context)
     vocab = model.get_input_embeddings().num_embeddings
+    print(f"treerl from {SRC}", flush=True)
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-                     "shape": args.shape, "dtype": dtype, "torch": torch.__version__,
+                     "shape": args.shape, "dtype": dtype, "torch": torch.__version__, "treerl": str(SRC),
                      "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         if "served" in modes:

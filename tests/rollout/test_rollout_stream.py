@@ -810,7 +810,7 @@ def test_own_part_merged_in_its_kernel_only_where_rows_fill_the_gpu(monkeypatch)
     # (64 rows over 1,024 own keys, 8 KV heads: 512 programs < TARGET_PROGRAMS and spans past LONG_OWN_KEYS: rows
     # of unequal lengths, served conversations, run in ranges; 128 rows: one range each fills the GPU)
     for rows, keys, kernel in ((64, 512, "merged"), (2, 64, "merged"), (2, 2048, "split"), (8, 256, "split"),
-                               (64, 1024, "split"), (128, 1024, "merged")):
+                               (64, 576, "split"), (64, 1024, "split"), (128, 1024, "merged")):
         cache = SimpleNamespace(layers=[SimpleNamespace(ok=None, ov=None)], table=torch.zeros(rows, 4))
         q = torch.randn(rows, 8, 2, 16)
         o_pre, l_pre = torch.randn(rows // 2, 8, 2, 4, 16), torch.randn(rows // 2, 8, 2, 4)

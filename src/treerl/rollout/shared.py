@@ -210,7 +210,8 @@ class SharedPrefixCache(Cache):
         (:func:`~treerl.rollout.decode_attention.merge_ranges`, :func:`merge_parts`' ~7 kernels).
         So it does over own spans longer than ``LONG_OWN_KEYS`` below ``TARGET_PROGRAMS``: one
         range per row is as slow as the longest row (session 15, H200, 44 served conversations of
-        700-2,600 keys: 104 us a layer merged, 92 us in 2 ranges + ``merge_ranges``)."""
+        700-2,600 keys: 104 us a layer merged, 92 us in 2 ranges + ``merge_ranges``). (Also rows of
+        one length past 512 own keys: a rollout's completions over 512 tokens, not measured.)"""
         s, layer, N = q_own.shape[0], self.layers[layer_idx], own_mask.shape[-1]
         if splits_for(s, q_own.shape[1], N, MERGED_MIN_PROGRAMS if N <= LONG_OWN_KEYS else TARGET_PROGRAMS) > 1:
             o_own, l_own = split_attention(q_own, layer.ok, layer.ov, own_mask, scale, table=self.table[:s])
