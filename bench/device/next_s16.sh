@@ -1,5 +1,5 @@
 #!/bin/bash
-# For the next session's first call (written in session 15, whose device time ran out; ~8 minutes, any H100/H200).
+# For the next session's first call (written in session 15, whose device time ran out; ~9 minutes of its 10, any H100/H200).
 # Before the call, here: rm -rf .v && mkdir -p .v/base && git archive 1afbfb1 src bench | tar -x -C .v/base
 # (the base runs ITS OWN bench: bench_serve.py now leaves an importable treerl on PYTHONPATH first, but 1afbfb1's
 # copy does not) and run with carry [".whl", ".v"].
@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
 PYTHONPATH=/tmp/site python3 -c "import fastapi, uvicorn, openai, prometheus_client" || echo "WHEELS MISSING"
-PYTHONPATH=src:tests timeout -k 5 110 python3 -m pytest -q tests/cuda/test_rollout_cuda.py tests/rollout/test_rollout_paging.py \
+PYTHONPATH=src:tests timeout -k 5 140 python3 -m pytest -q tests/cuda/test_rollout_cuda.py tests/rollout/test_rollout_paging.py \
     -p no:cacheprovider -rfE --tb=short tests/rollout/test_rollout_kv_copy.py -k "merge or kept_buffers or split_kernel or copy" > $OUT/cuda_tests.txt 2>&1
 grep "passed\|failed\|FAILED\|ERROR\|assert" $OUT/cuda_tests.txt | cut -c1-300 | tail -6
 ARGS="--device cuda --shape qwen3-0.6b --dtype bfloat16 --mixed --probe --repeats 1 --turns 6 --min-tokens 16 --max-tokens 512 --prefix-cache-tokens 131072"
