@@ -190,6 +190,7 @@ async def run_agents(args, vocab: int, call, agents: range, probe: bool = False,
     latencies: list[float] = []
     probes: list[float] = []
     probe_starts: list[float] = []  # seconds after the run's start
+    probe_ends: list[float] = []  # time.monotonic() (one clock for every process: combine() drops those after the agents)
     tokens = 0
     done = asyncio.Event()
     t0 = time.perf_counter()
@@ -218,6 +219,7 @@ async def run_agents(args, vocab: int, call, agents: range, probe: bool = False,
             if not finished():  # only probes that ran entirely behind the agents
                 probes.append(time.perf_counter() - t)
                 probe_starts.append(t - t0)
+                probe_ends.append(time.monotonic())
             k += 1
 
     async def agents_then_done() -> None:
@@ -229,6 +231,7 @@ async def run_agents(args, vocab: int, call, agents: range, probe: bool = False,
     start, cpu = time.monotonic(), time.process_time()
     await asyncio.gather(agents_then_done(), *([prober()] if probe else []))
     return {"tokens": tokens, "latencies": latencies, "probe_latencies": probes, "probe_starts": probe_starts,
+            "probe_ends": probe_ends,
             "start": start,
             "end": time.monotonic(), "cpu_s": time.process_time() - cpu}
 
@@ -243,12 +246,16 @@ def combine(parts: list[dict], prober: dict | None = None) -> dict:
     out = {"tokens": tokens, "requests": len(latencies), "wall_s": wall, "tok_s": tokens / wall,
            "latency_p50_s": float(q[0]), "latency_p90_s": float(q[1]), "latency_p99_s": float(q[2]),
            "client_cpu_ms_per_request": 1000 * sum(p["cpu_s"] for p in parts) / len(latencies)}
+    agents_end = max(p["end"] for p in parts)
     parts = parts + ([prober] if prober is not None else [])
-    probes = [x for p in parts for x in p.get("probe_latencies", [])]
+    # only probes that ran entirely behind the agents (a prober of its own hears they finished a little late)
+    behind = [(x, s) for p in parts for x, s, e in zip(p.get("probe_latencies", []), p.get("probe_starts", []),
+                                                       p.get("probe_ends", [])) if e <= agents_end]
+    probes = [x for x, _ in behind]
     if probes:
         pq = np.percentile(probes, [50, 99])
         out |= {"probes": len(probes), "probe_p50_s": float(pq[0]), "probe_p99_s": float(pq[1])}
-        starts = [x for p in parts for x in p.get("probe_starts", [])]
+        starts = [s for _, s in behind]
         out["probe_slowest"] = [dict(start_s=round(s, 4), latency_s=round(x, 4))  # where the tail comes from
                                 for x, s in sorted(zip(probes, starts), reverse=True)[:6]]
     return out
