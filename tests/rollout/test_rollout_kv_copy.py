@@ -73,13 +73,15 @@ def _store(block=16, blocks=16, rows=3, max_blocks=5):
     g = torch.Generator().manual_seed(1)
     table = torch.randperm(blocks, generator=g)[: rows * max_blocks].reshape(rows, max_blocks).to(DEV)
     table[2, 3:] = blocks  # a row with fewer blocks: the rest name the trash block
-    return SharedPrefixCache(2, rows, 1, 8, table, blocks, block, 2, 16, 16, torch.float32, torch.device(DEV),
-                             prompts_in_own_blocks=True)
+    return SharedPrefixCache(2, rows, 1, 64, table, blocks, block, 2, 16, 16, torch.float32, torch.device(DEV),
+                             forks=[(1, 64, 1)])
 
 
-def test_own_load_through_the_kernel_equals_the_indexing_path(monkeypatch):
-    """SharedPrefixCache.load into the own blocks: the kernel path leaves every slot a row holds
-    (up to the prefill's end) equal to the advanced-indexing path's."""
+@pytest.mark.parametrize("where", ["own", "prefix", 0])
+def test_load_through_the_kernel_equals_the_indexing_path(monkeypatch, where):
+    """SharedPrefixCache.load into the own blocks, the prompt store and a fork level: the kernel
+    path leaves every slot an entry holds (up to the prefill's end) equal to the advanced-indexing
+    path's."""
     import treerl.rollout.shared as shared
     from treerl.rollout.kv import SlotCache
 
@@ -93,15 +95,23 @@ def test_own_load_through_the_kernel_equals_the_indexing_path(monkeypatch):
     for ok in (False, True):
         monkeypatch.setattr(shared, "copy_slots_ok", lambda *a, ok=ok: ok)
         store = _store()
-        store.load(src, "own", dst, rows, start, n)
+        store.load(src, where, dst, rows, start, n)
         got.append(store)
     want, new = got
     for i, (d, s0) in enumerate(zip(dst.tolist(), start.tolist())):
         held = min(n, C - s0)  # (past the prefill's end the indexing path writes copies of its last slot: masked)
+        assert held > 0
         for j in range(held):
-            blk = int(want.table[d, j // 16])
-            for a, b in ((want.all_ok, new.all_ok), (want.all_ov, new.all_ov)):
-                assert torch.equal(a[:, blk, :, j % 16], b[:, blk, :, j % 16]), (i, j)
+            if where == "own":
+                blk = int(want.table[d, j // 16])
+                pairs = ((a[:, blk, :, j % 16], b[:, blk, :, j % 16])
+                         for a, b in ((want.all_ok, new.all_ok), (want.all_ov, new.all_ov)))
+            else:
+                stores = ((want.all_pk, new.all_pk), (want.all_pv, new.all_pv)) if where == "prefix" else (
+                    (want.all_fk[0], new.all_fk[0]), (want.all_fv[0], new.all_fv[0]))
+                pairs = ((a[:, d, :, j], b[:, d, :, j]) for a, b in stores)
+            for x, y in pairs:
+                assert torch.equal(x, y), (i, j)
 
 
 def test_kept_context_through_the_kernel_equals_the_indexing_path(monkeypatch):

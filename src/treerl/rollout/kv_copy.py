@@ -1,7 +1,8 @@
 """Runs of K/V slots copied between stores, dense or paged, every layer in one launch (Triton).
 
-An admitted served row's context goes from the prefill's slots into its own blocks, and a
-finished row's context from its own blocks into a prefix-cache entry. Advanced indexing
+A prefill's K/V goes into the running batch's stores (an admitted served row's whole context
+into its own blocks; prompts into the prompt store, fork segments), and a finished row's
+context from its own blocks into a prefix-cache entry. Advanced indexing
 (``pool[:, blk, :, off] = x``) moves those 2-byte elements one at a time through an index
 kernel: session 15's serving profile (H200) spent 0.26 + 0.15 ms a decode step there, ~8%
 of the device time. Here each program copies a tile of ``BLOCK_T`` slots of one row and one

@@ -278,28 +278,31 @@ class SharedPrefixCache(Cache):
         into ``store`` (``"prefix"``, ``"own"`` or a fork level ``k``): entry ``dst[i]``
         (group slot, row or node) gets ``n`` slots of row ``src[i]`` from slot ``start[i]``
         on (clamped at the end: copies of the last slot, to be masked). ``"own"``: into the
-        blocks the table gives the rows (slots past their blocks go to the trash block)."""
+        blocks the table gives the rows (slots past their blocks go to the trash block). Where
+        :func:`~treerl.rollout.kv_copy.copy_slots` runs (CUDA), one launch per keys and values,
+        and a row's slots past the prefill's end are left as they were (masked as well)."""
         if len(dst) == 0 or n == 0:
             return
         L = src_cache.length
-        if (store == "own" and src_cache.all_keys.dtype == self.all_ok.dtype
-                and copy_slots_ok(str(start.device), self.all_ok.dtype, self.all_ok.shape[-1])):
-            # (slots [L - start, n) of a row are left as they were, not filled with copies of its last: masked)
-            count, zero = (L - start).clamp(max=n), torch.zeros_like(start)
-            for target, x_all in ((self.all_ok, src_cache.all_keys), (self.all_ov, src_cache.all_values)):
-                copy_slots(x_all, target, src, start, dst, zero, count, n, dst_table=self.table)
-            return
-        j = torch.arange(n, device=start.device)
-        idx = (j[None, :] + start[:, None]).clamp(max=L - 1)
         if store == "prefix":
             targets = (self.all_pk, self.all_pv)
         elif store == "own":
             targets = (self.all_ok, self.all_ov)
-            blk = self.table[dst][:, j // self.block_size]  # [len(dst), n]
-            off = (j % self.block_size)[None, :].expand_as(blk)
         else:
             targets = (self.all_fk[store], self.all_fv[store])
         sources = (src_cache.all_keys, src_cache.all_values)  # every layer's [layers, B, Hkv, slots, D]
+        if sources[0].dtype == targets[0].dtype and copy_slots_ok(str(start.device), targets[0].dtype,
+                                                                  targets[0].shape[-1]):
+            count, zero = (L - start).clamp(max=n), torch.zeros_like(start)
+            for target, x_all in zip(targets, sources):
+                copy_slots(x_all, target, src, start, dst, zero, count, n,
+                           dst_table=self.table if store == "own" else None)
+            return
+        j = torch.arange(n, device=start.device)
+        idx = (j[None, :] + start[:, None]).clamp(max=L - 1)
+        if store == "own":
+            blk = self.table[dst][:, j // self.block_size]  # [len(dst), n]
+            off = (j % self.block_size)[None, :].expand_as(blk)
         # every layer in one gather and one write (in groups of layers that bound the temporary), indexed
         # [len(dst), n, layers, Hkv, D]: the advanced indices are apart, so their dims lead
         _, _, kv_heads, _, dim = sources[0].shape
