@@ -107,6 +107,22 @@ def test_merge_ranges_compiles_for_hopper(record, dtype, G, M, S1, S2, Dv):
     assert len(_compile(kernel)) == 1
 
 
+@pytest.mark.parametrize("dtype, T, L, Hq, H, D", [(torch.bfloat16, 128, 2048, 16, 8, 128),
+                                                  (torch.bfloat16, 16, 256, 16, 8, 128),
+                                                  (torch.float32, 40, 300, 4, 2, 64)])
+def test_window_attention_compiles_for_hopper(record, dtype, T, L, Hq, H, D):
+    """A prefill window's attention (``window_attention``): the split kernel's causal variant in query blocks,
+    then the merge of its key ranges with no second part (``S2 = 0``)."""
+    from treerl.rollout import window_attention as wa
+
+    split, merge = record(decode_attention, "_split_kernel"), record(decode_attention, "_merge_kernel")
+    q, k, v = torch.randn(2, Hq, T, D, dtype=dtype), torch.randn(2, H, L, D, dtype=dtype), torch.randn(2, H, L, D, dtype=dtype)
+    wa.window_attention(q, k, v, torch.zeros(2, 1, T, L, dtype=dtype), 0.125)  # (outputs unwritten: recorded only)
+    (args, kwargs), = split.calls
+    assert kwargs["CAUSAL"] and kwargs["BLOCK_M"] == min(decode_attention.CAUSAL_QUERY_BLOCK, max(16, Hq // H * T))
+    assert len(_compile(split)) == 1 and len(_compile(merge)) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_split_attention_runs_large_groups_in_slices_that_fit(record, dtype):
     """A group's queries beyond one program's tile (``MAX_QUERIES``: 512 16-bit, 128 float32 queries of 128) run

@@ -53,14 +53,19 @@ BLOCK_N = 64
 # shared memory (sm_90: 227 KB; of 128: float32 256 queries take 263 KB, 16-bit 512 take 197 KB), so
 # larger groups run in slices (tests/rollout/test_triton_compile.py checks the largest tiles' shared memory)
 MAX_QUERIES = {False: 512, True: 128}
+# a causal launch's queries per program (window_attention: a prefill's 16-256 queries per KV head in blocks, each
+# block's programs reading keys up to its last query)
+CAUSAL_QUERY_BLOCK = 64
 
 if triton is not None:
 
     @triton.jit
-    def _tile(q, K, V, Table, b, h, offs_n, valid, bias, m_i, l_i, acc, tile_start,
+    def _tile(q, K, V, Table, b, h, offs_n, valid, bias, m_i, l_i, acc, tile_start, last, hidden,
               skb, skh, skn, svb, svh, svn, stb, N, scale,
-              BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr):
-        """One key tile of :func:`_split_kernel`: the online-softmax update of ``(m_i, l_i, acc)``."""
+              BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr,
+              CAUSAL: tl.constexpr):
+        """One key tile of :func:`_split_kernel`: the online-softmax update of ``(m_i, l_i, acc)``
+        (``CAUSAL``: query ``m`` sees keys up to ``last[m]``; the others score ``hidden``, as masked keys)."""
         offs_d = tl.arange(0, D)
         offs_dv = tl.arange(0, DV)
         if PAGE == 0:  # dense: entry b's keys
@@ -84,6 +89,8 @@ if triton is not None:
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale + bias[None, :]
+        if CAUSAL:  # (the score replaced, not added to: finite, so a query with no key in the tile stays finite)
+            s = tl.where(offs_n[None, :] <= last[:, None], s, hidden)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -101,14 +108,15 @@ if triton is not None:
                       sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, stb,
                       sob, soh, sos, som, slb, slh, sls,
                       s2b, s2h, s2s, s2m, t2b, t2h, t2s, S2, G2,
-                      H, M, N, keys_per_split, scale, HIDDEN,
+                      H, M, N, keys_per_split, scale, HIDDEN, Q0, QW,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                      IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr, MERGE: tl.constexpr):
+                      IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr, MERGE: tl.constexpr,
+                      CAUSAL: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
         h = bh % H
-        offs_m = tl.arange(0, BLOCK_M)
+        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's block of the M queries
         offs_d = tl.arange(0, D)
         offs_dv = tl.arange(0, DV)
         q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
@@ -127,13 +135,16 @@ if triton is not None:
             offs_c = c + tl.arange(0, MASK_CHUNK)
             seen = tl.load(Mask + b * smb + offs_c, mask=offs_c < stop, other=HIDDEN).to(tl.float32) > HIDDEN
             end = tl.maximum(end, tl.max(tl.where(seen, offs_c + 1, 0), 0))
+        last = Q0 + offs_m % QW  # CAUSAL: query m's last visible key (its slot); tiles past the block's last unread
+        if CAUSAL:
+            end = tl.maximum(tl.minimum(end, tl.max(tl.where(offs_m < M, last, 0), 0) + 1), start + 1)
         for i in range(0, tl.cdiv(end - start, BLOCK_N)):
             offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = offs_n < N
             bias = tl.load(Mask + b * smb + offs_n, mask=valid, other=0.0).to(tl.float32)
             m_i, l_i, acc = _tile(q, K, V, Table, b, h, offs_n, valid, bias, m_i, l_i, acc, start + i * BLOCK_N,
-                                  skb, skh, skn, svb, svh, svn, stb, N, scale,
-                                  BLOCK_N, D, DV, IEEE, PAGE)
+                                  last, HIDDEN, skb, skh, skn, svb, svh, svn, stb, N, scale,
+                                  BLOCK_N, D, DV, IEEE, PAGE, CAUSAL)
         has = l_i > 0
         out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -197,13 +208,26 @@ def splits_for(batch: int, heads: int, keys: int, target: int = TARGET_PROGRAMS,
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                     splits: int | None = None, *, table: torch.Tensor | None = None, block_n: int = BLOCK_N,
                     target: int = TARGET_PROGRAMS, num_warps: int | None = None,
-                    num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_stages: int = 2, causal: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring; ``mask`` is ``[B, 1, 1, N]`` or ``[B, N]``; ``table``
     ``[B, max_blocks]`` (integer): ``k/v`` are block pools ``[blocks, H, PAGE, D]`` read
-    through it, ``N`` = the mask's width. The other keyword arguments are kernel settings
-    (``bench/tune_split_attention.py`` measures them)."""
+    through it, ``N`` = the mask's width. ``causal = (Q0, QW)``: query ``m`` also sees no key
+    past ``Q0 + m % QW`` (a prefill window's queries, ``M = G x QW``: see
+    :func:`window_attention`); its queries run in blocks of ``CAUSAL_QUERY_BLOCK``, each
+    block's programs reading keys up to its last query. The other keyword arguments are
+    kernel settings (``bench/tune_split_attention.py`` measures them)."""
     B, H, M, _ = q.shape
     N = k.shape[2] if table is None else mask.shape[-1]
+    if causal is not None:
+        blocks = -(-M // CAUSAL_QUERY_BLOCK)
+        S = splits_for(B * blocks, H, N, target, block_n) if splits is None else splits
+        per = -(-(-(-N // S)) // block_n) * block_n
+        S = max(1, -(-N // per))
+        out = torch.empty(B, H, S, M, v.shape[3], device=q.device, dtype=torch.float32)
+        lse = torch.empty(B, H, S, M, device=q.device, dtype=torch.float32)
+        _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, out,
+                (out.stride(0), out.stride(1), out.stride(2), out.stride(3)), lse, causal=causal)
+        return out, lse
     S = splits_for(B, H, N, target, block_n) if splits is None else splits
     per = -(-(-(-N // S)) // block_n) * block_n  # keys per split, whole blocks
     S = max(1, -(-N // per))
@@ -250,13 +274,14 @@ def merge_ranges(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, 
     _merge_kernel[(B, H * M)](
         o_own, l_own, o_pre, l_pre, out, *o_own.stride()[:4], *l_own.stride()[:3], *o_pre.stride()[:4],
         *l_pre.stride()[:3], out.stride(0), out.stride(2), S1, S2, G, M,
-        DV=DV, BLOCK_S1=triton.next_power_of_2(S1), BLOCK_S2=triton.next_power_of_2(S2), num_warps=1)
+        DV=DV, BLOCK_S1=triton.next_power_of_2(S1), BLOCK_S2=max(1, triton.next_power_of_2(S2)), num_warps=1)
     return out
 
 
 def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, out, out_strides, lse,
-            merge=None) -> None:
-    """One launch of ``_split_kernel`` over ``(B x H, S)`` programs of ``per`` keys each."""
+            merge=None, causal=None) -> None:
+    """One launch of ``_split_kernel`` over ``(B x H, S)`` programs of ``per`` keys each (``causal``:
+    ``(Q0, QW)``, and the queries in blocks of ``CAUSAL_QUERY_BLOCK``: a third grid dimension)."""
     B, H, M, D = q.shape
     DV = v.shape[3]
     mask = mask.reshape(mask.shape[0], mask.shape[-1]) if mask.dim() == 4 else mask
@@ -268,16 +293,19 @@ def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages,
     o2, l2, G2 = merge if merge is not None else (out, out, 1)  # (not read without a merge)
     lse = out if lse is None else lse  # (not written with a merge)
     block_m = max(16, triton.next_power_of_2(M))
-    _split_kernel[(B * H, S)](
+    if causal is not None:
+        block_m = min(block_m, CAUSAL_QUERY_BLOCK)
+    _split_kernel[(B * H, S, -(-M // block_m))](
         q, k, v, mask, out, lse, table, o2, l2,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0), table.stride(0),
         *out_strides, lse.stride(0), lse.stride(1), lse.stride(2) if lse.dim() > 2 else 0,
         *((o2.stride(0), o2.stride(1), o2.stride(2), o2.stride(3), l2.stride(0), l2.stride(1), l2.stride(2),
            o2.shape[2]) if merge is not None else (0,) * 8), G2,
-        H, M, N, per, scale, float(torch.finfo(mask.dtype).min),
+        H, M, N, per, scale, float(torch.finfo(mask.dtype).min), *(causal if causal is not None else (0, 1)),
         BLOCK_M=block_m, BLOCK_N=block_n, D=D, DV=DV, IEEE=q.dtype == torch.float32, PAGE=page,
         MASK_CHUNK=min(1024, max(16, triton.next_power_of_2(per))), MERGE=merge is not None,
+        CAUSAL=causal is not None,
         num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages,
     )
 

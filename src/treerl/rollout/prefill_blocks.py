@@ -10,7 +10,9 @@ not its FLOPs, stalls the decode steps around it. Here each layer runs as
 1. ``pre`` — input norm, the Q/K/V projections as one product (the decode step's fused
    copies, :class:`~treerl.rollout.blocks.FusedProjections`), Q/K norms (Qwen3), RoPE;
 2. the keys/values written into the prefill's :class:`~treerl.rollout.kv.SlotCache` and
-   attention through :func:`~treerl.rollout.kv.rollout_attention` (the engine's mask);
+   attention through :func:`~treerl.rollout.window_attention.window_attention` on a GPU where
+   its kernel agrees with float64 (:func:`window_kernel_ok`), else
+   :func:`~treerl.rollout.kv.rollout_attention` (SDPA under the engine's mask);
 3. the block's rest (:func:`~treerl.rollout.blocks._tail`: output projection, residual,
    norm, MLP, residual);
 
@@ -25,6 +27,7 @@ import torch
 from ..compiled import DECODE_OFF, LazyCompiled
 from .blocks import DecodeBlocks, _tail, qkv_rope
 from .kv import SlotCache, rollout_attention
+from .window_attention import window_attention, window_attention_ok
 
 
 def _prefill_pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -38,6 +41,14 @@ def _prefill_pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor
 _PRE, _TAIL = LazyCompiled(_prefill_pre, "prefill blocks", DECODE_OFF), LazyCompiled(_tail, "prefill blocks", DECODE_OFF)
 
 
+def window_kernel_ok(decode: DecodeBlocks) -> bool:
+    """Whether the model's prefills attend through :func:`window_attention` (CUDA, a kernel that
+    agrees with float64 for its dtype and head sizes: probed once)."""
+    p = next(decode.model.parameters())
+    D = decode.base.layers[0].self_attn.head_dim
+    return p.device.type == "cuda" and window_attention_ok(str(p.device), p.dtype, D, D)
+
+
 class PrefillForward:
     """A prefill forward through the model's own modules and the decode step's fused
     projection copies (``decode``: the engine's :class:`~treerl.rollout.blocks.DecodeBlocks`,
@@ -47,6 +58,7 @@ class PrefillForward:
     def __init__(self, decode: DecodeBlocks, compile: bool):
         self.decode = decode
         self.pre, self.tail = (_PRE, _TAIL) if compile else (_prefill_pre, _tail)
+        self.window = window_kernel_ok(decode)
 
     @staticmethod
     def applies(decode: DecodeBlocks | None) -> bool:
@@ -65,7 +77,10 @@ class PrefillForward:
         for i, layer in enumerate(base.layers):
             q, k, v = self.pre(layer, hidden, cos, sin, f.qkv_w[i], f.qkv_b[i])
             keys, values = cache.update(k, v, i)
-            attn, _ = rollout_attention(layer.self_attn, q, keys, values, mask, layer.self_attn.scaling)
+            if self.window:
+                attn = window_attention(q, keys, values, mask, layer.self_attn.scaling)
+            else:
+                attn, _ = rollout_attention(layer.self_attn, q, keys, values, mask, layer.self_attn.scaling)
             hidden = self.tail(layer, hidden, attn.reshape(B, T, -1), f.gate_up_w[i], f.gate_up_b[i], f.o_w[i],
                                f.down_w[i])
         return self.decode.model.lm_head(base.norm(hidden[:, -1:]))[:, -1]
