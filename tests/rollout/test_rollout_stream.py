@@ -791,8 +791,7 @@ def test_kernel_step_of_a_few_long_conversations_matches_the_torch_step(monkeypa
 def test_own_part_merged_in_its_kernel_only_where_rows_fill_the_gpu(monkeypatch):
     """The kernel step's own part: one key range per row merged in its kernel with the prompt part's ranges while
     rows x KV heads give every SM a program or the keys fit one tile; a few rows over long own keys (served
-    conversations), or up to TARGET_PROGRAMS rows x heads over spans past LONG_OWN_KEYS, run in key ranges instead,
-    merged by merge_ranges (merge_parts in one kernel)."""
+    conversations) run in key ranges instead, merged by merge_ranges (merge_parts in one kernel)."""
     from types import SimpleNamespace
 
     import treerl.rollout.shared as shared
@@ -807,10 +806,10 @@ def test_own_part_merged_in_its_kernel_only_where_rows_fill_the_gpu(monkeypatch)
     monkeypatch.setattr(shared, "split_attention", split)
     monkeypatch.setattr(shared, "split_attention_merged", lambda *a, **k: calls.append("merged") or "merged")
     monkeypatch.setattr(shared, "merge_ranges", shared.merge_parts)  # (the kernel: test_rollout_paging.py)
-    # (64 rows over 1,024 own keys, 8 KV heads: 512 programs < TARGET_PROGRAMS and spans past LONG_OWN_KEYS: rows
-    # of unequal lengths, served conversations, run in ranges; 128 rows: one range each fills the GPU)
+    # (8 KV heads: 16 rows give 128 programs, under MERGED_MIN_PROGRAMS; 17 rows or more fill the GPU in one range
+    # each, over any span: session 16 measured served conversations faster so than in ranges)
     for rows, keys, kernel in ((64, 512, "merged"), (2, 64, "merged"), (2, 2048, "split"), (8, 256, "split"),
-                               (64, 576, "split"), (64, 1024, "split"), (128, 1024, "merged")):
+                               (16, 1024, "split"), (17, 1024, "merged"), (64, 1024, "merged"), (128, 1024, "merged")):
         cache = SimpleNamespace(layers=[SimpleNamespace(ok=None, ov=None)], table=torch.zeros(rows, 4))
         q = torch.randn(rows, 8, 2, 16)
         o_pre, l_pre = torch.randn(rows // 2, 8, 2, 4, 16), torch.randn(rows // 2, 8, 2, 4)

@@ -74,7 +74,7 @@ def test_window_attention_in_bfloat16_on_a_gpu():
     got = window_attention(q, k, v, mask, D ** -0.5).float()
     s = q.float() @ k.float().repeat_interleave(2, 1).transpose(-1, -2) * D ** -0.5 + mask.float()
     ref = (torch.softmax(s, -1) @ v.float().repeat_interleave(2, 1)).transpose(1, 2)
-    for i in range(3):
+    for i in range(2):  # (row 2: a padding row, no real query)
         real = slice(max(0, new[i] - (L - T)), T)
         assert (got[i, real] - ref[i, real]).abs().max() < 2e-2
 

@@ -123,6 +123,38 @@ def test_window_attention_compiles_for_hopper(record, dtype, T, L, Hq, H, D):
     assert len(_compile(split)) == 1 and len(_compile(merge)) == 1
 
 
+def _variants(recorder: _Recorder) -> set:
+    """The compiled variants the recorded launches need: Triton's binder's specialisation of each launch's
+    arguments (divisibility, constants) with its constexprs and options, as the runtime keys its cache."""
+    backend = make_backend(HOPPER)
+    binder = create_function_from_signature(recorder.kernel.signature, recorder.kernel.params, backend)
+    keys = set()
+    for args, kwargs in recorder.calls:
+        _, specialization, options = binder(*args, **dict(kwargs))
+        keys.add((str(specialization), str(options)))
+    recorder.calls.clear()
+    return keys
+
+
+def test_window_attention_buckets_share_their_compiled_kernels(record):
+    """The small prefills' buckets (rows, window and slots powers of two) need one compiled split kernel per
+    query tile (windows of 16: 32 queries a KV head; wider: 64) and one merge for any count of key ranges: a new
+    bucket in a serving run compiles nothing (a compile stalls every row ~1 s: session 16 call 3); the engine's
+    probe compiles both split variants before serving (window_attention_ok)."""
+    from treerl.rollout import window_attention as wa
+
+    split, merge = record(decode_attention, "_split_kernel"), record(decode_attention, "_merge_kernel")
+    by_tile = {}
+    for R, T, C in ((1, 16, 256), (2, 16, 2048), (1, 64, 256), (1, 128, 2048), (2, 128, 2048), (4, 256, 4096),
+                    (8, 64, 1024), (1, 512, 512)):
+        q = torch.randn(R, 16, T, 128, dtype=torch.bfloat16)
+        k, v = torch.randn(R, 8, C, 128, dtype=torch.bfloat16), torch.randn(R, 8, C, 128, dtype=torch.bfloat16)
+        wa.window_attention(q, k, v, torch.zeros(R, 1, T, C, dtype=torch.bfloat16), 0.125)
+        by_tile.setdefault(T == 16, set()).update(_variants(split))
+    assert len(by_tile[True]) == 1 and len(by_tile[False]) == 1, by_tile
+    assert len(_variants(merge)) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_split_attention_runs_large_groups_in_slices_that_fit(record, dtype):
     """A group's queries beyond one program's tile (``MAX_QUERIES``: 512 16-bit, 128 float32 queries of 128) run

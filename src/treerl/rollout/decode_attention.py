@@ -54,8 +54,9 @@ BLOCK_N = 64
 # larger groups run in slices (tests/rollout/test_triton_compile.py checks the largest tiles' shared memory)
 MAX_QUERIES = {False: 512, True: 128}
 # a causal launch's queries per program (window_attention: a prefill's 16-256 queries per KV head in blocks, each
-# block's programs reading keys up to its last query)
-CAUSAL_QUERY_BLOCK = 64
+# block's programs reading keys up to its last query), and its mask reads' chunk: fixed, so that prefills of any
+# bucket share one compiled kernel (a compile inside a serving run stalls every row for ~1 s: session 16 call 3)
+CAUSAL_QUERY_BLOCK, CAUSAL_MASK_CHUNK = 64, 256
 
 if triton is not None:
 
@@ -174,7 +175,7 @@ if triton is not None:
             tl.store(L + b * slb + h * slh + split * sls + offs_m, lse, mask=keep)
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S1", "S2"])  # (one compiled variant for any count of ranges: BLOCK_S1/S2)
     def _merge_kernel(O1, L1, O2, L2, Out, s1b, s1h, s1s, s1m, t1b, t1h, t1s, s2b, s2h, s2s, s2m, t2b, t2h, t2s,
                       sob, som, S1, S2, G, M, DV: tl.constexpr, BLOCK_S1: tl.constexpr, BLOCK_S2: tl.constexpr):
         """One (row, query head) of :func:`merge_ranges`: its own part's ``S1`` key ranges and its
@@ -261,11 +262,13 @@ def split_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 
 
 def merge_ranges(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, l_pre: torch.Tensor, G: int,
-                 dtype: torch.dtype) -> torch.Tensor:
+                 dtype: torch.dtype, block_s1: int = 1) -> torch.Tensor:
     """:func:`~treerl.rollout.shared.merge_parts` in one launch (where the own part runs in
     several key ranges: a few rows over long own keys; ~7 small kernels a layer there):
     ``o_own [B, H, S1, M, Dv]`` / ``l_own [B, H, S1, M]`` (:func:`split_attention`'s), ``o_pre
-    [B/G, H, S2, G x M, Dv]`` / ``l_pre`` -> ``[B, 1, H x M, Dv]`` in ``dtype``."""
+    [B/G, H, S2, G x M, Dv]`` / ``l_pre`` -> ``[B, 1, H x M, Dv]`` in ``dtype``. ``block_s1``: the
+    own ranges' tile at least (a power of two >= ``S1``: one compiled kernel for callers whose
+    count of ranges varies)."""
     B, H, S1, M, DV = o_own.shape
     S2 = o_pre.shape[2]
     assert o_pre.shape[0] * G == B and o_pre.shape[1] == H and o_pre.shape[3] == G * M
@@ -274,7 +277,7 @@ def merge_ranges(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, 
     _merge_kernel[(B, H * M)](
         o_own, l_own, o_pre, l_pre, out, *o_own.stride()[:4], *l_own.stride()[:3], *o_pre.stride()[:4],
         *l_pre.stride()[:3], out.stride(0), out.stride(2), S1, S2, G, M,
-        DV=DV, BLOCK_S1=triton.next_power_of_2(S1), BLOCK_S2=max(1, triton.next_power_of_2(S2)), num_warps=1)
+        DV=DV, BLOCK_S1=max(block_s1, triton.next_power_of_2(S1)), BLOCK_S2=max(1, triton.next_power_of_2(S2)), num_warps=1)
     return out
 
 
@@ -304,7 +307,8 @@ def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages,
            o2.shape[2]) if merge is not None else (0,) * 8), G2,
         H, M, N, per, scale, float(torch.finfo(mask.dtype).min), *(causal if causal is not None else (0, 1)),
         BLOCK_M=block_m, BLOCK_N=block_n, D=D, DV=DV, IEEE=q.dtype == torch.float32, PAGE=page,
-        MASK_CHUNK=min(1024, max(16, triton.next_power_of_2(per))), MERGE=merge is not None,
+        MASK_CHUNK=CAUSAL_MASK_CHUNK if causal is not None else min(1024, max(16, triton.next_power_of_2(per))),
+        MERGE=merge is not None,
         CAUSAL=causal is not None,
         num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages,
     )

@@ -37,13 +37,10 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .decode_attention import (MERGED_MIN_PROGRAMS, TARGET_PROGRAMS, merge_ranges, split_attention,
+from .decode_attention import (MERGED_MIN_PROGRAMS, merge_ranges, split_attention,
                                split_attention_merged, split_attention_ok, splits_for)
 from .kernel_probe import kernel_agrees
 from .kv_copy import copy_slots, copy_slots_ok
-
-LONG_OWN_KEYS = 512  # own spans longer than this run in key ranges below TARGET_PROGRAMS (attend_own_merged)
-
 
 LOAD_TEMP_BYTES = 64 << 20  # a load's gathered keys (or values) of several layers at once: at most this (bytes)
 
@@ -208,12 +205,11 @@ class SharedPrefixCache(Cache):
         conversations, each its whole context in its own blocks), one range per row would leave the
         GPU idle: the own part runs in key ranges, merged with the prompt part's in one kernel
         (:func:`~treerl.rollout.decode_attention.merge_ranges`, :func:`merge_parts`' ~7 kernels).
-        So it does over own spans longer than ``LONG_OWN_KEYS`` below ``TARGET_PROGRAMS``: one
-        range per row is as slow as the longest row (session 15, H200, 44 served conversations of
-        700-2,600 keys: 104 us a layer merged, 92 us in 2 ranges + ``merge_ranges``). (Also rows of
-        one length past 512 own keys: a rollout's completions over 512 tokens, not measured.)"""
+        (Session 15 also ran own spans past 512 keys in ranges up to ``TARGET_PROGRAMS``: faster in
+        the kernel's bench, slower served: session 16 call 3, H200, 64 agents in process, 8,962
+        against 9,593 tokens/s on one machine; reverted.)"""
         s, layer, N = q_own.shape[0], self.layers[layer_idx], own_mask.shape[-1]
-        if splits_for(s, q_own.shape[1], N, MERGED_MIN_PROGRAMS if N <= LONG_OWN_KEYS else TARGET_PROGRAMS) > 1:
+        if splits_for(s, q_own.shape[1], N, MERGED_MIN_PROGRAMS) > 1:
             o_own, l_own = split_attention(q_own, layer.ok, layer.ov, own_mask, scale, table=self.table[:s])
             return merge_ranges(o_own, l_own, o_pre, l_pre, G, dtype)
         return split_attention_merged(q_own, layer.ok, layer.ov, own_mask, scale, o_pre, l_pre, G, dtype,

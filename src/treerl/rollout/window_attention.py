@@ -23,7 +23,10 @@ import functools
 
 import torch
 
-from .decode_attention import TARGET_PROGRAMS, merge_ranges, split_attention, split_attention_ok
+from .decode_attention import CAUSAL_QUERY_BLOCK, TARGET_PROGRAMS, merge_ranges, split_attention, split_attention_ok, \
+    splits_for
+
+MAX_RANGES = 64  # key ranges a window's keys split into at most (the merge's tile: one compiled kernel)
 from .kernel_probe import kernel_agrees
 
 
@@ -35,10 +38,12 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     programs to launch at least (:func:`~treerl.rollout.decode_attention.splits_for`)."""
     B, Hq, T, D = q.shape
     H, L, Dv = k.shape[1], k.shape[2], v.shape[3]
-    queries = q.reshape(B, H, Hq // H * T, D)  # KV head h's queries: its heads h x G + g, query g x T + t
-    o, lse = split_attention(queries, k, v, mask[:, 0, -1], scale, causal=(L - T, T), target=target)
-    none_o = o.new_empty(B, H, 0, o.shape[3], Dv)  # (no second part to merge with)
-    out = merge_ranges(o, lse, none_o, lse.new_empty(B, H, 0, o.shape[3]), 1, q.dtype)  # [B, 1, Hq x T, Dv]
+    M = Hq // H * T
+    queries = q.reshape(B, H, M, D)  # KV head h's queries: its heads h x G + g, query g x T + t
+    splits = min(MAX_RANGES, splits_for(B * -(-M // CAUSAL_QUERY_BLOCK), H, L, target))
+    o, lse = split_attention(queries, k, v, mask[:, 0, -1], scale, splits, causal=(L - T, T))
+    none_o = o.new_empty(B, H, 0, M, Dv)  # (no second part to merge with)
+    out = merge_ranges(o, lse, none_o, lse.new_empty(B, H, 0, M), 1, q.dtype, MAX_RANGES)  # [B, 1, Hq x T, Dv]
     return out.view(B, Hq, T, Dv).transpose(1, 2).contiguous()
 
 
@@ -66,7 +71,13 @@ def window_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_di
         got = window_attention(q, k, v, mask, 0.125).double().transpose(1, 2)
         real = (slot >= new)[:, None, :, 0, None].expand_as(ref)  # real queries only: padding outputs are unused
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        return bool(torch.isfinite(got).all()) and torch.allclose(got[real], ref[real], atol=tol)
+        if not (torch.isfinite(got).all() and torch.allclose(got[real], ref[real], atol=tol)):
+            return False
+        for T in (16, 64):  # the kernels of the small prefills' buckets (powers of two) compiled now, not while serving
+            x = torch.zeros(1, Hq, T, head_dim, device=device, dtype=dtype)
+            window_attention(x, *(torch.zeros(1, H, 256, n, device=device, dtype=dtype) for n in (head_dim, value_dim)),
+                             torch.zeros(1, 1, T, 256, device=device, dtype=dtype), 0.125)
+        return True
 
     return kernel_agrees(check, what="the prefill window's split-key attention", reference="float64 attention",
                          where=f"{device} ({dtype}, head {head_dim}/{value_dim})",
