@@ -115,7 +115,7 @@ def test_window_attention_compiles_for_hopper(record, dtype, T, L, Hq, H, D):
     then the merge of its key ranges with no second part (``S2 = 0``)."""
     from treerl.rollout import window_attention as wa
 
-    split, merge = record(decode_attention, "_split_kernel"), record(decode_attention, "_merge_kernel")
+    split, merge = record(decode_attention, "_split_kernel_any"), record(decode_attention, "_merge_kernel_any")
     q, k, v = torch.randn(2, Hq, T, D, dtype=dtype), torch.randn(2, H, L, D, dtype=dtype), torch.randn(2, H, L, D, dtype=dtype)
     wa.window_attention(q, k, v, torch.zeros(2, 1, T, L, dtype=dtype), 0.125)  # (outputs unwritten: recorded only)
     (args, kwargs), = split.calls
@@ -136,22 +136,25 @@ def _variants(recorder: _Recorder) -> set:
     return keys
 
 
-def test_window_attention_buckets_share_their_compiled_kernels(record):
-    """The small prefills' buckets (rows, window and slots powers of two) need one compiled split kernel per
-    query tile (windows of 16: 32 queries a KV head; wider: 64) and one merge for any count of key ranges: a new
-    bucket in a serving run compiles nothing (a compile stalls every row ~1 s: session 16 call 3); the engine's
-    probe compiles both split variants before serving (window_attention_ok)."""
+def test_window_attention_compiles_one_kernel_per_query_tile(record):
+    """A prefill window's attention needs one compiled split kernel per query tile (16, 32 or 64 queries a KV
+    head) and one merge, whatever its sizes: the small prefills' buckets (powers of two) and chunked prefills of any
+    length alike, so a new shape in a serving run compiles nothing (a compile stalls every row ~1 s: session 16
+    calls 3-4); the engine's probe compiles the three tiles before serving (window_attention_ok)."""
     from treerl.rollout import window_attention as wa
 
-    split, merge = record(decode_attention, "_split_kernel"), record(decode_attention, "_merge_kernel")
+    split, merge = record(decode_attention, "_split_kernel_any"), record(decode_attention, "_merge_kernel_any")
     by_tile = {}
-    for R, T, C in ((1, 16, 256), (2, 16, 2048), (1, 64, 256), (1, 128, 2048), (2, 128, 2048), (4, 256, 4096),
-                    (8, 64, 1024), (1, 512, 512)):
-        q = torch.randn(R, 16, T, 128, dtype=torch.bfloat16)
-        k, v = torch.randn(R, 8, C, 128, dtype=torch.bfloat16), torch.randn(R, 8, C, 128, dtype=torch.bfloat16)
+    for R, T, C, Hq, H in ((1, 16, 256, 16, 8), (2, 16, 2048, 16, 8), (1, 64, 256, 16, 8), (1, 128, 2048, 16, 8),
+                           (2, 128, 2048, 16, 8), (4, 256, 4096, 16, 8), (8, 64, 1024, 16, 8), (1, 512, 512, 16, 8),
+                           (3, 37, 1234, 16, 8), (8, 1024, 1025, 16, 8), (1, 1, 999, 16, 8), (5, 9, 77, 16, 8),
+                           (1, 7, 300, 4, 1), (2, 3, 45, 2, 2), (1, 1, 5, 4, 2)):
+        q = torch.randn(R, Hq, T, 128, dtype=torch.bfloat16)
+        k, v = torch.randn(R, H, C, 128, dtype=torch.bfloat16), torch.randn(R, H, C, 128, dtype=torch.bfloat16)
         wa.window_attention(q, k, v, torch.zeros(R, 1, T, C, dtype=torch.bfloat16), 0.125)
-        by_tile.setdefault(T == 16, set()).update(_variants(split))
-    assert len(by_tile[True]) == 1 and len(by_tile[False]) == 1, by_tile
+        tile = split.calls[-1][1]["BLOCK_M"]
+        by_tile.setdefault(tile, set()).update(_variants(split))
+    assert sorted(by_tile) == [16, 32, 64] and all(len(v) == 1 for v in by_tile.values()), by_tile
     assert len(_variants(merge)) == 1
 
 

@@ -57,6 +57,7 @@ MAX_QUERIES = {False: 512, True: 128}
 # block's programs reading keys up to its last query), and its mask reads' chunk: fixed, so that prefills of any
 # bucket share one compiled kernel (a compile inside a serving run stalls every row for ~1 s: session 16 call 3)
 CAUSAL_QUERY_BLOCK, CAUSAL_MASK_CHUNK = 64, 256
+WINDOW_RANGES = 64  # a prefill window's key ranges at most (the merge's tile: one compiled kernel)
 
 if triton is not None:
 
@@ -199,6 +200,16 @@ if triton is not None:
             acc += tl.exp(tl.load(l2_at + s * t2s) - top).to(acc.dtype) * tl.load(o2_at + s * s2s).to(acc.dtype)
         tl.store(Out + b * sob + hm * som + dv, (acc / total).to(Out.dtype.element_ty))
 
+    # The same two kernels for a prefill window's launches (window_attention), not specialised on its sizes: prefills
+    # come in any length (chunked ones, past the small prefills' buckets), and each new divisibility pattern of the
+    # sizes would compile a variant (~1 s) while every running row waits (session 16 calls 3-4: probes of 0.77-1.16 s).
+    # The head dimension's strides (multiples of 16) stay specialised: the K/V and query loads keep their width (the
+    # mask's rows, read through the last query's, are not aligned to 16 bytes in general).
+    _split_kernel_any = triton.jit(_split_kernel.fn, do_not_specialize=[
+        "Mask", "Table", "M", "N", "H", "keys_per_split", "Q0", "QW", "smb", "stb", "slb", "slh", "sls"])
+    _merge_kernel_any = triton.jit(_merge_kernel.fn, do_not_specialize=[
+        "S1", "S2", "M", "t1b", "t1h", "t1s", "t2b", "t2h", "t2s"])
+
 
 def splits_for(batch: int, heads: int, keys: int, target: int = TARGET_PROGRAMS, block_n: int = BLOCK_N) -> int:
     """Key ranges per (entry, head): enough programs to fill the GPU, >= one block each."""
@@ -262,22 +273,23 @@ def split_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 
 
 def merge_ranges(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, l_pre: torch.Tensor, G: int,
-                 dtype: torch.dtype, block_s1: int = 1) -> torch.Tensor:
+                 dtype: torch.dtype, window: bool = False) -> torch.Tensor:
     """:func:`~treerl.rollout.shared.merge_parts` in one launch (where the own part runs in
     several key ranges: a few rows over long own keys; ~7 small kernels a layer there):
     ``o_own [B, H, S1, M, Dv]`` / ``l_own [B, H, S1, M]`` (:func:`split_attention`'s), ``o_pre
-    [B/G, H, S2, G x M, Dv]`` / ``l_pre`` -> ``[B, 1, H x M, Dv]`` in ``dtype``. ``block_s1``: the
-    own ranges' tile at least (a power of two >= ``S1``: one compiled kernel for callers whose
-    count of ranges varies)."""
+    [B/G, H, S2, G x M, Dv]`` / ``l_pre`` -> ``[B, 1, H x M, Dv]`` in ``dtype``. ``window``: a prefill
+    window's merge (:func:`~treerl.rollout.window_attention.window_attention`, ``S1 <=
+    WINDOW_RANGES``): one compiled kernel for any sizes."""
     B, H, S1, M, DV = o_own.shape
     S2 = o_pre.shape[2]
     assert o_pre.shape[0] * G == B and o_pre.shape[1] == H and o_pre.shape[3] == G * M
     assert o_own.stride(-1) == o_pre.stride(-1) == l_own.stride(-1) == l_pre.stride(-1) == 1
     out = torch.empty(B, 1, H * M, DV, device=o_own.device, dtype=dtype)
-    _merge_kernel[(B, H * M)](
+    assert not window or S1 <= WINDOW_RANGES
+    (_merge_kernel_any if window else _merge_kernel)[(B, H * M)](
         o_own, l_own, o_pre, l_pre, out, *o_own.stride()[:4], *l_own.stride()[:3], *o_pre.stride()[:4],
         *l_pre.stride()[:3], out.stride(0), out.stride(2), S1, S2, G, M,
-        DV=DV, BLOCK_S1=max(block_s1, triton.next_power_of_2(S1)), BLOCK_S2=max(1, triton.next_power_of_2(S2)), num_warps=1)
+        DV=DV, BLOCK_S1=WINDOW_RANGES if window else triton.next_power_of_2(S1), BLOCK_S2=max(1, triton.next_power_of_2(S2)), num_warps=1)
     return out
 
 
@@ -298,7 +310,7 @@ def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages,
     block_m = max(16, triton.next_power_of_2(M))
     if causal is not None:
         block_m = min(block_m, CAUSAL_QUERY_BLOCK)
-    _split_kernel[(B * H, S, -(-M // block_m))](
+    (_split_kernel_any if causal is not None else _split_kernel)[(B * H, S, -(-M // block_m))](
         q, k, v, mask, out, lse, table, o2, l2,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0), table.stride(0),

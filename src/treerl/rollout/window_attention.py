@@ -23,10 +23,8 @@ import functools
 
 import torch
 
-from .decode_attention import CAUSAL_QUERY_BLOCK, TARGET_PROGRAMS, merge_ranges, split_attention, split_attention_ok, \
-    splits_for
-
-MAX_RANGES = 64  # key ranges a window's keys split into at most (the merge's tile: one compiled kernel)
+from .decode_attention import (CAUSAL_QUERY_BLOCK, TARGET_PROGRAMS, WINDOW_RANGES, merge_ranges, split_attention,
+                               split_attention_ok, splits_for)
 from .kernel_probe import kernel_agrees
 
 
@@ -40,10 +38,10 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     H, L, Dv = k.shape[1], k.shape[2], v.shape[3]
     M = Hq // H * T
     queries = q.reshape(B, H, M, D)  # KV head h's queries: its heads h x G + g, query g x T + t
-    splits = min(MAX_RANGES, splits_for(B * -(-M // CAUSAL_QUERY_BLOCK), H, L, target))
+    splits = min(WINDOW_RANGES, splits_for(B * -(-M // CAUSAL_QUERY_BLOCK), H, L, target))
     o, lse = split_attention(queries, k, v, mask[:, 0, -1], scale, splits, causal=(L - T, T))
     none_o = o.new_empty(B, H, 0, M, Dv)  # (no second part to merge with)
-    out = merge_ranges(o, lse, none_o, lse.new_empty(B, H, 0, M), 1, q.dtype, MAX_RANGES)  # [B, 1, Hq x T, Dv]
+    out = merge_ranges(o, lse, none_o, lse.new_empty(B, H, 0, M), 1, q.dtype, window=True)  # [B, 1, Hq x T, Dv]
     return out.view(B, Hq, T, Dv).transpose(1, 2).contiguous()
 
 
@@ -73,7 +71,7 @@ def window_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_di
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         if not (torch.isfinite(got).all() and torch.allclose(got[real], ref[real], atol=tol)):
             return False
-        for T in (16, 64):  # the kernels of the small prefills' buckets (powers of two) compiled now, not while serving
+        for T in (1, 16, 64):  # every variant (query tiles of 16, 32, 64) compiled now, not while rows wait
             x = torch.zeros(1, Hq, T, head_dim, device=device, dtype=dtype)
             window_attention(x, *(torch.zeros(1, H, 256, n, device=device, dtype=dtype) for n in (head_dim, value_dim)),
                              torch.zeros(1, 1, T, 256, device=device, dtype=dtype), 0.125)
