@@ -44,7 +44,7 @@ def test_window_attention_equals_float64_under_the_prefill_mask(T, L, Hq, H, tar
     D = 16
     # rows: the whole window new over a long prefix; a short row with padding queries; a padding row; a row whose
     # window holds only cached tokens (a full hit: every query padding)
-    first, new = [1, L - min(L, T + 7) + 1, L, max(1, L - T - 3)], [L - T, L - 5, L, L]
+    first, new = [1, L - min(L, T + 7) + 1, L, max(1, L - T - 3)], [max(1, L - T), L - 5, L, L]
     B = len(first)
     q = torch.randn(B, Hq, T, D, device=DEV, generator=g)
     k = torch.randn(B, H, L, D, device=DEV, generator=g)

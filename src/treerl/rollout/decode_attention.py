@@ -285,7 +285,7 @@ def merge_ranges(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, 
     assert o_pre.shape[0] * G == B and o_pre.shape[1] == H and o_pre.shape[3] == G * M
     assert o_own.stride(-1) == o_pre.stride(-1) == l_own.stride(-1) == l_pre.stride(-1) == 1
     out = torch.empty(B, 1, H * M, DV, device=o_own.device, dtype=dtype)
-    assert not window or S1 <= WINDOW_RANGES
+    assert (not window or S1 <= WINDOW_RANGES) and H * M < 65536, (S1, H, M)  # (CUDA's grid: y < 65,536)
     (_merge_kernel_any if window else _merge_kernel)[(B, H * M)](
         o_own, l_own, o_pre, l_pre, out, *o_own.stride()[:4], *l_own.stride()[:3], *o_pre.stride()[:4],
         *l_pre.stride()[:3], out.stride(0), out.stride(2), S1, S2, G, M,
@@ -310,6 +310,7 @@ def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages,
     block_m = max(16, triton.next_power_of_2(M))
     if causal is not None:
         block_m = min(block_m, CAUSAL_QUERY_BLOCK)
+    assert S < 65536 and -(-M // block_m) < 65536, (S, M, block_m)  # (CUDA's grid: y, z < 65,536)
     (_split_kernel_any if causal is not None else _split_kernel)[(B * H, S, -(-M // block_m))](
         q, k, v, mask, out, lse, table, o2, l2,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

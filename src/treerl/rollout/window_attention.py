@@ -13,9 +13,11 @@ The prefill's mask says, per row, which slots its last query sees (the row's slo
 first, ``[first, L)``) and that each query ``q`` sees no slot past itself: the kernel takes
 the last query's mask row and a causal bound, which give every real query exactly the keys
 the dense mask gives it. Padding queries (a row's window slots before its new tokens; the
-dense mask lets them see slot 0 only) see their row's slots up to themselves instead: their
-outputs are never used (they write their K/V to slot 0, which no real query sees, and the
-logits are the rows' last queries'), and stay finite."""
+dense mask lets them see slot 0 only) see something else: their row's slots up to
+themselves, or, before the row's first slot or in a chunk with no new token of their row,
+a finite average. Their outputs are never used (they write their K/V to slot 0, which no
+real query sees; the logits are the rows' last queries'; only a row's own slots are copied
+out)."""
 
 from __future__ import annotations
 
@@ -40,8 +42,11 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     queries = q.reshape(B, H, M, D)  # KV head h's queries: its heads h x G + g, query g x T + t
     splits = min(WINDOW_RANGES, splits_for(B * -(-M // CAUSAL_QUERY_BLOCK), H, L, target))
     o, lse = split_attention(queries, k, v, mask[:, 0, -1], scale, splits, causal=(L - T, T))
-    none_o = o.new_empty(B, H, 0, M, Dv)  # (no second part to merge with)
-    out = merge_ranges(o, lse, none_o, lse.new_empty(B, H, 0, M), 1, q.dtype, window=True)  # [B, 1, Hq x T, Dv]
+    if o.shape[2] == 1:  # one key range (long windows: their query blocks alone fill the GPU): no merge
+        out = o[:, :, 0].to(q.dtype)
+    else:  # (B x H x query blocks < TARGET_PROGRAMS here, so Hq x T stays far below the merge grid's 65,535 limit)
+        none_o = o.new_empty(B, H, 0, M, Dv)  # (no second part to merge with)
+        out = merge_ranges(o, lse, none_o, lse.new_empty(B, H, 0, M), 1, q.dtype, window=True)  # [B, 1, Hq x T, Dv]
     return out.view(B, Hq, T, Dv).transpose(1, 2).contiguous()
 
 
