@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton.runtime.errors
 import triton.testing
 
 if not any((Path(p) / "treerl").is_dir() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p):
@@ -76,6 +77,9 @@ def main() -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dt = torch.float32 if args.smoke else torch.bfloat16  # (the interpreter's bf16 dots are not bf16 math)
     variants = [("merged", dict(num_warps=w, num_stages=s)) for w, s in itertools.product((4, 8), (2, 3, 4))]
+    # key tiles of 128 over blocks of 64 slots (two table entries a tile; session 16: the merged kernel at ~73% of
+    # the bandwidth on the served shape, its 64-key tiles' per-tile work a suspect)
+    variants += [("merged", dict(block_n=128, num_warps=w, num_stages=s)) for w, s in ((4, 2), (4, 3), (8, 2))]
     variants += [("split", dict(target=t)) for t in (264, 528, 1056, 2112)]
     variants.append(("merged", dict(num_warps=4, num_stages=2)))  # the default again: the spread of one setting
     cases = [("serve: 44 live of 64 slots, 700-2600 keys", 44, 64, 700, 2600),
@@ -84,7 +88,7 @@ def main() -> None:
              ("grpo: 64 rows of 768 keys", 64, 64, 768, 768),
              ("alone: 1 row, 1100 keys", 1, 1, 1100, 1100)]
     if args.smoke:  # (Triton's interpreter: one of each kind, a small case)
-        variants, cases = [variants[0], variants[7]], [("smoke: 5 live of 8 slots", 5, 8, 700, 2600)]
+        variants, cases = [variants[0], variants[6], variants[10]], [("smoke: 5 live of 8 slots", 5, 8, 700, 2600)]
     rows = []
     for name, live, slots, lo, hi in cases:
         if args.smoke:
@@ -103,7 +107,12 @@ def main() -> None:
                 o, l = split_attention(q, pk, pv, mask, D ** -0.5, table=table, **st)
                 return merge_ranges(o, l, o_pre, l_pre, 1, dt)
 
-            err = (run(layers[0]).float() - ref)[:live].abs().max().item()  # (empty slots: dead rows, any output)
+            try:
+                got = run(layers[0])
+            except triton.runtime.errors.OutOfResources as e:  # (a tile setting past an SM's shared memory)
+                print(f"{name:<44} {kind:6} {str(st):36} out of resources ({e})", flush=True)
+                continue
+            err = (got.float() - ref)[:live].abs().max().item()  # (empty slots: dead rows, any output)
             assert err <= (1e-4 if dt == torch.float32 else 1e-2), (name, kind, st, err)
             turn = itertools.cycle(layers)
             ms = 1.0 if args.smoke else triton.testing.do_bench_cudagraph(lambda: run(next(turn)), rep=50,
