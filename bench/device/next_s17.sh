@@ -6,6 +6,8 @@
 # the timed run). Predicted: no probe past ~0.2 s but the first; in process ~10k tok/s, behind p50 ~71 ms.
 # Served with 8 client processes (session 16 call 4 ran one: 22 ms of client CPU a request, served / in process
 # 0.74-0.78, the served batch 39.7 rows a step against 44.4). Predicted: served >= 0.9 of in process.
+# Also unmeasured: own spans past 1,024 slots in grains that double with the span (scheduler.own_bucket: half as
+# many decode graphs up to 4,096). Predicted: the served timed run builds 0-1 decode steps (session 16: 2-3).
 # Then the steady-state profile of the step after the window prefills (session 16 call 2: decode 4.04 ms, small
 # prefills 0.84 ms a step, of which 2.2 ms an admission in the memory-efficient kernel). Predicted: prefills
 # ~0.35 ms a step, decode ~3.8 ms (one merged range per row again).

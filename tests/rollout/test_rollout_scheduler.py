@@ -57,6 +57,12 @@ def test_buckets():
     assert group_bucket(3, 16, 2) == 4 and group_bucket(1, 16, 2) == 4 and group_bucket(3, 16, 2, exact=True) == 3
     assert group_bucket(9, 10, 1) == 10 and own_bucket(65, 256) == 128 and own_bucket(65, 100) == 100
     assert own_bucket(65, 256, exact=True) == 65
+    # past 16 x 64 slots the grain doubles with the span (fewer decode graphs; at most 12.5% over)
+    assert [own_bucket(n, 1 << 20) for n in (1024, 1025, 1100, 2048, 2049, 4097, 8000)] == [
+        1024, 1152, 1152, 2048, 2304, 4608, 8192]
+    spans = range(1, 4097)
+    assert len({own_bucket(n, 1 << 20) for n in spans}) == 32 and all(
+        n <= own_bucket(n, 1 << 20) <= max(64 * -(-n // 64), n * 1.125) for n in spans)
 
 
 def test_admission_by_free_blocks_and_stops_free_them():
