@@ -24,6 +24,7 @@ if not any((Path(p) / "treerl").is_dir() for p in os.environ.get("PYTHONPATH", "
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from treerl.rollout.kv import rollout_attention  # noqa: E402
+from treerl.rollout.prefill import prefill_mask  # noqa: E402
 from treerl.rollout.window_attention import window_attention  # noqa: E402
 
 HQ, H, D = 16, 8, 128
@@ -41,12 +42,9 @@ def case(rows: int, live: list[tuple[int, int]], window: int, slots: int, dtype=
     v = torch.randn(rows, H, slots, D, device="cuda", dtype=dtype, generator=g)
     first = [slots - n for n, _ in live] + [slots] * (rows - len(live))
     new = [slots - t for _, t in live] + [slots] * (rows - len(live))
-    slot = torch.arange(slots - window, slots, device="cuda")[None, :, None]
-    key = torch.arange(slots, device="cuda")[None, None, :]
-    f, n = torch.tensor(first, device="cuda")[:, None, None], torch.tensor(new, device="cuda")[:, None, None]
-    sees = torch.where(slot < n, key == 0, (key >= f) & (key <= slot))
-    mask = torch.where(sees, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
-    return q, k, v, mask, (slot >= n)[:, :, 0]
+    pad = torch.arange(slots - window, slots, device="cuda")[None, :] < torch.tensor(new, device="cuda")[:, None]
+    mask, _ = prefill_mask(torch.tensor(first, device="cuda")[:, None], pad, slots - window, slots, dtype)
+    return q, k, v, mask, ~pad
 
 
 def main() -> None:

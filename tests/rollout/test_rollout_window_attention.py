@@ -22,11 +22,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _prefill_mask(first: list[int], new: list[int], T: int, L: int, dtype: torch.dtype) -> torch.Tensor:
     """The prefill's additive mask [B, 1, T, L] (Prefiller.mask): query slot q of row i sees
     [first_i, q] when it is one of the row's new tokens (q >= new_i), else slot 0 only."""
-    slot = torch.arange(L - T, L)[None, :, None]
-    key = torch.arange(L)[None, None, :]
-    f, n = torch.tensor(first)[:, None, None], torch.tensor(new)[:, None, None]
-    sees = torch.where(slot < n, key == 0, (key >= f) & (key <= slot))
-    return torch.where(sees, 0.0, torch.finfo(dtype).min).to(dtype)[:, None].to(DEV)
+    from treerl.rollout.prefill import prefill_mask
+
+    pad = torch.arange(L - T, L, device=DEV)[None, :] < torch.tensor(new, device=DEV)[:, None]
+    return prefill_mask(torch.tensor(first, device=DEV)[:, None], pad, L - T, L, dtype)[0]
 
 
 @pytest.mark.parametrize("T, L, Hq, H, target", [

@@ -230,21 +230,18 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     kernel settings (``bench/tune_split_attention.py`` measures them)."""
     B, H, M, _ = q.shape
     N = k.shape[2] if table is None else mask.shape[-1]
-    if causal is not None:
-        blocks = -(-M // CAUSAL_QUERY_BLOCK)
-        S = splits_for(B * blocks, H, N, target, block_n) if splits is None else splits
-        per = -(-(-(-N // S)) // block_n) * block_n
-        S = max(1, -(-N // per))
-        out = torch.empty(B, H, S, M, v.shape[3], device=q.device, dtype=torch.float32)
-        lse = torch.empty(B, H, S, M, device=q.device, dtype=torch.float32)
-        _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, out,
-                (out.stride(0), out.stride(1), out.stride(2), out.stride(3)), lse, causal=causal)
-        return out, lse
-    S = splits_for(B, H, N, target, block_n) if splits is None else splits
-    per = -(-(-(-N // S)) // block_n) * block_n  # keys per split, whole blocks
+    if splits is None:  # (causal: its query blocks are programs too, and at most WINDOW_RANGES ranges: one merge)
+        blocks = 1 if causal is None else -(-M // CAUSAL_QUERY_BLOCK)
+        splits = splits_for(B * blocks, H, N, target, block_n)
+        splits = splits if causal is None else min(WINDOW_RANGES, splits)
+    per = -(-(-(-N // splits)) // block_n) * block_n  # keys per split, whole blocks
     S = max(1, -(-N // per))
     out = torch.empty(B, H, S, M, v.shape[3], device=q.device, dtype=torch.float32)
     lse = torch.empty(B, H, S, M, device=q.device, dtype=torch.float32)
+    if causal is not None:  # one launch: its query blocks are a grid dimension
+        _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, out,
+                (out.stride(0), out.stride(1), out.stride(2), out.stride(3)), lse, causal=causal)
+        return out, lse
     step = MAX_QUERIES[q.dtype == torch.float32]
     for m in range(0, M, step):  # (queries are independent: a group larger than one tile runs in slices)
         o = out[:, :, :, m:m + step]

@@ -21,6 +21,19 @@ from .prefix_cache import PrefixEntry
 from .types import RolloutStats, to_device
 
 
+def prefill_mask(first: torch.Tensor, pad: torch.Tensor, q0: int, q1: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One prefill forward's additive mask ``[B, 1, c, q1]`` (``dtype``) and write slots ``[B, c]``
+    for the ``c`` queries at slots ``[q0, q1)``: query ``q`` of a row sees the row's slots
+    ``[first, q]`` (``first [B, 1]``: the sequence's first slot); a padding query (``pad [B, c]``)
+    sees, and writes to, slot 0 only."""
+    q = torch.arange(q0, q1, device=first.device)[None, :, None]  # [1, c, 1]
+    keys = torch.arange(q1, device=first.device)[None, None, :]  # [1, 1, q1]
+    sees = torch.where(pad[:, :, None], keys == 0, (keys <= q) & (keys >= first[:, :, None]))  # [B, c, q1]
+    mask = torch.where(sees, torch.zeros((), dtype=dtype, device=first.device), torch.finfo(dtype).min)
+    return mask[:, None], torch.where(pad, 0, q[:, :, 0])
+
+
 class Prefiller:
     """Batched prefill of ``model`` (``num_layers`` layers) in forwards of at most
     ``chunk_tokens`` (padded) query tokens; logits in ``logit_dtype``. ``forward``: the
@@ -116,16 +129,8 @@ class Prefiller:
             cache.write_index = None
 
     def mask(self, first: torch.Tensor, pad: torch.Tensor, q0: int, q1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One prefill forward's additive mask ``[B, 1, c, q1]`` and write slots ``[B, c]`` for
-        the ``c`` queries at slots ``[q0, q1)``: query ``q`` of a row sees the row's slots
-        ``[first, q]`` (``first [B, 1]``: the sequence's first slot); a padding query
-        (``pad [B, c]``) sees, and writes to, slot 0 only."""
-        dtype = next(self.model.parameters()).dtype
-        q = torch.arange(q0, q1, device=first.device)[None, :, None]  # [1, c, 1]
-        keys = torch.arange(q1, device=first.device)[None, None, :]  # [1, 1, q1]
-        sees = torch.where(pad[:, :, None], keys == 0, (keys <= q) & (keys >= first[:, :, None]))  # [B, c, q1]
-        mask = torch.where(sees, torch.zeros((), dtype=dtype, device=first.device), torch.finfo(dtype).min)
-        return mask[:, None], torch.where(pad, 0, q[:, :, 0])
+        """:func:`prefill_mask` in the model's dtype."""
+        return prefill_mask(first, pad, q0, q1, next(self.model.parameters()).dtype)
 
     @staticmethod
     def _load_cached(cache: SlotCache, cached: list[PrefixEntry | None], first: np.ndarray) -> None:

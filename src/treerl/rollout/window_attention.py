@@ -25,9 +25,9 @@ import functools
 
 import torch
 
-from .decode_attention import (CAUSAL_QUERY_BLOCK, TARGET_PROGRAMS, WINDOW_RANGES, merge_ranges, split_attention,
-                               split_attention_ok, splits_for)
+from .decode_attention import TARGET_PROGRAMS, merge_ranges, split_attention, split_attention_ok
 from .kernel_probe import kernel_agrees
+from .prefill import prefill_mask
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -40,8 +40,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     H, L, Dv = k.shape[1], k.shape[2], v.shape[3]
     M = Hq // H * T
     queries = q.reshape(B, H, M, D)  # KV head h's queries: its heads h x G + g, query g x T + t
-    splits = min(WINDOW_RANGES, splits_for(B * -(-M // CAUSAL_QUERY_BLOCK), H, L, target))
-    o, lse = split_attention(queries, k, v, mask[:, 0, -1], scale, splits, causal=(L - T, T))
+    o, lse = split_attention(queries, k, v, mask[:, 0, -1], scale, causal=(L - T, T), target=target)
     if o.shape[2] == 1:  # one key range (long windows: their query blocks alone fill the GPU): no merge
         out = o[:, :, 0].to(q.dtype)
     else:  # (B x H x query blocks < TARGET_PROGRAMS here, so Hq x T stays far below the merge grid's 65,535 limit)
@@ -63,16 +62,14 @@ def window_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_di
         q = torch.randn(B, Hq, T, head_dim, device=device, dtype=dtype, generator=g)
         k = torch.randn(B, H, L, head_dim, device=device, dtype=dtype, generator=g)
         v = torch.randn(B, H, L, value_dim, device=device, dtype=dtype, generator=g)
-        first = torch.tensor([1, L - 120, L], device=device)[:, None, None]
-        new = torch.tensor([L - T, L - 25, L], device=device)[:, None, None]  # each row's first new token's slot
-        slot = torch.arange(L - T, L, device=device)[None, :, None]
-        key = torch.arange(L, device=device)[None, None, :]
-        sees = torch.where(slot < new, key == 0, (key >= first) & (key <= slot))
-        mask = torch.where(sees, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+        first = torch.tensor([1, L - 120, L], device=device)[:, None]
+        new = torch.tensor([L - T, L - 25, L], device=device)[:, None]  # each row's first new token's slot
+        slot = torch.arange(L - T, L, device=device)[None, :]
+        mask, _ = prefill_mask(first, slot < new, L - T, L, dtype)
         s = torch.matmul(q.double(), k.double().repeat_interleave(Hq // H, 1).transpose(-1, -2)) * 0.125
         ref = torch.matmul(torch.softmax(s + mask.double(), -1), v.double().repeat_interleave(Hq // H, 1))
         got = window_attention(q, k, v, mask, 0.125).double().transpose(1, 2)
-        real = (slot >= new)[:, None, :, 0, None].expand_as(ref)  # real queries only: padding outputs are unused
+        real = (slot >= new)[:, None, :, None].expand_as(ref)  # real queries only: padding outputs are unused
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         if not (torch.isfinite(got).all() and torch.allclose(got[real], ref[real], atol=tol)):
             return False
