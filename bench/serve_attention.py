@@ -5,7 +5,8 @@ queries per KV head, bf16, the prompt part empty. Times (CUDA graph replays, inp
 4 layers' pools) each way to run it:
 
 - ``merged``: one key range per (row, head), merged in the kernel's epilogue (the default where
-  rows x heads >= ``MERGED_MIN_PROGRAMS``), with its tile settings;
+  rows x heads >= ``MERGED_MIN_PROGRAMS``), with its tile settings (``{}``: the default,
+  ``merged_block_n``);
 - ``split``: ``split_attention`` in key ranges for ``target`` programs, then ``merge_ranges``;
 
 and the bandwidth each reaches on the K/V bytes the rows hold (read once; the alone case's 4
@@ -76,19 +77,21 @@ def main() -> None:
     args = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dt = torch.float32 if args.smoke else torch.bfloat16  # (the interpreter's bf16 dots are not bf16 math)
-    variants = [("merged", dict(num_warps=w, num_stages=s)) for w, s in itertools.product((4, 8), (2, 3, 4))]
-    # key tiles of 128 over blocks of 64 slots (two table entries a tile; session 16: the merged kernel at ~73% of
-    # the bandwidth on the served shape, its 64-key tiles' per-tile work a suspect)
-    variants += [("merged", dict(block_n=128, num_warps=w, num_stages=s)) for w, s in ((4, 2), (4, 3), (8, 2))]
-    variants += [("split", dict(target=t)) for t in (264, 528, 1056, 2112)]
-    variants.append(("merged", dict(num_warps=4, num_stages=2)))  # the default again: the spread of one setting
+    # the default (merged_block_n: 128-key tiles past LONG_KEYS), 64-key tiles (the default before session 17) with
+    # their tile settings (session 17 call 2: 4 warps and 2 stages best), 128-key tiles' settings, and key ranges
+    variants = [("merged", {})]
+    variants += [("merged", dict(block_n=64, num_warps=w, num_stages=s)) for w, s in ((4, 2), (8, 2))]
+    variants += [("merged", dict(block_n=128, num_warps=w, num_stages=s)) for w, s in ((4, 1), (4, 2), (8, 1))]
+    variants += [("split", dict(target=t, block_n=b)) for t in (264, 528) for b in (64, 128)]
+    variants.append(("merged", {}))  # the default again: the spread of one setting
     cases = [("serve: 44 live of 64 slots, 700-2600 keys", 44, 64, 700, 2600),
              ("serve: 44 live of 44 slots, 700-2600 keys", 44, 44, 700, 2600),
              ("serve: 20 live of 32 slots, 1500-3000 keys", 20, 32, 1500, 3000),
              ("grpo: 64 rows of 768 keys", 64, 64, 768, 768),
+             ("long: 64 rows of 2048 keys", 64, 64, 2048, 2048),
              ("alone: 1 row, 1100 keys", 1, 1, 1100, 1100)]
     if args.smoke:  # (Triton's interpreter: one of each kind, a small case)
-        variants, cases = [variants[0], variants[6], variants[10]], [("smoke: 5 live of 8 slots", 5, 8, 700, 2600)]
+        variants, cases = [variants[0], variants[4], variants[7]], [("smoke: 5 live of 8 slots", 5, 8, 700, 2600)]
     rows = []
     for name, live, slots, lo, hi in cases:
         if args.smoke:
