@@ -13,15 +13,15 @@ F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
-PYTHONPATH=src timeout -k 5 100 python3 bench/serve_attention.py --out $OUT/serve_attention.json > $OUT/serve_attention.txt 2>&1
+PYTHONPATH=src timeout -k 5 80 python3 bench/serve_attention.py --out $OUT/serve_attention.json > $OUT/serve_attention.txt 2>&1
 grep -v "$F" $OUT/serve_attention.txt | grep " us \|resources\|Error" | grep -v "alone\|44 live of 44" | cut -c1-125
-PYTHONPATH=src timeout -k 5 60 python3 bench/prefill_attention.py --out $OUT/prefill_attention.json > $OUT/prefill_attention.txt 2>&1
+PYTHONPATH=src timeout -k 5 50 python3 bench/prefill_attention.py --out $OUT/prefill_attention.json > $OUT/prefill_attention.txt 2>&1
 grep -v "$F" $OUT/prefill_attention.txt | grep " us \|Error" | cut -c1-110
 ARGS="--device cuda --shape qwen3-0.6b --dtype bfloat16 --mixed --probe --repeats 1 --turns 6 --min-tokens 16 --max-tokens 512 --prefix-cache-tokens 131072"
 show() { grep -v "$F" $1 | grep "in-process\|served\|ratio\|Error\|error\|treerl from" | cut -c1-250; }
 for v in new base; do
   s=src; b=bench; [ $v = base ] && s=.v/base/src && b=.v/base/bench
-  PYTHONPATH=/tmp/site:$s timeout -k 5 200 python3 $b/bench_serve.py $ARGS --modes in-process,served \
+  PYTHONPATH=/tmp/site:$s timeout -k 5 215 python3 $b/bench_serve.py $ARGS --modes in-process,served \
       --client-procs 8 --json $OUT/serve_$v.json > $OUT/serve_$v.txt 2>&1
   echo "== $v"; show $OUT/serve_$v.txt
 done
