@@ -5,8 +5,7 @@ queries per KV head, bf16, the prompt part empty. Times (CUDA graph replays, inp
 4 layers' pools) each way to run it:
 
 - ``merged``: one key range per (row, head), merged in the kernel's epilogue (the default where
-  rows x heads >= ``MERGED_MIN_PROGRAMS``), with its tile settings (``{}``: the default,
-  ``merged_block_n``);
+  rows x heads >= ``MERGED_MIN_PROGRAMS``), with its tile settings (``{}``: the default);
 - ``split``: ``split_attention`` in key ranges for ``target`` programs, then ``merge_ranges``;
 
 and the bandwidth each reaches on the K/V bytes the rows hold (read once; the alone case's 4
@@ -77,8 +76,8 @@ def main() -> None:
     args = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dt = torch.float32 if args.smoke else torch.bfloat16  # (the interpreter's bf16 dots are not bf16 math)
-    # the default (merged_block_n: 128-key tiles past LONG_KEYS), 64-key tiles (the default before session 17) with
-    # their tile settings (session 17 call 2: 4 warps and 2 stages best), 128-key tiles' settings, and key ranges
+    # the default (64-key tiles, 4 warps, 2 stages), 64-key tiles' other warps, 128-key tiles' settings (faster here
+    # on rows of unequal length, slower on equal ones, no change end to end: session 17 call 3), and key ranges
     variants = [("merged", {})]
     variants += [("merged", dict(block_n=64, num_warps=w, num_stages=s)) for w, s in ((4, 2), (8, 2))]
     variants += [("merged", dict(block_n=128, num_warps=w, num_stages=s)) for w, s in ((4, 1), (4, 2), (8, 1))]

@@ -284,34 +284,21 @@ def test_split_kernel_reads_own_keys_through_the_block_table(page, dtype):
         assert (out.double() - ref).abs().max() <= tol, backend
 
 
-def test_merged_key_tile_widens_past_long_spans():
-    """The merged own part's key tile: 128 keys past ``LONG_KEYS`` for 16-bit heads up to 128 wide (served
-    conversations of thousands of tokens), 64 otherwise (float32's wide tiles would not fit shared memory)."""
-    from treerl.rollout.decode_attention import BLOCK_N, LONG_BLOCK_N, LONG_KEYS, merged_block_n
-
-    assert (BLOCK_N, LONG_BLOCK_N) == (64, 128)
-    assert merged_block_n(LONG_KEYS + 1, torch.bfloat16, 128) == merged_block_n(4096, torch.float16, 64) == 128
-    assert merged_block_n(LONG_KEYS, torch.bfloat16, 128) == merged_block_n(768, torch.bfloat16, 128) == 64
-    assert merged_block_n(4096, torch.float32, 128) == merged_block_n(4096, torch.bfloat16, 256) == 64
-
-
 @pytest.mark.skipif(not _triton_runs(), reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("dtype", [d for d in _kernel_dtypes() if d != torch.float32], ids=str)
 @pytest.mark.parametrize("page", [64, 128, 48])
-def test_merged_kernel_over_long_spans_in_wide_key_tiles(dtype, page):
-    """Own spans past ``LONG_KEYS`` run the merged kernel in 128-key tiles by default: over blocks of 64
-    slots (two table entries a tile), of 128 (one) and of 48 (a lookup per key), rows of unequal length
-    (one shorter than a tile, one a key past a tile, a dead slot), merged with a prompt part in 2 ranges
-    (one empty): equal to float64 attention over each row's dense keys merged by ``merge_parts``."""
-    from treerl.rollout import decode_attention
+def test_merged_kernel_in_wide_key_tiles(dtype, page):
+    """The merged kernel in 128-key tiles (``bench/serve_attention.py``'s variant) over a long span: over
+    blocks of 64 slots (two table entries a tile), of 128 (one) and of 48 (a lookup per key), rows of
+    unequal length (one shorter than a tile, one a key past a tile, a dead slot), merged with a prompt part
+    in 2 ranges (one empty): equal to float64 attention over each row's dense keys merged by ``merge_parts``."""
     from treerl.rollout.decode_attention import split_attention_merged, to_pages
     from treerl.rollout.shared import _attend_math, merge_parts
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(page)
     B, G, H, M, D = 6, 2, 2, 2, 32
-    N = -(-(decode_attention.LONG_KEYS + 100) // page) * page
-    assert decode_attention.merged_block_n(N, dtype, D) == 128
+    N = -(-1124 // page) * page
     q = torch.randn(B, H, M, D, generator=g, device=dev).to(dtype)
     k = torch.randn(B, H, N, D, generator=g, device=dev).to(dtype)
     v = torch.randn(B, H, N, D, generator=g, device=dev).to(dtype)
@@ -323,7 +310,7 @@ def test_merged_kernel_over_long_spans_in_wide_key_tiles(dtype, page):
     o1, l1 = _attend_math(q.double(), k.double(), v.double(), mask.double()[:, None, None], D ** -0.5)
     want = merge_parts(o1.unsqueeze(2), l1.unsqueeze(2), o2.double(), l2.double(), G, torch.float64)
     pk, pv, table = to_pages(k, v, page, g)
-    got = split_attention_merged(q, pk, pv, mask, D ** -0.5, o2, l2, G, dtype, table=table)
+    got = split_attention_merged(q, pk, pv, mask, D ** -0.5, o2, l2, G, dtype, table=table, block_n=128)
     tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
     assert (got.double() - want)[:-1].abs().max() <= tol
 

@@ -98,18 +98,18 @@ def test_split_attention_compiles_for_hopper(record, dtype, page, G, gq, D):
 
 @pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 128), (torch.float16, 64)])
 def test_merged_wide_key_tiles_compile_for_hopper(record, dtype, D):
-    """The merged own part over spans past ``LONG_KEYS`` (128-key tiles over blocks of 64 slots: a table entry
-    per key) compiles for sm_90 within an SM's shared memory."""
+    """The merged own part in 128-key tiles (``bench/serve_attention.py``'s variant, over blocks of 64 slots: a
+    table entry per key) compiles for sm_90 within an SM's shared memory (bf16 heads of 128: 72 KB)."""
     kernel = record(decode_attention, "_split_kernel")
     B, H, gq, page = 4, 8, 2, 64
-    own = -(-(decode_attention.LONG_KEYS + 1) // page) * page
+    own = 1088
     q = torch.randn(B, H, gq, D, dtype=dtype)
     pk, pv, table = decode_attention.to_pages(torch.randn(B, H, own, D, dtype=dtype),
                                               torch.randn(B, H, own, D, dtype=dtype), page)
     o_pre, l_pre = torch.zeros(B, H, 1, gq, D), torch.zeros(B, H, 1, gq)
     decode_attention.split_attention_merged(q, pk, pv, torch.zeros(B, own, dtype=dtype), 0.125, o_pre, l_pre, 1,
-                                            dtype, table=table.to(torch.int32))
-    assert kernel.calls[0][1]["BLOCK_N"] == decode_attention.LONG_BLOCK_N and len(_compile(kernel)) == 1
+                                            dtype, table=table.to(torch.int32), block_n=128)
+    assert kernel.calls[0][1]["BLOCK_N"] == 128 and len(_compile(kernel)) == 1
 
 
 @pytest.mark.parametrize("dtype, G, M, S1, S2, Dv", [(torch.bfloat16, 1, 2, 66, 1, 128), (torch.float32, 8, 2, 3, 4, 64),

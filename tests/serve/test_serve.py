@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -414,6 +415,9 @@ def test_treerl_serve_command_serves_a_checkpoint_until_sigterm(tmp_path):
 
         r = asyncio.run(main())
         assert r.model_extra["weight_version"] == 7 and r.choices[0].model_extra["token_ids"]
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=60) as health:
+            frozen = json.loads(health.read())["host"]["gc"]["frozen"]
+        assert frozen > 1000  # the model, tokenizer and engine out of the collector's full passes
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:

@@ -49,12 +49,6 @@ TARGET_PROGRAMS = 528
 # the merged own part's programs at least (one per SM): fewer rows x heads over longer keys run in key ranges
 MERGED_MIN_PROGRAMS = TARGET_PROGRAMS // 4
 BLOCK_N = 64
-# the merged own part's key tile past LONG_KEYS keys (16-bit, heads <= 128; measured in bench/serve_attention.py,
-# session 17 call 2, H200: 44 served rows of 700-2,600 keys 103.4 -> 96.1 us a layer, 20 rows of 1,500-3,000 keys
-# 94.5 -> 73.7 us; 64 rows of 768 keys slower with it, 51.9 -> 60.9 us, so shorter spans keep 64). A program reads
-# twice the bytes an iteration, in 72 KB of shared memory (sm_90 bf16 heads of 128: 3 programs an SM, against 5 of
-# 38 KB with 64-key tiles)
-LONG_BLOCK_N, LONG_KEYS = 128, 1024
 # queries of one program at most (16-bit, float32): a program's query tile, accumulator and K/V stages live in its
 # shared memory (sm_90: 227 KB; of 128: float32 256 queries take 263 KB, 16-bit 512 take 197 KB), so
 # larger groups run in slices (tests/rollout/test_triton_compile.py checks the largest tiles' shared memory)
@@ -256,26 +250,19 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return out, lse
 
 
-def merged_block_n(keys: int, dtype: torch.dtype, head_dim: int) -> int:
-    """The merged own part's key tile: ``LONG_BLOCK_N`` over more than ``LONG_KEYS`` keys of a
-    16-bit dtype with heads up to 128 wide, else ``BLOCK_N``."""
-    wide = keys > LONG_KEYS and dtype.itemsize == 2 and head_dim <= 128
-    return LONG_BLOCK_N if wide else BLOCK_N
-
-
 def split_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                            o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, dtype: torch.dtype, *,
-                           table: torch.Tensor | None = None, block_n: int | None = None,
-                           num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+                           table: torch.Tensor | None = None, block_n: int = BLOCK_N, num_warps: int | None = None,
+                           num_stages: int = 2) -> torch.Tensor:
     """:func:`split_attention` over one key range per (entry, head) with
     :func:`~treerl.rollout.shared.merge_parts` in its epilogue: ``q/k/v/mask/table`` as there (the rows' own part, ``M = gq`` queries), ``o_pre
     [B/G, H, S2, G x gq, Dv]`` / ``l_pre`` the other part's key ranges (:func:`split_attention`'s
     outputs for the groups' queries) -> ``[B, 1, H x gq, Dv]`` in ``dtype``. No partials of the own
-    part are written and no merge kernel runs (one launch a layer fewer). ``block_n``: the key tile
-    (default :func:`merged_block_n`)."""
+    part are written and no merge kernel runs (one launch a layer fewer). (128-key tiles: faster in
+    ``bench/serve_attention.py`` on served rows of unequal length, slower on equal ones, and no
+    change end to end: session 17 call 3.)"""
     B, H, M, _ = q.shape
     N = k.shape[2] if table is None else mask.shape[-1]
-    block_n = block_n or merged_block_n(N, q.dtype, max(q.shape[3], v.shape[3]))
     assert o_pre.shape[0] * G == B and o_pre.shape[1] == H and o_pre.shape[3] == G * M and o_pre.stride(-1) == 1
     out = torch.empty(B, 1, H * M, v.shape[3], device=q.device, dtype=dtype)
     per = -(-N // block_n) * block_n

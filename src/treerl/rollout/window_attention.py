@@ -30,8 +30,14 @@ from .kernel_probe import kernel_agrees
 from .prefill import prefill_mask
 
 
+# a window's programs to launch at least: half the decode step's (bench/prefill_attention.py, session 17 call 3, H200:
+# faster or equal on all six shapes, e.g. the served run's commonest bucket 1 x 64 x 4,096 38.2 -> 29.3 us a layer,
+# fewer float32 partials to write and merge; a quarter was faster on single rows, much slower on 4 x 256 x 4,096)
+WINDOW_TARGET = TARGET_PROGRAMS // 2
+
+
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                     target: int = TARGET_PROGRAMS) -> torch.Tensor:
+                     target: int = WINDOW_TARGET) -> torch.Tensor:
     """``q [B, Hq, T, D]`` (the last ``T`` of ``L`` slots), ``k/v [B, Hkv, L, D]``, the additive
     prefill mask ``[B, 1, T, L]`` (query ``t`` at slot ``L - T + t``; each real query sees its
     row's slots ``[first, itself]``) -> ``[B, T, Hq, Dv]`` in ``q``'s dtype. ``target``: the

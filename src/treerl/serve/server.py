@@ -19,6 +19,7 @@ from ..rollout import RolloutEngine, build_rollout_engine
 from .app import create_app
 from .state import ServeState
 from .chat import ChatRenderer
+from .hoststats import freeze_startup_objects
 from .limits import ServeLimits
 from .tools import get_tool_format
 from .loop import EngineLoop
@@ -196,6 +197,7 @@ def serve(args) -> int:
                            tool_call_parser=args.tool_call_parser, history_tokens=args.history_tokens,
                            limits=limits, weights_root=None if root is None else str(root))
     server = ServerThread(make_state(engine, tokenizer, options), host=args.host, port=args.port, api_key=api_key)
+    freeze_startup_objects()
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     server.start()
