@@ -351,9 +351,10 @@ def test_merge_ranges_equals_merge_parts(dtype, B, G, H, M, S1, S2, Dv):
 def test_split_kernel_reads_no_key_past_a_rows_last_visible_key(page):
     """The split kernel stops at each split's last visible key (rows shorter than the step's
     span): NaN K/V in every tile past it leaves the output equal to float64 math on the
-    visible keys, dense and through a block table (a split whose first tile, which always
-    runs, is all NaN has no finite score and drops out of the merge); a hidden run inside a
-    row and partial tiles stay exact; one split per row gives the row's log-sum-exp."""
+    visible keys, dense and through a block table; a range past a row's last visible key reads
+    nothing and has LSE -inf (the first range always reads its first tile: finite); a hidden
+    run inside a row and partial tiles stay exact; one split per row gives the row's
+    log-sum-exp."""
     from treerl.rollout.decode_attention import split_attention, to_pages
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -377,3 +378,7 @@ def test_split_kernel_reads_no_key_past_a_rows_last_visible_key(page):
         assert (o - ref).abs().max() <= 1e-5, splits
         if splits == 1:
             assert (lse[:, :, 0].double() - torch.logsumexp(s, -1)).abs().max() <= 1e-5
+        if splits == 3:  # ranges of 192 keys: [0, 192), [192, 384), [384, 512)
+            empty = torch.tensor([[r > 0 and 192 * r >= n for r in range(3)] for n in lens.tolist()], device=dev)
+            assert empty.sum() == 7 and (lse.isneginf().all(3).all(1) == empty).all()
+            assert torch.isfinite(lse[~empty[:, None, :].expand(-1, H, -1)]).all()

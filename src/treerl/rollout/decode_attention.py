@@ -20,8 +20,9 @@ every softmax sum. Each split first reads its mask for its last visible key and 
 tiles only up to it: slots past a row's length (the step attends to the longest row's span)
 and a prompt shorter than the prefix store are not read, so a step's attention reads what its
 rows hold, not ``rows x span``. The loop has no branch per tile, so its loads pipeline; a
-hidden run inside a row is read and masked (pools hold finite values). A split's first tile
-always runs (its LSE stays finite).
+hidden run inside a row is read and masked (pools hold finite values). A range with no visible
+key reads no K/V and writes ``lse = -inf`` (weight 0 in every merge); the first range's first
+tile always runs, so every row and query keeps a finite LSE (a dead row's: over hidden keys).
 
 Paged keys (the rows' own store, :mod:`~treerl.rollout.paging`): ``k/v`` are block pools
 ``[num_blocks, H, PAGE, D]`` and ``table [B, max_blocks]`` names the block of each entry's
@@ -130,16 +131,19 @@ if triton is not None:
         # the split's visible keys end before `end` (the mask, read alone first: ~1/128 of the K/V bytes); the K/V
         # loop runs to that bound without a branch per tile, so the compiler pipelines its loads. Tiles past the
         # row's last visible key (rows shorter than the step's span, prompts shorter than the prefix store) are not
-        # read; the split's first tile always runs, so every split keeps a finite LSE as before
+        # read, nor are ranges with no visible key (their LSE -inf: the merges weigh them 0); the first range's first
+        # tile always runs, so every row keeps a finite LSE (session 17: empty ranges read a tile each before, ~40%
+        # of a 4,096-slot prefill window's K/V reads over a 2,400-token context)
         stop = tl.minimum(start + keys_per_split, N)
-        end = start + 1
+        first = (split == 0).to(tl.int32)  # 1: the range that always reads its first tile
+        end = start + first
         for c in range(start, stop, MASK_CHUNK):
             offs_c = c + tl.arange(0, MASK_CHUNK)
             seen = tl.load(Mask + b * smb + offs_c, mask=offs_c < stop, other=HIDDEN).to(tl.float32) > HIDDEN
             end = tl.maximum(end, tl.max(tl.where(seen, offs_c + 1, 0), 0))
         last = Q0 + offs_m % QW  # CAUSAL: query m's last visible key (its slot); tiles past the block's last unread
         if CAUSAL:
-            end = tl.maximum(tl.minimum(end, tl.max(tl.where(offs_m < M, last, 0), 0) + 1), start + 1)
+            end = tl.maximum(tl.minimum(end, tl.max(tl.where(offs_m < M, last, 0), 0) + 1), start + first)
         for i in range(0, tl.cdiv(end - start, BLOCK_N)):
             offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = offs_n < N
