@@ -23,7 +23,7 @@ PYTHONPATH=src:tests timeout -k 5 110 python3 -m pytest -q -p no:cacheprovider -
     tests/rollout/test_rollout_paging.py tests/rollout/test_rollout_window_attention.py tests/cuda/test_rollout_cuda.py \
     -k "split or window or prefill_graphs or block_table or merge" > $OUT/cuda_tests.txt 2>&1
 grep "passed\|failed\|FAILED\|ERROR\|assert" $OUT/cuda_tests.txt | cut -c1-300 | tail -6
-PYTHONPATH=src timeout -k 5 40 python3 bench/prefill_attention.py --out $OUT/prefill_attention.json > $OUT/prefill_attention.txt 2>&1
+PYTHONPATH=src timeout -k 5 40 python3 bench/prefill_attention.py > $OUT/prefill_attention.txt 2>&1
 grep -v "$F" $OUT/prefill_attention.txt | grep " us \|Error" | grep "window\|w528\|sdpa" | cut -c1-110
 PYTHONPATH=src timeout -k 5 80 python3 bench/serve_attention.py --out $OUT/serve_attention.json > $OUT/serve_attention.txt 2>&1
 grep -v "$F" $OUT/serve_attention.txt | grep " us \|resources\|Error" | grep "44 live of 64\|20 live\|64 rows" | cut -c1-125
