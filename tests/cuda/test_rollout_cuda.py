@@ -135,7 +135,7 @@ def test_cuda_two_level_attention_kernel(dtype, D):
 @pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float32, 16)])
 def test_cuda_split_kernel_skips_hidden_tiles(dtype, D):
     """The split kernel does not read a key tile whose keys the mask hides (rows shorter than
-    the step's span): NaN K/V in such tiles (not a split's first) leaves the output equal to
+    the step's span): NaN K/V in such tiles (not the first range's first tile) leaves the output equal to
     float64 math on the visible keys; a hole inside a row and partial tiles stay exact."""
     from treerl.rollout.decode_attention import split_attention, split_attention_ok
 

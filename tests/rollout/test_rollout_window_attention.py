@@ -33,6 +33,8 @@ def _prefill_mask(first: list[int], new: list[int], T: int, L: int, dtype: torch
     (40, 230, 4, 2, 528),  # several query blocks (80 queries a KV head), several key ranges
     (64, 300, 2, 1, 8),  # few programs: one key range a block
     (24, 24, 2, 2, 528),  # no cached prefix: the window is the whole cache
+    (16, 700, 4, 2, None),  # the default target: ranges past rows' first slots' reach empty (LSE -inf, none read)
+    (128, 600, 2, 2, None),  # query blocks of 64 of one head's 128: the first's causal bound leaves the last range empty
 ])
 def test_window_attention_equals_float64_under_the_prefill_mask(T, L, Hq, H, target):
     """Every real query's output equals float64 attention under the dense mask; padding
@@ -49,7 +51,7 @@ def test_window_attention_equals_float64_under_the_prefill_mask(T, L, Hq, H, tar
     k = torch.randn(B, H, L, D, device=DEV, generator=g)
     v = torch.randn(B, H, L, D, device=DEV, generator=g)
     mask = _prefill_mask(first, new, T, L, torch.float32)
-    got = window_attention(q, k, v, mask, D ** -0.5, target=target)
+    got = window_attention(q, k, v, mask, D ** -0.5, **({} if target is None else {"target": target}))
     assert got.shape == (B, T, Hq, D) and torch.isfinite(got).all()
     s = q.double() @ k.double().repeat_interleave(Hq // H, 1).transpose(-1, -2) * D ** -0.5 + mask.double()
     ref = (torch.softmax(s, -1) @ v.double().repeat_interleave(Hq // H, 1)).transpose(1, 2)  # [B, T, Hq, D]

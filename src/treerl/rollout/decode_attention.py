@@ -13,7 +13,8 @@ head) and merges it with the prompt part's ranges in its epilogue (what
 
 ``q [B, H, M, D]``, ``k/v [B, H, N, D]`` (any strides, last dim contiguous), additive
 ``mask`` rows ``[B, N]`` (broadcast over heads and queries) -> ``out [B, H, S, M, Dv]``
-(float32) and ``lse [B, H, S, M]`` (float32; ``-inf`` for a split with no keys).
+(float32) and ``lse [B, H, S, M]`` (float32; ``-inf`` for a range that reads no key: none visible
+in it, or, causal, none up to its query block's last query).
 
 Keys the mask hides (mask value ``finfo(mask.dtype).min``) add ``exp(hidden - max) = 0`` to
 every softmax sum. Each split first reads its mask for its last visible key and reads K/V

@@ -49,7 +49,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     o, lse = split_attention(queries, k, v, mask[:, 0, -1], scale, causal=(L - T, T), target=target)
     if o.shape[2] == 1:  # one key range (long windows: their query blocks alone fill the GPU): no merge
         out = o[:, :, 0].to(q.dtype)
-    else:  # (B x H x query blocks < TARGET_PROGRAMS here, so Hq x T stays far below the merge grid's 65,535 limit)
+    else:  # (B x H x query blocks < target here, so Hq x T stays far below the merge grid's 65,535 limit)
         none_o = o.new_empty(B, H, 0, M, Dv)  # (no second part to merge with)
         out = merge_ranges(o, lse, none_o, lse.new_empty(B, H, 0, M), 1, q.dtype, window=True)  # [B, 1, Hq x T, Dv]
     return out.view(B, Hq, T, Dv).transpose(1, 2).contiguous()
