@@ -15,10 +15,7 @@
 #     in the real run, not tokens/s (+-5% between runs of the same code, sessions 16-17). Call 1 of session 17:
 #     decode 3.823 ms/step, split kernel 1,685 ms / 600 steps. Predicted: ranges 2.81 -> ~2.45 ms a step of split
 #     kernel + ~0.1 ms of merges, if (3) holds.
-F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$\|pow_by_natural\|split the reduction\|^softmax"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
+source bench/device/lib.sh
 PYTHONPATH=src:tests timeout -k 5 110 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short \
     tests/rollout/test_rollout_paging.py tests/rollout/test_rollout_window_attention.py tests/cuda/test_rollout_cuda.py \
     -k "split or window or prefill_graphs or block_table or merge" > $OUT/cuda_tests.txt 2>&1
