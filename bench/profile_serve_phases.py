@@ -72,7 +72,8 @@ for n in ("record", "check_stops"):  # module functions LogReader calls by their
     setattr(log_reads, n, labelled(n, getattr(log_reads, n)))
 stream.chunk_admission = labelled("chunk_admission", stream.chunk_admission)
 
-STATE = {"runs": 0, "armed": False, "prof": None, "steps": 0, "skip": 0, "skipped": 0, "t0": 0.0, "window": 1000, "out": None, "events": []}
+STATE = {"runs": 0, "armed": False, "prof": None, "steps": 0, "skip": 0, "skipped": 0, "t0": 0.0, "window": 1000, "out": None, "events": [],
+         "live_rows": 0, "live_keys": 0, "bytes_per_key": 0}
 _decode, _run_agents = RunningBatch._decode, bs.run_agents
 
 
@@ -168,6 +169,13 @@ def decode(self):  # the engine thread: the profiler starts and stops here
         STATE["prof"] = torch.profiler.profile(activities=acts)
         STATE["prof"].__enter__()
         STATE["t0"] = time.perf_counter()
+    if STATE["prof"] is not None:  # the live rows' keys (host state, no sync): what the attention must read
+        h = self.host
+        STATE["live_rows"] += int(h.live.sum())
+        STATE["live_keys"] += int((h.fed_h[h.live] - self.tree.own_start + 1).clip(min=0).sum())
+        c = self.e.model.config
+        hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        STATE["bytes_per_key"] = 2 * c.num_hidden_layers * c.num_key_value_heads * hd * self.dev.dtype.itemsize
     out = timed_on_device(lambda: _decode(self)) if STATE["prof"] is not None else _decode(self)
     if STATE["prof"] is not None:
         STATE["steps"] += 1
@@ -185,6 +193,12 @@ def decode(self):  # the engine thread: the profiler starts and stops here
                 print(f"decode steps' own device time {r['decode_device_ms_per_step']:.3f} ms a step (events); "
                       f"device clock over the window {r['first_to_last_device_ms']:.1f} ms")
             r["small_prefills"] = shapes_summary()
+            n = STATE["steps"]
+            r["live_rows_per_step"] = STATE["live_rows"] / n
+            r["live_own_keys_per_step"] = STATE["live_keys"] / n
+            r["live_own_kv_gb_per_step"] = STATE["live_keys"] * STATE["bytes_per_key"] / n / 1e9
+            print(f"live rows {r['live_rows_per_step']:.1f} a step, {r['live_own_keys_per_step']:.0f} own keys a step: "
+                  f"{r['live_own_kv_gb_per_step']:.2f} GB of K/V a step (all layers) to read")
             if STATE["out"]:
                 Path(STATE["out"]).write_text(json.dumps(r, indent=1))
     return out
