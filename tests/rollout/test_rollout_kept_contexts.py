@@ -10,7 +10,6 @@ from helpers.models import tiny_model
 from helpers.reference import completion_logprobs
 from helpers.rollout import greedy_reference, long_target_length, random_prompts, sampling, target_length
 from treerl.rollout import PromptQueue, RolloutEngine
-from treerl.rollout.batch import DeviceBatch
 from treerl.rollout.prefix_cache import PrefixCache, PrefixEntry
 
 MAX_NEW = 24
@@ -55,21 +54,11 @@ def test_next_turn_prefills_only_what_follows_the_kept_context(model, static_kv)
 
 
 @pytest.mark.parametrize("sync_every", [1, 4])
-def test_agents_in_one_stream_reuse_their_contexts_while_blocks_are_reused(model, sync_every, monkeypatch):
+def test_agents_in_one_stream_reuse_their_contexts_while_blocks_are_reused(model, sync_every):
     """Six conversations of three turns through one stream, each next turn queued as its
     last finishes: finished rows' blocks go to other rows at once (a pool of few blocks), and
     every turn's greedy output still equals a forward of its sequence alone; each turn after
-    the first prefills only its new tokens and its last turn's last token. Rows that do not
-    decode (finished, ending, slots between turns) show no own slot to the attention (the
-    kernels read each row's K/V up to its last visible key)."""
-    visible = []  # per decode step: own slots visible to rows that decode, and to rows that do not
-
-    def decode(self, hg, own_len, pre_len, _decode=DeviceBatch.decode):
-        live, seen = self.live_d[: hg * self.G].bool(), (self.own_mask[: hg * self.G] == 0).sum(1)
-        visible.append((int(seen[live].sum()), int(seen[~live].sum()), int((~live).sum())))
-        return _decode(self, hg, own_len, pre_len)
-
-    monkeypatch.setattr(DeviceBatch, "decode", decode)
+    the first prefills only its new tokens and its last turn's last token."""
     engine = RolloutEngine(model, sync_every=sync_every, prefix_cache_tokens=8000, static_kv=True, kv_block_size=16,
                            prefill_graph_tokens=512, max_batch_tokens=1024)
     first = random_prompts([9, 30, 17, 44, 12, 25], seed=8)
@@ -92,8 +81,6 @@ def test_agents_in_one_stream_reuse_their_contexts_while_blocks_are_reused(model
     for key, c in out.items():  # (the model's own forward, after the stream)
         check(model, prompts[key], c)
     s = engine.stats
-    seen_live, seen_idle, idle = map(sum, zip(*visible))
-    assert seen_live > 0 and idle > 0 and seen_idle == 0, (seen_live, seen_idle, idle)
     assert s.contexts_kept == len(first) * turns
     assert s.prefix_cache_hit_tokens == expected_hits
     assert s.prefill_tokens == sum(map(len, first)) + new

@@ -40,7 +40,7 @@ class DeviceBatch:
     decode forward and CUDA-graph settings)."""
 
     # the buffers kept for the engine's next stream of the same shapes
-    STATE = ("cache", "prefix_mask", "own_mask", "table", "fill", "fed", "pos", "live_d", "reveal", "last", "logits",
+    STATE = ("cache", "prefix_mask", "own_mask", "table", "fill", "fed", "pos", "live_d", "last", "logits",
              "log_tok", "log_lp", "fork_mask", "fork_node", "fork_slot", "steps_cache", "graph_pool")
 
     def __init__(self, engine, tree: ForkLayout, block: int, max_blocks: int, stats: RolloutStats,
@@ -82,7 +82,6 @@ class DeviceBatch:
                 mask.fill_(self.neg)
             for t in (self.fill, self.fed, self.pos, self.live_d, self.last):
                 t.zero_()
-            self.reveal.fill_(self.neg)
             self.table.fill_(num_blocks)
             return
         del kept
@@ -98,7 +97,6 @@ class DeviceBatch:
         self.fed = torch.zeros(S, dtype=torch.int64, device=dev) if tree.depth else self.fill
         self.pos = torch.zeros(S, dtype=torch.int64, device=dev)  # next position id
         self.live_d = torch.zeros(S, dtype=torch.int64, device=dev)
-        self.reveal = torch.full((S,), self.neg, dtype=self.dtype, device=dev)  # live rows' next own slot: 0
         self.last = torch.zeros(S, dtype=torch.int64, device=dev)  # last sampled token (fed next)
         self.logits = torch.zeros(S, e.vocab_size, dtype=e.logit_dtype, device=dev)
         K = e.sync_every + 2  # a sync window logs <= sync_every + 1 sample calls
@@ -111,19 +109,9 @@ class DeviceBatch:
         self.fork_slot = [torch.zeros(S, dtype=torch.int64, device=dev) for _ in range(tree.depth)]
 
     def set_live(self, live: np.ndarray) -> None:
-        """Rows ``live`` (host ``[S]`` bools) decode; the others' own slots are hidden, and the
-        prompt slots of group slots without a live row: a row that finished, is ending or left
-        its slot is still computed along (fixed shapes), and the attention kernels read each
-        row's K/V up to its last visible key, so a stale mask had them read a whole context a
-        step for nothing (a freed row: the trash block, over and over; an ending row: its
-        blocks; session 18 found a third of a served run's attended keys there). A row becomes
-        live again only through a load (which sets its masks) or a fork (tree rows, whose own
-        part starts after the last fork: empty until written)."""
+        # (rows that stop decoding keep their masks, so the kernels still read their K/V: hiding them was measured
+        # in session 18 and bought nothing, served or in a GRPO tail: a step's attention waits for its longest row)
         self.live_d.copy_(to_device(live.astype(np.int64), self.device))
-        idle = self.live_d.eq(0)
-        self.own_mask.masked_fill_(idle[:, None], self.neg)
-        self.prefix_mask.masked_fill_(idle.view(self.NG, self.G).all(1)[:, None], self.neg)  # (no live row: no reader)
-        torch.where(self.live_d.bool(), self.zero, self.hide, out=self.reveal)  # (plain groups' next slot: decode)
 
     # ------------------------------------------------------------------ loading
     def load(self, prefilled, slots: np.ndarray, seq_lens: list[int], group_src: list[int], row_src: list[int],
@@ -254,8 +242,8 @@ class DeviceBatch:
         hi = hg * self.G
         if self.tree.depth:
             self._write_slots(hi)
-        else:  # (rows not live: their slot stays hidden, see set_live)
-            self.own_mask[:hi].scatter_(1, self.fill[:hi, None], self.reveal[:hi, None])
+        else:
+            self.own_mask[:hi].scatter_(1, self.fill[:hi, None], 0.0)
         step = self.steps_cache.get((hg, own_len))
         if step is None or step.cache is not self.cache:
             step = self.steps_cache[(hg, own_len)] = DecodeStep(self.e, self, hg, own_len, pre_len)
