@@ -160,16 +160,38 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("point,expect", [
-    ("after_weights", 1), ("after_state", 1), ("after_meta", 1), ("after_rename", 2), ("while_pruning", 2),
-])
-def test_a_save_killed_at_any_point_leaves_an_intact_checkpoint(tmp_path, point, expect):
-    root = tmp_path / "checkpoints"
-    keep_last = 1 if point == "while_pruning" else 2
+KILLED_AT = [("after_weights", 1), ("after_state", 1), ("after_meta", 1), ("after_rename", 2), ("while_pruning", 2)]
+
+
+@pytest.fixture(scope="module")
+def killed_saves(tmp_path_factory):
+    """The children of every point of :data:`KILLED_AT`, started together at the first test
+    (each is a process importing torch and treerl that mostly waits on one core; they are
+    independent, each in its own directory): {point: (Popen, its directory)}. Each test
+    waits for its own."""
     env = {**os.environ, "PYTHONPATH": str(Path(ckpt.__file__).parents[1])}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(root), point, str(keep_last)], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
+    children = {}
+    try:
+        for point, _ in KILLED_AT:
+            tmp = tmp_path_factory.mktemp(point)
+            keep_last = 1 if point == "while_pruning" else 2
+            children[point] = (subprocess.Popen([sys.executable, "-c", CHILD, str(tmp / "checkpoints"), point,
+                                                 str(keep_last)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                text=True), tmp)
+        yield children
+    finally:
+        for proc, _ in children.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.mark.parametrize("point,expect", KILLED_AT)
+def test_a_save_killed_at_any_point_leaves_an_intact_checkpoint(killed_saves, point, expect):
+    proc, tmp_path = killed_saves[point]
+    root = tmp_path / "checkpoints"
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, stdout, stderr)
     found = ckpt.resolve_checkpoint(tmp_path, skip_damaged=True)
     assert found.name == f"step-{expect:06d}"
     ckpt.verify(found)

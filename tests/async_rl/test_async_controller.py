@@ -4,6 +4,7 @@ finish (random generation lengths, weight updates mid-generation) and train-step
 system never deadlocks, and eta = 0 is synchronous."""
 
 from dataclasses import dataclass
+from functools import cache
 
 import pytest
 from hypothesis import given, settings
@@ -23,8 +24,19 @@ class Gen:
     oldest: int | None = None
 
 
+# The strategies drawn from, built once (a new strategy is validated at its first draw: ~10%
+# of a run when every event built its own); the draws are the same.
+KINDS = st.sampled_from(["launch", "progress", "train"])
+LENGTHS = st.one_of(st.integers(0, 3), st.integers(10, 40))  # random (long-tailed) generation length in events
+
+
+@cache
+def ints(lo: int, hi: int):
+    return st.integers(lo, hi)
+
+
 def simulate(data, eta: int, batch: int, n_events: int):
-    c = StalenessController(max_staleness=eta, batch_size=batch, version=data.draw(st.integers(0, 3)))
+    c = StalenessController(max_staleness=eta, batch_size=batch, version=data.draw(ints(0, 3)))
     buf = SampleBuffer()
     running: list[Gen] = []
     requeued: list[int] = []
@@ -38,21 +50,20 @@ def simulate(data, eta: int, batch: int, n_events: int):
         assert c.capacity() >= 0 and c.running == len(running) and c.buffered == len(buf)
         if not running and not buf.ready(c):
             assert c.capacity() >= 1, "deadlock: nothing running, nothing to train, nothing launchable"
-        kind = data.draw(st.sampled_from(["launch", "progress", "train"]))
+        kind = data.draw(KINDS)
         if kind == "launch" and c.capacity() > 0:
-            n = data.draw(st.integers(1, c.capacity()))
+            n = data.draw(ints(1, c.capacity()))
             version = c.launch(n)
             for _ in range(n):
                 uid = requeued.pop() if requeued else next_uid
                 next_uid = max(next_uid, uid + 1)
                 launched_at[uid] = version
-                # random (long-tailed) generation length in events
-                length = data.draw(st.one_of(st.integers(0, 3), st.integers(10, 40)))
+                length = data.draw(LENGTHS)
                 running.append(Gen(uid, version, length))
         elif kind == "progress" and running:
-            g = running[data.draw(st.integers(0, len(running) - 1))]
+            g = running[data.draw(ints(0, len(running) - 1))]
             if g.oldest is None:  # first token: the worker has weights >= launch version
-                g.oldest = data.draw(st.integers(g.launch_version, c.version))
+                g.oldest = data.draw(ints(g.launch_version, c.version))
             g.steps_left -= 1
             if g.steps_left < 0:
                 running.remove(g)

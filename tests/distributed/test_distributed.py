@@ -48,7 +48,23 @@ def shares(seqs, world, skewed):
 
 
 def worker(rank, world, init_file, out_dir):
+    """Both tests' work in one gloo group (its two processes start once): the gradients of
+    every mode, then the bucketed weight gather; results on disk."""
     start_worker(rank, world, init_file)
+    gradients_part(rank, world, out_dir)
+    gather_part(rank, world, out_dir)
+    leave()  # results on disk: barrier, destroy, os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    """The directory of :func:`worker`'s results (one spawn for the tests of this module)."""
+    out = tmp_path_factory.mktemp("gloo")
+    mp.spawn(worker, args=(2, str(out / "init"), str(out)), nprocs=2, join=True)
+    return out
+
+
+def gradients_part(rank, world, out_dir):
     from treerl.distributed import data_parallel
     from treerl.distributed.data_parallel import full_gradients, gradient_step, shard
 
@@ -71,20 +87,19 @@ def worker(rank, world, init_file, out_dir):
             grads = full_gradients(engine)
             if rank == 0:
                 torch.save({n: g.clone() for n, g in grads.items()}, os.path.join(out_dir, f"{mode}-{skewed}.pt"))
+    data_parallel._reduce_now = fast_reduce
     assert all(used_fast), "FSDP2's end-of-backward hook was not found: gradient_step fell back to a model call"
-    leave()  # results on disk: barrier, destroy, os._exit(0)
 
 
-def test_two_gloo_ranks_match_one_process(tmp_path):
+def test_two_gloo_ranks_match_one_process(gloo_results):
     seqs, loss_fn = batch()
     ranks = shares(seqs, 2, skewed=False)
     assert ranks[0] and ranks[1]
-    mp.spawn(worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     reference = tiny_model(**MODEL)
     engine_for(reference, "packed").forward_backward(seqs, loss_fn, separable=True)
     for skewed in (False, True):
         for mode in MODES + ("auto-reduce-call",):
-            grads = torch.load(tmp_path / f"{mode}-{skewed}.pt")
+            grads = torch.load(gloo_results / f"{mode}-{skewed}.pt")
             for name, p in reference.named_parameters():
                 if p.grad is None:
                     continue
@@ -92,9 +107,8 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
                 assert err <= 1e-9, (mode, skewed, name, float(err))
 
 
-def gather_worker(rank, world, init_file, out_dir):
+def gather_part(rank, world, out_dir):
     """Whole weights of a sharded model, bucketed, against one full_tensor per parameter."""
-    start_worker(rank, world, init_file)
     from treerl.distributed.data_parallel import full_state_dict, shard
 
     engine = engine_for(tiny_model(dtype=torch.float32, vocab_size=61, seed=2), "packed")
@@ -107,12 +121,10 @@ def gather_worker(rank, world, init_file, out_dir):
             assert got[k].shape == one_by_one[k].shape and torch.equal(got[k], one_by_one[k]), (bucket_bytes, k)
     if rank == 0:
         torch.save(got, os.path.join(out_dir, "whole.pt"))
-    leave()  # results on disk: barrier, destroy, os._exit(0)
 
 
-def test_bucketed_weight_gather_equals_per_parameter_gather(tmp_path):
-    mp.spawn(gather_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    whole = torch.load(tmp_path / "whole.pt")
+def test_bucketed_weight_gather_equals_per_parameter_gather(gloo_results):
+    whole = torch.load(gloo_results / "whole.pt")
     reference = tiny_model(dtype=torch.float32, vocab_size=61, seed=2).state_dict()
     assert whole.keys() == reference.keys()
     assert all(torch.equal(whole[k], reference[k]) for k in whole)  # 61 embedding rows: an uneven split

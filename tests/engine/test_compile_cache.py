@@ -1,7 +1,9 @@
 """The compile cache's directory and artifacts file (issue 24 item 4): a run that compiles
 writes the artifacts; a second process loads them (its compiled function then comes from
-the cache). No timings: the plumbing only. Each run is a fresh Python process (the
-directory is process-wide) compiling a small function on the CPU."""
+the cache). No timings: the plumbing only. Each run that compiles is a fresh Python process
+(the directory is process-wide) compiling a small function on the CPU; the choice of the
+directory alone is checked in this process, as a fresh one would make it (nothing is
+compiled while it is enabled, and everything it changes is restored)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from torch._dynamo.utils import counters
 from treerl.engine import compile_cache
 
 directory, compile = sys.argv[1], sys.argv[2] == "1"
+if sys.argv[3:] == ["wait"]:  # started early (imports done meanwhile): enable once told to
+    assert sys.stdin.readline() == "go\n"
 path = compile_cache.enable(directory if directory != "-" else None)
 out = torch.zeros(0)
 if compile:
@@ -35,11 +39,26 @@ print(json.dumps(dict(dir=str(path), saved=str(saved) if saved else None, again=
 """
 
 
+def start(directory: str, env: dict, compile: bool = True, wait: bool = False) -> subprocess.Popen:
+    """A fresh process running :data:`RUN`; ``wait``: it imports, then waits for :func:`result`'s ``go``."""
+    return subprocess.Popen([sys.executable, "-c", RUN, directory, "1" if compile else "0", *(["wait"] if wait else [])],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(proc: subprocess.Popen, go: bool = False) -> dict:
+    """What ``proc`` printed (``go``: first let a waiting one go on)."""
+    try:
+        out, err = proc.communicate("go\n" if go else None, timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def run(directory: str, env: dict, compile: bool = True) -> dict:
-    done = subprocess.run([sys.executable, "-c", RUN, directory, "1" if compile else "0"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return result(start(directory, env, compile))
 
 
 @pytest.fixture
@@ -49,29 +68,52 @@ def env(tmp_path):
     return env
 
 
+def enable_here(monkeypatch, tmp_path, directory: str | None) -> dict:
+    """``compile_cache.enable(directory)`` in this process as in a fresh one: no directory
+    enabled yet, no ``TORCHINDUCTOR_CACHE_DIR``, ``XDG_CACHE_HOME`` under ``tmp_path`` (all
+    restored by ``monkeypatch``); what :data:`RUN` reports without compiling."""
+    from treerl.engine import compile_cache
+
+    for key in ("dir", "graphs", "device"):
+        monkeypatch.setitem(compile_cache._state, key, None)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = compile_cache.enable(directory)
+    return dict(dir=str(path), saved=compile_cache.save(force=True) if path is None else "(not saved here)",
+                cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+
+
 def test_a_second_process_loads_the_artifacts_of_the_first(tmp_path, env):
     cache = tmp_path / "compile"
-    first = run(str(cache), env)
-    assert first["dir"] == str(cache) and first["cache_dir"] == str(cache / "inductor")
-    assert first["saved"] and Path(first["saved"]).parent == cache and first["again"] is None
-    assert first["misses"] >= 1 and first["hits"] == 0
-    # a fresh machine with only the artifacts file: the compiled graph comes from it
+    # a fresh machine with only the artifacts file: the compiled graph comes from it. The
+    # second process imports while the first runs; it enables the directory (and loads the
+    # file) only after the first has exited.
     env_fresh = dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "fresh-inductor"))
-    second = run(str(cache), env_fresh)
+    waiting = start(str(cache), env_fresh, wait=True)
+    try:
+        first = run(str(cache), env)
+        assert first["dir"] == str(cache) and first["cache_dir"] == str(cache / "inductor")
+        assert first["saved"] and Path(first["saved"]).parent == cache and first["again"] is None
+        assert first["misses"] >= 1 and first["hits"] == 0
+    except BaseException:
+        waiting.kill()
+        waiting.communicate()
+        raise
+    second = result(waiting, go=True)
     assert second["cache_dir"] == str(tmp_path / "fresh-inductor")  # an explicit one is kept
     assert second["hits"] >= 1 and second["misses"] == 0
     assert second["out"] == first["out"]
 
 
-def test_the_default_directory_is_the_user_cache(tmp_path, env):
-    out = run("-", env, compile=False)
+def test_the_default_directory_is_the_user_cache(tmp_path, monkeypatch):
+    out = enable_here(monkeypatch, tmp_path, None)
     assert out["dir"] == str(tmp_path / "xdg" / "treerl" / "compile")
     assert out["cache_dir"] == str(tmp_path / "xdg" / "treerl" / "compile" / "inductor")
 
 
-def test_an_empty_directory_leaves_torch_defaults(tmp_path, env):
-    out = run("", env, compile=False)
-    assert out["dir"] == "None" and out["saved"] is None
+def test_an_empty_directory_leaves_torch_defaults(tmp_path, monkeypatch):
+    out = enable_here(monkeypatch, tmp_path, "")
+    assert out["dir"] == "None" and out["saved"] is None and out["cache_dir"] is None
     assert not (tmp_path / "xdg").exists()
 
 

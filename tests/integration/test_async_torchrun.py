@@ -38,13 +38,23 @@ def weights(run: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_async_under_torchrun_matches_one_process(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    train_async(run_config(one, *RUN, layers=2))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "treerl.cli", "train", *run_overrides(two, *RUN, layers=2)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    # the two runs are independent: the torchrun one starts first and runs while this process
+    # runs the one-process one (its output goes to a file: a pipe read only at the end could fill)
+    with open(tmp_path / "torchrun.err", "w+") as err:
+        done = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        try:
+            train_async(run_config(one, *RUN, layers=2))
+            done.wait(timeout=600)
+        finally:
+            if done.poll() is None:
+                done.kill()
+                done.wait()
+        err.seek(0)
+        assert done.returncode == 0, err.read()[-4000:]
 
     key = lambda r: (r["step"], r["group"], r["episode"], r["reward"], r["token_ids"])  # noqa: E731
     assert [key(r) for r in rows(two / "rollouts.jsonl")] == [key(r) for r in rows(one / "rollouts.jsonl")]

@@ -82,10 +82,30 @@ def test_sigkill_mid_run_then_resume_loses_and_repeats_nothing(tmp_path, capsys)
 
 # (SIGINT, started with SIGINT ignored): a background job of a non-interactive shell, or a
 # child of a test process that an earlier test left ignoring it; treerl installs its own handler
-@pytest.mark.parametrize("sig,ignored", [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)])
-def test_sigint_and_sigterm_stop_cleanly_with_a_resume_hint(tmp_path, sig, ignored):
-    out = tmp_path / "run"
-    proc = start(out, sigint_ignored=ignored)
+SIGNALLED = [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)]
+
+
+@pytest.fixture(scope="module")
+def signalled_runs(tmp_path_factory):
+    """The children of every case of :data:`SIGNALLED`, started together at the first such
+    test (each spends its first seconds importing, on one core; they are independent, each
+    in its own directory): {(sig, ignored): (Popen, out)}. Each test signals its own."""
+    runs = {}
+    try:
+        for sig, ignored in SIGNALLED:
+            out = tmp_path_factory.mktemp(f"{sig.name}-{ignored}") / "run"
+            runs[sig, ignored] = (start(out, sigint_ignored=ignored), out)
+        yield runs
+    finally:
+        for proc, _ in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.parametrize("sig,ignored", SIGNALLED)
+def test_sigint_and_sigterm_stop_cleanly_with_a_resume_hint(signalled_runs, sig, ignored):
+    proc, out = signalled_runs[sig, ignored]
     try:
         wait_for_checkpoint(proc, out)
         proc.send_signal(sig)

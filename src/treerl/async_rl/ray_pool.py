@@ -2,7 +2,10 @@
 
 Each worker is an actor running :func:`~treerl.async_rl.worker.worker_main` with two
 ``ray.util.queue.Queue`` s (tasks in, messages out) instead of process queues; liveness is
-the state of the actor's ``serve`` call, a kill is ``ray.kill``. Weights travel as
+the state of the actor's ``serve`` call, a kill is ``ray.kill``. Items cross the queues
+pickled (:class:`_Pickled`): a queue actor holds bytes, so it never imports treerl and
+torch to unpickle a work unit or a message (seconds of a fresh queue actor's first ``put``,
+at the niceness of a Ray worker, while the worker and the trainer wait). Weights travel as
 safetensors files (``async.weight_transfer`` resolves to ``files`` under Ray), so workers on
 other machines need the weights directory on a shared filesystem.
 
@@ -13,11 +16,35 @@ GPU actor, so its device is ``cuda:0`` there. Connects to a running cluster when
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
 from .pool import WorkerPool
 from .worker import WorkerSpec, worker_main
+
+
+class _Pickled:
+    """A Ray queue whose items travel as pickled bytes (put/get/get_nowait, as the worker
+    and the pool use them; picklable, so it is handed to the worker actor as it is). Items
+    are pickled as Ray would pickle them (cloudpickle)."""
+
+    def __init__(self, queue: Any):
+        self.queue = queue
+
+    def put(self, item: Any) -> None:
+        from ray import cloudpickle
+
+        self.queue.put(cloudpickle.dumps(item))
+
+    def get(self, timeout: float | None = None) -> Any:
+        return pickle.loads(self.queue.get(timeout=timeout))
+
+    def get_nowait(self) -> Any:
+        return pickle.loads(self.queue.get_nowait())
+
+    def shutdown(self, force: bool = False) -> None:
+        self.queue.shutdown(force=force)
 
 
 def _actor_class(ray):
@@ -62,7 +89,7 @@ class RayPool(WorkerPool):
         if spec.index in self.slots:
             self.kill(spec.index)
         opts = {"num_cpus": 0, "scheduling_strategy": self.here}
-        tasks, results = self.Queue(actor_options=opts), self.Queue(actor_options=opts)
+        tasks, results = _Pickled(self.Queue(actor_options=opts)), _Pickled(self.Queue(actor_options=opts))
         actor = self.Actor.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, resources=self.resources,
                                    name=f"treerl-rollout-{spec.index}.{spec.incarnation}").remote()
         self.slots[spec.index] = _RaySlot(actor, actor.serve.remote(spec, tasks, results), tasks, results)
