@@ -105,13 +105,26 @@ def worker(rank, world, init_file, out_dir):
 
 
 def test_two_ranks_train_on_matches_one_process(tmp_path):
-    mp.spawn(worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    for name, chain in [(name, False) for name in CONFIGS] + [(CHAIN, True)]:
+    # the ranks are spawned first and run while this process trains the one-process references
+    # (independent: the ranks write only to tmp_path); then the ranks are joined and compared
+    ranks_ctx = mp.start_processes(worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=False,
+                                   start_method="spawn")
+    try:
+        runs = [(name, False) for name in CONFIGS] + [(CHAIN, True)]
+        references = {(name, chain): (model(config(name)).state_dict(), *train_once(name, chain))
+                      for name, chain in runs}
+        while not ranks_ctx.join():
+            pass
+    finally:
+        for proc in ranks_ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    for name, chain in runs:
         shares = [torch.load(tmp_path / f"share-{name}-{chain}-{r}.pt") for r in range(2)]
         assert (0 in shares) == chain, (name, shares)  # (c): the chain leaves one rank empty
         got = torch.load(tmp_path / f"{name}-{chain}.pt")
-        init = model(config(name)).state_dict()
-        trainer, metrics = train_once(name, chain)
+        init, trainer, metrics = references[name, chain]
         params = dict(trainer.model.state_dict())
         if trainer.critic is not None:
             init.update({"critic." + k: v for k, v in init.items()})
@@ -132,11 +145,10 @@ def test_two_ranks_train_on_matches_one_process(tmp_path):
             assert abs(got["metrics"][k] - v) <= 1e-9 * (1 + abs(v)), (name, chain, k, got["metrics"][k], v)
 
 
-def test_torchrun_train_writes_and_resumes(tmp_path):
-    """`treerl train` under torchrun (2 gloo ranks): a short sorting run with an SFT step,
-    3 prompts per step (an uneven split), a checkpoint every step; then resumed for a step
-    with 1 prompt (rank 1 generates nothing)."""
-    out = tmp_path / "run"
+def torchrun_train(out: Path, *overrides: str, stderr=subprocess.PIPE) -> subprocess.Popen:
+    """`treerl train` of a short sorting run under torchrun (2 gloo ranks), writing to ``out``:
+    an SFT step, 3 prompts per step (an uneven split), a checkpoint every step; then
+    ``overrides``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -146,17 +158,50 @@ def test_torchrun_train_writes_and_resumes(tmp_path):
             "sft.steps=1", "sft.batch_size=6", "rollout.prompts_per_step=3", "rollout.group_size=2",
             "train.eval_problems=3", "train.eval_every=0", "train.save_every=1", "train.progress=false",
             "train.tensorboard=false", f"train.out_dir={out}"]
-    first = subprocess.run(base + ["train.steps=2"], env=env, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-4000:]
+    return subprocess.Popen(base + list(overrides), env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def first_torchrun(request, tmp_path_factory):
+    """The first (2-step) run of :func:`test_torchrun_train_writes_and_resumes`, started with
+    this module's first test (it is independent of the others and spends seconds importing and
+    waiting on its ranks): (Popen, out, its stderr file); None where that test is not collected."""
+    if "test_torchrun_train_writes_and_resumes" not in {item.name for item in request.session.items}:
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp("torchrun")
+    with open(tmp / "first.err", "w+") as err:  # a file: a pipe read only at the end could fill
+        proc = torchrun_train(tmp / "run", "train.steps=2", stderr=err)
+        try:
+            yield proc, tmp / "run", err
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_torchrun_train_writes_and_resumes(first_torchrun):
+    """`treerl train` under torchrun (2 gloo ranks): a short sorting run with an SFT step,
+    3 prompts per step (an uneven split), a checkpoint every step; then resumed for a step
+    with 1 prompt (rank 1 generates nothing)."""
+    first, out, first_err = first_torchrun  # torchrun_train(out, "train.steps=2"), started early
+    first.wait(timeout=300)
+    first_err.seek(0)
+    assert first.returncode == 0, first_err.read()[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # eval, SFT, 2 RL steps: each once (rank 0 only)
     assert all(r["tree/sequences"] == 6 for r in rows[2:])  # the global batch: 3 prompts x 2
     assert (out / "checkpoints" / "step-000002").is_dir()
     # resumed with 1 prompt per step: rank 1 rolls out nothing (c) and trains on its share
-    second = subprocess.run(base + ["train.steps=3", "rollout.prompts_per_step=1", "--resume", str(out)], env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert second.returncode == 0, second.stderr[-4000:]
-    assert "resumed from" in second.stderr and "step 2" in second.stderr
+    second = torchrun_train(out, "train.steps=3", "rollout.prompts_per_step=1", "--resume", str(out))
+    try:
+        _, second_err = second.communicate(timeout=300)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+    assert second.returncode == 0, second_err[-4000:]
+    assert "resumed from" in second_err and "step 2" in second_err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and rows[-1]["version"] == 4
     assert rows[-1]["tree/sequences"] == 2 and "eval/accuracy" in rows[-1]

@@ -10,14 +10,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import openai
@@ -32,9 +29,6 @@ from treerl.rollout import RolloutEngine
 from treerl.serve import ServeOptions, ServerThread, make_state
 from treerl.models import build_model
 from treerl.tasks.tokenizer import CharTokenizer
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
@@ -391,16 +385,10 @@ def _render(tok, role, text):
     return [marker, *tok.encode(text)] + ([tok.eos_token_id] if role == "assistant" else [])
 
 
-def test_treerl_serve_command_serves_a_checkpoint_until_sigterm(tmp_path):
-    tok = CharTokenizer()
-    model = tiny_model(**served_config(tok))
-    from treerl.config import Config
-
-    cfg = Config.from_dict({"task": {"name": "math_jsonl", "kwargs": {"path": "x.jsonl"}}})
-    save_checkpoint(tmp_path / "checkpoints", 1, model, tok, {"config": cfg.to_dict(), "version": 7})
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.Popen([sys.executable, "-m", "treerl.cli", "serve", "--weights", str(tmp_path), "--port", "0",
-                             "--model-name", "ckpt"], stderr=subprocess.PIPE, text=True, env=env)
+def test_treerl_serve_command_serves_a_checkpoint_until_sigterm(serve_commands):
+    # `treerl serve --weights <run dir> --port 0 --model-name ckpt` of a version-7 checkpoint of the
+    # tiny served model, started with the first serve test (tests/serve/conftest.py)
+    proc = serve_commands["test_treerl_serve_command_serves_a_checkpoint_until_sigterm"]
     try:
         line = ""
         while "listening on" not in line:

@@ -335,21 +335,12 @@ def test_treerl_serve_refuses_an_unknown_tool_call_parser():
         args.func(args)
 
 
-def test_treerl_serve_command_parses_tool_calls_of_a_hugging_face_model_dir(tmp_path):
-    import os
+def test_treerl_serve_command_parses_tool_calls_of_a_hugging_face_model_dir(serve_commands):
     import signal
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    tok = chat_tokenizer()
-    tool_call_model(tok).save_pretrained(tmp_path, safe_serialization=True)
-    tok.save_pretrained(tmp_path)
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=str(root / "src"))
-    proc = subprocess.Popen([sys.executable, "-m", "treerl.cli", "serve", "--weights", str(tmp_path), "--port", "0",
-                             "--tool-call-parser", "hermes", "--history-tokens", "0", "--max-tokens", "8"],
-                            stderr=subprocess.PIPE, text=True, env=env)
+    # `treerl serve --weights <HF dir of tool_call_model> --port 0 --tool-call-parser hermes
+    # --history-tokens 0 --max-tokens 8`, started with the first serve test (tests/serve/conftest.py)
+    proc = serve_commands["test_treerl_serve_command_parses_tool_calls_of_a_hugging_face_model_dir"]
     try:
         line = ""
         while "listening on" not in line:
