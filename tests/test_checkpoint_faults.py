@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from helpers.configs import run_config, run_overrides
+from helpers.processes import kill_leftovers
 from treerl import checkpoint as ckpt
 from treerl.cli import main
 from treerl.run import train
@@ -180,10 +181,7 @@ def killed_saves(tmp_path_factory):
                                                 text=True), tmp)
         yield children
     finally:
-        for proc, _ in children.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        kill_leftovers(proc for proc, _ in children.values())
 
 
 @pytest.mark.parametrize("point,expect", KILLED_AT)

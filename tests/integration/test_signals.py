@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers.configs import run_overrides
+from helpers.processes import kill_leftovers
 from treerl import checkpoint as ckpt
 from treerl.cli import main
 from treerl.runlog import _truncate_jsonl
@@ -97,10 +98,7 @@ def signalled_runs(tmp_path_factory):
             runs[sig, ignored] = (start(out, sigint_ignored=ignored), out)
         yield runs
     finally:
-        for proc, _ in runs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        kill_leftovers(proc for proc, _ in runs.values())
 
 
 @pytest.mark.parametrize("sig,ignored", SIGNALLED)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.processes import kill_leftovers
+
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT_TEST = "test_treerl_serve_command_serves_a_checkpoint_until_sigterm"
 MODEL_DIR_TEST = "test_treerl_serve_command_parses_tool_calls_of_a_hugging_face_model_dir"
@@ -62,7 +64,4 @@ def serve_commands(request, tmp_path_factory):
                 procs[name] = start(tmp_path_factory.mktemp("serve-command"))
         yield procs
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        kill_leftovers(procs.values())
