@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.processes import kill_leftovers
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 RUN = r"""
@@ -50,9 +52,7 @@ def result(proc: subprocess.Popen, go: bool = False) -> dict:
     try:
         out, err = proc.communicate("go\n" if go else None, timeout=600)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        kill_leftovers([proc])
     assert proc.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
 
@@ -96,8 +96,7 @@ def test_a_second_process_loads_the_artifacts_of_the_first(tmp_path, env):
         assert first["saved"] and Path(first["saved"]).parent == cache and first["again"] is None
         assert first["misses"] >= 1 and first["hits"] == 0
     except BaseException:
-        waiting.kill()
-        waiting.communicate()
+        kill_leftovers([waiting])
         raise
     second = result(waiting, go=True)
     assert second["cache_dir"] == str(tmp_path / "fresh-inductor")  # an explicit one is kept

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers.configs import run_config, run_overrides
+from helpers.processes import kill_leftovers
 from treerl.async_rl import WorkLedger, train_async
 from treerl.checkpoint import load_state, resolve_checkpoint
 
@@ -50,9 +51,7 @@ def test_async_under_torchrun_matches_one_process(tmp_path):
             train_async(run_config(one, *RUN, layers=2))
             done.wait(timeout=600)
         finally:
-            if done.poll() is None:
-                done.kill()
-                done.wait()
+            kill_leftovers([done])
         err.seek(0)
         assert done.returncode == 0, err.read()[-4000:]
 

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from helpers.configs import run_config
 from helpers.gloo import start_worker
 from helpers.models import tiny_model
+from helpers.processes import kill_leftovers
 from treerl.config import Config
 from treerl.distributed import ranks
 from treerl.distributed.data_parallel import leave
@@ -175,9 +176,7 @@ def first_torchrun(request, tmp_path_factory):
         try:
             yield proc, tmp / "run", err
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            kill_leftovers([proc])
 
 
 def test_torchrun_train_writes_and_resumes(first_torchrun):
@@ -197,9 +196,7 @@ def test_torchrun_train_writes_and_resumes(first_torchrun):
     try:
         _, second_err = second.communicate(timeout=300)
     finally:
-        if second.poll() is None:
-            second.kill()
-            second.wait()
+        kill_leftovers([second])
     assert second.returncode == 0, second_err[-4000:]
     assert "resumed from" in second_err and "step 2" in second_err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
