@@ -124,11 +124,12 @@ def test_choices_match_the_modules_that_use_them():
     from treerl.rl.aggregation import AGGREGATIONS
     from treerl.rl.kl import KL_ESTIMATORS
     from treerl.rl.losses import RATIO_LEVELS
+    from treerl.rollout.types import KV_CACHE_DTYPES
 
     assert c.FAMILIES == tuple(FAMILIES) and c.SHAPES == tuple(SHAPES) and c.DTYPES == tuple(DTYPES)
     assert c.BACKENDS == BACKENDS and c.TRANSFERS == TRANSFERS and c.ATTENTIONS == ("auto", *ATTENTION)
     assert c.ENGINE_MODES == MODES and c.AGGREGATIONS == AGGREGATIONS and c.KL_ESTIMATORS == KL_ESTIMATORS
-    assert c.RATIOS == RATIO_LEVELS
+    assert c.RATIOS == RATIO_LEVELS and c.KV_CACHE_DTYPES == tuple(KV_CACHE_DTYPES)
     assert lr_lambda(50, 0, 100, "constant", 0.1) == 1.0 and lr_lambda(50, 0, 100, "cosine", 0.1) < 1.0
 
 
@@ -136,12 +137,13 @@ def test_rollout_engine_keys_reach_the_rollout_engine():
     from treerl.trainer import Trainer
 
     cfg = Config.from_yaml(None, ["model.overrides={num_hidden_layers: 1}", "rollout.max_batch_tokens=4096",
-                                  "rollout.kv_block_size=32", "rollout.prefill_chunk_tokens=256",
+                                  "rollout.kv_block_size=32", "rollout.prefill_chunk_tokens=256", "rollout.kv_cache_dtype=fp8",
                                   "rollout.prefill_graph_tokens=128", "rollout.cuda_graphs=false",
                                   "train.eval_problems=2"])
     engine = Trainer(cfg).sampler.rollout
     assert (engine.max_batch_tokens, engine.kv_block_size, engine.prefill_chunk_tokens) == (4096, 32, 256)
     assert engine.prefill_graph_tokens == 128 and engine.prefill_graphs is not None
+    assert engine.kv_dtype == torch.float8_e4m3fn
 
 
 def test_zero_layers_and_other_zero_sizes_in_model_overrides_are_one_line():

@@ -164,6 +164,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk-tokens", type=int, default=None,
                    help="prompt tokens prefilled together in one piece (bounds the temporary K/V); "
                         "default: the config's rollout.prefill_chunk_tokens (8192)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default=None,
+                   help="the running batch's K/V: auto (the model's dtype, exact) or fp8 (float8 e4m3: half the bytes "
+                        "a decode step reads, not exact; docs/SERVING.md); default: the config's rollout.kv_cache_dtype")
     p.add_argument("--idle-timeout-s", type=float, default=1.0,
                    help="a running batch ends after this long without work (the next request starts another)")
     p.add_argument("--tool-call-parser", default=None, metavar="NAME",

@@ -111,6 +111,7 @@ ENGINE_MODES = ("flat", "packed", "dfs", "auto")  # treerl.engine.plan.MODES
 ATTENTIONS = ("auto", "sdpa", "flex")  # auto + treerl.engine.attention.BACKENDS
 SCHEDULES = ("cosine", "constant")  # treerl.learner.lr_lambda
 TRANSFERS = ("auto", "shared", "files", "nccl", "gloo")  # treerl.async_rl.weights.TRANSFERS
+KV_CACHE_DTYPES = ("auto", "fp8")  # treerl.rollout.types.KV_CACHE_DTYPES
 PROXIMAL = ("recompute", "loglinear")  # treerl.learner.PROXIMAL
 OVERLAP = ("stream", "inline", "after")  # treerl.overlap: where a step's forwards run during its rollout
 LAUNCHERS = ("process", "ray")  # treerl.async_rl.runner.make_pool
@@ -151,6 +152,8 @@ class RolloutConfig:
                                           "group x task.max_episode_tokens, treerl serve max_batch_tokens, else 0")
     max_batch_tokens: int = key(1 << 17, ge=1, help="rollout engine: K/V slots of the running batch")
     kv_block_size: int = key(64, ge=16, multiple_of=16, help="rollout engine: tokens per paged K/V block")
+    kv_cache_dtype: str = key("auto", choices=KV_CACHE_DTYPES, help="rollout engine: the running batch's K/V in the "
+                              "model's dtype (auto, exact) or float8 (fp8: half the bytes, not exact)")
     prefill_chunk_tokens: int = key(8192, ge=1, help="rollout engine: prompt tokens prefilled in one piece")
     prefill_graph_tokens: int | None = key(None, ge=0, help="rollout engine: a prefill of at most this many (padded) "
                                            "query tokens runs in fixed shapes, as a CUDA graph; null: 2048 on CUDA, "

@@ -484,8 +484,9 @@ def test_serve_options_are_the_rollout_keys_and_the_engine_comes_from_the_one_bu
     r = serving_rollout_config(None, overrides, Namespace(prefix_cache_tokens=128, prefill_chunk_tokens=None))
     assert (r.max_batch_tokens, r.kv_block_size, r.prefill_chunk_tokens, r.prefix_cache_tokens) == (4096, 32, 512, 128)
     assert r.keep_stream_buffers is False
-    r = serving_rollout_config(None, overrides, Namespace(prefix_cache_tokens=0, prefill_chunk_tokens=256))
-    assert r.prefill_chunk_tokens == 256 and r.prefix_cache_tokens == 0
+    r = serving_rollout_config(None, overrides, Namespace(prefix_cache_tokens=0, prefill_chunk_tokens=256,
+                                                          kv_cache_dtype="fp8"))
+    assert r.prefill_chunk_tokens == 256 and r.prefix_cache_tokens == 0 and r.kv_cache_dtype == "fp8"
     none = Namespace(prefix_cache_tokens=None, prefill_chunk_tokens=None)
     assert serving_rollout_config(None, ["rollout.prefix_cache_tokens=96"], none).prefix_cache_tokens == 96
     assert serving_rollout_config(None, [], none).prefix_cache_tokens == 1 << 17  # max_batch_tokens

@@ -132,7 +132,7 @@ class DeviceBatch:
             forks = [(tree.nodes(j), tree.segment_capacity(j), tree.rows_per_node(j)) for j in range(tree.depth)]
             self.cache = SharedPrefixCache(e.num_layers, self.NG, G, self.P, self.table, self.num_blocks,
                                            self.block, k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device, forks,
-                                           prompts_in_own_blocks=self.own_prompts)
+                                           prompts_in_own_blocks=self.own_prompts, kv_dtype=e.kv_dtype)
         t = lambda a: _t(a, dev)  # noqa: E731
         lens = np.asarray(seq_lens)
         pad = tmp.length - lens  # slot of each sequence's first token

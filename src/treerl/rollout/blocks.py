@@ -271,7 +271,7 @@ class DecodeBlocks:
         backend = cache.backend(own_mask.shape[-1], prefix_mask.shape[-1])
         f = self.fused
         if (backend == "split" and merged_attention_ok(str(hidden.device), hidden.dtype, cache.layers[0].ok.shape[-1],
-                                                       cache.layers[0].ov.shape[-1])
+                                                       cache.layers[0].ov.shape[-1], cache.kv_dtype)
                 and self._rope_kernel(base.layers[0], hidden, cos, sin, G, f.qkv_w[0], f.qkv_b[0], cache.layers[0])):
             return self._kernel_step(hidden, cos, sin, cache, own_mask, prefix_mask)
         for i, layer in enumerate(base.layers):

@@ -87,7 +87,7 @@ if triton is not None:
                 slot = (offs_n % PAGE)[:, None]
                 k_at = K + blk * skb + h * skh + slot * skn
                 v_at = V + blk * svb + h * svh + slot * svn
-        k = tl.load(k_at + offs_d[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(k_at + offs_d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)  # (fp8 stores: widened)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -100,7 +100,7 @@ if triton is not None:
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_at + offs_dv[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_at + offs_dv[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -349,20 +349,23 @@ def to_pages(k: torch.Tensor, v: torch.Tensor, page: int,
 
 
 @functools.lru_cache(maxsize=None)
-def split_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int, page: int = 0) -> bool:
+def split_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int, page: int = 0,
+                       kv_dtype: torch.dtype | None = None) -> bool:
     """Whether the kernel runs here and agrees with float64 math (probed once per device,
     dtype, head sizes and, with ``page``, also on keys paged in blocks of ``page`` slots;
-    never inside a capture; a failure warns, :func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
+    ``kv_dtype``: keys/values stored in that dtype (float8), queries in ``dtype``; never
+    inside a capture; a failure warns, :func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
     if triton is None or not device.startswith("cuda") or dtype == torch.float64 or head_dim % 16 or value_dim % 16:
         return False
+    kv_dtype = kv_dtype or dtype
 
     def check() -> bool:
         g = torch.Generator(device=device).manual_seed(0)
         N = 200  # keys (a partial last tile); paged: in whole blocks, the last one partly attended
         n = N if page == 0 else -(-N // page) * page
         q = torch.randn(3, 2, 5, head_dim, device=device, dtype=dtype, generator=g)
-        k = torch.randn(3, 2, n, head_dim, device=device, dtype=dtype, generator=g)
-        v = torch.randn(3, 2, n, value_dim, device=device, dtype=dtype, generator=g)
+        k = torch.randn(3, 2, n, head_dim, device=device, dtype=dtype, generator=g).to(kv_dtype)
+        v = torch.randn(3, 2, n, value_dim, device=device, dtype=dtype, generator=g).to(kv_dtype)
         mask = torch.zeros(3, N, device=device, dtype=dtype)
         mask[1, 20:] = torch.finfo(dtype).min
         s = torch.matmul(q.double(), k[:, :, :N].double().transpose(-1, -2)) * 0.125 + mask.double()[:, None, None, :]
@@ -380,6 +383,6 @@ def split_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim
         return True
 
     return kernel_agrees(check, what="the split-key decode attention kernel", reference="float64 attention",
-                         where=f"{device} ({dtype}, head {head_dim}/{value_dim}, page {page})",
+                         where=f"{device} ({dtype}, K/V {kv_dtype}, head {head_dim}/{value_dim}, page {page})",
                          fallback="the decode attention runs through CUDA's memory-efficient kernel or plain "
                                   "math (slower)")

@@ -46,7 +46,7 @@ from .prefix_cache import PrefixCache
 from .prompts import PromptQueue
 from .stream import RunningBatch, group_slots
 from .forks import ForkLayout
-from .types import Completion, Group, PromptLike, RolloutStats, round_up
+from .types import KV_CACHE_DTYPES, Completion, Group, PromptLike, RolloutStats, round_up
 
 __all__ = ["RolloutEngine", "Completion", "Group", "RolloutStats", "PromptLike"]
 
@@ -99,6 +99,14 @@ class RolloutEngine:
     a conversation) prefills only its new tokens, batched with the other prompts admitted
     with it, and one that shares a prefix with a kept one reuses that prefix.
 
+    ``kv_cache_dtype`` (default ``"auto"``: the model's dtype, exact): ``"fp8"`` keeps the running
+    batch's K/V (prompts, fork segments, the rows' own blocks) in float8 e4m3 without scales, as
+    vLLM's and SGLang's ``--kv-cache-dtype fp8`` do: half the bytes a decode step reads and holds,
+    **not exact**: a decode step attends to keys and values rounded to 3 mantissa bits (each value
+    rounded to the model's dtype first, then to float8, saturated at +-448); prefills attend in the
+    model's dtype. The trainer recomputes the logprobs it trains on; its rollout mismatch metric
+    and truncated importance sampling (``train.behaviour_weight_cap``) see the difference.
+
     ``keep_stream_buffers`` (default False): keep a finished stream's device buffers, K/V
     cache and captured CUDA graphs, and reuse them in the next stream with the same group
     slots whose prompts fit the kept prompt store (no new captures: a trainer's rollouts of
@@ -122,6 +130,7 @@ class RolloutEngine:
         compile_decode: bool | None = None,
         prefix_cache_tokens: int = 0,
         kv_block_size: int = 64,
+        kv_cache_dtype: str = "auto",
     ):
         if device is not None:
             model = model.to(device)
@@ -147,6 +156,10 @@ class RolloutEngine:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         dtype = next(model.parameters()).dtype
         self.logit_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or dtype  # the running batch's K/V stores
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device, the model is on {self.device}")

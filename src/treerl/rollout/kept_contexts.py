@@ -78,14 +78,15 @@ def keep(s: "Scheduler", store: "SharedPrefixCache", cache: PrefixCache, version
 
 def own_context(store: "SharedPrefixCache", blocks: np.ndarray, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``n`` own slots held by ``blocks`` (a row's first table entries), every layer:
-    keys and values ``[layers, Hkv, n, D]`` (views of one gathered copy each)."""
-    device = store.all_ok.device
-    if copy_slots_ok(str(device), store.all_ok.dtype, store.all_ok.shape[-1]):
+    keys and values ``[layers, Hkv, n, D]`` (views of one gathered copy each) in the model's
+    dtype (a float8 store's values widened: prefills attend in the model's dtype)."""
+    device, dtype = store.all_ok.device, store.compute_dtype
+    if copy_slots_ok(str(device), store.all_ok.dtype, store.all_ok.shape[-1], dtype):
         table = to_device(blocks, device)[None]
         zero, count = torch.zeros(1, dtype=torch.int64, device=device), torch.full((1,), n, device=device)
         out = []
         for pool in (store.all_ok, store.all_ov):
-            x = pool.new_empty(pool.shape[0], 1, pool.shape[2], n, pool.shape[4])
+            x = pool.new_empty(pool.shape[0], 1, pool.shape[2], n, pool.shape[4], dtype=dtype)
             copy_slots(pool, x, zero, zero, zero, zero, count, n, src_table=table)
             out.append(x[:, 0])
         return out[0], out[1]
@@ -96,4 +97,4 @@ def own_context(store: "SharedPrefixCache", blocks: np.ndarray, n: int) -> tuple
     blk = to_device(blocks, device)[j // store.block_size]
     off = j % store.block_size
     # [layers, blocks, Hkv, B, D] indexed [:, blk, :, off]: the indices are apart, so n leads: [n, layers, Hkv, D]
-    return tuple(pool[:, blk, :, off].permute(1, 2, 0, 3) for pool in (store.all_ok, store.all_ov))
+    return tuple(pool[:, blk, :, off].permute(1, 2, 0, 3).to(dtype) for pool in (store.all_ok, store.all_ov))

@@ -57,6 +57,8 @@ if triton is not None:
             dst_at = Dst + layer * dl + blk * de + (jd % DST_PAGE) * dt
         for h in tl.static_range(H):
             x = tl.load(src_at[:, None] + h * sh + offs_d[None, :], mask=ok[:, None])
+            if x.dtype != Dst.dtype.element_ty:  # (a float8 store: through float32, one rounding, saturated)
+                x = x.to(tl.float32).to(Dst.dtype.element_ty)
             tl.store(dst_at[:, None] + h * dh + offs_d[None, :], x, mask=ok[:, None])
 
 
@@ -66,14 +68,14 @@ def copy_slots(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, src
     """For each ``i``: ``count[i]`` (at most ``max_count``) slots of row ``src_rows[i]`` of
     ``src`` from slot ``src_start[i]`` on, into row ``dst_rows[i]`` of ``dst`` from slot
     ``dst_start[i]`` on, every layer. ``src``/``dst`` ``[layers, entries, heads, slots, D]``
-    (``D`` contiguous, one dtype: a copy, not a conversion); with ``*_table`` the store is paged
-    (module docstring). Index tensors are integer, one entry per copy, on the stores' device."""
+    (``D`` contiguous; of different dtypes: each value rounded once, as ``Tensor.to`` does, e.g.
+    into a float8 store); with ``*_table`` the store is paged (module docstring). Index tensors
+    are integer, one entry per copy, on the stores' device."""
     R = len(src_rows)
     if R == 0 or max_count <= 0:
         return
     L, _, H, _, D = src.shape
     assert dst.shape[0] == L and dst.shape[2] == H and dst.shape[4] == D and src.stride(4) == dst.stride(4) == 1
-    assert src.dtype == dst.dtype, f"copy_slots copies: {src.dtype} into {dst.dtype}"
     st = src_table if src_table is not None else src_rows  # (any pointer: not read)
     dt = dst_table if dst_table is not None else dst_rows
     _copy_kernel[(R, triton.cdiv(max_count, BLOCK_T), L)](
@@ -84,26 +86,29 @@ def copy_slots(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, src
 
 
 @functools.lru_cache(maxsize=None)
-def copy_slots_ok(device: str, dtype: torch.dtype, head_dim: int) -> bool:
+def copy_slots_ok(device: str, dtype: torch.dtype, head_dim: int, dst_dtype: torch.dtype | None = None) -> bool:
     """Whether :func:`copy_slots` runs here and copies exactly (probed once per device, dtype
-    and head size, dense to paged and back; never inside a capture; a failure warns,
+    and head size, dense to paged and back; ``dst_dtype``: into a store of that dtype, each
+    value as ``Tensor.to`` rounds it, and back; never inside a capture; a failure warns,
     :func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
     if triton is None or not device.startswith("cuda") or head_dim & (head_dim - 1):
         return False
+    dst_dtype = dst_dtype or dtype
 
     def check() -> bool:
         g = torch.Generator(device=device).manual_seed(0)
         L, H, page = 3, 2, 16
-        dense = torch.randn(L, 4, H, 70, head_dim, device=device, generator=g).to(dtype)
-        pool = torch.zeros(L, 12, H, page, head_dim, device=device, dtype=dtype)
+        dense = (torch.randn(L, 4, H, 70, head_dim, device=device, generator=g) * 100).to(dtype)  # (float8: saturates)
+        pool = torch.zeros(L, 12, H, page, head_dim, device=device, dtype=dst_dtype)
         table = torch.tensor([[5, 2, 9, 11, 11], [0, 7, 3, 11, 11]], device=device)
         i64 = lambda *a: torch.tensor(a, device=device, dtype=torch.int64)  # noqa: E731
         copy_slots(dense, pool, i64(3, 1), i64(5, 0), i64(0, 1), i64(0, 0), i64(40, 33), 40, dst_table=table)
         back = torch.zeros(L, 2, H, 40, head_dim, device=device, dtype=dtype)
         copy_slots(pool, back, i64(0, 1), i64(0, 0), i64(1, 0), i64(0, 0), i64(40, 33), 40, src_table=table)
+        dense = dense.to(dst_dtype).to(dtype)  # (each value as the store holds it)
         return (torch.equal(back[:, 1], dense[:, 3, :, 5:45]) and torch.equal(back[:, 0, :, :33], dense[:, 1, :, :33])
-                and torch.equal(pool[:, 2], dense[:, 3, :, 21:37]))
+                and torch.equal(pool[:, 2].to(dtype), dense[:, 3, :, 21:37]))
 
     return kernel_agrees(check, what="the K/V slot copy kernel", reference="torch indexing",
-                         where=f"{device} ({dtype}, head {head_dim})",
+                         where=f"{device} ({dtype} into {dst_dtype}, head {head_dim})",
                          fallback="K/V runs are copied by advanced indexing (slower)")

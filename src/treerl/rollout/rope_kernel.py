@@ -73,6 +73,9 @@ if triton is not None:
             blk = tl.load(Block + b).to(tl.int64)
             off = tl.load(Offset + b).to(tl.int64)
             dk = OK.dtype.element_ty
+            if dk != QKV.dtype.element_ty:  # a float8 store: rounded to the model's dtype first, as the torch path does
+                y1 = y1.to(QKV.dtype.element_ty).to(tl.float32)
+                y2 = y2.to(QKV.dtype.element_ty).to(tl.float32)
             k_at = OK + blk * sok_b + kv * sok_h + off * sok_s
             tl.store(k_at + i, y1.to(dk))
             tl.store(k_at + HALF + i, y2.to(dk))
@@ -82,6 +85,8 @@ if triton is not None:
             d = tl.arange(0, DV)
             v = tl.load(row + (HQ + HKV) * D + kv * DV + d)
             dv = OV.dtype.element_ty
+            if dv != v.dtype:
+                v = v.to(tl.float32)
             tl.store(OV + blk * sov_b + kv * sov_h + off * sov_s + d, v.to(dv))
             tl.store(VOut + (b * HKV + kv) * DV + d, v.to(dv))
 
@@ -93,7 +98,8 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: 
     """``qkv [B, 1, (Hq + Hkv) x D + Hkv x Dv]`` (the product), ``cos/sin [B, 1, D]``, the Q/K
     norm modules (None: no Q/K norms) -> ``q_own [B, Hkv, gq, D]``, ``q_pre [B/G, Hkv, G gq,
     D]``, the token's ``k [B, Hkv, D]`` and ``v [B, Hkv, Dv]`` (post-RoPE), also written into the
-    pools ``own_k/own_v [blocks, Hkv, PAGE, D]`` at slot ``offset[i]`` of block ``block[i]``."""
+    pools ``own_k/own_v [blocks, Hkv, PAGE, D]`` at slot ``offset[i]`` of block ``block[i]`` (``k/v``
+    in the pools' dtype: a float8 store's values, rounded to the model's dtype first)."""
     B = qkv.shape[0]
     D = cos.shape[-1]
     Dv = (qkv.shape[-1] - (heads + kv_heads) * D) // kv_heads

@@ -27,6 +27,11 @@ first); with fork levels, the queries of each node's ``r_k`` rows against its se
 exact, whatever their number). Masks are additive device tensors (``0`` visible, dtype
 minimum hidden), so shapes are fixed per ``(hg, own_len)`` bucket and the step can be
 captured in a CUDA graph.
+
+Every store holds ``kv_dtype``: the model's dtype by default (exact), or float8 (e4m3, no
+scale: ``RolloutEngine(kv_cache_dtype="fp8")``), written from K/V rounded to the model's dtype
+first and widened to the queries' dtype where read; the prefill's own cache stays in the
+model's dtype.
 """
 
 from __future__ import annotations
@@ -99,12 +104,13 @@ class SharedPrefixCache(Cache):
     def __init__(self, num_layers: int, groups: int, G: int, prefix_capacity: int, table: torch.Tensor,
                  num_blocks: int, block_size: int, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype,
                  device: torch.device, forks: Sequence[tuple[int, int, int]] = (),
-                 prompts_in_own_blocks: bool = False):
+                 prompts_in_own_blocks: bool = False, kv_dtype: torch.dtype | None = None):
         S = groups * G
         own_capacity = table.shape[1] * block_size
+        self.compute_dtype, self.kv_dtype = dtype, kv_dtype or dtype
 
         def z(n, c, d):  # one buffer for all layers (each layer's store is a view): loads move every layer at once
-            return torch.zeros(num_layers, n, kv_heads, c, d, dtype=dtype, device=device)
+            return torch.zeros(num_layers, n, kv_heads, c, d, dtype=self.kv_dtype, device=device)
 
         self.all_pk, self.all_pv = z(groups, prefix_capacity, head_dim), z(groups, prefix_capacity, value_dim)
         self.all_ok, self.all_ov = z(num_blocks + 1, block_size, head_dim), z(num_blocks + 1, block_size, value_dim)
@@ -123,7 +129,8 @@ class SharedPrefixCache(Cache):
         self.fork_index: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.fork_masks: list[torch.Tensor] = []
         # the CUDA kernels with LSE that run here (probed now: never inside a capture or a compile)
-        self.split = device.type == "cuda" and split_attention_ok(str(device), dtype, head_dim, value_dim, block_size)
+        self.split = device.type == "cuda" and split_attention_ok(str(device), dtype, head_dim, value_dim, block_size,
+                                                                  self.kv_dtype)
         self.efficient = device.type == "cuda" and _efficient_ok(str(device), dtype, head_dim, value_dim)
         self.efficient_unaligned = self.efficient and _efficient_ok(str(device), dtype, head_dim, value_dim, True)
         self.write_index: torch.Tensor | None = None
@@ -166,7 +173,7 @@ class SharedPrefixCache(Cache):
         s, h, q, d = key_states.shape
         if q != 1 or self.write_index is None:
             raise RuntimeError("SharedPrefixCache takes one-token decode steps only (prefill goes through SlotCache)")
-        k, v = key_states[:, :, 0], value_states[:, :, 0]
+        k, v = key_states[:, :, 0].to(self.kv_dtype), value_states[:, :, 0].to(self.kv_dtype)
         layer.ok[self.write_block, :, self.write_offset] = k
         layer.ov[self.write_block, :, self.write_offset] = v
         self.write_forks(layer_idx, k, v)
@@ -287,8 +294,7 @@ class SharedPrefixCache(Cache):
         else:
             targets = (self.all_fk[store], self.all_fv[store])
         sources = (src_cache.all_keys, src_cache.all_values)  # every layer's [layers, B, Hkv, slots, D]
-        if sources[0].dtype == targets[0].dtype and copy_slots_ok(str(start.device), targets[0].dtype,
-                                                                  targets[0].shape[-1]):
+        if copy_slots_ok(str(start.device), sources[0].dtype, targets[0].shape[-1], targets[0].dtype):
             count, zero = (L - start).clamp(max=n), torch.zeros_like(start)
             for target, x_all in zip(targets, sources):
                 copy_slots(x_all, target, src, start, dst, zero, count, n,
@@ -354,8 +360,10 @@ def _attend_math(q, k, v, mask, scale):
 
 
 def _attend_efficient(q, k, v, mask, scale):
-    """CUDA memory-efficient attention kernel with its LSE (fp32 accumulation)."""
+    """CUDA memory-efficient attention kernel with its LSE (fp32 accumulation; float8 K/V widened to
+    the queries' dtype first)."""
     B, H, M, _ = q.shape
+    k, v = k.to(q.dtype), v.to(q.dtype)
     bias = mask.expand(B, H, M, k.shape[2])
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         q.contiguous(), k, v, bias, True, 0.0, False, scale=scale)[:2]
@@ -459,21 +467,24 @@ def merge_parts(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, l
 
 
 @functools.lru_cache(maxsize=None)
-def merged_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int) -> bool:
+def merged_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int,
+                        kv_dtype: torch.dtype | None = None) -> bool:
     """Whether :func:`~treerl.rollout.decode_attention.split_attention_merged` runs here and agrees
     with the own part in float64 merged by :func:`merge_parts` (probed once per device, dtype and
     head sizes, on two groups of 3 rows, 2 KV heads of 2 query heads, a row with fewer keys, the
     prompt part in 2 ranges, one of them empty), and so does the own part in 3 key ranges (the
-    short row's last two hidden) merged by :func:`~treerl.rollout.decode_attention.merge_ranges`. A failure warns with its
-    reason (:func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
-    if not split_attention_ok(device, dtype, head_dim, value_dim) or value_dim & (value_dim - 1):
+    short row's last two hidden) merged by :func:`~treerl.rollout.decode_attention.merge_ranges`
+    (``kv_dtype``: K/V stored in float8). A failure warns with its reason
+    (:func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
+    kv_dtype = kv_dtype or dtype
+    if not split_attention_ok(device, dtype, head_dim, value_dim, 0, kv_dtype) or value_dim & (value_dim - 1):
         return False
 
     def check() -> bool:
         g = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(6, 2, 2, head_dim, device=device, dtype=dtype, generator=g)
-        k = torch.randn(6, 2, 160, head_dim, device=device, dtype=dtype, generator=g)  # (splits=3: 3 ranges of 64)
-        v = torch.randn(6, 2, 160, value_dim, device=device, dtype=dtype, generator=g)
+        k = torch.randn(6, 2, 160, head_dim, device=device, dtype=dtype, generator=g).to(kv_dtype)  # (3 ranges of 64)
+        v = torch.randn(6, 2, 160, value_dim, device=device, dtype=dtype, generator=g).to(kv_dtype)
         mask = torch.zeros(6, 1, 1, 160, device=device, dtype=dtype)
         mask[4, ..., 17:] = torch.finfo(dtype).min
         o2 = torch.randn(2, 2, 2, 6, value_dim, device=device, generator=g)
@@ -489,7 +500,7 @@ def merged_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_di
         return torch.allclose(got.double(), want, atol=tol)
 
     return kernel_agrees(check, what="the decode step's merged attention kernels", reference="merge_parts",
-                         where=f"{device} ({dtype})",
+                         where=f"{device} ({dtype}, K/V {kv_dtype})",
                          fallback="the decode step runs without its split-key kernel step (slower)")
 
 

@@ -1,6 +1,6 @@
 """Types shared by the rollout engine's modules: what ``generate`` returns
 (:class:`Completion`, :class:`Group`), what it did (:class:`RolloutStats`), and
-:func:`round_up` (cache capacities). Below both :mod:`~treerl.rollout.engine` and
+:func:`round_up` (cache capacities), the K/V dtypes (:data:`KV_CACHE_DTYPES`). Below both :mod:`~treerl.rollout.engine` and
 :mod:`~treerl.rollout.stream`, so neither imports the other's internals."""
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ def to_device(a, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+# the running batch's K/V dtype (RolloutEngine's kv_cache_dtype): None, the model's
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 
 def round_up(n: int, multiple: int = 16) -> int:

@@ -218,7 +218,7 @@ def serving_rollout_config(config: str | None, overrides: list[str], args) -> Ro
     """The served engine's ``rollout`` section: the config's (``rollout.max_batch_tokens``,
     ...), with ``--prefix-cache-tokens`` as ``rollout.prefix_cache_tokens`` (neither set:
     ``rollout.max_batch_tokens``: a running batch's worth of conversations kept between turns) and ``--prefill-chunk-tokens`` as
-    ``rollout.prefill_chunk_tokens`` when given (checked as the keys are);
+    ``rollout.prefill_chunk_tokens`` and ``--kv-cache-dtype`` as ``rollout.kv_cache_dtype`` when given (checked as the keys are);
     ``keep_stream_buffers`` off: a server's streams end when idle, their arenas are not kept."""
     cfg = Config.from_yaml(config, overrides)
     if args.prefix_cache_tokens is None and cfg.rollout.prefix_cache_tokens is None:
@@ -226,7 +226,8 @@ def serving_rollout_config(config: str | None, overrides: list[str], args) -> Ro
         # tokens computed; 131,072: 135k, +15% tokens/s)
         cfg.rollout.prefix_cache_tokens = cfg.rollout.max_batch_tokens
     for option, key, value in (("--prefix-cache-tokens", "rollout.prefix_cache_tokens", args.prefix_cache_tokens),
-                               ("--prefill-chunk-tokens", "rollout.prefill_chunk_tokens", args.prefill_chunk_tokens)):
+                               ("--prefill-chunk-tokens", "rollout.prefill_chunk_tokens", args.prefill_chunk_tokens),
+                               ("--kv-cache-dtype", "rollout.kv_cache_dtype", getattr(args, "kv_cache_dtype", None))):
         if value is not None:
             try:
                 cfg.set(key, value)
