@@ -131,6 +131,8 @@ def parse_args(argv=None):
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 17,
                    help="the engine's prefix cache in and out of process (treerl serve's default: 131,072)")
     p.add_argument("--prefill-chunk-tokens", type=int, default=8192, help="the engine's (its default: 8192)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                   help="the engine's running-batch K/V in and out of process (fp8: not exact)")
     p.add_argument("--prefill-graph-tokens", type=int, default=None,
                    help="the engine's (default: 2048 on CUDA; 0: every prefill in its exact shape, no graphs)")
     p.add_argument("--max-rows", type=int, default=256, help="rows of the running batch (treerl serve's default)")
@@ -293,7 +295,8 @@ def measure(args, run, counters, alone=None) -> dict:
 # ---------------------------------------------------------------------- in process
 def in_process(args, model, vocab: int) -> dict:
     engine = RolloutEngine(model, prefix_cache_tokens=args.prefix_cache_tokens,
-                           prefill_chunk_tokens=args.prefill_chunk_tokens, prefill_graph_tokens=args.prefill_graph_tokens)
+                           prefill_chunk_tokens=args.prefill_chunk_tokens, prefill_graph_tokens=args.prefill_graph_tokens,
+                           kv_cache_dtype=args.kv_cache_dtype)
     loop = EngineLoop(engine, max_rows=args.max_rows, idle_timeout_s=args.idle_timeout_s)
 
     async def call(prompt, max_tokens, temperature):
@@ -374,7 +377,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "treerl.cli", "serve", "--weights", str(model_dir), "--device", args.device,
                "--dtype", dtype, "--port", "0", "--max-tokens", str(args.max_tokens),
                "--max-rows", str(args.max_rows), "--prefix-cache-tokens", str(args.prefix_cache_tokens),
-               "--prefill-chunk-tokens", str(args.prefill_chunk_tokens),
+               "--prefill-chunk-tokens", str(args.prefill_chunk_tokens), "--kv-cache-dtype", args.kv_cache_dtype,
                "--idle-timeout-s", str(args.idle_timeout_s)]
         if args.prefill_graph_tokens is not None:
             cmd.append(f"rollout.prefill_graph_tokens={args.prefill_graph_tokens}")

@@ -54,6 +54,7 @@ from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
 from .rope_kernel import rope_write
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, merged_attention_ok, shared_part, split_queries
+from .types import raw
 
 
 def qkv_rope(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor,
@@ -84,8 +85,8 @@ def _pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: t
     ``offset[i]`` of block ``block[i]``. ``w_qkv``/``b_qkv``: the Q, K, V projections as one."""
     q, k, v = qkv_rope(layer, hidden, cos, sin, w_qkv, b_qkv)
     k, v = k[:, :, 0].to(own_k.dtype), v[:, 0].to(own_v.dtype)
-    own_k[block, :, offset] = k
-    own_v[block, :, offset] = v
+    raw(own_k)[block, :, offset] = raw(k)
+    raw(own_v)[block, :, offset] = raw(v)
     q_own, q_pre = split_queries(q, own_k.shape[1], G)
     return q_own.contiguous(), q_pre.contiguous(), k, v
 
@@ -346,8 +347,8 @@ def _heads(layer: torch.nn.Module) -> tuple[int, int]:
 def _rope_kernel_agrees(layer, hidden, cos, sin, G, w_qkv, b_qkv, store) -> bool:
     """:func:`~treerl.rollout.rope_kernel.rope_write` against :func:`_pre` (eager) on one
     layer's inputs, each writing a scratch pool (block 0, row ``i`` at slot ``i``): every
-    output within the dtype's rounding (float32: 1e-5; half precision: 2 units of its last
-    place, relative to the output's largest value)."""
+    output within its dtype's rounding (float32: 1e-5; half precision and a float8 store's: 2
+    units of its last place, relative to the output's largest value)."""
     D = cos.shape[-1]
     Dv = store.ov.shape[-1]
     B = hidden.shape[0]
@@ -361,9 +362,12 @@ def _rope_kernel_agrees(layer, hidden, cos, sin, G, w_qkv, b_qkv, store) -> bool
         want = _pre(layer, hidden, cos, sin, G, w_qkv, b_qkv, *pools[0], block, offset)
         got = rope_write(_qkv(layer, hidden, w_qkv, b_qkv), cos, sin, *_qk_norms(layer), *_heads(layer), G,
                          *pools[1], block, offset)
-        tol = 1e-5 if hidden.dtype == torch.float32 else 2 * torch.finfo(hidden.dtype).eps
+        def tol(dtype: torch.dtype) -> float:  # (a float8 store's values: 2 units of float8's last place)
+            return 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+
         pairs = list(zip(want, got)) + list(zip(pools[0], pools[1]))
-        return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * b.abs().max().item())
+        return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=tol(b.dtype),
+                                                         atol=tol(b.dtype) * b.float().abs().max().item())
                    for a, b in pairs)
     except Exception:  # noqa: BLE001 - any failure: the compiled torch path
         return False

@@ -39,6 +39,7 @@ import functools
 import torch
 
 from .kernel_probe import kernel_agrees
+from .types import raw
 
 try:
     import triton
@@ -342,7 +343,7 @@ def to_pages(k: torch.Tensor, v: torch.Tensor, page: int,
 
     def pages(x: torch.Tensor) -> torch.Tensor:
         pool = x.new_zeros(B * n + 1, H, page, x.shape[3])
-        pool[order] = x.reshape(B, H, n, page, x.shape[3]).transpose(1, 2).reshape(B * n, H, page, x.shape[3])
+        raw(pool)[order] = raw(x.reshape(B, H, n, page, x.shape[3]).transpose(1, 2).reshape(B * n, H, page, x.shape[3]))
         return pool
 
     return pages(k), pages(v), order.reshape(B, n)

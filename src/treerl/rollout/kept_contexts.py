@@ -26,7 +26,7 @@ import torch
 
 from .kv_copy import copy_slots, copy_slots_ok
 from .prefix_cache import PrefixCache, PrefixEntry
-from .types import to_device
+from .types import raw, to_device
 
 if TYPE_CHECKING:  # pragma: no cover
     from .scheduler import Scheduler
@@ -97,4 +97,5 @@ def own_context(store: "SharedPrefixCache", blocks: np.ndarray, n: int) -> tuple
     blk = to_device(blocks, device)[j // store.block_size]
     off = j % store.block_size
     # [layers, blocks, Hkv, B, D] indexed [:, blk, :, off]: the indices are apart, so n leads: [n, layers, Hkv, D]
-    return tuple(pool[:, blk, :, off].permute(1, 2, 0, 3).to(dtype) for pool in (store.all_ok, store.all_ov))
+    return tuple(raw(pool)[:, blk, :, off].view(pool.dtype).permute(1, 2, 0, 3).to(dtype)
+                 for pool in (store.all_ok, store.all_ov))

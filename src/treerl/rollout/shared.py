@@ -46,6 +46,7 @@ from .decode_attention import (MERGED_MIN_PROGRAMS, merge_ranges, split_attentio
                                split_attention_merged, split_attention_ok, splits_for)
 from .kernel_probe import kernel_agrees
 from .kv_copy import copy_slots, copy_slots_ok
+from .types import raw
 
 LOAD_TEMP_BYTES = 64 << 20  # a load's gathered keys (or values) of several layers at once: at most this (bytes)
 
@@ -174,8 +175,8 @@ class SharedPrefixCache(Cache):
         if q != 1 or self.write_index is None:
             raise RuntimeError("SharedPrefixCache takes one-token decode steps only (prefill goes through SlotCache)")
         k, v = key_states[:, :, 0].to(self.kv_dtype), value_states[:, :, 0].to(self.kv_dtype)
-        layer.ok[self.write_block, :, self.write_offset] = k
-        layer.ov[self.write_block, :, self.write_offset] = v
+        raw(layer.ok)[self.write_block, :, self.write_offset] = raw(k)
+        raw(layer.ov)[self.write_block, :, self.write_offset] = raw(v)
         self.write_forks(layer_idx, k, v)
         return self.own(layer_idx, s)
 
@@ -187,8 +188,8 @@ class SharedPrefixCache(Cache):
             return
         layer = self.layers[layer_idx]
         for fk, fv, (node, slot) in zip(layer.fk, layer.fv, self.fork_index):
-            fk[node, :, slot] = k
-            fv[node, :, slot] = v
+            raw(fk)[node, :, slot] = raw(k.to(fk.dtype))
+            raw(fv)[node, :, slot] = raw(v.to(fv.dtype))
 
     def own(self, layer_idx: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Own keys/values of rows ``[:s]`` over the attended slots, gathered from their
@@ -197,7 +198,7 @@ class SharedPrefixCache(Cache):
         idx = self.table[:s, : -(-n // self.block_size)]
 
         def dense(pool: torch.Tensor) -> torch.Tensor:
-            x = pool[idx]  # [s, blocks, Hkv, B, D]
+            x = raw(pool)[idx].view(pool.dtype)  # [s, blocks, Hkv, B, D]
             return x.transpose(1, 2).reshape(s, x.shape[2], -1, x.shape[-1])[:, :, :n]
 
         return dense(layer.ok), dense(layer.ov)
@@ -312,11 +313,11 @@ class SharedPrefixCache(Cache):
         rows = src[:, None]
         for target, x_all in zip(targets, sources):
             for a in range(0, x_all.shape[0], per):
-                x = x_all[a : a + per][:, rows, :, idx].to(target.dtype)
+                x = raw(x_all[a : a + per][:, rows, :, idx].to(target.dtype))
                 if store == "own":
-                    target[a : a + per, blk, :, off] = x
+                    raw(target)[a : a + per, blk, :, off] = x
                 else:
-                    target[a : a + per, dst, :, :n] = x.permute(2, 0, 3, 1, 4)
+                    raw(target)[a : a + per, dst, :, :n] = x.permute(2, 0, 3, 1, 4)
 
     def move_groups(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Move group slots ``src`` (prefix, fork segments, and their ``G`` rows' block
@@ -330,10 +331,10 @@ class SharedPrefixCache(Cache):
         self.table[rdst] = self.table[rsrc]
         self.table[rsrc] = self.num_blocks
         for store in (self.all_pk, self.all_pv):
-            store[:, dst] = store[:, src]
+            raw(store)[:, dst] = raw(store)[:, src]
         for fk, fv, (c, _, _) in zip(self.all_fk, self.all_fv, self.forks):
             ndst, nsrc = expand(dst, c), expand(src, c)
-            fk[:, ndst], fv[:, ndst] = fk[:, nsrc], fv[:, nsrc]
+            raw(fk)[:, ndst], raw(fv)[:, ndst] = raw(fk)[:, nsrc], raw(fv)[:, nsrc]
 
     def grow_prefix(self, capacity: int) -> None:
         """More prefix slots per group (keeps the contents)."""

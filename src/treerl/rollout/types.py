@@ -29,6 +29,13 @@ def to_device(a, device: torch.device) -> torch.Tensor:
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor's bytes (a ``uint8`` view; other tensors as they are): the stores'
+    indexing (gathers, scattered writes) moves float8 values as bytes, which every device's
+    index kernels handle."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
 def round_up(n: int, multiple: int = 16) -> int:
     """Cache capacities are multiples of 16 (aligned rows for the attention kernels)."""
     return -(-n // multiple) * multiple
