@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from treerl.hf_attention import attention_routed, register
+from treerl.rollout.types import stored
 
 FP8 = torch.float8_e4m3fn
 _ROUNDED_BELOW: list[torch.Tensor] = []  # [T]: query t of the reference forward sees keys j < this rounded
@@ -21,7 +22,7 @@ def _fp8_reference_attention(module, query, key, value, attention_mask, scaling=
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     rounded = torch.arange(T)[None, :] < _ROUNDED_BELOW[0][:, None]  # [T, T]: (query, key) pairs read in float8
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    k8, v8 = key.to(FP8).to(key.dtype), value.to(FP8).to(value.dtype)
+    k8, v8 = stored(key, FP8).to(key.dtype), stored(value, FP8).to(value.dtype)
     s = torch.where(rounded, query @ k8.transpose(-1, -2), query @ key.transpose(-1, -2)) * scale
     p = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
     out = torch.where(rounded, p, 0) @ v8 + torch.where(rounded, 0, p) @ value

@@ -54,7 +54,7 @@ from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
 from .rope_kernel import rope_write
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, merged_attention_ok, shared_part, split_queries
-from .types import raw
+from .types import raw, stored
 
 
 def qkv_rope(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor,
@@ -84,7 +84,7 @@ def _pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: t
     into the row store's block pools ``own_k/own_v [blocks, Hkv, Bk, D]``, row ``i`` at slot
     ``offset[i]`` of block ``block[i]``. ``w_qkv``/``b_qkv``: the Q, K, V projections as one."""
     q, k, v = qkv_rope(layer, hidden, cos, sin, w_qkv, b_qkv)
-    k, v = k[:, :, 0].to(own_k.dtype), v[:, 0].to(own_v.dtype)
+    k, v = stored(k[:, :, 0], own_k.dtype), stored(v[:, 0], own_v.dtype)
     raw(own_k)[block, :, offset] = raw(k)
     raw(own_v)[block, :, offset] = raw(v)
     q_own, q_pre = split_queries(q, own_k.shape[1], G)

@@ -39,7 +39,7 @@ import functools
 import torch
 
 from .kernel_probe import kernel_agrees
-from .types import raw
+from .types import raw, stored
 
 try:
     import triton
@@ -126,6 +126,8 @@ if triton is not None:
         offs_dv = tl.arange(0, DV)
         q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
                     mask=offs_m[:, None] < M, other=0.0)
+        if K.dtype.element_ty.is_fp8() and not IEEE:  # float8 K/V: the products in float16, which holds every float8
+            q = q.to(tl.float16)  # value exactly and a bf16 query's 8 bits (Hopper widens float8 to float16 in one step)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DV], tl.float32)
@@ -365,8 +367,8 @@ def split_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim
         N = 200  # keys (a partial last tile); paged: in whole blocks, the last one partly attended
         n = N if page == 0 else -(-N // page) * page
         q = torch.randn(3, 2, 5, head_dim, device=device, dtype=dtype, generator=g)
-        k = torch.randn(3, 2, n, head_dim, device=device, dtype=dtype, generator=g).to(kv_dtype)
-        v = torch.randn(3, 2, n, value_dim, device=device, dtype=dtype, generator=g).to(kv_dtype)
+        k = stored(torch.randn(3, 2, n, head_dim, device=device, dtype=dtype, generator=g), kv_dtype)
+        v = stored(torch.randn(3, 2, n, value_dim, device=device, dtype=dtype, generator=g), kv_dtype)
         mask = torch.zeros(3, N, device=device, dtype=dtype)
         mask[1, 20:] = torch.finfo(dtype).min
         s = torch.matmul(q.double(), k[:, :, :N].double().transpose(-1, -2)) * 0.125 + mask.double()[:, None, None, :]

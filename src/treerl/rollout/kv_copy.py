@@ -20,6 +20,7 @@ import functools
 import torch
 
 from .kernel_probe import kernel_agrees
+from .types import stored
 
 try:
     import triton
@@ -105,7 +106,7 @@ def copy_slots_ok(device: str, dtype: torch.dtype, head_dim: int, dst_dtype: tor
         copy_slots(dense, pool, i64(3, 1), i64(5, 0), i64(0, 1), i64(0, 0), i64(40, 33), 40, dst_table=table)
         back = torch.zeros(L, 2, H, 40, head_dim, device=device, dtype=dtype)
         copy_slots(pool, back, i64(0, 1), i64(0, 0), i64(1, 0), i64(0, 0), i64(40, 33), 40, src_table=table)
-        dense = dense.to(dst_dtype).to(dtype)  # (each value as the store holds it)
+        dense = stored(dense, dst_dtype).to(dtype)  # (each value as the store holds it)
         return (torch.equal(back[:, 1], dense[:, 3, :, 5:45]) and torch.equal(back[:, 0, :, :33], dense[:, 1, :, :33])
                 and torch.equal(pool[:, 2].to(dtype), dense[:, 3, :, 21:37]))
 

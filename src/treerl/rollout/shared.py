@@ -46,7 +46,7 @@ from .decode_attention import (MERGED_MIN_PROGRAMS, merge_ranges, split_attentio
                                split_attention_merged, split_attention_ok, splits_for)
 from .kernel_probe import kernel_agrees
 from .kv_copy import copy_slots, copy_slots_ok
-from .types import raw
+from .types import raw, stored
 
 LOAD_TEMP_BYTES = 64 << 20  # a load's gathered keys (or values) of several layers at once: at most this (bytes)
 
@@ -174,7 +174,7 @@ class SharedPrefixCache(Cache):
         s, h, q, d = key_states.shape
         if q != 1 or self.write_index is None:
             raise RuntimeError("SharedPrefixCache takes one-token decode steps only (prefill goes through SlotCache)")
-        k, v = key_states[:, :, 0].to(self.kv_dtype), value_states[:, :, 0].to(self.kv_dtype)
+        k, v = stored(key_states[:, :, 0], self.kv_dtype), stored(value_states[:, :, 0], self.kv_dtype)
         raw(layer.ok)[self.write_block, :, self.write_offset] = raw(k)
         raw(layer.ov)[self.write_block, :, self.write_offset] = raw(v)
         self.write_forks(layer_idx, k, v)
@@ -188,8 +188,8 @@ class SharedPrefixCache(Cache):
             return
         layer = self.layers[layer_idx]
         for fk, fv, (node, slot) in zip(layer.fk, layer.fv, self.fork_index):
-            raw(fk)[node, :, slot] = raw(k.to(fk.dtype))
-            raw(fv)[node, :, slot] = raw(v.to(fv.dtype))
+            raw(fk)[node, :, slot] = raw(stored(k, fk.dtype))
+            raw(fv)[node, :, slot] = raw(stored(v, fv.dtype))
 
     def own(self, layer_idx: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Own keys/values of rows ``[:s]`` over the attended slots, gathered from their
@@ -313,7 +313,7 @@ class SharedPrefixCache(Cache):
         rows = src[:, None]
         for target, x_all in zip(targets, sources):
             for a in range(0, x_all.shape[0], per):
-                x = raw(x_all[a : a + per][:, rows, :, idx].to(target.dtype))
+                x = raw(stored(x_all[a : a + per][:, rows, :, idx], target.dtype))
                 if store == "own":
                     raw(target)[a : a + per, blk, :, off] = x
                 else:
@@ -484,8 +484,8 @@ def merged_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_di
     def check() -> bool:
         g = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(6, 2, 2, head_dim, device=device, dtype=dtype, generator=g)
-        k = torch.randn(6, 2, 160, head_dim, device=device, dtype=dtype, generator=g).to(kv_dtype)  # (3 ranges of 64)
-        v = torch.randn(6, 2, 160, value_dim, device=device, dtype=dtype, generator=g).to(kv_dtype)
+        k = stored(torch.randn(6, 2, 160, head_dim, device=device, dtype=dtype, generator=g), kv_dtype)  # (3 ranges)
+        v = stored(torch.randn(6, 2, 160, value_dim, device=device, dtype=dtype, generator=g), kv_dtype)
         mask = torch.zeros(6, 1, 1, 160, device=device, dtype=dtype)
         mask[4, ..., 17:] = torch.finfo(dtype).min
         o2 = torch.randn(2, 2, 2, 6, value_dim, device=device, generator=g)

@@ -29,11 +29,24 @@ def to_device(a, device: torch.device) -> torch.Tensor:
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a K/V store of ``dtype`` holds it: each value rounded once, a float8 store's
+    saturated at its largest finite value (as the Triton kernels' conversions do; torch's
+    CUDA cast would give NaN past it)."""
+    if dtype in FLOAT8 and x.dtype not in FLOAT8:
+        big = torch.finfo(dtype).max
+        x = x.clamp(-big, big)
+    return x.to(dtype)
+
+
 def raw(t: torch.Tensor) -> torch.Tensor:
     """A float8 tensor's bytes (a ``uint8`` view; other tensors as they are): the stores'
     indexing (gathers, scattered writes) moves float8 values as bytes, which every device's
     index kernels handle."""
-    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+    return t.view(torch.uint8) if t.dtype in FLOAT8 else t
 
 
 def round_up(n: int, multiple: int = 16) -> int:
