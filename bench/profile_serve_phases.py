@@ -175,7 +175,7 @@ def decode(self):  # the engine thread: the profiler starts and stops here
         STATE["live_keys"] += int((h.fed_h[h.live] - self.tree.own_start + 1).clip(min=0).sum())
         c = self.e.model.config
         hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        STATE["bytes_per_key"] = 2 * c.num_hidden_layers * c.num_key_value_heads * hd * self.dev.dtype.itemsize
+        STATE["bytes_per_key"] = 2 * c.num_hidden_layers * c.num_key_value_heads * hd * self.e.kv_dtype.itemsize
     out = timed_on_device(lambda: _decode(self)) if STATE["prof"] is not None else _decode(self)
     if STATE["prof"] is not None:
         STATE["steps"] += 1
