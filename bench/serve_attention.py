@@ -33,6 +33,7 @@ if not any((Path(p) / "treerl").is_dir() for p in os.environ.get("PYTHONPATH", "
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # (an A/B's PYTHONPATH wins: bench_serve.py)
 
 from treerl.rollout.decode_attention import merge_ranges, split_attention, split_attention_merged  # noqa: E402
+from treerl.rollout.types import raw, stored  # noqa: E402
 
 H, M, D, PAGE = 8, 2, 128, 64
 
@@ -62,8 +63,8 @@ def reference(q, pk, pv, mask, table, lens) -> torch.Tensor:
         if n == 0:
             continue
         blk = table[i, : -(-n // PAGE)]
-        k = pk[blk].transpose(0, 1).reshape(H, -1, D)[:, :n].float()
-        v = pv[blk].transpose(0, 1).reshape(H, -1, D)[:, :n].float()
+        k = raw(pk)[blk].view(pk.dtype).transpose(0, 1).reshape(H, -1, D)[:, :n].float()
+        v = raw(pv)[blk].view(pv.dtype).transpose(0, 1).reshape(H, -1, D)[:, :n].float()
         p = torch.softmax(q[i].float() @ k.transpose(-1, -2) * D ** -0.5, -1)
         out[i, 0] = (p @ v).reshape(H * M, D)
     return out
@@ -73,6 +74,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path)
     p.add_argument("--smoke", action="store_true", help="short rows, no timing (on the CPU: TRITON_INTERPRET=1)")
+    p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
+                   help="the pools in the queries' dtype (auto) or float8 e4m3 (RolloutEngine(kv_cache_dtype='fp8'))")
     args = p.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dt = torch.float32 if args.smoke else torch.bfloat16  # (the interpreter's bf16 dots are not bf16 math)
@@ -85,6 +88,9 @@ def main() -> None:
     # more, shorter ranges (a balance over rows of unequal length)
     variants += [("split", dict(target=t)) for t in (528, 1056, 2112, 4224)] + [("split", dict(target=528, block_n=128))]
     variants.append(("merged", {}))  # the default again: the spread of one setting
+    if args.kv_dtype == "fp8":  # (float8 pools: deeper pipelines, the merged kernel's settings only)
+        variants = [("merged", dict(block_n=n, num_warps=w, num_stages=s))
+                    for n, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3))]
     cases = [("serve: 44 live of 64 slots, 700-2600 keys", 44, 64, 700, 2600),
              ("serve: 44 live of 44 slots, 700-2600 keys", 44, 44, 700, 2600),
              ("serve: 20 live of 32 slots, 1500-3000 keys", 20, 32, 1500, 3000),
@@ -98,7 +104,9 @@ def main() -> None:
         if args.smoke:
             lo, hi = lo // 20, hi // 20
         lens, layers, mask, table = case(live, slots, lo, hi, dev, dt)
-        nbytes = 2 * sum(-(-n // PAGE) * PAGE for n in lens) * H * D * 2
+        if args.kv_dtype == "fp8":
+            layers = [(q, stored(pk, torch.float8_e4m3fn), stored(pv, torch.float8_e4m3fn)) for q, pk, pv in layers]
+        nbytes = 2 * sum(-(-n // PAGE) * PAGE for n in lens) * H * D * layers[0][1].element_size()
         o_pre = torch.zeros(slots, H, 1, M, D, device=dev)
         l_pre = torch.full((slots, H, 1, M), float("-inf"), device=dev)
         ref = reference(*layers[0], mask, table, lens)

@@ -99,7 +99,7 @@ def copy_slots_ok(device: str, dtype: torch.dtype, head_dim: int, dst_dtype: tor
     def check() -> bool:
         g = torch.Generator(device=device).manual_seed(0)
         L, H, page = 3, 2, 16
-        dense = (torch.randn(L, 4, H, 70, head_dim, device=device, generator=g) * 100).to(dtype)  # (float8: saturates)
+        dense = stored(torch.randn(L, 4, H, 70, head_dim, device=device, generator=g) * 100, dtype)  # (float8: saturated)
         pool = torch.zeros(L, 12, H, page, head_dim, device=device, dtype=dst_dtype)
         table = torch.tensor([[5, 2, 9, 11, 11], [0, 7, 3, 11, 11]], device=device)
         i64 = lambda *a: torch.tensor(a, device=device, dtype=torch.int64)  # noqa: E731
