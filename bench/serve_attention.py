@@ -88,11 +88,9 @@ def main() -> None:
     # more, shorter ranges (a balance over rows of unequal length)
     variants += [("split", dict(target=t)) for t in (528, 1056, 2112, 4224)] + [("split", dict(target=528, block_n=128))]
     variants.append(("merged", {}))  # the default again: the spread of one setting
-    # the products with the keys as their first operand (``swap``: 1 the scores', 2 both)
-    swaps = [("merged", dict(block_n=n, swap=s)) for n in (64, 128) for s in (1, 2)]
-    if args.kv_dtype == "fp8":  # (float8 pools: the merged kernel's settings only; session 19 call 3 swept stages, warps)
-        variants = [("merged", dict(block_n=n)) for n in (64, 128)]
-    variants += swaps
+    if args.kv_dtype == "fp8":  # (float8 pools: deeper pipelines, the merged kernel's settings only)
+        variants = [("merged", dict(block_n=n, num_warps=w, num_stages=s))
+                    for n, w, s in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3))]
     cases = [("serve: 44 live of 64 slots, 700-2600 keys", 44, 64, 700, 2600),
              ("serve: 44 live of 44 slots, 700-2600 keys", 44, 44, 700, 2600),
              ("serve: 20 live of 32 slots, 1500-3000 keys", 20, 32, 1500, 3000),

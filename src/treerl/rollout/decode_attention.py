@@ -68,7 +68,7 @@ if triton is not None:
     def _tile(q, K, V, Table, b, h, offs_n, valid, bias, m_i, l_i, acc, tile_start, last, hidden,
               skb, skh, skn, svb, svh, svn, stb, N, scale,
               BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr,
-              CAUSAL: tl.constexpr, SWAP: tl.constexpr):
+              CAUSAL: tl.constexpr):
         """One key tile of :func:`_split_kernel`: the online-softmax update of ``(m_i, l_i, acc)``
         (``CAUSAL``: query ``m`` sees keys up to ``last[m]``; the others score ``hidden``, as masked keys)."""
         offs_d = tl.arange(0, D)
@@ -91,8 +91,6 @@ if triton is not None:
         k = tl.load(k_at + offs_d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)  # (fp8 stores: widened)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        elif SWAP > 0:  # the keys as the product's first operand (from registers), the scores transposed back
-            s = tl.trans(tl.dot(k, tl.trans(q)))
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale + bias[None, :]
@@ -106,8 +104,6 @@ if triton is not None:
         v = tl.load(v_at + offs_dv[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        elif SWAP > 1:
-            acc = acc * alpha[:, None] + tl.trans(tl.dot(tl.trans(v), tl.trans(p.to(v.dtype))))
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, l_i, acc
@@ -120,7 +116,7 @@ if triton is not None:
                       H, M, N, keys_per_split, scale, HIDDEN, Q0, QW,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                       IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr, MERGE: tl.constexpr,
-                      CAUSAL: tl.constexpr, SWAP: tl.constexpr = 0):
+                      CAUSAL: tl.constexpr):
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
@@ -158,7 +154,7 @@ if triton is not None:
             bias = tl.load(Mask + b * smb + offs_n, mask=valid, other=0.0).to(tl.float32)
             m_i, l_i, acc = _tile(q, K, V, Table, b, h, offs_n, valid, bias, m_i, l_i, acc, start + i * BLOCK_N,
                                   last, HIDDEN, skb, skh, skn, svb, svh, svn, stb, N, scale,
-                                  BLOCK_N, D, DV, IEEE, PAGE, CAUSAL, SWAP)
+                                  BLOCK_N, D, DV, IEEE, PAGE, CAUSAL)
         has = l_i > 0
         out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -265,7 +261,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 def split_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                            o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, dtype: torch.dtype, *,
                            table: torch.Tensor | None = None, block_n: int = BLOCK_N, num_warps: int | None = None,
-                           num_stages: int = 2, swap: int = 0) -> torch.Tensor:
+                           num_stages: int = 2) -> torch.Tensor:
     """:func:`split_attention` over one key range per (entry, head) with
     :func:`~treerl.rollout.shared.merge_parts` in its epilogue: ``q/k/v/mask/table`` as there (the rows' own part, ``M = gq`` queries), ``o_pre
     [B/G, H, S2, G x gq, Dv]`` / ``l_pre`` the other part's key ranges (:func:`split_attention`'s
@@ -279,7 +275,7 @@ def split_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     out = torch.empty(B, 1, H * M, v.shape[3], device=q.device, dtype=dtype)
     per = -(-N // block_n) * block_n
     _launch(q, k, v, mask, scale, table, 1, per, block_n, num_warps, num_stages, out,
-            (out.stride(0), out.stride(2), 0, 0), None, (o_pre, l_pre, G), swap=swap)
+            (out.stride(0), out.stride(2), 0, 0), None, (o_pre, l_pre, G))
     return out
 
 
@@ -305,7 +301,7 @@ def merge_ranges(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, 
 
 
 def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, out, out_strides, lse,
-            merge=None, causal=None, swap: int = 0) -> None:
+            merge=None, causal=None) -> None:
     """One launch of ``_split_kernel`` over ``(B x H, S)`` programs of ``per`` keys each (``causal``:
     ``(Q0, QW)``, and the queries in blocks of ``CAUSAL_QUERY_BLOCK``: a third grid dimension)."""
     B, H, M, D = q.shape
@@ -333,7 +329,7 @@ def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages,
         BLOCK_M=block_m, BLOCK_N=block_n, D=D, DV=DV, IEEE=q.dtype == torch.float32, PAGE=page,
         MASK_CHUNK=CAUSAL_MASK_CHUNK if causal is not None else min(1024, max(16, triton.next_power_of_2(per))),
         MERGE=merge is not None,
-        CAUSAL=causal is not None, SWAP=swap,
+        CAUSAL=causal is not None,
         num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages,
     )
 
