@@ -105,7 +105,7 @@ class RolloutEngine:
     **not exact**: a decode step attends to keys and values rounded to 3 mantissa bits (each value
     rounded to the model's dtype first, then to float8, saturated at +-448); prefills attend in the
     model's dtype. The trainer recomputes the logprobs it trains on; its rollout mismatch metric
-    and truncated importance sampling (``train.behaviour_weight_cap``) see the difference.
+    and truncated importance sampling (``algorithm.behaviour_weight_cap``) see the difference.
 
     ``keep_stream_buffers`` (default False): keep a finished stream's device buffers, K/V
     cache and captured CUDA graphs, and reuse them in the next stream with the same group
