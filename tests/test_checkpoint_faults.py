@@ -115,10 +115,18 @@ def test_eval_of_an_intact_older_checkpoint_still_works(run, capsys):
 
 # -------------------------------------------------- a save killed at any point
 CHILD = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, types
+    # treerl/checkpoint.py itself imports only torch and NumPy; `import treerl` would first run the
+    # package's __init__, which imports the engine (transformers, torch._dynamo: ~5 s of CPU per
+    # child, five children on two cores). A bare package over the same directory (argv[4]) loads
+    # the same checkpoint.py (and any treerl module it imports) without that __init__.
+    package = types.ModuleType("treerl")
+    package.__path__ = [sys.argv[4]]
+    sys.modules["treerl"] = package
     import torch
     from safetensors.torch import save_file
     from treerl import checkpoint as ckpt
+    assert os.path.dirname(ckpt.__file__) == sys.argv[4], ckpt.__file__
 
     class Model:  # a stand-in with the HF saving interface (no transformers import: fast)
         def __init__(self, value):
@@ -167,7 +175,7 @@ KILLED_AT = [("after_weights", 1), ("after_state", 1), ("after_meta", 1), ("afte
 @pytest.fixture(scope="module")
 def killed_saves(tmp_path_factory):
     """The children of every point of :data:`KILLED_AT`, started together at the first test
-    (each is a process importing torch and treerl that mostly waits on one core; they are
+    (each is a process importing torch and treerl.checkpoint that mostly waits on a core; they are
     independent, each in its own directory): {point: (Popen, its directory)}. Each test
     waits for its own."""
     env = {**os.environ, "PYTHONPATH": str(Path(ckpt.__file__).parents[1])}
@@ -177,8 +185,8 @@ def killed_saves(tmp_path_factory):
             tmp = tmp_path_factory.mktemp(point)
             keep_last = 1 if point == "while_pruning" else 2
             children[point] = (subprocess.Popen([sys.executable, "-c", CHILD, str(tmp / "checkpoints"), point,
-                                                 str(keep_last)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                text=True), tmp)
+                                                 str(keep_last), str(Path(ckpt.__file__).parent)], env=env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), tmp)
         yield children
     finally:
         kill_leftovers(proc for proc, _ in children.values())
