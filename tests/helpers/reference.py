@@ -36,10 +36,61 @@ def reference_logprobs(model, seqs, *, temperature: float = 1.0):
 
 def completion_logprobs(model, prompt, completion, temperature: float = 1.0) -> torch.Tensor:
     """log p of each completion token given all before it: one plain forward of prompt +
-    completion (:func:`reference_logprobs`), float64."""
+    completion (:func:`reference_logprobs`), float64. Remembered for the session by
+    :func:`forward_key` (the rollout tests' parametrizations ask for the same ones)."""
+    key = forward_key(model)
+    if key is not None:
+        key = (key, tuple(int(t) for t in prompt), tuple(int(t) for t in completion), float(temperature))
+        if key in _COMPLETIONS:
+            return _COMPLETIONS[key].clone()
     with torch.no_grad():
         lps, _ = reference_logprobs(model, [list(prompt) + list(completion)], temperature=temperature)
-    return lps[0][len(prompt) - 1:]
+    out = lps[0][len(prompt) - 1:]
+    if key is not None:
+        _COMPLETIONS[key] = out.clone()
+    return out
+
+
+_COMPLETIONS: dict = {}  # completion_logprobs's, by (forward_key, prompt, completion, temperature)
+
+
+def forward_key(model: torch.nn.Module) -> str | None:
+    """What a plain forward of ``model`` computes from: its class, config (with the attention
+    implementation), every module's class and train/eval mode, and every parameter's and
+    buffer's name, dtype, shape and bytes (a digest), and any instance-level ``forward`` (a
+    module-level function bound to its module, as :func:`treerl.models.rmsnorm_in_input_precision`
+    sets). None when a forward hook (global or on any module), another instance-level
+    ``forward`` or a PEFT adapter (enabled and disabled by flags) could make a forward do
+    something else."""
+    import hashlib
+
+    from torch.nn.modules import module as nn_module
+
+    if any(getattr(nn_module, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                         "_global_forward_hooks_always_called")):
+        return None
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    digest = hashlib.sha1()
+    for name, m in model.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            return None
+        if type(m).__module__.startswith("peft"):  # adapters switched on and off by flags, not weights
+            return None
+        forward = m.__dict__.get("forward")  # an instance-level forward: a module function bound to m only
+        if forward is not None:
+            func = getattr(forward, "__func__", None)
+            if getattr(forward, "__self__", None) is not m or func is None or "<" in func.__qualname__:
+                return None
+            forward = f"{func.__module__}.{func.__qualname__}"  # (rmsnorm_in_input_precision's)
+        digest.update(f"{name}:{type(m).__module__}.{type(m).__qualname__}:{m.training}:{forward};".encode())
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:  # (buffers: non-persistent ones too)
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    digest.update((config.to_json_string(use_diff=False) + str(config._attn_implementation)).encode())
+    return digest.hexdigest()
 
 
 def reference_step(model, seqs, loss_fn, *, entropy: bool = False, temperature: float = 1.0):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from helpers.reference import forward_key
 from treerl.rollout import SamplingParams
 
 VOCAB = 512  # the `tiny` shape's vocabulary
@@ -54,10 +55,10 @@ def greedy_reference(model, prompt, max_new, length=target_length):
     A pure function of the model's weights and forward, the prompt, ``max_new`` and the rule:
     remembered for the session (the parametrizations of a rollout test ask for the same
     continuations of the same prompts again: ~60% of this function's time) under a key that
-    holds all of them (:func:`_forward_key`); never for a model whose forward could do
+    holds all of them (:func:`helpers.reference.forward_key`); never for a model whose forward could do
     something the key does not hold (forward hooks, which may count or act on the reference's
     forwards; a patched ``forward``; PEFT adapters)."""
-    key = _forward_key(model)
+    key = forward_key(model)
     if key is not None:
         key = (key, tuple(int(t) for t in prompt), max_new, length)
         if key in _GREEDY:
@@ -73,43 +74,4 @@ def greedy_reference(model, prompt, max_new, length=target_length):
     return ids[len(prompt):]
 
 
-_GREEDY: dict = {}  # greedy_reference's continuations, by (_forward_key, prompt, max_new, length rule)
-
-
-def _forward_key(model: torch.nn.Module):
-    """What a plain forward of ``model`` computes from: its class, config (with the attention
-    implementation), every module's class and train/eval mode, and every parameter's and
-    buffer's name, dtype, shape and bytes (a digest), and any instance-level ``forward`` (a
-    module-level function bound to its module, as :func:`treerl.models.rmsnorm_in_input_precision`
-    sets). None when a forward hook (global or on any module), another instance-level
-    ``forward`` or a PEFT adapter (enabled and disabled by flags) could make a forward do
-    something else."""
-    import hashlib
-
-    from torch.nn.modules import module as nn_module
-
-    if any(getattr(nn_module, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
-                                                         "_global_forward_hooks_always_called")):
-        return None
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    digest = hashlib.sha1()
-    for name, m in model.named_modules():
-        if m._forward_hooks or m._forward_pre_hooks:
-            return None
-        if type(m).__module__.startswith("peft"):  # adapters switched on and off by flags, not weights
-            return None
-        forward = m.__dict__.get("forward")  # an instance-level forward: a module function bound to m only
-        if forward is not None:
-            func = getattr(forward, "__func__", None)
-            if getattr(forward, "__self__", None) is not m or func is None or "<" in func.__qualname__:
-                return None
-            forward = f"{func.__module__}.{func.__qualname__}"  # (rmsnorm_in_input_precision's)
-        digest.update(f"{name}:{type(m).__module__}.{type(m).__qualname__}:{m.training}:{forward};".encode())
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:  # (buffers: non-persistent ones too)
-        t = t.detach().cpu().contiguous()
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    digest.update((config.to_json_string(use_diff=False) + str(config._attn_implementation)).encode())
-    return digest.hexdigest()
+_GREEDY: dict = {}  # greedy_reference's continuations, by (forward_key, prompt, max_new, length rule)
