@@ -7,71 +7,16 @@ compiled while it is enabled, and everything it changes is restored)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
-from helpers.processes import kill_leftovers
-
-SRC = Path(__file__).resolve().parents[2] / "src"
-
-RUN = r"""
-import json, sys, torch
-from torch._dynamo.utils import counters
-from treerl.engine import compile_cache
-
-directory, compile = sys.argv[1], sys.argv[2] == "1"
-if sys.argv[3:] == ["wait"]:  # started early (imports done meanwhile): enable once told to
-    assert sys.stdin.readline() == "go\n"
-path = compile_cache.enable(directory if directory != "-" else None)
-out = torch.zeros(0)
-if compile:
-    fn = torch.compile(lambda x: (x.sin() * 2 + x.cos()).sum(-1), dynamic=True)
-    out = fn(torch.arange(12.0).reshape(3, 4))
-saved = compile_cache.save(force=not compile)
-again = compile_cache.save()  # nothing new compiled since: nothing written
-print(json.dumps(dict(dir=str(path), saved=str(saved) if saved else None, again=again,
-                      cache_dir=__import__("os").environ.get("TORCHINDUCTOR_CACHE_DIR"),
-                      hits=int(counters["inductor"]["fxgraph_cache_hit"]),
-                      misses=int(counters["inductor"]["fxgraph_cache_miss"]), out=out.tolist())))
-"""
-
-
-def start(directory: str, env: dict, compile: bool = True, wait: bool = False) -> subprocess.Popen:
-    """A fresh process running :data:`RUN`; ``wait``: it imports, then waits for :func:`result`'s ``go``."""
-    return subprocess.Popen([sys.executable, "-c", RUN, directory, "1" if compile else "0", *(["wait"] if wait else [])],
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def result(proc: subprocess.Popen, go: bool = False) -> dict:
-    """What ``proc`` printed (``go``: first let a waiting one go on)."""
-    try:
-        out, err = proc.communicate("go\n" if go else None, timeout=600)
-    finally:
-        kill_leftovers([proc])
-    assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
-
-
-def run(directory: str, env: dict, compile: bool = True) -> dict:
-    return result(start(directory, env, compile))
-
-
-@pytest.fixture
-def env(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    env.update(PYTHONPATH=str(SRC), XDG_CACHE_HOME=str(tmp_path / "xdg"))
-    return env
+from helpers.compile_runs import result
 
 
 def enable_here(monkeypatch, tmp_path, directory: str | None) -> dict:
     """``compile_cache.enable(directory)`` in this process as in a fresh one: no directory
     enabled yet, no ``TORCHINDUCTOR_CACHE_DIR``, ``XDG_CACHE_HOME`` under ``tmp_path`` (all
-    restored by ``monkeypatch``); what :data:`RUN` reports without compiling."""
+    restored by ``monkeypatch``); what :data:`helpers.compile_runs.RUN` reports without compiling."""
     from treerl.engine import compile_cache
 
     for key in ("dir", "graphs", "device"):
@@ -83,21 +28,17 @@ def enable_here(monkeypatch, tmp_path, directory: str | None) -> dict:
                 cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
 
 
-def test_a_second_process_loads_the_artifacts_of_the_first(tmp_path, env):
+def test_a_second_process_loads_the_artifacts_of_the_first(compile_cache_runs):
+    # a fresh machine with only the artifacts file: the compiled graph comes from it. Both
+    # processes were started with the first engine test (tests/engine/conftest.py): the second
+    # imported while the first ran; it enables the directory (and loads the file) only now,
+    # after the first has exited.
+    tmp_path, first, waiting = compile_cache_runs
     cache = tmp_path / "compile"
-    # a fresh machine with only the artifacts file: the compiled graph comes from it. The
-    # second process imports while the first runs; it enables the directory (and loads the
-    # file) only after the first has exited.
-    env_fresh = dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "fresh-inductor"))
-    waiting = start(str(cache), env_fresh, wait=True)
-    try:
-        first = run(str(cache), env)
-        assert first["dir"] == str(cache) and first["cache_dir"] == str(cache / "inductor")
-        assert first["saved"] and Path(first["saved"]).parent == cache and first["again"] is None
-        assert first["misses"] >= 1 and first["hits"] == 0
-    except BaseException:
-        kill_leftovers([waiting])
-        raise
+    first = result(first)
+    assert first["dir"] == str(cache) and first["cache_dir"] == str(cache / "inductor")
+    assert first["saved"] and Path(first["saved"]).parent == cache and first["again"] is None
+    assert first["misses"] >= 1 and first["hits"] == 0
     second = result(waiting, go=True)
     assert second["cache_dir"] == str(tmp_path / "fresh-inductor")  # an explicit one is kept
     assert second["hits"] >= 1 and second["misses"] == 0

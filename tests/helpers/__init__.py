@@ -11,5 +11,6 @@ and hooks. One module per topic:
 - :mod:`helpers.chat`: a local chat tokenizer with a tool template and a tool-calling tiny model;
 - :mod:`helpers.configs`: the one config builder of tiny training runs.
 - :mod:`helpers.pool`: a rollout worker entry point that imports nothing heavy (spawned by the pool tests);
-- :mod:`helpers.gloo`: how a spawned gloo worker of the data-parallel tests starts.
+- :mod:`helpers.gloo`: how a spawned gloo worker of the data-parallel tests starts;
+- :mod:`helpers.compile_runs`: the compile-cache tests' child processes (started by tests/engine/conftest.py).
 """
