@@ -4,7 +4,9 @@ thread (the profiler records the host operations of the thread that starts it) o
 decode step, or after ``--skip`` of its decode steps: after the untimed run and the alone probes), with the engine thread's phases labelled (``treerl.<phase>``
 ranges: the decode step, sampling, admissions, reads of the decode log, stop checks,
 deliveries). Prints the window's wall and device-busy milliseconds per decode step, each
-phase's inclusive host milliseconds and count, the top host operations (self) and kernels.
+phase's inclusive host milliseconds and count, the top host operations (self) and kernels, and
+the device's idle time by what the engine thread was doing meanwhile. ``--cprofile PATH``: the same window
+under cProfile (the engine thread's Python functions) instead of the torch profiler.
 
     PYTHONPATH=src python bench/profile_serve_phases.py --window 1000 --device cuda --shape qwen3-0.6b \
         --dtype bfloat16 --mixed --probe --turns 6 --min-tokens 16 --max-tokens 512 --modes in-process --repeats 1
@@ -73,7 +75,7 @@ for n in ("record", "check_stops"):  # module functions LogReader calls by their
 stream.chunk_admission = labelled("chunk_admission", stream.chunk_admission)
 
 STATE = {"runs": 0, "armed": False, "prof": None, "steps": 0, "skip": 0, "skipped": 0, "t0": 0.0, "window": 1000, "out": None, "events": [],
-         "live_rows": 0, "live_keys": 0, "bytes_per_key": 0}
+         "live_rows": 0, "live_keys": 0, "bytes_per_key": 0, "cprofile": None}
 _decode, _run_agents = RunningBatch._decode, bs.run_agents
 
 
@@ -106,6 +108,49 @@ def report(prof, wall: float, steps: int) -> dict:
         for k, (ms, n) in out[what].items():
             print(f"  {what:16} {ms:9.1f} ms {ms / steps:7.3f} ms/step {n:7d}x  {k[:110]}")
     out["device_ranges"] = device_ranges(prof, steps)
+    out["device_idle"] = device_idle(prof, steps)
+    return out
+
+
+def device_idle(prof, steps: int, min_us: float = 2.0) -> dict:
+    """The window's device idle time (gaps of at least ``min_us`` between the union of its
+    kernels and copies), each gap attributed to the innermost labelled host range of the
+    engine thread at the gap's middle (what the host was doing while nothing was queued)."""
+    busy, host = [], []
+    for ev in prof.events():
+        r = (ev.time_range.start, ev.time_range.end, ev.name)
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            if not ev.name.startswith("treerl."):
+                busy.append(r)
+        elif ev.name.startswith("treerl."):
+            host.append(r)
+    if not busy:
+        return {}
+    busy.sort()
+    host.sort()
+    starts = [h[0] for h in host]
+    per: dict[str, list] = {}
+    end, total = busy[0][1], 0.0
+    for b0, b1, _ in busy[1:]:
+        if b0 - end >= min_us:
+            mid = (b0 + end) / 2
+            inner = "(outside every range)"
+            i = bisect.bisect_right(starts, mid) - 1
+            for j in range(i, max(-1, i - 400), -1):
+                if host[j][1] >= mid:
+                    inner = host[j][2]
+                    break
+            t = per.setdefault(inner, [0.0, 0])
+            t[0] += (b0 - end) / 1e3
+            t[1] += 1
+            total += (b0 - end) / 1e3
+        end = max(end, b1)
+    out = {"idle_ms_per_step": total / steps,
+           "by_host_range": {k: {"ms": v[0], "gaps": v[1]} for k, v in sorted(per.items(), key=lambda kv: -kv[1][0])}}
+    print(f"device idle {total:.1f} ms ({total / steps:.3f} ms/step) in gaps >= {min_us} us, by the engine thread's "
+          "innermost range at each gap's middle:")
+    for k, v in list(out["by_host_range"].items())[:14]:
+        print(f"    idle {v['ms']:8.1f} ms {v['ms'] / steps:6.3f} ms/step {v['gaps']:6d} gaps  {k}")
     return out
 
 
@@ -160,13 +205,35 @@ def shapes_summary() -> dict:
     return out
 
 
+class CProfile:
+    """``--cprofile PATH``: the window under cProfile instead (the engine thread's Python
+    functions, self and inclusive time; no device figures), its top functions written to PATH."""
+
+    def __init__(self, path: str):
+        import cProfile
+        self.path, self.pr = path, cProfile.Profile()
+
+    def __enter__(self):
+        self.pr.enable()
+
+    def __exit__(self, *exc):
+        import io
+        import pstats
+        self.pr.disable()
+        buf = io.StringIO()
+        st = pstats.Stats(self.pr, stream=buf)
+        st.sort_stats("tottime").print_stats(45)
+        st.sort_stats("cumulative").print_stats(60)
+        Path(self.path).write_text(buf.getvalue())
+
+
 def decode(self):  # the engine thread: the profiler starts and stops here
     if STATE["armed"] and STATE["prof"] is None and STATE["steps"] == 0 and STATE["skipped"] < STATE["skip"]:
         STATE["skipped"] += 1  # (--skip: the window starts after the timed run's first decode steps)
     elif STATE["armed"] and STATE["prof"] is None and STATE["steps"] == 0:
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                           if torch.cuda.is_available() else [])
-        STATE["prof"] = torch.profiler.profile(activities=acts)
+        STATE["prof"] = CProfile(STATE["cprofile"]) if STATE["cprofile"] else torch.profiler.profile(activities=acts)
         STATE["prof"].__enter__()
         STATE["t0"] = time.perf_counter()
     if STATE["prof"] is not None:  # the live rows' keys (host state, no sync): what the attention must read
@@ -185,6 +252,10 @@ def decode(self):  # the engine thread: the profiler starts and stops here
             wall = time.perf_counter() - STATE["t0"]
             prof, STATE["prof"] = STATE["prof"], None
             prof.__exit__(None, None, None)
+            if isinstance(prof, CProfile):
+                print(f"cProfile window: {STATE['steps']} decode steps, {wall:.3f} s: "
+                      f"{wall * 1e3 / STATE['steps']:.2f} ms a step (the profiler's overhead included)")
+                return out
             r = report(prof, wall, STATE["steps"])
             ev = STATE["events"]
             if ev:
@@ -217,7 +288,8 @@ RunningBatch._decode, bs.run_agents = decode, run_agents
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    for flag, key, kind in (("--window", "window", int), ("--skip", "skip", int), ("--profile-json", "out", str)):
+    for flag, key, kind in (("--window", "window", int), ("--skip", "skip", int), ("--profile-json", "out", str),
+                              ("--cprofile", "cprofile", str)):
         if flag in argv:
             i = argv.index(flag)
             STATE[key] = kind(argv[i + 1])
