@@ -114,7 +114,8 @@ def test_launching_a_groups_forwards_does_not_synchronise_the_host():
             ready.add(groups[1])
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    # (torch's own notice on entering the mode, "Synchronization debug mode is a prototype feature...", is not a sync)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
     assert not syncs, syncs
     seqs = [torch.tensor(s) for g in groups for s in g]
     out, missing = ready.take(seqs, ["x"], torch.float64)

@@ -21,7 +21,9 @@ longest block boundary down, compares the prompt only with the entries filed und
 there (an entry of ``l`` tokens is filed under ``h_{l // BLOCK}`` of its own tokens, so a
 stored prefix of the prompt is always found under the prompt's chain, and under each of
 ``h_1 .. h_{l // BLOCK}`` for prefixes it shares with prompts; a hash collision costs one
-comparison, never a wrong answer).
+comparison, never a wrong answer). The index files entries by a small integer id: a set of
+token tuples would hash a whole tuple (thousands of tokens) at every add and discard, once
+per block of the entry (measured on the H200 serving 64 agents: 10% of the engine thread).
 """
 
 from __future__ import annotations
@@ -79,9 +81,12 @@ class PrefixCache:
     def __init__(self, max_tokens: int):
         self.max_tokens = int(max_tokens)
         self._entries: OrderedDict[tuple[int, ...], PrefixEntry] = OrderedDict()  # least recent first
-        self._index: dict[int, set[tuple[int, ...]]] = {}  # chain hash -> entries filed under it
-        self._shared: dict[int, set[tuple[int, ...]]] = {}  # h_k (k >= 1) -> entries whose first k blocks it hashes
-        self._chains: dict[tuple[int, ...], list[int]] = {}  # entry -> its h_0 .. h_{l // BLOCK} (filed under the last)
+        self._index: dict[int, set[int]] = {}  # chain hash -> ids of the entries filed under it
+        self._shared: dict[int, set[int]] = {}  # h_k (k >= 1) -> ids of the entries whose first k blocks it hashes
+        self._chains: dict[int, list[int]] = {}  # id -> the entry's h_0 .. h_{l // BLOCK} (filed under the last)
+        self._ids: dict[tuple[int, ...], int] = {}  # entry tokens -> id
+        self._keys: dict[int, tuple[int, ...]] = {}  # id -> entry tokens
+        self._next_id = 0
         self.tokens = 0  # stored tokens
         self.version: int | None = None  # the weights of the stored entries
 
@@ -93,6 +98,8 @@ class PrefixCache:
         self._index.clear()
         self._shared.clear()
         self._chains.clear()
+        self._ids.clear()
+        self._keys.clear()
         self.tokens = 0
 
     def _use_version(self, version: int) -> None:
@@ -102,21 +109,24 @@ class PrefixCache:
 
     def _drop(self, key: tuple[int, ...]) -> None:
         self.tokens -= len(self._entries.pop(key))
-        chain = self._chains.pop(key)
+        i = self._ids.pop(key)
+        del self._keys[i]
+        chain = self._chains.pop(i)
         bucket = self._index[chain[-1]]
-        bucket.discard(key)
+        bucket.discard(i)
         if not bucket:
             del self._index[chain[-1]]
         for h in set(chain[1:]):  # (a chain may repeat a hash: a collision)
             bucket = self._shared[h]
-            bucket.discard(key)
+            bucket.discard(i)
             if not bucket:
                 del self._shared[h]
 
     def _stored_prefixes(self, tokens: tuple[int, ...], hashes: list[int]):
         """Stored keys that ``tokens`` starts with (its chain ``hashes``), longest block first."""
         for k in range(len(hashes) - 1, -1, -1):
-            for key in self._index.get(hashes[k], ()):
+            for i in self._index.get(hashes[k], ()):
+                key = self._keys[i]
                 if len(key) <= len(tokens) and tokens[: len(key)] == key:
                     yield key
 
@@ -163,7 +173,8 @@ class PrefixCache:
             if not shared:
                 continue
             head = tokens[: k * BLOCK]
-            for n, other in sorted(((common_prefix(o, tokens, k * BLOCK), o) for o in shared), key=lambda t: -t[0]):
+            others = (self._keys[i] for i in shared)
+            for n, other in sorted(((common_prefix(o, tokens, k * BLOCK), o) for o in others), key=lambda t: -t[0]):
                 if other[: k * BLOCK] == head:  # (a hash collision: the next one)
                     if n > m:
                         key, m = other, n
@@ -188,11 +199,13 @@ class PrefixCache:
         hashes = block_hashes(entry.tokens)
         for key in list(self._stored_prefixes(entry.tokens, hashes)):
             self._drop(key)
+        i, self._next_id = self._next_id, self._next_id + 1
         self._entries[entry.tokens] = entry
-        self._index.setdefault(hashes[-1], set()).add(entry.tokens)  # (hashes[-1]: h_{len // BLOCK})
-        self._chains[entry.tokens] = hashes
+        self._ids[entry.tokens], self._keys[i] = i, entry.tokens
+        self._index.setdefault(hashes[-1], set()).add(i)  # (hashes[-1]: h_{len // BLOCK})
+        self._chains[i] = hashes
         for h in hashes[1:]:
-            self._shared.setdefault(h, set()).add(entry.tokens)
+            self._shared.setdefault(h, set()).add(i)
         self.tokens += len(entry)
         while self.tokens > self.max_tokens:
             self._drop(next(iter(self._entries)))
