@@ -1,5 +1,5 @@
-"""Reads of the decode log (``treerl.rollout.log_reads``), finished a decode step after they
-start: no group is lost or changed when rows end, stop or are rebuilt around a read in
+"""Reads of the decode log (``treerl.rollout.log_reads``), finished ``READ_LAG`` decode steps after
+they start: no group is lost or changed when rows end, stop or are rebuilt around a read in
 flight, and the schedule depends on step counts only."""
 
 from __future__ import annotations
@@ -66,24 +66,19 @@ def test_a_read_in_flight_when_the_last_live_rows_finish(model, monkeypatch, cas
         assert [c.completion_ids.tolist() for c in groups["long"]] == [want, want]
 
 
-def test_reads_finish_a_decode_step_after_they_start(model, monkeypatch):
-    """Each read is finished at the first turn after one more decode step was queued (so the
-    device always has a step to run while the host waits for the copy): never at the turn it
-    started, never later; the samples of a seeded stream are the same run after run."""
+def test_reads_finish_read_lag_decode_steps_after_they_start(model, monkeypatch):
+    """Each read is finished at the first turn after ``READ_LAG`` more decode steps were queued
+    (so the device has steps to run while the host waits for the copy and finishes rows):
+    never later; earlier only at a blocking sync (nothing decoding) or when ``READ_LAG`` reads
+    are in flight; the samples of a seeded stream are the same run after run."""
     gaps = []
-    start, finish = log_reads.LogReader.start, log_reads.LogReader.finish
-
-    def starting(self, steps):
-        start(self, steps)
-        self.at = steps
+    oldest = log_reads.LogReader._finish_oldest
 
     def finishing(self):
-        if self.reading is not None and hasattr(self, "at"):
-            gaps.append(engine.stats.decode_steps - self.at)
-        finish(self)
+        gaps.append(engine.stats.decode_steps - self.flight[0][1])
+        oldest(self)
 
-    monkeypatch.setattr(log_reads.LogReader, "start", starting)
-    monkeypatch.setattr(log_reads.LogReader, "finish", finishing)
+    monkeypatch.setattr(log_reads.LogReader, "_finish_oldest", finishing)
     prompts = random_prompts([5, 3, 7, 4, 6, 2], seed=2)
     runs = []
     for _ in range(2):
@@ -92,4 +87,5 @@ def test_reads_finish_a_decode_step_after_they_start(model, monkeypatch):
         runs.append({g.prompt_index: [c.completion_ids.tolist() for c in g]
                      for g in engine.generate_stream(prompts, params, max_rows=6)})
     assert runs[0] == runs[1] and len(runs[0]) == len(prompts)
-    assert gaps and set(gaps) <= {0, 1} and gaps.count(1) > len(gaps) // 2  # (0: a blocking sync, nothing decoding)
+    lag = log_reads.READ_LAG
+    assert gaps and set(gaps) <= set(range(lag + 1)) and gaps.count(lag) > len(gaps) // 2

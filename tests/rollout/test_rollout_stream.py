@@ -16,7 +16,7 @@ import torch
 from helpers.models import after_each_forward, tiny_model
 from helpers.reference import completion_logprobs
 from helpers.rollout import VOCAB, greedy_reference as _greedy_reference, random_prompts, sampling, target_length
-from treerl.rollout import PromptQueue, RolloutEngine, RolloutStats, SamplingParams
+from treerl.rollout import PromptQueue, RolloutEngine, RolloutStats, SamplingParams, log_reads
 
 MAX_NEW = 24
 # the fixed-shape variants (static K/V, as on CUDA) prefill small admissions in fixed buckets too
@@ -79,8 +79,8 @@ def test_freed_slots_take_new_prompts_fewer_steps_than_waves(model):
     groups = list(engine.generate_stream(prompts, params(n=G), max_rows=rows))
     check_greedy(model, groups, prompts, G)
     lengths = [max(len(c) for c in g) for g in sorted(groups, key=lambda g: g.prompt_index)]
-    # waves of 3 groups, in order: each wave decodes until its longest row is done
-    waves = sum(max(lengths[i : i + 3]) - 1 for i in range(0, 12, 3))
+    # waves of 3 groups, in order: each wave decodes until its longest row is done and its last read finished
+    waves = sum(max(lengths[i : i + 3]) - 1 + log_reads.READ_LAG - 1 for i in range(0, 12, 3))
     assert engine.stats.decode_steps < waves, (engine.stats.decode_steps, waves, lengths)
 
 
@@ -93,19 +93,20 @@ def test_groups_come_out_as_they_finish(model):
         seen.append((engine.stats.decode_steps, g.prompt_index))
     # expected: two groups run at a time; a group admitted after decode step a (its first
     # token from the prefill) samples its last token at step a + length - 1; the read of that
-    # token is finished once one more step is queued, so the group is yielded after step
-    # a + length, and the next waiting prompt takes its slots then
+    # token is finished once READ_LAG more steps are queued, so the group is yielded after step
+    # a + length - 1 + READ_LAG, and the next waiting prompt takes its slots then
+    lag = log_reads.READ_LAG
     expected, running, waiting = [], {0: length[0] - 1, 1: length[1] - 1}, list(range(2, len(prompts)))
     while running:
         step = min(running.values())
         done = sorted(k for k, s in running.items() if s == step)
         for k in done:
-            expected.append((step + 1, k))
+            expected.append((step + lag, k))
             del running[k]
         for _ in done:
             if waiting:
                 k = waiting.pop(0)
-                running[k] = step + 1 + length[k] - 1
+                running[k] = step + lag + length[k] - 1
     assert len(set(length)) > 3
     assert sorted(seen) == sorted(expected)
     assert [s for s, _ in seen] == sorted(s for s, _ in seen)  # yielded as they finished
@@ -349,7 +350,8 @@ def test_admissions_while_rows_decode_prefill_at_most_a_chunk(model):
 def test_a_short_prompt_passes_a_deferred_burst(model):
     """A short prompt that arrives while a burst is being admitted chunk by chunk is taken
     with the next chunk (it fits what the chunk leaves), not after every deferred prompt."""
-    prompts = random_prompts([12, 12, 12, 12, 3], seed=37)
+    prompts = random_prompts([12, 12, 12, 12, 12, 3], seed=37)
+    lag = log_reads.READ_LAG
     engine = RolloutEngine(model, sync_every=1, prefill_chunk_tokens=20)
     sizes = prefill_sizes(engine)
     queue = PromptQueue()
@@ -358,15 +360,16 @@ def test_a_short_prompt_passes_a_deferred_burst(model):
     def first_tokens(delta):  # (the stream's thread, at the first sync: three 12-token prompts are deferred)
         if not sent.is_set():
             sent.set()
-            queue.put(prompts[4], 4)
+            queue.put(prompts[5], 5)
             queue.close()
 
     long = SamplingParams(n=1, temperature=0, max_new_tokens=MAX_NEW)
     queue.put(prompts[0], 0, params=long, listener=first_tokens)
-    queue.put_many([(i, prompts[i]) for i in range(1, 4)])
+    queue.put_many([(i, prompts[i]) for i in range(1, 5)])
     groups = {g.prompt_index: g for g in engine.generate_stream(queue, params(n=1), max_rows=8)}
-    assert sizes == [[12], [12], [3, 12], [12]]  # (the first read, whose listener sends it, ends after step 2)
-    for i in range(1, 5):
+    # (the first read, whose listener sends it, ends after step 1 + READ_LAG; a piece is admitted a step)
+    assert sizes == [[12]] * (lag + 1) + [[3, 12]] + [[12]] * (5 - lag - 2)
+    for i in range(1, 6):
         assert groups[i][0].completion_ids.tolist() == greedy_reference(model, prompts[i]), i
 
 

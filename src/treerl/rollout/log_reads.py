@@ -3,14 +3,15 @@
 Each sample call logs the rows' tokens and logprobs on the device (``DeviceBatch.log_tok``,
 ``log_lp``; the host notes which rows at which token index: ``Scheduler.log_rows``). A read
 copies the log to the host (:class:`LogRead`: on CUDA into pinned memory, with an event)
-while the next decode step runs; after that step has been queued, the read is finished
-(waiting for the copy if needed: the device is busy with the next step meanwhile, its
-queue never drains): :func:`record` puts the tokens into the rows' host arrays and
-:func:`check_stops` finishes the rows that stopped or ended. When a read is finished
-depends on step counts only, never on the device's timing, so a stream's samples stay a
-function of its seed, and the CPU runs the schedule CUDA runs. :class:`LogReader` keeps at
-most one read in flight for the running batch, and does the blocking sync where a row's
-whole history is needed. Functions of the
+while the next decode steps run; once :data:`READ_LAG` decode steps have been queued after
+it, the read is finished (waiting for the copy if needed: the device is busy with the
+steps queued meanwhile, so its queue does not drain while the host records the tokens,
+finishes rows and admits new ones): :func:`record` puts the tokens into the rows' host
+arrays and :func:`check_stops` finishes the rows that stopped or ended. When a read is
+finished depends on step counts only, never on the device's timing, so a stream's samples
+stay a function of its seed, and the CPU runs the schedule CUDA runs. :class:`LogReader`
+keeps at most :data:`READ_LAG` reads in flight for the running batch, and does the
+blocking sync where a row's whole history is needed. Functions of the
 :class:`~treerl.rollout.scheduler.Scheduler`'s state, as :mod:`~treerl.rollout.requests`."""
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ import numpy as np
 import torch
 
 from .requests import emit
+
+# decode steps queued after a read starts before it is finished. 1 kept one step queued while the host finished rows
+# and admitted prompts: on the H200 serving 64 agents the device idled ~0.4-1.1 ms of a ~4.5 ms step there
+# (bench/profile_serve_phases.py, session 20). 2 keeps two; a row that stopped decodes one more step (dropped).
+READ_LAG = 2
 
 if TYPE_CHECKING:  # pragma: no cover
     from .batch import DeviceBatch
@@ -78,45 +84,47 @@ def check_stops(s: "Scheduler") -> bool:
 
 
 class LogReader:
-    """The running batch's reads of its decode log: at most one in flight (``reading``, the
-    ``(rows, step index)`` of its calls in ``rows``), started after decode step ``started`` (a count).
-    ``on_finished()``: called when rows finished, before any other device work is queued."""
+    """The running batch's reads of its decode log: at most :data:`READ_LAG` in flight, oldest
+    first (``flight``: each read, started after decode step ``started`` (a count); the
+    ``(rows, step index)`` of its calls are in ``host.in_flight``, where ``Scheduler.finish``
+    drops a finished row's). ``on_finished()``: called when rows finished, before any other
+    device work is queued."""
 
     def __init__(self, host: "Scheduler", dev: "DeviceBatch", on_finished=None):
         self.host, self.dev, self.on_finished = host, dev, on_finished
-        self.reading: LogRead | None = None
-        self.rows: list[tuple[np.ndarray, np.ndarray]] = []
-        self.started = 0
+        self.flight: list[tuple[LogRead, int]] = []
 
     def unsynced(self) -> bool:
         """Whether logged tokens are not on the host yet (in the log, or being read)."""
-        return bool(self.host.log_rows) or self.reading is not None
+        return bool(self.host.log_rows) or bool(self.flight)
 
     def start(self, steps: int) -> None:
         """Start reading the calls logged so far, after ``steps`` decode steps (the log
-        restarts; an earlier read is finished first)."""
+        restarts; the oldest read is finished first if :data:`READ_LAG` are in flight)."""
         h = self.host
-        self.finish()
-        self.reading = self.dev.start_read(len(h.log_rows), top=h.top_id.shape[2] > 0)
-        self.started = steps
-        self.rows = h.take_log()
+        while len(self.flight) >= READ_LAG:
+            self._finish_oldest()
+        self.flight.append((self.dev.start_read(len(h.log_rows), top=h.top_id.shape[2] > 0), steps))
+        h.in_flight.append(h.take_log())
 
     def due(self, steps: int) -> None:
-        """Finish the read in flight once a decode step has been queued after it (``steps``:
-        decode steps so far)."""
-        if self.reading is not None and steps > self.started:
-            self.finish()
+        """Finish the reads in flight that :data:`READ_LAG` decode steps have been queued after
+        (``steps``: decode steps so far)."""
+        while self.flight and steps >= self.flight[0][1] + READ_LAG:
+            self._finish_oldest()
 
     def finish(self) -> None:
-        """Wait for the read in flight (if any), record its tokens, finish the rows that
-        stopped or ended. Rows still decoding may have run past a stop meanwhile: their
-        later tokens are dropped as they finish (``Scheduler.finish``)."""
+        """Wait for every read in flight, record their tokens, finish the rows that stopped or
+        ended. Rows still decoding may have run past a stop meanwhile: their later tokens are
+        dropped as they finish (``Scheduler.finish``)."""
+        while self.flight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
         h = self.host
-        if self.reading is None:
-            return
-        out, self.reading = self.reading.result(), None
-        rows, self.rows = self.rows, []
-        record(h, rows, *out)
+        read, _ = self.flight.pop(0)
+        out = read.result()
+        record(h, h.in_flight.pop(0), *out)
         self._stops()
 
     def sync(self) -> None:

@@ -118,6 +118,7 @@ class Scheduler:
         self.arrivals = 0  # groups admitted so far (preemption takes the latest first)
         self.out: list[Group] = []  # groups finished, to be yielded
         self.log_rows: list[tuple[np.ndarray, np.ndarray]] = []  # per logged sample call: (rows, step index)
+        self.in_flight: list[list[tuple[np.ndarray, np.ndarray]]] = []  # the log reads in flight' calls, oldest first
         self.ending_new = False  # rows began ending since the last read of the log was started
         self.keep_finished = False  # finished rows' contexts noted for the prefix cache (kept_contexts)
         self.kept: list = []  # those noted and not kept yet (kept_contexts.KeptContext)
@@ -407,6 +408,7 @@ class Scheduler:
         self.blocks.release([r])
         # a row still logged after the read (it decoded past its stop): those tokens are not its own any more
         self.log_rows = [(rows[rows != r], idx[rows != r]) for rows, idx in self.log_rows]
+        self.in_flight = [[(rows[rows != r], idx[rows != r]) for rows, idx in read] for read in self.in_flight]
         rows = slice(slot * self.G, (slot + 1) * self.G)
         if not (self.live[rows] | self.ending[rows]).any():  # the group's slot is free
             del self.groups[key]
