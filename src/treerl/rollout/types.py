@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, fields
 from typing import Hashable, Iterator, Sequence
 
@@ -18,52 +17,12 @@ PromptLike = Sequence[int] | torch.Tensor | np.ndarray
 def to_device(a, device: torch.device) -> torch.Tensor:
     """A host array (numpy array, list) as a tensor on ``device`` without a host sync: on
     CUDA through pinned memory, asynchronously (a copy from pageable memory first waits for
-    all queued device work): small arrays through :class:`PinnedStaging`, larger ones through
-    a pinned copy that the caching host allocator keeps until the transfer ran. On the CPU it
-    may share ``a``'s memory (copy it before changing ``a``)."""
+    all queued device work); the caching host allocator keeps the pinned copy until the
+    transfer ran. On the CPU it may share ``a``'s memory (copy it before changing ``a``)."""
     t = torch.as_tensor(a if isinstance(a, np.ndarray) else np.asarray(a))
     if device.type == "cuda":
-        return PinnedStaging.of(device).upload(t, device)
+        return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
-
-
-class PinnedStaging:
-    """Pinned host memory for small host-to-device copies, used in turn (a ring of ``slots``
-    slots of ``slot_bytes``): a slot is written again only once the copy that read it has run
-    (an event per slot; with 64 slots that is dozens of decode steps later, so the wait is
-    nearly never taken). Pinning each small array instead cost ~30 us of host time a copy
-    (the caching host allocator), ~5 copies a decode step while serving (session 20)."""
-
-    _by_device: dict = {}
-    _lock = threading.Lock()
-
-    def __init__(self, slots: int = 64, slot_bytes: int = 16384):
-        self.buf = torch.empty(slots, slot_bytes, dtype=torch.uint8, pin_memory=True)
-        self.host = self.buf.numpy()
-        self.events: list = [None] * slots
-        self.next = 0
-
-    @classmethod
-    def of(cls, device: torch.device) -> "PinnedStaging":
-        key = device.index if device.index is not None else torch.cuda.current_device()
-        with cls._lock:
-            if key not in cls._by_device:
-                cls._by_device[key] = cls()
-            return cls._by_device[key]
-
-    def upload(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        n = t.numel() * t.element_size()
-        if not 0 < n <= self.host.shape[1] or not t.is_contiguous():
-            return t.pin_memory().to(device, non_blocking=True)
-        with self._lock:
-            i, self.next = self.next, (self.next + 1) % len(self.events)
-            if self.events[i] is not None:
-                self.events[i].synchronize()  # (the copy that last read this slot)
-            self.host[i, :n] = t.numpy().reshape(-1).view(np.uint8)
-            out = self.buf[i, :n].view(t.dtype).view(t.shape).to(device, non_blocking=True)
-            ev = self.events[i] = self.events[i] or torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(device))
-        return out
 
 
 # the running batch's K/V dtype (RolloutEngine's kv_cache_dtype): None, the model's
