@@ -476,7 +476,7 @@ class Scheduler:
         moved). Sets ``hg``. Returns ``(src, dst)`` group slots moved, or None."""
         used = np.asarray(self.used())
         top, target = self._buckets(used)
-        if self.log_rows or top <= target:  # (the running batch finishes any read first: LogReader.sync)
+        if self.log_rows or self.in_flight or top <= target:  # (the running batch finishes reads first: LogReader.sync)
             self.hg = top
             return None
         src = used[used >= target]
