@@ -41,7 +41,7 @@ PHASES = {RunningBatch: ("_decode", "_sample", "_admit", "_fork", "_compact", "_
           DeviceBatch: ("load", "set_logits"),
           Prefiller: ("__call__", "_load_cached", "_forward", "mask"),
           PrefillGraphs: ("__call__",),
-          log_reads.LogReader: ("start", "finish", "sync"),
+          log_reads.LogReader: ("start", "_finish_oldest", "sync"),  # (due and finish go through _finish_oldest)
           log_reads.LogRead: ("result",),
           EngineLoop: ("_deliver",)}
 SHAPES: list[tuple] = []  # each small prefill's (exact rows, window, slots, bucket rows, window, slots)

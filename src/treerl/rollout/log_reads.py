@@ -85,7 +85,7 @@ def check_stops(s: "Scheduler") -> bool:
 
 class LogReader:
     """The running batch's reads of its decode log: at most :data:`READ_LAG` in flight, oldest
-    first (``flight``: each read, started after decode step ``started`` (a count); the
+    first (``flight``: each read and the decode steps queued before it started; the
     ``(rows, step index)`` of its calls are in ``host.in_flight``, where ``Scheduler.finish``
     drops a finished row's). ``on_finished()``: called when rows finished, before any other
     device work is queued."""
