@@ -95,6 +95,11 @@ class Preempted:
     keys: list
 
 
+def _without(r: int, calls: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Logged sample calls ``(rows, step index)`` without row ``r``'s entries."""
+    return [(rows[rows != r], idx[rows != r]) for rows, idx in calls]
+
+
 class Scheduler:
     """Host state of a running batch (see the module docstring). ``params``: the stream's
     sampling settings (``max_new_tokens``: tokens per completion at most; groups may bring
@@ -407,8 +412,7 @@ class Scheduler:
         self.key[r] = None
         self.blocks.release([r])
         # a row still logged after the read (it decoded past its stop): those tokens are not its own any more
-        self.log_rows = [(rows[rows != r], idx[rows != r]) for rows, idx in self.log_rows]
-        self.in_flight = [[(rows[rows != r], idx[rows != r]) for rows, idx in read] for read in self.in_flight]
+        self.log_rows, self.in_flight = _without(r, self.log_rows), [_without(r, c) for c in self.in_flight]
         rows = slice(slot * self.G, (slot + 1) * self.G)
         if not (self.live[rows] | self.ending[rows]).any():  # the group's slot is free
             del self.groups[key]
