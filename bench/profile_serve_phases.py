@@ -112,6 +112,17 @@ def report(prof, wall: float, steps: int) -> dict:
     return out
 
 
+def innermost(ranges: list[tuple], starts: list[float], t: float, back: int) -> tuple | None:
+    """The latest-starting of ``ranges`` (``(start, end, name)`` sorted by start; ``starts``
+    their starts) that holds time ``t``: the innermost, as labelled ranges nest. A scan back
+    over at most ``back`` ranges; None if none holds it."""
+    i = bisect.bisect_right(starts, t) - 1
+    for j in range(i, max(-1, i - back), -1):
+        if ranges[j][1] >= t:
+            return ranges[j]
+    return None
+
+
 def device_idle(prof, steps: int, min_us: float = 2.0) -> dict:
     """The window's device idle time (gaps of at least ``min_us`` between the union of its
     kernels and copies), each gap attributed to the innermost labelled host range of the
@@ -133,14 +144,8 @@ def device_idle(prof, steps: int, min_us: float = 2.0) -> dict:
     end, total = busy[0][1], 0.0
     for b0, b1, _ in busy[1:]:
         if b0 - end >= min_us:
-            mid = (b0 + end) / 2
-            inner = "(outside every range)"
-            i = bisect.bisect_right(starts, mid) - 1
-            for j in range(i, max(-1, i - 400), -1):
-                if host[j][1] >= mid:
-                    inner = host[j][2]
-                    break
-            t = per.setdefault(inner, [0.0, 0])
+            inner = innermost(host, starts, (b0 + end) / 2, back=400)
+            t = per.setdefault(inner[2] if inner else "(outside every range)", [0.0, 0])
             t[0] += (b0 - end) / 1e3
             t[1] += 1
             total += (b0 - end) / 1e3
@@ -167,11 +172,7 @@ def device_ranges(prof, steps: int) -> dict:
     starts = [r[0] for r in ranges]
     per: dict[str, dict[str, list]] = {}
     for k0, k1, name in kernels:
-        inner = None  # the latest-starting range that holds k0 (ranges nest): a short scan back
-        for i in range(bisect.bisect_right(starts, k0) - 1, max(-1, bisect.bisect_right(starts, k0) - 65), -1):
-            if ranges[i][1] >= k0:
-                inner = ranges[i]
-                break
+        inner = innermost(ranges, starts, k0, back=64)
         key = inner[2] if inner else "(none)"
         t = per.setdefault(key, {}).setdefault(name, [0.0, 0])
         t[0] += (k1 - k0) / 1e3
