@@ -94,13 +94,15 @@ COUNTERS = ("admissions", "admitted", "prefill_calls", "prefill_graph_calls", "p
 
 
 # host figures reported per mode (EngineLoop.host_stats; served: /health's "host")
-HOST = ("engine_thread_cpu_s", "engine_thread_cpu_wait_s", "gc_passes", "gc_s", "gc_full_passes", "gc_full_s")
+HOST = ("engine_thread_cpu_s", "engine_thread_cpu_wait_s", "other_threads_cpu_s", "gc_passes", "gc_s", "gc_full_passes",
+        "gc_full_s")
 
 
 def host_counters(h: dict) -> dict:
     """:data:`HOST` from :meth:`EngineLoop.host_stats` (cumulative)."""
     g, t = h["gc"], h["engine_thread"]
     return {"engine_thread_cpu_s": t["cpu_s"] or 0.0, "engine_thread_cpu_wait_s": t["cpu_wait_s"] or 0.0,
+            "other_threads_cpu_s": sum(h.get("other_threads_cpu_s", {}).values()),
             "gc_passes": sum(g["passes"]), "gc_s": sum(g["seconds"]), "gc_full_passes": g["passes"][2],
             "gc_full_s": g["seconds"][2]}
 
@@ -502,7 +504,9 @@ def host_summary(r: dict) -> str:
     h, wall = r["host"], r["wall_s"]
     cpu, queued = h["engine_thread_cpu_s"], h["engine_thread_cpu_wait_s"]
     return (f"engine thread {cpu:.2f} s on a CPU, {queued:.2f} s waiting for one, {wall - cpu - queued:.2f} s "
-            f"neither (GIL, device, idle) of {wall:.2f} s; garbage collector {h['gc_passes']} passes "
+            f"neither (GIL, device, idle) of {wall:.2f} s; the process's other Python threads "
+            f"{h['other_threads_cpu_s']:.2f} s on a CPU (served: the HTTP server's event loop; in process: the agents' "
+            f"clients); garbage collector {h['gc_passes']} passes "
             f"{h['gc_s']:.3f} s ({h['gc_full_passes']} full, {h['gc_full_s']:.3f} s)")
 
 

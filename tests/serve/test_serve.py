@@ -330,6 +330,7 @@ def test_64_concurrent_agents_lose_and_duplicate_nothing(served, tmp_path):
     assert host["gc"]["passes"][2] >= 1 and host["gc"]["seconds"][2] > 0
     if sys.platform.startswith("linux"):  # the engine thread ran the 192 requests
         assert host["engine_thread"]["cpu_s"] > 0 and host["engine_thread"]["cpu_wait_s"] >= 0
+        assert host["other_threads_cpu_s"]["treerl-serve"] > 0  # the HTTP server's event loop served 192 calls
     (tmp_path / "latency.json").write_text(json.dumps(record))
     print("64 agents x 3 turns:", record)
 

@@ -75,10 +75,17 @@ def thread_times(thread: threading.Thread) -> dict[str, float | None]:
 
 def host_stats(engine_thread: threading.Thread) -> dict:
     """``{"gc": {"passes": [g0, g1, g2], "seconds": [...], "frozen": n}, "engine_thread": {"cpu_s",
-    "cpu_wait_s"}}`` (``frozen``: objects :func:`freeze_startup_objects` took out of the collector's passes)."""
+    "cpu_wait_s"}, "other_threads_cpu_s": {name: s}}`` (``frozen``: objects :func:`freeze_startup_objects` took out
+    of the collector's passes; ``other_threads_cpu_s``: the CPU seconds of the process's other Python threads, what
+    competes with the engine thread for the GIL, such as the HTTP server's event loop, ``treerl-serve``)."""
     t = gc_timer()
+    others: dict[str, float] = {}
+    for th in threading.enumerate():
+        cpu = thread_times(th)["cpu_s"] if th is not engine_thread else None
+        if cpu is not None:
+            others[th.name] = others.get(th.name, 0.0) + cpu
     return {"gc": {"passes": list(t.passes), "seconds": list(t.seconds), "frozen": gc.get_freeze_count()},
-            "engine_thread": thread_times(engine_thread)}
+            "engine_thread": thread_times(engine_thread), "other_threads_cpu_s": others}
 
 
 def freeze_startup_objects() -> int:
