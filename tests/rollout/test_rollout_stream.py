@@ -907,3 +907,39 @@ def test_prefill_in_a_larger_bucket_equals_each_sequence_alone(model):
         assert torch.allclose(cache.all_keys[:, i, :, C - len(s) :], keys, rtol=1e-9, atol=1e-12), i
         assert torch.allclose(cache.all_values[:, i, :, C - len(s) :], values, rtol=1e-9, atol=1e-12), i
         assert torch.allclose(logits[i], last, rtol=1e-9, atol=1e-12), i
+
+
+def test_an_admission_joins_only_what_fits_one_captured_prefill(model):
+    """While a group decodes, with captured prefills, prompts that fit a bucket each but not
+    together are admitted one per turn, each prefill in its bucket, where they were one prefill
+    too large for any bucket (run eagerly with every running row waiting: session 21). With
+    nothing decoding, or without captured prefills, they are one prefill as before. Greedy
+    outputs equal the reference."""
+    prompts = random_prompts([5, 40, 38, 36], seed=39)  # 40/38/36: a window of 64 queries, 256 slots each
+    long = SamplingParams(n=1, temperature=0, max_new_tokens=MAX_NEW)  # no stop: decodes MAX_NEW steps
+    for graph_tokens in (64, 0):  # 64: a bucket holds one of them (64 queries, 256 slots), not two
+        engine = RolloutEngine(model, sync_every=1, prefill_graph_tokens=graph_tokens)
+        sizes = prefill_sizes(engine)
+        queue = PromptQueue()
+        arrived = threading.Event()
+
+        def first_tokens(delta, queue=queue, arrived=arrived):  # (the others arrive while group 0 decodes)
+            if not arrived.is_set():
+                arrived.set()
+                queue.put_many([(i, p) for i, p in enumerate(prompts) if i])
+                queue.close()
+
+        queue.put(prompts[0], 0, params=long, listener=first_tokens)
+        groups = {g.prompt_index: g for g in engine.generate_stream(queue, params(n=1), max_rows=8)}
+        s = engine.stats
+        if graph_tokens:  # the oldest waiting prompt first in each turn (none of the others fits beside it)
+            assert sizes == [[5], [40], [38], [36]] and s.prefill_calls == s.prefill_graph_calls == 4, (sizes, s)
+        else:
+            assert sizes == [[5], [36, 38, 40]] and s.prefill_graph_calls == 0, (sizes, s)
+        for i in range(1, 4):
+            assert groups[i][0].completion_ids.tolist() == greedy_reference(model, prompts[i]), i
+        sizes.clear()  # nothing decoding: one prefill (too large for a bucket: eager), nobody waits for it
+        burst = {g.prompt_index: g for g in engine.generate_stream(prompts[1:], params(n=1), max_rows=8)}
+        assert sizes == [[36, 38, 40]], sizes
+        for i in range(3):
+            assert burst[i][0].completion_ids.tolist() == greedy_reference(model, prompts[i + 1]), i
