@@ -1,4 +1,6 @@
 #!/bin/bash
+# (A record: it ran a working tree with a CORES variant of decode_attention._split_kernel and its serve_attention.py
+# variants; both were reverted after this call, not committed. The figures: bench/RESULTS.md, session 21.)
 # Session 21 call 1 (~9 min, H200). Carry [".whl"]. The decode attention's products on the CUDA cores
 # (split kernel, CORES: 2 queries a program as float32 multiply-adds, no tensor-core tile of 16). Session 19 found
 # the kernel bound by its work per key tile (float8: half the bytes, the same time). Predicted: bf16 served shapes
