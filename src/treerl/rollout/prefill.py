@@ -34,6 +34,14 @@ def prefill_mask(first: torch.Tensor, pad: torch.Tensor, q0: int, q1: int,
     return mask[:, None], torch.where(pad, 0, q[:, :, 0])
 
 
+def prefill_bucket(graphs: PrefillGraphs | None, lens: Sequence[int], new: Sequence[int]):
+    """The :class:`~treerl.rollout.prefill_graphs.PrefillBucket` of a prefill of sequences of
+    ``lens`` tokens, ``new`` of them computed (the rest from the prefix cache), or None: no
+    captured prefills, nothing new (no forward), or too large for a bucket (an eager forward)."""
+    W = max(new)
+    return graphs.bucket(len(lens), W, 1 + max(lens)) if graphs is not None and W > 0 else None
+
+
 class Prefiller:
     """Batched prefill of ``model`` (``num_layers`` layers) in forwards of at most
     ``chunk_tokens`` (padded) query tokens; logits in ``logit_dtype``. ``forward``: the
@@ -72,7 +80,7 @@ class Prefiller:
         lens = np.asarray([len(s) for s in seqs], dtype=np.int64)
         m = np.asarray([0 if c is None else len(c) for c in cached], dtype=np.int64)
         C, W, R = 1 + int(lens.max()), int((lens - m).max()), B
-        bucket = self.graphs.bucket(B, W, C) if self.graphs is not None and W > 0 else None
+        bucket = prefill_bucket(self.graphs, lens, lens - m)
         if bucket is not None:  # a small prefill: the bucket's fixed layout (padding rows and queries)
             R, W, C = bucket.rows, bucket.window, bucket.slots
             cache = self.graphs.cache(bucket)

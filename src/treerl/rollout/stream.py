@@ -108,6 +108,7 @@ from .kept_contexts import keep as keep_contexts
 from .log_reads import LogReader
 from .params import SamplingParams
 from .paging import block_size_for
+from .prefill import prefill_bucket
 from .prefix_cache import PrefixEntry
 from .prompts import PromptQueue, Waiting
 from .scheduler import Preempted, Scheduler, group_bucket, own_bucket
@@ -555,9 +556,8 @@ def chunk_admission(batch: RunningBatch, items: list) -> list:
     request that came with it starts decoding after the first piece, not after all.
 
     While rows decode, with captured prefills, the others join only while the prefill fits a
-    bucket (:func:`_bucket_fit`): one that does not runs eagerly, ~30-60 ms on an H200 with
-    every running row waiting (session 21: 6 of ~400 served admissions). (With nothing
-    decoding nobody waits: a GRPO batch's prompts stay one prefill.)"""
+    bucket (:func:`_bucket_fit`): one that does not runs eagerly, ~30-60 ms on an H200 with every
+    running row waiting (session 21). (With nothing decoding, a GRPO batch's prompts stay one.)"""
     if len(items) < 2:
         return items
     new = [_new_tokens(batch, item) for item in items]
@@ -575,18 +575,18 @@ def chunk_admission(batch: RunningBatch, items: list) -> list:
 
 
 def _bucket_fit(batch: RunningBatch, items: list, new: list[int]):
-    """Whether a set of ``items`` (indices) prefills in one bucket of the engine's captured
-    prefills (:meth:`~treerl.rollout.prefill_graphs.PrefillGraphs.bucket`: its rows, new
-    tokens and longest prompt), or None where no bucket rule applies: no captured prefills,
-    no row decoding, a preempted group among the items (its prefill also feeds its tokens),
-    or a first item too large for any bucket (it runs eagerly whatever joins it)."""
+    """Whether a set of ``items`` (indices) prefills in one captured bucket (:func:`prefill_bucket`),
+    or None where no bucket rule applies: no captured prefills, no row decoding, a preempted
+    group among the items (its prefill also feeds its tokens), or a first item too large for
+    any bucket (it runs eagerly whatever joins it)."""
     graphs = batch.e.prefill_graphs
     if graphs is None or not batch.host.live.any() or any(isinstance(item, Preempted) for item in items):
         return None
-    slots = [1 + len(item.prompt) for item in items]
+    lens = [len(item.prompt) for item in items]
 
-    def fits(taken) -> bool:
-        return graphs.bucket(len(taken), max(new[i] for i in taken), max(slots[i] for i in taken)) is not None
+    def fits(taken) -> bool:  # (nothing new at all: no forward, so it fits)
+        w = [new[i] for i in taken]
+        return max(w) == 0 or prefill_bucket(graphs, [lens[i] for i in taken], w) is not None
 
     return fits if fits({0}) else None
 

@@ -56,15 +56,21 @@ def gc_timer() -> _GCTimer:
         return _TIMER
 
 
+def thread_cpu_s(thread: threading.Thread) -> float | None:
+    """CPU seconds of ``thread`` (None: not running, or the platform does not tell)."""
+    if thread.ident is None or not thread.is_alive():
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (AttributeError, OSError):
+        return None
+
+
 def thread_times(thread: threading.Thread) -> dict[str, float | None]:
     """``cpu_s`` (CPU seconds of ``thread``) and ``cpu_wait_s`` (seconds it was ready but
     waited for a CPU); None where the platform does not tell."""
-    cpu = wait = None
-    if thread.ident is not None and thread.is_alive():
-        try:
-            cpu = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-        except (AttributeError, OSError):
-            pass
+    cpu, wait = thread_cpu_s(thread), None
+    if cpu is not None:
         try:
             fields = Path(f"/proc/self/task/{thread.native_id}/schedstat").read_text().split()
             wait = int(fields[1]) / 1e9
@@ -81,7 +87,7 @@ def host_stats(engine_thread: threading.Thread) -> dict:
     t = gc_timer()
     others: dict[str, float] = {}
     for th in threading.enumerate():
-        cpu = thread_times(th)["cpu_s"] if th is not engine_thread else None
+        cpu = None if th is engine_thread else thread_cpu_s(th)
         if cpu is not None:
             others[th.name] = others.get(th.name, 0.0) + cpu
     return {"gc": {"passes": list(t.passes), "seconds": list(t.seconds), "frozen": gc.get_freeze_count()},
@@ -98,4 +104,4 @@ def freeze_startup_objects() -> int:
     return gc.get_freeze_count()
 
 
-__all__ = ["freeze_startup_objects", "gc_timer", "host_stats", "thread_times"]
+__all__ = ["freeze_startup_objects", "gc_timer", "host_stats", "thread_cpu_s", "thread_times"]
