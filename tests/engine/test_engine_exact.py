@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers.engine import MODES, SPEC, check_engine, general_peak, plan_features
-from helpers.forests import RandomLoss, forests, longest_node, random_seq, shaped_forest, tree_sizes
+from helpers.forests import RandomLoss, TokenwiseLoss, forests, longest_node, random_seq, shaped_forest, tree_sizes
 from helpers.models import VARIANTS, VOCAB, get_model
 from helpers.reference import (
     assert_grads_close,
@@ -313,6 +313,33 @@ def test_separable_equals_non_separable(mode, gen):
     if mode in ("flat", "packed"):  # single-level: the separable path is per micro-batch
         assert len(out[True][2]) >= 2 and len(out[False][2]) == 1
     zero_grads(model)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("entropy", [False, True])
+def test_token_loss_through_the_fused_head(mode, entropy, gen):
+    """A loss that is a sum of per-token terms (``token_loss``): single-level plans take the
+    head's gradients in its forward (one logits product a chunk); every mode stays exact."""
+    seqs = shaped_forest(gen, SPEC)
+    model = get_model("qwen3-tied")
+    loss = TokenwiseLoss(seqs, gen)
+    check_engine(model, seqs, mode, loss, separable=True, entropy=entropy, **MODE_KW[mode])
+    if mode in ("flat", "packed"):  # single-level plans: every call through the fused head
+        assert loss.token_calls > 0
+
+
+@given(data=st.data())
+@settings(max_examples=25, **HYP)
+def test_token_loss_random_forests_float64(data):
+    """Random forests (duplicates, strict prefixes, 1-token nodes) through the fused head:
+    flat and packed plans of several calls, logits chunks of 1-3 rows."""
+    seqs = data.draw(forests())
+    mode = data.draw(st.sampled_from(["flat", "packed"]))
+    max_tokens = data.draw(st.integers(max(len(s) for s in seqs), 64))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    loss = TokenwiseLoss(seqs, gen, one_sign=data.draw(st.booleans()))
+    check_engine(get_model("qwen3-tied"), seqs, mode, loss, separable=True, entropy=data.draw(st.booleans()),
+                 max_tokens=max_tokens, logits_chunk_elements=data.draw(st.integers(1, 3)) * VOCAB)
 
 
 class OnlyEntropy:

@@ -90,3 +90,53 @@ def test_chunked_loss_head_under_autocast_runs_its_products_in_the_autocast_dtyp
     ref = torch.autograd.grad(torch.log_softmax(h64 @ w64.t(), -1).gather(1, targets[:, None]).sum(), (h64, w64))
     for g, r in zip((gh, gw), ref):
         assert torch.allclose(g.double(), r, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("chunk_rows", [1, 4, 100])
+@pytest.mark.parametrize("frozen", [None, "hidden", "weight"])
+def test_fused_token_loss_head_matches_dense(entropy, chunk_rows, frozen):
+    """The head with the loss's per-row derivative asked per chunk (one logits product a chunk):
+    loss, logprobs, entropies and both gradients as the dense log-softmax's, float64; the
+    derivative is asked exactly once for each row, in order."""
+    from treerl.engine.loss_head import token_loss_head
+
+    torch.manual_seed(2)
+    T, H, V, temperature = 11, 5, 13, 0.8
+    hidden = torch.randn(T, H, dtype=torch.float64, requires_grad=frozen != "hidden")
+    weight = torch.randn(V, H, dtype=torch.float64, requires_grad=frozen != "weight")
+    targets = torch.randint(0, V, (T,))
+    a, c = torch.randn(T, dtype=torch.float64), torch.randn(T, dtype=torch.float64)
+
+    def term(lp, ent, rows):  # nonlinear in each row's own values
+        t = a[rows] * lp + torch.exp(lp)
+        return t + c[rows] * ent * ent if ent is not None else t
+
+    seen = []
+
+    def token_grad(start, stop, lp, ent):
+        seen.append((start, stop))
+        lp = lp.detach().requires_grad_()
+        ent = ent.detach().requires_grad_() if ent is not None else None
+        with torch.enable_grad():
+            part = term(lp, ent, slice(start, stop)).sum()
+            grads = torch.autograd.grad(part, [lp] + ([ent] if ent is not None else []))
+        return part.detach(), grads[0], grads[1] if ent is not None else None
+
+    loss, logprob, ent = token_loss_head(hidden, weight, targets, token_grad, temperature=temperature,
+                                         with_entropy=entropy, chunk_elements=chunk_rows * V)
+    leaves = [x for x in (hidden, weight) if x.requires_grad]
+    got = torch.autograd.grad(loss, leaves)
+    assert [r for s in seen for r in range(*s)] == list(range(T))
+
+    logp = torch.log_softmax(hidden @ weight.t() / temperature, dim=-1)
+    ref_lp = logp.gather(1, targets[:, None])[:, 0]
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    ref_loss = term(ref_lp, ref_ent if entropy else None, slice(None)).sum()
+    ref = torch.autograd.grad(ref_loss, leaves)
+    assert torch.allclose(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(logprob, ref_lp, rtol=1e-12, atol=1e-12)
+    if entropy:
+        assert torch.allclose(ent, ref_ent, rtol=1e-12, atol=1e-12)
+    for g, r in zip(got, ref):
+        assert torch.allclose(g, r, rtol=1e-10, atol=1e-12)

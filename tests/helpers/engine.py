@@ -86,13 +86,17 @@ def check_engine(
     assert all(torch.equal(a, b) for a, b in zip(lps_only, lps))
 
     zero_grads(model)
-    loss.calls.clear()
+    token_wise = hasattr(loss, "token_loss")
+    (loss.seen if token_wise else loss.calls).clear()
     value = engine.forward_backward(given_tree, loss, entropy=entropy, separable=separable)
-    # Each sequence reaches the loss exactly once; non-separable losses see all at once.
-    seen = sorted(i for call in loss.calls for i in call)
-    assert seen == list(range(len(seqs))), loss.calls
-    if not separable:
-        assert len(loss.calls) == 1
+    if token_wise:  # each token reaches the loss exactly once (the fused head asks per logits chunk)
+        seen = torch.cat(loss.seen).sort().values if loss.seen else torch.zeros(0, dtype=torch.long)
+        assert seen.tolist() == list(range(sum(len(s) - 1 for s in seqs))), loss.seen
+    else:  # each sequence reaches the loss exactly once; non-separable losses see all at once
+        seen = sorted(i for call in loss.calls for i in call)
+        assert seen == list(range(len(seqs))), loss.calls
+        if not separable:
+            assert len(loss.calls) == 1
     # the loss is a sum of terms that cancel: its error scales with the terms' size
     scale = 1 + sum(float(x.abs().sum()) for x in ref_lps + (ref_ents if entropy else []))
     assert value == pytest.approx(ref_loss, rel=tol, abs=tol * scale)

@@ -80,6 +80,39 @@ class RandomLoss:
         return loss
 
 
+class TokenwiseLoss:
+    """sum_t [w_t lp_t + u_t exp(lp_t) (+ v_t H_t + s_t H_t^2)]: a sum of per-token terms,
+    nonlinear in each token's values, offered as ``token_loss`` (the engine's fused head)
+    and called as a separable loss. ``token_calls`` counts the fused head's calls; ``seen``
+    holds the flat tokens of every evaluation (each must be seen once a step)."""
+
+    def __init__(self, seqs, gen: torch.Generator, one_sign: bool = False):
+        lengths = [len(s) - 1 for s in seqs]
+        n = sum(lengths)
+        sign = 1.0 if one_sign else torch.randint(0, 2, (n,), generator=gen).to(torch.float64) * 2 - 1
+        u = lambda lo, hi: lo + (hi - lo) * torch.rand(n, generator=gen, dtype=torch.float64)  # noqa: E731
+        self.coef = [sign * u(0.5, 1.5), sign * u(0.5, 2.0), sign * u(0.5, 1.5), sign * u(0.1, 0.5)]
+        self.offsets = [0] + torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()
+        self.token_calls = 0
+        self.seen: list[torch.Tensor] = []
+
+    def token_loss(self, lp, ent, tokens):
+        self.token_calls += 1
+        self.seen.append(tokens.cpu())
+        w, u, v, s = (c.to(lp.device)[tokens].to(lp.dtype) for c in self.coef)
+        loss = (w * lp + u * torch.exp(lp)).sum()
+        if ent is not None:
+            loss = loss + (v * ent + s * ent * ent).sum()
+        return loss
+
+    def __call__(self, lps, ents=None, *, index=None):
+        idx = list(range(len(self.offsets) - 1)) if index is None else index.tolist()
+        tokens = torch.cat([torch.arange(self.offsets[i], self.offsets[i + 1]) for i in idx])
+        ent = torch.cat(list(ents)) if ents is not None else None
+        self.token_calls -= 1  # (not the fused head's call)
+        return self.token_loss(torch.cat(list(lps)), ent, tokens.to(lps[0].device))
+
+
 @st.composite
 def forests(draw, vocab: int = VOCAB, max_seqs: int = 8, max_len: int = 24, min_seqs: int = 1, alphabets=None):
     """A list of token-id lists with the shapes the tree must handle.

@@ -46,8 +46,9 @@ def _grads(model):
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+@pytest.mark.parametrize("ratio", ["sequence", "token"])  # token: the fused head (PolicyLoss.token_loss)
 @pytest.mark.parametrize("mode,max_tokens", [("flat", 24), ("packed", 24), ("dfs", 16)])
-def test_policy_loss_through_engine_matches_per_sequence_forward(mode, max_tokens):
+def test_policy_loss_through_engine_matches_per_sequence_forward(mode, max_tokens, ratio):
     model = tiny_model(dtype=D, seed=1, precise_norm=True)
     seqs, prompt_lens, groups, g = _rollouts()
     masks = [torch.arange(1, len(s)) >= p for s, p in zip(seqs, prompt_lens)]
@@ -60,12 +61,13 @@ def test_policy_loss_through_engine_matches_per_sequence_forward(mode, max_token
     batch = TokenBatch.from_sequences(
         masks, grpo_advantages(rewards, groups), behaviour_logprobs=behav, proximal_logprobs=prox, reference_logprobs=ref
     )
-    cfg = PolicyLossConfig(ratio="sequence", eps_high=0.28, dual_clip=3.0, behaviour_weight_cap=1.1, kl_coef=0.1,
+    cfg = PolicyLossConfig(ratio=ratio, eps_high=0.28, dual_clip=3.0, behaviour_weight_cap=1.1, kl_coef=0.1,
                            entropy_coef=0.01, aggregation="seq-mean-token-mean")
 
     model.zero_grad()
     lps, ents = _reference_forward(model, seqs)
-    want = PolicyLoss(batch, cfg)(lps, ents)
+    want_loss = PolicyLoss(batch, cfg)
+    want = want_loss(lps, ents)
     want.backward()
     want_grads = _grads(model)
 
@@ -76,7 +78,8 @@ def test_policy_loss_through_engine_matches_per_sequence_forward(mode, max_token
     if mode != "dfs":
         assert engine.stats.model_calls > 1  # the loss really was called in parts
     assert got == pytest.approx(want.item(), rel=1e-10)
-    assert loss.metrics()["loss"] == pytest.approx(want.item(), rel=1e-10)
+    assert (loss.token_loss is None) == (ratio == "sequence")
+    assert loss.metrics() == pytest.approx(want_loss.metrics(), rel=1e-9, abs=1e-12)  # the loss and its metrics
     for a, b in zip(_grads(model), want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 

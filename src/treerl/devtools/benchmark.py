@@ -161,22 +161,28 @@ def make_runner(model: torch.nn.Module, mode: str, *, max_tokens: int | None = N
 
 
 def weighted_logprob_loss(tree: PrefixTree, seed: int = 0):
-    """A separable loss: -sum(w * logprob) / tokens with fixed random per-token weights."""
+    """A separable loss: -sum(w * logprob) / tokens with fixed random per-token weights.
+    A sum of per-token terms: it offers ``token_loss`` (:mod:`treerl.engine.token_loss`)."""
     gen = torch.Generator().manual_seed(seed)
+    lengths = (tree.seq_lengths - 1).tolist()
     weights = torch.randn(tree.num_flat_tokens - tree.num_sequences, generator=gen, dtype=torch.float64)
-    weights = list(weights.split((tree.seq_lengths - 1).tolist()))
+    offsets = [0] + torch.tensor(lengths).cumsum(0).tolist()
     total = float(tree.num_flat_tokens - tree.num_sequences)
 
     on_device: dict = {}  # per device, copied once: a per-call copy would sync the host
 
+    def token_loss(logprob, entropy, tokens):
+        dev = logprob.device
+        if dev not in on_device:
+            on_device[dev] = weights.to(dev)
+        return -(logprob * on_device[dev][tokens].to(logprob.dtype)).sum() / total
+
     def loss_fn(logprobs, index=None):
         ids = range(len(logprobs)) if index is None else index.tolist()
-        dev = logprobs[0].device
-        if dev not in on_device:
-            on_device[dev] = torch.cat(weights).to(dev).split([len(w) for w in weights])
-        w = on_device[dev]
-        return -sum((lp * w[i].to(lp.dtype)).sum() for lp, i in zip(logprobs, ids)) / total
+        tokens = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in ids]) if len(ids) else torch.zeros(0, dtype=torch.long)
+        return token_loss(torch.cat(list(logprobs)), None, tokens.to(logprobs[0].device))
 
+    loss_fn.token_loss = token_loss
     return loss_fn
 
 

@@ -45,7 +45,8 @@ from .checks import check_inputs, check_loss, check_supported
 from ..compiled import claim_compiled_code
 from .compile_cache import enable as enable_compile_cache, save as save_compile_cache
 from .decoder import DecoderStack
-from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, token_logprobs
+from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, head_rows, token_logprobs, token_loss_head
+from .token_loss import TokenLossGrad, token_entries
 from .memory import MemoryPolicy, attention_heads
 from ..models import decoder_of
 from .plan import MODES, Plan, make_plan
@@ -104,21 +105,26 @@ class SegmentRunner(torch.nn.Module):
         self.temperature, self.chunk_elements = temperature, chunk_elements
         self.stack = DecoderStack(decoder_of(model), compile)
 
-    def forward(self, input_ids, position_ids, rows, targets, *, entropy: bool, recompute: bool = False):
+    def forward(self, input_ids, position_ids, rows, targets, *, entropy: bool, recompute: bool = False,
+                token_grad=None):
         """input_ids/position_ids [1, n]; rows [T] hidden rows to read; targets [T] token ids.
         The tree attention of the call is set by the caller (``tree_attention_enabled``).
         ``recompute``: keep only each decoder block's input for the backward.
-        Returns (logprobs or values [T], entropies [T] or None)."""
+        Returns (logprobs or values [T], entropies [T] or None); with ``token_grad`` (the
+        loss's derivative per row, :func:`token_loss_head`) (loss, logprobs, entropies or None)."""
         hidden = self.stack(input_ids, position_ids, checkpoint_blocks=recompute)[0]
         picked = hidden[rows]
         if self.value_head is not None:
             if entropy:
                 raise ValueError("a critic engine (value_head) has no entropies")
             return self.value_head(picked)[:, 0].to(compute_dtype(picked.dtype)), None
-        return token_logprobs(
-            picked, self.model.get_output_embeddings().weight, targets, temperature=self.temperature,
-            with_entropy=entropy, chunk_elements=self.chunk_elements, compiled=self.stack.compile,
-        )
+        kw = dict(temperature=self.temperature, with_entropy=entropy, chunk_elements=self.chunk_elements,
+                  compiled=self.stack.compile)
+        weight = self.model.get_output_embeddings().weight
+        if token_grad is not None:
+            loss, lp, ent = token_loss_head(picked, weight, targets, token_grad, **kw)
+            return loss, lp, ent if entropy else None
+        return token_logprobs(picked, weight, targets, **kw)
 
 
 class TreeEngine:
@@ -322,7 +328,7 @@ class TreeEngine:
 
     def _call(
         self, b: Batch, i: int, prefix: list[list[KV]], *, capture: bool, grad: bool, entropy: bool,
-        head: bool = True, alone: bool = False,
+        head: bool = True, alone: bool = False, token_grad=None,
     ) -> tuple[torch.Tensor, torch.Tensor, list[KV] | None]:
         """Run segment ``i`` after ``prefix`` (per ancestor, per layer K/V).
 
@@ -330,6 +336,8 @@ class TreeEngine:
         ``head``: a call for its K/V only skips the LM head), and its own per-layer K/V if
         ``capture``. ``alone``: its backward follows its forward with no other graph held
         (its kept attentions may take the model's margin, :meth:`MemoryPolicy.kept_attention_layers`).
+        ``token_grad``: the loss's derivative per target (:func:`token_loss_head`); the
+        logprobs are then a (loss, logprobs) pair, the loss carrying the gradients.
         """
         seg = b.plan.segments[i]
         q_index = torch.arange(seg.start, seg.end, device=self.device)
@@ -373,10 +381,11 @@ class TreeEngine:
             ids, pos = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(pos, (0, pad))
         with torch.set_grad_enabled(grad), tree_attention_enabled(self.model, ctx):
             targets = b.targets[i] if head else b.targets[i][:0]
-            lp, ent = self.runner(
+            out = self.runner(
                 ids[None], pos[None], b.parent[targets] - seg.start, b.token_ids[targets], entropy=entropy,
-                recompute=recompute,
+                recompute=recompute, token_grad=token_grad,
             )
+        lp, ent = ((out[0], out[1]), out[2]) if token_grad is not None else out
         kv = [ctx.captured[layer] for layer in range(self.num_layers)] if capture else None
         return lp, ent, kv
 
@@ -422,10 +431,21 @@ class TreeEngine:
                                    skip: set[int] = frozenset()) -> float:
         """One forward and backward per segment without prefix or children (all but ``skip``)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        token_loss = getattr(loss_fn, "token_loss", None) if separable and self.runner.value_head is None else None
+        entries = None
         for i, (seqs, flat_index, sizes) in enumerate(sequences_by_segment(b, self.device)):
             if len(seqs) == 0 or i in skip:
                 continue
             seg = b.plan.segments[i]
+            if token_loss is not None:  # the head takes its gradients in its forward (one logits product)
+                if entries is None:
+                    entries = token_entries(b, self.device, head_rows(self.runner.chunk_elements, self.head.weight))
+                (loss, _), _, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy, alone=True,
+                                             token_grad=TokenLossGrad(token_loss, entries[i]))
+                if loss.requires_grad:
+                    loss.backward()
+                total += loss.detach().reshape(()).to(torch.float64)
+                continue
             lp, ent, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy, alone=True)
             local_index = b.targets[i] - seg.start
             outs = [scatter_gather(lp, local_index, seg.size, flat_index, sizes)]

@@ -209,8 +209,24 @@ class PolicyLoss(_SeparableLoss):
         *,
         index: Tensor | Sequence[int] | None = None,
     ) -> Tensor:
-        cfg = self.config
         logp, tokens, seqs = self._select(logprobs, index, "logprobs")
+        ent = None if entropies is None else self._select(entropies, index, "entropies")[0]
+        return self._loss(logp, ent, tokens, seqs)
+
+    @property
+    def token_loss(self) -> Callable[[Tensor, Tensor | None, Tensor], Tensor] | None:
+        """The loss on flat tokens (``tokens`` [n] positions in the batch, their logprobs and
+        entropies [n]), each token's term a function of its own values: the engine's fused
+        loss head takes its gradients in one pass (:mod:`treerl.engine.token_loss`). None
+        for GSPO's sequence ratio, whose terms depend on the whole sequence."""
+        if self.config.ratio == "sequence":
+            return None
+        return lambda logprob, entropy, tokens: self._loss(logprob, entropy, tokens, None)
+
+    def _loss(self, logp: Tensor, ent: Tensor | None, tokens: Tensor | None, seqs: list[int] | None) -> Tensor:
+        """The loss over flat tokens ``tokens`` (None: the whole batch in order) of the
+        sequences ``seqs`` (needed by the sequence ratio alone)."""
+        cfg = self.config
         f = self._fields(logp.device)
 
         def take(name: str) -> Tensor:
@@ -252,10 +268,9 @@ class PolicyLoss(_SeparableLoss):
             if cfg.kl_coef != 0.0:
                 loss = loss + cfg.kl_coef * kl_loss
             metrics.update(kl_term=kl_loss, ref_kl_sum=kl.sum())
-        if entropies is not None or cfg.entropy_coef != 0.0:
-            if entropies is None:
+        if ent is not None or cfg.entropy_coef != 0.0:
+            if ent is None:
                 raise ValueError("entropy_coef is set: call the loss with entropies (engine: entropy=True)")
-            ent, _, _ = self._select(entropies, index, "entropies")
             ent = torch.where(mask, ent, zero)
             entropy_loss = (weight * ent).sum()
             if cfg.entropy_coef != 0.0:
