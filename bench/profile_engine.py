@@ -50,9 +50,11 @@ class _PackedToMaxTokens(TreeEngine):
 def make_engine(model, name: str) -> TreeEngine:
     """The engine of a configuration name, for A/Bs in one run: a ``-nokeep`` suffix
     recomputes every layer's attention with its block (before kept attentions), a
-    ``-maxpack`` suffix packs trees up to ``max_tokens`` (before ``pack_tokens``)."""
+    ``-maxpack`` suffix packs trees up to ``max_tokens`` (before ``pack_tokens``); ``-nofused``
+    (:func:`loss_for`) hides the loss's ``token_loss`` (the head computes its logits again in
+    the backward, as before the fused head)."""
     nokeep, maxpack = "-nokeep" in name, "-maxpack" in name
-    name = name.replace("-nokeep", "").replace("-maxpack", "")
+    name = name.replace("-nokeep", "").replace("-maxpack", "").replace("-nofused", "")
     engine = (_PackedToMaxTokens if maxpack else TreeEngine)(model, **engine_config(name))
     if nokeep:
         engine.memory.kept_attention_layers = lambda queries, keys, copies, spare, **kw: frozenset()
@@ -68,6 +70,11 @@ def engine_config(name: str) -> dict:
         return {**CONFIGS[name], **extra}
     mode, _, budget = name.partition("-b")
     return dict(mode=mode, memory_budget=float(budget), **extra)
+
+
+def loss_for(loss_fn, name: str):
+    """The configuration's loss: without ``token_loss`` for a ``-nofused`` name."""
+    return (lambda *a, **kw: loss_fn(*a, **kw)) if "-nofused" in name else loss_fn
 
 
 def workload(name: str, vocab: int, scale: str):
@@ -182,7 +189,8 @@ def main(argv=None):
                     row.update(seconds=seconds, times=times, peak_gib=peak_bytes / 2**30)
                 else:
                     engine = make_engine(model, name)
-                    seconds, times, peak_bytes = time_forward_backward(engine, tree, loss_fn, args.repeats, 1)
+                    seconds, times, peak_bytes = time_forward_backward(engine, tree, loss_for(loss_fn, name),
+                                                                       args.repeats, 1)
                     row.update(seconds=seconds, times=times, peak_gib=peak_bytes / 2**30, calls=engine.stats.model_calls,
                                recomputed_calls=engine.stats.recomputed_calls,
                                kept_attention_layers=engine.stats.kept_attention_layers, plan=engine.stats.plan,

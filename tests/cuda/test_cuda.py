@@ -25,18 +25,24 @@ def reference_logprobs(model, seqs):
     ("flat", {}), ("packed", {}), ("dfs", {"chunk_tokens": 7}), ("auto", {"max_tokens": 40, "chunk_tokens": 16}),
 ])
 @pytest.mark.parametrize("workload", ["grpo", "agentic"])
-@pytest.mark.parametrize("separable", [False, True])
+@pytest.mark.parametrize("separable", [False, True, "tokens"])
 def test_flex_float32_matches_per_sequence(mode, kw, workload, separable):
     """Every mode against the per-sequence forward; ``separable``: the loss in parts (chained
-    plans: the one pass, treerl.engine.one_pass), else all at once (two phases)."""
+    plans: the one pass, treerl.engine.one_pass), else all at once (two phases); ``"tokens"``:
+    a sum of per-token terms offering ``token_loss`` (single-level calls: the fused head)."""
     model = build_model("qwen3", "tiny", dtype=torch.float32, device="cuda", seed=1)
     seqs = [torch.as_tensor(s) for s in make_workload(workload, SCALES["tiny"], 512, seed=3)]
     weights = [torch.randn(len(s) - 1, device="cuda", dtype=torch.float64) for s in seqs]
 
     def loss_fn(lps, index=None):
         which = range(len(seqs)) if index is None else index.tolist()
+        if separable == "tokens":
+            return sum((lp.double() * weights[i] + 0.1 * lp.double().exp()).sum() for lp, i in zip(lps, which))
         return sum((lp.double() * weights[i]).sum() + 0.1 * lp.double().mean().exp() for lp, i in zip(lps, which))
 
+    if separable == "tokens":
+        flat = torch.cat(weights)
+        loss_fn.token_loss = lambda lp, ent, tokens: (lp.double() * flat[tokens] + 0.1 * lp.double().exp()).sum()
     model.zero_grad()
     ref = reference_logprobs(model, seqs)
     loss_fn(ref).backward()
@@ -47,14 +53,15 @@ def test_flex_float32_matches_per_sequence(mode, kw, workload, separable):
     for a, b in zip(lps, ref):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
     model.zero_grad()
-    engine.forward_backward(seqs, loss_fn, separable=separable)
+    engine.forward_backward(seqs, loss_fn, separable=bool(separable))
     for n, p in model.named_parameters():
         err = (p.grad - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)
         assert err < 1e-5, (n, float(err))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["recomputing-head", "fused-head"])
 @pytest.mark.parametrize("mode,workload,many", [("packed", "none", (160, 160)), ("dfs", "grpo", (128, 64))])
-def test_no_host_sync_per_segment(mode, workload, many):
+def test_no_host_sync_per_segment(mode, workload, many, fused):
     """Host synchronisations of a step must not grow with the number of segments: count
     them (torch's sync debug mode warns on each) for a plan of 2 and of ~20 segments."""
     import warnings
@@ -65,6 +72,9 @@ def test_no_host_sync_per_segment(mode, workload, many):
 
     def loss_fn(lps, index=None):
         return (torch.cat(lps) * weights[: sum(len(lp) for lp in lps)]).sum()
+
+    if fused:  # (a loss of per-token terms: the head takes its gradients per chunk, asking token_loss)
+        loss_fn.token_loss = lambda lp, ent, tokens: (lp * weights[tokens]).sum()
 
     def syncs(max_tokens, chunk_tokens):
         engine = treerl.TreeEngine(model, mode, max_tokens=max_tokens, chunk_tokens=chunk_tokens, attention="flex")
@@ -203,3 +213,47 @@ def test_prefix_calls_as_whole_tiles_float32(mode, kw, monkeypatch):
     for n, p in model.named_parameters():
         err = (p.grad - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-30)
         assert err < 1e-5, (n, float(err))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_compiled_fused_token_loss_head(dtype, entropy):
+    """The fused head's compiled chunks (one logits product a chunk, the gradients taken in the
+    forward) against the recomputing head on the same inputs, and both against float64."""
+    from treerl.engine.loss_head import token_logprobs, token_loss_head
+
+    torch.manual_seed(0)
+    T, H, V = 700, 256, 5000
+    hidden = torch.randn(T, H, device="cuda", dtype=dtype) / 4
+    weight = torch.randn(V, H, device="cuda", dtype=dtype) / 4
+    targets = torch.randint(0, V, (T,), device="cuda")
+    a = torch.randn(T, device="cuda", dtype=torch.float64)
+
+    def term(lp, ent, rows):
+        t = a[rows].to(lp.dtype) * lp + torch.exp(lp)
+        return t + 0.3 * ent * ent if ent is not None else t
+
+    def token_grad(start, stop, lp, ent):
+        lp = lp.detach().requires_grad_()
+        ent = ent.detach().requires_grad_() if ent is not None else None
+        with torch.enable_grad():
+            part = term(lp, ent, slice(start, stop)).sum()
+            grads = torch.autograd.grad(part, [lp] + ([ent] if ent is not None else []))
+        return part.detach(), grads[0], grads[1] if ent is not None else None
+
+    def grads(fused: bool, h, w, compiled=True):
+        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        kw = dict(with_entropy=entropy, chunk_elements=128 * V, compiled=compiled)
+        if fused:
+            loss, lp, ent = token_loss_head(h, w, targets, token_grad, **kw)
+        else:
+            lp, ent = token_logprobs(h, w, targets, **kw)
+            loss = term(lp, ent if entropy else None, slice(None)).sum()
+        loss.backward()
+        return loss.detach().double(), h.grad.double(), w.grad.double()
+
+    ref = grads(False, hidden.double(), weight.double(), compiled=False)
+    fused, recomputed = grads(True, hidden, weight), grads(False, hidden, weight)
+    for f, r, e in zip(fused, recomputed, ref):
+        scale = e.abs().max()
+        assert (f - e).abs().max() <= 1.5 * (r - e).abs().max() + 1e-6 * scale  # no worse than the recomputing head
