@@ -7,7 +7,7 @@ import torch
 
 import treerl
 from treerl.models import build_model
-from helpers.forests import tree_sizes
+from helpers.forests import rows_token_grad, tree_sizes
 from treerl.devtools.workloads import SCALES, make_workload
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -233,13 +233,7 @@ def test_compiled_fused_token_loss_head(dtype, entropy):
         t = a[rows].to(lp.dtype) * lp + torch.exp(lp)
         return t + 0.3 * ent * ent if ent is not None else t
 
-    def token_grad(start, stop, lp, ent):
-        lp = lp.detach().requires_grad_()
-        ent = ent.detach().requires_grad_() if ent is not None else None
-        with torch.enable_grad():
-            part = term(lp, ent, slice(start, stop)).sum()
-            grads = torch.autograd.grad(part, [lp] + ([ent] if ent is not None else []))
-        return part.detach(), grads[0], grads[1] if ent is not None else None
+    token_grad = rows_token_grad(term)
 
     def grads(fused: bool, h, w, compiled=True):
         h, w = h.clone().requires_grad_(), w.clone().requires_grad_()

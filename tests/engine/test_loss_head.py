@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.forests import rows_token_grad
 from treerl.engine.loss_head import token_logprobs
 
 
@@ -113,16 +114,7 @@ def test_fused_token_loss_head_matches_dense(entropy, chunk_rows, frozen):
         return t + c[rows] * ent * ent if ent is not None else t
 
     seen = []
-
-    def token_grad(start, stop, lp, ent):
-        seen.append((start, stop))
-        lp = lp.detach().requires_grad_()
-        ent = ent.detach().requires_grad_() if ent is not None else None
-        with torch.enable_grad():
-            part = term(lp, ent, slice(start, stop)).sum()
-            grads = torch.autograd.grad(part, [lp] + ([ent] if ent is not None else []))
-        return part.detach(), grads[0], grads[1] if ent is not None else None
-
+    token_grad = rows_token_grad(term, seen)
     loss, logprob, ent = token_loss_head(hidden, weight, targets, token_grad, temperature=temperature,
                                          with_entropy=entropy, chunk_elements=chunk_rows * V)
     leaves = [x for x in (hidden, weight) if x.requires_grad]

@@ -80,6 +80,23 @@ class RandomLoss:
         return loss
 
 
+def rows_token_grad(term, seen: list | None = None):
+    """``token_grad`` for :func:`treerl.engine.loss_head.token_loss_head` from ``term(lp, ent,
+    rows) -> per-row terms`` (rows a slice), by autograd; appends each (start, stop) to ``seen``."""
+
+    def token_grad(start, stop, lp, ent):
+        if seen is not None:
+            seen.append((start, stop))
+        lp = lp.detach().requires_grad_()
+        ent = ent.detach().requires_grad_() if ent is not None else None
+        with torch.enable_grad():
+            part = term(lp, ent, slice(start, stop)).sum()
+            grads = torch.autograd.grad(part, [lp] + ([ent] if ent is not None else []))
+        return part.detach(), grads[0], grads[1] if ent is not None else None
+
+    return token_grad
+
+
 class TokenwiseLoss:
     """sum_t [w_t lp_t + u_t exp(lp_t) (+ v_t H_t + s_t H_t^2)]: a sum of per-token terms,
     nonlinear in each token's values, offered as ``token_loss`` (the engine's fused head)
