@@ -335,7 +335,8 @@ def test_token_loss_random_forests_float64(data):
     flat and packed plans of several calls, logits chunks of 1-3 rows."""
     seqs = data.draw(forests())
     mode = data.draw(st.sampled_from(["flat", "packed"]))
-    max_tokens = data.draw(st.integers(max(len(s) for s in seqs), 64))
+    largest = max(len(s) for s in seqs) if mode == "flat" else max(tree_sizes(PrefixTree.from_sequences(seqs)))
+    max_tokens = data.draw(st.integers(largest, max(largest, 64)))
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
     loss = TokenwiseLoss(seqs, gen, one_sign=data.draw(st.booleans()))
     check_engine(get_model("qwen3-tied"), seqs, mode, loss, separable=True, entropy=data.draw(st.booleans()),

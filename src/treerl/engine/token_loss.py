@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .batch import Batch, segment_of_sequences, seq_targets, upload_indices
+from .batch import Batch, seq_targets, upload_indices
 
 TokenLoss = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor], torch.Tensor]
 
@@ -39,41 +39,46 @@ class SegmentTokens:
 
 
 def token_entries(b: Batch, device: torch.device, chunk_rows: int) -> list[SegmentTokens]:
-    """Single-level plans: :class:`SegmentTokens` of every segment, for the head's chunks of
-    ``chunk_rows`` rows (vectorised on the CPU, one upload)."""
-    tree, targets = b.tree, b.plan.targets
-    _, seg_of_seq = segment_of_sequences(b)
-    lengths = torch.tensor(b.seq_lengths, dtype=torch.long)
-    row_of = torch.full((tree.num_tree_tokens,), -1, dtype=torch.long)
-    for t in targets:
-        row_of[t] = torch.arange(len(t))
-    entry_rows = row_of[seq_targets(tree)]
+    """:class:`SegmentTokens` of every segment, for the head's chunks of ``chunk_rows`` rows
+    (one sort on the CPU, one upload). Only a segment that holds whole sequences (a
+    single-level plan's) gets all of its rows' tokens."""
+    targets = b.plan.targets
+    sizes = torch.tensor([len(t) for t in targets], dtype=torch.long)
+    first_row = torch.cumsum(sizes, 0) - sizes  # of each segment, in the targets' concatenation
+    row_of = torch.full((b.tree.num_tree_tokens,), -1, dtype=torch.long)
+    row_of[torch.cat(targets)] = torch.arange(int(sizes.sum()))
+    entry_rows = row_of[seq_targets(b.tree)]  # the row predicting each flat token
     if len(entry_rows) and int(entry_rows.min()) < 0:
-        raise AssertionError("a sequence token is predicted by no segment of a single-level plan")
-    seg_of_entry = torch.repeat_interleave(seg_of_seq, lengths)
-    by_row = torch.argsort(entry_rows, stable=True)
-    order = by_row[torch.argsort(seg_of_entry[by_row], stable=True)]  # by segment, then row
-    counts = torch.bincount(seg_of_entry, minlength=len(targets)).tolist()
-    rows_cpu = entry_rows[order].split(counts)
-    bounds = []
-    for r, t in zip(rows_cpu, targets):
-        edges = list(range(0, len(t), chunk_rows)) + [len(t)]
-        bounds.append(dict(zip(edges, torch.searchsorted(r, torch.tensor(edges)).tolist())))
-    uploaded = upload_indices([entry_rows[order], order], device)
-    rows_dev, tokens_dev = (x.split(counts) for x in uploaded)
+        raise AssertionError("a sequence token is predicted by no segment")
+    order = torch.argsort(entry_rows, stable=True)  # by segment, then row (flat order within a row)
+    rows = entry_rows[order]
+    edges = [range(0, n, chunk_rows) for n in sizes.tolist()]
+    starts = torch.cat([torch.tensor(list(e) + [n], dtype=torch.long) + f
+                        for e, n, f in zip(edges, sizes.tolist(), first_row.tolist())])
+    at = torch.searchsorted(rows, starts).tolist()  # first entry at or after every chunk edge
+    counts, bounds, k = [], [], 0
+    for e, n in zip(edges, sizes.tolist()):
+        ptr = at[k: k + len(e) + 1]
+        k += len(e) + 1
+        bounds.append({row: p - ptr[0] for row, p in zip(list(e) + [n], ptr)})
+        counts.append(ptr[-1] - ptr[0])
+    local = rows - torch.repeat_interleave(first_row, torch.tensor(counts))
+    rows_dev, tokens_dev = (x.split(counts) for x in upload_indices([local, order], device))
     return [SegmentTokens(r, t, bd) for r, t, bd in zip(rows_dev, tokens_dev, bounds)]
 
 
 class TokenLossGrad:
     """``token_grad`` for :func:`token_loss_head`: rows ``start:stop`` of one segment's
     targets -> (their loss, d loss / d logprob, d loss / d entropy or None), summing the
-    terms of every sequence that shares a row."""
+    terms of every sequence that shares a row. ``entries()``: the segment's
+    :class:`SegmentTokens`."""
 
-    def __init__(self, token_loss: TokenLoss, entries: SegmentTokens):
+    def __init__(self, token_loss: TokenLoss, entries: Callable[[], SegmentTokens]):
+        # (built at the head's first chunk: on CUDA the host lays them out while the decoder runs)
         self.token_loss, self.entries = token_loss, entries
 
     def __call__(self, start: int, stop: int, logprob: torch.Tensor, entropy: torch.Tensor | None):
-        e = self.entries
+        e = self.entries()
         a, z = e.bounds[start], e.bounds[stop]
         g_ent = None if entropy is None else torch.zeros_like(entropy)
         if a == z:  # no sequence token in these rows
@@ -95,3 +100,17 @@ class TokenLossGrad:
         if ent is not None and grads[1] is not None:
             g_ent.index_add_(0, rows, grads[1].to(g_ent.dtype))
         return part.detach().reshape(()), g_lp, g_ent
+
+
+class KnownGrad:
+    """``token_grad`` for rows whose gradients are known before the call (the two phases'
+    recomputing backward, a chain segment's recompute once its subtree has run): the head
+    then takes its gradients in its forward too. Its loss part is 0 (the loss was taken
+    elsewhere); only its gradients count."""
+
+    def __init__(self, g_lp: torch.Tensor, g_ent: torch.Tensor | None):
+        self.g_lp, self.g_ent = g_lp, g_ent  # [T] per target row
+
+    def __call__(self, start: int, stop: int, logprob: torch.Tensor, entropy: torch.Tensor | None):
+        g_ent = None if self.g_ent is None or entropy is None else self.g_ent[start:stop]
+        return logprob.new_zeros(()), self.g_lp[start:stop], g_ent

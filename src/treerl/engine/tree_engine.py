@@ -30,6 +30,7 @@ across runs (:mod:`.compile_cache`).
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -46,7 +47,7 @@ from ..compiled import claim_compiled_code
 from .compile_cache import enable as enable_compile_cache, save as save_compile_cache
 from .decoder import DecoderStack
 from .loss_head import DEFAULT_CHUNK_ELEMENTS, compute_dtype, head_rows, token_logprobs, token_loss_head
-from .token_loss import TokenLossGrad, token_entries
+from .token_loss import KnownGrad, TokenLossGrad, token_entries
 from .memory import MemoryPolicy, attention_heads
 from ..models import decoder_of
 from .plan import MODES, Plan, make_plan
@@ -432,16 +433,15 @@ class TreeEngine:
         """One forward and backward per segment without prefix or children (all but ``skip``)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         token_loss = getattr(loss_fn, "token_loss", None) if separable and self.runner.value_head is None else None
-        entries = None
+        entries = functools.cache(lambda: token_entries(b, self.device, head_rows(self.runner.chunk_elements,
+                                                                                 self.head.weight)))
         for i, (seqs, flat_index, sizes) in enumerate(sequences_by_segment(b, self.device)):
             if len(seqs) == 0 or i in skip:
                 continue
             seg = b.plan.segments[i]
             if token_loss is not None:  # the head takes its gradients in its forward (one logits product)
-                if entries is None:
-                    entries = token_entries(b, self.device, head_rows(self.runner.chunk_elements, self.head.weight))
                 (loss, _), _, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy, alone=True,
-                                             token_grad=TokenLossGrad(token_loss, entries[i]))
+                                             token_grad=TokenLossGrad(token_loss, lambda i=i: entries()[i]))
                 if loss.requires_grad:
                     loss.backward()
                 total += loss.detach().reshape(()).to(torch.float64)
@@ -471,20 +471,31 @@ class TreeEngine:
         plan = b.plan
         # Stack of open chain segments on the current path: (index, K/V leaves, graph).
         path: list[tuple[int, list[KV], tuple | None]] = []
+        fused = self.runner.value_head is None  # (a critic's value head has no logits to fuse)
+
+        def known(i: int) -> KnownGrad:  # segment i's head gradients, complete before its call
+            t = b.targets[i]
+            return KnownGrad(g_lp[t], None if g_ent is None else g_ent[t])
 
         def close(entry) -> None:
             i, leaves, graph = entry
-            if graph is None:  # recompute: ancestors' leaves are the rest of the path
-                graph = self._call(b, i, [lv for _, lv, _ in path], capture=True, grad=True, entropy=entropy)
-            lp, ent, kv = graph
-            outs, grads = outputs_and_grads(b, i, lp, ent, g_lp, g_ent)
+            prefix = [lv for _, lv, _ in path]  # recompute: ancestors' leaves are the rest of the path
+            if graph is None and fused:  # the head takes its gradients in its forward
+                (loss, _), _, kv = self._call(b, i, prefix, capture=True, grad=True, entropy=entropy,
+                                              token_grad=known(i))
+                outs, grads = ([loss], [torch.ones_like(loss)]) if loss.requires_grad else ([], [])
+            else:
+                lp, ent, kv = graph if graph is not None else self._call(b, i, prefix, capture=True, grad=True,
+                                                                         entropy=entropy)
+                outs, grads = outputs_and_grads(b, i, lp, ent, g_lp, g_ent)
             for (k, v), (leaf_k, leaf_v) in zip(kv, leaves):
                 for out, leaf in ((k, leaf_k), (v, leaf_v)):
                     # (frozen parameters, e.g. a LoRA model's: a layer's K/V may depend on none that train)
                     if leaf.grad is not None and out.requires_grad:
                         outs.append(out)
                         grads.append(leaf.grad)
-            torch.autograd.backward(outs, grads)
+            if outs:
+                torch.autograd.backward(outs, grads)
 
         for i, seg in enumerate(plan.segments):
             if only is not None and i not in only:
@@ -509,6 +520,11 @@ class TreeEngine:
                         settle(i, lp if head else None, ent)
                 leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
                 path.append((i, leaves, graph))
+            elif len(b.targets[i]) and fused and losses is None:  # the gradients known: the fused head
+                (loss, _), _, _ = self._call(b, i, prefix, capture=False, grad=True, entropy=entropy,
+                                             token_grad=known(i))
+                if loss.requires_grad:
+                    loss.backward()
             elif len(b.targets[i]):
                 lp, ent, _ = self._call(b, i, prefix, capture=False, grad=True, entropy=entropy)
                 settle(i, lp, ent)
