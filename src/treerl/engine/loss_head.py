@@ -148,7 +148,7 @@ class _FusedTokenLoss(torch.autograd.Function):
         n = hidden.shape[0]
         logprob = torch.empty(n, dtype=dtype, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=dtype, device=hidden.device)
-        loss = torch.zeros((), dtype=dtype, device=hidden.device)
+        loss = torch.zeros((), dtype=torch.float64, device=hidden.device)  # (the parts' sum: the step's loss)
         grad_hidden, grad_weight = _grad_buffers(hidden, weight, want_hidden, want_weight)
         forward_chunk, grad_chunk = _kernels(compiled)
         for i, c in enumerate(_chunks(n, rows)):
@@ -157,7 +157,7 @@ class _FusedTokenLoss(torch.autograd.Function):
             if with_entropy:
                 entropy[c] = ent
             part, g_lp, g_ent = token_grad(c.start, c.stop, logprob[c], ent)
-            loss += part.detach().to(dtype)
+            loss += part.detach().to(torch.float64)
             if grad_hidden is None and grad_weight is None:
                 continue
             grad_logits = grad_chunk(raw, targets[c], lse, g_lp.to(dtype),
@@ -188,7 +188,7 @@ def token_loss_head(
     compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss head with the loss's per-row derivative known per chunk: (loss, logprob [T],
-    entropy [T] or empty); ``loss`` [] carries the gradients of ``hidden`` and ``weight``.
+    entropy [T] or empty); ``loss`` [] (float64) carries the gradients of ``hidden`` and ``weight``.
 
     ``token_grad(start, stop, logprob, entropy) -> (loss_part, d loss/d logprob, d loss/d
     entropy or None)`` for rows ``start:stop`` (``entropy`` None without ``with_entropy``):

@@ -39,9 +39,9 @@ class SegmentTokens:
 
 
 def token_entries(b: Batch, device: torch.device, chunk_rows: int) -> list[SegmentTokens]:
-    """:class:`SegmentTokens` of every segment, for the head's chunks of ``chunk_rows`` rows
-    (one sort on the CPU, one upload). Only a segment that holds whole sequences (a
-    single-level plan's) gets all of its rows' tokens."""
+    """:class:`SegmentTokens` of every segment (each flat token goes to the segment whose
+    row predicts its tree token), for the head's chunks of ``chunk_rows`` rows: one sort on
+    the CPU, one upload."""
     targets = b.plan.targets
     sizes = torch.tensor([len(t) for t in targets], dtype=torch.long)
     first_row = torch.cumsum(sizes, 0) - sizes  # of each segment, in the targets' concatenation
