@@ -244,6 +244,33 @@ def test_bad_loss_fn(name, mode, separable, max_tokens, path, gen):
     assert all(p.grad is None for p in model.parameters()), "a refused loss changed .grad"
 
 
+BAD_TOKEN_LOSSES = {
+    "vector": (lambda lp, ent, tokens: lp * 2, TypeError, "token_loss must return a scalar"),
+    "python float": (lambda lp, ent, tokens: 1.0, TypeError, "token_loss must return a scalar"),
+    "constant tensor": (lambda lp, ent, tokens: torch.tensor(2.0, dtype=torch.float64), ValueError, "does not depend"),
+    "detached": (lambda lp, ent, tokens: lp.sum().detach(), ValueError, "does not depend"),
+}
+
+
+@pytest.mark.parametrize("mode,max_tokens", [("packed", 8), ("flat", 8), ("packed", 64)])
+@pytest.mark.parametrize("name", list(BAD_TOKEN_LOSSES))
+def test_bad_token_loss(name, mode, max_tokens, gen):
+    """A loss whose ``token_loss`` (the fused head's per-token form) is malformed: refused with
+    what is wrong, in the head's first chunk, before any gradient is written."""
+    fn, exc, part = BAD_TOKEN_LOSSES[name]
+
+    def loss_fn(lps, index=None):
+        return sum(lp.sum() for lp in lps)
+
+    loss_fn.token_loss = fn
+    model = get_model("qwen3")
+    engine = TreeEngine(model, mode, max_tokens=max_tokens)
+    zero_grads(model)
+    with pytest.raises(exc, match=part):
+        engine.forward_backward(three_trees(gen), loss_fn, separable=True)
+    assert all(p.grad is None for p in model.parameters()), "a refused loss changed .grad"
+
+
 def test_good_loss_after_refused_loss_is_exact(gen):
     """A refused step leaves no state behind: the next step is exact."""
     model = get_model("llama")
