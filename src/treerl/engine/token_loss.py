@@ -111,6 +111,11 @@ class KnownGrad:
     def __init__(self, g_lp: torch.Tensor, g_ent: torch.Tensor | None):
         self.g_lp, self.g_ent = g_lp, g_ent  # [T] per target row
 
+    @classmethod
+    def at(cls, targets: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor | None) -> "KnownGrad":
+        """The rows of a call's ``targets`` (tree tokens) in the batch's gradients [N]."""
+        return cls(g_lp[targets], None if g_ent is None else g_ent[targets])
+
     def __call__(self, start: int, stop: int, logprob: torch.Tensor, entropy: torch.Tensor | None):
         g_ent = None if self.g_ent is None or entropy is None else self.g_ent[start:stop]
         return logprob.new_zeros(()), self.g_lp[start:stop], g_ent

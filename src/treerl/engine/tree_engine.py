@@ -442,18 +442,16 @@ class TreeEngine:
             if token_loss is not None:  # the head takes its gradients in its forward (one logits product)
                 (loss, _), _, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy, alone=True,
                                              token_grad=TokenLossGrad(token_loss, lambda i=i: entries()[i]))
-                if loss.requires_grad:
-                    loss.backward()
-                total += loss.detach().reshape(()).to(torch.float64)
-                continue
-            lp, ent, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy, alone=True)
-            local_index = b.targets[i] - seg.start
-            outs = [scatter_gather(lp, local_index, seg.size, flat_index, sizes)]
-            if entropy:
-                outs.append(scatter_gather(ent, local_index, seg.size, flat_index, sizes))
-            loss = loss_fn(*outs, index=seqs) if separable else loss_fn(*outs)
-            check_loss(loss)
-            loss.backward()
+            else:
+                lp, ent, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy, alone=True)
+                local_index = b.targets[i] - seg.start
+                outs = [scatter_gather(lp, local_index, seg.size, flat_index, sizes)]
+                if entropy:
+                    outs.append(scatter_gather(ent, local_index, seg.size, flat_index, sizes))
+                loss = loss_fn(*outs, index=seqs) if separable else loss_fn(*outs)
+                check_loss(loss)
+            if loss.requires_grad:  # (the fused head's, without parameters that train)
+                loss.backward()
             total += loss.detach().reshape(()).to(torch.float64)
         return float(total)
 
@@ -472,10 +470,7 @@ class TreeEngine:
         # Stack of open chain segments on the current path: (index, K/V leaves, graph).
         path: list[tuple[int, list[KV], tuple | None]] = []
         fused = self.runner.value_head is None  # (a critic's value head has no logits to fuse)
-
-        def known(i: int) -> KnownGrad:  # segment i's head gradients, complete before its call
-            t = b.targets[i]
-            return KnownGrad(g_lp[t], None if g_ent is None else g_ent[t])
+        known = lambda i: KnownGrad.at(b.targets[i], g_lp, g_ent)  # noqa: E731  (complete before i's call)
 
         def close(entry) -> None:
             i, leaves, graph = entry
