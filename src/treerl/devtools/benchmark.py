@@ -166,21 +166,26 @@ def weighted_logprob_loss(tree: PrefixTree, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     lengths = (tree.seq_lengths - 1).tolist()
     weights = torch.randn(tree.num_flat_tokens - tree.num_sequences, generator=gen, dtype=torch.float64)
-    offsets = [0] + torch.tensor(lengths).cumsum(0).tolist()
     total = float(tree.num_flat_tokens - tree.num_sequences)
 
-    on_device: dict = {}  # per device, copied once: a per-call copy would sync the host
+    on_device: dict = {}  # per device, copied once (flat, and per sequence): a per-call copy would sync the host
+
+    def weights_on(dev):
+        if dev not in on_device:
+            flat = weights.to(dev)
+            on_device[dev] = flat, flat.split(lengths)
+        return on_device[dev]
+
+    def value(logprob, w):
+        return -(logprob * w.to(logprob.dtype)).sum() / total
 
     def token_loss(logprob, entropy, tokens):
-        dev = logprob.device
-        if dev not in on_device:
-            on_device[dev] = weights.to(dev)
-        return -(logprob * on_device[dev][tokens].to(logprob.dtype)).sum() / total
+        return value(logprob, weights_on(logprob.device)[0][tokens])
 
     def loss_fn(logprobs, index=None):
         ids = range(len(logprobs)) if index is None else index.tolist()
-        tokens = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in ids]) if len(ids) else torch.zeros(0, dtype=torch.long)
-        return token_loss(torch.cat(list(logprobs)), None, tokens.to(logprobs[0].device))
+        per_seq = weights_on(logprobs[0].device)[1]
+        return value(torch.cat(list(logprobs)), torch.cat([per_seq[i] for i in ids]))
 
     loss_fn.token_loss = token_loss
     return loss_fn

@@ -112,7 +112,7 @@ class SegmentRunner(torch.nn.Module):
         The tree attention of the call is set by the caller (``tree_attention_enabled``).
         ``recompute``: keep only each decoder block's input for the backward.
         Returns (logprobs or values [T], entropies [T] or None); with ``token_grad`` (the
-        loss's derivative per row, :func:`token_loss_head`) (loss, logprobs, entropies or None)."""
+        loss's derivative per row, :func:`token_loss_head`) (the loss [], entropies or None)."""
         hidden = self.stack(input_ids, position_ids, checkpoint_blocks=recompute)[0]
         picked = hidden[rows]
         if self.value_head is not None:
@@ -123,8 +123,8 @@ class SegmentRunner(torch.nn.Module):
                   compiled=self.stack.compile)
         weight = self.model.get_output_embeddings().weight
         if token_grad is not None:
-            loss, lp, ent = token_loss_head(picked, weight, targets, token_grad, **kw)
-            return loss, lp, ent if entropy else None
+            loss, _, ent = token_loss_head(picked, weight, targets, token_grad, **kw)
+            return loss, ent if entropy else None
         return token_logprobs(picked, weight, targets, **kw)
 
 
@@ -338,7 +338,7 @@ class TreeEngine:
         ``capture``. ``alone``: its backward follows its forward with no other graph held
         (its kept attentions may take the model's margin, :meth:`MemoryPolicy.kept_attention_layers`).
         ``token_grad``: the loss's derivative per target (:func:`token_loss_head`); the
-        logprobs are then a (loss, logprobs) pair, the loss carrying the gradients.
+        logprobs are then the loss [], which carries the gradients.
         """
         seg = b.plan.segments[i]
         q_index = torch.arange(seg.start, seg.end, device=self.device)
@@ -382,11 +382,10 @@ class TreeEngine:
             ids, pos = torch.nn.functional.pad(ids, (0, pad)), torch.nn.functional.pad(pos, (0, pad))
         with torch.set_grad_enabled(grad), tree_attention_enabled(self.model, ctx):
             targets = b.targets[i] if head else b.targets[i][:0]
-            out = self.runner(
+            lp, ent = self.runner(
                 ids[None], pos[None], b.parent[targets] - seg.start, b.token_ids[targets], entropy=entropy,
                 recompute=recompute, token_grad=token_grad,
             )
-        lp, ent = ((out[0], out[1]), out[2]) if token_grad is not None else out
         kv = [ctx.captured[layer] for layer in range(self.num_layers)] if capture else None
         return lp, ent, kv
 
@@ -435,14 +434,15 @@ class TreeEngine:
         token_loss = getattr(loss_fn, "token_loss", None) if separable and self.runner.value_head is None else None
         entries = functools.cache(lambda: token_entries(b, self.device, head_rows(self.runner.chunk_elements,
                                                                                  self.head.weight)))
-        for i, (seqs, flat_index, sizes) in enumerate(sequences_by_segment(b, self.device)):
-            if len(seqs) == 0 or i in skip:
+        groups = sequences_by_segment(b, self.device) if token_loss is None else None  # (a token loss: no gathers)
+        for i, seg in enumerate(b.plan.segments):  # (each one not skipped is whole trees: it holds sequences)
+            if i in skip:
                 continue
-            seg = b.plan.segments[i]
             if token_loss is not None:  # the head takes its gradients in its forward (one logits product)
-                (loss, _), _, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy, alone=True,
-                                             token_grad=TokenLossGrad(token_loss, lambda i=i: entries()[i]))
+                loss, _, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy, alone=True,
+                                        token_grad=TokenLossGrad(token_loss, lambda i=i: entries()[i]))
             else:
+                seqs, flat_index, sizes = groups[i]
                 lp, ent, _ = self._call(b, i, [], capture=False, grad=True, entropy=entropy, alone=True)
                 local_index = b.targets[i] - seg.start
                 outs = [scatter_gather(lp, local_index, seg.size, flat_index, sizes)]
@@ -476,8 +476,8 @@ class TreeEngine:
             i, leaves, graph = entry
             prefix = [lv for _, lv, _ in path]  # recompute: ancestors' leaves are the rest of the path
             if graph is None and fused:  # the head takes its gradients in its forward
-                (loss, _), _, kv = self._call(b, i, prefix, capture=True, grad=True, entropy=entropy,
-                                              token_grad=known(i))
+                loss, _, kv = self._call(b, i, prefix, capture=True, grad=True, entropy=entropy,
+                                         token_grad=known(i))
                 outs, grads = ([loss], [torch.ones_like(loss)]) if loss.requires_grad else ([], [])
             else:
                 lp, ent, kv = graph if graph is not None else self._call(b, i, prefix, capture=True, grad=True,
@@ -516,8 +516,8 @@ class TreeEngine:
                 leaves = [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in kv]
                 path.append((i, leaves, graph))
             elif len(b.targets[i]) and fused and losses is None:  # the gradients known: the fused head
-                (loss, _), _, _ = self._call(b, i, prefix, capture=False, grad=True, entropy=entropy,
-                                             token_grad=known(i))
+                loss, _, _ = self._call(b, i, prefix, capture=False, grad=True, entropy=entropy,
+                                        token_grad=known(i))
                 if loss.requires_grad:
                     loss.backward()
             elif len(b.targets[i]):
