@@ -115,6 +115,9 @@ class TokenwiseLoss:
 
     def token_loss(self, lp, ent, tokens):
         self.token_calls += 1
+        return self._value(lp, ent, tokens)
+
+    def _value(self, lp, ent, tokens):
         self.seen.append(tokens.cpu())
         w, u, v, s = (c.to(lp.device)[tokens].to(lp.dtype) for c in self.coef)
         loss = (w * lp + u * torch.exp(lp)).sum()
@@ -126,8 +129,7 @@ class TokenwiseLoss:
         idx = list(range(len(self.offsets) - 1)) if index is None else index.tolist()
         tokens = torch.cat([torch.arange(self.offsets[i], self.offsets[i + 1]) for i in idx])
         ent = torch.cat(list(ents)) if ents is not None else None
-        self.token_calls -= 1  # (not the fused head's call)
-        return self.token_loss(torch.cat(list(lps)), ent, tokens.to(lps[0].device))
+        return self._value(torch.cat(list(lps)), ent, tokens.to(lps[0].device))
 
 
 @st.composite
