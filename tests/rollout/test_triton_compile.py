@@ -1,4 +1,4 @@
-"""Every Triton kernel of the decode step compiles for Hopper (sm_90) on the CPU, as its launcher calls it.
+"""Every Triton kernel (the decode step's, the loss head's) compiles for Hopper (sm_90) on the CPU, as its launcher calls it.
 
 Triton's interpreter (``TRITON_INTERPRET=1``) runs a kernel's Python on the CPU and checks its numbers, but it does not
 type-check the kernel as the compiler does: session 12 sent a kernel to the GPU whose loop reused an ``int32`` loop
@@ -259,3 +259,15 @@ def test_kv_copy_compiles_for_hopper(record, dtype, D):
     kv_copy.copy_slots(dense, pool, i64(0, 3), i64(5, 0), i64(1, 2), i64(0, 0), i64(290, 100), 290, dst_table=table)
     kv_copy.copy_slots(pool, dense[:, :1], i64(2), i64(0), i64(0), i64(0), i64(290), 290, src_table=table)
     assert len(_compile(rec)) == 2
+
+
+@pytest.mark.parametrize("dtype, entropy, block", [(torch.bfloat16, False, 4096), (torch.bfloat16, True, 4096),
+                                                    (torch.float32, True, 16384)])
+def test_loss_head_forward_compiles_for_hopper(record, dtype, entropy, block):
+    """The training loss head's chunk forward (:mod:`treerl.engine.head_kernel`: one online log-sum-exp a row)."""
+    from treerl.engine import head_kernel
+
+    kernel = record(head_kernel, "_lse_kernel")
+    raw = torch.randn(3, 151936).to(dtype)
+    head_kernel.chunk_forward(raw, torch.zeros(3, dtype=torch.long), 1.0, entropy, block=block)
+    assert len(_compile(kernel)) == 1

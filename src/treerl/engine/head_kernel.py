@@ -1,0 +1,75 @@
+"""The loss head's chunk forward on CUDA as one Triton kernel: a row's log-sum-exp, its
+target's log-probability and (optionally) its entropy in one read of its logits.
+
+:func:`treerl.engine.loss_head._chunk_forward` compiled by inductor reads a chunk's logits
+twice (the maximum, then the sum of exponentials): 0.29 ms a chunk of 883 x 151,936 bf16
+logits on an H200 (session 23), where one read takes ~0.06 ms at the HBM's rate. Here one
+program per row runs an online log-sum-exp over blocks of the row (the running maximum
+rescales the running sums), in float32, as the compiled torch does.
+
+Same math as ``_chunk_forward``: ``x = raw * inv_temperature`` in float32,
+``lse = log sum exp x``, ``logprob = x[target] - lse``, ``entropy = lse - sum softmax(x) x``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only torch has no triton
+    triton = None
+
+BLOCK = 4096  # logits a program reads per step of its row
+WARPS = 8
+
+if triton is not None:
+
+    @triton.jit
+    def _lse_kernel(Raw, Targets, Lse, Logprob, Entropy, V, stride, inv_temperature,
+                    BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = Raw + row * stride
+        cols = tl.arange(0, BLOCK)
+        m = tl.full((), float("-inf"), tl.float32)  # running maximum
+        s = tl.zeros((), tl.float32)  # sum exp(x - m)
+        sx = tl.zeros((), tl.float32)  # sum exp(x - m) x
+        for start in range(0, V, BLOCK):
+            inside = start + cols < V
+            x = tl.load(base + start + cols, mask=inside, other=float("-inf")).to(tl.float32) * inv_temperature
+            m_new = tl.maximum(m, tl.max(x, 0))
+            rescale = tl.exp(m - m_new)
+            e = tl.exp(x - m_new)
+            s = s * rescale + tl.sum(e, 0)
+            if ENTROPY:
+                sx = sx * rescale + tl.sum(e * tl.where(inside, x, 0.0), 0)
+            m = m_new
+        lse = m + tl.log(s)
+        target = tl.load(Targets + row)
+        x_target = tl.load(base + target).to(tl.float32) * inv_temperature
+        tl.store(Lse + row, lse)
+        tl.store(Logprob + row, x_target - lse)
+        if ENTROPY:
+            tl.store(Entropy + row, lse - sx / s)
+
+
+def available(logits_like: torch.Tensor) -> bool:
+    """Whether the kernel takes chunks of this device and dtype: CUDA, 16 or 32 bits."""
+    return triton is not None and logits_like.is_cuda and logits_like.dtype in (torch.bfloat16, torch.float16,
+                                                                                  torch.float32)
+
+
+def chunk_forward(raw: torch.Tensor, targets: torch.Tensor, inv_temperature: float, with_entropy: bool,
+                  block: int = BLOCK, warps: int = WARPS):
+    """raw [rows, V] logits (hidden @ weight.t(), CUDA), targets [rows] int64 -> (lse, logprob,
+    entropy or None), each [rows] float32. ``block``/``warps``: the kernel's tile (benchmarks)."""
+    rows, vocab = raw.shape
+    raw = raw if raw.stride(1) == 1 else raw.contiguous()  # (a product's output: contiguous)
+    lse = torch.empty(rows, dtype=torch.float32, device=raw.device)
+    logprob = torch.empty_like(lse)
+    entropy = torch.empty_like(lse) if with_entropy else None
+    if rows:
+        _lse_kernel[(rows,)](raw, targets, lse, logprob, entropy if with_entropy else lse, vocab, raw.stride(0),
+                             float(inv_temperature), BLOCK=block, ENTROPY=with_entropy, num_warps=warps)
+    return lse, logprob, entropy
