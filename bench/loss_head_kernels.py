@@ -8,8 +8,9 @@ HBM's rate. Variants:
 - forward ``inductor`` (``_chunk_forward`` compiled, as before session 23) and ``triton-BLOCKxWARPS``
   (:mod:`treerl.engine.head_kernel`: one pass per row, online log-sum-exp; main's is 4096 x 8);
 - gradient ``scatter`` (the chunk gradient before session 23: ``scatter_add`` of the target's
-  term, which makes inductor write a float32 buffer and convert it) and ``where`` (main's:
-  the target's term by a column comparison, one pointwise pass).
+  term, which makes inductor write a float32 buffer and convert it), ``inductor`` (``_chunk_grad_logits``
+  compiled: the target's term by a column comparison, the entropy from the forward) and
+  ``triton-BLOCKxWARPS`` (:mod:`treerl.engine.head_kernel`'s, main's 4096 x 8).
 
 Each variant's results are compared with float64 on the same logits.
 
@@ -86,7 +87,7 @@ def main(argv=None):
         return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
     forwards = {"inductor": loss_head._COMPILED[0]}
-    for block, warps in ((2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)):
+    for block, warps in ((4096, 8), (8192, 8), (8192, 4)):
         forwards[f"triton-{block}x{warps}"] = functools.partial(head_kernel.chunk_forward, block=block, warps=warps)
     for name, fn in forwards.items():
         for ent in (False, True):
@@ -98,14 +99,17 @@ def main(argv=None):
             results["forward"][f"{name}{'+entropy' if ent else ''}"] = row
             print(f"forward {name:10s} entropy={ent!s:5s} {row['us']:8.1f} us  {row['TB_s']:.2f} TB/s  "
                   f"lse {row['lse_err']:.1e} logprob {row['lp_err']:.1e}", flush=True)
-    lse = ref[0].float()
-    grads = {"scatter": torch.compile(grad_scatter, dynamic=True), "where": loss_head._COMPILED[1]}
+    lse, ent32 = ref[0].float(), ref[2].float()
+    grads = {"scatter": lambda *a: scatter(*a[:-1]), "inductor": loss_head._COMPILED[1]}
+    scatter = torch.compile(grad_scatter, dynamic=True)
+    for block, warps in ((1024, 4), (2048, 4), (4096, 8), (8192, 8)):
+        grads[f"triton-{block}x{warps}"] = functools.partial(head_kernel.chunk_grad_logits, block=block, warps=warps)
     for name, fn in grads.items():
         for ent in (False, True):
             ge = g_ent if ent else None
-            out = fn(raw, targets, lse, g_lp, ge, inv)
+            out = fn(raw, targets, lse, g_lp, ge, inv, ent32)
             r = ref if ent else ref_noent
-            row = dict(us=bench(lambda: fn(raw, targets, lse, g_lp, ge, inv)), grad_err=err(out, r[3]))
+            row = dict(us=bench(lambda: fn(raw, targets, lse, g_lp, ge, inv, ent32)), grad_err=err(out, r[3]))
             row["TB_s"] = 2 * chunk_bytes / row["us"] / 1e6
             results["gradient"][f"{name}{'+entropy' if ent else ''}"] = row
             print(f"gradient {name:9s} entropy={ent!s:5s} {row['us']:8.1f} us  {row['TB_s']:.2f} TB/s (read+write)  "

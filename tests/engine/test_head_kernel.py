@@ -1,6 +1,6 @@
-"""The loss head's chunk forward kernel (Triton, :mod:`treerl.engine.head_kernel`) against float64:
-log-sum-exp, the target's log-probability and the entropy, rows longer and shorter than the kernel's
-block, any temperature. On a GPU, or on the CPU with ``TRITON_INTERPRET=1`` (every CI run takes it
+"""The loss head's chunk kernels (Triton, :mod:`treerl.engine.head_kernel`) against float64: the
+forward's log-sum-exp, target log-probability and entropy, and the gradient of the logits, rows
+longer and shorter than the kernels' blocks, any temperature. On a GPU, or on the CPU with ``TRITON_INTERPRET=1`` (every CI run takes it
 that way through ``tests/rollout/test_kernels_interpreted.py``)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from treerl.engine import head_kernel
-from treerl.engine.loss_head import _chunk_forward
+from treerl.engine.loss_head import _chunk_forward, _chunk_grad_logits
 
 
 def _runs() -> bool:
@@ -25,30 +25,70 @@ def _dtypes():
 pytestmark = pytest.mark.skipif(not _runs(), reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
 
 
-@pytest.mark.parametrize("vocab, block", [(1000, 256), (512, 256), (300, 512), (151936, 4096)])
+def _chunk(vocab: int, dtype: torch.dtype, rows: int = 5):
+    """Logits [rows, vocab] (one row nearly one-hot), targets (the last column, the peak), on the kernels' device."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(vocab)
+    raw = (torch.randn(rows, vocab, generator=gen, device=device) * 4).to(dtype)
+    raw[1, 7] = 40.0  # its exponentials underflow but one
+    targets = torch.randint(0, vocab, (rows,), generator=gen, device=device)
+    targets[0], targets[1] = vocab - 1, 7  # the last column (inside the last, partial block), the peak
+    return raw, targets, gen
+
+
+def _row_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return (got.double() - ref).abs().reshape(len(ref), -1).amax(1)
+
+
+def _within(got, ref, torch32, scale, name):
+    """Per row: no further from float64 than the float32 torch path (x3), plus 4 float32 ulps of the row's
+    ``scale`` (its largest term: a difference of two such terms is what it rounds; a bias of 1e-4 fails)."""
+    err, err32 = _row_errors(got, ref), _row_errors(torch32, ref)
+    bound = 3 * err32 + 4 * torch.finfo(torch.float32).eps * scale
+    assert (err <= bound).all(), (name, err.tolist(), bound.tolist())
+
+
+@pytest.mark.parametrize("vocab, block", [(1000, 256), (512, 256), (300, 512), (151936, 8192)])
 @pytest.mark.parametrize("dtype", _dtypes(), ids=str)
 @pytest.mark.parametrize("entropy", [False, True])
 def test_chunk_forward_matches_float64(vocab, block, dtype, entropy):
-    """No further from float64 than the float32 torch path it replaces (x3, + 2e-6: a bias of 1e-5 fails)."""
     if vocab > 10_000 and not torch.cuda.is_available():
         pytest.skip("a whole Qwen vocabulary: on a GPU (the interpreter takes minutes)")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=device).manual_seed(vocab)
-    rows, inv_temperature = 5, 1 / 0.7
-    raw = (torch.randn(rows, vocab, generator=gen, device=device) * 4).to(dtype)
-    raw[1, 7] = 40.0  # one row nearly one-hot (its exponentials underflow but one)
-    targets = torch.randint(0, vocab, (rows,), generator=gen, device=device)
-    targets[0], targets[1] = vocab - 1, 7  # the last column (inside the last, partial block), the peak
+    raw, targets, _ = _chunk(vocab, dtype)
+    inv_temperature = 1 / 0.7
     got = head_kernel.chunk_forward(raw, targets, inv_temperature, entropy, block=block, warps=4)
     ref = _chunk_forward(raw.double(), targets, inv_temperature, True)
     torch32 = _chunk_forward(raw.float(), targets, inv_temperature, True)
-    assert all(x.dtype == torch.float32 and x.shape == (rows,) for x in got[:2])
+    assert all(x.dtype == torch.float32 and x.shape == (len(raw),) for x in got[:2])
     assert (got[2] is not None) == entropy
+    scale = raw.double().abs().amax(1) * inv_temperature + ref[0].abs()
     for name, g, r, t in zip(("lse", "logprob", "entropy"), got, ref, torch32):
-        if g is None:
-            continue
-        err, err32 = (g.double() - r).abs().max().item(), (t.double() - r).abs().max().item()
-        assert err <= 3 * err32 + 2e-6, (name, err, err32)
+        if g is not None:
+            _within(g, r, t, scale, name)
+
+
+@pytest.mark.parametrize("vocab, block", [(1000, 256), (300, 512), (151936, 4096)])
+@pytest.mark.parametrize("dtype", _dtypes(), ids=str)
+@pytest.mark.parametrize("entropy", [False, True])
+def test_chunk_gradient_matches_float64(vocab, block, dtype, entropy):
+    """The logits' gradient from the forward's lse and entropy, against float64 (in float64's own lse and
+    entropy), no further from it than the float32 torch path; in ``raw``'s dtype."""
+    if vocab > 10_000 and not torch.cuda.is_available():
+        pytest.skip("a whole Qwen vocabulary: on a GPU (the interpreter takes minutes)")
+    raw, targets, gen = _chunk(vocab, dtype)
+    inv_temperature = 1 / 0.7
+    g_lp = torch.randn(len(raw), generator=gen, device=raw.device)
+    g_ent = torch.randn(len(raw), generator=gen, device=raw.device) if entropy else None
+    lse, _, ent = head_kernel.chunk_forward(raw, targets, inv_temperature, entropy)
+    got = head_kernel.chunk_grad_logits(raw, targets, lse, g_lp, g_ent, inv_temperature, ent, block=block, warps=4)
+    assert got.dtype == raw.dtype and got.shape == raw.shape
+    lse64, _, ent64 = _chunk_forward(raw.double(), targets, inv_temperature, True)
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    ref = _chunk_grad_logits(raw.double(), targets, lse64, g_lp.double(), d(g_ent), inv_temperature, ent64)
+    lse32, _, ent32 = _chunk_forward(raw.float(), targets, inv_temperature, True)
+    torch32 = _chunk_grad_logits(raw.float(), targets, lse32, g_lp, g_ent, inv_temperature, ent32).to(dtype)
+    scale = (g_lp.abs() + (0.0 if g_ent is None else g_ent.abs() * (ent64.float() + 60))).double() * inv_temperature
+    _within(got, ref, torch32, scale, "gradient")
 
 
 def test_no_rows_and_a_non_contiguous_chunk():

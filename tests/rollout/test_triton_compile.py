@@ -263,11 +263,14 @@ def test_kv_copy_compiles_for_hopper(record, dtype, D):
 
 @pytest.mark.parametrize("dtype, entropy, block", [(torch.bfloat16, False, 4096), (torch.bfloat16, True, 4096),
                                                     (torch.float32, True, 16384)])
-def test_loss_head_forward_compiles_for_hopper(record, dtype, entropy, block):
-    """The training loss head's chunk forward (:mod:`treerl.engine.head_kernel`: one online log-sum-exp a row)."""
+def test_loss_head_kernels_compile_for_hopper(record, dtype, entropy, block):
+    """The training loss head's chunk kernels (:mod:`treerl.engine.head_kernel`): the forward (one online
+    log-sum-exp a row) and the logits' gradient."""
     from treerl.engine import head_kernel
 
-    kernel = record(head_kernel, "_lse_kernel")
-    raw = torch.randn(3, 151936).to(dtype)
-    head_kernel.chunk_forward(raw, torch.zeros(3, dtype=torch.long), 1.0, entropy, block=block)
-    assert len(_compile(kernel)) == 1
+    forward, gradient = record(head_kernel, "_lse_kernel"), record(head_kernel, "_grad_kernel")
+    raw, targets, rows = torch.randn(3, 151936).to(dtype), torch.zeros(3, dtype=torch.long), torch.zeros(3)
+    head_kernel.chunk_forward(raw, targets, 1.0, entropy, block=block)
+    head_kernel.chunk_grad_logits(raw, targets, rows, rows, rows if entropy else None, 1.0, rows if entropy else None,
+                                  block=block // 2)
+    assert len(_compile(forward)) == 1 and len(_compile(gradient)) == 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..compiled import ENGINE_OFF, LazyCompiled
-from .head_kernel import available as triton_forward_available, chunk_forward as triton_chunk_forward
+from .head_kernel import available as triton_takes, chunk_forward as triton_forward, chunk_grad_logits as triton_grad
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 27  # logits elements per chunk (512 MiB in float32)
 
@@ -48,8 +48,9 @@ def _chunk_forward(raw, targets, inv_temperature: float, with_entropy: bool):
     return lse, logprob, entropy
 
 
-def _chunk_grad_logits(raw, targets, lse, grad_logprob, grad_entropy, inv_temperature: float):
-    """d loss / d ``raw`` (= hidden @ weight.t()) of one chunk, in ``raw``'s dtype."""
+def _chunk_grad_logits(raw, targets, lse, grad_logprob, grad_entropy, inv_temperature: float, entropy):
+    """d loss / d ``raw`` (= hidden @ weight.t()) of one chunk, in ``raw``'s dtype; ``entropy``:
+    the chunk forward's (used with ``grad_entropy``). One pointwise pass over the logits."""
     logits = raw.to(lse.dtype) * inv_temperature
     logp = logits - lse[:, None]
     probs = logp.exp()
@@ -62,8 +63,7 @@ def _chunk_grad_logits(raw, targets, lse, grad_logprob, grad_entropy, inv_temper
     grad_logits = torch.where(column[None, :] == targets[:, None], other + g, other)
     if grad_entropy is not None:
         # d H / d logits = -p * (log p + H)
-        ent = -(probs * logp).sum(-1, keepdim=True)
-        grad_logits = grad_logits - grad_entropy[:, None] * probs * (logp + ent)
+        grad_logits = grad_logits - grad_entropy[:, None] * probs * (logp + entropy[:, None])
     return (grad_logits * inv_temperature).to(raw.dtype)
 
 
@@ -72,13 +72,14 @@ _COMPILED = (LazyCompiled(_chunk_forward, "loss head's chunk forward", ENGINE_OF
 
 
 def _kernels(compiled: bool, hidden: torch.Tensor):
-    """The chunk functions (forward, gradient), eager or compiled (CUDA: one fused pass over
-    the logits instead of ~6 eager ones; the forward as :mod:`.head_kernel`'s one read of them,
-    where inductor's takes two)."""
+    """The chunk functions (forward, gradient), eager or compiled: on CUDA :mod:`.head_kernel`'s
+    Triton kernels (one read of the logits each), elsewhere inductor's (one fused pass over the
+    logits instead of ~6 eager ones)."""
     if not compiled:
         return _chunk_forward, _chunk_grad_logits
-    forward = triton_chunk_forward if triton_forward_available(hidden) else _COMPILED[0]
-    return forward, _COMPILED[1]
+    if triton_takes(hidden):
+        return triton_forward, triton_grad
+    return _COMPILED
 
 
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
@@ -127,20 +128,21 @@ class _TokenLogprobs(torch.autograd.Function):
             lse[c], logprob[c], ent = forward_chunk(hidden[c] @ weight.t(), targets[c], inv_temperature, with_entropy)
             if with_entropy:
                 entropy[c] = ent
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)  # (entropy: empty without it)
         ctx.inv_temperature, ctx.rows, ctx.compiled = inv_temperature, rows, compiled
         ctx.mark_non_differentiable(lse)
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
         grad_hidden, grad_weight = _grad_buffers(hidden, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         with_entropy = grad_entropy is not None and grad_entropy.numel() > 0
         _, grad_chunk = _kernels(ctx.compiled, hidden)
         for i, c in enumerate(_chunks(hidden.shape[0], ctx.rows)):
             grad_logits = grad_chunk(hidden[c] @ weight.t(), targets[c], lse[c], grad_logprob[c],
-                                     grad_entropy[c] if with_entropy else None, ctx.inv_temperature)
+                                     grad_entropy[c] if with_entropy else None, ctx.inv_temperature,
+                                     entropy[c] if with_entropy else None)
             _head_grads(hidden, weight, grad_logits, c, grad_hidden, grad_weight, first=i == 0)
         return grad_hidden, grad_weight, None, None, None, None, None
 
@@ -170,7 +172,8 @@ class _FusedTokenLoss(torch.autograd.Function):
             if grad_hidden is None and grad_weight is None:
                 continue
             grad_logits = grad_chunk(raw, targets[c], lse, g_lp.to(dtype),
-                                     None if g_ent is None or not with_entropy else g_ent.to(dtype), inv_temperature)
+                                     None if g_ent is None or not with_entropy else g_ent.to(dtype), inv_temperature,
+                                     ent)
             del raw
             _head_grads(hidden, weight, grad_logits, c, grad_hidden, grad_weight, first=i == 0)
         ctx.grads = (grad_hidden, grad_weight)
