@@ -87,7 +87,10 @@ def test_chunk_gradient_matches_float64(vocab, block, dtype, entropy):
     ref = _chunk_grad_logits(raw.double(), targets, lse64, g_lp.double(), d(g_ent), inv_temperature, ent64)
     lse32, _, ent32 = _chunk_forward(raw.float(), targets, inv_temperature, True)
     torch32 = _chunk_grad_logits(raw.float(), targets, lse32, g_lp, g_ent, inv_temperature, ent32).to(dtype)
+    # p = exp(x - lse) rounds like its exponent, of the size of the row's largest logit and its lse
+    exponent = raw.double().abs().amax(1) * inv_temperature + lse64.abs()
     scale = (g_lp.abs() + (0.0 if g_ent is None else g_ent.abs() * (ent64.float() + 60))).double() * inv_temperature
+    scale = scale * exponent
     _within(got, ref, torch32, scale, "gradient")
 
 
