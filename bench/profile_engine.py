@@ -17,6 +17,7 @@ budget, recompute where needed), ``dfs`` (chunk 2048), ``flat`` (defaults) and `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -27,6 +28,7 @@ import torch
 
 from treerl import PrefixTree, TreeEngine
 from treerl.devtools.benchmark import NaiveLoop, time_forward_backward, useful_flops, weighted_logprob_loss
+from treerl.engine import loss_head
 from treerl.models import build_model
 from treerl.devtools.workloads import SCALES, make_workload
 
@@ -52,9 +54,11 @@ def make_engine(model, name: str) -> TreeEngine:
     recomputes every layer's attention with its block (before kept attentions), a
     ``-maxpack`` suffix packs trees up to ``max_tokens`` (before ``pack_tokens``); ``-nofused``
     (:func:`loss_for`) hides the loss's ``token_loss`` (the head computes its logits again in
-    the backward, as before the fused head)."""
+    the backward, as before the fused head); ``-inductorhead`` (:func:`head_kernels`) runs the
+    head's chunks through inductor's kernels (before session 23's Triton kernels)."""
     nokeep, maxpack = "-nokeep" in name, "-maxpack" in name
-    name = name.replace("-nokeep", "").replace("-maxpack", "").replace("-nofused", "")
+    for suffix in ("-nokeep", "-maxpack", "-nofused", "-inductorhead"):
+        name = name.replace(suffix, "")
     engine = (_PackedToMaxTokens if maxpack else TreeEngine)(model, **engine_config(name))
     if nokeep:
         engine.memory.kept_attention_layers = lambda queries, keys, copies, spare, **kw: frozenset()
@@ -70,6 +74,21 @@ def engine_config(name: str) -> dict:
         return {**CONFIGS[name], **extra}
     mode, _, budget = name.partition("-b")
     return dict(mode=mode, memory_budget=float(budget), **extra)
+
+
+@contextlib.contextmanager
+def head_kernels(name: str):
+    """Around a ``-inductorhead`` configuration's steps: the loss head's compiled chunks through
+    inductor's kernels (``loss_head._COMPILED``) instead of :mod:`treerl.engine.head_kernel`'s."""
+    if "-inductorhead" not in name:
+        yield
+        return
+    before = loss_head._kernels
+    loss_head._kernels = lambda compiled, hidden: loss_head._COMPILED if compiled else before(compiled, hidden)
+    try:
+        yield
+    finally:
+        loss_head._kernels = before
 
 
 def loss_for(loss_fn, name: str):
@@ -189,8 +208,9 @@ def main(argv=None):
                     row.update(seconds=seconds, times=times, peak_gib=peak_bytes / 2**30)
                 else:
                     engine = make_engine(model, name)
-                    seconds, times, peak_bytes = time_forward_backward(engine, tree, loss_for(loss_fn, name),
-                                                                       args.repeats, 1)
+                    with head_kernels(name):
+                        seconds, times, peak_bytes = time_forward_backward(engine, tree, loss_for(loss_fn, name),
+                                                                           args.repeats, 1)
                     row.update(seconds=seconds, times=times, peak_gib=peak_bytes / 2**30, calls=engine.stats.model_calls,
                                recomputed_calls=engine.stats.recomputed_calls,
                                kept_attention_layers=engine.stats.kept_attention_layers, plan=engine.stats.plan,
@@ -215,7 +235,8 @@ def main(argv=None):
     for pair in filter(None, args.profile.split(",")):
         wl, name = pair.split(":")
         tree = PrefixTree.from_sequences(workload(wl, vocab, args.scale))
-        prof = profile_step(make_engine(model, name), tree, weighted_logprob_loss(tree), out, pair)
+        with head_kernels(name):
+            prof = profile_step(make_engine(model, name), tree, loss_for(weighted_logprob_loss(tree), name), out, pair)
         prof["tflops"] = useful_flops(model, tree) / prof["wall_s"] / 1e12
         results["profile"][pair] = prof
         print(pair, json.dumps(prof, indent=1), flush=True)
