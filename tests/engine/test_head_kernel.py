@@ -104,3 +104,19 @@ def test_no_rows_and_a_non_contiguous_chunk():
     got = head_kernel.chunk_forward(raw, targets, 1.0, False, block=32, warps=1)
     ref = _chunk_forward(raw.double(), targets, 1.0, False)
     assert torch.allclose(got[0].double(), ref[0], atol=1e-5) and torch.allclose(got[1].double(), ref[1], atol=1e-5)
+
+
+def test_strided_row_inputs():
+    """Targets and per-row gradients that are views (a stride of 2, a broadcast scalar's stride of 0) read as
+    their values."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    raw, targets, _ = _chunk(300, torch.float32, rows=4)
+    spread = torch.stack([targets, targets], 1).reshape(-1)[::2]  # stride 2
+    assert spread.stride(0) == 2
+    lse, lp, _ = head_kernel.chunk_forward(raw, spread, 1.0, False, block=128, warps=1)
+    ref_lse, ref_lp, _ = _chunk_forward(raw.double(), targets, 1.0, False)
+    assert torch.allclose(lp.double(), ref_lp, atol=1e-5)
+    g = torch.ones((), device=device).expand(4)  # stride 0 (the gradient of a sum)
+    got = head_kernel.chunk_grad_logits(raw, spread, lse, g, None, 1.0, None, block=128, warps=1)
+    ref = _chunk_grad_logits(raw.double(), targets, ref_lse, g.double(), None, 1.0, None)
+    assert torch.allclose(got.double(), ref, atol=1e-6)

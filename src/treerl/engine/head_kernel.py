@@ -88,6 +88,7 @@ def chunk_forward(raw: torch.Tensor, targets: torch.Tensor, inv_temperature: flo
     entropy or None), each [rows] float32. ``block``/``warps``: the kernel's tile (benchmarks)."""
     rows, vocab = raw.shape
     raw = raw if raw.stride(1) == 1 else raw.contiguous()  # (a product's output: contiguous)
+    targets = targets.contiguous()  # (the kernels read one element a row)
     lse = torch.empty(rows, dtype=torch.float32, device=raw.device)
     logprob = torch.empty_like(lse)
     entropy = torch.empty_like(lse) if with_entropy else None
@@ -104,6 +105,7 @@ def chunk_grad_logits(raw: torch.Tensor, targets: torch.Tensor, lse: torch.Tenso
     ``grad_entropy``) ``entropy``, float32 [rows] each, and d loss / d logprob (/ entropy) [rows]."""
     rows, vocab = raw.shape
     raw = raw if raw.stride(1) == 1 else raw.contiguous()
+    targets = targets.contiguous()
     out = torch.empty(rows, vocab, dtype=raw.dtype, device=raw.device)
     with_entropy = grad_entropy is not None
     f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731
