@@ -157,11 +157,12 @@ def main() -> None:
         print(f"prelude done; dynamo cache entries: {cache_sizes()}", flush=True)
         print(f"prelude's recompile limits hit: {limit_hits()}", flush=True)
     from treerl.engine import decoder, loss_head
-    compiled_head, compiled_block = loss_head._COMPILED, decoder._BLOCK
+    head_kernels, compiled_block = loss_head._kernels, decoder._BLOCK
     for variant in args.variants.split(","):
         tree_engine.prepare_batch = sync_prepare if variant == "sync-copy" else prepare_batch
-        loss_head._COMPILED = ((loss_head._chunk_forward, loss_head._chunk_grad_logits) if variant == "eager-head"
-                               else compiled_head)
+        # (the head's chunk functions as the engine picks them: eager for "eager-head")
+        loss_head._kernels = ((lambda compiled, hidden: head_kernels(False, hidden)) if variant == "eager-head"
+                              else head_kernels)
         decoder._BLOCK = decoder._run_block if variant == "eager-blocks" else compiled_block
         cases(variant)
 
