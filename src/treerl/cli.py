@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import signal
 import sys
 import threading
+import traceback
 from pathlib import Path
 
 TRUST_HELP = ("load a trainer state that is not plain data (a checkpoint of an older treerl) by unpickling it in "
@@ -42,9 +44,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         from .distributed.data_parallel import leave
 
         leave()  # a rank of a multi-process run ends here (exit status 0); one process goes on
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         from .runlog import resume_hint
 
+        release_interrupted(interrupt, "treerl train")
         print(f"treerl train: interrupted; {resume_hint(cfg.train.out_dir, config)}", file=sys.stderr)
         return 130
     finally:
@@ -53,6 +56,25 @@ def cmd_train(args: argparse.Namespace) -> int:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def release_interrupted(interrupt: BaseException, command: str) -> None:
+    """Free now what ``interrupt`` cut short, before the command's last words: the frames it
+    unwound and what they held. A signal can land inside a library's constructor (a progress
+    bar of a checkpoint's save, session 23's CI) and leave an object half built, whose
+    finalizer then fails; freed here, its failure comes before the resume hint, as one line
+    naming it, instead of a traceback after the hint."""
+    def one_line(unraisable) -> None:
+        where = getattr(unraisable.object, "__qualname__", type(unraisable.object).__name__)
+        print(f"{command}: while stopping, {where} failed: {unraisable.exc_type.__name__}: {unraisable.exc_value}",
+              file=sys.stderr)
+
+    hook, sys.unraisablehook = sys.unraisablehook, one_line
+    try:
+        traceback.clear_frames(interrupt.__traceback__)  # (the frames' locals: what they held goes now)
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 @contextlib.contextmanager
