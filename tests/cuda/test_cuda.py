@@ -248,7 +248,7 @@ def test_compiled_fused_token_loss_head(dtype, entropy):
 
     ref = grads(False, hidden.double(), weight.double(), compiled=False)
     fused, recomputed = grads(True, hidden, weight), grads(False, hidden, weight)
-    eager = grads(False, hidden, weight, compiled=False)  # (the compiled chunks: head_kernel's forward, inductor's gradient)
+    eager = grads(False, hidden, weight, compiled=False)  # (the compiled chunks: head_kernel's forward and gradient)
     for f, r, x, e in zip(fused, recomputed, eager, ref):
         scale = e.abs().max()
         assert (f - e).abs().max() <= 1.5 * (r - e).abs().max() + 1e-6 * scale  # no worse than the recomputing head

@@ -274,3 +274,21 @@ def test_loss_head_kernels_compile_for_hopper(record, dtype, entropy, block):
     head_kernel.chunk_grad_logits(raw, targets, rows, rows, rows if entropy else None, 1.0, rows if entropy else None,
                                   block=block // 2)
     assert len(_compile(forward)) == 1 and len(_compile(gradient)) == 1
+
+
+def test_a_failing_loss_head_kernel_says_how_to_run_without_it(monkeypatch):
+    """A launch or compiler failure of the head's kernels is a CompileError naming the kernel and the switch that turns
+    compiled chunks off (as every compiled part of treerl says), not Triton's raw exception."""
+    from treerl.compiled import CompileError
+    from treerl.engine import head_kernel
+
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("PassManager::run failed\n(details)")
+            return launch
+
+    monkeypatch.setattr(head_kernel, "_grad_kernel", Failing())
+    raw, rows = torch.randn(2, 64), torch.zeros(2)
+    with pytest.raises(CompileError, match=r"Triton gradient kernel failed: PassManager::run failed; .*compile=False"):
+        head_kernel.chunk_grad_logits(raw, torch.zeros(2, dtype=torch.long), rows, rows, None, 1.0, None)

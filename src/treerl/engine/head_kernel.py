@@ -13,11 +13,18 @@ Same math as ``_chunk_forward``: ``x = raw * inv_temperature`` in float32,
 
 The gradient is ``_chunk_grad_logits``'s, elementwise, over (row, block of columns) programs:
 inductor's version of it ran at 1.3-1.5 TB/s (0.37-0.42 ms a chunk, session 23).
+
+Targets must be valid columns (``0 <= target < V``: the engine refuses other token ids before
+any call, :mod:`treerl.engine.checks`); the kernels do not check them.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from ..compiled import ENGINE_OFF, CompileError
 
 try:
     import triton
@@ -76,6 +83,25 @@ if triton is not None:
         tl.store(Out + row * out_stride + cols, (grad * inv_temperature).to(Out.dtype.element_ty), mask=inside)
 
 
+def _tile(block: int, vocab: int) -> int:
+    """The kernel's block of columns: at most the row's length (a small vocabulary runs no masked lanes)."""
+    return min(block, triton.next_power_of_2(vocab))
+
+
+@contextlib.contextmanager
+def _launch(raw: torch.Tensor, what: str):
+    """Around a kernel launch: on ``raw``'s device (Triton launches on the current one), and a
+    compiler failure as a :class:`CompileError` saying how to run without it."""
+    with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():
+        try:
+            yield
+        except (triton.CompilationError, RuntimeError) as err:
+            if isinstance(err, torch.OutOfMemoryError):
+                raise
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CompileError(f"the loss head's Triton {what} kernel failed: {first}; {ENGINE_OFF}") from err
+
+
 def available(logits_like: torch.Tensor) -> bool:
     """Whether the kernel takes chunks of this device and dtype: CUDA, 16 or 32 bits."""
     return triton is not None and logits_like.is_cuda and logits_like.dtype in (torch.bfloat16, torch.float16,
@@ -93,8 +119,10 @@ def chunk_forward(raw: torch.Tensor, targets: torch.Tensor, inv_temperature: flo
     logprob = torch.empty_like(lse)
     entropy = torch.empty_like(lse) if with_entropy else None
     if rows:
-        _lse_kernel[(rows,)](raw, targets, lse, logprob, entropy if with_entropy else lse, vocab, raw.stride(0),
-                             float(inv_temperature), BLOCK=block, ENTROPY=with_entropy, num_warps=warps)
+        with _launch(raw, "forward"):
+            _lse_kernel[(rows,)](raw, targets, lse, logprob, entropy if with_entropy else lse, vocab, raw.stride(0),
+                                 float(inv_temperature), BLOCK=_tile(block, vocab), ENTROPY=with_entropy,
+                                 num_warps=warps)
     return lse, logprob, entropy
 
 
@@ -112,7 +140,9 @@ def chunk_grad_logits(raw: torch.Tensor, targets: torch.Tensor, lse: torch.Tenso
     lse, grad_logprob = f32(lse), f32(grad_logprob)
     ent, g_ent = (f32(entropy), f32(grad_entropy)) if with_entropy else (lse, lse)
     if rows:
-        _grad_kernel[(rows, triton.cdiv(vocab, block))](
-            raw, targets, lse, grad_logprob, ent, g_ent, out, vocab, raw.stride(0), out.stride(0),
-            float(inv_temperature), BLOCK=block, ENTROPY=with_entropy, num_warps=warps)
+        block = _tile(block, vocab)
+        with _launch(raw, "gradient"):
+            _grad_kernel[(rows, triton.cdiv(vocab, block))](
+                raw, targets, lse, grad_logprob, ent, g_ent, out, vocab, raw.stride(0), out.stride(0),
+                float(inv_temperature), BLOCK=block, ENTROPY=with_entropy, num_warps=warps)
     return out

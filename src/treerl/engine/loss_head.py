@@ -171,9 +171,9 @@ class _FusedTokenLoss(torch.autograd.Function):
             loss += part.detach().to(torch.float64)
             if grad_hidden is None and grad_weight is None:
                 continue
-            grad_logits = grad_chunk(raw, targets[c], lse, g_lp.to(dtype),
-                                     None if g_ent is None or not with_entropy else g_ent.to(dtype), inv_temperature,
-                                     ent)
+            g_ent = None if g_ent is None or not with_entropy else g_ent.to(dtype)
+            grad_logits = grad_chunk(raw, targets[c], lse, g_lp.to(dtype), g_ent, inv_temperature,
+                                     None if g_ent is None else ent)
             del raw
             _head_grads(hidden, weight, grad_logits, c, grad_hidden, grad_weight, first=i == 0)
         ctx.grads = (grad_hidden, grad_weight)
