@@ -16,10 +16,4 @@ echo "== engine ($SECONDS s)"
 PYTHONPATH=src timeout -k 5 300 python3 bench/profile_engine.py --device cuda --shape qwen3-1.7b \
     --workloads grpo,agentic,long,tree --configs auto-inductorhead,auto,auto-inductorhead,auto --repeats 3 \
     --profile grpo:auto,long:auto --out $OUT 2>&1 | grep -v "$F" | grep "^|" | cut -c1-160
-for v in base new base new; do
-  s=src; d=.; [ $v = base ] && s=.v/base/src && d=.v/base
-  [ $SECONDS -gt 480 ] && break
-  PYTHONPATH=$s timeout -k 5 $((585 - SECONDS)) python3 $d/bench/bench_grpo_step.py --device cuda --shape qwen3-0.6b \
-      --dtype bfloat16 --modes auto --stop-every 0 --repeats 2 --json $OUT/grpo_step_${v}_$SECONDS.json > /tmp/g.txt 2>&1
-  echo "== grpo step $v ($SECONDS s)"; grep -v "$F" /tmp/g.txt | grep "after" | cut -c1-200
-done
+grpo_steps 480 585 2 base new base new
