@@ -292,3 +292,13 @@ def test_a_failing_loss_head_kernel_says_how_to_run_without_it(monkeypatch):
     raw, rows = torch.randn(2, 64), torch.zeros(2)
     with pytest.raises(CompileError, match=r"Triton gradient kernel failed: PassManager::run failed; .*compile=False"):
         head_kernel.chunk_grad_logits(raw, torch.zeros(2, dtype=torch.long), rows, rows, None, 1.0, None)
+
+    class OutOfMemory:  # the device's own error is not the kernel's: it passes as it is
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return launch
+
+    monkeypatch.setattr(head_kernel, "_lse_kernel", OutOfMemory())
+    with pytest.raises(torch.OutOfMemoryError):
+        head_kernel.chunk_forward(raw, torch.zeros(2, dtype=torch.long), 1.0, False)

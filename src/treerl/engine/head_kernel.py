@@ -83,6 +83,9 @@ if triton is not None:
         tl.store(Out + row * out_stride + cols, (grad * inv_temperature).to(Out.dtype.element_ty), mask=inside)
 
 
+_DEVICE_ERRORS = tuple(e for e in (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", None)) if e is not None)
+
+
 def _tile(block: int, vocab: int) -> int:
     """The kernel's block of columns: at most the row's length (a small vocabulary runs no masked lanes)."""
     return min(block, triton.next_power_of_2(vocab))
@@ -91,12 +94,14 @@ def _tile(block: int, vocab: int) -> int:
 @contextlib.contextmanager
 def _launch(raw: torch.Tensor, what: str):
     """Around a kernel launch: on ``raw``'s device (Triton launches on the current one), and a
-    compiler failure as a :class:`CompileError` saying how to run without it."""
+    compiler failure (Triton's errors, or its MLIR passes' RuntimeError) as a :class:`CompileError`
+    saying how to run without it. The device's own errors (out of memory, an earlier kernel's fault
+    surfacing here) pass as they are: they are not this kernel's."""
     with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():
         try:
             yield
-        except (triton.CompilationError, RuntimeError) as err:
-            if isinstance(err, torch.OutOfMemoryError):
+        except (triton.errors.TritonError, RuntimeError) as err:
+            if isinstance(err, _DEVICE_ERRORS):
                 raise
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise CompileError(f"the loss head's Triton {what} kernel failed: {first}; {ENGINE_OFF}") from err
