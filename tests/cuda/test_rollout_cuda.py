@@ -50,6 +50,29 @@ def test_cuda_graph_decode_matches_full_forward():
     assert_float64_logprobs(model, zip(prompts, groups), 0.8)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_cuda_bf16_pending_logits_sample_as_a_float32_copy_would(temperature):
+    """A bf16 model's decode steps (CUDA graphs, the kernel step) write their logits in bf16 through the
+    head's own product; sampled against a float32 buffer of the head's output (the path before session 24):
+    the same tokens, logprobs to float32 rounding, and a float64 full forward's logprobs to bf16's accuracy."""
+    model = tiny_model(dtype=torch.bfloat16, seed=2, head_dim=128, num_attention_heads=4,
+                       num_key_value_heads=2).cuda()
+    prompts = random_prompts([9, 30, 3, 17], seed=6)
+    params = SamplingParams(n=4, temperature=temperature, max_new_tokens=24, seed=3)
+    runs = []
+    for pending in (None, torch.float32):
+        engine = RolloutEngine(copy.deepcopy(model))
+        assert engine.cuda_graphs and engine.pending_logit_dtype == torch.bfloat16
+        if pending is not None:
+            engine.pending_logit_dtype = pending
+        runs.append(engine.generate(prompts, params))
+        assert engine.stats.decode_steps > 0
+    for g16, g32 in zip(*runs):
+        for a, b in zip(g16, g32):
+            assert a.completion_ids.tolist() == b.completion_ids.tolist()
+            assert torch.allclose(a.logprobs, b.logprobs, atol=1e-6), (a.logprobs - b.logprobs).abs().max()
+
+
 # ------------------------------------------------------------------ the stream (tests/rollout/test_rollout_stream.py)
 
 

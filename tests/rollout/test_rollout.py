@@ -343,3 +343,29 @@ def test_weight_update_from_another_thread():
         assert g[0].versions.tolist() == [0] * 4 + [7] * 5
         assert ids[:4] == greedy_reference(a, p, 4)
         assert ids[4:] == greedy_reference(b, p + ids[:4], 5)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(n=3, temperature=0, max_new_tokens=6),
+    SamplingParams(n=3, temperature=0.9, max_new_tokens=6, seed=5),
+    SamplingParams(n=2, temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=6, seed=2, top_logprobs=3),
+], ids=["greedy", "race", "truncated"])
+def test_bf16_pending_logits_sample_as_a_float32_copy_would(params):
+    """A bf16 model's running batch holds its pending logits in bf16 (the head writes them itself): every
+    sampling path widens them first, so tokens, logprobs and top logprobs equal those of a float32 buffer
+    holding the same values, bit for bit, the prompts' first samples (a prefill's logits) included."""
+    model = tiny_model(seed=4, dtype=torch.bfloat16)
+    prompts = random_prompts([5, 9, 3], seed=8)
+    runs = []
+    for pending in (None, torch.float32):
+        engine = RolloutEngine(copy.deepcopy(model), version=0)
+        assert engine.pending_logit_dtype == torch.bfloat16
+        if pending is not None:
+            engine.pending_logit_dtype = pending
+        runs.append(engine.generate(prompts, params))
+    for g16, g32 in zip(*runs):
+        for a, b in zip(g16, g32):
+            assert a.completion_ids.tolist() == b.completion_ids.tolist()
+            assert torch.equal(a.logprobs, b.logprobs)
+            if params.top_logprobs:
+                assert all(torch.equal(x, y) for x, y in zip(a.top_logprobs, b.top_logprobs))

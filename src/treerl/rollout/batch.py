@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .paging import BlockTable
-from .sampling import sample, sample_rows
+from .sampling import sample, sample_rows, widened
 from .log_reads import LogRead
 from .scheduler import RowSampling
 from .shared import SharedPrefixCache
@@ -60,7 +60,7 @@ class DeviceBatch:
     def arena_key(self, groups: int, prefix_capacity: int, num_blocks: int) -> tuple:
         e = self.e
         return (groups, self.tree, prefix_capacity, num_blocks, self.block, e.sync_every, self.dtype, e.logit_dtype,
-                e.vocab_size)
+                e.pending_logit_dtype, e.vocab_size)
 
     def arena(self) -> tuple:
         """``(shapes, buffers)``: the device state (buffers, cache, captured decode steps) for
@@ -98,7 +98,7 @@ class DeviceBatch:
         self.pos = torch.zeros(S, dtype=torch.int64, device=dev)  # next position id
         self.live_d = torch.zeros(S, dtype=torch.int64, device=dev)
         self.last = torch.zeros(S, dtype=torch.int64, device=dev)  # last sampled token (fed next)
-        self.logits = torch.zeros(S, e.vocab_size, dtype=e.logit_dtype, device=dev)
+        self.logits = torch.zeros(S, e.vocab_size, dtype=e.pending_logit_dtype, device=dev)
         K = e.sync_every + 2  # a sync window logs <= sync_every + 1 sample calls
         self.log_tok = torch.zeros(K, S, dtype=torch.int64, device=dev)
         self.log_lp = torch.zeros(K, S, dtype=e.logit_dtype, device=dev)
@@ -183,7 +183,7 @@ class DeviceBatch:
         return logits[t(gsrc)], fed
 
     def set_logits(self, rows: np.ndarray, logits: torch.Tensor) -> None:
-        self.logits[_t(rows, self.device)] = logits
+        self.logits[_t(rows, self.device)] = logits.to(self.logits.dtype)  # (a prefill's float32 copy of the head's values: exact)
 
     def set_last(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         self.last[_t(rows, self.device)] = _t(tokens, self.device)
@@ -277,8 +277,9 @@ class DeviceBatch:
                 self.log_topi = torch.zeros(K, S, TOP_LOGPROBS, dtype=torch.int64, device=self.device)
                 self.log_topv = torch.zeros(K, S, TOP_LOGPROBS, dtype=self.log_lp.dtype, device=self.device)
             t = how.params.temperature if how.params is not None else self._row_settings(how)[0]
-            scale = (t if t > 0 else 1.0) if how.params is not None else torch.where(t > 0, t, 1.0).to(logits.dtype)[:, None]
-            top = torch.log_softmax(logits / scale, dim=-1).topk(min(TOP_LOGPROBS, logits.shape[-1]), dim=-1)
+            wide = widened(logits)
+            scale = (t if t > 0 else 1.0) if how.params is not None else torch.where(t > 0, t, 1.0).to(wide.dtype)[:, None]
+            top = torch.log_softmax(wide / scale, dim=-1).topk(min(TOP_LOGPROBS, logits.shape[-1]), dim=-1)
             self.log_topi[k, idx, : top.indices.shape[-1]] = top.indices  # a vocabulary under 20 tokens: the rest 0
             self.log_topv[k, idx, : top.values.shape[-1]] = top.values
 

@@ -171,6 +171,11 @@ class RolloutEngine:
         if self.compile_decode:
             claim_compiled_code(model)
         self.decode_blocks = DecodeBlocks(model, self.compile_decode) if DecodeBlocks.applies(model) else None
+        # the running batch's pending logits: the lm_head's own 16-bit values where treerl runs the blocks (it writes
+        # them there itself: no float32 copy of [rows, vocab] a step; every sampling path widens what it reads to
+        # float32 first, so the samples and logprobs are the same as from a float32 copy), else logit_dtype
+        self.pending_logit_dtype = dtype if self.decode_blocks is not None and dtype in (
+            torch.bfloat16, torch.float16) else self.logit_dtype
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         own_prefill = PrefillForward(self.decode_blocks, self.compile_decode) \
             if PrefillForward.applies(self.decode_blocks) else None

@@ -10,7 +10,9 @@ host after every decode step. Here:
    exponentials (the row's log-sum-exp) and the best race value ``x_j + g_j`` and its column,
    where ``g_j = -log E_j`` and ``E_j`` is the row's Exp(1) noise generated in the kernel from
    the row's seed (:func:`~treerl.rollout.sampling.race_noise`: splitmix64 of (seed, column),
-   the same bits as the torch reference); greedy rows (temperature 0) race without noise;
+   the same bits as the torch reference); greedy rows (temperature 0) race without noise.
+   Each lane of the block keeps its own running values, reduced across lanes once at the
+   end (no reduction, and no barrier, per block);
 2. ``_combine`` — one program per row: merges the splits (first column wins ties, as
    ``argmax``), and writes the token and its logprob ``x_tok - lse``.
 
@@ -59,29 +61,36 @@ if triton is not None:
         seed = tl.load(Seeds + row).to(tl.uint64, bitcast=True)
         start = sp * per_split
         end = tl.minimum(start + per_split, V)
-        m = -float("inf")
-        s = 0.0
-        best = -float("inf")
-        bidx = start
+        # per lane (column offset within the block): the running maximum and sum of exponentials, the best race
+        # value and its column; reduced across lanes once, after the loop (a reduction per block stalls the
+        # program on its warps' barrier three times a block: session 24)
+        m = tl.full([BLOCK], -float("inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        best = tl.full([BLOCK], -float("inf"), tl.float32)
+        bidx = tl.zeros([BLOCK], tl.int32) + start
         for off in range(start, end, BLOCK):
             cols = off + tl.arange(0, BLOCK)
             valid = cols < end
             x = tl.load(L + row.to(tl.int64) * sl + cols, mask=valid, other=-float("inf")).to(tl.float32) * inv
-            m_new = tl.maximum(m, tl.max(x, 0))
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a block of -inf logits adds nothing
-            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), 0)
+            m_new = tl.maximum(m, x)
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a lane of -inf logits so far adds nothing
+            s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
             m = m_new
             g = _noise_gumbel(seed, cols)
             r = tl.where(valid, x + tl.where(greedy, 0.0, g), -float("inf"))
-            b, i = tl.max(r, 0, return_indices=True, return_indices_tie_break_left=True)
-            take = b > best
-            bidx = tl.where(take, off + i, bidx)
-            best = tl.where(take, b, best)
+            take = r > best  # (a lane sees its columns in order: the first of equal values stays)
+            bidx = tl.where(take, cols, bidx)
+            best = tl.where(take, r, best)
+        m_all = tl.max(m, 0)
+        m_all_safe = tl.where(m_all == -float("inf"), 0.0, m_all)
+        s_all = tl.sum(s * tl.exp(m - m_all_safe), 0)
+        b_all = tl.max(best, 0)
+        i_all = tl.min(tl.where(best == b_all, bidx, end), 0)  # the first column of the best value, as argmax
         at = row * NS + sp
-        tl.store(PM + at, m)
-        tl.store(PS + at, s)
-        tl.store(PB + at, best)
-        tl.store(PI + at, bidx)
+        tl.store(PM + at, m_all)
+        tl.store(PS + at, s_all)
+        tl.store(PB + at, b_all)
+        tl.store(PI + at, i_all)
 
     @triton.jit
     def _combine(L, T, PM, PS, PB, PI, Tok, Lp, sl, st, NS, BLOCK_S: tl.constexpr):

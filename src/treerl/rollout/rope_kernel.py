@@ -5,7 +5,9 @@ block needs, per head: the Q/K RMS norms (Qwen3), the rotary embedding of querie
 the new key and value written into the row store's block pool, and the queries in the two
 layouts of the two-level attention (:func:`~treerl.rollout.shared.split_queries`). Compiled
 by inductor these are 4-5 small kernels per layer (one per output layout), each a few
-microseconds of launch and tail at 64 rows; here one program per (row, head) does them all.
+microseconds of launch and tail at 64 rows; here one program per (row, KV head) does them all
+for the head's keys, values and its ``Hq/Hkv`` query heads (session 24: one program per head
+before, ~16 us a layer at 1,024 rows, 1.5 TB/s).
 
 The math is :func:`treerl.rollout.blocks.qkv_rope`'s after the product: the norm in float32,
 rounded to the input dtype before its weight (as the modules do), RoPE
@@ -24,71 +26,73 @@ try:
 except ImportError:  # pragma: no cover - CPU-only torch has no triton
     triton = None
 
+ROPE_WARPS = 1  # warps of a (row, KV head) program (bench/rope_kernel.py measures it)
+
 if triton is not None:
 
     @triton.jit
     def _norm_rope(x1, x2, W, eps, c1, s1, c2, s2, HALF: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
-        """One head as two float32 halves ``[HALF]``: RMS norm (``NORM``: rounded to ``DT``
-        before the weight, as the modules do), then RoPE; returns the two halves."""
+        """Heads as two float32 halves ``[heads, HALF]``: RMS norm per head (``NORM``: rounded to
+        ``DT`` before the weight, as the modules do), then RoPE (``c1 ... s2 [1, HALF]``); returns the
+        two halves."""
         if NORM:
-            r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-            h = tl.arange(0, HALF)
-            x1 = (x1 * r).to(DT).to(tl.float32) * tl.load(W + h).to(tl.float32)
-            x2 = (x2 * r).to(DT).to(tl.float32) * tl.load(W + HALF + h).to(tl.float32)
+            r = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+            h = tl.arange(0, HALF)[None, :]
+            x1 = (x1 * r[:, None]).to(DT).to(tl.float32) * tl.load(W + h).to(tl.float32)
+            x2 = (x2 * r[:, None]).to(DT).to(tl.float32) * tl.load(W + HALF + h).to(tl.float32)
         return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
 
     @triton.jit
     def _rope_write_kernel(QKV, Cos, Sin, QW, KW, OK, OV, Block, Offset, QOwn, QPre, KOut, VOut,
                            sqkv, scs, sok_b, sok_h, sok_s, sov_b, sov_h, sov_s, q_eps, k_eps,
                            HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
-                           HALF: tl.constexpr, DV: tl.constexpr, NORM: tl.constexpr):
+                           HALF: tl.constexpr, DV: tl.constexpr, NORM: tl.constexpr, BLOCK_G: tl.constexpr):
         b = tl.program_id(0)
-        h = tl.program_id(1)  # [0, HQ): a query head; [HQ, HQ + HKV): a key/value head
+        kv = tl.program_id(1)  # a key/value head and its GQ query heads
         D: tl.constexpr = 2 * HALF
         GQ: tl.constexpr = HQ // HKV
-        i = tl.arange(0, HALF)
+        i = tl.arange(0, HALF)[None, :]
+        j = tl.arange(0, BLOCK_G)[:, None]  # the query heads kv x GQ + j
+        has = j < GQ
         row = QKV + b.to(tl.int64) * sqkv
         c1 = tl.load(Cos + b * scs + i).to(tl.float32)
         c2 = tl.load(Cos + b * scs + HALF + i).to(tl.float32)
         s1 = tl.load(Sin + b * scs + i).to(tl.float32)
         s2 = tl.load(Sin + b * scs + HALF + i).to(tl.float32)
-        if h < HQ:
-            x1 = tl.load(row + h * D + i).to(tl.float32)
-            x2 = tl.load(row + h * D + HALF + i).to(tl.float32)
-            y1, y2 = _norm_rope(x1, x2, QW, q_eps, c1, s1, c2, s2, HALF, NORM, QKV.dtype.element_ty)
-            kv = h // GQ
-            j = h % GQ
-            own = QOwn + ((b * HKV + kv) * GQ + j) * D  # q_own [B, HKV, GQ, D]
-            pre = QPre + (((b // G) * HKV + kv) * (G * GQ) + (b % G) * GQ + j) * D  # q_pre [B/G, HKV, G GQ, D]
-            dt = QOwn.dtype.element_ty
-            tl.store(own + i, y1.to(dt))
-            tl.store(own + HALF + i, y2.to(dt))
-            tl.store(pre + i, y1.to(dt))
-            tl.store(pre + HALF + i, y2.to(dt))
-        else:
-            kv = h - HQ
-            x1 = tl.load(row + (HQ + kv) * D + i).to(tl.float32)
-            x2 = tl.load(row + (HQ + kv) * D + HALF + i).to(tl.float32)
-            y1, y2 = _norm_rope(x1, x2, KW, k_eps, c1, s1, c2, s2, HALF, NORM, QKV.dtype.element_ty)
-            blk = tl.load(Block + b).to(tl.int64)
-            off = tl.load(Offset + b).to(tl.int64)
-            dk = OK.dtype.element_ty
-            if dk != QKV.dtype.element_ty:  # a float8 store: rounded to the model's dtype first, as the torch path does
-                y1 = y1.to(QKV.dtype.element_ty).to(tl.float32)
-                y2 = y2.to(QKV.dtype.element_ty).to(tl.float32)
-            k_at = OK + blk * sok_b + kv * sok_h + off * sok_s
-            tl.store(k_at + i, y1.to(dk))
-            tl.store(k_at + HALF + i, y2.to(dk))
-            k_out = KOut + (b * HKV + kv) * D
-            tl.store(k_out + i, y1.to(dk))
-            tl.store(k_out + HALF + i, y2.to(dk))
-            d = tl.arange(0, DV)
-            v = tl.load(row + (HQ + HKV) * D + kv * DV + d)
-            dv = OV.dtype.element_ty
-            if dv != v.dtype:
-                v = v.to(tl.float32)
-            tl.store(OV + blk * sov_b + kv * sov_h + off * sov_s + d, v.to(dv))
-            tl.store(VOut + (b * HKV + kv) * DV + d, v.to(dv))
+        dt = QOwn.dtype.element_ty
+        q_at = row + (kv * GQ + j) * D
+        x1 = tl.load(q_at + i, mask=has, other=0.0).to(tl.float32)
+        x2 = tl.load(q_at + HALF + i, mask=has, other=0.0).to(tl.float32)
+        y1, y2 = _norm_rope(x1, x2, QW, q_eps, c1, s1, c2, s2, HALF, NORM, QKV.dtype.element_ty)
+        own = QOwn + ((b * HKV + kv) * GQ + j) * D  # q_own [B, HKV, GQ, D]
+        pre = QPre + (((b // G) * HKV + kv) * (G * GQ) + (b % G) * GQ + j) * D  # q_pre [B/G, HKV, G GQ, D]
+        tl.store(own + i, y1.to(dt), mask=has)
+        tl.store(own + HALF + i, y2.to(dt), mask=has)
+        tl.store(pre + i, y1.to(dt), mask=has)
+        tl.store(pre + HALF + i, y2.to(dt), mask=has)
+        k_at = row + (HQ + kv) * D
+        x1 = tl.load(k_at + i).to(tl.float32)
+        x2 = tl.load(k_at + HALF + i).to(tl.float32)
+        y1, y2 = _norm_rope(x1, x2, KW, k_eps, c1, s1, c2, s2, HALF, NORM, QKV.dtype.element_ty)
+        blk = tl.load(Block + b).to(tl.int64)
+        off = tl.load(Offset + b).to(tl.int64)
+        dk = OK.dtype.element_ty
+        if dk != QKV.dtype.element_ty:  # a float8 store: rounded to the model's dtype first, as the torch path does
+            y1 = y1.to(QKV.dtype.element_ty).to(tl.float32)
+            y2 = y2.to(QKV.dtype.element_ty).to(tl.float32)
+        k_pool = OK + blk * sok_b + kv * sok_h + off * sok_s
+        tl.store(k_pool + i, y1.to(dk))
+        tl.store(k_pool + HALF + i, y2.to(dk))
+        k_out = KOut + (b * HKV + kv) * D
+        tl.store(k_out + i, y1.to(dk))
+        tl.store(k_out + HALF + i, y2.to(dk))
+        d = tl.arange(0, DV)
+        v = tl.load(row + (HQ + HKV) * D + kv * DV + d)
+        dv = OV.dtype.element_ty
+        if dv != v.dtype:
+            v = v.to(tl.float32)
+        tl.store(OV + blk * sov_b + kv * sov_h + off * sov_s + d, v.to(dv))
+        tl.store(VOut + (b * HKV + kv) * DV + d, v.to(dv))
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.nn.Module | None,
@@ -111,11 +115,12 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: 
     k = own_k.new_empty(B, kv_heads, D)
     v = own_v.new_empty(B, kv_heads, Dv)
     norm = q_norm is not None
-    _rope_write_kernel[(B, heads + kv_heads)](
+    _rope_write_kernel[(B, kv_heads)](
         qkv, cos, sin, q_norm.weight if norm else qkv, k_norm.weight if norm else qkv, own_k, own_v, block, offset,
         q_own, q_pre, k, v, qkv.stride(0), cos.stride(0),
         own_k.stride(0), own_k.stride(1), own_k.stride(2), own_v.stride(0), own_v.stride(1), own_v.stride(2),
         float(q_norm.variance_epsilon) if norm else 0.0, float(k_norm.variance_epsilon) if norm else 0.0,
-        HQ=heads, HKV=kv_heads, G=G, HALF=D // 2, DV=Dv, NORM=norm, num_warps=1,
+        HQ=heads, HKV=kv_heads, G=G, HALF=D // 2, DV=Dv, NORM=norm, BLOCK_G=triton.next_power_of_2(heads // kv_heads),
+        num_warps=ROPE_WARPS,
     )
     return q_own, q_pre, k, v

@@ -6,8 +6,9 @@ recomputes with ``log_softmax(logits / T)``. With truncation the token was drawn
 renormalised truncated distribution, whose logprob is higher by ``-log(kept mass)``; we
 do not report that one. Greedy decoding (``T = 0``) reports ``log_softmax(logits)`` (T = 1).
 
-All functions work on ``[B, V]`` logits in a float dtype (float32 or float64) and never
-synchronise with the host. :func:`sample` applies one set of settings to every row (the
+All functions work on ``[B, V]`` logits in a float dtype and never synchronise with the host;
+16-bit logits (the running batch's, as the head computed them) are widened to float32 before
+any arithmetic, so every result is the one a float32 copy of them would give. :func:`sample` applies one set of settings to every row (the
 fast path); :func:`sample_rows` takes each row's own settings as ``[B]`` tensors, and draws
 the noise of *seeded* rows from their own seeds (:func:`row_seed`), so that a seeded row's
 sample does not depend on the other rows of the batch.
@@ -24,6 +25,11 @@ from .params import SamplingParams
 from .kernel_probe import kernel_agrees
 from .race_kernel import race_kernel, triton
 from .types import to_device
+
+
+def widened(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` in float32, or as they are when already float32 or wider (exact: a widening)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -63,7 +69,7 @@ def apply_min_p(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
 
 def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``[B, V]`` probabilities actually sampled from (temperature, then top-k, top-p, min-p)."""
-    scaled = logits / params.temperature
+    scaled = widened(logits) / params.temperature
     return torch.softmax(apply_min_p(apply_top_p(apply_top_k(scaled, params.top_k), params.top_p), params.min_p),
                          dim=-1)
 
@@ -81,7 +87,7 @@ def sample(
     if params.greedy or not _truncates(params, logits.shape[-1]):
         seeds = draw_seeds(logits.shape[0], generator, logits.device)
         return race_sample(logits, _constant(params.temperature, logits.device), seeds, tokens, logp)
-    scaled = logits / params.temperature
+    scaled = widened(logits) / params.temperature
     logp_all = torch.log_softmax(scaled, dim=-1)
     probs = torch.softmax(apply_min_p(apply_top_p(apply_top_k(scaled, params.top_k), params.top_p),
                                       params.min_p), dim=-1)
@@ -120,7 +126,7 @@ def race_reference(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: t
     with the rows' noise ``E`` (:func:`race_noise`: a sample of ``softmax(x)``), and its
     logprob ``x_tok - logsumexp(x)``, computed in float32 (or the logits' dtype when wider,
     as the kernel). Returns ``tokens [B]``, ``logp [B]`` in that dtype."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = widened(logits)
     t = temperature.to(logits.dtype).reshape(-1)
     greedy = t == 0
     scaled = logits * (1.0 / torch.where(greedy, torch.ones_like(t), t))[:, None]
@@ -192,6 +198,7 @@ def sample_rows(
         if seeds:
             all_seeds[rows] = row_seeds
         return race_sample(logits, temperature, all_seeds, tokens, logp)
+    logits = widened(logits)
     greedy = temperature == 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.dtype)
     scaled = logits / t[:, None]

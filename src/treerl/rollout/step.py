@@ -39,15 +39,14 @@ class DecodeStep:
         # own_len from a shape (not a Python int attribute): compiled steps stay shape-generic
         cache.begin_step(self.index, self.own_mask.shape[-1], self.prefix_mask, self.fork_index, self.fork_masks)
         try:
-            if self.engine.decode_blocks is not None:  # treerl's own blocks (Qwen2/Qwen3/Llama)
-                logits = self.engine.decode_blocks(self.ids, self.pos, cache, self.own_mask, self.prefix_mask)
-            else:
-                logits = self.engine.model(
-                    input_ids=self.ids, position_ids=self.pos, attention_mask=self.own_mask,
-                    past_key_values=cache, use_cache=True, rollout_prefix=cache,
-                ).logits[:, -1]
-            # into the batch's logits buffer (in the graph: the model's logits are a temporary
-            # of the shared pool, not an output kept alive per graph)
+            # into the batch's logits buffer (in the graph: the model's logits are a temporary of the shared pool, not
+            # an output kept alive per graph); treerl's own blocks (Qwen2/Qwen3/Llama) write it in the head's product
+            if self.engine.decode_blocks is not None:
+                return self.engine.decode_blocks(self.ids, self.pos, cache, self.own_mask, self.prefix_mask, out=self.out)
+            logits = self.engine.model(
+                input_ids=self.ids, position_ids=self.pos, attention_mask=self.own_mask,
+                past_key_values=cache, use_cache=True, rollout_prefix=cache,
+            ).logits[:, -1]
             return self.out.copy_(logits)
         finally:
             cache.end_step()
