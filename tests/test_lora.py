@@ -161,10 +161,10 @@ def test_a_decode_step_runs_no_adapter_product(gen):
         def __getattr__(self, name):
             return getattr(decode, name)
 
-        def __call__(self, *args):
+        def __call__(self, *args, **kwargs):
             where[0] = "decode"
             try:
-                return decode(*args)
+                return decode(*args, **kwargs)
             finally:
                 where[0] = "other"
 
