@@ -183,7 +183,7 @@ class DeviceBatch:
         return logits[t(gsrc)], fed
 
     def set_logits(self, rows: np.ndarray, logits: torch.Tensor) -> None:
-        self.logits[_t(rows, self.device)] = logits.to(self.logits.dtype)  # (a prefill's float32 copy of the head's values: exact)
+        self.logits[_t(rows, self.device)] = logits.to(self.logits.dtype)  # (the prefill's: in this dtype already)
 
     def set_last(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         self.last[_t(rows, self.device)] = _t(tokens, self.device)

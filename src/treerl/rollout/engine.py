@@ -191,7 +191,7 @@ class RolloutEngine:
             graphs = PrefillGraphs(self, own_prefill, self.num_layers, (heads, head_dim, head_dim), dtype, self.device,
                                    self.prefill_graph_tokens, self.cuda_graphs)
         self.prefill_graphs = graphs
-        self.prefiller = Prefiller(model, self.num_layers, self.prefill_chunk_tokens, self.logit_dtype, own_prefill,
+        self.prefiller = Prefiller(model, self.num_layers, self.prefill_chunk_tokens, self.pending_logit_dtype, own_prefill,
                                    graphs)
         self._stream_arena = None  # (shapes, device state) of the last stream, kept for the next
         self.stats = RolloutStats()

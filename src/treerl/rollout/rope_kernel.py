@@ -26,8 +26,6 @@ try:
 except ImportError:  # pragma: no cover - CPU-only torch has no triton
     triton = None
 
-ROPE_WARPS = 1  # warps of a (row, KV head) program (bench/rope_kernel.py measures it)
-
 if triton is not None:
 
     @triton.jit
@@ -121,6 +119,6 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: 
         own_k.stride(0), own_k.stride(1), own_k.stride(2), own_v.stride(0), own_v.stride(1), own_v.stride(2),
         float(q_norm.variance_epsilon) if norm else 0.0, float(k_norm.variance_epsilon) if norm else 0.0,
         HQ=heads, HKV=kv_heads, G=G, HALF=D // 2, DV=Dv, NORM=norm, BLOCK_G=triton.next_power_of_2(heads // kv_heads),
-        num_warps=ROPE_WARPS,
+        num_warps=1,
     )
     return q_own, q_pre, k, v

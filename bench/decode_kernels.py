@@ -1,0 +1,106 @@
+"""The decode step's small Triton kernels alone, beside the time their bytes take at the HBM's rate:
+the sampling race (:mod:`treerl.rollout.race_kernel`) and the Q/K norm + RoPE + K/V write
+(:func:`treerl.rollout.rope_kernel.rope_write`), timed as CUDA graph replays
+(``triton.testing.do_bench_cudagraph``).
+
+- ``race``: rows x a Qwen vocabulary (151,936), float32 logits (the running batch's before session
+  24) and bf16 (its pending logits since), every row sampled at T = 1 or all greedy (no noise);
+  each call's tokens checked against the torch reference.
+- ``rope``: Qwen3-0.6B / 1.7B heads (16 query, 8 KV heads of 128), bf16, groups of 8, the token
+  written into a paged pool.
+
+Runs the kernels of whichever treerl is first on ``PYTHONPATH`` (an A/B: once per tree):
+
+    PYTHONPATH=src python bench/decode_kernels.py --out $OUT/decode_kernels_new.json
+    PYTHONPATH=.v/base/src python bench/decode_kernels.py --out $OUT/decode_kernels_base.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+
+def race_rows(rows_list: list[int], vocab: int, bandwidth: float) -> list[dict]:
+    from treerl.rollout.race_kernel import race_kernel
+    from treerl.rollout.sampling import draw_seeds, race_reference
+
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows in rows_list:
+        base = torch.randn(rows, vocab, device="cuda", generator=g) * 4
+        seeds = draw_seeds(rows, g, base.device)
+        tokens = torch.empty(rows, dtype=torch.int64, device="cuda")
+        logp = torch.empty(rows, device="cuda")
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = base.to(dtype)
+            for name, t in (("T=1", torch.ones(1, device="cuda")), ("greedy", torch.zeros(1, device="cuda"))):
+                tok, _ = race_kernel(logits, t, seeds, tokens, logp)
+                same = bool(torch.equal(tok, race_reference(logits, t, seeds)[0]))
+                run = lambda: race_kernel(logits, t, seeds, tokens, logp)  # noqa: E731
+                out.append(dict(kernel="race", rows=rows, dtype=str(dtype).removeprefix("torch."), rows_sampled=name,
+                                tokens_equal_reference=same, **_timed(run, logits.numel() * logits.element_size(),
+                                                                      bandwidth)))
+    return out
+
+
+def rope_rows(rows_list: list[int], bandwidth: float) -> list[dict]:
+    from treerl.rollout.rope_kernel import rope_write
+
+    heads, kv_heads, D, G, page, dt = 16, 8, 128, 8, 64, torch.bfloat16
+    norm = SimpleNamespace(weight=torch.rand(D, device="cuda", dtype=dt) + 0.5, variance_epsilon=1e-6)
+    out = []
+    for B in rows_list:
+        qkv = torch.randn(B, 1, (heads + 2 * kv_heads) * D, device="cuda", dtype=dt)
+        angle = torch.rand(B, 1, D, device="cuda")
+        cos, sin = angle.cos().to(dt), angle.sin().to(dt)
+        pools = [torch.zeros(B * 8, kv_heads, page, D, device="cuda", dtype=dt) for _ in range(2)]
+        block = torch.randperm(B * 8, device="cuda")[:B]
+        offset = torch.randint(0, page, (B,), device="cuda")
+        run = lambda: rope_write(qkv, cos, sin, norm, norm, heads, kv_heads, G, *pools, block, offset)  # noqa: E731
+        moved = qkv.numel() * 2 + 2 * B * heads * D * 2 + 4 * B * kv_heads * D * 2  # read qkv; q twice, k/v twice
+        out.append(dict(kernel="rope", rows=B, **_timed(run, moved, bandwidth)))
+    return out
+
+
+def _timed(run, moved_bytes: int, bandwidth: float) -> dict:
+    import triton
+
+    run()
+    us = 1e3 * triton.testing.do_bench_cudagraph(run)
+    return dict(us=round(us, 2), bytes=moved_bytes, floor_us=round(1e6 * moved_bytes / bandwidth, 2))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernels", default="race,rope", help="of race, rope")
+    p.add_argument("--race-rows", default="64,1024")
+    p.add_argument("--rope-rows", default="64,256,1024")
+    p.add_argument("--vocab", type=int, default=151_936)
+    p.add_argument("--bandwidth", type=float, default=4.277e12, help="HBM bytes/s (H200 4.28e12, H100 3.0e12)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    kernels = args.kernels.split(",")
+    if unknown := set(kernels) - {"race", "rope"}:
+        p.error(f"--kernels: unknown {sorted(unknown)}; choose from race, rope")
+    import treerl
+
+    rows = lambda text: [int(r) for r in text.split(",")]  # noqa: E731
+    results = []
+    if "race" in kernels:
+        results += race_rows(rows(args.race_rows), args.vocab, args.bandwidth)
+    if "rope" in kernels:
+        results += rope_rows(rows(args.rope_rows), args.bandwidth)
+    for row in results:
+        print(row, flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(dict(treerl=str(Path(treerl.__file__).parent), device=torch.cuda.get_device_name(),
+                                            results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
