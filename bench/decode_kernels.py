@@ -8,6 +8,12 @@ the sampling race (:mod:`treerl.rollout.race_kernel`) and the Q/K norm + RoPE + 
   each call's tokens checked against the torch reference.
 - ``rope``: Qwen3-0.6B / 1.7B heads (16 query, 8 KV heads of 128), bf16, groups of 8, the token
   written into a paged pool.
+- ``attention``: one layer's decode attention as the kernel step runs it, the prompt part's key
+  ranges (:func:`~treerl.rollout.decode_attention.split_attention`) then the rows' own part merged
+  with them (:func:`~treerl.rollout.decode_attention.split_attention_merged`, paged in blocks of
+  64), Qwen3 heads (16 over 8 KV heads of 128), bf16, a prompt of 1,024 tokens per group; cases
+  ``groups x rows : own keys``; run in turn and overlapped (``trigger``/``after``, where
+  :func:`~treerl.rollout.decode_attention.overlap_ok`), outputs compared bit for bit.
 
 Runs the kernels of whichever treerl is first on ``PYTHONPATH`` (an A/B: once per tree):
 
@@ -67,6 +73,40 @@ def rope_rows(rows_list: list[int], bandwidth: float) -> list[dict]:
     return out
 
 
+def attention_cases(cases: list[str], bandwidth: float, prompt: int = 1024) -> list[dict]:
+    from treerl.rollout.decode_attention import overlap_ok, split_attention, split_attention_merged, to_pages
+
+    H, gq, D, page, dt = 8, 2, 128, 64, torch.bfloat16
+    overlap = overlap_ok("cuda:0", dt, D, D)
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for case in cases:
+        shape, own = case.split(":")
+        groups, G = (int(x) for x in shape.split("x"))
+        L, rows = int(own), groups * G
+        n = -(-L // page) * page
+        randn = lambda *size: torch.randn(*size, device="cuda", dtype=dt, generator=g)  # noqa: E731
+        q_pre, pk, pv = randn(groups, H, G * gq, D), randn(groups, H, prompt, D), randn(groups, H, prompt, D)
+        p_mask = torch.zeros(groups, prompt, device="cuda", dtype=dt)
+        ok, ov, table = to_pages(randn(rows, H, n, D), randn(rows, H, n, D), page, g)
+        o_mask = torch.zeros(rows, n, device="cuda", dtype=dt)
+        o_mask[:, L:] = torch.finfo(dt).min
+        moved = (groups * prompt + rows * L) * H * 2 * D * 2
+
+        def pair(overlapped: bool):
+            o_pre, l_pre = split_attention(q_pre, pk, pv, p_mask, D ** -0.5, trigger=overlapped)
+            return split_attention_merged(q_own, ok, ov, o_mask, D ** -0.5, o_pre, l_pre, G, dt, table=table,
+                                          after=overlapped)
+
+        q_own = randn(rows, H, gq, D)
+        want = pair(False)
+        for overlapped in (False, True) if overlap else (False,):
+            same = bool(torch.equal(pair(overlapped), want))
+            out.append(dict(kernel="attention", case=case, rows=rows, own_keys=L, overlapped=overlapped,
+                            equal_in_turn=same, **_timed(lambda o=overlapped: pair(o), moved, bandwidth)))
+    return out
+
+
 def _timed(run, moved_bytes: int, bandwidth: float) -> dict:
     import triton
 
@@ -77,7 +117,9 @@ def _timed(run, moved_bytes: int, bandwidth: float) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", default="race,rope", help="of race, rope")
+    p.add_argument("--kernels", default="race,rope,attention", help="of race, rope, attention")
+    p.add_argument("--attention-cases", default="8x8:64,8x8:256,8x8:512,64x16:256",
+                   help="groups x rows a group : own keys a row (a prompt of 1,024 keys a group)")
     p.add_argument("--race-rows", default="64,1024")
     p.add_argument("--rope-rows", default="64,256,1024")
     p.add_argument("--vocab", type=int, default=151_936)
@@ -85,8 +127,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     kernels = args.kernels.split(",")
-    if unknown := set(kernels) - {"race", "rope"}:
-        p.error(f"--kernels: unknown {sorted(unknown)}; choose from race, rope")
+    if unknown := set(kernels) - {"race", "rope", "attention"}:
+        p.error(f"--kernels: unknown {sorted(unknown)}; choose from race, rope, attention")
     import treerl
 
     rows = lambda text: [int(r) for r in text.split(",")]  # noqa: E731
@@ -95,6 +137,8 @@ def main(argv=None) -> None:
         results += race_rows(rows(args.race_rows), args.vocab, args.bandwidth)
     if "rope" in kernels:
         results += rope_rows(rows(args.rope_rows), args.bandwidth)
+    if "attention" in kernels:
+        results += attention_cases(args.attention_cases.split(","), args.bandwidth)
     for row in results:
         print(row, flush=True)
     if args.out:

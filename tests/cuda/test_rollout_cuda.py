@@ -451,6 +451,102 @@ def test_cuda_merged_attention_matches_merge_parts(dtype, B, G, Hkv, gq, N, S2, 
         assert torch.allclose(got.double(), want, atol=tol), (got.double() - want).abs().max()
 
 
+def _overlap_or_skip(dtype: torch.dtype, head_dim: int = 128) -> None:
+    from treerl.rollout.decode_attention import overlap_ok
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    assert overlap_ok("cuda:0", dtype, head_dim, head_dim), "the overlap probe failed on an sm_90+ GPU"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("groups, G, P, L", [(8, 8, 1024, 300), (64, 16, 1024, 200), (2, 4, 16384, 17),
+                                             (3, 1, 4096, 700)])
+def test_cuda_overlapped_attention_equals_the_launches_in_turn(dtype, groups, G, P, L):
+    """The prompt part's launch and the merged own part overlapped (programmatic dependent
+    launch: the own programs start during the prompt part and wait for it only before their
+    merge) give the bits of the two launches in turn: eager with the prompt part's outputs
+    allocated over NaN-filled memory, and as CUDA graph replays with those outputs set to NaN
+    before each replay (a merge that read them before the prompt part ended would give NaN)."""
+    from treerl.rollout.decode_attention import split_attention, split_attention_merged, to_pages
+
+    _overlap_or_skip(dtype)
+    H, gq, D, page = 8, 2, 128, 64
+    g = torch.Generator(device="cuda").manual_seed(groups + L)
+    n = -(-L // page) * page
+    q_pre = torch.randn(groups, H, G * gq, D, device="cuda", dtype=dtype, generator=g)
+    pk = torch.randn(groups, H, P, D, device="cuda", dtype=dtype, generator=g)
+    pv = torch.randn(groups, H, P, D, device="cuda", dtype=dtype, generator=g)
+    p_mask = torch.zeros(groups, P, device="cuda", dtype=dtype)
+    p_mask[0, P // 3:] = torch.finfo(dtype).min  # (a shorter prompt: ranges with no key)
+    q_own = torch.randn(groups * G, H, gq, D, device="cuda", dtype=dtype, generator=g)
+    ok, ov, table = to_pages(torch.randn(groups * G, H, n, D, device="cuda", dtype=dtype, generator=g),
+                             torch.randn(groups * G, H, n, D, device="cuda", dtype=dtype, generator=g), page, g)
+    lens = torch.randint(1, L + 1, (groups * G,), device="cuda", generator=g)
+    o_mask = torch.where(torch.arange(n, device="cuda")[None] < lens[:, None], 0.0,
+                         torch.finfo(dtype).min).to(dtype)
+    scale = D ** -0.5
+
+    def pair(overlap: bool):
+        o_pre, l_pre = split_attention(q_pre, pk, pv, p_mask, scale, trigger=overlap)
+        return split_attention_merged(q_own, ok, ov, o_mask, scale, o_pre, l_pre, G, dtype, table=table,
+                                      after=overlap), o_pre, l_pre
+
+    want, o_pre, l_pre = pair(False)
+    shapes = (o_pre.shape, l_pre.shape)
+    del o_pre, l_pre
+    for _ in range(10):
+        poison = [torch.full(s, float("nan"), device="cuda") for s in shapes]
+        del poison  # (their blocks go back to the allocator, NaN-filled: the next outputs of these sizes get them)
+        got, *_ = pair(True)
+        assert torch.equal(got, want)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        pair(True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, o_pre, l_pre = pair(True)
+    for _ in range(20):
+        o_pre.fill_(float("nan"))
+        l_pre.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_cuda_overlapped_decode_attention_in_the_engine(temperature, monkeypatch):
+    """A bf16 rollout whose rows share their prompts (the kernel step, CUDA graphs) with the prompt
+    part and the own part overlapped gives the tokens and logprobs, bit for bit, of the same rollout
+    with them in turn."""
+    import treerl.rollout.shared as shared
+
+    _overlap_or_skip(torch.bfloat16)
+    model = tiny_model(dtype=torch.bfloat16, seed=2, head_dim=128, num_attention_heads=4,
+                       num_key_value_heads=2).cuda()
+    prompts = random_prompts([9, 30, 3, 17], seed=6)
+    params = SamplingParams(n=4, temperature=temperature, max_new_tokens=24, seed=3)
+    seen = []
+    merged = shared.split_attention_merged
+
+    def spy(*args, after=False, **kwargs):
+        seen.append(after)
+        return merged(*args, after=after, **kwargs)
+
+    monkeypatch.setattr(shared, "split_attention_merged", spy)
+    overlapped = RolloutEngine(copy.deepcopy(model)).generate(prompts, params)
+    assert seen and all(seen), "the engine's decode steps did not overlap the two parts"
+    seen.clear()
+    monkeypatch.setattr(shared, "overlap_ok", lambda *a, **k: False)
+    in_turn = RolloutEngine(copy.deepcopy(model)).generate(prompts, params)
+    assert seen and not any(seen)
+    for ga, gb in zip(overlapped, in_turn):
+        for a, b in zip(ga, gb):
+            assert a.completion_ids.tolist() == b.completion_ids.tolist()
+            assert torch.equal(a.logprobs, b.logprobs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_cuda_rope_write_matches_the_modules(family, dtype):

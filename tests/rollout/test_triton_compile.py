@@ -93,7 +93,18 @@ def test_split_attention_compiles_for_hopper(record, dtype, page, G, gq, D):
         kv = (pk, pv) if paged else (own_k, own_v)
         decode_attention.split_attention_merged(q, *kv, own_mask, 0.125, o_pre, l_pre, G, dtype,
                                                 table=table if paged else None)
-    assert len(_compile(kernel)) == 4
+    # the overlapped pair: the prompt part lets the next launch start, the merged own part (a dependent launch)
+    # waits for it before its merge
+    decode_attention.split_attention(q_pre, k, v, torch.zeros(B // G, N, dtype=dtype), 0.125, trigger=True)
+    decode_attention.split_attention_merged(q, pk, pv, own_mask, 0.125, o_pre, l_pre, G, dtype, table=table,
+                                            after=True)
+    compiled = _compile(kernel)
+    assert len(compiled) == 6
+    plain = "".join(c.asm["ptx"] for c in compiled[:4])
+    assert "griddepcontrol" not in plain and not any(c.metadata.launch_pdl for c in compiled[:4])
+    trigger, after = compiled[4:]
+    assert "griddepcontrol.launch_dependents" in trigger.asm["ptx"] and "griddepcontrol.wait" not in trigger.asm["ptx"]
+    assert "griddepcontrol.wait" in after.asm["ptx"] and after.metadata.launch_pdl and not trigger.metadata.launch_pdl
 
 
 @pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 128), (torch.float16, 64)])

@@ -52,6 +52,7 @@ from ..compiled import DECODE_OFF, LazyCompiled
 from ..lora import effective_weight
 from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
+from .decode_attention import split_attention
 from .rope_kernel import rope_write
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, merged_attention_ok, shared_part, split_queries
 from .types import raw, stored
@@ -291,7 +292,8 @@ class DecodeBlocks:
         part merged with them in one kernel
         (:func:`~treerl.rollout.decode_attention.split_attention_merged`), and the block's compiled
         tail with the next norm (the next layer's input norm, or the final norm) fused after its
-        residual: ~12 kernels a layer. Returns the final norm's output ``[B, hidden]`` (the head's input)."""
+        residual: ~12 kernels a layer. Where :attr:`SharedPrefixCache.overlap`, the own part's
+        launch overlaps the prompt part's (programmatic dependent launch). Returns the final norm's output ``[B, hidden]`` (the head's input)."""
         base, f, G = self.base, self.fused, cache.G
         layers = base.layers
         x = self.norm(layers[0].input_layernorm, hidden)
@@ -300,9 +302,10 @@ class DecodeBlocks:
             q_own, q_pre, k, v = rope_write(torch.nn.functional.linear(x, f.qkv_w[i], f.qkv_b[i]), cos, sin,
                                             *_qk_norms(layer), *_heads(layer), G, store.ok, store.ov,
                                             cache.write_block, cache.write_offset)
-            o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask, "split")
+            o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask, "split",
+                                                      trigger=cache.overlap)
             attn = cache.attend_own_merged(i, q_own, own_mask, layer.self_attn.scaling, o_pre, l_pre, merge_g,
-                                           hidden.dtype)
+                                           hidden.dtype, after=cache.overlap)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else base.norm
             hidden, x = self.tail_norm(layer, hidden, attn.reshape(*hidden.shape[:-1], -1), f.gate_up_w[i],
                                        f.gate_up_b[i], f.o_w[i], f.down_w[i], following)
@@ -317,16 +320,22 @@ class DecodeBlocks:
         return o_own, l_own, o_pre, l_pre, merge_g
 
     @staticmethod
-    def _prompt_part(i: int, layer, cache: SharedPrefixCache, q_own, q_pre, k, v, prefix_mask, backend: str):
+    def _prompt_part(i: int, layer, cache: SharedPrefixCache, q_own, q_pre, k, v, prefix_mask, backend: str,
+                     trigger: bool = False):
         """Layer ``i``'s prompt part (and fork levels) in key ranges: ``(o_pre, l_pre, G of the
-        merge)``; writes the token's K/V into its fork segment first (tree rollouts)."""
+        merge)``; writes the token's K/V into its fork segment first (tree rollouts). ``trigger``
+        (the split backend, :attr:`SharedPrefixCache.overlap`): the own part's launch after it may
+        overlap it."""
         G = cache.G
         if cache.prompts_in_own_blocks:  # the prompt store is unused: nothing to attend there
             return (*cache.no_prompt_part(q_pre), G)
         cache.write_forks(i, k, v)  # tree rollouts: the token's K/V into its fork segment
         pk, pv = cache.prefix(i, q_pre.shape[0])
         scale = layer.self_attn.scaling
-        o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend)
+        if trigger:
+            o_pre, l_pre = split_attention(q_pre, pk, pv, prefix_mask, scale, trigger=True)
+        else:
+            o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend)
         merge_g = G
         if cache.forks:  # tree rollouts: the fork segments' key ranges join the prompt part's (own layout)
             forks = cache.fork_levels(i, q_pre.shape[0])

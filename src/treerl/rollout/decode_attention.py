@@ -116,7 +116,9 @@ if triton is not None:
                       H, M, N, keys_per_split, scale, HIDDEN, Q0, QW,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                       IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr, MERGE: tl.constexpr,
-                      CAUSAL: tl.constexpr):
+                      CAUSAL: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False):
+        if TRIGGER:  # the next launch (the merged own part, launched dependent) may start beside this one
+            tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0)
         split = tl.program_id(1)
         b = bh // H
@@ -162,6 +164,8 @@ if triton is not None:
         if MERGE:  # one key range (split 0): merged here with the other part's S2 ranges of query r x M + m of
             # group b // G2 (r = b % G2) by their LSEs, the result written as O [B, 1, H x M, DV] (its dtype)
             rows = (b % G2) * M + offs_m
+            if WAIT:  # launched dependent on the kernel that writes O2/L2: its partials are read only after it ends
+                tl.extra.cuda.gdc_wait()
             run = lse
             den = tl.where(has, 1.0, 0.0)
             for j in range(0, S2):
@@ -228,13 +232,16 @@ def splits_for(batch: int, heads: int, keys: int, target: int = TARGET_PROGRAMS,
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                     splits: int | None = None, *, table: torch.Tensor | None = None, block_n: int = BLOCK_N,
                     target: int = TARGET_PROGRAMS, num_warps: int | None = None,
-                    num_stages: int = 2, causal: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_stages: int = 2, causal: tuple[int, int] | None = None,
+                    trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring; ``mask`` is ``[B, 1, 1, N]`` or ``[B, N]``; ``table``
     ``[B, max_blocks]`` (integer): ``k/v`` are block pools ``[blocks, H, PAGE, D]`` read
     through it, ``N`` = the mask's width. ``causal = (Q0, QW)``: query ``m`` also sees no key
     past ``Q0 + m % QW`` (a prefill window's queries, ``M = G x QW``: see
     :func:`window_attention`); its queries run in blocks of ``CAUSAL_QUERY_BLOCK``, each
-    block's programs reading keys up to its last query. The other keyword arguments are
+    block's programs reading keys up to its last query. ``trigger`` (CUDA, sm_90+): each
+    program first lets the next launch in the stream start beside this one, where that launch
+    is dependent (:func:`split_attention_merged` with ``after``). The other keyword arguments are
     kernel settings (``bench/tune_split_attention.py`` measures them)."""
     B, H, M, _ = q.shape
     N = k.shape[2] if table is None else mask.shape[-1]
@@ -254,28 +261,35 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     for m in range(0, M, step):  # (queries are independent: a group larger than one tile runs in slices)
         o = out[:, :, :, m:m + step]
         _launch(q[:, :, m:m + step], k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, o,
-                (o.stride(0), o.stride(1), o.stride(2), o.stride(3)), lse[..., m:m + step])
+                (o.stride(0), o.stride(1), o.stride(2), o.stride(3)), lse[..., m:m + step], trigger=trigger)
     return out, lse
 
 
 def split_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                            o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, dtype: torch.dtype, *,
                            table: torch.Tensor | None = None, block_n: int = BLOCK_N, num_warps: int | None = None,
-                           num_stages: int = 2) -> torch.Tensor:
+                           num_stages: int = 2, after: bool = False) -> torch.Tensor:
     """:func:`split_attention` over one key range per (entry, head) with
     :func:`~treerl.rollout.shared.merge_parts` in its epilogue: ``q/k/v/mask/table`` as there (the rows' own part, ``M = gq`` queries), ``o_pre
     [B/G, H, S2, G x gq, Dv]`` / ``l_pre`` the other part's key ranges (:func:`split_attention`'s
     outputs for the groups' queries) -> ``[B, 1, H x gq, Dv]`` in ``dtype``. No partials of the own
     part are written and no merge kernel runs (one launch a layer fewer). (128-key tiles: faster in
     ``bench/serve_attention.py`` on served rows of unequal length, slower on equal ones, and no
-    change end to end: session 17 call 3.)"""
+    change end to end: session 17 call 3.)
+
+    ``after`` (CUDA, sm_90+; see :func:`overlap_ok`): the launch directly follows the
+    :func:`split_attention` launch with ``trigger`` that writes ``o_pre``/``l_pre``, in the same
+    stream, and is a programmatic dependent launch: its programs start while that one runs,
+    read and attend their own keys (nothing that launch writes), and wait for it (``griddepcontrol.wait``)
+    only before the merge reads its ranges. At 64 rows the two launches are each too short to
+    fill the GPU; overlapped, the prompt part's runs under the own part's."""
     B, H, M, _ = q.shape
     N = k.shape[2] if table is None else mask.shape[-1]
     assert o_pre.shape[0] * G == B and o_pre.shape[1] == H and o_pre.shape[3] == G * M and o_pre.stride(-1) == 1
     out = torch.empty(B, 1, H * M, v.shape[3], device=q.device, dtype=dtype)
     per = -(-N // block_n) * block_n
     _launch(q, k, v, mask, scale, table, 1, per, block_n, num_warps, num_stages, out,
-            (out.stride(0), out.stride(2), 0, 0), None, (o_pre, l_pre, G))
+            (out.stride(0), out.stride(2), 0, 0), None, (o_pre, l_pre, G), after=after)
     return out
 
 
@@ -301,9 +315,11 @@ def merge_ranges(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, 
 
 
 def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, out, out_strides, lse,
-            merge=None, causal=None) -> None:
+            merge=None, causal=None, trigger: bool = False, after: bool = False) -> None:
     """One launch of ``_split_kernel`` over ``(B x H, S)`` programs of ``per`` keys each (``causal``:
-    ``(Q0, QW)``, and the queries in blocks of ``CAUSAL_QUERY_BLOCK``: a third grid dimension)."""
+    ``(Q0, QW)``, and the queries in blocks of ``CAUSAL_QUERY_BLOCK``: a third grid dimension;
+    ``trigger``/``after``: the overlap of :func:`split_attention_merged`)."""
+    assert not after or merge is not None, "only the merged own part waits for the launch before it"
     B, H, M, D = q.shape
     DV = v.shape[3]
     mask = mask.reshape(mask.shape[0], mask.shape[-1]) if mask.dim() == 4 else mask
@@ -329,8 +345,9 @@ def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages,
         BLOCK_M=block_m, BLOCK_N=block_n, D=D, DV=DV, IEEE=q.dtype == torch.float32, PAGE=page,
         MASK_CHUNK=CAUSAL_MASK_CHUNK if causal is not None else min(1024, max(16, triton.next_power_of_2(per))),
         MERGE=merge is not None,
-        CAUSAL=causal is not None,
+        CAUSAL=causal is not None, TRIGGER=trigger, WAIT=after,
         num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages,
+        **({"launch_pdl": True} if after else {}),  # (a compile option: only where it is used)
     )
 
 
@@ -389,3 +406,56 @@ def split_attention_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim
                          where=f"{device} ({dtype}, K/V {kv_dtype}, head {head_dim}/{value_dim}, page {page})",
                          fallback="the decode attention runs through CUDA's memory-efficient kernel or plain "
                                   "math (slower)")
+
+
+@functools.lru_cache(maxsize=None)
+def overlap_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int,
+               kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether the prompt part's launch and the merged own part after it overlap here
+    (:func:`split_attention` with ``trigger``, :func:`split_attention_merged` with ``after``:
+    programmatic dependent launch, CUDA sm_90+) and give the bits of the two launches run in
+    turn (probed once per device, dtype and head sizes, on a prompt part far longer than the own
+    part, so that the own programs reach their merge while its ranges are still being written;
+    never inside a capture; a failure warns, :func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
+    if (triton is None or not device.startswith("cuda") or torch.cuda.get_device_capability(device)[0] < 9
+            or not hasattr(tl.extra.cuda, "gdc_wait")
+            or not split_attention_ok(device, dtype, head_dim, value_dim, 0, kv_dtype)):
+        return False
+    kv_dtype = kv_dtype or dtype
+
+    def check() -> bool:
+        g = torch.Generator(device=device).manual_seed(0)
+        groups, G, H, gq, P, L = 4, 4, 2, 2, 8192, 40
+
+        def randn(*shape, kv=False):
+            x = torch.randn(*shape, device=device, dtype=dtype, generator=g)
+            return stored(x, kv_dtype) if kv else x
+
+        q_pre, pk, pv = randn(groups, H, G * gq, head_dim), randn(groups, H, P, head_dim, kv=True), \
+            randn(groups, H, P, value_dim, kv=True)
+        q_own, ok, ov = randn(groups * G, H, gq, head_dim), randn(groups * G, H, L, head_dim, kv=True), \
+            randn(groups * G, H, L, value_dim, kv=True)
+        p_mask, o_mask = torch.zeros(groups, P, device=device, dtype=dtype), torch.zeros(groups * G, L, device=device,
+                                                                                          dtype=dtype)
+        want = split_attention_merged(q_own, ok, ov, o_mask, 0.125, *split_attention(q_pre, pk, pv, p_mask, 0.125), G,
+                                      dtype)
+        def pair():
+            o_pre, l_pre = split_attention(q_pre, pk, pv, p_mask, 0.125, trigger=True)
+            return split_attention_merged(q_own, ok, ov, o_mask, 0.125, o_pre, l_pre, G, dtype, after=True), o_pre
+
+        for _ in range(3):
+            if not torch.equal(pair()[0], want):
+                return False
+        graph = torch.cuda.CUDAGraph()  # (the decode step runs it captured: the dependent launch as a graph edge)
+        with torch.cuda.graph(graph):
+            got, o_pre = pair()
+        for _ in range(3):
+            o_pre.fill_(float("nan"))  # (a merge that read the prompt part's ranges before they were written: NaN)
+            graph.replay()
+            if not torch.equal(got, want):
+                return False
+        return True
+
+    return kernel_agrees(check, what="the decode attention's overlapped launches", reference="the same launches in turn",
+                         where=f"{device} ({dtype}, K/V {kv_dtype}, head {head_dim}/{value_dim})",
+                         fallback="the prompt part and the own part run one after the other")

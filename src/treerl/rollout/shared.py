@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .decode_attention import (MERGED_MIN_PROGRAMS, merge_ranges, split_attention,
+from .decode_attention import (MERGED_MIN_PROGRAMS, merge_ranges, overlap_ok, split_attention,
                                split_attention_merged, split_attention_ok, splits_for)
 from .kernel_probe import kernel_agrees
 from .kv_copy import copy_slots, copy_slots_ok
@@ -132,6 +132,10 @@ class SharedPrefixCache(Cache):
         # the CUDA kernels with LSE that run here (probed now: never inside a capture or a compile)
         self.split = device.type == "cuda" and split_attention_ok(str(device), dtype, head_dim, value_dim, block_size,
                                                                   self.kv_dtype)
+        # the prompt part's launch and the merged own part's overlap (no fork levels between them: the own part's
+        # launch must follow the prompt part's directly)
+        self.overlap = (self.split and not self.forks and not prompts_in_own_blocks
+                        and overlap_ok(str(device), dtype, head_dim, value_dim, self.kv_dtype))
         self.efficient = device.type == "cuda" and _efficient_ok(str(device), dtype, head_dim, value_dim)
         self.efficient_unaligned = self.efficient and _efficient_ok(str(device), dtype, head_dim, value_dim, True)
         self.write_index: torch.Tensor | None = None
@@ -204,7 +208,8 @@ class SharedPrefixCache(Cache):
         return dense(layer.ok), dense(layer.ov)
 
     def attend_own_merged(self, layer_idx: int, q_own: torch.Tensor, own_mask: torch.Tensor, scale: float,
-                          o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, dtype: torch.dtype) -> torch.Tensor:
+                          o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, dtype: torch.dtype,
+                          after: bool = False) -> torch.Tensor:
         """:meth:`attend_own` through the split-key kernel in one key range per row, merged in the
         kernel with the prompt part's ranges ``o_pre``/``l_pre`` (groups of ``G`` rows; 1: the rows'
         layout) -> the layer's attention ``[s, 1, Hkv x gq, Dv]`` in ``dtype``
@@ -215,13 +220,15 @@ class SharedPrefixCache(Cache):
         (:func:`~treerl.rollout.decode_attention.merge_ranges`, :func:`merge_parts`' ~7 kernels).
         (Session 15 also ran own spans past 512 keys in ranges up to ``TARGET_PROGRAMS``: faster in
         the kernel's bench, slower served: session 16 call 3, H200, 64 agents in process, 8,962
-        against 9,593 tokens/s on one machine; reverted.)"""
+        against 9,593 tokens/s on one machine; reverted.) ``after``: the launch that wrote
+        ``o_pre``/``l_pre`` came directly before, with ``trigger`` (:attr:`overlap`): the one range
+        per row overlaps it (:func:`~treerl.rollout.decode_attention.split_attention_merged`)."""
         s, layer, N = q_own.shape[0], self.layers[layer_idx], own_mask.shape[-1]
         if splits_for(s, q_own.shape[1], N, MERGED_MIN_PROGRAMS) > 1:
             o_own, l_own = split_attention(q_own, layer.ok, layer.ov, own_mask, scale, table=self.table[:s])
             return merge_ranges(o_own, l_own, o_pre, l_pre, G, dtype)
         return split_attention_merged(q_own, layer.ok, layer.ov, own_mask, scale, o_pre, l_pre, G, dtype,
-                                      table=self.table[:s])
+                                      table=self.table[:s], after=after)
 
     def attend_own(self, layer_idx: int, q_own: torch.Tensor, own_mask: torch.Tensor, scale: float,
                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
