@@ -49,6 +49,9 @@ except ImportError:  # pragma: no cover - CPU-only torch has no triton
 
 # programs to launch at least (~4 per SM of an H100/H200): splits are chosen to reach it
 TARGET_PROGRAMS = 528
+# the prompt part's programs at least where the merged own part's launch overlaps it (split_attention's trigger): the
+# own part's programs run beside it, so it need not fill the GPU alone (bench/decode_kernels.py --prompt-targets)
+OVERLAP_TARGET = TARGET_PROGRAMS
 # the merged own part's programs at least (one per SM): fewer rows x heads over longer keys run in key ranges
 MERGED_MIN_PROGRAMS = TARGET_PROGRAMS // 4
 BLOCK_N = 64
@@ -231,7 +234,7 @@ def splits_for(batch: int, heads: int, keys: int, target: int = TARGET_PROGRAMS,
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                     splits: int | None = None, *, table: torch.Tensor | None = None, block_n: int = BLOCK_N,
-                    target: int = TARGET_PROGRAMS, num_warps: int | None = None,
+                    target: int | None = None, num_warps: int | None = None,
                     num_stages: int = 2, causal: tuple[int, int] | None = None,
                     trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring; ``mask`` is ``[B, 1, 1, N]`` or ``[B, N]``; ``table``
@@ -241,10 +244,12 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     :func:`window_attention`); its queries run in blocks of ``CAUSAL_QUERY_BLOCK``, each
     block's programs reading keys up to its last query. ``trigger`` (CUDA, sm_90+): each
     program first lets the next launch in the stream start beside this one, where that launch
-    is dependent (:func:`split_attention_merged` with ``after``). The other keyword arguments are
+    is dependent (:func:`split_attention_merged` with ``after``); ``target`` (programs at least)
+    is then ``OVERLAP_TARGET``, else ``TARGET_PROGRAMS``. The other keyword arguments are
     kernel settings (``bench/tune_split_attention.py`` measures them)."""
     B, H, M, _ = q.shape
     N = k.shape[2] if table is None else mask.shape[-1]
+    target = target or (OVERLAP_TARGET if trigger else TARGET_PROGRAMS)
     if splits is None:  # (causal: its query blocks are programs too, and at most WINDOW_RANGES ranges: one merge)
         blocks = 1 if causal is None else -(-M // CAUSAL_QUERY_BLOCK)
         splits = splits_for(B * blocks, H, N, target, block_n)
