@@ -14,7 +14,8 @@ the sampling race (:mod:`treerl.rollout.race_kernel`) and the Q/K norm + RoPE + 
   64), Qwen3 heads (16 over 8 KV heads of 128), bf16, a prompt of 1,024 tokens per group; cases
   ``groups x rows : own keys``; run in turn and overlapped (``trigger``/``after``, where
   :func:`~treerl.rollout.decode_attention.overlap_ok`; ``--prompt-targets``: the prompt part's
-  programs at least, each timed), outputs compared bit for bit (other key ranges: to bf16's rounding).
+  programs at least, each timed), outputs compared bit for bit (other key ranges: to bf16's rounding);
+  each replay runs ``--layers`` layers, each over its own buffers (as a step: no L2 reuse), us a layer.
 
 Runs the kernels of whichever treerl is first on ``PYTHONPATH`` (an A/B: once per tree):
 
@@ -74,7 +75,10 @@ def rope_rows(rows_list: list[int], bandwidth: float) -> list[dict]:
     return out
 
 
-def attention_cases(cases: list[str], bandwidth: float, targets: list[int], prompt: int = 1024) -> list[dict]:
+def attention_cases(cases: list[str], bandwidth: float, targets: list[int], layers: int,
+                    prompt: int = 1024) -> list[dict]:
+    """Each case's pair over ``layers`` layers' own buffers in one replay (a step's layers read
+    different K/V: one layer's, replayed alone, would stay in the 50 MB L2 at 64 rows); us a layer."""
     from treerl.rollout.decode_attention import (TARGET_PROGRAMS, overlap_ok, split_attention, split_attention_merged,
                                                  to_pages)
 
@@ -88,32 +92,40 @@ def attention_cases(cases: list[str], bandwidth: float, targets: list[int], prom
         L, rows = int(own), groups * G
         n = -(-L // page) * page
         randn = lambda *size: torch.randn(*size, device="cuda", dtype=dt, generator=g)  # noqa: E731
-        q_pre, pk, pv = randn(groups, H, G * gq, D), randn(groups, H, prompt, D), randn(groups, H, prompt, D)
         p_mask = torch.zeros(groups, prompt, device="cuda", dtype=dt)
-        ok, ov, table = to_pages(randn(rows, H, n, D), randn(rows, H, n, D), page, g)
         o_mask = torch.zeros(rows, n, device="cuda", dtype=dt)
         o_mask[:, L:] = torch.finfo(dt).min
-        moved = (groups * prompt + rows * L) * H * 2 * D * 2
+        stack = [dict(q_pre=randn(groups, H, G * gq, D), pk=randn(groups, H, prompt, D), pv=randn(groups, H, prompt, D),
+                      q_own=randn(rows, H, gq, D), own=to_pages(randn(rows, H, n, D), randn(rows, H, n, D), page, g))
+                 for _ in range(layers)]
+        moved = (groups * prompt + rows * L) * H * 2 * D * 2 * layers
 
-        def pair(overlapped: bool, target: int = TARGET_PROGRAMS):
-            o_pre, l_pre = split_attention(q_pre, pk, pv, p_mask, D ** -0.5, trigger=overlapped, target=target)
-            return split_attention_merged(q_own, ok, ov, o_mask, D ** -0.5, o_pre, l_pre, G, dt, table=table,
+        def prompt_part(x, overlapped=False, target=TARGET_PROGRAMS):
+            return split_attention(x["q_pre"], x["pk"], x["pv"], p_mask, D ** -0.5, trigger=overlapped, target=target)
+
+        def own_part(x, o_pre, l_pre, overlapped=False):
+            ok, ov, table = x["own"]
+            return split_attention_merged(x["q_own"], ok, ov, o_mask, D ** -0.5, o_pre, l_pre, G, dt, table=table,
                                           after=overlapped)
 
-        q_own = randn(rows, H, gq, D)
-        want = pair(False)
-        o_pre, l_pre = split_attention(q_pre, pk, pv, p_mask, D ** -0.5)
-        parts = dict(prompt_part_us=_timed(lambda: split_attention(q_pre, pk, pv, p_mask, D ** -0.5), 0, 1)["us"],
-                     own_part_us=_timed(lambda: split_attention_merged(q_own, ok, ov, o_mask, D ** -0.5, o_pre, l_pre,
-                                                                       G, dt, table=table), 0, 1)["us"])
+        def step(overlapped: bool, target: int = TARGET_PROGRAMS):
+            return [own_part(x, *prompt_part(x, overlapped, target), overlapped) for x in stack]
+
+        want = step(False)
+        kept = [prompt_part(x) for x in stack]
+        per_layer = lambda row: round(row["us"] / layers, 2)  # noqa: E731
+        parts = dict(prompt_part_us=per_layer(_timed(lambda: [prompt_part(x) for x in stack], 0, 1)),
+                     own_part_us=per_layer(_timed(lambda: [own_part(x, *k) for x, k in zip(stack, kept)], 0, 1)))
         out.append(dict(kernel="attention-parts", case=case, **parts))
         runs = [(False, TARGET_PROGRAMS)] + [(True, t) for t in targets if overlap]
         for overlapped, target in runs:  # (the prompt part's programs at least: its key ranges are chosen to reach it)
-            same = bool(torch.allclose(pair(overlapped, target).float(), want.float(), atol=2e-2, rtol=0)
-                        if target != TARGET_PROGRAMS else torch.equal(pair(overlapped, target), want))
+            got = step(overlapped, target)
+            same = all(torch.equal(a, b) if target == TARGET_PROGRAMS else
+                       torch.allclose(a.float(), b.float(), atol=2e-2, rtol=0) for a, b in zip(got, want))
+            row = _timed(lambda o=overlapped, t=target: step(o, t), moved, bandwidth)
             out.append(dict(kernel="attention", case=case, rows=rows, own_keys=L, overlapped=overlapped,
-                            prompt_programs=target, agrees_in_turn=same,
-                            **_timed(lambda o=overlapped, t=target: pair(o, t), moved, bandwidth)))
+                            prompt_programs=target, agrees_in_turn=same, us_a_layer=per_layer(row),
+                            floor_us_a_layer=round(row["floor_us"] / layers, 2)))
     return out
 
 
@@ -128,9 +140,10 @@ def _timed(run, moved_bytes: int, bandwidth: float) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernels", default="race,rope,attention", help="of race, rope, attention")
-    p.add_argument("--attention-cases", default="8x8:64,8x8:256,8x8:512,64x16:256",
+    p.add_argument("--attention-cases", default="8x8:16,8x8:256,8x8:512,64x16:32,64x16:256",
                    help="groups x rows a group : own keys a row (a prompt of 1,024 keys a group)")
     p.add_argument("--prompt-targets", default="528", help="the overlapped prompt part's programs at least, each timed")
+    p.add_argument("--layers", type=int, default=28, help="layers a replay (attention: each its own buffers)")
     p.add_argument("--race-rows", default="64,1024")
     p.add_argument("--rope-rows", default="64,256,1024")
     p.add_argument("--vocab", type=int, default=151_936)
@@ -149,7 +162,8 @@ def main(argv=None) -> None:
     if "rope" in kernels:
         results += rope_rows(rows(args.rope_rows), args.bandwidth)
     if "attention" in kernels:
-        results += attention_cases(args.attention_cases.split(","), args.bandwidth, rows(args.prompt_targets))
+        results += attention_cases(args.attention_cases.split(","), args.bandwidth, rows(args.prompt_targets),
+                                   args.layers)
     for row in results:
         print(row, flush=True)
     if args.out:
