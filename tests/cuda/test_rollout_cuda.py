@@ -464,9 +464,8 @@ def _overlap_or_skip(dtype: torch.dtype, head_dim: int = 128) -> None:
                                              (3, 1, 4096, 700)])
 def test_cuda_overlapped_attention_equals_the_launches_in_turn(dtype, groups, G, P, L):
     """The prompt part's launch and the merged own part overlapped (programmatic dependent
-    launch: the prompt part waits for the launch that writes its queries, the own programs start
-    during the prompt part and wait for it only before their merge) give the bits of the two
-    launches in turn: eager with the prompt part's outputs
+    launch: the own programs start during the prompt part and wait for it only before their
+    merge) give the bits of the two launches in turn: eager with the prompt part's outputs
     allocated over NaN-filled memory, and as CUDA graph replays with those outputs set to NaN
     before each replay (a merge that read them before the prompt part ended would give NaN)."""
     from treerl.rollout.decode_attention import split_attention, split_attention_merged, to_pages
@@ -488,8 +487,8 @@ def test_cuda_overlapped_attention_equals_the_launches_in_turn(dtype, groups, G,
                          torch.finfo(dtype).min).to(dtype)
     scale = D ** -0.5
 
-    def pair(overlap: bool):  # (q written by the launch before the prompt part, as the rope kernel's in a step)
-        o_pre, l_pre = split_attention(q_pre.clone(), pk, pv, p_mask, scale, trigger=overlap, after=overlap)
+    def pair(overlap: bool):
+        o_pre, l_pre = split_attention(q_pre, pk, pv, p_mask, scale, trigger=overlap)
         return split_attention_merged(q_own, ok, ov, o_mask, scale, o_pre, l_pre, G, dtype, table=table,
                                       after=overlap), o_pre, l_pre
 
@@ -518,9 +517,9 @@ def test_cuda_overlapped_attention_equals_the_launches_in_turn(dtype, groups, G,
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_cuda_overlapped_decode_attention_in_the_engine(temperature, monkeypatch):
-    """A bf16 rollout whose rows share their prompts (the kernel step, CUDA graphs) with the rope
-    kernel, the prompt part and the own part overlapped gives the tokens and logprobs, bit for bit,
-    of the same rollout with them in turn."""
+    """A bf16 rollout whose rows share their prompts (the kernel step, CUDA graphs) with the prompt
+    part and the own part overlapped gives the tokens and logprobs, bit for bit, of the same rollout
+    with them in turn."""
     import treerl.rollout.shared as shared
 
     _overlap_or_skip(torch.bfloat16)

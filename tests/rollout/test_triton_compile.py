@@ -95,19 +95,16 @@ def test_split_attention_compiles_for_hopper(record, dtype, page, G, gq, D):
                                                 table=table if paged else None)
     # the overlapped pair: the prompt part lets the next launch start, the merged own part (a dependent launch)
     # waits for it before its merge
-    # (and waits, itself dependent, for the launch that writes its queries)
-    decode_attention.split_attention(q_pre, k, v, torch.zeros(B // G, N, dtype=dtype), 0.125, trigger=True,
-                                     after=True)
+    decode_attention.split_attention(q_pre, k, v, torch.zeros(B // G, N, dtype=dtype), 0.125, trigger=True)
     decode_attention.split_attention_merged(q, pk, pv, own_mask, 0.125, o_pre, l_pre, G, dtype, table=table,
                                             after=True)
     compiled = _compile(kernel)
     assert len(compiled) == 6
     plain = "".join(c.asm["ptx"] for c in compiled[:4])
     assert "griddepcontrol" not in plain and not any(c.metadata.launch_pdl for c in compiled[:4])
-    for c in compiled[4:]:  # the prompt part, the merged own part
-        assert "griddepcontrol.wait" in c.asm["ptx"] and c.metadata.launch_pdl
-    assert "griddepcontrol.launch_dependents" in compiled[4].asm["ptx"]
-    assert "griddepcontrol.launch_dependents" not in compiled[5].asm["ptx"]
+    trigger, after = compiled[4:]
+    assert "griddepcontrol.launch_dependents" in trigger.asm["ptx"] and "griddepcontrol.wait" not in trigger.asm["ptx"]
+    assert "griddepcontrol.wait" in after.asm["ptx"] and after.metadata.launch_pdl and not trigger.metadata.launch_pdl
 
 
 @pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 128), (torch.float16, 64)])
@@ -241,12 +238,10 @@ def test_rope_write_compiles_for_hopper(record, D, heads, kv_heads, G):
     qkv = torch.randn(B, 1, (heads + 2 * kv_heads) * D, dtype=torch.bfloat16)
     cos, sin = torch.randn(B, 1, D, dtype=torch.bfloat16), torch.randn(B, 1, D, dtype=torch.bfloat16)
     own_k = torch.zeros(8, kv_heads, page, D, dtype=torch.bfloat16)
-    for norm, trigger in ((None, False), (Norm(), False), (Norm(), True)):  # (trigger: the decode step's overlap)
+    for norm in (None, Norm()):
         rope_kernel.rope_write(qkv, cos, sin, norm, norm, heads, kv_heads, G, own_k, own_k.clone(),
-                               torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), trigger=trigger)
-    compiled = _compile(kernel)
-    assert len(compiled) == 3 and ["griddepcontrol.launch_dependents" in c.asm["ptx"] for c in compiled] == [
-        False, False, True]
+                               torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32))
+    assert len(_compile(kernel)) == 2
 
 
 def test_race_kernel_compiles_for_hopper(record):

@@ -44,10 +44,7 @@ if triton is not None:
     def _rope_write_kernel(QKV, Cos, Sin, QW, KW, OK, OV, Block, Offset, QOwn, QPre, KOut, VOut,
                            sqkv, scs, sok_b, sok_h, sok_s, sov_b, sov_h, sov_s, q_eps, k_eps,
                            HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
-                           HALF: tl.constexpr, DV: tl.constexpr, NORM: tl.constexpr, BLOCK_G: tl.constexpr,
-                           TRIGGER: tl.constexpr = False):
-        if TRIGGER:  # the prompt part's attention (launched dependent: it waits for this one before reading q_pre)
-            tl.extra.cuda.gdc_launch_dependents()  # may start beside it
+                           HALF: tl.constexpr, DV: tl.constexpr, NORM: tl.constexpr, BLOCK_G: tl.constexpr):
         b = tl.program_id(0)
         kv = tl.program_id(1)  # a key/value head and its GQ query heads
         D: tl.constexpr = 2 * HALF
@@ -98,15 +95,13 @@ if triton is not None:
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.nn.Module | None,
                k_norm: torch.nn.Module | None, heads: int, kv_heads: int, G: int, own_k: torch.Tensor,
-               own_v: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, trigger: bool = False
+               own_v: torch.Tensor, block: torch.Tensor, offset: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``qkv [B, 1, (Hq + Hkv) x D + Hkv x Dv]`` (the product), ``cos/sin [B, 1, D]``, the Q/K
     norm modules (None: no Q/K norms) -> ``q_own [B, Hkv, gq, D]``, ``q_pre [B/G, Hkv, G gq,
     D]``, the token's ``k [B, Hkv, D]`` and ``v [B, Hkv, Dv]`` (post-RoPE), also written into the
     pools ``own_k/own_v [blocks, Hkv, PAGE, D]`` at slot ``offset[i]`` of block ``block[i]`` (``k/v``
-    in the pools' dtype: a float8 store's values, rounded to the model's dtype first). ``trigger``
-    (CUDA, sm_90+): the next launch, where dependent
-    (:func:`~treerl.rollout.decode_attention.split_attention` with ``after``), may start beside this one."""
+    in the pools' dtype: a float8 store's values, rounded to the model's dtype first)."""
     B = qkv.shape[0]
     D = cos.shape[-1]
     Dv = (qkv.shape[-1] - (heads + kv_heads) * D) // kv_heads
@@ -124,6 +119,6 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: 
         own_k.stride(0), own_k.stride(1), own_k.stride(2), own_v.stride(0), own_v.stride(1), own_v.stride(2),
         float(q_norm.variance_epsilon) if norm else 0.0, float(k_norm.variance_epsilon) if norm else 0.0,
         HQ=heads, HKV=kv_heads, G=G, HALF=D // 2, DV=Dv, NORM=norm, BLOCK_G=triton.next_power_of_2(heads // kv_heads),
-        TRIGGER=trigger, num_warps=1,
+        num_warps=1,
     )
     return q_own, q_pre, k, v
