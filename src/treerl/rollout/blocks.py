@@ -292,8 +292,8 @@ class DecodeBlocks:
         part merged with them in one kernel
         (:func:`~treerl.rollout.decode_attention.split_attention_merged`), and the block's compiled
         tail with the next norm (the next layer's input norm, or the final norm) fused after its
-        residual: ~12 kernels a layer. Where :attr:`SharedPrefixCache.overlap`, the own part's
-        launch overlaps the prompt part's (programmatic dependent launch). Returns the final norm's output ``[B, hidden]`` (the head's input)."""
+        residual: ~12 kernels a layer. Where ``cache.overlap``, the own part's launch overlaps the
+        prompt part's (programmatic dependent launch). Returns the final norm's output ``[B, hidden]`` (the head's input)."""
         base, f, G = self.base, self.fused, cache.G
         layers = base.layers
         x = self.norm(layers[0].input_layernorm, hidden)
@@ -302,8 +302,8 @@ class DecodeBlocks:
             q_own, q_pre, k, v = rope_write(torch.nn.functional.linear(x, f.qkv_w[i], f.qkv_b[i]), cos, sin,
                                             *_qk_norms(layer), *_heads(layer), G, store.ok, store.ov,
                                             cache.write_block, cache.write_offset)
-            o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask, "split",
-                                                      trigger=cache.overlap)
+            o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask,
+                                                      "split", trigger=cache.overlap)
             attn = cache.attend_own_merged(i, q_own, own_mask, layer.self_attn.scaling, o_pre, l_pre, merge_g,
                                            hidden.dtype, after=cache.overlap)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else base.norm
@@ -324,8 +324,7 @@ class DecodeBlocks:
                      trigger: bool = False):
         """Layer ``i``'s prompt part (and fork levels) in key ranges: ``(o_pre, l_pre, G of the
         merge)``; writes the token's K/V into its fork segment first (tree rollouts). ``trigger``
-        (the split backend, :attr:`SharedPrefixCache.overlap`): the own part's launch after it may
-        overlap it."""
+        (the split backend, ``cache.overlap``): the own part's launch after it may overlap it."""
         G = cache.G
         if cache.prompts_in_own_blocks:  # the prompt store is unused: nothing to attend there
             return (*cache.no_prompt_part(q_pre), G)

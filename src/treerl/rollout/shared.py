@@ -100,7 +100,10 @@ class SharedPrefixCache(Cache):
     ``forks``: per fork level ``(c_k, cap_k, r_k)``: nodes per group slot, slots per node,
     rows per node (empty: plain groups, two levels). ``prompts_in_own_blocks``: the rows keep
     their prompts in their own blocks and the prompt store is unused (all masked): a decode
-    step's prompt part is then one empty key range (:meth:`no_prompt_part`), not a kernel."""
+    step's prompt part is then one empty key range (:meth:`no_prompt_part`), not a kernel.
+
+    ``overlap`` (probed here): the kernel step's prompt part and merged own part run as one
+    overlapped pair (:func:`~treerl.rollout.decode_attention.split_attention_merged`'s ``after``)."""
 
     def __init__(self, num_layers: int, groups: int, G: int, prefix_capacity: int, table: torch.Tensor,
                  num_blocks: int, block_size: int, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype,
@@ -132,9 +135,11 @@ class SharedPrefixCache(Cache):
         # the CUDA kernels with LSE that run here (probed now: never inside a capture or a compile)
         self.split = device.type == "cuda" and split_attention_ok(str(device), dtype, head_dim, value_dim, block_size,
                                                                   self.kv_dtype)
-        # the prompt part's launch and the merged own part's overlap (no fork levels between them: the own part's
-        # launch must follow the prompt part's directly)
+        # the prompt part's launch and the merged own part's overlap: the own part's launch must follow the prompt
+        # part's directly (fork levels run kernels between them; prompts in own blocks run no prompt-part kernel, so
+        # the rope kernel, which writes the own part's queries and keys, would come before it)
         self.overlap = (self.split and not self.forks and not prompts_in_own_blocks
+                        and merged_attention_ok(str(device), dtype, head_dim, value_dim, self.kv_dtype)
                         and overlap_ok(str(device), dtype, head_dim, value_dim, self.kv_dtype))
         self.efficient = device.type == "cuda" and _efficient_ok(str(device), dtype, head_dim, value_dim)
         self.efficient_unaligned = self.efficient and _efficient_ok(str(device), dtype, head_dim, value_dim, True)
