@@ -419,7 +419,7 @@ def overlap_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int,
     part, so that the own programs reach their merge while its ranges are still being written;
     never inside a capture; a failure warns, :func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
     if (triton is None or not device.startswith("cuda") or torch.cuda.get_device_capability(device)[0] < 9
-            or not hasattr(tl.extra.cuda, "gdc_wait")
+            or getattr(getattr(tl.extra, "cuda", None), "gdc_wait", None) is None  # (Triton >= 3.3)
             or not split_attention_ok(device, dtype, head_dim, value_dim, 0, kv_dtype)):
         return False
     kv_dtype = kv_dtype or dtype
