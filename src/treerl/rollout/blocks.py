@@ -52,7 +52,6 @@ from ..compiled import DECODE_OFF, LazyCompiled
 from ..lora import effective_weight
 from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
-from .decode_attention import split_attention
 from .rope_kernel import rope_write
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, merged_attention_ok, shared_part, split_queries
 from .types import raw, stored
@@ -331,10 +330,7 @@ class DecodeBlocks:
         cache.write_forks(i, k, v)  # tree rollouts: the token's K/V into its fork segment
         pk, pv = cache.prefix(i, q_pre.shape[0])
         scale = layer.self_attn.scaling
-        if trigger:
-            o_pre, l_pre = split_attention(q_pre, pk, pv, prefix_mask, scale, trigger=True)
-        else:
-            o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend)
+        o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend, trigger)
         merge_g = G
         if cache.forks:  # tree rollouts: the fork segments' key ranges join the prompt part's (own layout)
             forks = cache.fork_levels(i, q_pre.shape[0])

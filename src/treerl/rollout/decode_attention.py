@@ -441,20 +441,18 @@ def overlap_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int,
                                                                                           device=device, dtype=dtype)
         o_mask[:, L:] = torch.finfo(dtype).min
 
-        def pair():
+        def pair(overlapped: bool):
             o_pre, l_pre = split_attention(q_pre, pk, pv, p_mask, 0.125, trigger=overlapped)
             return split_attention_merged(q_own, ok, ov, o_mask, 0.125, o_pre, l_pre, G, dtype, table=table,
                                           after=overlapped), o_pre
 
-        overlapped = False
-        want = pair()[0]
-        overlapped = True
+        want = pair(False)[0]
         for _ in range(3):  # (eager: the launches run and agree; only the replays below can show a missing wait)
-            if not torch.equal(pair()[0], want):
+            if not torch.equal(pair(True)[0], want):
                 return False
         graph = torch.cuda.CUDAGraph()  # (the decode step runs it captured: the dependent launch as a graph edge)
         with torch.cuda.graph(graph):
-            got, o_pre = pair()
+            got, o_pre = pair(True)
         for _ in range(3):
             o_pre.fill_(float("nan"))  # (a merge that read the prompt part's ranges before they were written: NaN)
             graph.replay()
