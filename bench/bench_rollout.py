@@ -197,7 +197,7 @@ def main(argv=None) -> dict:
             if stats is not None:
                 entry.update(prefill_tokens=stats.prefill_tokens, decode_steps=stats.decode_steps,
                              decode_rows=stats.decode_rows, kv_slots=stats.kv_slots, preemptions=stats.preemptions,
-                             compiled=getattr(run, "compiled", None))
+                             compiled=getattr(run, "compiled", None), small_products=getattr(run, "small_products", None))
             print(f"{shape:<12}{f'{P}x{G}={rows}':>12}  {name:<24}{tps:>10.0f}{floor_tps:>13.0f}"
                   f"{tps / floor_tps:>9.2f}{peak:>9.1f}{best:>9.2f}", flush=True)
         except Exception as err:  # noqa: BLE001 - record and go on to the next case
@@ -219,6 +219,7 @@ def _engine_runner(engine: RolloutEngine, prompts, G, args):
         groups = engine.generate(prompts, params)
         run.stats = engine.stats
         run.compiled = engine.decode_blocks is not None and engine.decode_blocks.compiled
+        run.small_products = getattr(engine.decode_blocks, "small", None)  # the small-row product kernels served steps
         return sum(len(c) for grp in groups for c in grp)
 
     return run

@@ -16,6 +16,10 @@ the sampling race (:mod:`treerl.rollout.race_kernel`) and the Q/K norm + RoPE + 
   :func:`~treerl.rollout.decode_attention.overlap_ok`; ``--prompt-targets``: the prompt part's
   programs at least, each timed), outputs compared bit for bit (other key ranges: to bf16's rounding);
   each replay runs ``--layers`` layers, each over its own buffers (as a step: no L2 reuse), us a layer.
+- ``products``: a layer's products as the decode step runs them (:func:`product_rows`), cuBLAS + the
+  compiled tail against :mod:`treerl.rollout.small_products` + the compiled residual norms, over every
+  layer's weights a replay (random Qwen3 weights, ``--product-shape``); ``--product-sweep`` times each
+  small product alone over its tiles.
 
 Runs the kernels of whichever treerl is first on ``PYTHONPATH`` (an A/B: once per tree):
 
@@ -129,6 +133,85 @@ def attention_cases(cases: list[str], bandwidth: float, targets: list[int], laye
     return out
 
 
+@torch.no_grad()
+def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool, device: str = "cuda") -> list[dict]:
+    """A layer's products as the decode step runs them, over every layer's own weights in one replay
+    (a step's layers read different weights; one layer's would stay in the L2), us a layer:
+
+    - ``tail``: after the attention, cuBLAS + the compiled tail (``blocks._tail_norm``: output product,
+      residual + norm, gate/up, SiLU gate, down product, residual + the next norm) against the small-row
+      kernels + the compiled residual norms (``blocks._small_tail``), outputs compared;
+    - ``qkv``: the Q/K/V product, ``F.linear`` against ``small_products.linear``;
+    - with ``sweep``: each small product alone over column tiles, K ranges, warps and stages,
+      against ``F.linear`` on the same weights."""
+    from treerl.models import build_model
+    from treerl.rollout import blocks, small_products as sp
+
+    model = build_model("qwen3", shape, dtype=torch.bfloat16, device=device)
+    layers = model.model.layers
+    f = blocks.FusedProjections(layers)
+    weights = [blocks._small_layer(layer, f, i) for i, layer in enumerate(layers)]
+    following = [layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm for i in range(len(layers))]
+    tail_norm, residual_norm = blocks._TAIL_NORM, blocks._RESIDUAL_NORM
+    H, A = model.config.hidden_size, layers[0].self_attn.o_proj.in_features
+    layer_bytes = sum(w.numel() * 2 for w in (f.qkv_w[0], weights[0][0], weights[0][2], weights[0][3]))
+    out = []
+    g = torch.Generator(device=device).manual_seed(0)
+    for rows in rows_list:
+        hidden = torch.randn(rows, 1, H, device=device, dtype=torch.bfloat16, generator=g)
+        attn = torch.randn(rows, 1, A, device=device, dtype=torch.bfloat16, generator=g)
+        x = layers[0].input_layernorm(hidden).reshape(rows, H)
+
+        def old_tail():
+            return [tail_norm(layer, hidden, attn, f.gate_up_w[i], f.gate_up_b[i], f.o_w[i], f.down_w[i], following[i])
+                    for i, layer in enumerate(layers)]
+
+        def new_tail():
+            return [blocks._small_tail(residual_norm, layer, hidden, attn, weights[i], following[i])
+                    for i, layer in enumerate(layers)]
+
+        want, got = old_tail(), new_tail()
+        err = max(float((a.float() - b.float()).abs().max() / a.float().abs().max()) for w, v in zip(want, got)
+                  for a, b in zip(w, v))
+        n = len(layers)
+        tail_bytes = layer_bytes - f.qkv_w[0].numel() * 2
+        for name, run in (("cublas+compiled", old_tail), ("small", new_tail)):
+            row = _timed(run, tail_bytes * n, bandwidth)
+            out.append(dict(kernel="products-tail", rows=rows, way=name, max_rel_diff=round(err, 5),
+                            us_a_layer=round(row["us"] / n, 2), floor_us_a_layer=round(row["floor_us"] / n, 2)))
+        qkv_bytes = f.qkv_w[0].numel() * 2 * n
+        for name, run in (("cublas", lambda: [torch.nn.functional.linear(x, w) for w in f.qkv_w]),
+                          ("small", lambda: [sp.linear(x, w) for w in f.qkv_w])):
+            row = _timed(run, qkv_bytes, bandwidth)
+            out.append(dict(kernel="products-qkv", rows=rows, way=name, us_a_layer=round(row["us"] / n, 2),
+                            floor_us_a_layer=round(row["floor_us"] / n, 2)))
+        if not sweep:
+            continue
+        act = torch.randn(rows, weights[0][3].shape[1], device=device, dtype=torch.bfloat16, generator=g)
+        inputs = dict(qkv=(x, f.qkv_w), o=(attn.reshape(rows, A), [w[0] for w in weights]),
+                      gate_up=(x, [w[2] for w in weights]), down=(act, [w[3] for w in weights]))
+        for product, (inp, ws) in inputs.items():
+            moved = sum(w.numel() * 2 for w in ws)
+            row = _timed(lambda: [torch.nn.functional.linear(inp, w) for w in ws], moved, bandwidth)
+            out.append(dict(kernel="product", product=product, rows=rows, way="cublas", us=round(row["us"] / n, 2)))
+            for block_n in (16, 32, 64):
+                for splits in {"gate_up": (None,), "qkv": (1, 2)}.get(product, (1, 2, 4, 8)):
+                    for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                        kw = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+                        if product == "gate_up":
+                            run = lambda: [sp.gated(inp, w, **kw) for w in ws]  # noqa: E731
+                        else:
+                            run = lambda: [sp.linear_partials(inp, w, splits=splits, **kw) for w in ws]  # noqa: E731
+                        try:
+                            row = _timed(run, moved, bandwidth)
+                        except Exception as err:  # noqa: BLE001 - a tile that does not compile: recorded
+                            out.append(dict(kernel="product", product=product, rows=rows, error=str(err)[:100], **kw))
+                            continue
+                        out.append(dict(kernel="product", product=product, rows=rows, way="small", splits=splits,
+                                        us=round(row["us"] / n, 2), tbps=round(moved / row["us"] / 1e6, 2), **kw))
+    return out
+
+
 def _timed(run, moved_bytes: int, bandwidth: float) -> dict:
     import triton
 
@@ -139,7 +222,10 @@ def _timed(run, moved_bytes: int, bandwidth: float) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", default="race,rope,attention", help="of race, rope, attention")
+    p.add_argument("--kernels", default="race,rope,attention", help="of race, rope, attention, products")
+    p.add_argument("--product-rows", default="16,64,128")
+    p.add_argument("--product-shape", default="qwen3-0.6b")
+    p.add_argument("--product-sweep", action="store_true", help="each small product alone over its tiles")
     p.add_argument("--attention-cases", default="8x8:16,8x8:256,8x8:512,64x16:32,64x16:256",
                    help="groups x rows a group : own keys a row (a prompt of 1,024 keys a group)")
     p.add_argument("--prompt-targets", default="528", help="the overlapped prompt part's programs at least, each timed")
@@ -151,8 +237,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     kernels = args.kernels.split(",")
-    if unknown := set(kernels) - {"race", "rope", "attention"}:
-        p.error(f"--kernels: unknown {sorted(unknown)}; choose from race, rope, attention")
+    if unknown := set(kernels) - {"race", "rope", "attention", "products"}:
+        p.error(f"--kernels: unknown {sorted(unknown)}; choose from race, rope, attention, products")
     import treerl
 
     rows = lambda text: [int(r) for r in text.split(",")]  # noqa: E731
@@ -164,6 +250,8 @@ def main(argv=None) -> None:
     if "attention" in kernels:
         results += attention_cases(args.attention_cases.split(","), args.bandwidth, rows(args.prompt_targets),
                                    args.layers)
+    if "products" in kernels:
+        results += product_rows(rows(args.product_rows), args.bandwidth, args.product_shape, args.product_sweep)
     for row in results:
         print(row, flush=True)
     if args.out:

@@ -575,3 +575,59 @@ def test_cuda_rope_write_matches_the_modules(family, dtype):
             assert a.shape == b.shape and torch.allclose(b.double(), a, atol=tol * a.abs().max().item()), (a - b).abs().max()
         store = type("Store", (), {"ok": pools[0], "ov": pools[1]})
         assert _rope_kernel_agrees(layer, hidden, cos, sin, G, f.qkv_w[i], f.qkv_b[i], store)
+
+
+# ------------------------------------------------------------------ small-row products (tests/rollout/test_small_products.py)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64, 128])
+def test_cuda_small_products_match_float64(rows):
+    """The small-row product kernels on Qwen3-0.6B's four product shapes in bf16 (and float32, IEEE
+    products) against float64: ``linear`` and ``gated`` to 2-4 units of the output dtype's last place,
+    the float32 partials' sum to 1e-5 (relative to the largest value)."""
+    from treerl.rollout import small_products as sp
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    for dtype in (torch.bfloat16, torch.float32):
+        eps = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-6
+        for N, K in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)):
+            x = torch.randn(rows, K, device="cuda", generator=g).to(dtype)
+            w = (torch.randn(N, K, device="cuda", generator=g) / K ** 0.5).to(dtype)
+            ref = x.double() @ w.double().T
+            top = ref.abs().max()
+            assert (sp.linear(x, w).double() - ref).abs().max() <= 2 * eps * top
+            parts = sp.linear_partials(x, w)
+            assert parts.shape[0] == sp.splits_for(N, K, 32)
+            assert (parts.double().sum(0) - ref).abs().max() <= 1e-5 * top
+            act = torch.nn.functional.silu(ref[:, :N // 2]) * ref[:, N // 2:]
+            assert (sp.gated(x, w).double() - act).abs().max() <= 4 * eps * act.abs().max()
+
+
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
+def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
+    """A float32 rollout through the kernel step at few rows takes the small-row products (every
+    decode step's layers: the spy counts them) and gives the greedy tokens of the eager engine and
+    logprobs equal to a float64 full forward; above ``MAX_ROWS`` rows the step keeps cuBLAS."""
+    import treerl.rollout.blocks as blocks
+    from treerl.rollout import small_products
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model(dtype=torch.float32, seed=2, head_dim=128, num_attention_heads=4, num_key_value_heads=2).cuda()
+    prompts = random_prompts([9, 30, 3, 17], seed=6)
+    greedy = SamplingParams(n=4, temperature=0.0, max_new_tokens=24, seed=3)
+    sampled = SamplingParams(n=4, temperature=0.8, max_new_tokens=24, seed=3)
+    calls = []
+    gated = small_products.gated
+    monkeypatch.setattr(small_products, "gated", lambda *a, **k: calls.append(a[0].shape[0]) or gated(*a, **k))
+    engine = RolloutEngine(copy.deepcopy(model), compile_decode=compile_decode)
+    groups = engine.generate(prompts, greedy)
+    assert engine.decode_blocks.small and calls and max(calls) <= small_products.MAX_ROWS, calls
+    eager = RolloutEngine(copy.deepcopy(model), cuda_graphs=False).generate(prompts, greedy)
+    for ga, gb in zip(groups, eager):
+        for a, b in zip(ga, gb):
+            assert a.completion_ids.tolist() == b.completion_ids.tolist()
+    assert_float64_logprobs(model, zip(prompts, engine.generate(prompts, sampled)), 0.8)
+    calls.clear()
+    monkeypatch.setattr(small_products, "MAX_ROWS", 0)
+    RolloutEngine(copy.deepcopy(model), compile_decode=compile_decode).generate(prompts, greedy)
+    assert not calls

@@ -741,7 +741,8 @@ def _triton_interprets() -> bool:
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_kernel_step_matches_the_torch_step(family, monkeypatch):
     """The decode step of the split-key kernels (rope kernel, the prompt part's split attention,
-    the own part through the block table merged in its kernel, tail with the next norm) run by Triton's interpreter on the
+    the own part through the block table merged in its kernel, the small-row products and the tail with the next norm)
+    run by Triton's interpreter on the
     CPU in float32: the same greedy tokens as the torch step, logprobs to 1e-5, and every
     step after the first took it."""
     import treerl.rollout.blocks as blocks
@@ -758,7 +759,7 @@ def test_kernel_step_matches_the_torch_step(family, monkeypatch):
     monkeypatch.setattr(blocks.DecodeBlocks, "_kernel_step", lambda self, *a: steps.append(1) or kernel_step(self, *a))
     engine = RolloutEngine(model, sync_every=4)
     got = engine.generate(prompts, params)
-    assert engine.decode_blocks.rope_kernel and len(steps) == 11
+    assert engine.decode_blocks.rope_kernel and engine.decode_blocks.small and len(steps) == 11
     for a, b in zip(want, got):
         for x, y in zip(a, b):
             assert x.completion_ids.tolist() == y.completion_ids.tolist()

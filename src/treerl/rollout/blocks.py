@@ -52,6 +52,8 @@ from ..compiled import DECODE_OFF, LazyCompiled
 from ..lora import effective_weight
 from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
+from .kernel_probe import kernel_agrees
+from . import small_products
 from .rope_kernel import rope_write
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, merged_attention_ok, shared_part, split_queries
 from .types import raw, stored
@@ -137,8 +139,43 @@ def _tail(layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, w_ga
     return hidden + (mlp.down_proj(act) if w_down is None else torch.nn.functional.linear(act, w_down, _bias(mlp.down_proj)))
 
 
+def _residual_norm(hidden: torch.Tensor, norm: torch.nn.Module, bias: torch.Tensor | None,
+                   *partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden [B, 1, H]`` plus a product given as float32 partial sums ``[B, H]`` each
+    (:func:`~treerl.rollout.small_products.linear_partials`; their sum and ``bias`` rounded once to
+    ``hidden``'s dtype, as ``F.linear``'s output), and ``norm`` of the result: ``(hidden, norm(hidden))``
+    (compiled: the sum, residual and norm one kernel)."""
+    total = partials[0]
+    for part in partials[1:]:
+        total = total + part
+    if bias is not None:
+        total = total + bias.float()
+    hidden = hidden + total.to(hidden.dtype).view_as(hidden)
+    return hidden, norm(hidden)
+
+
 def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
     return getattr(_base(linear), "bias", None)
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether a call of ``module`` would run hooks (its own or global ones)."""
+    m = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or m._global_forward_hooks
+                or m._global_forward_pre_hooks)
+
+
+def _weight(linear: torch.nn.Module, merged: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight a product of ``linear`` multiplies by: its merged LoRA copy, or a plain hook-free
+    ``Linear``'s own (None: it runs as its module)."""
+    if merged is not None:
+        return merged
+    return linear.weight if type(linear) is torch.nn.Linear and not _hooked(linear) else None
+
+
+def _silu(mlp: torch.nn.Module) -> bool:
+    act = getattr(mlp, "act_fn", None)
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
 class FusedProjections:
@@ -221,6 +258,7 @@ def _base(linear: torch.nn.Module) -> torch.nn.Module:
 
 _PRE, _POST = LazyCompiled(_pre, "decode blocks", DECODE_OFF), LazyCompiled(_post, "decode blocks", DECODE_OFF)
 _TAIL_NORM, _NORM = LazyCompiled(_tail_norm, "decode blocks", DECODE_OFF), LazyCompiled(_norm, "decode blocks", DECODE_OFF)
+_RESIDUAL_NORM = LazyCompiled(_residual_norm, "decode blocks", DECODE_OFF)
 
 
 class DecodeBlocks:
@@ -232,7 +270,9 @@ class DecodeBlocks:
         self.model, self.base = causal_lm(model), install_moe(decoder_of(model))
         self.pre, self.post = (_PRE, _POST) if compile else (_pre, _post)
         self.tail_norm, self.norm = (_TAIL_NORM, _NORM) if compile else (_tail_norm, _norm)
+        self.residual_norm = _RESIDUAL_NORM if compile else _residual_norm
         self.rope_kernel: bool | None = None  # rope_write serves the steps (probed at the first split-kernel step)
+        self.small: bool | None = None  # small_products serve the steps of few rows (probed at the first such step)
         self.fused = FusedProjections(self.base.layers)
 
     @staticmethod
@@ -247,7 +287,8 @@ class DecodeBlocks:
     def compiled(self) -> bool:
         """The parts run compiled (False before the first step, or without ``compile``)."""
         done = lambda f: getattr(f, "compiled", False)  # noqa: E731
-        return (done(self.pre) and done(self.post)) or (done(self.tail_norm) and done(self.norm))  # or the kernel step's
+        return ((done(self.pre) and done(self.post))  # or the kernel step's (its tail: the modules', or the small-row one)
+                or ((done(self.tail_norm) or done(self.residual_norm)) and done(self.norm)))
 
     def _rope_kernel(self, layer, hidden, cos, sin, G, w_qkv, b_qkv, store) -> bool:
         """Whether :func:`~treerl.rollout.rope_kernel.rope_write` serves this model's steps:
@@ -296,19 +337,47 @@ class DecodeBlocks:
         base, f, G = self.base, self.fused, cache.G
         layers = base.layers
         x = self.norm(layers[0].input_layernorm, hidden)
+        small = self._small_weights(hidden)
+        B = hidden.shape[0]
         for i, layer in enumerate(layers):
             store = cache.layers[i]
-            q_own, q_pre, k, v = rope_write(torch.nn.functional.linear(x, f.qkv_w[i], f.qkv_b[i]), cos, sin,
-                                            *_qk_norms(layer), *_heads(layer), G, store.ok, store.ov,
+            qkv = (small_products.linear(x.reshape(B, -1), f.qkv_w[i], f.qkv_b[i]) if small and SMALL_QKV
+                   else torch.nn.functional.linear(x, f.qkv_w[i], f.qkv_b[i]))
+            q_own, q_pre, k, v = rope_write(qkv, cos, sin, *_qk_norms(layer), *_heads(layer), G, store.ok, store.ov,
                                             cache.write_block, cache.write_offset)
             o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask,
                                                       "split", trigger=cache.overlap)
             attn = cache.attend_own_merged(i, q_own, own_mask, layer.self_attn.scaling, o_pre, l_pre, merge_g,
                                            hidden.dtype, after=cache.overlap)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else base.norm
-            hidden, x = self.tail_norm(layer, hidden, attn.reshape(*hidden.shape[:-1], -1), f.gate_up_w[i],
-                                       f.gate_up_b[i], f.o_w[i], f.down_w[i], following)
+            if small:
+                hidden, x = _small_tail(self.residual_norm, layer, hidden, attn, small[i], following)
+            else:
+                hidden, x = self.tail_norm(layer, hidden, attn.reshape(*hidden.shape[:-1], -1), f.gate_up_w[i],
+                                           f.gate_up_b[i], f.o_w[i], f.down_w[i], following)
         return x[:, -1]
+
+    def _small_weights(self, hidden: torch.Tensor) -> list[tuple] | None:
+        """Per layer the weights :func:`_small_tail` multiplies by, where
+        :mod:`~treerl.rollout.small_products` serve this step (at most
+        :data:`~treerl.rollout.small_products.MAX_ROWS` rows, every layer's products plain, the kernels
+        agreeing with the modules' math: probed once, at the first such step, :func:`_small_agrees`);
+        else None (cuBLAS and the compiled tail)."""
+        if self.small is False or hidden.shape[0] > small_products.MAX_ROWS:
+            return None
+        layers, f = self.base.layers, self.fused
+        weights = [_small_layer(layer, f, i) for i, layer in enumerate(layers)]
+        x = hidden.reshape(hidden.shape[0], -1)
+        if any(w is None for w in weights) or not all(
+                small_products.runs_here(x, f.qkv_w[i], w[0], w[2], w[3]) for i, w in enumerate(weights)):
+            return None
+        if self.small is None:
+            following = layers[1].input_layernorm if len(layers) > 1 else self.base.norm
+            self.small = kernel_agrees(lambda: _small_agrees(layers[0], hidden, f, weights[0], following),
+                                       what="the decode step's small-row product kernels",
+                                       reference="cuBLAS and the modules' math", where=str(hidden.device),
+                                       fallback="their products run through cuBLAS (slower at few rows)")
+        return weights if self.small else None
 
     @staticmethod
     def _attention(i: int, layer, cache: SharedPrefixCache, q_own, q_pre, k, v, own_mask, prefix_mask, backend: str):
@@ -339,6 +408,57 @@ class DecodeBlocks:
         return o_pre, l_pre, merge_g
 
 
+# the Q/K/V product through small_products.linear too (with the rest of the small-row tail)
+SMALL_QKV = True
+
+
+def _small_layer(layer: torch.nn.Module, fused: FusedProjections, i: int) -> tuple | None:
+    """Layer ``i``'s ``(w_o, b_o, w_gate_up, w_down, b_down)`` for :func:`_small_tail`, or None where
+    it cannot run there: a sparse MLP, a gate/up bias, an activation other than SiLU, an output or
+    down projection that runs as its module (hooks, not a plain ``Linear``)."""
+    mlp, o_proj = layer.mlp, layer.self_attn.o_proj
+    if fused.gate_up_w[i] is None or fused.gate_up_b[i] is not None or not _silu(mlp):
+        return None
+    w_o, w_down = _weight(o_proj, fused.o_w[i]), _weight(mlp.down_proj, fused.down_w[i])
+    if w_o is None or w_down is None:
+        return None
+    return w_o, _bias(o_proj), fused.gate_up_w[i], w_down, _bias(mlp.down_proj)
+
+
+def _small_tail(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, weights: tuple,
+                following: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_tail_norm` through :mod:`~treerl.rollout.small_products`: the output product as
+    float32 partial sums added up in ``residual_norm`` (:func:`_residual_norm`, with the post-attention
+    norm), the gate/up product and SiLU gate in one kernel, the down product's partials in the second
+    ``residual_norm`` (with ``following``). ``hidden [B, 1, H]``, ``attn [B, ..]`` -> ``(hidden, following(hidden))``."""
+    w_o, b_o, w_gate_up, w_down, b_down = weights
+    B = hidden.shape[0]
+    hidden, x = residual_norm(hidden, layer.post_attention_layernorm, b_o,
+                              *small_products.linear_partials(attn.reshape(B, -1), w_o).unbind(0))
+    act = small_products.gated(x.reshape(B, -1), w_gate_up)
+    return residual_norm(hidden, following, b_down, *small_products.linear_partials(act, w_down).unbind(0))
+
+
+def _small_agrees(layer: torch.nn.Module, hidden: torch.Tensor, fused: FusedProjections, weights: tuple,
+                  following: torch.nn.Module) -> bool:
+    """:func:`_small_tail` and the small Q/K/V product against :func:`_tail_norm` and ``F.linear``
+    (eager) on the first layer, this step's hidden states and a random attention output: every output
+    within its dtype's rounding (float32: 1e-5; 16-bit: 4 units of its last place), relative to its
+    largest value."""
+    attn_width = layer.self_attn.o_proj.in_features
+    gen = torch.Generator(device=hidden.device).manual_seed(0)
+    attn = torch.randn(hidden.shape[0], 1, attn_width, device=hidden.device, dtype=hidden.dtype, generator=gen)
+    want = _tail_norm(layer, hidden, attn, fused.gate_up_w[0], fused.gate_up_b[0], fused.o_w[0], fused.down_w[0],
+                      following)
+    got = _small_tail(_residual_norm, layer, hidden, attn, weights, following)
+    x = hidden.reshape(hidden.shape[0], -1)
+    pairs = [*zip(want, got), (torch.nn.functional.linear(x, fused.qkv_w[0], fused.qkv_b[0]),
+                               small_products.linear(x, fused.qkv_w[0], fused.qkv_b[0]))]
+    tol = 1e-5 if hidden.dtype == torch.float32 else 4 * torch.finfo(hidden.dtype).eps
+    return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=tol,
+                                                     atol=tol * a.float().abs().max().item()) for a, b in pairs)
+
+
 def head_into(head: torch.nn.Module, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``head(x)`` (``x [B, hidden]`` -> ``[B, V]``), into ``out`` when given: a plain bias-free
     ``Linear`` of ``out``'s dtype writes it in its product (no ``[B, V]`` temporary and copy, ~0.2 ms
@@ -347,8 +467,7 @@ def head_into(head: torch.nn.Module, x: torch.Tensor, out: torch.Tensor | None) 
     if out is None:
         return head(x)
     if (type(head) is torch.nn.Linear and head.bias is None and x.dtype == head.weight.dtype == out.dtype
-            and not (head._forward_hooks or head._forward_pre_hooks or torch.nn.modules.module._global_forward_hooks
-                     or torch.nn.modules.module._global_forward_pre_hooks)):
+            and not _hooked(head)):
         return torch.mm(x, head.weight.t(), out=out)
     return out.copy_(head(x))
 

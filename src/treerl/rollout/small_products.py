@@ -1,0 +1,195 @@
+"""The decode step's matrix products at small row counts (up to :data:`MAX_ROWS`), in Triton.
+
+At 64 rows a layer's four products each read their weights once (Qwen3-0.6B: 4-12 MB) and
+are bound by their own latency, not the HBM: cuBLAS runs them at ~1.3 TB/s on an H200, 5-6 us
+each, because a 1,024-column output (the output and down products) makes 8-32 tiles of its
+column tiling for 132 SMs, and its split-K variant adds a reduction kernel (session 25's
+profile: 0.70 ms of a 2.35 ms step). Here each product is split over enough programs to
+reach every SM (:data:`PROGRAMS`), in column tiles of a few dozen columns and, where columns
+are few, in ranges of the inner dimension:
+
+- :func:`linear` — ``x [M, K] @ w[N, K]^T (+ bias)``, in ``x``'s dtype (the Q/K/V product);
+- :func:`linear_partials` — the same as ``S`` float32 partial sums over ranges of ``K``,
+  ``[S, M, N]``: the caller adds them up where it reads the product anyway (the decode
+  step's residual + norm, compiled: no kernel of its own);
+- :func:`gated` — the MLP's gate and up products and ``silu(gate) * up`` in one kernel
+  (``w [2 I, K]``, gate rows first, as :class:`~treerl.rollout.blocks.FusedProjections`
+  holds them) -> ``[M, I]``.
+
+Each accumulates in float32 and rounds where the modules round (a product's output, the
+activation, the gated product), so the values are the modules' up to the order of the
+float32 sums. The decode step admits them with a probe against its torch path
+(:meth:`~treerl.rollout.blocks.DecodeBlocks`); the tests check them against float64.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only torch has no triton
+    triton = None
+
+# rows at most (a step's batch bucket) for these kernels; larger batches run cuBLAS, whose tiles fill the GPU there
+MAX_ROWS = 128
+# programs to launch at least (one per SM of an H100/H200): column tiles, then ranges of K, are chosen to reach it
+PROGRAMS = 128
+BLOCK_K = 128
+SPLITS_MAX = 8
+
+
+if triton is not None:
+
+    @triton.jit
+    def _product_kernel(X, W, Bias, P, M, N, K_PER, sxm, swn, spm, sps,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+        """Program (column tile, K range, row tile): ``P[s] = X[:, K range] @ W[cols, K range]^T``
+        accumulated in float32, stored in ``P``'s dtype (range 0 adds the bias)."""
+        n, s, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        x_at = X + rm[:, None].to(tl.int64) * sxm + (s * K_PER + rk)[None, :]
+        w_at = W + rn[:, None].to(tl.int64) * swn + (s * K_PER + rk)[None, :]
+        m_in, n_in = rm[:, None] < M, rn[:, None] < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K_PER, BLOCK_K):
+            x = tl.load(x_at, mask=m_in, other=0.0)
+            w = tl.load(w_at, mask=n_in, other=0.0)
+            if IEEE:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+            x_at += BLOCK_K
+            w_at += BLOCK_K
+        if HAS_BIAS:
+            if s == 0:
+                acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(P + s * sps + rm[:, None] * spm + rn[None, :], acc.to(P.dtype.element_ty),
+                 mask=m_in & (rn[None, :] < N))
+
+    @triton.jit
+    def _gated_kernel(X, W, Out, M, I, K, sxm, swn, som,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """Program (column tile, row tile): ``Out = silu(g) * u`` with ``g = X @ W[cols]^T`` and
+        ``u = X @ W[I + cols]^T``, each rounded to ``Out``'s dtype as the modules round them."""
+        n, mb = tl.program_id(0), tl.program_id(1)
+        rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        x_at = X + rm[:, None].to(tl.int64) * sxm + rk[None, :]
+        g_at = W + rn[:, None].to(tl.int64) * swn + rk[None, :]
+        u_at = g_at + I * swn
+        m_in, n_in = rm[:, None] < M, rn[:, None] < I
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            x = tl.load(x_at, mask=m_in, other=0.0)
+            wg = tl.load(g_at, mask=n_in, other=0.0)
+            wu = tl.load(u_at, mask=n_in, other=0.0)
+            if IEEE:
+                acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision="ieee")
+                acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(x, tl.trans(wg), acc_g)
+                acc_u = tl.dot(x, tl.trans(wu), acc_u)
+            x_at += BLOCK_K
+            g_at += BLOCK_K
+            u_at += BLOCK_K
+        dt = Out.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(Out + rm[:, None] * som + rn[None, :], (act * u).to(dt), mask=m_in & (rn[None, :] < I))
+
+
+def _block_m(M: int) -> int:
+    return min(triton.next_power_of_2(max(M, 16)), 64)
+
+
+def _block_k(K: int, block_k: int | None) -> int:
+    """The inner dimension's tile: ``block_k``, or the largest of :data:`BLOCK_K`, 64, 32, 16 dividing ``K``."""
+    for b in ([block_k] if block_k else [BLOCK_K, 64, 32, 16]):
+        if K % b == 0:
+            return b
+    raise ValueError(f"small_products: the inner dimension {K} is not a multiple of {block_k or 16}; "
+                     "check runs_here() before calling")
+
+
+def splits_for(N: int, K: int, block_n: int, block_k: int | None = None) -> int:
+    """Ranges of ``K`` for ``N`` output columns in tiles of ``block_n``: the fewest (a power of
+    two, at most :data:`SPLITS_MAX`) that launch :data:`PROGRAMS` programs, each range a whole
+    number of ``block_k`` tiles."""
+    block_k = _block_k(K, block_k)
+    s, tiles = 1, triton.cdiv(N, block_n)
+    while tiles * s < PROGRAMS and s < SPLITS_MAX and K % (2 * s * block_k) == 0:
+        s *= 2
+    return s
+
+
+def runs_here(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether these kernels take ``x [M, *]`` and ``weights [N, K]`` (each product's inner
+    dimension its weight's): Triton (on CUDA, or its interpreter on the CPU), 16-bit or float32
+    values, at most :data:`MAX_ROWS` rows, every ``K`` a multiple of 16, contiguous rows."""
+    on = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return (triton is not None and on and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and all(w.dtype == x.dtype and w.dim() == 2 and w.shape[1] % 16 == 0 and w.stride(1) == 1
+                    for w in weights))
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int,
+            block_n: int, block_k: int, num_warps: int, num_stages: int) -> None:
+    M, K = x.shape
+    N = w.shape[0]
+    block_m = _block_m(M)
+    grid = (triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))
+    _product_kernel[grid](x, w, bias if bias is not None else w, out, M, N, K // splits, x.stride(0), w.stride(0),
+                          out.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                          HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                          num_warps=num_warps, num_stages=num_stages)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, block_n: int = 32,
+           block_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """``x [M, K] @ w[N, K]^T + bias`` -> ``[M, N]`` in ``x``'s dtype (one K range: the output is
+    rounded once, as ``F.linear``'s)."""
+    block_k = _block_k(x.shape[1], block_k)
+    out = x.new_empty(1, x.shape[0], w.shape[0])
+    _launch(x, w, bias, out, 1, block_n, block_k, num_warps, num_stages)
+    return out[0]
+
+
+def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = None, block_n: int = 32,
+                    block_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """``x [M, K] @ w[N, K]^T`` as ``S`` float32 partial sums over ranges of ``K`` -> ``[S, M, N]``
+    (``S``: ``splits``, default :func:`splits_for`); their sum, rounded to ``x``'s dtype, is the
+    product as ``F.linear`` gives it."""
+    K = x.shape[1]
+    splits = splits or splits_for(w.shape[0], K, block_n, block_k)
+    if K % splits:
+        raise ValueError(f"small_products: the inner dimension {K} does not split into {splits} equal ranges")
+    block_k = _block_k(K // splits, block_k)
+    out = torch.empty(splits, x.shape[0], w.shape[0], device=x.device, dtype=torch.float32)
+    _launch(x, w, None, out, splits, block_n, block_k, num_warps, num_stages)
+    return out
+
+
+def gated(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 16, block_k: int | None = None, num_warps: int = 4,
+          num_stages: int = 3) -> torch.Tensor:
+    """The MLP's gate and up products and ``silu(gate) * up``: ``x [M, K]``, ``w [2 I, K]`` (gate
+    rows, then up rows) -> ``[M, I]`` in ``x``'s dtype."""
+    M, K = x.shape
+    block_k = _block_k(K, block_k)
+    inner = w.shape[0] // 2
+    out = x.new_empty(M, inner)
+    block_m = _block_m(M)
+    _gated_kernel[(triton.cdiv(inner, block_n), triton.cdiv(M, block_m))](
+        x, w, out, M, inner, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+    return out

@@ -1,0 +1,127 @@
+"""The decode step's small-row product kernels (:mod:`treerl.rollout.small_products`) against float64
+products, and the block tail through them (``blocks._small_tail``) against the modules' tail in
+float64. On a GPU, or on the CPU with ``TRITON_INTERPRET=1`` (every CI run takes it that way through
+``tests/rollout/test_kernels_interpreted.py``); ``tests/cuda/test_rollout_cuda.py`` has the bf16 cases
+and the engine's step through them."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from helpers.models import tiny_model
+from treerl.models import rmsnorm_in_input_precision
+from treerl.rollout import small_products
+from treerl.rollout.blocks import FusedProjections, _residual_norm, _small_layer, _small_tail, _tail_norm
+
+pytestmark = pytest.mark.skipif(
+    small_products.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# float32: products accumulated in another order; float16: one rounding of the output (relative to its largest value)
+TOL = {torch.float32: 1e-5, torch.float16: 2 * torch.finfo(torch.float16).eps}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    return bool((got.double() - want).abs().max() <= TOL[dtype] * want.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7, 64, 100])
+def test_products_equal_float64(dtype, rows):
+    """``linear`` (with a bias), ``linear_partials`` (each number of K ranges; their sum) and ``gated``
+    against float64 products, with a column count that leaves a partial tile and K tiles of 64 and 32."""
+    g = torch.Generator(device=DEVICE).manual_seed(rows)
+    for K in (256, 96):
+        x = torch.randn(rows, K, device=DEVICE, generator=g).to(dtype)
+        w = (torch.randn(88, K, device=DEVICE, generator=g) / K ** 0.5).to(dtype)
+        bias = torch.randn(88, device=DEVICE, generator=g).to(dtype)
+        ref = x.double() @ w.double().T
+        assert _close(small_products.linear(x, w, bias), ref + bias.double(), dtype)
+        assert small_products.linear(x, w).dtype == dtype
+        for splits in (None, 1, 2):
+            parts = small_products.linear_partials(x, w, splits=splits)
+            assert parts.dtype == torch.float32 and parts.shape[1:] == (rows, 88)
+            assert splits is None or parts.shape[0] == splits
+            assert _close(parts.sum(0), ref, torch.float32 if dtype == torch.float32 else dtype)
+        gate, up = ref[:, :44], ref[:, 44:]
+        assert _close(small_products.gated(x, w), torch.nn.functional.silu(gate) * up, dtype)
+
+
+def test_splits_reach_the_programs_in_whole_tiles():
+    assert small_products.splits_for(1024, 2048, 32) == 4  # 32 column tiles x 4 ranges = 128 programs
+    assert small_products.splits_for(4096, 1024, 32) == 1  # already 128 column tiles
+    assert small_products.splits_for(1024, 3072, 32) == 4  # 3072 = 4 x 768 = 4 x 6 tiles of 128
+    assert small_products.splits_for(1024, 384, 32) == 1  # 384 = 3 tiles of 128: no whole halves
+    assert small_products.splits_for(8, 4096, 32) == small_products.SPLITS_MAX
+
+
+def test_runs_here_refuses_what_the_kernels_do_not_take():
+    x = torch.zeros(4, 64, device=DEVICE)
+    w = torch.zeros(32, 64, device=DEVICE)
+    assert small_products.runs_here(x, w)
+    assert not small_products.runs_here(x.double(), w.double())  # (float64: torch's products)
+    assert not small_products.runs_here(torch.zeros(small_products.MAX_ROWS + 1, 64, device=DEVICE), w)
+    assert not small_products.runs_here(x, torch.zeros(32, 72, device=DEVICE))
+    assert small_products.runs_here(x, w, torch.zeros(32, 96, device=DEVICE))  # (each product its own inner size)
+    assert not small_products.runs_here(x, w.half())
+    assert not small_products.runs_here(x, torch.zeros(64, 32, device=DEVICE).t())  # (columns not contiguous)
+    with pytest.raises(ValueError, match="not a multiple"):
+        small_products.linear(torch.zeros(4, 72, device=DEVICE), torch.zeros(32, 72, device=DEVICE))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_small_tail_equals_the_modules_tail_in_float64(family):
+    """The block tail with the small products (output partials summed in the residual + norm, gate/up
+    and SiLU in one kernel, down partials in the next residual + norm) against ``_tail_norm`` of a
+    float64 copy of the model."""
+    model = tiny_model(family, dtype=torch.float32, seed=5, hidden_size=128, intermediate_size=256).to(DEVICE)
+    ref = rmsnorm_in_input_precision(copy.deepcopy(model).double())
+    layer, ref_layer = model.model.layers[0], ref.model.layers[0]
+    f, fr = FusedProjections(model.model.layers), FusedProjections(ref.model.layers)
+    weights = _small_layer(layer, f, 0)
+    assert weights is not None
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    hidden = torch.randn(5, 1, 128, device=DEVICE, generator=g)
+    attn = torch.randn(5, 1, layer.self_attn.o_proj.in_features, device=DEVICE, generator=g)
+    following, ref_following = model.model.layers[1].input_layernorm, ref.model.layers[1].input_layernorm
+    want = _tail_norm(ref_layer, hidden.double(), attn.double(), fr.gate_up_w[0], fr.gate_up_b[0], fr.o_w[0],
+                      fr.down_w[0], ref_following)
+    got = _small_tail(_residual_norm, layer, hidden, attn, weights, following)
+    for a, b in zip(want, got):
+        assert a.shape == b.shape and _close(b, a, torch.float32), (a - b.double()).abs().max()
+
+
+def test_small_layer_refuses_what_runs_as_a_module():
+    """A hooked output projection runs as its module (its hook sees the call); a sparse or biased
+    gate/up, or another activation, leaves the layer to the modules' tail."""
+    model = tiny_model("qwen3", dtype=torch.float32, seed=5)
+    layer = model.model.layers[0]
+    f = FusedProjections(model.model.layers)
+    assert _small_layer(layer, f, 0) is not None
+    handle = layer.self_attn.o_proj.register_forward_hook(lambda *a: None)
+    assert _small_layer(layer, f, 0) is None
+    handle.remove()
+    layer.mlp.act_fn = torch.nn.GELU()
+    assert _small_layer(layer, f, 0) is None
+
+
+def test_the_step_takes_them_where_the_attention_width_differs_from_the_hidden_size():
+    """``DecodeBlocks._small_weights``: every layer's weights where the output projection's inner size
+    (heads x head size) and the MLP's differ from the hidden size, after the probe agreed; none above
+    ``MAX_ROWS`` rows or in float64."""
+    from treerl.rollout.blocks import DecodeBlocks
+
+    model = tiny_model("qwen3", dtype=torch.float32, seed=5, hidden_size=64, intermediate_size=192,
+                       num_attention_heads=8, head_dim=16).to(DEVICE)
+    blocks = DecodeBlocks(model, compile=False)
+    hidden = torch.randn(3, 1, 64, device=DEVICE)
+    weights = blocks._small_weights(hidden)
+    assert blocks.small and weights is not None and len(weights) == len(model.model.layers)
+    assert weights[0][0].shape == (64, 128) and weights[0][3].shape == (64, 192)
+    assert blocks._small_weights(torch.randn(small_products.MAX_ROWS + 1, 1, 64, device=DEVICE)) is None
+    assert DecodeBlocks(model.double(), compile=False)._small_weights(hidden.double()) is None
