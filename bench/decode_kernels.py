@@ -141,9 +141,8 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
     - ``tail``: after the attention, cuBLAS + the compiled tail (``blocks._tail_norm``: output product,
       residual + norm, gate/up, SiLU gate, down product, residual + the next norm) against the small-row
       kernels + the compiled residual norms (``blocks._small_tail``), outputs compared;
-    - ``qkv``: the Q/K/V product, ``F.linear`` against ``small_products.linear``;
     - with ``sweep``: each small product alone over column tiles, K ranges, warps and stages,
-      against ``F.linear`` on the same weights."""
+      against ``F.linear`` on the same weights (the Q/K/V product too: as one K range)."""
     from treerl.models import build_model
     from treerl.rollout import blocks, small_products as sp
 
@@ -179,12 +178,6 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
             row = _timed(run, tail_bytes * n, bandwidth)
             out.append(dict(kernel="products-tail", rows=rows, way=name, max_rel_diff=round(err, 5),
                             us_a_layer=round(row["us"] / n, 2), floor_us_a_layer=round(row["floor_us"] / n, 2)))
-        qkv_bytes = f.qkv_w[0].numel() * 2 * n
-        for name, run in (("cublas", lambda: [torch.nn.functional.linear(x, w) for w in f.qkv_w]),
-                          ("small", lambda: [sp.linear(x, w) for w in f.qkv_w])):
-            row = _timed(run, qkv_bytes, bandwidth)
-            out.append(dict(kernel="products-qkv", rows=rows, way=name, us_a_layer=round(row["us"] / n, 2),
-                            floor_us_a_layer=round(row["floor_us"] / n, 2)))
         if not sweep:
             continue
         act = torch.randn(rows, weights[0][3].shape[1], device=device, dtype=torch.bfloat16, generator=g)
@@ -196,8 +189,8 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
             out.append(dict(kernel="product", product=product, rows=rows, way="cublas", us=round(row["us"] / n, 2)))
             for block_n in (16, 32, 64):
                 for splits in {"gate_up": (None,), "qkv": (1, 2)}.get(product, (1, 2, 4, 8)):
-                    for warps, stages in ((4, 3), (4, 4), (8, 3)):
-                        kw = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+                    for block_k, warps, stages in ((128, 4, 4), (128, 4, 5), (128, 8, 4), (64, 4, 6), (256, 4, 3)):
+                        kw = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
                         if product == "gate_up":
                             run = lambda: [sp.gated(inp, w, **kw) for w in ws]  # noqa: E731
                         else:

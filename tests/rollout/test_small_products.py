@@ -1,5 +1,5 @@
 """The decode step's small-row product kernels (:mod:`treerl.rollout.small_products`) against float64
-products, and the block tail through them (``blocks._small_tail``) against the modules' tail in
+products, and the block's tail through them (``blocks._small_tail``) against the modules' tail in
 float64. On a GPU, or on the CPU with ``TRITON_INTERPRET=1`` (every CI run takes it that way through
 ``tests/rollout/test_kernels_interpreted.py``); ``tests/cuda/test_rollout_cuda.py`` has the bf16 cases
 and the engine's step through them."""
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(
     reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# float32: products accumulated in another order; float16: one rounding of the output (relative to its largest value)
-TOL = {torch.float32: 1e-5, torch.float16: 2 * torch.finfo(torch.float16).eps}
+# relative to the largest value: float32, sums over K in another order; float16, the roundings of the gated product
+TOL = {torch.float32: 2e-5, torch.float16: 4 * torch.finfo(torch.float16).eps}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -33,21 +33,18 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 64, 100])
 def test_products_equal_float64(dtype, rows):
-    """``linear`` (with a bias), ``linear_partials`` (each number of K ranges; their sum) and ``gated``
-    against float64 products, with a column count that leaves a partial tile and K tiles of 64 and 32."""
+    """``linear_partials`` (each number of K ranges; their sum) and ``gated`` against float64 products,
+    with a column count that leaves a partial tile and K tiles of 128, 64 and 32."""
     g = torch.Generator(device=DEVICE).manual_seed(rows)
     for K in (256, 96):
         x = torch.randn(rows, K, device=DEVICE, generator=g).to(dtype)
         w = (torch.randn(88, K, device=DEVICE, generator=g) / K ** 0.5).to(dtype)
-        bias = torch.randn(88, device=DEVICE, generator=g).to(dtype)
         ref = x.double() @ w.double().T
-        assert _close(small_products.linear(x, w, bias), ref + bias.double(), dtype)
-        assert small_products.linear(x, w).dtype == dtype
         for splits in (None, 1, 2):
             parts = small_products.linear_partials(x, w, splits=splits)
             assert parts.dtype == torch.float32 and parts.shape[1:] == (rows, 88)
             assert splits is None or parts.shape[0] == splits
-            assert _close(parts.sum(0), ref, torch.float32 if dtype == torch.float32 else dtype)
+            assert _close(parts.sum(0), ref, torch.float32)
         gate, up = ref[:, :44], ref[:, 44:]
         assert _close(small_products.gated(x, w), torch.nn.functional.silu(gate) * up, dtype)
 
@@ -71,7 +68,9 @@ def test_runs_here_refuses_what_the_kernels_do_not_take():
     assert not small_products.runs_here(x, w.half())
     assert not small_products.runs_here(x, torch.zeros(64, 32, device=DEVICE).t())  # (columns not contiguous)
     with pytest.raises(ValueError, match="not a multiple"):
-        small_products.linear(torch.zeros(4, 72, device=DEVICE), torch.zeros(32, 72, device=DEVICE))
+        small_products.gated(torch.zeros(4, 72, device=DEVICE), torch.zeros(32, 72, device=DEVICE))
+    with pytest.raises(ValueError, match="equal ranges"):
+        small_products.linear_partials(torch.zeros(4, 96, device=DEVICE), torch.zeros(32, 96, device=DEVICE), splits=5)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])

@@ -338,12 +338,10 @@ class DecodeBlocks:
         layers = base.layers
         x = self.norm(layers[0].input_layernorm, hidden)
         small = self._small_weights(hidden)
-        B = hidden.shape[0]
         for i, layer in enumerate(layers):
             store = cache.layers[i]
-            qkv = (small_products.linear(x.reshape(B, -1), f.qkv_w[i], f.qkv_b[i]) if small and SMALL_QKV
-                   else torch.nn.functional.linear(x, f.qkv_w[i], f.qkv_b[i]))
-            q_own, q_pre, k, v = rope_write(qkv, cos, sin, *_qk_norms(layer), *_heads(layer), G, store.ok, store.ov,
+            q_own, q_pre, k, v = rope_write(torch.nn.functional.linear(x, f.qkv_w[i], f.qkv_b[i]), cos, sin,
+                                            *_qk_norms(layer), *_heads(layer), G, store.ok, store.ov,
                                             cache.write_block, cache.write_offset)
             o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask,
                                                       "split", trigger=cache.overlap)
@@ -368,8 +366,7 @@ class DecodeBlocks:
         layers, f = self.base.layers, self.fused
         weights = [_small_layer(layer, f, i) for i, layer in enumerate(layers)]
         x = hidden.reshape(hidden.shape[0], -1)
-        if any(w is None for w in weights) or not all(
-                small_products.runs_here(x, f.qkv_w[i], w[0], w[2], w[3]) for i, w in enumerate(weights)):
+        if any(w is None for w in weights) or not all(small_products.runs_here(x, w[0], w[2], w[3]) for w in weights):
             return None
         if self.small is None:
             following = layers[1].input_layernorm if len(layers) > 1 else self.base.norm
@@ -408,10 +405,6 @@ class DecodeBlocks:
         return o_pre, l_pre, merge_g
 
 
-# the Q/K/V product through small_products.linear too (with the rest of the small-row tail)
-SMALL_QKV = True
-
-
 def _small_layer(layer: torch.nn.Module, fused: FusedProjections, i: int) -> tuple | None:
     """Layer ``i``'s ``(w_o, b_o, w_gate_up, w_down, b_down)`` for :func:`_small_tail`, or None where
     it cannot run there: a sparse MLP, a gate/up bias, an activation other than SiLU, an output or
@@ -441,22 +434,18 @@ def _small_tail(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, att
 
 def _small_agrees(layer: torch.nn.Module, hidden: torch.Tensor, fused: FusedProjections, weights: tuple,
                   following: torch.nn.Module) -> bool:
-    """:func:`_small_tail` and the small Q/K/V product against :func:`_tail_norm` and ``F.linear``
-    (eager) on the first layer, this step's hidden states and a random attention output: every output
-    within its dtype's rounding (float32: 1e-5; 16-bit: 4 units of its last place), relative to its
-    largest value."""
+    """:func:`_small_tail` against :func:`_tail_norm` (eager) on the first layer, this step's hidden
+    states and a random attention output: both outputs within their dtype's rounding (float32: 1e-5;
+    16-bit: 4 units of its last place), relative to their largest value."""
     attn_width = layer.self_attn.o_proj.in_features
     gen = torch.Generator(device=hidden.device).manual_seed(0)
     attn = torch.randn(hidden.shape[0], 1, attn_width, device=hidden.device, dtype=hidden.dtype, generator=gen)
     want = _tail_norm(layer, hidden, attn, fused.gate_up_w[0], fused.gate_up_b[0], fused.o_w[0], fused.down_w[0],
                       following)
     got = _small_tail(_residual_norm, layer, hidden, attn, weights, following)
-    x = hidden.reshape(hidden.shape[0], -1)
-    pairs = [*zip(want, got), (torch.nn.functional.linear(x, fused.qkv_w[0], fused.qkv_b[0]),
-                               small_products.linear(x, fused.qkv_w[0], fused.qkv_b[0]))]
     tol = 1e-5 if hidden.dtype == torch.float32 else 4 * torch.finfo(hidden.dtype).eps
     return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=tol,
-                                                     atol=tol * a.float().abs().max().item()) for a, b in pairs)
+                                                     atol=tol * a.float().abs().max().item()) for a, b in zip(want, got))
 
 
 def head_into(head: torch.nn.Module, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

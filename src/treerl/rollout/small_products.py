@@ -1,15 +1,16 @@
-"""The decode step's matrix products at small row counts (up to :data:`MAX_ROWS`), in Triton.
+"""The decode step's products after attention at small row counts (up to :data:`MAX_ROWS`), in Triton.
 
-At 64 rows a layer's four products each read their weights once (Qwen3-0.6B: 4-12 MB) and
-are bound by their own latency, not the HBM: cuBLAS runs them at ~1.3 TB/s on an H200, 5-6 us
+At 64 rows a layer's products each read their weights once (Qwen3-0.6B: 4-12 MB) and are
+bound by their own latency, not the HBM: cuBLAS runs them at ~1.3 TB/s on an H200, 5-8.5 us
 each, because a 1,024-column output (the output and down products) makes 8-32 tiles of its
 column tiling for 132 SMs, and its split-K variant adds a reduction kernel (session 25's
 profile: 0.70 ms of a 2.35 ms step). Here each product is split over enough programs to
 reach every SM (:data:`PROGRAMS`), in column tiles of a few dozen columns and, where columns
-are few, in ranges of the inner dimension:
+are few, in ranges of the inner dimension (session 26, H200, 64 rows, 28 layers' weights a
+replay: the block's tail after attention 27.3 -> 21.6 us a layer; the Q/K/V product, 4,096
+columns, stays with cuBLAS, which ran it faster than this kernel: 5.5 against 6.3 us):
 
-- :func:`linear` — ``x [M, K] @ w[N, K]^T (+ bias)``, in ``x``'s dtype (the Q/K/V product);
-- :func:`linear_partials` — the same as ``S`` float32 partial sums over ranges of ``K``,
+- :func:`linear_partials` — ``x [M, K] @ w[N, K]^T`` as ``S`` float32 partial sums over ranges of ``K``,
   ``[S, M, N]``: the caller adds them up where it reads the product anyway (the decode
   step's residual + norm, compiled: no kernel of its own);
 - :func:`gated` — the MLP's gate and up products and ``silu(gate) * up`` in one kernel
@@ -45,11 +46,10 @@ SPLITS_MAX = 8
 if triton is not None:
 
     @triton.jit
-    def _product_kernel(X, W, Bias, P, M, N, K_PER, sxm, swn, spm, sps,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    def _partials_kernel(X, W, P, M, N, K_PER, sxm, swn, spm, sps,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
         """Program (column tile, K range, row tile): ``P[s] = X[:, K range] @ W[cols, K range]^T``
-        accumulated in float32, stored in ``P``'s dtype (range 0 adds the bias)."""
+        in float32."""
         n, s, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,11 +67,7 @@ if triton is not None:
                 acc = tl.dot(x, tl.trans(w), acc)
             x_at += BLOCK_K
             w_at += BLOCK_K
-        if HAS_BIAS:
-            if s == 0:
-                acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(P + s * sps + rm[:, None] * spm + rn[None, :], acc.to(P.dtype.element_ty),
-                 mask=m_in & (rn[None, :] < N))
+        tl.store(P + s * sps + rm[:, None] * spm + rn[None, :], acc, mask=m_in & (rn[None, :] < N))
 
     @triton.jit
     def _gated_kernel(X, W, Out, M, I, K, sxm, swn, som,
@@ -143,45 +139,28 @@ def runs_here(x: torch.Tensor, *weights: torch.Tensor) -> bool:
                     for w in weights))
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int,
-            block_n: int, block_k: int, num_warps: int, num_stages: int) -> None:
-    M, K = x.shape
-    N = w.shape[0]
-    block_m = _block_m(M)
-    grid = (triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))
-    _product_kernel[grid](x, w, bias if bias is not None else w, out, M, N, K // splits, x.stride(0), w.stride(0),
-                          out.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                          HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-                          num_warps=num_warps, num_stages=num_stages)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, block_n: int = 32,
-           block_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """``x [M, K] @ w[N, K]^T + bias`` -> ``[M, N]`` in ``x``'s dtype (one K range: the output is
-    rounded once, as ``F.linear``'s)."""
-    block_k = _block_k(x.shape[1], block_k)
-    out = x.new_empty(1, x.shape[0], w.shape[0])
-    _launch(x, w, bias, out, 1, block_n, block_k, num_warps, num_stages)
-    return out[0]
-
-
 def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = None, block_n: int = 32,
-                    block_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                    block_k: int | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """``x [M, K] @ w[N, K]^T`` as ``S`` float32 partial sums over ranges of ``K`` -> ``[S, M, N]``
     (``S``: ``splits``, default :func:`splits_for`); their sum, rounded to ``x``'s dtype, is the
-    product as ``F.linear`` gives it."""
+    product as ``F.linear`` gives it. Tiles: session 26's sweep on the H200 at 64 rows (Qwen3-0.6B's
+    output and down products: 32 columns, 4 ranges, 4 stages within 2% of the best of 72 settings)."""
     K = x.shape[1]
     splits = splits or splits_for(w.shape[0], K, block_n, block_k)
     if K % splits:
         raise ValueError(f"small_products: the inner dimension {K} does not split into {splits} equal ranges")
     block_k = _block_k(K // splits, block_k)
-    out = torch.empty(splits, x.shape[0], w.shape[0], device=x.device, dtype=torch.float32)
-    _launch(x, w, None, out, splits, block_n, block_k, num_warps, num_stages)
+    M, N = x.shape[0], w.shape[0]
+    out = torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
+    block_m = _block_m(M)
+    _partials_kernel[(triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))](
+        x, w, out, M, N, K // splits, x.stride(0), w.stride(0), out.stride(1), out.stride(0), BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
-def gated(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 16, block_k: int | None = None, num_warps: int = 4,
-          num_stages: int = 3) -> torch.Tensor:
+def gated(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 32, block_k: int | None = None, num_warps: int = 4,
+          num_stages: int = 4) -> torch.Tensor:
     """The MLP's gate and up products and ``silu(gate) * up``: ``x [M, K]``, ``w [2 I, K]`` (gate
     rows, then up rows) -> ``[M, I]`` in ``x``'s dtype."""
     M, K = x.shape
