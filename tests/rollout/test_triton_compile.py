@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from treerl.rollout import decode_attention, race_kernel, rope_kernel  # noqa: E402
+from treerl.rollout import decode_attention, race_kernel, rope_kernel, small_products  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY = 232_448  # bytes of shared memory one program may take on sm_90 (227 KB)
@@ -242,6 +242,19 @@ def test_rope_write_compiles_for_hopper(record, D, heads, kv_heads, G):
         rope_kernel.rope_write(qkv, cos, sin, norm, norm, heads, kv_heads, G, own_k, own_k.clone(),
                                torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32))
     assert len(_compile(kernel)) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 64, 128])
+def test_small_products_compile_for_hopper(record, dtype, rows):
+    """The small-row products at Qwen3-0.6B's shapes after attention (the output product's and the down
+    product's K ranges, the gated gate/up product), one row to ``MAX_ROWS``, bf16 and float32 (IEEE
+    products), within an SM's shared memory at their default stages."""
+    partials, gated = record(small_products, "_partials_kernel"), record(small_products, "_gated_kernel")
+    small_products.linear_partials(torch.zeros(rows, 2048, dtype=dtype), torch.zeros(1024, 2048, dtype=dtype))
+    small_products.linear_partials(torch.zeros(rows, 3072, dtype=dtype), torch.zeros(1024, 3072, dtype=dtype))
+    small_products.gated(torch.zeros(rows, 1024, dtype=dtype), torch.zeros(6144, 1024, dtype=dtype))
+    assert len(_compile(partials)) == 2 and len(_compile(gated)) == 1
 
 
 def test_race_kernel_compiles_for_hopper(record):
