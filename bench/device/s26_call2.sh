@@ -1,8 +1,8 @@
 #!/bin/bash
 # Session 26 call 2 (~9.5 min, H200; carry [".v", ".whl"]): the small-row products with call 1's tiles (4 stages, the
 # gated kernel in 32-column tiles) and the Q/K/V product back on cuBLAS, against main (.v/base = f5af947):
-# (1) their GPU tests (output kept whole); (2) bench_rollout 8x8 (64 rows), alternating; (3) the GRPO step;
-# (4) issue 23's workload in process (64 agents x 6 turns, max_tokens 16-512, prefix cache 131,072), new and main.
+# (1) their GPU tests (output kept whole); (2) bench_rollout 8x8 (64 rows), alternating; (3) issue 23's workload in
+# process; (4) the GRPO step (new only, if time remains) 
 # Predicted: 64 rows 29.1k (call 1) -> 29.5-30.0k tok/s (Q/K/V on cuBLAS -0.024 ms, the tiles -0.03 ms a step);
 # the GRPO step 2.06 -> ~1.99 s (rollout -0.07 s); in process: the tail at 56-64 rows -5.7 us a layer, ~-0.16 ms of
 # a ~4.1 ms step: +3..4% tokens/s, the short request's p50 ratio x2.3-2.4 -> ~x2.25.
@@ -18,7 +18,6 @@ rollout() {  # rollout VERSION
       --bandwidth 4.277e12 --out $OUT/rollout_$1_$SECONDS.json 2>&1 | grep -v "$F" | grep "^0.6b\|FAILED\|Error" | cut -c1-200
 }
 for v in new base; do echo "== rollout $v ($SECONDS s)"; rollout $v; done
-grpo_steps 300 400 1 new base
 ARGS="--device cuda --shape qwen3-0.6b --dtype bfloat16 --mixed --probe --repeats 1 --turns 6 --min-tokens 16 --max-tokens 512 --prefix-cache-tokens 131072"
 serve() {  # serve VERSION MODE LIMIT
   local d=.; [ $1 = base ] && d=.v/base
@@ -26,6 +25,7 @@ serve() {  # serve VERSION MODE LIMIT
       --json $OUT/serve_$1_$2_$SECONDS.json > $OUT/serve_$1_$2.txt 2>&1
   echo "== $1 $2 ($SECONDS s)"; show $OUT/serve_$1_$2.txt | grep -v slowest
 }
-serve new in-process $((590 - SECONDS < 110 ? 590 - SECONDS : 110))
-[ $SECONDS -lt 480 ] && serve base in-process $((592 - SECONDS))
+serve new in-process 110
+serve base in-process 110
+grpo_steps 470 590 1 new
 echo "== done ($SECONDS s)"

@@ -27,7 +27,8 @@ with ``pre``, ``post`` and ``tail`` compiled (regional ``torch.compile``, dynami
 each serves every layer and every batch bucket; parameters are graph inputs), so a layer
 is ~18 kernels; with the split kernels on CUDA (:meth:`DecodeBlocks._kernel_step`: the Q/K
 norms, RoPE and K/V write in one Triton kernel, the merge in another, the residual fused
-with the next norm) ~13. The modules and weights are the model's own (HF checkpoints, in-place
+with the next norm) ~13; at few rows (:mod:`~treerl.rollout.small_products`: the output, gate/up
+and down products as Triton kernels split over every SM) ~10. The modules and weights are the model's own (HF checkpoints, in-place
 weight updates and a model shared with the trainer all keep working); the math is the
 modules' own forward, reordered. Any other causal LM decodes through its HF forward.
 
@@ -332,8 +333,9 @@ class DecodeBlocks:
         part merged with them in one kernel
         (:func:`~treerl.rollout.decode_attention.split_attention_merged`), and the block's compiled
         tail with the next norm (the next layer's input norm, or the final norm) fused after its
-        residual: ~12 kernels a layer. Where ``cache.overlap``, the own part's launch overlaps the
-        prompt part's (programmatic dependent launch). Returns the final norm's output ``[B, hidden]`` (the head's input)."""
+        residual: ~12 kernels a layer; at most :data:`~treerl.rollout.small_products.MAX_ROWS` rows the
+        tail through the small-row product kernels (:func:`_small_tail`, :meth:`_small_weights`): ~10.
+        Where ``cache.overlap``, the own part's launch overlaps the prompt part's (programmatic dependent launch). Returns the final norm's output ``[B, hidden]`` (the head's input)."""
         base, f, G = self.base, self.fused, cache.G
         layers = base.layers
         x = self.norm(layers[0].input_layernorm, hidden)
