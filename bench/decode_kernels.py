@@ -150,6 +150,7 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
     layers = model.model.layers
     f = blocks.FusedProjections(layers)
     weights = [blocks._small_layer(layer, f, i) for i, layer in enumerate(layers)]
+    assert all(w is not None for w in weights), f"{shape}: a layer the small-row kernels do not take (blocks._small_layer)"
     following = [layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm for i in range(len(layers))]
     tail_norm, residual_norm = blocks._TAIL_NORM, blocks._RESIDUAL_NORM
     H, A = model.config.hidden_size, layers[0].self_attn.o_proj.in_features

@@ -606,8 +606,9 @@ def test_cuda_small_products_match_float64(rows):
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
 def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
     """A float32 rollout through the kernel step at few rows takes the small-row products (every
-    decode step's layers: the spy counts them) and gives the greedy tokens of the eager engine and
-    logprobs equal to a float64 full forward; above ``MAX_ROWS`` rows the step keeps cuBLAS."""
+    decode step's layers: the spy counts them) and gives the greedy tokens of the eager engine (16
+    rows) and logprobs equal to a float64 full forward (96 rows: two row tiles); above ``MAX_ROWS``
+    rows the step keeps cuBLAS."""
     import treerl.rollout.blocks as blocks
     from treerl.rollout import small_products
 
@@ -615,7 +616,7 @@ def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
     model = tiny_model(dtype=torch.float32, seed=2, head_dim=128, num_attention_heads=4, num_key_value_heads=2).cuda()
     prompts = random_prompts([9, 30, 3, 17], seed=6)
     greedy = SamplingParams(n=4, temperature=0.0, max_new_tokens=24, seed=3)
-    sampled = SamplingParams(n=4, temperature=0.8, max_new_tokens=24, seed=3)
+    sampled = SamplingParams(n=24, temperature=0.8, max_new_tokens=16, seed=3)  # (96 rows: two row tiles of 64)
     calls = []
     gated = small_products.gated
     monkeypatch.setattr(small_products, "gated", lambda *a, **k: calls.append(a[0].shape[0]) or gated(*a, **k))
@@ -626,7 +627,9 @@ def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
     for ga, gb in zip(groups, eager):
         for a, b in zip(ga, gb):
             assert a.completion_ids.tolist() == b.completion_ids.tolist()
+    calls.clear()
     assert_float64_logprobs(model, zip(prompts, engine.generate(prompts, sampled)), 0.8)
+    assert max(calls) > 64, calls
     calls.clear()
     monkeypatch.setattr(small_products, "MAX_ROWS", 0)
     RolloutEngine(copy.deepcopy(model), compile_decode=compile_decode).generate(prompts, greedy)

@@ -73,12 +73,18 @@ def test_runs_here_refuses_what_the_kernels_do_not_take():
         small_products.linear_partials(torch.zeros(4, 96, device=DEVICE), torch.zeros(32, 96, device=DEVICE), splits=5)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_small_tail_equals_the_modules_tail_in_float64(family):
+@pytest.mark.parametrize("family, extra", [("qwen3", {}), ("llama", {}), ("llama", dict(attention_bias=True))],
+                         ids=["qwen3", "llama", "llama-output-bias"])
+def test_small_tail_equals_the_modules_tail_in_float64(family, extra):
     """The block tail with the small products (output partials summed in the residual + norm, gate/up
     and SiLU in one kernel, down partials in the next residual + norm) against ``_tail_norm`` of a
-    float64 copy of the model."""
-    model = tiny_model(family, dtype=torch.float32, seed=5, hidden_size=128, intermediate_size=256).to(DEVICE)
+    float64 copy of the model; with an output projection's bias (added to the partials' sum before its
+    rounding, as ``F.linear`` adds it)."""
+    model = tiny_model(family, dtype=torch.float32, seed=5, hidden_size=128, intermediate_size=256, **extra).to(DEVICE)
+    if extra:  # (random biases: the initialisation's are zero)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.bias.normal_()
     ref = rmsnorm_in_input_precision(copy.deepcopy(model).double())
     layer, ref_layer = model.model.layers[0], ref.model.layers[0]
     f, fr = FusedProjections(model.model.layers), FusedProjections(ref.model.layers)
@@ -105,8 +111,27 @@ def test_small_layer_refuses_what_runs_as_a_module():
     handle = layer.self_attn.o_proj.register_forward_hook(lambda *a: None)
     assert _small_layer(layer, f, 0) is None
     handle.remove()
+    for module in (layer.mlp.down_proj, layer.mlp.act_fn):
+        handle = module.register_forward_pre_hook(lambda *a: None)
+        assert _small_layer(layer, f, 0) is None
+        handle.remove()
+    assert _small_layer(layer, f, 0) is not None
     layer.mlp.act_fn = torch.nn.GELU()
     assert _small_layer(layer, f, 0) is None
+    biased = tiny_model("llama", dtype=torch.float32, seed=5, mlp_bias=True)  # (a gate/up bias: the modules' tail)
+    assert _small_layer(biased.model.layers[0], FusedProjections(biased.model.layers), 0) is None
+
+
+def test_the_kernels_refuse_inputs_they_would_misread():
+    x, w = torch.zeros(4, 64, device=DEVICE), torch.zeros(32, 64, device=DEVICE)
+    for bad_x, bad_w, match in ((torch.zeros(4, 128, device=DEVICE)[:, ::2], w, "contiguous"),
+                                (x, torch.zeros(32, 48, device=DEVICE), "one dtype"),
+                                (x, w.half(), "one dtype")):
+        for fn in (small_products.linear_partials, small_products.gated):
+            with pytest.raises(ValueError, match=match):
+                fn(bad_x, bad_w)
+    with pytest.raises(ValueError, match="up rows"):
+        small_products.gated(x, torch.zeros(33, 64, device=DEVICE))
 
 
 def test_the_step_takes_them_where_the_attention_width_differs_from_the_hidden_size():

@@ -117,6 +117,16 @@ def _block_k(K: int, block_k: int | None) -> int:
                      "check runs_here() before calling")
 
 
+def _check(x: torch.Tensor, w: torch.Tensor, what: str) -> None:
+    """``x [M, K]`` and ``w [N, K]`` as the kernels read them (contiguous columns, one dtype), or a ValueError."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != w.dtype:
+        raise ValueError(f"small_products.{what}: x {tuple(x.shape)} {x.dtype} and w {tuple(w.shape)} {w.dtype} are not "
+                         "[M, K] and [N, K] of one dtype")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"small_products.{what}: x and w need contiguous columns (strides {x.stride()}, {w.stride()}); "
+                         "pass .contiguous() copies")
+
+
 def splits_for(N: int, K: int, block_n: int, block_k: int | None = None) -> int:
     """Ranges of ``K`` for ``N`` output columns in tiles of ``block_n``: the fewest (a power of
     two, at most :data:`SPLITS_MAX`) that launch :data:`PROGRAMS` programs, each range a whole
@@ -145,6 +155,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = No
     (``S``: ``splits``, default :func:`splits_for`); their sum, rounded to ``x``'s dtype, is the
     product as ``F.linear`` gives it. Tiles: session 26's sweep on the H200 at 64 rows (Qwen3-0.6B's
     output and down products: 32 columns, 4 ranges, 4 stages within 2% of the best of 72 settings)."""
+    _check(x, w, "linear_partials")
     K = x.shape[1]
     splits = splits or splits_for(w.shape[0], K, block_n, block_k)
     if K % splits:
@@ -163,6 +174,9 @@ def gated(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 32, block_k: int |
           num_stages: int = 4) -> torch.Tensor:
     """The MLP's gate and up products and ``silu(gate) * up``: ``x [M, K]``, ``w [2 I, K]`` (gate
     rows, then up rows) -> ``[M, I]`` in ``x``'s dtype."""
+    _check(x, w, "gated")
+    if w.shape[0] % 2:
+        raise ValueError(f"small_products.gated: w has {w.shape[0]} rows, not gate rows then as many up rows")
     M, K = x.shape
     block_k = _block_k(K, block_k)
     inner = w.shape[0] // 2
