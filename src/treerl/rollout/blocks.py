@@ -49,12 +49,12 @@ import warnings
 
 import torch
 
+import treerl.rollout.small_products as small_products  # (the module: tests and benchmarks patch its settings)
 from ..compiled import DECODE_OFF, LazyCompiled
 from ..lora import effective_weight
 from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
 from .kernel_probe import kernel_agrees
-from . import small_products
 from .rope_kernel import rope_write
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, merged_attention_ok, shared_part, split_queries
 from .types import raw, stored
