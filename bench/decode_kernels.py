@@ -151,10 +151,10 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
     f = blocks.FusedProjections(layers)
     weights = [blocks._small_layer(layer, f, i) for i, layer in enumerate(layers)]
     assert all(w is not None for w in weights), f"{shape}: a layer the small-row kernels do not take (blocks._small_layer)"
-    following = [layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm for i in range(len(layers))]
+    following = [blocks._next_norm(model.model, i) for i in range(len(layers))]
     tail_norm, residual_norm = blocks._TAIL_NORM, blocks._RESIDUAL_NORM
     H, A = model.config.hidden_size, layers[0].self_attn.o_proj.in_features
-    layer_bytes = sum(w.numel() * 2 for w in (f.qkv_w[0], weights[0][0], weights[0][2], weights[0][3]))
+    tail_bytes = sum(w.numel() * 2 for w in (weights[0][0], weights[0][2], weights[0][3]))  # a layer's weights after attention
     out = []
     g = torch.Generator(device=device).manual_seed(0)
     for rows in rows_list:
@@ -174,7 +174,6 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
         err = max(float((a.float() - b.float()).abs().max() / a.float().abs().max()) for w, v in zip(want, got)
                   for a, b in zip(w, v))
         n = len(layers)
-        tail_bytes = layer_bytes - f.qkv_w[0].numel() * 2
         for name, run in (("cublas+compiled", old_tail), ("small", new_tail)):
             row = _timed(run, tail_bytes * n, bandwidth)
             out.append(dict(kernel="products-tail", rows=rows, way=name, max_rel_diff=round(err, 5),

@@ -1,6 +1,6 @@
 # Sourced by device scripts (from bench/device/next_s18.sh on; the earlier scripts are records of what ran, left as
 # they are): the output filter, the GPU's name, the serving wheels (carry [".whl"]) and `show`, a bench_serve run's
-# figures.
+# figures; `grpo_steps`, `serve` and `rollout` (below) run the benchmarks on main (.v/base) or this tree.
 F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$\|pow_by_natural\|split the reduction\|^softmax"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -19,4 +19,20 @@ grpo_steps() {
         --dtype bfloat16 --modes auto --stop-every 0 --repeats $repeats --json $OUT/grpo_step_${v}_$SECONDS.json > /tmp/g.txt 2>&1
     echo "== grpo step $v ($SECONDS s)"; grep -v "$F" /tmp/g.txt | grep "after" | cut -c1-200
   done
+}
+# serve VERSION MODE LIMIT: bench_serve.py on issue 23's workload (64 agents x 6 turns, max_tokens 16-512, Qwen3-0.6B
+# bf16, prefix cache 131,072, the short request's probe; served: 8 client processes), VERSION "base" (.v/base) or "new",
+# MODE in-process or served, LIMIT s; JSON and the whole output under $OUT, its figures printed.
+serve() {
+  local d=.; [ $1 = base ] && d=.v/base
+  PYTHONPATH=/tmp/site:$d/src timeout -k 5 $3 python3 $d/bench/bench_serve.py --device cuda --shape qwen3-0.6b \
+      --dtype bfloat16 --mixed --probe --repeats 1 --turns 6 --min-tokens 16 --max-tokens 512 \
+      --prefix-cache-tokens 131072 --modes $2 --client-procs 8 --json $OUT/serve_$1_$2_$SECONDS.json > $OUT/serve_$1_$2.txt 2>&1
+  echo "== $1 $2 ($SECONDS s)"; show $OUT/serve_$1_$2.txt | grep -v slowest
+}
+# rollout VERSION: bench_rollout.py's 64 rows (0.6B, 8 x 8, prompt 1,024, 512 new tokens, defaults), "base" or "new".
+rollout() {
+  local d=.; [ $1 = base ] && d=.v/base
+  PYTHONPATH=$d/src timeout -k 5 90 python3 $d/bench/bench_rollout.py --device cuda --cases 0.6b:8x8 --extras "" \
+      --bandwidth 4.277e12 --out $OUT/rollout_$1_$SECONDS.json 2>&1 | grep -v "$F" | grep "^0.6b\|FAILED\|Error" | cut -c1-200
 }

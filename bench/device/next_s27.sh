@@ -7,13 +7,6 @@
 # time by kind, for issue 25's profile table). Session 26 in process: +1.4% tokens/s, behind 0.076 -> 0.072 s,
 # alone 0.032 -> 0.028 s (one pair): expected again within that.
 source bench/device/lib.sh
-ARGS="--device cuda --shape qwen3-0.6b --dtype bfloat16 --mixed --probe --repeats 1 --turns 6 --min-tokens 16 --max-tokens 512 --prefix-cache-tokens 131072"
-serve() {  # serve VERSION MODE LIMIT
-  local d=.; [ $1 = base ] && d=.v/base
-  PYTHONPATH=/tmp/site:$d/src timeout -k 5 $3 python3 $d/bench/bench_serve.py $ARGS --modes $2 --client-procs 8 \
-      --json $OUT/serve_$1_$2_$SECONDS.json > $OUT/serve_$1_$2.txt 2>&1
-  echo "== $1 $2 ($SECONDS s)"; show $OUT/serve_$1_$2.txt | grep -v slowest
-}
 serve new in-process 110
 serve base in-process 110
 [ $SECONDS -lt 250 ] && serve new served 130

@@ -14,11 +14,6 @@ timeout -k 5 170 python3 -m pytest -q -x -p no:cacheprovider tests/rollout/test_
 echo "== products ($SECONDS s)"
 timeout -k 5 120 python3 bench/decode_kernels.py --kernels products --product-rows 16,64,128 --out $OUT/products.json 2>&1 \
     | grep -v "$F" | cut -c1-220
-rollout() {  # rollout VERSION
-  local d=.; [ $1 = base ] && d=.v/base
-  PYTHONPATH=$d/src timeout -k 5 90 python3 $d/bench/bench_rollout.py --device cuda --cases 0.6b:8x8 --extras "" \
-      --bandwidth 4.277e12 --out $OUT/rollout_$1_$SECONDS.json 2>&1 | grep -v "$F" | grep "^0.6b\|FAILED\|Error" | cut -c1-200
-}
 for v in new base new base; do
   [ $SECONDS -gt 430 ] && break
   echo "== rollout $v ($SECONDS s)"; rollout $v

@@ -350,7 +350,7 @@ class DecodeBlocks:
                                                       "split", trigger=cache.overlap)
             attn = cache.attend_own_merged(i, q_own, own_mask, layer.self_attn.scaling, o_pre, l_pre, merge_g,
                                            hidden.dtype, after=cache.overlap)
-            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else base.norm
+            following = _next_norm(base, i)
             if small:
                 hidden, x = _small_tail(self.residual_norm, layer, hidden, attn, small[i], following)
             else:
@@ -372,9 +372,8 @@ class DecodeBlocks:
         if any(w is None for w in weights) or not all(small_products.runs_here(x, w[0], w[2], w[3]) for w in weights):
             return None
         if self.small is None:
-            following = layers[1].input_layernorm if len(layers) > 1 else self.base.norm
             self.small = kernel_agrees(lambda: _small_agrees(self.residual_norm, layers[0], hidden, f, weights[0],
-                                                             following),
+                                                             _next_norm(self.base, 0)),
                                        what="the decode step's small-row product kernels",
                                        reference="cuBLAS and the modules' math", where=str(hidden.device),
                                        fallback="their products run through cuBLAS (slower at few rows)")
@@ -407,6 +406,12 @@ class DecodeBlocks:
             o_pre, l_pre = shared_part(q_own, o_pre, l_pre, G, forks, scale, backend)
             merge_g = 1
         return o_pre, l_pre, merge_g
+
+
+def _next_norm(decoder: torch.nn.Module, i: int) -> torch.nn.Module:
+    """The norm after layer ``i``'s residual: the next layer's input norm, or the final norm."""
+    layers = decoder.layers
+    return layers[i + 1].input_layernorm if i + 1 < len(layers) else decoder.norm
 
 
 def _small_layer(layer: torch.nn.Module, fused: FusedProjections, i: int) -> tuple | None:
