@@ -140,7 +140,8 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
 
     - ``tail``: after the attention, cuBLAS + the compiled tail (``blocks._tail_norm``: output product,
       residual + norm, gate/up, SiLU gate, down product, residual + the next norm) against the small-row
-      kernels + the compiled residual norms (``blocks._small_tail``), outputs compared;
+      kernels + the compiled residual norms (``blocks._small_tail``) and, on sm_90+, the same kernels with
+      their own residual norms as a chain of dependent launches (``chain``), outputs compared;
     - with ``sweep``: each small product alone over column tiles, K ranges, warps and stages,
       against ``F.linear`` on the same weights (the Q/K/V product too: as one K range)."""
     from treerl.models import build_model
@@ -166,15 +167,19 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
             return [tail_norm(layer, hidden, attn, f.gate_up_w[i], f.gate_up_b[i], f.o_w[i], f.down_w[i], following[i])
                     for i, layer in enumerate(layers)]
 
-        def new_tail():
-            return [blocks._small_tail(residual_norm, layer, hidden, attn, weights[i], following[i])
+        def new_tail(chain=False):
+            return [blocks._small_tail(residual_norm, layer, hidden, attn, weights[i], following[i], chain)
                     for i, layer in enumerate(layers)]
 
-        want, got = old_tail(), new_tail()
-        err = max(float((a.float() - b.float()).abs().max() / a.float().abs().max()) for w, v in zip(want, got)
-                  for a, b in zip(w, v))
+        want = old_tail()
         n = len(layers)
-        for name, run in (("cublas+compiled", old_tail), ("small", new_tail)):
+        ways = [("cublas+compiled", old_tail), ("small", new_tail)]
+        if sp.chains_here(device):  # (the tail's kernels as a chain of dependent launches: sm_90+)
+            ways.append(("small-chain", lambda: new_tail(True)))
+        for name, run in ways:
+            got = run()
+            err = max(float((a.float() - b.float()).abs().max() / a.float().abs().max()) for w, v in zip(want, got)
+                      for a, b in zip(w, v))
             row = _timed(run, tail_bytes * n, bandwidth)
             out.append(dict(kernel="products-tail", rows=rows, way=name, max_rel_diff=round(err, 5),
                             us_a_layer=round(row["us"] / n, 2), floor_us_a_layer=round(row["floor_us"] / n, 2)))

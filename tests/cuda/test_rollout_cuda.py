@@ -603,10 +603,54 @@ def test_cuda_small_products_match_float64(rows):
             assert err <= tol, (dtype, N, K, "gated", err.item())
 
 
+@pytest.mark.parametrize("rows", [1, 64, 128])
+def test_cuda_small_tail_chain_matches_float64_and_its_eager_bits(rows):
+    """The block's tail as a chain of dependent launches (sm_90+) at Qwen3-0.6B's layer shape, bf16 and
+    float32: against a float64 copy's tail, within twice the modules' own tail's error in that dtype; captured
+    in a CUDA graph (as the step runs it) and replayed on three other inputs, each replay the bits of the
+    chain run eagerly on that input (a link that read its input before the kernel before it had written
+    it would give the previous replay's values)."""
+    from treerl.rollout import small_products as sp
+    from treerl.rollout.blocks import FusedProjections, _residual_norm, _small_layer, _small_tail, _tail_norm
+
+    if not sp.chains_here("cuda"):
+        pytest.skip("the chain of dependent launches needs sm_90+")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    for dtype in (torch.bfloat16, torch.float32):
+        model = tiny_model("qwen3", dtype=dtype, seed=4, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=128).cuda()
+        ref = rmsnorm_in_input_precision(copy.deepcopy(model).double())
+        layer, following = model.model.layers[0], model.model.layers[1].input_layernorm
+        f, fr = FusedProjections(model.model.layers), FusedProjections(ref.model.layers)
+        weights = _small_layer(layer, f, 0)
+        hidden = torch.randn(rows, 1, 1024, device="cuda", generator=g).to(dtype)
+        attn = torch.randn(rows, 1, 2048, device="cuda", generator=g).to(dtype)
+
+        def chain(h, a):
+            return _small_tail(_residual_norm, layer, h, a, weights, following, chain=True)
+
+        want = _tail_norm(ref.model.layers[0], hidden.double(), attn.double(), fr.gate_up_w[0], fr.gate_up_b[0],
+                          fr.o_w[0], fr.down_w[0], ref.model.layers[1].input_layernorm)
+        modules = _tail_norm(layer, hidden, attn, f.gate_up_w[0], f.gate_up_b[0], f.o_w[0], f.down_w[0], following)
+        for a, b, c in zip(want, chain(hidden, attn), modules):
+            err, own = (b.double() - a).abs().max().item(), (c.double() - a).abs().max().item()
+            assert b.dtype == dtype and err <= 2 * own + 1e-6 * a.abs().max().item(), (dtype, err, own)
+        h_in, a_in = hidden.clone(), attn.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(h_in, a_in)
+        for scale in (-1.0, 0.5, 3.0):
+            h_in.copy_(hidden * scale)
+            a_in.copy_(attn.roll(1, 0) * scale)
+            graph.replay()
+            assert all(torch.equal(x, y) for x, y in zip(out, chain(h_in, a_in))), (dtype, scale)
+
+
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
 def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
     """A float32 rollout through the kernel step at few rows takes the small-row products (every
-    decode step's layers: the spy counts them) and gives the greedy tokens of the eager engine (16
+    decode step's layers: the spy counts them; on sm_90+ as a chain of dependent launches) and gives the greedy tokens of the eager engine (16
     rows) and logprobs equal to a float64 full forward (96 rows: two row tiles); above ``MAX_ROWS``
     rows the step keeps cuBLAS."""
     import treerl.rollout.blocks as blocks
@@ -623,6 +667,7 @@ def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
     engine = RolloutEngine(copy.deepcopy(model), compile_decode=compile_decode)
     groups = engine.generate(prompts, greedy)
     assert engine.decode_blocks.small and calls and max(calls) <= small_products.MAX_ROWS, calls
+    assert engine.decode_blocks.chain == small_products.chains_here("cuda")  # (sm_90+: a chain of dependent launches)
     eager = RolloutEngine(copy.deepcopy(model), cuda_graphs=False).generate(prompts, greedy)
     for ga, gb in zip(groups, eager):
         for a, b in zip(ga, gb):

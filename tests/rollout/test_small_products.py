@@ -122,6 +122,48 @@ def test_small_layer_refuses_what_runs_as_a_module():
     assert _small_layer(biased.model.layers[0], FusedProjections(biased.model.layers), 0) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits, bias", [(1, False), (4, True)])
+def test_residual_norm_equals_the_residual_and_the_modules_norm(dtype, splits, bias):
+    """``residual_norm`` (the partials' sum, the bias, the residual and an RMSNorm in one kernel) against
+    ``blocks._residual_norm`` of a float64 copy (the modules' norm) and of the same dtype, on a hidden size that
+    leaves a partial tile; the norm's weight random."""
+    model = tiny_model("qwen3", dtype=torch.float32, seed=5, hidden_size=96, num_attention_heads=4, head_dim=24)
+    norm = model.model.layers[0].post_attention_layernorm.to(DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(splits)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, device=DEVICE, generator=g))
+    norm = norm.to(dtype)
+    hidden = torch.randn(7, 1, 96, device=DEVICE, generator=g).to(dtype)
+    partials = torch.randn(splits, 7, 96, device=DEVICE, generator=g)
+    b = torch.randn(96, device=DEVICE, generator=g).to(dtype) if bias else None
+    got = small_products.residual_norm(hidden, partials, b, norm)
+    ref_norm = rmsnorm_in_input_precision(copy.deepcopy(norm).double())
+    want = _residual_norm(hidden.double(), ref_norm, None if b is None else b.double(), *partials.double().unbind(0))
+    same = _residual_norm(hidden, norm, b, *partials.unbind(0))
+    for g_, w_, s_ in zip(got, want, same):
+        assert g_.shape == w_.shape and g_.dtype == dtype
+        assert _close(g_, w_, dtype) and _close(g_, s_.double(), dtype)
+
+
+def test_residual_norm_takes_plain_rmsnorms_only():
+    """``plain_rmsnorm``: Qwen3's and Llama's RMSNorm (and the float64 fix of their forward) in the hidden's
+    dtype; not a hooked one, one whose weight is in another dtype, or a LayerNorm, which ``residual_norm``
+    refuses."""
+    qwen, llama = (tiny_model(f, dtype=torch.float32, seed=5).model.layers[0].input_layernorm for f in ("qwen3", "llama"))
+    hidden = torch.zeros(2, 1, qwen.weight.shape[0])
+    assert small_products.plain_rmsnorm(qwen, hidden) and small_products.plain_rmsnorm(llama, hidden)
+    assert small_products.plain_rmsnorm(rmsnorm_in_input_precision(copy.deepcopy(qwen)), hidden)
+    assert not small_products.plain_rmsnorm(qwen, hidden.half())
+    handle = qwen.register_forward_hook(lambda *a: None)
+    assert not small_products.plain_rmsnorm(qwen, hidden)
+    handle.remove()
+    layer_norm = torch.nn.LayerNorm(hidden.shape[-1])
+    assert not small_products.plain_rmsnorm(layer_norm, hidden)
+    with pytest.raises(ValueError, match="plain RMSNorm"):
+        small_products.residual_norm(hidden, torch.zeros(1, 2, hidden.shape[-1]), None, layer_norm)
+
+
 def test_the_kernels_refuse_inputs_they_would_misread():
     x, w = torch.zeros(4, 64, device=DEVICE), torch.zeros(32, 64, device=DEVICE)
     for bad_x, bad_w, match in ((torch.zeros(4, 128, device=DEVICE)[:, ::2], w, "contiguous"),

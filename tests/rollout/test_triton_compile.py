@@ -24,6 +24,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
+
 from treerl.rollout import decode_attention, race_kernel, rope_kernel, small_products  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -98,13 +100,18 @@ def test_split_attention_compiles_for_hopper(record, dtype, page, G, gq, D):
     decode_attention.split_attention(q_pre, k, v, torch.zeros(B // G, N, dtype=dtype), 0.125, trigger=True)
     decode_attention.split_attention_merged(q, pk, pv, own_mask, 0.125, o_pre, l_pre, G, dtype, table=table,
                                             after=True)
+    # ... and, as the small tail's chain follows it, lets the tail's first product start beside it
+    decode_attention.split_attention_merged(q, pk, pv, own_mask, 0.125, o_pre, l_pre, G, dtype, table=table,
+                                            after=True, trigger=True)
     compiled = _compile(kernel)
-    assert len(compiled) == 6
+    assert len(compiled) == 7
     plain = "".join(c.asm["ptx"] for c in compiled[:4])
     assert "griddepcontrol" not in plain and not any(c.metadata.launch_pdl for c in compiled[:4])
-    trigger, after = compiled[4:]
+    trigger, after, both = compiled[4:]
     assert "griddepcontrol.launch_dependents" in trigger.asm["ptx"] and "griddepcontrol.wait" not in trigger.asm["ptx"]
     assert "griddepcontrol.wait" in after.asm["ptx"] and after.metadata.launch_pdl and not trigger.metadata.launch_pdl
+    assert "griddepcontrol.launch_dependents" not in after.asm["ptx"]
+    assert both.metadata.launch_pdl and all(f"griddepcontrol.{x}" in both.asm["ptx"] for x in ("launch_dependents", "wait"))
 
 
 @pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 128), (torch.float16, 64)])
@@ -255,6 +262,29 @@ def test_small_products_compile_for_hopper(record, dtype, rows):
     small_products.linear_partials(torch.zeros(rows, 3072, dtype=dtype), torch.zeros(1024, 3072, dtype=dtype))
     small_products.gated(torch.zeros(rows, 1024, dtype=dtype), torch.zeros(6144, 1024, dtype=dtype))
     assert len(_compile(partials)) == 2 and len(_compile(gated)) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_small_tail_chain_compiles_for_hopper(record, dtype):
+    """The block's tail as a chain of dependent launches (64 rows, Qwen3-0.6B's shapes): each product and the
+    residual + RMSNorm let the next launch start, and wait for the kernel before them; the products ask the L2
+    for their weight slices before that wait. The plain launches have neither."""
+    names = ("_partials_kernel", "_gated_kernel", "_residual_norm_kernel")
+    kernels = {name: record(small_products, name) for name in names}
+    norm = Qwen3RMSNorm(1024).to(dtype)
+    hidden = torch.zeros(64, 1, 1024, dtype=dtype)
+    for pdl in (False, True):
+        small_products.linear_partials(torch.zeros(64, 2048, dtype=dtype), torch.zeros(1024, 2048, dtype=dtype), pdl=pdl)
+        small_products.gated(torch.zeros(64, 1024, dtype=dtype), torch.zeros(6144, 1024, dtype=dtype), pdl=pdl)
+        small_products.residual_norm(hidden, torch.zeros(4, 64, 1024), torch.zeros(1024, dtype=dtype), norm, pdl=pdl)
+    for name in names:
+        plain, link = _compile(kernels[name])
+        assert "griddepcontrol" not in plain.asm["ptx"] and not plain.metadata.launch_pdl
+        ptx = link.asm["ptx"]
+        assert link.metadata.launch_pdl and "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" in ptx
+        if name != "_residual_norm_kernel":  # (the weight slices asked for before the wait)
+            assert "prefetch.global.L2::evict_last" in ptx
+            assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
 
 
 def test_race_kernel_compiles_for_hopper(record):

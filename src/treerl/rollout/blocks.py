@@ -275,6 +275,7 @@ class DecodeBlocks:
         self.residual_norm = _RESIDUAL_NORM if compile else _residual_norm
         self.rope_kernel: bool | None = None  # rope_write serves the steps (probed at the first split-kernel step)
         self.small: bool | None = None  # small_products serve the steps of few rows (probed at the first such step)
+        self.chain: bool | None = None  # ... as a chain of dependent launches (sm_90+; probed at the first such step)
         self.fused = FusedProjections(self.base.layers)
 
     @staticmethod
@@ -335,12 +336,14 @@ class DecodeBlocks:
         (:func:`~treerl.rollout.decode_attention.split_attention_merged`), and the block's compiled
         tail with the next norm (the next layer's input norm, or the final norm) fused after its
         residual: ~12 kernels a layer; at most :data:`~treerl.rollout.small_products.MAX_ROWS` rows the
-        tail through the small-row product kernels (:func:`_small_tail`, :meth:`_small_weights`): ~10.
+        tail through the small-row product kernels (:func:`_small_tail`, :meth:`_small_weights`): ~10; on
+        sm_90+ (:meth:`_chain`) the own part and the tail's five kernels a chain of dependent launches.
         Where ``cache.overlap``, the own part's launch overlaps the prompt part's (programmatic dependent launch). Returns the final norm's output ``[B, hidden]`` (the head's input)."""
         base, f, G = self.base, self.fused, cache.G
         layers = base.layers
         x = self.norm(layers[0].input_layernorm, hidden)
         small = self._small_weights(hidden)
+        chain = small is not None and self._chain(hidden, small)
         for i, layer in enumerate(layers):
             store = cache.layers[i]
             q_own, q_pre, k, v = rope_write(torch.nn.functional.linear(x, f.qkv_w[i], f.qkv_b[i]), cos, sin,
@@ -349,10 +352,10 @@ class DecodeBlocks:
             o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask,
                                                       "split", trigger=cache.overlap)
             attn = cache.attend_own_merged(i, q_own, own_mask, layer.self_attn.scaling, o_pre, l_pre, merge_g,
-                                           hidden.dtype, after=cache.overlap)
+                                           hidden.dtype, after=cache.overlap, trigger=chain)
             following = _next_norm(base, i)
             if small:
-                hidden, x = _small_tail(self.residual_norm, layer, hidden, attn, small[i], following)
+                hidden, x = _small_tail(self.residual_norm, layer, hidden, attn, small[i], following, chain)
             else:
                 hidden, x = self.tail_norm(layer, hidden, attn.reshape(*hidden.shape[:-1], -1), f.gate_up_w[i],
                                            f.gate_up_b[i], f.o_w[i], f.down_w[i], following)
@@ -378,6 +381,25 @@ class DecodeBlocks:
                                        reference="cuBLAS and the modules' math", where=str(hidden.device),
                                        fallback="their products run through cuBLAS (slower at few rows)")
         return weights if self.small else None
+
+    def _chain(self, hidden: torch.Tensor, small: list[tuple]) -> bool:
+        """Whether the small tail runs as a chain of dependent launches (:func:`_small_tail` with ``chain``,
+        :mod:`~treerl.rollout.small_products`): each of its five kernels lets the next start, asks the L2 for
+        its weights and then waits for the kernel before it, and the own part's attention lets the tail's
+        first product start. On sm_90+ (:func:`~treerl.rollout.small_products.chains_here`) where every
+        norm after a residual is a plain RMSNorm, after a probe (:func:`_chain_agrees`, once)."""
+        if self.chain is None:
+            base = self.base
+            norms = [layer.post_attention_layernorm for layer in base.layers] + [layer.input_layernorm
+                                                                                 for layer in base.layers[1:]]
+            self.chain = (small_products.chains_here(hidden.device)
+                          and all(small_products.plain_rmsnorm(n, hidden) for n in norms + [base.norm])
+                          and kernel_agrees(lambda: _chain_agrees(self.residual_norm, base.layers[0], hidden, small[0],
+                                                                  _next_norm(base, 0)),
+                                            what="the decode step's small-row kernels as a chain of dependent launches",
+                                            reference="the same kernels in turn", where=str(hidden.device),
+                                            fallback="they run in turn (slower)"))
+        return self.chain
 
     @staticmethod
     def _attention(i: int, layer, cache: SharedPrefixCache, q_own, q_pre, k, v, own_mask, prefix_mask, backend: str):
@@ -428,37 +450,82 @@ def _small_layer(layer: torch.nn.Module, fused: FusedProjections, i: int) -> tup
 
 
 def _small_tail(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, weights: tuple,
-                following: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+                following: torch.nn.Module, chain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_tail_norm` through :mod:`~treerl.rollout.small_products`: the output product as
     float32 partial sums added up in ``residual_norm`` (:func:`_residual_norm`, with the post-attention
     norm), the gate/up product and SiLU gate in one kernel, the down product's partials in the second
-    ``residual_norm`` (with ``following``). ``hidden [B, 1, H]``, ``attn [B, ..]`` -> ``(hidden, following(hidden))``."""
+    ``residual_norm`` (with ``following``). ``chain``: every kernel a link of a chain of dependent launches,
+    the sums and norms through :func:`~treerl.rollout.small_products.residual_norm` (see
+    :meth:`DecodeBlocks._chain`). ``hidden [B, 1, H]``, ``attn [B, ..]`` -> ``(hidden, following(hidden))``."""
     w_o, b_o, w_gate_up, w_down, b_down = weights
     B = hidden.shape[0]
-    hidden, x = residual_norm(hidden, layer.post_attention_layernorm, b_o,
-                              *small_products.linear_partials(attn.reshape(B, -1), w_o).unbind(0))
-    act = small_products.gated(x.reshape(B, -1), w_gate_up)
-    return residual_norm(hidden, following, b_down, *small_products.linear_partials(act, w_down).unbind(0))
+
+    def add_norm(hidden, norm, bias, partials):
+        if chain:
+            return small_products.residual_norm(hidden, partials, bias, norm, pdl=True)
+        return residual_norm(hidden, norm, bias, *partials.unbind(0))
+
+    hidden, x = add_norm(hidden, layer.post_attention_layernorm, b_o,
+                         small_products.linear_partials(attn.reshape(B, -1), w_o, pdl=chain))
+    act = small_products.gated(x.reshape(B, -1), w_gate_up, pdl=chain)
+    return add_norm(hidden, following, b_down, small_products.linear_partials(act, w_down, pdl=chain))
+
+
+def _agree(want: tuple, got: tuple, dtype: torch.dtype, device: torch.device) -> bool:
+    """Two tails' outputs within their dtype's rounding, relative to their largest value (float32: 1e-5, or
+    TF32's where cuBLAS runs float32 products in TF32; 16-bit: 4 units of its last place)."""
+    if dtype == torch.float32:
+        tol = 4 * 2.0 ** -11 if torch.backends.cuda.matmul.allow_tf32 and device.type == "cuda" else 1e-5
+    else:
+        tol = 4 * torch.finfo(dtype).eps
+    return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=tol,
+                                                     atol=tol * a.float().abs().max().item()) for a, b in zip(want, got))
+
+
+def _probe_attention(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A random attention output ``[B, 1, heads x head size]`` for the tail probes (seeded)."""
+    gen = torch.Generator(device=hidden.device).manual_seed(0)
+    return torch.randn(hidden.shape[0], 1, layer.self_attn.o_proj.in_features, device=hidden.device,
+                       dtype=hidden.dtype, generator=gen)
 
 
 def _small_agrees(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, fused: FusedProjections,
                   weights: tuple, following: torch.nn.Module) -> bool:
     """:func:`_small_tail` (with the step's ``residual_norm``: compiled where the step's is) against
     :func:`_tail_norm` (eager) on the first layer, this step's hidden states and a random attention
-    output: both outputs within their dtype's rounding (float32: 1e-5, or TF32's where cuBLAS runs
-    float32 products in TF32; 16-bit: 4 units of its last place), relative to their largest value."""
-    attn_width = layer.self_attn.o_proj.in_features
-    gen = torch.Generator(device=hidden.device).manual_seed(0)
-    attn = torch.randn(hidden.shape[0], 1, attn_width, device=hidden.device, dtype=hidden.dtype, generator=gen)
+    output (:func:`_agree`)."""
+    attn = _probe_attention(layer, hidden)
     want = _tail_norm(layer, hidden, attn, fused.gate_up_w[0], fused.gate_up_b[0], fused.o_w[0], fused.down_w[0],
                       following)
-    got = _small_tail(residual_norm, layer, hidden, attn, weights, following)
-    if hidden.dtype == torch.float32:
-        tol = 4 * 2.0 ** -11 if torch.backends.cuda.matmul.allow_tf32 and hidden.is_cuda else 1e-5
-    else:
-        tol = 4 * torch.finfo(hidden.dtype).eps
-    return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=tol,
-                                                     atol=tol * a.float().abs().max().item()) for a, b in zip(want, got))
+    return _agree(want, _small_tail(residual_norm, layer, hidden, attn, weights, following), hidden.dtype,
+                  hidden.device)
+
+
+def _chain_agrees(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, weights: tuple,
+                  following: torch.nn.Module) -> bool:
+    """:func:`_small_tail` as a chain against its launches in turn (``residual_norm``'s sums and norms) on
+    the first layer (:func:`_agree`): eager, then captured in a CUDA graph (as the step runs it) and
+    replayed on three other inputs, each replay against the launches in turn on that input (a link
+    that read its input before the kernel before it had written it would give the previous replay's
+    values)."""
+    attn = _probe_attention(layer, hidden)
+
+    def tail(h, a, chain):
+        return _small_tail(residual_norm, layer, h, a, weights, following, chain)
+
+    if not _agree(tail(hidden, attn, False), tail(hidden, attn, True), hidden.dtype, hidden.device):
+        return False
+    h_in, a_in = hidden.clone(), attn.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = tail(h_in, a_in, True)
+    for scale in (-1.0, 0.5, 2.0):
+        h_in.copy_(hidden * scale)
+        a_in.copy_(attn.flip(0) * scale)
+        graph.replay()
+        if not _agree(tail(h_in, a_in, False), got, hidden.dtype, hidden.device):
+            return False
+    return True
 
 
 def head_into(head: torch.nn.Module, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -268,7 +268,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 def split_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                            o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, dtype: torch.dtype, *,
                            table: torch.Tensor | None = None, block_n: int = BLOCK_N, num_warps: int | None = None,
-                           num_stages: int = 2, after: bool = False) -> torch.Tensor:
+                           num_stages: int = 2, after: bool = False, trigger: bool = False) -> torch.Tensor:
     """:func:`split_attention` over one key range per (entry, head) with
     :func:`~treerl.rollout.shared.merge_parts` in its epilogue: ``q/k/v/mask/table`` as there (the rows' own part, ``M = gq`` queries), ``o_pre
     [B/G, H, S2, G x gq, Dv]`` / ``l_pre`` the other part's key ranges (:func:`split_attention`'s
@@ -283,14 +283,16 @@ def split_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     read and attend their own keys (nothing that launch writes), and wait for it (``griddepcontrol.wait``)
     only before the merge reads its ranges. At 64 rows the two launches are each too short to
     fill the GPU (session 25, H200, 64 rows of 256 own keys after a 1,024-token prompt: 41.2 us a
-    layer in turn, 37.5 overlapped)."""
+    layer in turn, 37.5 overlapped). ``trigger`` (CUDA, sm_90+): each program first lets the next
+    launch start beside this one, where that launch is dependent (the small tail's chain:
+    :func:`~treerl.rollout.small_products.linear_partials` with ``pdl``)."""
     B, H, M, _ = q.shape
     N = k.shape[2] if table is None else mask.shape[-1]
     assert o_pre.shape[0] * G == B and o_pre.shape[1] == H and o_pre.shape[3] == G * M and o_pre.stride(-1) == 1
     out = torch.empty(B, 1, H * M, v.shape[3], device=q.device, dtype=dtype)
     per = -(-N // block_n) * block_n
     _launch(q, k, v, mask, scale, table, 1, per, block_n, num_warps, num_stages, out,
-            (out.stride(0), out.stride(2), 0, 0), None, (o_pre, l_pre, G), after=after)
+            (out.stride(0), out.stride(2), 0, 0), None, (o_pre, l_pre, G), trigger=trigger, after=after)
     return out
 
 

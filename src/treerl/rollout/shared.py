@@ -214,7 +214,7 @@ class SharedPrefixCache(Cache):
 
     def attend_own_merged(self, layer_idx: int, q_own: torch.Tensor, own_mask: torch.Tensor, scale: float,
                           o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, dtype: torch.dtype,
-                          after: bool = False) -> torch.Tensor:
+                          after: bool = False, trigger: bool = False) -> torch.Tensor:
         """:meth:`attend_own` through the split-key kernel in one key range per row, merged in the
         kernel with the prompt part's ranges ``o_pre``/``l_pre`` (groups of ``G`` rows; 1: the rows'
         layout) -> the layer's attention ``[s, 1, Hkv x gq, Dv]`` in ``dtype``
@@ -227,13 +227,15 @@ class SharedPrefixCache(Cache):
         the kernel's bench, slower served: session 16 call 3, H200, 64 agents in process, 8,962
         against 9,593 tokens/s on one machine; reverted.) ``after``: the launch that wrote
         ``o_pre``/``l_pre`` came directly before, with ``trigger`` (:attr:`overlap`): the one range
-        per row overlaps it (:func:`~treerl.rollout.decode_attention.split_attention_merged`)."""
+        per row overlaps it (:func:`~treerl.rollout.decode_attention.split_attention_merged`). ``trigger``:
+        the one range per row lets the next launch start beside it (the small tail's chain of dependent
+        launches, :meth:`~treerl.rollout.blocks.DecodeBlocks._chain`)."""
         s, layer, N = q_own.shape[0], self.layers[layer_idx], own_mask.shape[-1]
         if splits_for(s, q_own.shape[1], N, MERGED_MIN_PROGRAMS) > 1:
             o_own, l_own = split_attention(q_own, layer.ok, layer.ov, own_mask, scale, table=self.table[:s])
             return merge_ranges(o_own, l_own, o_pre, l_pre, G, dtype)
         return split_attention_merged(q_own, layer.ok, layer.ov, own_mask, scale, o_pre, l_pre, G, dtype,
-                                      table=self.table[:s], after=after)
+                                      table=self.table[:s], after=after, trigger=trigger)
 
     def attend_own(self, layer_idx: int, q_own: torch.Tensor, own_mask: torch.Tensor, scale: float,
                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,16 @@ columns, stays with cuBLAS, which ran it faster than this kernel: 5.5 against 6.
   (``w [2 I, K]``, gate rows first, as :class:`~treerl.rollout.blocks.FusedProjections`
   holds them) -> ``[M, I]``.
 
+- :func:`residual_norm` — the partial sums added up with the bias and the residual, and an RMSNorm of the
+  result, in one kernel (where the norms are plain RMSNorms: :func:`plain_rmsnorm`).
+
+**A chain of dependent launches** (``pdl``, CUDA sm_90+: :func:`chains_here`): each kernel first lets the
+next launch in the stream start (``griddepcontrol.launch_dependents``), then asks the L2 for its weight
+slice (``prefetch.global.L2::evict_last``: the weights do not depend on the kernel before it) and only then
+waits for the kernel before it (``griddepcontrol.wait``: it has finished and its writes are visible) before
+reading its activations. Nothing is written before the wait, so a buffer the kernel before it still reads
+is never overwritten; the arithmetic is the same, so the output is the same bits.
+
 Each accumulates in float32 and rounds where the modules round (a product's output, the
 activation, the gated product), so the values are the modules' up to the order of the
 float32 sums. The decode step admits them with a probe against its torch path
@@ -28,6 +38,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from ..models import _rmsnorm_forward
 
 try:
     import triton
@@ -43,17 +55,36 @@ BLOCK_K = 128
 SPLITS_MAX = 8
 
 
+# bytes of a weight row one prefetch instruction names (an L2 sector) in a chain's kernels
+PREFETCH_BYTES = 32
+
+
 if triton is not None:
 
     @triton.jit
+    def _prefetch(W, rows, N, swn, k0, K_SPAN, ELEMS: tl.constexpr, CHUNK: tl.constexpr):
+        """Ask the L2 for ``W[rows, k0 : k0 + K_SPAN]`` (rows clamped to ``< N``: every address valid), one
+        prefetch per ``ELEMS`` elements of a row, ``CHUNK`` of them per row a loop step; no value is read."""
+        at_rows = W + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * swn + k0
+        for c in range(0, K_SPAN, ELEMS * CHUNK):
+            offs = tl.minimum(c + tl.arange(0, CHUNK) * ELEMS, K_SPAN - 1)
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [at_rows + offs[None, :]], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _partials_kernel(X, W, P, M, N, K_PER, sxm, swn, spm, sps,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                         PDL: tl.constexpr = False, ELEMS: tl.constexpr = 16):
         """Program (column tile, K range, row tile): ``P[s] = X[:, K range] @ W[cols, K range]^T``
-        in float32."""
+        in float32 (``PDL``: a link of the chain, see the module docstring)."""
         n, s, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            _prefetch(W, rn, N, swn, s * K_PER, K_PER, ELEMS, 8)
+            tl.extra.cuda.gdc_wait()
         x_at = X + rm[:, None].to(tl.int64) * sxm + (s * K_PER + rk)[None, :]
         w_at = W + rn[:, None].to(tl.int64) * swn + (s * K_PER + rk)[None, :]
         m_in, n_in = rm[:, None] < M, rn[:, None] < N
@@ -71,13 +102,20 @@ if triton is not None:
 
     @triton.jit
     def _gated_kernel(X, W, Out, M, I, K, sxm, swn, som,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                      PDL: tl.constexpr = False, ELEMS: tl.constexpr = 16):
         """Program (column tile, row tile): ``Out = silu(g) * u`` with ``g = X @ W[cols]^T`` and
-        ``u = X @ W[I + cols]^T``, each rounded to ``Out``'s dtype as the modules round them."""
+        ``u = X @ W[I + cols]^T``, each rounded to ``Out``'s dtype as the modules round them (``PDL``: a
+        link of the chain)."""
         n, mb = tl.program_id(0), tl.program_id(1)
         rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            _prefetch(W, rn, I, swn, 0, K, ELEMS, 8)
+            _prefetch(W + I * swn, rn, I, swn, 0, K, ELEMS, 8)
+            tl.extra.cuda.gdc_wait()
         x_at = X + rm[:, None].to(tl.int64) * sxm + rk[None, :]
         g_at = W + rn[:, None].to(tl.int64) * swn + rk[None, :]
         u_at = g_at + I * swn
@@ -102,6 +140,60 @@ if triton is not None:
         u = acc_u.to(dt).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(Out + rm[:, None] * som + rn[None, :], (act * u).to(dt), mask=m_in & (rn[None, :] < I))
+
+
+    @triton.jit
+    def _residual_norm_kernel(Hidden, P, Bias, Wn, OutH, OutX, H, eps, shm, spm, sps, som, sxm,
+                              S: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr,
+                              PDL: tl.constexpr = False):
+        """Program (row): ``h = Hidden + round(P[0] + .. + P[S-1] (+ Bias))`` and ``OutX = Wn * round(h /
+        rms(h))``, as :func:`~treerl.rollout.blocks._residual_norm` with an RMSNorm rounds them (the partials
+        added in order, in float32; the norm's statistics in float32)."""
+        r = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_H)
+        ok = offs < H
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        wn = tl.load(Wn + offs, mask=ok, other=0.0).to(tl.float32)  # (parameters: read before the wait)
+        if HAS_BIAS:
+            bias = tl.load(Bias + offs, mask=ok, other=0.0).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        dt = Hidden.dtype.element_ty
+        total = tl.load(P + r * spm + offs, mask=ok, other=0.0)
+        for s in tl.static_range(1, S):  # (unrolled: the loads independent)
+            total += tl.load(P + s * sps + r * spm + offs, mask=ok, other=0.0)
+        if HAS_BIAS:
+            total += bias
+        h = (tl.load(Hidden + r * shm + offs, mask=ok, other=0.0).to(tl.float32) + total.to(dt).to(tl.float32)).to(dt)
+        tl.store(OutH + r * som + offs, h, mask=ok)
+        hf = h.to(tl.float32)
+        var = tl.sum(hf * hf, 0) / H
+        y = (hf * tl.math.rsqrt(var + eps)).to(dt).to(tl.float32)
+        tl.store(OutX + r * sxm + offs, (wn * y).to(dt), mask=ok)
+
+
+def chains_here(device: torch.device | str) -> bool:
+    """Whether the kernels run here as a chain of dependent launches (``pdl``): CUDA sm_90+ and a Triton
+    with ``griddepcontrol`` (3.3+); never under Triton's interpreter."""
+    device = torch.device(device)
+    return (triton is not None and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9
+            and getattr(getattr(tl.extra, "cuda", None), "gdc_wait", None) is not None)
+
+
+def plain_rmsnorm(norm: torch.nn.Module, hidden: torch.Tensor) -> bool:
+    """Whether ``norm`` is a Hugging Face RMSNorm as Qwen2/Qwen3/Llama define it (``weight * round(h /
+    rms(h))``, statistics in float32, a weight in ``hidden``'s dtype, no hooks; the float64 fix of
+    :func:`~treerl.models.rmsnorm_in_input_precision` is the same math below float64) that
+    :func:`residual_norm` computes; other norms (Gemma's ``1 + weight``, a float32 weight, a patched forward) keep theirs."""
+    weight = getattr(norm, "weight", None)
+    return (type(norm).__name__ in ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "Qwen3MoeRMSNorm")
+            and isinstance(getattr(norm, "variance_epsilon", None), float)
+            and getattr(vars(norm).get("forward"), "__func__", _rmsnorm_forward) is _rmsnorm_forward
+            and isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.dtype == hidden.dtype
+            and weight.shape[0] == hidden.shape[-1] and hidden.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and not (norm._forward_hooks or norm._forward_pre_hooks))
 
 
 def _block_m(M: int) -> int:
@@ -149,11 +241,17 @@ def runs_here(x: torch.Tensor, *weights: torch.Tensor) -> bool:
                     for w in weights))
 
 
+def _link(pdl: bool, w: torch.Tensor) -> dict:
+    """A kernel's launch options as a link of the chain (``pdl``) or not."""
+    return dict(PDL=True, ELEMS=max(1, PREFETCH_BYTES // w.element_size()), launch_pdl=True) if pdl else {}
+
+
 def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = None, block_n: int = 32,
-                    block_k: int | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+                    block_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
+                    pdl: bool = False) -> torch.Tensor:
     """``x [M, K] @ w[N, K]^T`` as ``S`` float32 partial sums over ranges of ``K`` -> ``[S, M, N]``
     (``S``: ``splits``, default :func:`splits_for`); their sum, rounded to ``x``'s dtype, is the
-    product as ``F.linear`` gives it. Tiles: session 26's sweep on the H200 at 64 rows (Qwen3-0.6B's
+    product as ``F.linear`` gives it. ``pdl``: a link of the chain (:func:`chains_here`). Tiles: session 26's sweep on the H200 at 64 rows (Qwen3-0.6B's
     output and down products: 32 columns, 4 ranges, 4 stages within 2% of the best of 72 settings)."""
     _check(x, w, "linear_partials")
     K = x.shape[1]
@@ -166,14 +264,15 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = No
     block_m = _block_m(M)
     _partials_kernel[(triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))](
         x, w, out, M, N, K // splits, x.stride(0), w.stride(0), out.stride(1), out.stride(0), BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        **_link(pdl, w))
     return out
 
 
 def gated(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 32, block_k: int | None = None, num_warps: int = 4,
-          num_stages: int = 4) -> torch.Tensor:
+          num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
     """The MLP's gate and up products and ``silu(gate) * up``: ``x [M, K]``, ``w [2 I, K]`` (gate
-    rows, then up rows) -> ``[M, I]`` in ``x``'s dtype."""
+    rows, then up rows) -> ``[M, I]`` in ``x``'s dtype (``pdl``: a link of the chain)."""
     _check(x, w, "gated")
     if w.shape[0] % 2:
         raise ValueError(f"small_products.gated: w has {w.shape[0]} rows, not gate rows then as many up rows")
@@ -184,5 +283,28 @@ def gated(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 32, block_k: int |
     block_m = _block_m(M)
     _gated_kernel[(triton.cdiv(inner, block_n), triton.cdiv(M, block_m))](
         x, w, out, M, inner, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        **_link(pdl, w))
     return out
+
+
+def residual_norm(hidden: torch.Tensor, partials: torch.Tensor, bias: torch.Tensor | None, norm: torch.nn.Module, *,
+                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden [B, 1, H]`` plus the product given as float32 partial sums ``partials [S, B, H]``
+    (:func:`linear_partials`; their sum and ``bias`` rounded once to ``hidden``'s dtype) and ``norm`` (an
+    RMSNorm, :func:`plain_rmsnorm`) of the result, in one kernel: ``(hidden, norm(hidden))``, each ``[B, 1,
+    H]`` (``pdl``: a link of the chain)."""
+    B, H = hidden.shape[0], hidden.shape[-1]
+    if not plain_rmsnorm(norm, hidden) or partials.shape[1:] != (B, H) or partials.stride(2) != 1:
+        raise ValueError(f"small_products.residual_norm: {type(norm).__name__} over hidden {tuple(hidden.shape)} "
+                         f"{hidden.dtype} with partials {tuple(partials.shape)} is not a plain RMSNorm of [S, B, H] "
+                         "sums; check plain_rmsnorm() first")
+    flat = hidden.reshape(B, H)
+    out_h, out_x = torch.empty_like(flat), torch.empty_like(flat)
+    block_h = triton.next_power_of_2(H)
+    _residual_norm_kernel[(B,)](
+        flat, partials, bias if bias is not None else flat, norm.weight, out_h, out_x, H, norm.variance_epsilon,
+        flat.stride(0), partials.stride(1), partials.stride(0), out_h.stride(0), out_x.stride(0),
+        S=partials.shape[0], HAS_BIAS=bias is not None, BLOCK_H=block_h, num_warps=4 if block_h <= 2048 else 8,
+        **({"PDL": True, "launch_pdl": True} if pdl else {}))
+    return out_h.view_as(hidden), out_x.view_as(hidden)
