@@ -650,7 +650,7 @@ def test_cuda_small_tail_chain_matches_float64_and_its_eager_bits(rows):
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
 def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
     """A float32 rollout through the kernel step at few rows takes the small-row products (every
-    decode step's layers: the spy counts them; on sm_90+ as a chain of dependent launches) and gives the greedy tokens of the eager engine (16
+    decode step's layers: the spy counts them; on sm_90+ from 64 rows as a chain of dependent launches) and gives the greedy tokens of the eager engine (16
     rows) and logprobs equal to a float64 full forward (96 rows: two row tiles); above ``MAX_ROWS``
     rows the step keeps cuBLAS."""
     import treerl.rollout.blocks as blocks
@@ -667,7 +667,6 @@ def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
     engine = RolloutEngine(copy.deepcopy(model), compile_decode=compile_decode)
     groups = engine.generate(prompts, greedy)
     assert engine.decode_blocks.small and calls and max(calls) <= small_products.MAX_ROWS, calls
-    assert engine.decode_blocks.chain == small_products.chains_here("cuda")  # (sm_90+: a chain of dependent launches)
     eager = RolloutEngine(copy.deepcopy(model), cuda_graphs=False).generate(prompts, greedy)
     for ga, gb in zip(groups, eager):
         for a, b in zip(ga, gb):
@@ -675,6 +674,7 @@ def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
     calls.clear()
     assert_float64_logprobs(model, zip(prompts, engine.generate(prompts, sampled)), 0.8)
     assert max(calls) > 64, calls
+    assert engine.decode_blocks.chain == small_products.chains_here("cuda")  # (sm_90+, 64+ rows: dependent launches)
     calls.clear()
     monkeypatch.setattr(small_products, "MAX_ROWS", 0)
     RolloutEngine(copy.deepcopy(model), compile_decode=compile_decode).generate(prompts, greedy)

@@ -337,13 +337,15 @@ class DecodeBlocks:
         tail with the next norm (the next layer's input norm, or the final norm) fused after its
         residual: ~12 kernels a layer; at most :data:`~treerl.rollout.small_products.MAX_ROWS` rows the
         tail through the small-row product kernels (:func:`_small_tail`, :meth:`_small_weights`): ~10; on
-        sm_90+ (:meth:`_chain`) the own part and the tail's five kernels a chain of dependent launches.
+        sm_90+ and at least 64 rows (:meth:`_chain`) the own part and the tail's five kernels a chain of
+        dependent launches.
         Where ``cache.overlap``, the own part's launch overlaps the prompt part's (programmatic dependent launch). Returns the final norm's output ``[B, hidden]`` (the head's input)."""
         base, f, G = self.base, self.fused, cache.G
         layers = base.layers
         x = self.norm(layers[0].input_layernorm, hidden)
         small = self._small_weights(hidden)
-        chain = small is not None and self._chain(hidden, small)
+        chain = (small is not None and hidden.shape[0] >= small_products.CHAIN_MIN_ROWS
+                 and self._chain(hidden, small))
         for i, layer in enumerate(layers):
             store = cache.layers[i]
             q_own, q_pre, k, v = rope_write(torch.nn.functional.linear(x, f.qkv_w[i], f.qkv_b[i]), cos, sin,
@@ -384,9 +386,9 @@ class DecodeBlocks:
 
     def _chain(self, hidden: torch.Tensor, small: list[tuple]) -> bool:
         """Whether the small tail runs as a chain of dependent launches (:func:`_small_tail` with ``chain``,
-        :mod:`~treerl.rollout.small_products`): each of its five kernels lets the next start, asks the L2 for
-        its weights and then waits for the kernel before it, and the own part's attention lets the tail's
-        first product start. On sm_90+ (:func:`~treerl.rollout.small_products.chains_here`) where every
+        :mod:`~treerl.rollout.small_products`): each of its five kernels lets the next start and then waits for
+        the kernel before it, and the own part's attention lets the tail's first product start. At least
+        :data:`~treerl.rollout.small_products.CHAIN_MIN_ROWS` rows (the caller's test), on sm_90+ (:func:`~treerl.rollout.small_products.chains_here`) where every
         norm after a residual is a plain RMSNorm, after a probe (:func:`_chain_agrees`, once)."""
         if self.chain is None:
             base = self.base

@@ -20,12 +20,14 @@ columns, stays with cuBLAS, which ran it faster than this kernel: 5.5 against 6.
 - :func:`residual_norm` — the partial sums added up with the bias and the residual, and an RMSNorm of the
   result, in one kernel (where the norms are plain RMSNorms: :func:`plain_rmsnorm`).
 
-**A chain of dependent launches** (``pdl``, CUDA sm_90+: :func:`chains_here`): each kernel first lets the
-next launch in the stream start (``griddepcontrol.launch_dependents``), then asks the L2 for its weight
-slice (``prefetch.global.L2::evict_last``: the weights do not depend on the kernel before it) and only then
-waits for the kernel before it (``griddepcontrol.wait``: it has finished and its writes are visible) before
-reading its activations. Nothing is written before the wait, so a buffer the kernel before it still reads
-is never overwritten; the arithmetic is the same, so the output is the same bits.
+**A chain of dependent launches** (``pdl``, CUDA sm_90+: :func:`chains_here`; at least
+:data:`CHAIN_MIN_ROWS` rows): each kernel first lets the next launch in the stream start
+(``griddepcontrol.launch_dependents``), and waits for the kernel before it (``griddepcontrol.wait``: it has
+finished and its writes are visible) before reading its activations, so a launch's start overlaps the
+kernel before it. Nothing is written before the wait, so a buffer the kernel before it still reads is
+never overwritten; the arithmetic is the same, so the output is the same bits. (Session 27 also had each
+product prefetch its weight slice into the L2 before its wait: no change on the H200, 19.5 against 19.3 us a
+layer at 64 rows; removed.)
 
 Each accumulates in float32 and rounds where the modules round (a product's output, the
 activation, the gated product), so the values are the modules' up to the order of the
@@ -55,26 +57,17 @@ BLOCK_K = 128
 SPLITS_MAX = 8
 
 
-# bytes of a weight row one prefetch instruction names (an L2 sector) in a chain's kernels
-PREFETCH_BYTES = 32
+# rows at least for the chain of dependent launches (session 27, H200, the tail alone over 28 layers' weights: 64
+# rows 20.1 -> 19.3 us a layer, 128 rows 27.1 -> 26.5; 16 rows 19.1 -> 22.7-25.0, slower)
+CHAIN_MIN_ROWS = 64
 
 
 if triton is not None:
 
     @triton.jit
-    def _prefetch(W, rows, N, swn, k0, K_SPAN, ELEMS: tl.constexpr, CHUNK: tl.constexpr):
-        """Ask the L2 for ``W[rows, k0 : k0 + K_SPAN]`` (rows clamped to ``< N``: every address valid), one
-        prefetch per ``ELEMS`` elements of a row, ``CHUNK`` of them per row a loop step; no value is read."""
-        at_rows = W + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * swn + k0
-        for c in range(0, K_SPAN, ELEMS * CHUNK):
-            offs = tl.minimum(c + tl.arange(0, CHUNK) * ELEMS, K_SPAN - 1)
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [at_rows + offs[None, :]], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _partials_kernel(X, W, P, M, N, K_PER, sxm, swn, spm, sps,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                         PDL: tl.constexpr = False, ELEMS: tl.constexpr = 16):
+                         PDL: tl.constexpr = False):
         """Program (column tile, K range, row tile): ``P[s] = X[:, K range] @ W[cols, K range]^T``
         in float32 (``PDL``: a link of the chain, see the module docstring)."""
         n, s, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -83,7 +76,6 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-            _prefetch(W, rn, N, swn, s * K_PER, K_PER, ELEMS, 8)
             tl.extra.cuda.gdc_wait()
         x_at = X + rm[:, None].to(tl.int64) * sxm + (s * K_PER + rk)[None, :]
         w_at = W + rn[:, None].to(tl.int64) * swn + (s * K_PER + rk)[None, :]
@@ -103,7 +95,7 @@ if triton is not None:
     @triton.jit
     def _gated_kernel(X, W, Out, M, I, K, sxm, swn, som,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                      PDL: tl.constexpr = False, ELEMS: tl.constexpr = 16):
+                      PDL: tl.constexpr = False):
         """Program (column tile, row tile): ``Out = silu(g) * u`` with ``g = X @ W[cols]^T`` and
         ``u = X @ W[I + cols]^T``, each rounded to ``Out``'s dtype as the modules round them (``PDL``: a
         link of the chain)."""
@@ -113,8 +105,6 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-            _prefetch(W, rn, I, swn, 0, K, ELEMS, 8)
-            _prefetch(W + I * swn, rn, I, swn, 0, K, ELEMS, 8)
             tl.extra.cuda.gdc_wait()
         x_at = X + rm[:, None].to(tl.int64) * sxm + rk[None, :]
         g_at = W + rn[:, None].to(tl.int64) * swn + rk[None, :]
@@ -241,9 +231,9 @@ def runs_here(x: torch.Tensor, *weights: torch.Tensor) -> bool:
                     for w in weights))
 
 
-def _link(pdl: bool, w: torch.Tensor) -> dict:
+def _link(pdl: bool) -> dict:
     """A kernel's launch options as a link of the chain (``pdl``) or not."""
-    return dict(PDL=True, ELEMS=max(1, PREFETCH_BYTES // w.element_size()), launch_pdl=True) if pdl else {}
+    return dict(PDL=True, launch_pdl=True) if pdl else {}
 
 
 def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = None, block_n: int = 32,
@@ -265,7 +255,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = No
     _partials_kernel[(triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))](
         x, w, out, M, N, K // splits, x.stride(0), w.stride(0), out.stride(1), out.stride(0), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-        **_link(pdl, w))
+        **_link(pdl))
     return out
 
 
@@ -284,7 +274,7 @@ def gated(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 32, block_k: int |
     _gated_kernel[(triton.cdiv(inner, block_n), triton.cdiv(M, block_m))](
         x, w, out, M, inner, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-        **_link(pdl, w))
+        **_link(pdl))
     return out
 
 
