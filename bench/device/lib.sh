@@ -1,6 +1,6 @@
 # Sourced by device scripts (from bench/device/next_s18.sh on; the earlier scripts are records of what ran, left as
 # they are): the output filter, the GPU's name, the serving wheels (carry [".whl"]) and `show`, a bench_serve run's
-# figures; `grpo_steps`, `serve` and `rollout` (below) run the benchmarks on main (.v/base) or this tree.
+# figures; `grpo_steps`, `serve` and `rollout` (below) run the benchmarks on main (.v/base) or this tree; `gpu_tests`, a pytest selection.
 F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$\|pow_by_natural\|split the reduction\|^softmax"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -35,4 +35,11 @@ rollout() {
   local d=.; [ $1 = base ] && d=.v/base
   PYTHONPATH=$d/src timeout -k 5 90 python3 $d/bench/bench_rollout.py --device cuda --cases 0.6b:8x8 --extras "" \
       --bandwidth 4.277e12 --out $OUT/rollout_$1_$SECONDS.json 2>&1 | grep -v "$F" | grep "^0.6b\|FAILED\|Error" | cut -c1-200
+}
+# gpu_tests LIMIT FILTER FILE...: pytest on the device (-k FILTER) within LIMIT s, output under $OUT, its summary printed.
+gpu_tests() {
+  local limit=$1 filter=$2; shift 2
+  echo "== tests ($SECONDS s)"
+  timeout -k 5 $limit python3 -m pytest -q -p no:cacheprovider "$@" -k "$filter" > $OUT/tests.txt 2>&1
+  grep "^E \|passed\|failed\|^FAILED" $OUT/tests.txt | head -20 | cut -c1-250
 }

@@ -7,10 +7,7 @@
 # Predicted: the tail at 64 rows 21.6 -> 15-18 us a layer; the 64-row rollout 29.6k -> 31-32.5k tok/s (0.455-0.48).
 source bench/device/lib.sh
 export PYTHONPATH=src
-echo "== tests ($SECONDS s)"
-timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider tests/rollout/test_small_products.py \
-    tests/cuda/test_rollout_cuda.py -k "small" > $OUT/tests.txt 2>&1
-grep "^E \|passed\|failed\|^FAILED\|Warn.*chain" $OUT/tests.txt | head -20 | cut -c1-250
+gpu_tests 150 small tests/rollout/test_small_products.py tests/cuda/test_rollout_cuda.py
 echo "== tail kernels ($SECONDS s)"
 timeout -k 5 100 python3 bench/decode_kernels.py --kernels products --product-rows 16,64,128 \
     --out $OUT/products_s27_call1.json > $OUT/products.txt 2>&1

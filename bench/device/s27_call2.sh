@@ -6,10 +6,7 @@
 # rows ~19.3 us a layer; in process +0..2% tokens/s (the served batch is at most 64 rows, ~44 live).
 source bench/device/lib.sh
 export PYTHONPATH=src
-echo "== tests ($SECONDS s)"
-timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider tests/cuda/test_rollout_cuda.py \
-    -k "small_tail_chain or small_products_in_the_engine" > $OUT/tests.txt 2>&1
-grep "^E \|passed\|failed\|^FAILED" $OUT/tests.txt | head -20 | cut -c1-250
+gpu_tests 120 "small_tail_chain or small_products_in_the_engine" tests/cuda/test_rollout_cuda.py
 echo "== tail kernels ($SECONDS s)"
 timeout -k 5 80 python3 bench/decode_kernels.py --kernels products --product-rows 16,32,64,128 \
     --out $OUT/products_s27_call2.json > $OUT/products.txt 2>&1

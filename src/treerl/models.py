@@ -168,9 +168,18 @@ def rmsnorm_in_input_precision(model: torch.nn.Module) -> torch.nn.Module:
     the result is unchanged. Returns ``model`` (patched in place).
     """
     for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+        if is_rmsnorm(module):
             module.forward = types.MethodType(_rmsnorm_forward, module)
     return model
+
+
+def is_rmsnorm(module: torch.nn.Module, *, own_forward: bool = False) -> bool:
+    """Whether ``module`` is one of :data:`FAMILIES`' RMSNorms (``weight * round(h / rms(h))``, statistics in
+    float32; ``variance_epsilon``); ``own_forward``: and it runs its class's forward or
+    :func:`rmsnorm_in_input_precision`'s (the same math below float64), not another one set on it."""
+    forward = getattr(vars(module).get("forward"), "__func__", _rmsnorm_forward)
+    return (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+            and (not own_forward or forward is _rmsnorm_forward))
 
 
 def _rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -337,7 +337,7 @@ class DecodeBlocks:
         tail with the next norm (the next layer's input norm, or the final norm) fused after its
         residual: ~12 kernels a layer; at most :data:`~treerl.rollout.small_products.MAX_ROWS` rows the
         tail through the small-row product kernels (:func:`_small_tail`, :meth:`_small_weights`): ~10; on
-        sm_90+ and at least 64 rows (:meth:`_chain`) the own part and the tail's five kernels a chain of
+        sm_90+ and at least :data:`~treerl.rollout.small_products.CHAIN_MIN_ROWS` rows (:meth:`_chain`) the own part and the tail's five kernels a chain of
         dependent launches.
         Where ``cache.overlap``, the own part's launch overlaps the prompt part's (programmatic dependent launch). Returns the final norm's output ``[B, hidden]`` (the head's input)."""
         base, f, G = self.base, self.fused, cache.G
@@ -392,10 +392,10 @@ class DecodeBlocks:
         norm after a residual is a plain RMSNorm, after a probe (:func:`_chain_agrees`, once)."""
         if self.chain is None:
             base = self.base
-            norms = [layer.post_attention_layernorm for layer in base.layers] + [layer.input_layernorm
-                                                                                 for layer in base.layers[1:]]
+            norms = [layer.post_attention_layernorm for layer in base.layers] + [_next_norm(base, i)
+                                                                                 for i in range(len(base.layers))]
             self.chain = (small_products.chains_here(hidden.device)
-                          and all(small_products.plain_rmsnorm(n, hidden) for n in norms + [base.norm])
+                          and all(small_products.plain_rmsnorm(n, hidden) for n in norms)
                           and kernel_agrees(lambda: _chain_agrees(self.residual_norm, base.layers[0], hidden, small[0],
                                                                   _next_norm(base, 0)),
                                             what="the decode step's small-row kernels as a chain of dependent launches",

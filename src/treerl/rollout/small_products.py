@@ -41,7 +41,7 @@ import os
 
 import torch
 
-from ..models import _rmsnorm_forward
+from ..models import is_rmsnorm
 
 try:
     import triton
@@ -173,16 +173,13 @@ def chains_here(device: torch.device | str) -> bool:
 
 
 def plain_rmsnorm(norm: torch.nn.Module, hidden: torch.Tensor) -> bool:
-    """Whether ``norm`` is a Hugging Face RMSNorm as Qwen2/Qwen3/Llama define it (``weight * round(h /
-    rms(h))``, statistics in float32, a weight in ``hidden``'s dtype, no hooks; the float64 fix of
-    :func:`~treerl.models.rmsnorm_in_input_precision` is the same math below float64) that
-    :func:`residual_norm` computes; other norms (Gemma's ``1 + weight``, a float32 weight, a patched forward) keep theirs."""
+    """Whether :func:`residual_norm` computes ``norm`` on ``hidden``: one of the families' RMSNorms
+    (:func:`~treerl.models.is_rmsnorm`) with a weight ``[H]`` in ``hidden``'s dtype (16-bit or float32) and no
+    hooks; other norms keep theirs."""
     weight = getattr(norm, "weight", None)
-    return (type(norm).__name__ in ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "Qwen3MoeRMSNorm")
-            and isinstance(getattr(norm, "variance_epsilon", None), float)
-            and getattr(vars(norm).get("forward"), "__func__", _rmsnorm_forward) is _rmsnorm_forward
-            and isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.dtype == hidden.dtype
-            and weight.shape[0] == hidden.shape[-1] and hidden.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return (is_rmsnorm(norm, own_forward=True) and isinstance(weight, torch.Tensor) and weight.dim() == 1
+            and weight.dtype == hidden.dtype and weight.shape[0] == hidden.shape[-1]
+            and hidden.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and not (norm._forward_hooks or norm._forward_pre_hooks))
 
 
@@ -293,7 +290,7 @@ def residual_norm(hidden: torch.Tensor, partials: torch.Tensor, bias: torch.Tens
     out_h, out_x = torch.empty_like(flat), torch.empty_like(flat)
     block_h = triton.next_power_of_2(H)
     _residual_norm_kernel[(B,)](
-        flat, partials, bias if bias is not None else flat, norm.weight, out_h, out_x, H, norm.variance_epsilon,
+        flat, partials, bias if bias is not None else flat, norm.weight, out_h, out_x, H, float(norm.variance_epsilon),
         flat.stride(0), partials.stride(1), partials.stride(0), out_h.stride(0), out_x.stride(0),
         S=partials.shape[0], HAS_BIAS=bias is not None, BLOCK_H=block_h, num_warps=4 if block_h <= 2048 else 8,
         **({"PDL": True, "launch_pdl": True} if pdl else {}))
