@@ -227,6 +227,9 @@ def main(argv=None) -> None:
     p.add_argument("--attention-cases", default="8x8:16,8x8:256,8x8:512,64x16:32,64x16:256",
                    help="groups x rows a group : own keys a row (a prompt of 1,024 keys a group)")
     p.add_argument("--prompt-targets", default="528", help="the overlapped prompt part's programs at least, each timed")
+    p.add_argument("--merge-ranges", default="",
+                   help="the merged own part's ranges merged at a time (decode_attention.MERGE_RANGES), each timed; "
+                        "default: the module's")
     p.add_argument("--layers", type=int, default=28, help="layers a replay (attention: each its own buffers)")
     p.add_argument("--race-rows", default="64,1024")
     p.add_argument("--rope-rows", default="64,256,1024")
@@ -246,8 +249,12 @@ def main(argv=None) -> None:
     if "rope" in kernels:
         results += rope_rows(rows(args.rope_rows), args.bandwidth)
     if "attention" in kernels:
-        results += attention_cases(args.attention_cases.split(","), args.bandwidth, rows(args.prompt_targets),
-                                   args.layers)
+        from treerl.rollout import decode_attention
+
+        for merge in rows(args.merge_ranges) if args.merge_ranges else [decode_attention.MERGE_RANGES]:
+            decode_attention.MERGE_RANGES = merge
+            results += [dict(row, merge_ranges=merge) for row in attention_cases(
+                args.attention_cases.split(","), args.bandwidth, rows(args.prompt_targets), args.layers)]
     if "products" in kernels:
         results += product_rows(rows(args.product_rows), args.bandwidth, args.product_shape, args.product_sweep)
     for row in results:
