@@ -176,6 +176,14 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
         ways = [("cublas+compiled", old_tail), ("small", new_tail)]
         if sp.chains_here(device):  # (the tail's kernels as a chain of dependent launches: sm_90+)
             ways.append(("small-chain", lambda: new_tail(True)))
+
+            def pointers():  # (the chain with the products' tiles through per-thread addresses, not TMA)
+                sp.TMA = False
+                try:
+                    return new_tail(True)
+                finally:
+                    sp.TMA = True
+            ways.append(("small-chain-pointers", pointers))
         for name, run in ways:
             got = run()
             err = max(float((a.float() - b.float()).abs().max() / a.float().abs().max()) for w, v in zip(want, got)
@@ -227,9 +235,6 @@ def main(argv=None) -> None:
     p.add_argument("--attention-cases", default="8x8:16,8x8:256,8x8:512,64x16:32,64x16:256",
                    help="groups x rows a group : own keys a row (a prompt of 1,024 keys a group)")
     p.add_argument("--prompt-targets", default="528", help="the overlapped prompt part's programs at least, each timed")
-    p.add_argument("--merge-ranges", default="",
-                   help="the merged own part's ranges merged at a time (decode_attention.MERGE_RANGES), each timed; "
-                        "default: the module's")
     p.add_argument("--layers", type=int, default=28, help="layers a replay (attention: each its own buffers)")
     p.add_argument("--race-rows", default="64,1024")
     p.add_argument("--rope-rows", default="64,256,1024")
@@ -249,12 +254,8 @@ def main(argv=None) -> None:
     if "rope" in kernels:
         results += rope_rows(rows(args.rope_rows), args.bandwidth)
     if "attention" in kernels:
-        from treerl.rollout import decode_attention
-
-        for merge in rows(args.merge_ranges) if args.merge_ranges else [decode_attention.MERGE_RANGES]:
-            decode_attention.MERGE_RANGES = merge
-            results += [dict(row, merge_ranges=merge) for row in attention_cases(
-                args.attention_cases.split(","), args.bandwidth, rows(args.prompt_targets), args.layers)]
+        results += attention_cases(args.attention_cases.split(","), args.bandwidth, rows(args.prompt_targets),
+                                   args.layers)
     if "products" in kernels:
         results += product_rows(rows(args.product_rows), args.bandwidth, args.product_shape, args.product_sweep)
     for row in results:

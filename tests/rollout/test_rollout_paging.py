@@ -316,38 +316,6 @@ def test_merged_kernel_in_wide_key_tiles(dtype, page):
 
 
 @pytest.mark.skipif(not _triton_runs(), reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("S2", [1, 3, 8])
-def test_merged_kernel_merges_the_prompt_ranges_in_chunks_to_the_same_bits(monkeypatch, S2):
-    """The merged own part's epilogue reads the prompt part's ranges ``MERGE_RANGES`` at a time: for 2, 3 and 4
-    (chunks that divide ``S2``, pass it, or hold it whole) the output is bit for bit the one of a range at a time,
-    with an empty prompt range (LSE -inf) and a dead row (no own key) among them, and it equals float64 attention
-    merged by ``merge_parts``."""
-    from treerl.rollout import decode_attention
-    from treerl.rollout.shared import _attend_math, merge_parts
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator(device=dev).manual_seed(S2)
-    B, G, H, M, D, N, dtype = 4, 2, 2, 2, 32, 128, torch.float32
-    q, k, v = (torch.randn(B, H, n, D, generator=g, device=dev) for n in (M, N, N))
-    lens = torch.tensor([N, 1, 70, 0], device=dev)  # (0: a dead slot: its own part has no key)
-    mask = torch.where(torch.arange(N, device=dev)[None] < lens[:, None], 0.0, torch.finfo(dtype).min)
-    o2 = torch.randn(B // G, H, S2, G * M, D, generator=g, device=dev)
-    l2 = torch.randn(B // G, H, S2, G * M, generator=g, device=dev)
-    l2[0, :, S2 // 2] = float("-inf")
-    pk, pv, table = decode_attention.to_pages(k, v, 16, g)
-    outs = {}
-    for ranges in (1, 2, 3, 4):
-        monkeypatch.setattr(decode_attention, "MERGE_RANGES", ranges)
-        outs[ranges] = decode_attention.split_attention_merged(q, pk, pv, mask, D ** -0.5, o2, l2, G, dtype,
-                                                               table=table)
-    for ranges in (2, 3, 4):
-        assert torch.equal(outs[ranges], outs[1]), ranges
-    o1, l1 = _attend_math(q.double(), k.double(), v.double(), mask.double()[:, None, None], D ** -0.5)
-    want = merge_parts(o1.unsqueeze(2), l1.unsqueeze(2), o2.double(), l2.double(), G, torch.float64)
-    assert (outs[1].double() - want)[:-1].abs().max() <= 1e-5
-
-
-@pytest.mark.skipif(not _triton_runs(), reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("B, G, H, M, S1, S2, Dv", [(6, 3, 2, 2, 4, 3, 16), (1, 1, 8, 2, 5, 1, 128),
                                                    (4, 1, 3, 1, 1, 2, 64), (8, 4, 2, 3, 7, 5, 32),

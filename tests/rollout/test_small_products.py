@@ -30,11 +30,19 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool((got.double() - want).abs().max() <= TOL[dtype] * want.abs().max())
 
 
+@pytest.fixture(params=[True, False], ids=["tma", "pointers"])
+def tma(request, monkeypatch):
+    """The products' tiles through tensor descriptors (sm_90+ and the interpreter) or per-thread addresses."""
+    monkeypatch.setattr(small_products, "TMA", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 64, 100])
-def test_products_equal_float64(dtype, rows):
+def test_products_equal_float64(dtype, rows, tma):
     """``linear_partials`` (each number of K ranges; their sum) and ``gated`` against float64 products,
-    with a column count that leaves a partial tile and K tiles of 128, 64 and 32."""
+    with a column count that leaves a partial tile and K tiles of 128, 64 and 32, their tiles read through
+    tensor descriptors (``tma``) or per-thread addresses."""
     g = torch.Generator(device=DEVICE).manual_seed(rows)
     for K in (256, 96):
         x = torch.randn(rows, K, device=DEVICE, generator=g).to(dtype)
@@ -75,7 +83,7 @@ def test_runs_here_refuses_what_the_kernels_do_not_take():
 
 @pytest.mark.parametrize("family, extra", [("qwen3", {}), ("llama", {}), ("llama", dict(attention_bias=True))],
                          ids=["qwen3", "llama", "llama-output-bias"])
-def test_small_tail_equals_the_modules_tail_in_float64(family, extra):
+def test_small_tail_equals_the_modules_tail_in_float64(family, extra, tma):
     """The block tail with the small products (output partials summed in the residual + norm, gate/up
     and SiLU in one kernel, down partials in the next residual + norm) against ``_tail_norm`` of a
     float64 copy of the model; with an output projection's bias (added to the partials' sum before its

@@ -253,23 +253,30 @@ def test_rope_write_compiles_for_hopper(record, D, heads, kv_heads, G):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 64, 128])
-def test_small_products_compile_for_hopper(record, dtype, rows):
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_small_products_compile_for_hopper(record, monkeypatch, dtype, rows, tma):
     """The small-row products at Qwen3-0.6B's shapes after attention (the output product's and the down
     product's K ranges, the gated gate/up product), one row to ``MAX_ROWS``, bf16 and float32 (IEEE
-    products), within an SM's shared memory at their default stages."""
-    partials, gated = record(small_products, "_partials_kernel"), record(small_products, "_gated_kernel")
+    products), within an SM's shared memory at their default stages; their tiles through tensor descriptors
+    (TMA copies in the PTX, as on sm_90+) or per-thread addresses."""
+    monkeypatch.setattr(small_products, "_tma", lambda x, w: tma)
+    names = ("_partials_tma_kernel", "_gated_tma_kernel") if tma else ("_partials_kernel", "_gated_kernel")
+    partials, gated = (record(small_products, name) for name in names)
     small_products.linear_partials(torch.zeros(rows, 2048, dtype=dtype), torch.zeros(1024, 2048, dtype=dtype))
     small_products.linear_partials(torch.zeros(rows, 3072, dtype=dtype), torch.zeros(1024, 3072, dtype=dtype))
     small_products.gated(torch.zeros(rows, 1024, dtype=dtype), torch.zeros(6144, 1024, dtype=dtype))
-    assert len(_compile(partials)) == 2 and len(_compile(gated)) == 1
+    compiled = _compile(partials) + _compile(gated)
+    assert len(compiled) == 3
+    assert all(("cp.async.bulk.tensor" in c.asm["ptx"]) == tma for c in compiled)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_small_tail_chain_compiles_for_hopper(record, dtype):
+def test_the_small_tail_chain_compiles_for_hopper(record, monkeypatch, dtype):
     """The block's tail as a chain of dependent launches (64 rows, Qwen3-0.6B's shapes): each product and the
     residual + RMSNorm let the next launch start, and wait for the kernel before them. The plain launches have
     neither."""
-    names = ("_partials_kernel", "_gated_kernel", "_residual_norm_kernel")
+    names = ("_partials_tma_kernel", "_gated_tma_kernel", "_residual_norm_kernel")  # (TMA: the chain runs on sm_90+)
+    monkeypatch.setattr(small_products, "_tma", lambda x, w: True)
     kernels = {name: record(small_products, name) for name in names}
     norm = Qwen3RMSNorm(1024).to(dtype)
     hidden = torch.zeros(64, 1, 1024, dtype=dtype)

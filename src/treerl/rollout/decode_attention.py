@@ -61,10 +61,6 @@ MAX_QUERIES = {False: 512, True: 128}
 # bucket share one compiled kernel (a compile inside a serving run stalls every row for ~1 s: session 16 call 3)
 CAUSAL_QUERY_BLOCK, CAUSAL_MASK_CHUNK = 64, 256
 WINDOW_RANGES = 64  # a prefill window's key ranges at most (the merge's tile: one compiled kernel)
-# the merged own part's epilogue reads the other part's key ranges this many at a time (their loads issued together;
-# 1: one range after another, each load an L2 round trip on the program's last stretch; 4 and more take registers
-# that cost the own part its fourth program an SM on sm_90: 116 -> 144 at 4; session 28 measures 1-4)
-MERGE_RANGES = 2
 
 if triton is not None:
 
@@ -120,8 +116,7 @@ if triton is not None:
                       H, M, N, keys_per_split, scale, HIDDEN, Q0, QW,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                       IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr, MERGE: tl.constexpr,
-                      CAUSAL: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
-                      MERGE_RANGES: tl.constexpr = 1):
+                      CAUSAL: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False):
         if TRIGGER:  # the next launch (the merged own part, launched dependent) may start beside this one
             tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0)
@@ -173,23 +168,17 @@ if triton is not None:
                 tl.extra.cuda.gdc_wait()
             run = lse
             den = tl.where(has, 1.0, 0.0)
-            # the ranges in chunks of MERGE_RANGES, unrolled: a chunk's loads do not wait for its merges (one L2
-            # round trip a chunk on the program's last stretch, not one a range); a range past S2 loads -inf / 0
-            # and leaves `run`, `den` and `out` as they were, so the bits are those of one range at a time
-            for j0 in range(0, S2, MERGE_RANGES):
-                for dj in tl.static_range(MERGE_RANGES):
-                    there = keep & (j0 + dj < S2)
-                    l2 = tl.load(L2 + (b // G2) * t2b + h * t2h + (j0 + dj) * t2s + rows, mask=there,
-                                 other=float("-inf"))
-                    o2 = tl.load(O2 + (b // G2) * s2b + h * s2h + (j0 + dj) * s2s + rows[:, None] * s2m
-                                 + offs_dv[None, :], mask=there[:, None], other=0.0)
-                    new = tl.maximum(run, l2)
-                    safe = tl.where(new == float("-inf"), 0.0, new)  # neither part has keys yet: weights 0
-                    a = tl.exp(run - safe)
-                    w2 = tl.exp(l2 - safe)  # (not `c`: the mask loop's int32 variable above)
-                    out = out * a[:, None] + o2 * w2[:, None]
-                    den = den * a + w2
-                    run = new
+            for j in range(0, S2):
+                l2 = tl.load(L2 + (b // G2) * t2b + h * t2h + j * t2s + rows, mask=keep, other=float("-inf"))
+                o2 = tl.load(O2 + (b // G2) * s2b + h * s2h + j * s2s + rows[:, None] * s2m + offs_dv[None, :],
+                             mask=keep[:, None], other=0.0)
+                new = tl.maximum(run, l2)
+                safe = tl.where(new == float("-inf"), 0.0, new)  # neither part has keys yet: weights 0
+                a = tl.exp(run - safe)
+                w2 = tl.exp(l2 - safe)  # (not `c`: the mask loop's int32 variable above)
+                out = out * a[:, None] + o2 * w2[:, None]
+                den = den * a + w2
+                run = new
             out = out / tl.where(den > 0, den, 1.0)[:, None]
             tl.store(O + b * sob + (h * M + offs_m)[:, None] * soh + offs_dv[None, :], out.to(O.dtype.element_ty),
                      mask=keep[:, None])
@@ -358,7 +347,7 @@ def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages,
         H, M, N, per, scale, float(torch.finfo(mask.dtype).min), *(causal if causal is not None else (0, 1)),
         BLOCK_M=block_m, BLOCK_N=block_n, D=D, DV=DV, IEEE=q.dtype == torch.float32, PAGE=page,
         MASK_CHUNK=CAUSAL_MASK_CHUNK if causal is not None else min(1024, max(16, triton.next_power_of_2(per))),
-        MERGE=merge is not None, MERGE_RANGES=MERGE_RANGES if merge is not None else 1,
+        MERGE=merge is not None,
         CAUSAL=causal is not None, TRIGGER=trigger, WAIT=after,
         num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages,
         **({"launch_pdl": True} if after else {}),  # (a compile option: only where it is used)

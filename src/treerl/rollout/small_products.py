@@ -46,6 +46,7 @@ from ..models import is_rmsnorm
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - CPU-only torch has no triton
     triton = None
 
@@ -55,6 +56,9 @@ MAX_ROWS = 128
 PROGRAMS = 128
 BLOCK_K = 128
 SPLITS_MAX = 8
+# the products' tiles through tensor descriptors (TMA) on sm_90+ (session 28: the pointer kernels issue ~310
+# instructions a K step per thread, one warp a scheduler, ~4.7 cycles each: bound by their own instruction stream)
+TMA = True
 
 
 # rows at least for the chain of dependent launches (session 27, H200, the tail alone over 28 layers' weights: 64
@@ -131,6 +135,58 @@ if triton is not None:
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(Out + rm[:, None] * som + rn[None, :], (act * u).to(dt), mask=m_in & (rn[None, :] < I))
 
+
+    @triton.jit
+    def _partials_tma_kernel(XD, WD, P, M, N, K_PER, spm, sps,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        """:func:`_partials_kernel` with its tiles read through tensor descriptors (TMA on sm_90+: one copy a tile,
+        no per-thread addresses; rows past ``M`` or ``N`` read as zeros)."""
+        n, s, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K_PER, BLOCK_K):
+            x = XD.load([mb * BLOCK_M, s * K_PER + k])
+            w = WD.load([n * BLOCK_N, s * K_PER + k])
+            if IEEE:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        tl.store(P + s * sps + rm[:, None] * spm + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _gated_tma_kernel(XD, WD, Out, M, I, K, som,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                          PDL: tl.constexpr = False):
+        """:func:`_gated_kernel` with its tiles read through tensor descriptors (a gate tile past ``I`` reads up
+        rows into columns that are not stored; an up tile past ``2 I`` reads zeros)."""
+        n, mb = tl.program_id(0), tl.program_id(1)
+        rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x = XD.load([mb * BLOCK_M, k])
+            wg = WD.load([n * BLOCK_N, k])
+            wu = WD.load([I + n * BLOCK_N, k])
+            if IEEE:
+                acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision="ieee")
+                acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(x, tl.trans(wg), acc_g)
+                acc_u = tl.dot(x, tl.trans(wu), acc_u)
+        dt = Out.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(Out + rm[:, None] * som + rn[None, :], (act * u).to(dt), mask=(rm[:, None] < M) & (rn[None, :] < I))
 
     @triton.jit
     def _residual_norm_kernel(Hidden, P, Bias, Wn, OutH, OutX, H, eps, shm, spm, sps, som, sxm,
@@ -228,6 +284,14 @@ def runs_here(x: torch.Tensor, *weights: torch.Tensor) -> bool:
                     for w in weights))
 
 
+def _tma(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the products read their tiles through tensor descriptors (:data:`TMA`; CUDA sm_90+, or Triton's
+    interpreter; rows 16-byte aligned); otherwise through per-thread addresses."""
+    here = (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9) or os.environ.get("TRITON_INTERPRET") == "1"
+    return (TMA and here
+            and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, w)))
+
+
 def _link(pdl: bool) -> dict:
     """A kernel's launch options as a link of the chain (``pdl``) or not."""
     return dict(PDL=True, launch_pdl=True) if pdl else {}
@@ -249,10 +313,16 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = No
     M, N = x.shape[0], w.shape[0]
     out = torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
     block_m = _block_m(M)
-    _partials_kernel[(triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))](
-        x, w, out, M, N, K // splits, x.stride(0), w.stride(0), out.stride(1), out.stride(0), BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-        **_link(pdl))
+    grid = (triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+                 num_warps=num_warps, num_stages=num_stages, **_link(pdl))
+    if _tma(x, w):
+        _partials_tma_kernel[grid](TensorDescriptor.from_tensor(x, [block_m, block_k]),
+                                   TensorDescriptor.from_tensor(w, [block_n, block_k]), out, M, N, K // splits,
+                                   out.stride(1), out.stride(0), **tiles)
+    else:
+        _partials_kernel[grid](x, w, out, M, N, K // splits, x.stride(0), w.stride(0), out.stride(1), out.stride(0),
+                               **tiles)
     return out
 
 
@@ -268,10 +338,15 @@ def gated(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 32, block_k: int |
     inner = w.shape[0] // 2
     out = x.new_empty(M, inner)
     block_m = _block_m(M)
-    _gated_kernel[(triton.cdiv(inner, block_n), triton.cdiv(M, block_m))](
-        x, w, out, M, inner, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-        **_link(pdl))
+    grid = (triton.cdiv(inner, block_n), triton.cdiv(M, block_m))
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+                 num_warps=num_warps, num_stages=num_stages, **_link(pdl))
+    if _tma(x, w):
+        _gated_tma_kernel[grid](TensorDescriptor.from_tensor(x, [block_m, block_k]),
+                                TensorDescriptor.from_tensor(w, [block_n, block_k]), out, M, inner, K, out.stride(0),
+                                **tiles)
+    else:
+        _gated_kernel[grid](x, w, out, M, inner, K, x.stride(0), w.stride(0), out.stride(0), **tiles)
     return out
 
 
