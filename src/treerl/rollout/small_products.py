@@ -29,6 +29,12 @@ never overwritten; the arithmetic is the same, so the output is the same bits. (
 product prefetch its weight slice into the L2 before its wait: no change on the H200, 19.5 against 19.3 us a
 layer at 64 rows; removed.)
 
+**Tiles through tensor descriptors** (:data:`TMA`, CUDA sm_90+ and Triton's interpreter: :func:`_tma`): the
+products' ``x`` and weight tiles are TMA copies, one a tile, instead of per-thread addresses (session 28, H200, Nsight
+Compute at 64 rows: the pointer kernels issued ~310 instructions a K step per thread with one warp a scheduler, ~4.7
+cycles each, bound by their instruction stream; with TMA ~137; the tail 20.05 -> 18.21 us a layer). The same tiles
+summed in the same order (the tests check both ways against float64); the pointer kernels serve older GPUs.
+
 Each accumulates in float32 and rounds where the modules round (a product's output, the
 activation, the gated product), so the values are the modules' up to the order of the
 float32 sums. The decode step admits them with a probe against its torch path
@@ -292,18 +298,25 @@ def _tma(x: torch.Tensor, w: torch.Tensor) -> bool:
             and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, w)))
 
 
+def _stages(x: torch.Tensor, w: torch.Tensor) -> int:
+    """The products' default pipeline stages: 5 for 16-bit tiles through TMA (session 28's sweep on the H200 at 64
+    rows: output product 4.52 -> 4.30 us, down 5.25 -> 4.99, gate/up 6.98 -> 6.66 against 4), else 4 (session 26's
+    sweep of the pointer kernels; float32 tiles take twice the shared memory)."""
+    return 5 if _tma(x, w) and x.element_size() == 2 else 4
+
+
 def _link(pdl: bool) -> dict:
     """A kernel's launch options as a link of the chain (``pdl``) or not."""
     return dict(PDL=True, launch_pdl=True) if pdl else {}
 
 
 def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = None, block_n: int = 32,
-                    block_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
+                    block_k: int | None = None, num_warps: int = 4, num_stages: int | None = None,
                     pdl: bool = False) -> torch.Tensor:
     """``x [M, K] @ w[N, K]^T`` as ``S`` float32 partial sums over ranges of ``K`` -> ``[S, M, N]``
     (``S``: ``splits``, default :func:`splits_for`); their sum, rounded to ``x``'s dtype, is the
     product as ``F.linear`` gives it. ``pdl``: a link of the chain (:func:`chains_here`). Tiles: session 26's sweep on the H200 at 64 rows (Qwen3-0.6B's
-    output and down products: 32 columns, 4 ranges, 4 stages within 2% of the best of 72 settings)."""
+    output and down products: 32 columns, 4 ranges, 4 stages within 2% of the best of 72 settings; with TMA 5 stages: :func:`_stages`)."""
     _check(x, w, "linear_partials")
     K = x.shape[1]
     splits = splits or splits_for(w.shape[0], K, block_n, block_k)
@@ -315,7 +328,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = No
     block_m = _block_m(M)
     grid = (triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-                 num_warps=num_warps, num_stages=num_stages, **_link(pdl))
+                 num_warps=num_warps, num_stages=num_stages or _stages(x, w), **_link(pdl))
     if _tma(x, w):
         _partials_tma_kernel[grid](TensorDescriptor.from_tensor(x, [block_m, block_k]),
                                    TensorDescriptor.from_tensor(w, [block_n, block_k]), out, M, N, K // splits,
@@ -327,7 +340,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = No
 
 
 def gated(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 32, block_k: int | None = None, num_warps: int = 4,
-          num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
+          num_stages: int | None = None, pdl: bool = False) -> torch.Tensor:
     """The MLP's gate and up products and ``silu(gate) * up``: ``x [M, K]``, ``w [2 I, K]`` (gate
     rows, then up rows) -> ``[M, I]`` in ``x``'s dtype (``pdl``: a link of the chain)."""
     _check(x, w, "gated")
@@ -340,7 +353,7 @@ def gated(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 32, block_k: int |
     block_m = _block_m(M)
     grid = (triton.cdiv(inner, block_n), triton.cdiv(M, block_m))
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-                 num_warps=num_warps, num_stages=num_stages, **_link(pdl))
+                 num_warps=num_warps, num_stages=num_stages or _stages(x, w), **_link(pdl))
     if _tma(x, w):
         _gated_tma_kernel[grid](TensorDescriptor.from_tensor(x, [block_m, block_k]),
                                 TensorDescriptor.from_tensor(w, [block_n, block_k]), out, M, inner, K, out.stride(0),
