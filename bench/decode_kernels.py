@@ -141,7 +141,8 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
     - ``tail``: after the attention, cuBLAS + the compiled tail (``blocks._tail_norm``: output product,
       residual + norm, gate/up, SiLU gate, down product, residual + the next norm) against the small-row
       kernels + the compiled residual norms (``blocks._small_tail``) and, on sm_90+, the same kernels with
-      their own residual norms as a chain of dependent launches (``chain``), outputs compared;
+      their own residual norms as a chain of dependent launches (``chain``; ``chain-pointers``: with the
+      products' tiles through per-thread addresses instead of TMA), outputs compared;
     - with ``sweep``: each small product alone over column tiles, K ranges, warps and stages,
       against ``F.linear`` on the same weights (the Q/K/V product too: as one K range)."""
     from treerl.models import build_model

@@ -299,10 +299,11 @@ def _tma(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def _stages(x: torch.Tensor, w: torch.Tensor) -> int:
-    """The products' default pipeline stages: 5 for 16-bit tiles through TMA (session 28's sweep on the H200 at 64
-    rows: output product 4.52 -> 4.30 us, down 5.25 -> 4.99, gate/up 6.98 -> 6.66 against 4), else 4 (session 26's
-    sweep of the pointer kernels; float32 tiles take twice the shared memory)."""
-    return 5 if _tma(x, w) and x.element_size() == 2 else 4
+    """The products' default pipeline stages: 5 for 16-bit tiles through TMA in one row tile (at most 64 rows;
+    session 28 on the H200 at 64 rows: output product 4.52 -> 4.30 us, down 5.25 -> 4.99, gate/up 6.98 -> 6.66
+    against 4, the chained tail 18.2-18.6 -> 17.35 us a layer), else 4 (at 128 rows 5 stages ran the chained tail
+    22.72 -> 26.23 us; session 26's sweep of the pointer kernels; float32 tiles take twice the shared memory)."""
+    return 5 if _tma(x, w) and x.element_size() == 2 and x.shape[0] <= 64 else 4
 
 
 def _link(pdl: bool) -> dict:
