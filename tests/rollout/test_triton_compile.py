@@ -273,8 +273,8 @@ def test_small_products_compile_for_hopper(record, monkeypatch, dtype, rows, tma
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_small_tail_chain_compiles_for_hopper(record, monkeypatch, dtype):
     """The block's tail as a chain of dependent launches (64 rows, Qwen3-0.6B's shapes): each product and the
-    residual + RMSNorm let the next launch start, and wait for the kernel before them. The plain launches have
-    neither."""
+    residual + RMSNorm let the next launch start, and wait for the kernel before them before any TMA copy of their
+    tiles. The plain launches have neither."""
     names = ("_partials_tma_kernel", "_gated_tma_kernel", "_residual_norm_kernel")  # (TMA: the chain runs on sm_90+)
     monkeypatch.setattr(small_products, "_tma", lambda x, w: True)
     kernels = {name: record(small_products, name) for name in names}
@@ -290,6 +290,8 @@ def test_the_small_tail_chain_compiles_for_hopper(record, monkeypatch, dtype):
         ptx = link.asm["ptx"]
         assert link.metadata.launch_pdl and "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" in ptx
         assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
+        if "cp.async.bulk.tensor" in ptx:  # (the products' TMA copies: none issued before the wait, even pipelined)
+            assert ptx.index("griddepcontrol.wait") < ptx.index("cp.async.bulk.tensor")
 
 
 def test_race_kernel_compiles_for_hopper(record):

@@ -32,7 +32,7 @@ layer at 64 rows; removed.)
 **Tiles through tensor descriptors** (:data:`TMA`, CUDA sm_90+ and Triton's interpreter: :func:`_tma`): the
 products' ``x`` and weight tiles are TMA copies, one a tile, instead of per-thread addresses (session 28, H200, Nsight
 Compute at 64 rows: the pointer kernels issued ~310 instructions a K step per thread with one warp a scheduler, ~4.7
-cycles each, bound by their instruction stream; with TMA ~137; the tail 20.05 -> 18.21 us a layer). The same tiles
+cycles each, bound by their instruction stream; with TMA ~137; the chained tail 19.97 -> 17.35 us a layer). The same tiles
 summed in the same order (the tests check both ways against float64); the pointer kernels serve older GPUs.
 
 Each accumulates in float32 and rounds where the modules round (a product's output, the
