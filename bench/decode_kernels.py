@@ -179,11 +179,11 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
             ways.append(("small-chain", lambda: new_tail(True)))
 
             def pointers():  # (the chain with the products' tiles through per-thread addresses, not TMA)
-                sp.TMA = False
+                tma, sp.TMA = sp.TMA, False
                 try:
                     return new_tail(True)
                 finally:
-                    sp.TMA = True
+                    sp.TMA = tma
             ways.append(("small-chain-pointers", pointers))
         for name, run in ways:
             got = run()

@@ -33,8 +33,25 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
 @pytest.fixture(params=[True, False], ids=["tma", "pointers"])
 def tma(request, monkeypatch):
     """The products' tiles through tensor descriptors (sm_90+ and the interpreter) or per-thread addresses."""
+    if request.param and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors: sm_90+ (this GPU runs the pointer kernels)")
     monkeypatch.setattr(small_products, "TMA", request.param)
     return request.param
+
+
+def test_tiles_the_descriptors_cannot_take_go_through_addresses():
+    """A misaligned input or rows closer than a row apart (an expanded view) run the pointer kernels, and their
+    products still equal float64's."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    buf = torch.randn(64, 257, device=DEVICE, generator=g).half()
+    w = (torch.randn(64, 256, device=DEVICE, generator=g) / 16).half()
+    aligned, shifted = buf[:, :256], buf[:, 1:257]  # (the second starts 2 bytes in: not 16-byte aligned)
+    expanded = buf[:1, :256].expand(8, 256)  # (row stride 0)
+    assert small_products._tma(aligned.contiguous(), w)
+    assert not small_products._tma(shifted, w) and not small_products._tma(expanded, w)
+    for x in (shifted, expanded):
+        want = x.double() @ w.double().T
+        assert _close(small_products.linear_partials(x, w).sum(0), want, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

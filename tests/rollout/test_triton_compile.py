@@ -290,8 +290,8 @@ def test_the_small_tail_chain_compiles_for_hopper(record, monkeypatch, dtype):
         ptx = link.asm["ptx"]
         assert link.metadata.launch_pdl and "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" in ptx
         assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
-        if "cp.async.bulk.tensor" in ptx:  # (the products' TMA copies: none issued before the wait, even pipelined)
-            assert ptx.index("griddepcontrol.wait") < ptx.index("cp.async.bulk.tensor")
+        if name != "_residual_norm_kernel":  # (the products' TMA copies: none issued before the wait, even pipelined)
+            assert "cp.async.bulk.tensor" in ptx and ptx.index("griddepcontrol.wait") < ptx.index("cp.async.bulk.tensor")
 
 
 def test_race_kernel_compiles_for_hopper(record):

@@ -30,10 +30,12 @@ product prefetch its weight slice into the L2 before its wait: no change on the 
 layer at 64 rows; removed.)
 
 **Tiles through tensor descriptors** (:data:`TMA`, CUDA sm_90+ and Triton's interpreter: :func:`_tma`): the
-products' ``x`` and weight tiles are TMA copies, one a tile, instead of per-thread addresses (session 28, H200, Nsight
-Compute at 64 rows: the pointer kernels issued ~310 instructions a K step per thread with one warp a scheduler, ~4.7
-cycles each, bound by their instruction stream; with TMA ~137; the chained tail 19.97 -> 17.35 us a layer). The same tiles
-summed in the same order (the tests check both ways against float64); the pointer kernels serve older GPUs.
+products' ``x`` and weight tiles are TMA copies, one a tile, instead of per-thread addresses. Session 28, H200,
+Nsight Compute at 64 rows: the pointer gate/up kernel issued ~310 instructions a K step per thread with one warp a
+scheduler, an instruction every ~4.7 cycles, bound by its instruction stream; with TMA ~137, each waiting longer (5.5
+cycles; the output partials 5.5 -> 7.5): bound by the copies' and barriers' latency. The chained tail 19.97 -> 17.35
+us a layer (:func:`_stages`). The same tiles summed in the same order (the tests check both ways against float64);
+the pointer kernels serve older GPUs.
 
 Each accumulates in float32 and rounds where the modules round (a product's output, the
 activation, the gated product), so the values are the modules' up to the order of the
@@ -52,9 +54,12 @@ from ..models import is_rmsnorm
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - CPU-only torch has no triton
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - a Triton without host-side tensor descriptors: the pointer kernels
+    TensorDescriptor = None
 
 # rows at most (a step's batch bucket) for these kernels; larger batches run cuBLAS, whose tiles fill the GPU there
 MAX_ROWS = 128
@@ -140,7 +145,6 @@ if triton is not None:
         u = acc_u.to(dt).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(Out + rm[:, None] * som + rn[None, :], (act * u).to(dt), mask=m_in & (rn[None, :] < I))
-
 
     @triton.jit
     def _partials_tma_kernel(XD, WD, P, M, N, K_PER, spm, sps,
@@ -292,18 +296,22 @@ def runs_here(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 def _tma(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the products read their tiles through tensor descriptors (:data:`TMA`; CUDA sm_90+, or Triton's
-    interpreter; rows 16-byte aligned); otherwise through per-thread addresses."""
-    here = (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9) or os.environ.get("TRITON_INTERPRET") == "1"
-    return (TMA and here
-            and all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, w)))
+    interpreter; rows apart by at least a row, 16-byte aligned); otherwise through per-thread addresses."""
+    here = ((x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
+            or os.environ.get("TRITON_INTERPRET") == "1")
+    return (TMA and TensorDescriptor is not None and here
+            and all(t.stride(0) >= t.shape[1] and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+                    for t in (x, w)))
 
 
-def _stages(x: torch.Tensor, w: torch.Tensor) -> int:
-    """The products' default pipeline stages: 5 for 16-bit tiles through TMA in one row tile (at most 64 rows;
-    session 28 on the H200 at 64 rows: output product 4.52 -> 4.30 us, down 5.25 -> 4.99, gate/up 6.98 -> 6.66
-    against 4, the chained tail 18.2-18.6 -> 17.35 us a layer), else 4 (at 128 rows 5 stages ran the chained tail
-    22.72 -> 26.23 us; session 26's sweep of the pointer kernels; float32 tiles take twice the shared memory)."""
-    return 5 if _tma(x, w) and x.element_size() == 2 and x.shape[0] <= 64 else 4
+def _stages(x: torch.Tensor, tma: bool) -> int:
+    """The products' default pipeline stages: 5 for 16-bit tiles through TMA in one row tile (at most 64 rows),
+    else 4. Session 28 on the H200 at 64 rows (call 3, each product alone): output product 4.52 -> 4.30 us, down
+    5.25 -> 4.99, gate/up 6.98 -> 6.66 against 4; call 4, the chained tail 17.35 us a layer against 19.97 with
+    pointer tiles (call 2 at 4 stages: 18.21 against 20.05). At 128 rows 5 stages ran the chained tail at 26.23 us
+    (call 4) against 22.72 at 4 (call 2). Not measured at 16-32 rows. The pointer kernels keep session 26's 4; float32
+    tiles take twice the shared memory (the gated kernel at 4 stages: 229 KB of 232)."""
+    return 5 if tma and x.element_size() == 2 and x.shape[0] <= 64 else 4
 
 
 def _link(pdl: bool) -> dict:
@@ -316,8 +324,9 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = No
                     pdl: bool = False) -> torch.Tensor:
     """``x [M, K] @ w[N, K]^T`` as ``S`` float32 partial sums over ranges of ``K`` -> ``[S, M, N]``
     (``S``: ``splits``, default :func:`splits_for`); their sum, rounded to ``x``'s dtype, is the
-    product as ``F.linear`` gives it. ``pdl``: a link of the chain (:func:`chains_here`). Tiles: session 26's sweep on the H200 at 64 rows (Qwen3-0.6B's
-    output and down products: 32 columns, 4 ranges, 4 stages within 2% of the best of 72 settings; with TMA 5 stages: :func:`_stages`)."""
+    product as ``F.linear`` gives it. ``pdl``: a link of the chain (:func:`chains_here`). Tiles: session 26's
+    sweep on the H200 at 64 rows (Qwen3-0.6B's output and down products: 32 columns, 4 ranges, 4 stages within 2%
+    of the best of 72 settings); stages with TMA: :func:`_stages`."""
     _check(x, w, "linear_partials")
     K = x.shape[1]
     splits = splits or splits_for(w.shape[0], K, block_n, block_k)
@@ -328,9 +337,10 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = No
     out = torch.empty(splits, M, N, device=x.device, dtype=torch.float32)
     block_m = _block_m(M)
     grid = (triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))
+    tma = _tma(x, w)
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-                 num_warps=num_warps, num_stages=num_stages or _stages(x, w), **_link(pdl))
-    if _tma(x, w):
+                 num_warps=num_warps, num_stages=num_stages or _stages(x, tma), **_link(pdl))
+    if tma:
         _partials_tma_kernel[grid](TensorDescriptor.from_tensor(x, [block_m, block_k]),
                                    TensorDescriptor.from_tensor(w, [block_n, block_k]), out, M, N, K // splits,
                                    out.stride(1), out.stride(0), **tiles)
@@ -353,9 +363,10 @@ def gated(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 32, block_k: int |
     out = x.new_empty(M, inner)
     block_m = _block_m(M)
     grid = (triton.cdiv(inner, block_n), triton.cdiv(M, block_m))
+    tma = _tma(x, w)
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-                 num_warps=num_warps, num_stages=num_stages or _stages(x, w), **_link(pdl))
-    if _tma(x, w):
+                 num_warps=num_warps, num_stages=num_stages or _stages(x, tma), **_link(pdl))
+    if tma:
         _gated_tma_kernel[grid](TensorDescriptor.from_tensor(x, [block_m, block_k]),
                                 TensorDescriptor.from_tensor(w, [block_n, block_k]), out, M, inner, K, out.stride(0),
                                 **tiles)
