@@ -260,8 +260,7 @@ def test_small_products_compile_for_hopper(record, monkeypatch, dtype, rows, tma
     products), within an SM's shared memory at their default stages; their tiles through tensor descriptors
     (TMA copies in the PTX, as on sm_90+) or per-thread addresses."""
     monkeypatch.setattr(small_products, "_tma", lambda x, w: tma)
-    names = ("_partials_tma_kernel", "_gated_tma_kernel") if tma else ("_partials_kernel", "_gated_kernel")
-    partials, gated = (record(small_products, name) for name in names)
+    partials, gated = record(small_products, "_partials_kernel"), record(small_products, "_gated_kernel")
     small_products.linear_partials(torch.zeros(rows, 2048, dtype=dtype), torch.zeros(1024, 2048, dtype=dtype))
     small_products.linear_partials(torch.zeros(rows, 3072, dtype=dtype), torch.zeros(1024, 3072, dtype=dtype))
     small_products.gated(torch.zeros(rows, 1024, dtype=dtype), torch.zeros(6144, 1024, dtype=dtype))
@@ -275,7 +274,7 @@ def test_the_small_tail_chain_compiles_for_hopper(record, monkeypatch, dtype):
     """The block's tail as a chain of dependent launches (64 rows, Qwen3-0.6B's shapes): each product and the
     residual + RMSNorm let the next launch start, and wait for the kernel before them before any TMA copy of their
     tiles. The plain launches have neither."""
-    names = ("_partials_tma_kernel", "_gated_tma_kernel", "_residual_norm_kernel")  # (TMA: the chain runs on sm_90+)
+    names = ("_partials_kernel", "_gated_kernel", "_residual_norm_kernel")  # (their tiles by TMA: sm_90+, as the chain)
     monkeypatch.setattr(small_products, "_tma", lambda x, w: True)
     kernels = {name: record(small_products, name) for name in names}
     norm = Qwen3RMSNorm(1024).to(dtype)

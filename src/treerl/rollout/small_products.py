@@ -80,88 +80,41 @@ CHAIN_MIN_ROWS = 64
 if triton is not None:
 
     @triton.jit
+    def _link_start(PDL: tl.constexpr):
+        """A product's start as a link of the chain (``PDL``): let the next launch start, then wait for the kernel
+        before (it has ended, its writes visible) before any read of its activations."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+
+    @triton.jit
+    def _tile(T, row0, rows, stride, k, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, TMA: tl.constexpr):
+        """Rows ``row0 ..`` (``BLOCK_R``) and columns ``k ..`` (``BLOCK_K``) of ``T [rows, K]``: through its tensor
+        descriptor (``TMA``: one copy, rows past its shape zeros) or per-thread addresses (rows past ``rows`` zeros;
+        ``stride``: ``T``'s row stride)."""
+        if TMA:
+            t = T.load([row0, k])
+        else:
+            r = row0 + tl.arange(0, BLOCK_R)
+            t = tl.load(T + r[:, None].to(tl.int64) * stride + (k + tl.arange(0, BLOCK_K))[None, :],
+                        mask=r[:, None] < rows, other=0.0)
+        return t
+
+    @triton.jit
     def _partials_kernel(X, W, P, M, N, K_PER, sxm, swn, spm, sps,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         TMA: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (column tile, K range, row tile): ``P[s] = X[:, K range] @ W[cols, K range]^T``
-        in float32 (``PDL``: a link of the chain, see the module docstring)."""
+        in float32; ``X``/``W`` tensor descriptors (``TMA``) or pointers (:func:`_tile`; ``PDL``: a link of the
+        chain, see the module docstring)."""
         n, s, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        x_at = X + rm[:, None].to(tl.int64) * sxm + (s * K_PER + rk)[None, :]
-        w_at = W + rn[:, None].to(tl.int64) * swn + (s * K_PER + rk)[None, :]
-        m_in, n_in = rm[:, None] < M, rn[:, None] < N
+        _link_start(PDL)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, K_PER, BLOCK_K):
-            x = tl.load(x_at, mask=m_in, other=0.0)
-            w = tl.load(w_at, mask=n_in, other=0.0)
-            if IEEE:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
-            x_at += BLOCK_K
-            w_at += BLOCK_K
-        tl.store(P + s * sps + rm[:, None] * spm + rn[None, :], acc, mask=m_in & (rn[None, :] < N))
-
-    @triton.jit
-    def _gated_kernel(X, W, Out, M, I, K, sxm, swn, som,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                      PDL: tl.constexpr = False):
-        """Program (column tile, row tile): ``Out = silu(g) * u`` with ``g = X @ W[cols]^T`` and
-        ``u = X @ W[I + cols]^T``, each rounded to ``Out``'s dtype as the modules round them (``PDL``: a
-        link of the chain)."""
-        n, mb = tl.program_id(0), tl.program_id(1)
-        rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        x_at = X + rm[:, None].to(tl.int64) * sxm + rk[None, :]
-        g_at = W + rn[:, None].to(tl.int64) * swn + rk[None, :]
-        u_at = g_at + I * swn
-        m_in, n_in = rm[:, None] < M, rn[:, None] < I
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, K, BLOCK_K):
-            x = tl.load(x_at, mask=m_in, other=0.0)
-            wg = tl.load(g_at, mask=n_in, other=0.0)
-            wu = tl.load(u_at, mask=n_in, other=0.0)
-            if IEEE:
-                acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision="ieee")
-                acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(x, tl.trans(wg), acc_g)
-                acc_u = tl.dot(x, tl.trans(wu), acc_u)
-            x_at += BLOCK_K
-            g_at += BLOCK_K
-            u_at += BLOCK_K
-        dt = Out.dtype.element_ty
-        g = acc_g.to(dt).to(tl.float32)
-        u = acc_u.to(dt).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(Out + rm[:, None] * som + rn[None, :], (act * u).to(dt), mask=m_in & (rn[None, :] < I))
-
-    @triton.jit
-    def _partials_tma_kernel(XD, WD, P, M, N, K_PER, spm, sps,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                             PDL: tl.constexpr = False):
-        """:func:`_partials_kernel` with its tiles read through tensor descriptors (TMA on sm_90+: one copy a tile,
-        no per-thread addresses; rows past ``M`` or ``N`` read as zeros)."""
-        n, s, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K_PER, BLOCK_K):
-            x = XD.load([mb * BLOCK_M, s * K_PER + k])
-            w = WD.load([n * BLOCK_N, s * K_PER + k])
+        for k in range(s * K_PER, (s + 1) * K_PER, BLOCK_K):
+            x = _tile(X, mb * BLOCK_M, M, sxm, k, BLOCK_M, BLOCK_K, TMA)
+            w = _tile(W, n * BLOCK_N, N, swn, k, BLOCK_N, BLOCK_K, TMA)
             if IEEE:
                 acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
             else:
@@ -169,23 +122,23 @@ if triton is not None:
         tl.store(P + s * sps + rm[:, None] * spm + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
-    def _gated_tma_kernel(XD, WD, Out, M, I, K, som,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                          PDL: tl.constexpr = False):
-        """:func:`_gated_kernel` with its tiles read through tensor descriptors (a gate tile past ``I`` reads up
-        rows into columns that are not stored; an up tile past ``2 I`` reads zeros)."""
+    def _gated_kernel(X, W, Out, M, I, K, sxm, swn, som,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                      TMA: tl.constexpr = False, PDL: tl.constexpr = False):
+        """Program (column tile, row tile): ``Out = silu(g) * u`` with ``g = X @ W[cols]^T`` and
+        ``u = X @ W[I + cols]^T``, each rounded to ``Out``'s dtype as the modules round them (``X``/``W`` as
+        :func:`_partials_kernel` takes them; a gate tile past ``I`` reads up rows, or zeros, into columns that are
+        not stored; an up tile past ``2 I`` reads zeros)."""
         n, mb = tl.program_id(0), tl.program_id(1)
         rm = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        _link_start(PDL)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
-            x = XD.load([mb * BLOCK_M, k])
-            wg = WD.load([n * BLOCK_N, k])
-            wu = WD.load([I + n * BLOCK_N, k])
+            x = _tile(X, mb * BLOCK_M, M, sxm, k, BLOCK_M, BLOCK_K, TMA)
+            wg = _tile(W, n * BLOCK_N, I, swn, k, BLOCK_N, BLOCK_K, TMA)
+            wu = _tile(W, I + n * BLOCK_N, 2 * I, swn, k, BLOCK_N, BLOCK_K, TMA)
             if IEEE:
                 acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision="ieee")
                 acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
@@ -304,6 +257,14 @@ def _tma(x: torch.Tensor, w: torch.Tensor) -> bool:
                     for t in (x, w)))
 
 
+def _tiles_of(x: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int, block_k: int, tma: bool) -> tuple:
+    """What the product kernels read ``x`` and ``w`` through: tensor descriptors of their tiles (``tma``), or the
+    tensors themselves (pointers)."""
+    if not tma:
+        return x, w
+    return TensorDescriptor.from_tensor(x, [block_m, block_k]), TensorDescriptor.from_tensor(w, [block_n, block_k])
+
+
 def _stages(x: torch.Tensor, tma: bool) -> int:
     """The products' default pipeline stages: 5 for 16-bit tiles through TMA in one row tile (at most 64 rows),
     else 4. Session 28 on the H200 at 64 rows (call 3, each product alone): output product 4.52 -> 4.30 us, down
@@ -340,13 +301,8 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = No
     tma = _tma(x, w)
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
                  num_warps=num_warps, num_stages=num_stages or _stages(x, tma), **_link(pdl))
-    if tma:
-        _partials_tma_kernel[grid](TensorDescriptor.from_tensor(x, [block_m, block_k]),
-                                   TensorDescriptor.from_tensor(w, [block_n, block_k]), out, M, N, K // splits,
-                                   out.stride(1), out.stride(0), **tiles)
-    else:
-        _partials_kernel[grid](x, w, out, M, N, K // splits, x.stride(0), w.stride(0), out.stride(1), out.stride(0),
-                               **tiles)
+    _partials_kernel[grid](*_tiles_of(x, w, block_m, block_n, block_k, tma), out, M, N, K // splits, x.stride(0),
+                           w.stride(0), out.stride(1), out.stride(0), TMA=tma, **tiles)
     return out
 
 
@@ -366,12 +322,8 @@ def gated(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 32, block_k: int |
     tma = _tma(x, w)
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
                  num_warps=num_warps, num_stages=num_stages or _stages(x, tma), **_link(pdl))
-    if tma:
-        _gated_tma_kernel[grid](TensorDescriptor.from_tensor(x, [block_m, block_k]),
-                                TensorDescriptor.from_tensor(w, [block_n, block_k]), out, M, inner, K, out.stride(0),
-                                **tiles)
-    else:
-        _gated_kernel[grid](x, w, out, M, inner, K, x.stride(0), w.stride(0), out.stride(0), **tiles)
+    _gated_kernel[grid](*_tiles_of(x, w, block_m, block_n, block_k, tma), out, M, inner, K, x.stride(0), w.stride(0),
+                        out.stride(0), TMA=tma, **tiles)
     return out
 
 
