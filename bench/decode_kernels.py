@@ -80,9 +80,11 @@ def rope_rows(rows_list: list[int], bandwidth: float) -> list[dict]:
 
 
 def attention_cases(cases: list[str], bandwidth: float, targets: list[int], layers: int,
-                    prompt: int = 1024) -> list[dict]:
+                    prompt: int = 1024, sweep: list[str] = ()) -> list[dict]:
     """Each case's pair over ``layers`` layers' own buffers in one replay (a step's layers read
-    different K/V: one layer's, replayed alone, would stay in the 50 MB L2 at 64 rows); us a layer."""
+    different K/V: one layer's, replayed alone, would stay in the 50 MB L2 at 64 rows); us a layer.
+    ``sweep``: kernel settings ``part:block_n:stages:warps`` (part ``own`` or ``prompt``), each timed
+    alone and in the overlapped pair beside the other part at its defaults."""
     from treerl.rollout.decode_attention import (TARGET_PROGRAMS, overlap_ok, split_attention, split_attention_merged,
                                                  to_pages)
 
@@ -104,16 +106,18 @@ def attention_cases(cases: list[str], bandwidth: float, targets: list[int], laye
                  for _ in range(layers)]
         moved = (groups * prompt + rows * L) * H * 2 * D * 2 * layers
 
-        def prompt_part(x, overlapped=False, target=TARGET_PROGRAMS):
-            return split_attention(x["q_pre"], x["pk"], x["pv"], p_mask, D ** -0.5, trigger=overlapped, target=target)
+        def prompt_part(x, overlapped=False, target=TARGET_PROGRAMS, **settings):
+            return split_attention(x["q_pre"], x["pk"], x["pv"], p_mask, D ** -0.5, trigger=overlapped, target=target,
+                                   **settings)
 
-        def own_part(x, o_pre, l_pre, overlapped=False):
+        def own_part(x, o_pre, l_pre, overlapped=False, **settings):
             ok, ov, table = x["own"]
             return split_attention_merged(x["q_own"], ok, ov, o_mask, D ** -0.5, o_pre, l_pre, G, dt, table=table,
-                                          after=overlapped)
+                                          after=overlapped, **settings)
 
-        def step(overlapped: bool, target: int = TARGET_PROGRAMS):
-            return [own_part(x, *prompt_part(x, overlapped, target), overlapped) for x in stack]
+        def step(overlapped: bool, target: int = TARGET_PROGRAMS, own=None, pre=None):
+            return [own_part(x, *prompt_part(x, overlapped, target, **(pre or {})), overlapped, **(own or {}))
+                    for x in stack]
 
         want = step(False)
         kept = [prompt_part(x) for x in stack]
@@ -130,6 +134,17 @@ def attention_cases(cases: list[str], bandwidth: float, targets: list[int], laye
             out.append(dict(kernel="attention", case=case, rows=rows, own_keys=L, overlapped=overlapped,
                             prompt_programs=target, agrees_in_turn=same, us_a_layer=per_layer(row),
                             floor_us_a_layer=round(row["floor_us"] / layers, 2)))
+        for text in sweep:  # (other key tiles change the sums' order: compared to bf16's rounding)
+            part, block_n, stages, warps = text.split(":")
+            settings = dict(block_n=int(block_n), num_stages=int(stages), num_warps=int(warps))
+            own, pre = (settings, None) if part == "own" else (None, settings)
+            alone = (lambda: [own_part(x, *k, **settings) for x, k in zip(stack, kept)]) if part == "own" else \
+                (lambda: [prompt_part(x, **settings) for x in stack])
+            got = step(overlap, own=own, pre=pre)
+            out.append(dict(kernel="attention-sweep", case=case, part=part, **settings,
+                            agrees=all(torch.allclose(a.float(), b.float(), atol=2e-2, rtol=0) for a, b in zip(got, want)),
+                            alone_us=per_layer(_timed(alone, 0, 1)),
+                            pair_us=per_layer(_timed(lambda: step(overlap, own=own, pre=pre), 0, 1))))
     return out
 
 
@@ -236,6 +251,8 @@ def main(argv=None) -> None:
     p.add_argument("--attention-cases", default="8x8:16,8x8:256,8x8:512,64x16:32,64x16:256",
                    help="groups x rows a group : own keys a row (a prompt of 1,024 keys a group)")
     p.add_argument("--prompt-targets", default="528", help="the overlapped prompt part's programs at least, each timed")
+    p.add_argument("--attention-sweep", default="", help="kernel settings part:block_n:stages:warps, comma-separated "
+                   "(part own or prompt), each timed alone and in the overlapped pair")
     p.add_argument("--layers", type=int, default=28, help="layers a replay (attention: each its own buffers)")
     p.add_argument("--race-rows", default="64,1024")
     p.add_argument("--rope-rows", default="64,256,1024")
@@ -256,7 +273,7 @@ def main(argv=None) -> None:
         results += rope_rows(rows(args.rope_rows), args.bandwidth)
     if "attention" in kernels:
         results += attention_cases(args.attention_cases.split(","), args.bandwidth, rows(args.prompt_targets),
-                                   args.layers)
+                                   args.layers, sweep=[t for t in args.attention_sweep.split(",") if t])
     if "products" in kernels:
         results += product_rows(rows(args.product_rows), args.bandwidth, args.product_shape, args.product_sweep)
     for row in results:
