@@ -138,8 +138,8 @@ def attention_cases(cases: list[str], bandwidth: float, targets: list[int], laye
         count = torch.zeros(groups * H, device="cuda", dtype=torch.int32)
 
         def pair():  # (both parts in one launch, split_attention_pair)
-            return [split_attention_pair(x["q_pre"], x["pk"], x["pv"], p_mask, x["q_own"], *x["own"], o_mask,
-                                         D ** -0.5, G, dt, count) for x in stack]
+            return [split_attention_pair(x["q_pre"], x["pk"], x["pv"], p_mask, x["q_own"], *x["own"][:2], o_mask,
+                                         x["own"][2], D ** -0.5, G, dt, count) for x in stack]
 
         got = pair()
         row = _timed(pair, moved, bandwidth)
