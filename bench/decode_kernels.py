@@ -14,8 +14,7 @@ the sampling race (:mod:`treerl.rollout.race_kernel`) and the Q/K norm + RoPE + 
   64), Qwen3 heads (16 over 8 KV heads of 128), bf16, a prompt of 1,024 tokens per group; cases
   ``groups x rows : own keys``; run in turn and overlapped (``trigger``/``after``, where
   :func:`~treerl.rollout.decode_attention.overlap_ok`; ``--prompt-targets``: the prompt part's
-  programs at least, each timed), and in one launch (``split_attention_pair``), outputs compared bit for bit
-  (other key ranges: to bf16's rounding);
+  programs at least, each timed), outputs compared bit for bit (other key ranges: to bf16's rounding);
   each replay runs ``--layers`` layers, each over its own buffers (as a step: no L2 reuse), us a layer.
 - ``products``: a layer's products as the decode step runs them (:func:`product_rows`), cuBLAS + the
   compiled tail against :mod:`treerl.rollout.small_products` + the compiled residual norms, over every
@@ -87,7 +86,7 @@ def attention_cases(cases: list[str], bandwidth: float, targets: list[int], laye
     ``sweep``: kernel settings ``part:block_n:stages:warps`` (part ``own`` or ``prompt``), each timed
     alone and in the overlapped pair beside the other part at its defaults."""
     from treerl.rollout.decode_attention import (TARGET_PROGRAMS, overlap_ok, split_attention, split_attention_merged,
-                                                 split_attention_pair, to_pages)
+                                                 to_pages)
 
     H, gq, D, page, dt = 8, 2, 128, 64, torch.bfloat16
     overlap = overlap_ok("cuda:0", dt, D, D)
@@ -135,17 +134,6 @@ def attention_cases(cases: list[str], bandwidth: float, targets: list[int], laye
             out.append(dict(kernel="attention", case=case, rows=rows, own_keys=L, overlapped=overlapped,
                             prompt_programs=target, agrees_in_turn=same, us_a_layer=per_layer(row),
                             floor_us_a_layer=round(row["floor_us"] / layers, 2)))
-        count = torch.zeros(groups * H, device="cuda", dtype=torch.int32)
-
-        def pair():  # (both parts in one launch, split_attention_pair)
-            return [split_attention_pair(x["q_pre"], x["pk"], x["pv"], p_mask, x["q_own"], *x["own"][:2], o_mask,
-                                         x["own"][2], D ** -0.5, G, dt, count) for x in stack]
-
-        got = pair()
-        row = _timed(pair, moved, bandwidth)
-        out.append(dict(kernel="attention-pair", case=case, rows=rows, own_keys=L,
-                        agrees_in_turn=all(torch.equal(a, b) for a, b in zip(got, want)), us_a_layer=per_layer(row),
-                        floor_us_a_layer=round(row["floor_us"] / layers, 2)))
         for text in sweep:  # (other key tiles change the sums' order: compared to bf16's rounding)
             part, block_n, stages, warps = text.split(":")
             settings = dict(block_n=int(block_n), num_stages=int(stages), num_warps=int(warps))

@@ -536,7 +536,6 @@ def test_cuda_overlapped_decode_attention_in_the_engine(temperature, monkeypatch
         return merged(*args, after=after, **kwargs)
 
     monkeypatch.setattr(shared, "split_attention_merged", spy)
-    monkeypatch.setattr(shared, "pair_ok", lambda *a, **k: False)  # (the two launches, not the one)
     overlapped = RolloutEngine(copy.deepcopy(model)).generate(prompts, params)
     assert seen and all(seen), "the engine's decode steps did not overlap the two parts"
     seen.clear()
@@ -544,85 +543,6 @@ def test_cuda_overlapped_decode_attention_in_the_engine(temperature, monkeypatch
     in_turn = RolloutEngine(copy.deepcopy(model)).generate(prompts, params)
     assert seen and not any(seen)
     for ga, gb in zip(overlapped, in_turn):
-        for a, b in zip(ga, gb):
-            assert a.completion_ids.tolist() == b.completion_ids.tolist()
-            assert torch.equal(a.logprobs, b.logprobs)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("groups, G, P, L", [(8, 8, 1024, 300), (64, 16, 1024, 200), (2, 4, 16384, 17),
-                                             (3, 1, 4096, 700), (8, 8, 100, 1)])
-def test_cuda_pair_launch_equals_the_launches_in_turn(dtype, groups, G, P, L):
-    """Both parts in one launch (``split_attention_pair``: the last program of a group and KV head
-    merges, through an atomic count) give the bits of the prompt part's launch and the merged own part
-    in turn, eagerly (10 launches) and as CUDA-graph replays (20, the output set to NaN before each),
-    leaving the count zeros."""
-    from treerl.rollout.decode_attention import pair_ok, split_attention, split_attention_merged, split_attention_pair
-    from treerl.rollout.decode_attention import to_pages
-
-    assert pair_ok("cuda:0", dtype, 128, 128, dtype), "the one-launch probe failed on a GPU"
-    H, gq, D, page = 8, 2, 128, 64
-    g = torch.Generator(device="cuda").manual_seed(groups + L)
-    n = -(-L // page) * page
-    q_pre = torch.randn(groups, H, G * gq, D, device="cuda", dtype=dtype, generator=g)
-    pk = torch.randn(groups, H, P, D, device="cuda", dtype=dtype, generator=g)
-    pv = torch.randn(groups, H, P, D, device="cuda", dtype=dtype, generator=g)
-    p_mask = torch.zeros(groups, P, device="cuda", dtype=dtype)
-    p_mask[0, P // 3:] = torch.finfo(dtype).min  # (a shorter prompt: ranges with no key)
-    q_own = torch.randn(groups * G, H, gq, D, device="cuda", dtype=dtype, generator=g)
-    ok, ov, table = to_pages(torch.randn(groups * G, H, n, D, device="cuda", dtype=dtype, generator=g),
-                             torch.randn(groups * G, H, n, D, device="cuda", dtype=dtype, generator=g), page, g)
-    lens = torch.randint(1, L + 1, (groups * G,), device="cuda", generator=g)
-    o_mask = torch.where(torch.arange(n, device="cuda")[None] < lens[:, None], 0.0,
-                         torch.finfo(dtype).min).to(dtype)
-    scale = D ** -0.5
-    o_pre, l_pre = split_attention(q_pre, pk, pv, p_mask, scale)
-    want = split_attention_merged(q_own, ok, ov, o_mask, scale, o_pre, l_pre, G, dtype, table=table)
-    count = torch.zeros(groups * H, device="cuda", dtype=torch.int32)
-
-    def pair():
-        return split_attention_pair(q_pre, pk, pv, p_mask, q_own, ok, ov, o_mask, table, scale, G, dtype, count)
-
-    for _ in range(10):
-        assert torch.equal(pair(), want)
-    assert not count.any()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        pair()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = pair()
-    for _ in range(20):
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out, want)
-    assert not count.any()
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_cuda_pair_launch_in_the_engine(temperature, monkeypatch):
-    """A bf16 rollout whose rows share their prompts (the kernel step, CUDA graphs) with both attention
-    parts in one launch gives the tokens and logprobs, bit for bit, of the same rollout with them as two
-    launches in turn."""
-    import treerl.rollout.shared as shared
-
-    model = tiny_model(dtype=torch.bfloat16, seed=2, head_dim=128, num_attention_heads=4,
-                       num_key_value_heads=2).cuda()
-    prompts = random_prompts([9, 30, 3, 17], seed=6)
-    params = SamplingParams(n=4, temperature=temperature, max_new_tokens=24, seed=3)
-    calls = []
-    launch = shared.split_attention_pair
-    monkeypatch.setattr(shared, "split_attention_pair", lambda *a, **k: calls.append(1) or launch(*a, **k))
-    one = RolloutEngine(copy.deepcopy(model)).generate(prompts, params)
-    assert calls, "the engine's decode steps did not run the one launch"
-    calls.clear()
-    monkeypatch.setattr(shared, "pair_ok", lambda *a, **k: False)
-    monkeypatch.setattr(shared, "overlap_ok", lambda *a, **k: False)
-    two = RolloutEngine(copy.deepcopy(model)).generate(prompts, params)
-    assert not calls
-    for ga, gb in zip(one, two):
         for a, b in zip(ga, gb):
             assert a.completion_ids.tolist() == b.completion_ids.tolist()
             assert torch.equal(a.logprobs, b.logprobs)

@@ -29,7 +29,6 @@ SELECTION = [
     PAGING + "test_split_kernel_reads_own_keys_through_the_block_table[torch.float32-48]",  # a lookup per key
     PAGING + "test_split_kernel_reads_no_key_past_a_rows_last_visible_key",
     PAGING + "test_merge_ranges_equals_merge_parts",
-    PAGING + "test_pair_kernel_equals_the_two_launches",
     PAGING + "test_merged_kernel_in_wide_key_tiles",
     "tests/rollout/test_rollout_window_attention.py::test_window_attention_equals_float64_under_the_prefill_mask"
     "[16-90-4-2-528]",

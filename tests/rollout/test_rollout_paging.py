@@ -285,57 +285,6 @@ def test_split_kernel_reads_own_keys_through_the_block_table(page, dtype):
 
 
 @pytest.mark.skipif(not _triton_runs(), reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("dtype", _kernel_dtypes(), ids=str)
-@pytest.mark.parametrize("NG, G, Hkv, gq, P, L, page", [(2, 3, 2, 2, 300, 130, 64), (3, 4, 1, 2, 70, 16, 16),
-                                                        (1, 8, 2, 2, 1100, 64, 64), (2, 2, 2, 1, 64, 200, 48)])
-def test_pair_kernel_equals_the_two_launches(dtype, NG, G, Hkv, gq, P, L, page):
-    """The prompt part and the rows' own part in one launch (``split_attention_pair``: the last program of
-    a group and head merges) gives the bits of the two launches in turn (``split_attention``, then
-    ``split_attention_merged``) and equals float64 attention: prompt ranges with hidden and empty tails,
-    own rows of unequal length in blocks (one row a single key); its count left zeros, so a second launch
-    through the same buffer gives the same output."""
-    from treerl.rollout.decode_attention import split_attention, split_attention_merged, split_attention_pair, to_pages
-    from treerl.rollout.shared import split_queries, two_level_attention
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator(device=dev).manual_seed(P + L)
-    D, B, Hq = 32, NG * G, Hkv * gq
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float64)
-
-    cap = -(-L // page) * page
-    c = [t.to(dtype) for t in (rnd(B, Hq, 1, D), rnd(B, Hkv, cap, D), rnd(B, Hkv, cap, D), rnd(NG, Hkv, P, D),
-                               rnd(NG, Hkv, P, D))]
-    olen = torch.randint(1, L + 1, (B,), generator=g, device=dev)
-    olen[0] = 1
-    plen = torch.randint(1, P + 1, (NG,), generator=g, device=dev)
-    plen[0] = P
-
-    def masks(dt):
-        zero, neg = torch.zeros((), dtype=dt, device=dev), torch.tensor(torch.finfo(dt).min, dtype=dt, device=dev)
-        om = torch.where(torch.arange(cap, device=dev)[None] < olen[:, None], zero, neg)
-        pm = torch.where(torch.arange(P, device=dev)[None] < plen[:, None], zero, neg)
-        return om, pm
-
-    r = [t.double() for t in c]
-    om64, pm64 = masks(torch.float64)
-    ref = two_level_attention(r[0], r[1], r[2], om64[:, None, None], r[3], r[4], pm64[:, None, None], D ** -0.5, G)
-    om, pm = masks(dtype)
-    pool_k, pool_v, table = to_pages(c[1], c[2], page, g)
-    q_own, q_pre = split_queries(c[0], Hkv, G)
-    o_pre, l_pre = split_attention(q_pre, c[3], c[4], pm, D ** -0.5)
-    want = split_attention_merged(q_own, pool_k, pool_v, om, D ** -0.5, o_pre, l_pre, G, dtype, table=table)
-    count = torch.zeros(NG * Hkv + 3, dtype=torch.int32, device=dev)
-    for _ in range(2):
-        got = split_attention_pair(q_pre, c[3], c[4], pm, q_own, pool_k, pool_v, om, table, D ** -0.5, G, dtype,
-                                   count)
-        assert torch.equal(got, want) and not count.any()
-    tol = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-5}[dtype]
-    assert (got.double() - ref).abs().max() <= tol
-
-
-@pytest.mark.skipif(not _triton_runs(), reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("dtype", [d for d in _kernel_dtypes() if d != torch.float32], ids=str)
 @pytest.mark.parametrize("page", [64, 128, 48])
 def test_merged_kernel_in_wide_key_tiles(dtype, page):

@@ -339,8 +339,7 @@ class DecodeBlocks:
         tail through the small-row product kernels (:func:`_small_tail`, :meth:`_small_weights`): ~10; on
         sm_90+ and at least :data:`~treerl.rollout.small_products.CHAIN_MIN_ROWS` rows (:meth:`_chain`) the own part and the tail's five kernels a chain of
         dependent launches.
-        Where ``cache.pair``, the prompt part and the own part run in one launch (:meth:`~treerl.rollout.shared.SharedPrefixCache.attend_pair`);
-        else, where ``cache.overlap``, the own part's launch overlaps the prompt part's (programmatic dependent launch). Returns the final norm's output ``[B, hidden]`` (the head's input)."""
+        Where ``cache.overlap``, the own part's launch overlaps the prompt part's (programmatic dependent launch). Returns the final norm's output ``[B, hidden]`` (the head's input)."""
         base, f, G = self.base, self.fused, cache.G
         layers = base.layers
         x = self.norm(layers[0].input_layernorm, hidden)
@@ -352,13 +351,10 @@ class DecodeBlocks:
             q_own, q_pre, k, v = rope_write(torch.nn.functional.linear(x, f.qkv_w[i], f.qkv_b[i]), cos, sin,
                                             *_qk_norms(layer), *_heads(layer), G, store.ok, store.ov,
                                             cache.write_block, cache.write_offset)
-            attn = cache.attend_pair(i, q_own, q_pre, own_mask, prefix_mask, layer.self_attn.scaling, hidden.dtype,
-                                     trigger=chain)
-            if attn is None:
-                o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask,
-                                                          "split", trigger=cache.overlap)
-                attn = cache.attend_own_merged(i, q_own, own_mask, layer.self_attn.scaling, o_pre, l_pre, merge_g,
-                                               hidden.dtype, after=cache.overlap, trigger=chain)
+            o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask,
+                                                      "split", trigger=cache.overlap)
+            attn = cache.attend_own_merged(i, q_own, own_mask, layer.self_attn.scaling, o_pre, l_pre, merge_g,
+                                           hidden.dtype, after=cache.overlap, trigger=chain)
             following = _next_norm(base, i)
             if small:
                 hidden, x = _small_tail(self.residual_norm, layer, hidden, attn, small[i], following, chain)

@@ -62,7 +62,10 @@ MAX_QUERIES = {False: 512, True: 128}
 CAUSAL_QUERY_BLOCK, CAUSAL_MASK_CHUNK = 64, 256
 WINDOW_RANGES = 64  # a prefill window's key ranges at most (the merge's tile: one compiled kernel)
 # software-pipeline stages of the decode launches (split_attention's key ranges, split_attention_merged's one range a
-# row; a prefill window's causal launches keep 2): bench/decode_kernels.py --attention-sweep measures them
+# row; a prefill window's causal launches keep 2): bench/decode_kernels.py --attention-sweep measures them. Session 29
+# (H200, call 1): 3-4 stages left both parts alone unchanged (64 rows x 256 own keys: own part 26.65 -> 26.78 us a
+# layer) and the pair slower (37.55 -> 39.9); bench_rollout at 64 rows 31,073 / 31,237 tok/s at 2/2, 29,843 / 29,831
+# at 3/3, 29,020 at 4/4
 RANGE_STAGES, MERGED_STAGES = 2, 2
 
 if triton is not None:
@@ -112,14 +115,23 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _attend_range(Q, K, V, Mask, Table, b, h, offs_m, split, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb,
-                      stb, M, N, keys_per_split, scale, HIDDEN, Q0, QW,
+    def _split_kernel(Q, K, V, Mask, O, L, Table, O2, L2,
+                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, stb,
+                      sob, soh, sos, som, slb, slh, sls,
+                      s2b, s2h, s2s, s2m, t2b, t2h, t2s, S2, G2,
+                      H, M, N, keys_per_split, scale, HIDDEN, Q0, QW,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                      IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr, CAUSAL: tl.constexpr):
-        """Queries ``offs_m`` (of ``M``) of entry ``b``, head ``h`` against key range ``split`` (keys
-        ``[split x keys_per_split, ...)``): ``(out [BLOCK_M, DV] normalised, lse [BLOCK_M], has)``, float32;
-        ``has``: the range saw a key (else ``out = 0``, ``lse = -inf``)."""
+                      IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr, MERGE: tl.constexpr,
+                      CAUSAL: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False):
+        if TRIGGER:  # the next launch (the merged own part, launched dependent) may start beside this one
+            tl.extra.cuda.gdc_launch_dependents()
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's block of the M queries
         offs_d = tl.arange(0, D)
+        offs_dv = tl.arange(0, DV)
         q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
                     mask=offs_m[:, None] < M, other=0.0)
         if K.dtype.element_ty.is_fp8() and not IEEE:  # float8 K/V: the products in float16, which holds every float8
@@ -154,38 +166,6 @@ if triton is not None:
         has = l_i > 0
         out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        return out, lse, has
-
-    @triton.jit
-    def _fold(out, den, run, o2, l2):
-        """One key range ``(o2 [BLOCK_M, DV], l2 [BLOCK_M])`` folded into a running merge: ``out`` (weighted
-        by ``exp(lse - run)``), its weights' sum ``den`` and the running max ``run`` of the LSEs."""
-        new = tl.maximum(run, l2)
-        safe = tl.where(new == float("-inf"), 0.0, new)  # neither part has keys yet: weights 0
-        a = tl.exp(run - safe)
-        w2 = tl.exp(l2 - safe)
-        return out * a[:, None] + o2 * w2[:, None], den * a + w2, new
-
-    @triton.jit
-    def _split_kernel(Q, K, V, Mask, O, L, Table, O2, L2,
-                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, stb,
-                      sob, soh, sos, som, slb, slh, sls,
-                      s2b, s2h, s2s, s2m, t2b, t2h, t2s, S2, G2,
-                      H, M, N, keys_per_split, scale, HIDDEN, Q0, QW,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                      IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr, MERGE: tl.constexpr,
-                      CAUSAL: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False):
-        if TRIGGER:  # the next launch (the merged own part, launched dependent) may start beside this one
-            tl.extra.cuda.gdc_launch_dependents()
-        bh = tl.program_id(0)
-        split = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's block of the M queries
-        offs_dv = tl.arange(0, DV)
-        out, lse, has = _attend_range(Q, K, V, Mask, Table, b, h, offs_m, split, sqb, sqh, sqm, skb, skh, skn,
-                                      svb, svh, svn, smb, stb, M, N, keys_per_split, scale, HIDDEN, Q0, QW,
-                                      BLOCK_M, BLOCK_N, D, DV, IEEE, PAGE, MASK_CHUNK, CAUSAL)
         keep = offs_m < M
         if MERGE:  # one key range (split 0): merged here with the other part's S2 ranges of query r x M + m of
             # group b // G2 (r = b % G2) by their LSEs, the result written as O [B, 1, H x M, DV] (its dtype)
@@ -198,7 +178,13 @@ if triton is not None:
                 l2 = tl.load(L2 + (b // G2) * t2b + h * t2h + j * t2s + rows, mask=keep, other=float("-inf"))
                 o2 = tl.load(O2 + (b // G2) * s2b + h * s2h + j * s2s + rows[:, None] * s2m + offs_dv[None, :],
                              mask=keep[:, None], other=0.0)
-                out, den, run = _fold(out, den, run, o2, l2)
+                new = tl.maximum(run, l2)
+                safe = tl.where(new == float("-inf"), 0.0, new)  # neither part has keys yet: weights 0
+                a = tl.exp(run - safe)
+                w2 = tl.exp(l2 - safe)  # (not `c`: the mask loop's int32 variable above)
+                out = out * a[:, None] + o2 * w2[:, None]
+                den = den * a + w2
+                run = new
             out = out / tl.where(den > 0, den, 1.0)[:, None]
             tl.store(O + b * sob + (h * M + offs_m)[:, None] * soh + offs_dv[None, :], out.to(O.dtype.element_ty),
                      mask=keep[:, None])
@@ -231,64 +217,6 @@ if triton is not None:
         for s in range(0, S2):
             acc += tl.exp(tl.load(l2_at + s * t2s) - top).to(acc.dtype) * tl.load(o2_at + s * s2s).to(acc.dtype)
         tl.store(Out + b * sob + hm * som + dv, (acc / total).to(Out.dtype.element_ty))
-
-    @triton.jit
-    def _pair_kernel(Qp, Kp, Vp, Mp, Qo, Ko, Vo, Mo, Table, Opre, Lpre, Oown, Lown, Count, O,
-                     sqpb, sqph, sqpm, skpb, skph, skpn, svpb, svph, svpn, smpb,
-                     sqob, sqoh, sqom, skob, skoh, skon, svob, svoh, svon, smob, stb,
-                     sPb, sPh, sPs, sPm, tPb, tPh, tPs, sOb, sOh, sOm, tOb, tOh, sob, soh,
-                     H, S2, G, GQ, Np, No, per_p, per_o, scale, HIDDEN,
-                     BLOCK_M: tl.constexpr, BLOCK_MO: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                     DV: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_P: tl.constexpr, MASK_O: tl.constexpr,
-                     BLOCK_S2: tl.constexpr, TRIGGER: tl.constexpr = False):
-        """:func:`split_attention_pair`: program ``(g, h, slot)`` (slot fastest) attends group ``g``'s row
-        ``slot`` (``slot < G``: its own keys, one range) or the group's prompt range ``slot - G``
-        (its ``G x GQ`` queries) under KV head ``h``, and writes its partial; the last of the ``G + S2``
-        programs of ``(g, h)`` to finish (an atomic count) merges them as :func:`_split_kernel`'s
-        epilogue does (the own part, then the ranges in order: the same bits) into ``O``."""
-        if TRIGGER:  # the next launch (the small tail's first product, launched dependent) may start beside this one
-            tl.extra.cuda.gdc_launch_dependents()
-        pid = tl.program_id(0)
-        gh, slot = pid // (G + S2), pid % (G + S2)
-        g, h = gh // H, gh % H
-        offs = tl.arange(0, BLOCK_M)
-        dv = tl.arange(0, DV)
-        if slot < G:  # a row's own keys (the longer programs first: the lower slots)
-            r = g * G + slot  # (its one key range, 0, passed as a tensor: `split == 0` is a value there)
-            offs_o = tl.arange(0, BLOCK_MO)  # (the merged own part's query tile: its layout, its bits)
-            o_r, l_r, _o = _attend_range(Qo, Ko, Vo, Mo, Table, r, h, offs_o, pid * 0, sqob, sqoh, sqom, skob, skoh,
-                                         skon, svob, svoh, svon, smob, stb, GQ, No, per_o, scale, HIDDEN, 0, 1,
-                                         BLOCK_MO, BLOCK_N, D, DV, IEEE, PAGE, MASK_O, False)
-            tl.store(Oown + r * sOb + h * sOh + offs_o[:, None] * sOm + dv[None, :], o_r, mask=(offs_o < GQ)[:, None])
-            tl.store(Lown + r * tOb + h * tOh + offs_o, l_r, mask=offs_o < GQ)
-        else:  # one of the group's prompt ranges
-            j = slot - G
-            o_j, l_j, _p = _attend_range(Qp, Kp, Vp, Mp, Table, g, h, offs, j, sqpb, sqph, sqpm, skpb, skph, skpn,
-                                         svpb, svph, svpn, smpb, 0, G * GQ, Np, per_p, scale, HIDDEN, 0, 1,
-                                         BLOCK_M, BLOCK_N, D, DV, IEEE, 0, MASK_P, False)
-            tl.store(Opre + g * sPb + h * sPh + j * sPs + offs[:, None] * sPm + dv[None, :], o_j,
-                     mask=(offs < G * GQ)[:, None])
-            tl.store(Lpre + g * tPb + h * tPh + j * tPs + offs, l_j, mask=offs < G * GQ)
-        tl.debug_barrier()  # (every thread's partial stored before the count: the release below covers them)
-        done = tl.atomic_add(Count + gh, 1, sem="acq_rel", scope="gpu")
-        if done == G + S2 - 1:  # the last: every partial of (g, h) is visible (read past the L1: .cg)
-            tl.store(Count + gh, 0)  # (ready for the next launch)
-            valid = offs < G * GQ  # query qi = row-in-group x GQ + m
-            row, m = g * G + offs // GQ, offs % GQ
-            run = tl.load(Lown + row * tOb + h * tOh + m, mask=valid, other=float("-inf"), cache_modifier=".cg")
-            out = tl.load(Oown + row[:, None] * sOb + h * sOh + m[:, None] * sOm + dv[None, :], mask=valid[:, None],
-                          other=0.0, cache_modifier=".cg")
-            den = tl.where(run > float("-inf"), 1.0, 0.0)
-            for jj in tl.static_range(BLOCK_S2):  # (unrolled: the ranges' loads in flight together; past S2: no-ops)
-                use = valid & (jj < S2)
-                l2 = tl.load(Lpre + g * tPb + h * tPh + jj * tPs + offs, mask=use, other=float("-inf"),
-                             cache_modifier=".cg")
-                o2 = tl.load(Opre + g * sPb + h * sPh + jj * sPs + offs[:, None] * sPm + dv[None, :],
-                             mask=use[:, None], other=0.0, cache_modifier=".cg")
-                out, den, run = _fold(out, den, run, o2, l2)
-            out = out / tl.where(den > 0, den, 1.0)[:, None]
-            tl.store(O + row[:, None] * sob + (h * GQ + m)[:, None] * soh + dv[None, :], out.to(O.dtype.element_ty),
-                     mask=valid[:, None])
 
     # The same two kernels for a prefill window's launches (window_attention), not specialised on its sizes: prefills
     # come in any length (chunked ones, past the small prefills' buckets), and each new divisibility pattern of the
@@ -372,57 +300,6 @@ def split_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     per = -(-N // block_n) * block_n
     _launch(q, k, v, mask, scale, table, 1, per, block_n, num_warps, num_stages or MERGED_STAGES, out,
             (out.stride(0), out.stride(2), 0, 0), None, (o_pre, l_pre, G), trigger=trigger, after=after)
-    return out
-
-
-# a group's queries (G x gq) at most in split_attention_pair: its programs run 4 warps, as both launches do there
-PAIR_MAX_QUERIES = 32
-
-
-def split_attention_pair(q_pre: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, p_mask: torch.Tensor,
-                         q_own: torch.Tensor, ok: torch.Tensor, ov: torch.Tensor, o_mask: torch.Tensor,
-                         table: torch.Tensor, scale: float, G: int, dtype: torch.dtype, count: torch.Tensor, *,
-                         block_n: int = BLOCK_N, num_warps: int | None = None, num_stages: int | None = None,
-                         trigger: bool = False) -> torch.Tensor:
-    """The decode step's attention in one launch: the groups' prompt part in key ranges
-    (:func:`split_attention`'s) and the rows' own part in one range a row (paged through
-    ``table``), merged as :func:`split_attention_merged` merges them (the same ranges, the same
-    bits). ``q_pre [B/G, H, G x gq, D]``, ``pk/pv [B/G, H, P, D]``, ``p_mask [B/G, P]``; ``q_own
-    [B, H, gq, D]``, ``ok/ov`` block pools, ``o_mask [B, N]``; ``count``: int32 zeros, ``>= B/G x H``
-    (left zeros: one buffer serves every launch in a stream) -> ``[B, 1, H x gq, Dv]`` in ``dtype``.
-
-    Where the two launches overlap (:func:`overlap_ok`), the own launch's programs still start only as
-    the prompt part's leave the SMs, and wait for the last of them before their merge. Here each
-    ``(group, KV head)`` has ``G`` own programs and the prompt part's ranges side by side; the last of
-    them to finish (an atomic count) merges its group's rows. ``trigger`` (CUDA, sm_90+): each program
-    first lets the next launch start beside it (the small tail's chain)."""
-    groups, H, GM, D = q_pre.shape
-    B, _, gq, _ = q_own.shape
-    DV = pv.shape[3]
-    assert groups * G == B and GM == G * gq <= PAIR_MAX_QUERIES and count.numel() >= groups * H, (groups, G, GM)
-    assert count.dtype == torch.int32 and table.shape[0] == B and table.stride(1) == 1
-    p_mask = p_mask.reshape(p_mask.shape[0], p_mask.shape[-1]) if p_mask.dim() == 4 else p_mask
-    o_mask = o_mask.reshape(o_mask.shape[0], o_mask.shape[-1]) if o_mask.dim() == 4 else o_mask
-    Np, No, page = pk.shape[2], o_mask.shape[-1], ok.shape[2]
-    S2 = splits_for(groups, H, Np, TARGET_PROGRAMS, block_n)  # (as split_attention picks the prompt part's ranges)
-    per_p = -(-(-(-Np // S2)) // block_n) * block_n
-    S2 = max(1, -(-Np // per_p))
-    per_o = -(-No // block_n) * block_n
-    f32 = dict(device=q_own.device, dtype=torch.float32)
-    o_pre, l_pre = torch.empty(groups, H, S2, GM, DV, **f32), torch.empty(groups, H, S2, GM, **f32)
-    o_own, l_own = torch.empty(B, H, gq, DV, **f32), torch.empty(B, H, gq, **f32)
-    out = torch.empty(B, 1, H * gq, DV, device=q_own.device, dtype=dtype)
-    block_m = max(16, triton.next_power_of_2(GM))
-    chunk = lambda per: min(1024, max(16, triton.next_power_of_2(per)))  # noqa: E731 - (as _launch's)
-    _pair_kernel[(groups * H * (G + S2),)](
-        q_pre, pk, pv, p_mask, q_own, ok, ov, o_mask, table, o_pre, l_pre, o_own, l_own, count, out,
-        *q_pre.stride()[:3], *pk.stride()[:3], *pv.stride()[:3], p_mask.stride(0),
-        *q_own.stride()[:3], *ok.stride()[:3], *ov.stride()[:3], o_mask.stride(0), table.stride(0),
-        *o_pre.stride()[:4], *l_pre.stride()[:3], *o_own.stride()[:3], *l_own.stride()[:2], out.stride(0),
-        out.stride(2), H, S2, G, gq, Np, No, per_p, per_o, scale, float(torch.finfo(p_mask.dtype).min),
-        BLOCK_M=block_m, BLOCK_MO=max(16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=D, DV=DV,
-        IEEE=q_own.dtype == torch.float32, PAGE=page, MASK_P=chunk(per_p), MASK_O=chunk(per_o), BLOCK_S2=triton.next_power_of_2(S2), TRIGGER=trigger,
-        num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages or RANGE_STAGES, maxnreg=128)
     return out
 
 
@@ -595,58 +472,3 @@ def overlap_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int,
     return kernel_agrees(check, what="the decode attention's overlapped launches", reference="the same launches in turn",
                          where=f"{device} ({dtype}, K/V {kv_dtype}, head {head_dim}/{value_dim})",
                          fallback="the prompt part and the own part run one after the other")
-
-
-@functools.lru_cache(maxsize=None)
-def pair_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int,
-            kv_dtype: torch.dtype | None = None) -> bool:
-    """Whether :func:`split_attention_pair` runs here and gives the bits of the two launches in turn
-    (:func:`split_attention`, then :func:`split_attention_merged`), eagerly and as CUDA-graph replays,
-    leaving its count zeros (probed once per device, dtype and head sizes, on groups whose prompt part
-    spans several key ranges; never inside a capture; a failure warns,
-    :func:`~treerl.rollout.kernel_probe.kernel_agrees`)."""
-    if (triton is None or not device.startswith("cuda")
-            or not split_attention_ok(device, dtype, head_dim, value_dim, 0, kv_dtype)):
-        return False
-    kv_dtype = kv_dtype or dtype
-
-    def check() -> bool:
-        g = torch.Generator(device=device).manual_seed(0)
-        groups, G, H, gq, P, L, page = 4, 4, 2, 2, 2048, 100, 64
-
-        def randn(*shape, kv=False):
-            x = torch.randn(*shape, device=device, dtype=dtype, generator=g)
-            return stored(x, kv_dtype) if kv else x
-
-        q_pre, pk, pv = randn(groups, H, G * gq, head_dim), randn(groups, H, P, head_dim, kv=True), \
-            randn(groups, H, P, value_dim, kv=True)
-        q_own = randn(groups * G, H, gq, head_dim)
-        n = -(-L // page) * page
-        ok, ov, table = to_pages(randn(groups * G, H, n, head_dim, kv=True), randn(groups * G, H, n, value_dim, kv=True),
-                                 page, g)
-        p_mask, o_mask = torch.zeros(groups, P, device=device, dtype=dtype), torch.zeros(groups * G, n, device=device,
-                                                                                          dtype=dtype)
-        o_mask[:, L:] = p_mask[1, 1500:] = torch.finfo(dtype).min
-        o_pre, l_pre = split_attention(q_pre, pk, pv, p_mask, 0.125)
-        want = split_attention_merged(q_own, ok, ov, o_mask, 0.125, o_pre, l_pre, G, dtype, table=table)
-        count = torch.zeros(groups * H, device=device, dtype=torch.int32)
-
-        def pair():
-            return split_attention_pair(q_pre, pk, pv, p_mask, q_own, ok, ov, o_mask, table, 0.125, G, dtype, count)
-
-        for _ in range(3):
-            if not torch.equal(pair(), want) or count.any():
-                return False
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = pair()
-        for _ in range(3):
-            got.fill_(float("nan"))
-            graph.replay()
-            if not torch.equal(got, want) or count.any():
-                return False
-        return True
-
-    return kernel_agrees(check, what="the decode attention's parts in one launch", reference="the two launches in turn",
-                         where=f"{device} ({dtype}, K/V {kv_dtype}, head {head_dim}/{value_dim})",
-                         fallback="the prompt part and the own part run as two launches (slower)")

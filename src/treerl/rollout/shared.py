@@ -42,9 +42,8 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .decode_attention import (MERGED_MIN_PROGRAMS, PAIR_MAX_QUERIES, merge_ranges, overlap_ok, pair_ok,
-                               split_attention, split_attention_merged, split_attention_ok, split_attention_pair,
-                               splits_for)
+from .decode_attention import (MERGED_MIN_PROGRAMS, merge_ranges, overlap_ok, split_attention,
+                               split_attention_merged, split_attention_ok, splits_for)
 from .kernel_probe import kernel_agrees
 from .kv_copy import copy_slots, copy_slots_ok
 from .types import raw, stored
@@ -104,8 +103,7 @@ class SharedPrefixCache(Cache):
     step's prompt part is then one empty key range (:meth:`no_prompt_part`), not a kernel.
 
     ``overlap`` (probed here): the kernel step's prompt part and merged own part run as one
-    overlapped pair (:func:`~treerl.rollout.decode_attention.split_attention_merged`'s ``after``).
-    ``pair`` (probed here): they run in one launch instead (:meth:`attend_pair`)."""
+    overlapped pair (:func:`~treerl.rollout.decode_attention.split_attention_merged`'s ``after``)."""
 
     def __init__(self, num_layers: int, groups: int, G: int, prefix_capacity: int, table: torch.Tensor,
                  num_blocks: int, block_size: int, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype,
@@ -143,11 +141,6 @@ class SharedPrefixCache(Cache):
         self.overlap = (self.split and not self.forks and not prompts_in_own_blocks
                         and merged_attention_ok(str(device), dtype, head_dim, value_dim, self.kv_dtype)
                         and overlap_ok(str(device), dtype, head_dim, value_dim, self.kv_dtype))
-        # both parts in one launch (the same conditions; no dependent launch needed): its count, zeros between launches
-        self.pair = (self.split and not self.forks and not prompts_in_own_blocks
-                     and merged_attention_ok(str(device), dtype, head_dim, value_dim, self.kv_dtype)
-                     and pair_ok(str(device), dtype, head_dim, value_dim, self.kv_dtype))
-        self.pair_count = torch.zeros(groups * kv_heads, dtype=torch.int32, device=device) if self.pair else None
         self.efficient = device.type == "cuda" and _efficient_ok(str(device), dtype, head_dim, value_dim)
         self.efficient_unaligned = self.efficient and _efficient_ok(str(device), dtype, head_dim, value_dim, True)
         self.write_index: torch.Tensor | None = None
@@ -243,26 +236,6 @@ class SharedPrefixCache(Cache):
             return merge_ranges(o_own, l_own, o_pre, l_pre, G, dtype)
         return split_attention_merged(q_own, layer.ok, layer.ov, own_mask, scale, o_pre, l_pre, G, dtype,
                                       table=self.table[:s], after=after, trigger=trigger)
-
-    def attend_pair(self, layer_idx: int, q_own: torch.Tensor, q_pre: torch.Tensor, own_mask: torch.Tensor,
-                    prefix_mask: torch.Tensor, scale: float, dtype: torch.dtype,
-                    trigger: bool = False) -> torch.Tensor | None:
-        """The layer's attention, the prompt part and the rows' own part in one launch
-        (:func:`~treerl.rollout.decode_attention.split_attention_pair`: the bits of the prompt part's
-        ranges and :meth:`attend_own_merged` after them) -> ``[s, 1, Hkv x gq, Dv]`` in ``dtype``; None
-        where it does not serve this step (:attr:`pair` off, a group's queries past one program's tile,
-        or an own part that runs in key ranges: see :meth:`attend_own_merged`). ``trigger``: the small
-        tail's chain (as there)."""
-        s, H, gq, _ = q_own.shape
-        N = own_mask.shape[-1]
-        if (not self.pair or self.G * gq > PAIR_MAX_QUERIES
-                or splits_for(s, H, N, MERGED_MIN_PROGRAMS) > 1):
-            return None
-        layer = self.layers[layer_idx]
-        pa = prefix_mask.shape[-1]
-        pk, pv = layer.pk[:q_pre.shape[0], :, :pa], layer.pv[:q_pre.shape[0], :, :pa]
-        return split_attention_pair(q_pre, pk, pv, prefix_mask, q_own, layer.ok, layer.ov, own_mask,
-                                    self.table[:s], scale, self.G, dtype, self.pair_count, trigger=trigger)
 
     def attend_own(self, layer_idx: int, q_own: torch.Tensor, own_mask: torch.Tensor, scale: float,
                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:

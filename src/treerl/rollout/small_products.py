@@ -266,13 +266,15 @@ def _tiles_of(x: torch.Tensor, w: torch.Tensor, block_m: int, block_n: int, bloc
 
 
 def _stages(x: torch.Tensor, tma: bool) -> int:
-    """The products' default pipeline stages: 5 for 16-bit tiles through TMA in one row tile (at most 64 rows),
+    """The products' default pipeline stages: 5 for 16-bit tiles through TMA in a row tile of 64 (33-64 rows),
     else 4. Session 28 on the H200 at 64 rows (call 3, each product alone): output product 4.52 -> 4.30 us, down
     5.25 -> 4.99, gate/up 6.98 -> 6.66 against 4; call 4, the chained tail 17.35 us a layer against 19.97 with
     pointer tiles (call 2 at 4 stages: 18.21 against 20.05). At 128 rows 5 stages ran the chained tail at 26.23 us
-    (call 4) against 22.72 at 4 (call 2). Not measured at 16-32 rows. The pointer kernels keep session 26's 4; float32
-    tiles take twice the shared memory (the gated kernel at 4 stages: 229 KB of 232)."""
-    return 5 if tma and x.element_size() == 2 and x.shape[0] <= 64 else 4
+    (call 4) against 22.72 at 4 (call 2). Session 29 (call 4, each product alone at its default tiles): at 32 rows 5
+    stages are slower (gate/up 8.45 against 8.10 us, output 4.24 / 4.15, down 4.82 / 4.73), at 16 rows the same
+    within 0.1 us. The pointer kernels keep session 26's 4; float32 tiles take twice the shared memory (the gated
+    kernel at 4 stages: 229 KB of 232)."""
+    return 5 if tma and x.element_size() == 2 and 32 < x.shape[0] <= 64 else 4
 
 
 def _link(pdl: bool) -> dict:
