@@ -18,12 +18,14 @@ in it, or, causal, none up to its query block's last query).
 
 Keys the mask hides (mask value ``finfo(mask.dtype).min``) add ``exp(hidden - max) = 0`` to
 every softmax sum. Each split first reads its mask for its last visible key and reads K/V
-tiles only up to it: slots past a row's length (the step attends to the longest row's span)
-and a prompt shorter than the prefix store are not read, so a step's attention reads what its
-rows hold, not ``rows x span``. The loop has no branch per tile, so its loads pipeline; a
-hidden run inside a row is read and masked (pools hold finite values). A range with no visible
-key reads no K/V and writes ``lse = -inf`` (weight 0 in every merge); the first range's first
-tile always runs, so every row and query keeps a finite LSE (a dead row's: over hidden keys).
+only up to it (tiles past it are not run, and the last tile's keys past it are not loaded:
+~32 of a row's keys a step in blocks of 64, session 29): slots past a row's length (the step
+attends to the longest row's span) and a prompt shorter than the prefix store are not read, so a
+step's attention reads what its rows hold, not ``rows x span``. The loop has no branch per tile,
+so its loads pipeline; a hidden run inside a row is read and masked (pools hold finite values).
+A range with no visible key reads no K/V and writes ``lse = -inf`` (weight 0 in every merge);
+the first range's first key is always read, so every row and query keeps a finite LSE (a dead
+row's: over that hidden key).
 
 Paged keys (the rows' own store, :mod:`~treerl.rollout.paging`): ``k/v`` are block pools
 ``[num_blocks, H, PAGE, D]`` and ``table [B, max_blocks]`` names the block of each entry's
@@ -158,7 +160,7 @@ if triton is not None:
             end = tl.maximum(tl.minimum(end, tl.max(tl.where(offs_m < M, last, 0), 0) + 1), start + first)
         for i in range(0, tl.cdiv(end - start, BLOCK_N)):
             offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            valid = offs_n < N
+            valid = offs_n < end  # (end <= N: the last tile's keys past the last visible one are not loaded)
             bias = tl.load(Mask + b * smb + offs_n, mask=valid, other=0.0).to(tl.float32)
             m_i, l_i, acc = _tile(q, K, V, Table, b, h, offs_n, valid, bias, m_i, l_i, acc, start + i * BLOCK_N,
                                   last, HIDDEN, skb, skh, skn, svb, svh, svn, stb, N, scale,
