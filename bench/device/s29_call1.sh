@@ -7,6 +7,8 @@
 # 18-21 us a layer, the pair 37.4 -> 30-33; bench_rollout at 64 rows +5..9%.
 # (1) the sweep of both parts' settings at 64 and 1,024 rows; (2) bench_rollout at 64 rows with the stages patched
 # (RANGE_STAGES / MERGED_STAGES), alternating; 1,024 rows at 2/2 and 3/3; (3) the small products at 16/32 rows.
+# (RANGE_STAGES / MERGED_STAGES, which this script patches, were removed in the session's review: the stages are the
+# launches' num_stages defaults again, 2.)
 source bench/device/lib.sh
 export PYTHONPATH=src
 echo "== attention sweep ($SECONDS s)"

@@ -63,12 +63,6 @@ MAX_QUERIES = {False: 512, True: 128}
 # bucket share one compiled kernel (a compile inside a serving run stalls every row for ~1 s: session 16 call 3)
 CAUSAL_QUERY_BLOCK, CAUSAL_MASK_CHUNK = 64, 256
 WINDOW_RANGES = 64  # a prefill window's key ranges at most (the merge's tile: one compiled kernel)
-# software-pipeline stages of the decode launches (split_attention's key ranges, split_attention_merged's one range a
-# row; a prefill window's causal launches keep 2): bench/decode_kernels.py --attention-sweep measures them. Session 29
-# (H200, call 1): 3-4 stages left both parts alone unchanged (64 rows x 256 own keys: own part 26.65 -> 26.78 us a
-# layer) and the pair slower (37.55 -> 39.9); bench_rollout at 64 rows 31,073 / 31,237 tok/s at 2/2, 29,843 / 29,831
-# at 3/3, 29,020 at 4/4
-RANGE_STAGES, MERGED_STAGES = 2, 2
 
 if triton is not None:
 
@@ -240,7 +234,7 @@ def splits_for(batch: int, heads: int, keys: int, target: int = TARGET_PROGRAMS,
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                     splits: int | None = None, *, table: torch.Tensor | None = None, block_n: int = BLOCK_N,
                     target: int = TARGET_PROGRAMS, num_warps: int | None = None,
-                    num_stages: int | None = None, causal: tuple[int, int] | None = None,
+                    num_stages: int = 2, causal: tuple[int, int] | None = None,
                     trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring; ``mask`` is ``[B, 1, 1, N]`` or ``[B, N]``; ``table``
     ``[B, max_blocks]`` (integer): ``k/v`` are block pools ``[blocks, H, PAGE, D]`` read
@@ -250,10 +244,11 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     block's programs reading keys up to its last query. ``trigger`` (CUDA, sm_90+): each
     program first lets the next launch in the stream start beside this one, where that launch
     is dependent (:func:`split_attention_merged` with ``after``). The other keyword arguments are
-    kernel settings (``bench/tune_split_attention.py`` measures them)."""
+    kernel settings (``bench/tune_split_attention.py`` and ``bench/decode_kernels.py --attention-sweep`` measure
+    them; 2 stages: session 29 on an H200 measured 3-4 stages no faster alone at 64 rows x 256 own keys, 26.65 ->
+    26.78 us a layer, and ``bench_rollout`` at 64 rows 2-7% slower)."""
     B, H, M, _ = q.shape
     N = k.shape[2] if table is None else mask.shape[-1]
-    num_stages = num_stages or (RANGE_STAGES if causal is None else 2)
     if splits is None:  # (causal: its query blocks are programs too, and at most WINDOW_RANGES ranges: one merge)
         blocks = 1 if causal is None else -(-M // CAUSAL_QUERY_BLOCK)
         splits = splits_for(B * blocks, H, N, target, block_n)
@@ -277,7 +272,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 def split_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                            o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, dtype: torch.dtype, *,
                            table: torch.Tensor | None = None, block_n: int = BLOCK_N, num_warps: int | None = None,
-                           num_stages: int | None = None, after: bool = False, trigger: bool = False) -> torch.Tensor:
+                           num_stages: int = 2, after: bool = False, trigger: bool = False) -> torch.Tensor:
     """:func:`split_attention` over one key range per (entry, head) with
     :func:`~treerl.rollout.shared.merge_parts` in its epilogue: ``q/k/v/mask/table`` as there (the rows' own part, ``M = gq`` queries), ``o_pre
     [B/G, H, S2, G x gq, Dv]`` / ``l_pre`` the other part's key ranges (:func:`split_attention`'s
@@ -300,7 +295,7 @@ def split_attention_merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     assert o_pre.shape[0] * G == B and o_pre.shape[1] == H and o_pre.shape[3] == G * M and o_pre.stride(-1) == 1
     out = torch.empty(B, 1, H * M, v.shape[3], device=q.device, dtype=dtype)
     per = -(-N // block_n) * block_n
-    _launch(q, k, v, mask, scale, table, 1, per, block_n, num_warps, num_stages or MERGED_STAGES, out,
+    _launch(q, k, v, mask, scale, table, 1, per, block_n, num_warps, num_stages, out,
             (out.stride(0), out.stride(2), 0, 0), None, (o_pre, l_pre, G), trigger=trigger, after=after)
     return out
 
