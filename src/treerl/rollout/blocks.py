@@ -59,6 +59,10 @@ from .rope_kernel import rope_write
 from .shared import SharedPrefixCache, attend_with_lse, merge_parts, merged_attention_ok, shared_part, split_queries
 from .types import raw, stored
 
+# the kernel step's prompt part: its programs at least (key ranges per (group, KV head) chosen to reach it; read at
+# each capture, so benchmarks may patch it)
+PROMPT_PROGRAMS = 528
+
 
 def qkv_rope(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor,
              b_qkv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -423,7 +427,7 @@ class DecodeBlocks:
         cache.write_forks(i, k, v)  # tree rollouts: the token's K/V into its fork segment
         pk, pv = cache.prefix(i, q_pre.shape[0])
         scale = layer.self_attn.scaling
-        o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend, trigger)
+        o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend, trigger, PROMPT_PROGRAMS)
         merge_g = G
         if cache.forks:  # tree rollouts: the fork segments' key ranges join the prompt part's (own layout)
             forks = cache.fork_levels(i, q_pre.shape[0])

@@ -42,7 +42,7 @@ from typing import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .decode_attention import (MERGED_MIN_PROGRAMS, merge_ranges, overlap_ok, split_attention,
+from .decode_attention import (MERGED_MIN_PROGRAMS, TARGET_PROGRAMS, merge_ranges, overlap_ok, split_attention,
                                split_attention_merged, split_attention_ok, splits_for)
 from .kernel_probe import kernel_agrees
 from .kv_copy import copy_slots, copy_slots_ok
@@ -409,17 +409,19 @@ def _efficient_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int
         return False
 
 
-def attend_with_lse(q, k, v, mask, scale, backend: str = "math", trigger: bool = False):
+def attend_with_lse(q, k, v, mask, scale, backend: str = "math", trigger: bool = False,
+                    target: int = TARGET_PROGRAMS):
     """Attention of ``q [B, H, M, D]`` to ``k/v [B, H, N, D]`` under an additive ``mask``
     (``[B, 1, 1, N]``), in key ranges: returns ``out [B, H, S, M, Dv]`` and ``lse [B, H, S, M]``
     of each range (float32, or float64 for math on float64), merged by :func:`merge_parts`.
     ``backend``: ``"split"`` (:mod:`~treerl.rollout.decode_attention`: several ranges, to
     fill the GPU), ``"efficient"`` (CUDA's memory-efficient kernel, see :func:`_efficient_ok`)
     or ``"math"`` (exact); the last two return one range. ``trigger`` (``"split"`` only): the
-    next launch may overlap this one (:func:`~treerl.rollout.decode_attention.split_attention`)."""
+    next launch may overlap this one (:func:`~treerl.rollout.decode_attention.split_attention`); ``target``
+    (``"split"`` only): its programs at least (the key ranges are chosen to reach it)."""
     assert not trigger or backend == "split", "only the split-key kernel lets the next launch overlap it"
     if backend == "split":
-        return split_attention(q, k, v, mask, scale, trigger=trigger)
+        return split_attention(q, k, v, mask, scale, trigger=trigger, target=target)
     out, lse = _attend_efficient(q, k, v, mask, scale) if backend == "efficient" else _attend_math(q, k, v, mask, scale)
     return out.unsqueeze(2), lse.unsqueeze(2)
 
