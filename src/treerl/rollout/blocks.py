@@ -60,8 +60,9 @@ from .shared import SharedPrefixCache, attend_with_lse, merge_parts, merged_atte
 from .types import raw, stored
 
 # the kernel step's prompt part: its programs at least (key ranges per (group, KV head) chosen to reach it; read at
-# each capture, so benchmarks may patch it)
-PROMPT_PROGRAMS = 528
+# each capture, so benchmarks may patch it). Session 30, H200, bench_rollout against 528 (the split kernel's own
+# target): 64 rows +3.2% (4 ranges of 256 keys a group and head), 1,024 rows +4.0% (one range of 1,024)
+PROMPT_PROGRAMS = 264
 
 
 def qkv_rope(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor,
