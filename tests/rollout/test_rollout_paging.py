@@ -382,3 +382,28 @@ def test_split_kernel_reads_no_key_past_a_rows_last_visible_key(page):
             empty = torch.tensor([[r > 0 and 192 * r >= n for r in range(3)] for n in lens.tolist()], device=dev)
             assert empty.sum() == 7 and (lse.isneginf().all(3).all(1) == empty).all()
             assert torch.isfinite(lse[~empty[:, None, :].expand(-1, H, -1)]).all()
+
+
+@pytest.mark.skipif(not _triton_runs(), reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+def test_prompt_part_programs_set_its_key_ranges():
+    """``attend_with_lse``'s ``target`` (the kernel step passes ``blocks.PROMPT_PROGRAMS``, the prompt
+    part's setting): the split kernel's ranges are those :func:`splits_for` gives for it, and the merged
+    output equals float64 attention whatever the count of ranges."""
+    from treerl.rollout import blocks
+    from treerl.rollout.decode_attention import BLOCK_N, splits_for
+    from treerl.rollout.shared import attend_with_lse
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(3)
+    B, H, M, N, D = 2, 2, 4, 512, 16  # 4 (group, head) pairs of 512 keys
+    q, k, v = (torch.randn(B, H, n, D, generator=g, device=dev) for n in (M, N, N))
+    mask = torch.zeros(B, 1, 1, N, device=dev)
+    mask[1, ..., 300:] = torch.finfo(torch.float32).min
+    s = (q.double() @ k.double().transpose(-1, -2)) * D ** -0.5 + mask.double()
+    ref = torch.softmax(s, -1) @ v.double()
+    assert blocks.PROMPT_PROGRAMS >= 132  # (at least one program an SM of an H100/H200)
+    for target, ranges in ((8, 2), (16, 4), (blocks.PROMPT_PROGRAMS, N // BLOCK_N)):
+        out, lse = attend_with_lse(q, k, v, mask, D ** -0.5, "split", target=target)
+        assert out.shape[2] == lse.shape[2] == ranges == splits_for(B, H, N, target), target
+        o = (torch.softmax(lse.double(), dim=2)[..., None] * out.double()).sum(2)
+        assert (o - ref).abs().max() <= 1e-5, target
