@@ -85,8 +85,13 @@ def attention_cases(cases: list[str], bandwidth: float, targets: list[int], laye
     different K/V: one layer's, replayed alone, would stay in the 50 MB L2 at 64 rows); us a layer.
     ``sweep``: kernel settings ``part:block_n:stages:warps`` (part ``own`` or ``prompt``), each timed
     alone and in the overlapped pair beside the other part at its defaults."""
+    from treerl.rollout import blocks
     from treerl.rollout.decode_attention import (TARGET_PROGRAMS, overlap_ok, split_attention, split_attention_merged,
                                                  to_pages)
+
+    # the engine's prompt part (blocks.PROMPT_PROGRAMS since session 30; a tree before it: the split kernel's target)
+    engine_target = getattr(blocks, "PROMPT_PROGRAMS", TARGET_PROGRAMS)
+    targets = targets or [engine_target]
 
     H, gq, D, page, dt = 8, 2, 128, 64, torch.bfloat16
     overlap = overlap_ok("cuda:0", dt, D, D)
@@ -106,7 +111,7 @@ def attention_cases(cases: list[str], bandwidth: float, targets: list[int], laye
                  for _ in range(layers)]
         moved = (groups * prompt + rows * L) * H * 2 * D * 2 * layers
 
-        def prompt_part(x, overlapped=False, target=TARGET_PROGRAMS, **settings):
+        def prompt_part(x, overlapped=False, target=engine_target, **settings):
             return split_attention(x["q_pre"], x["pk"], x["pv"], p_mask, D ** -0.5, trigger=overlapped, target=target,
                                    **settings)
 
@@ -115,7 +120,7 @@ def attention_cases(cases: list[str], bandwidth: float, targets: list[int], laye
             return split_attention_merged(x["q_own"], ok, ov, o_mask, D ** -0.5, o_pre, l_pre, G, dt, table=table,
                                           after=overlapped, **settings)
 
-        def step(overlapped: bool, target: int = TARGET_PROGRAMS, own=None, pre=None):
+        def step(overlapped: bool, target: int = engine_target, own=None, pre=None):
             return [own_part(x, *prompt_part(x, overlapped, target, **(pre or {})), overlapped, **(own or {}))
                     for x in stack]
 
@@ -125,10 +130,10 @@ def attention_cases(cases: list[str], bandwidth: float, targets: list[int], laye
         parts = dict(prompt_part_us=per_layer(_timed(lambda: [prompt_part(x) for x in stack], 0, 1)),
                      own_part_us=per_layer(_timed(lambda: [own_part(x, *k) for x, k in zip(stack, kept)], 0, 1)))
         out.append(dict(kernel="attention-parts", case=case, **parts))
-        runs = [(False, TARGET_PROGRAMS)] + [(True, t) for t in targets if overlap]
+        runs = [(False, engine_target)] + [(True, t) for t in targets if overlap]
         for overlapped, target in runs:  # (the prompt part's programs at least: its key ranges are chosen to reach it)
             got = step(overlapped, target)
-            same = all(torch.equal(a, b) if target == TARGET_PROGRAMS else
+            same = all(torch.equal(a, b) if target == engine_target else
                        torch.allclose(a.float(), b.float(), atol=2e-2, rtol=0) for a, b in zip(got, want))
             row = _timed(lambda o=overlapped, t=target: step(o, t), moved, bandwidth)
             out.append(dict(kernel="attention", case=case, rows=rows, own_keys=L, overlapped=overlapped,
@@ -250,7 +255,8 @@ def main(argv=None) -> None:
     p.add_argument("--product-sweep", action="store_true", help="each small product alone over its tiles")
     p.add_argument("--attention-cases", default="8x8:16,8x8:256,8x8:512,64x16:32,64x16:256",
                    help="groups x rows a group : own keys a row (a prompt of 1,024 keys a group)")
-    p.add_argument("--prompt-targets", default="528", help="the overlapped prompt part's programs at least, each timed")
+    p.add_argument("--prompt-targets", default="", help="the overlapped prompt part's programs at least, each timed "
+                   "(default: the engine's, blocks.PROMPT_PROGRAMS)")
     p.add_argument("--attention-sweep", default="", help="kernel settings part:block_n:stages:warps, comma-separated "
                    "(part own or prompt), each timed alone and in the overlapped pair")
     p.add_argument("--layers", type=int, default=28, help="layers a replay (attention: each its own buffers)")
@@ -265,7 +271,7 @@ def main(argv=None) -> None:
         p.error(f"--kernels: unknown {sorted(unknown)}; choose from race, rope, attention, products")
     import treerl
 
-    rows = lambda text: [int(r) for r in text.split(",")]  # noqa: E731
+    rows = lambda text: [int(r) for r in text.split(",") if r]  # noqa: E731
     results = []
     if "race" in kernels:
         results += race_rows(rows(args.race_rows), args.vocab, args.bandwidth)
