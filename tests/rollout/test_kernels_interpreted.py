@@ -30,6 +30,7 @@ SELECTION = [
     PAGING + "test_split_kernel_reads_no_key_past_a_rows_last_visible_key",
     PAGING + "test_merge_ranges_equals_merge_parts",
     PAGING + "test_merged_kernel_in_wide_key_tiles",
+    PAGING + "test_prompt_part_programs_set_its_key_ranges",
     "tests/rollout/test_rollout_window_attention.py::test_window_attention_equals_float64_under_the_prefill_mask"
     "[16-90-4-2-528]",
     "tests/engine/test_head_kernel.py",  # (the training loss head's chunk kernels, and both heads through them)
