@@ -5,7 +5,8 @@ The race's loop issues ~106 instructions an element (sm_90 SASS, compiled on the
 ``OUT``/``IN``: the outer/inner log through MUFU (``fast_logf``: absolute error ~2^-21 near 1, so the inner
 log, -log u for u near 1, loses its relative accuracy: timed only to bound the cost); ``PAIR``: one hash a pair of
 columns (bits 63..41 and 40..18; columns j and j + 1,024 of each 2,048-column block). Each is checked against
-the current kernel: tokens equal (rows x seeds), and the noise's largest difference.
+the current kernel: tokens equal (rows x seeds), and the noise's largest difference. (Since the review after
+session 30 the hash and the loop's update are race_kernel's own helpers, the same operations as the copies that ran.)
 """
 import sys
 import torch
@@ -27,27 +28,16 @@ def _log(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _hash(seed, p):
-    h = seed + (p + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
-    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
-    h = (h ^ (h >> 27)) * 0x94D049BB133111EB
-    return h ^ (h >> 31)
-
-
-@triton.jit
 def _g(bits, IN: tl.constexpr, OUT: tl.constexpr):
     u = (bits.to(tl.float32) * 2.0 + 1.0) * 5.9604644775390625e-08
     return -_log(-_log(u, IN), OUT)
 
 
 @triton.jit
-def _upd(x, g, cols, valid, greedy, m, s, best, bidx):
-    m_new = tl.maximum(m, x)
-    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-    s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
-    r = tl.where(valid, x + tl.where(greedy, 0.0, g), -float("inf"))
-    take = r > best
-    return m_new, s, tl.where(take, r, best), tl.where(take, cols, bidx)
+def _upd(x, g, cols, valid, greedy, m, s, best, bidx):  # the kernel's loop body (race_kernel's helpers)
+    m, s = rk._lse_step(x, m, s)
+    best, bidx = rk._race_pick(x, g, cols, valid, greedy, best, bidx)
+    return m, s, best, bidx
 
 
 @triton.jit
@@ -74,12 +64,12 @@ def _partial2(L, T, Seeds, PM, PS, PB, PI, V, sl, st, per_split, NS, BLOCK: tl.c
         xa = tl.load(L + row.to(tl.int64) * sl + ca, mask=va, other=-float("inf")).to(tl.float32) * inv
         xb = tl.load(L + row.to(tl.int64) * sl + cb, mask=vb, other=-float("inf")).to(tl.float32) * inv
         if PAIR:
-            h = _hash(seed, off // 2 + tl.arange(0, HALF))
+            h = rk._splitmix(seed, off // 2 + tl.arange(0, HALF))
             ga = _g(h >> 41, IN, OUT)
             gb = _g((h >> 18) & 0x7FFFFF, IN, OUT)
         else:
-            ga = _g(_hash(seed, ca) >> 41, IN, OUT)
-            gb = _g(_hash(seed, cb) >> 41, IN, OUT)
+            ga = _g(rk._splitmix(seed, ca) >> 41, IN, OUT)
+            gb = _g(rk._splitmix(seed, cb) >> 41, IN, OUT)
         m, s, best, bidx = _upd(xa, ga, ca, va, greedy, m, s, best, bidx)
         m, s, best, bidx = _upd(xb, gb, cb, vb, greedy, m, s, best, bidx)
     m_all = tl.max(m, 0)

@@ -39,16 +39,36 @@ MAX_SPLITS = 64
 if triton is not None:
 
     @triton.jit
+    def _splitmix(seed, i):
+        """splitmix64 of (``seed``, index ``i``): 64 bits (uint64)."""
+        h = seed + (i + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB
+        return h ^ (h >> 31)
+
+    @triton.jit
     def _noise_gumbel(seed, cols):
         """``-log E`` for columns ``cols`` of a row with seed ``seed`` (uint64): splitmix64 of
         (seed, column), its top 23 bits ``b`` -> ``u = (2b + 1) / 2^24`` (exact in float32),
         ``E = -log u`` (see :func:`treerl.rollout.sampling.race_noise`)."""
-        h = seed + (cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
-        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
-        h = (h ^ (h >> 27)) * 0x94D049BB133111EB
-        h = h ^ (h >> 31)
-        u = ((h >> 41).to(tl.float32) * 2.0 + 1.0) * 5.9604644775390625e-08  # 2^-24
+        u = ((_splitmix(seed, cols) >> 41).to(tl.float32) * 2.0 + 1.0) * 5.9604644775390625e-08  # 2^-24
         return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _lse_step(x, m, s):
+        """One block of a lane's columns: the running max ``m`` and sum of exponentials ``s`` of the scaled
+        logits ``x``. Returns ``(m, s)``."""
+        m_new = tl.maximum(m, x)
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a lane of -inf logits so far adds nothing
+        return m_new, s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+
+    @triton.jit
+    def _race_pick(x, g, cols, valid, greedy, best, bidx):
+        """One block of a lane's columns: the best race value ``x + g`` (greedy rows: ``x``) and its column.
+        Returns ``(best, bidx)``."""
+        r = tl.where(valid, x + tl.where(greedy, 0.0, g), -float("inf"))
+        take = r > best  # (a lane sees its columns in order: the first of equal values stays)
+        return tl.where(take, r, best), tl.where(take, cols, bidx)
 
     @triton.jit
     def _partial(L, T, Seeds, PM, PS, PB, PI, V, sl, st, per_split, NS,
@@ -72,15 +92,8 @@ if triton is not None:
             cols = off + tl.arange(0, BLOCK)
             valid = cols < end
             x = tl.load(L + row.to(tl.int64) * sl + cols, mask=valid, other=-float("inf")).to(tl.float32) * inv
-            m_new = tl.maximum(m, x)
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a lane of -inf logits so far adds nothing
-            s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
-            m = m_new
-            g = _noise_gumbel(seed, cols)
-            r = tl.where(valid, x + tl.where(greedy, 0.0, g), -float("inf"))
-            take = r > best  # (a lane sees its columns in order: the first of equal values stays)
-            bidx = tl.where(take, cols, bidx)
-            best = tl.where(take, r, best)
+            m, s = _lse_step(x, m, s)
+            best, bidx = _race_pick(x, _noise_gumbel(seed, cols), cols, valid, greedy, best, bidx)
         m_all = tl.max(m, 0)
         m_all_safe = tl.where(m_all == -float("inf"), 0.0, m_all)
         s_all = tl.sum(s * tl.exp(m - m_all_safe), 0)
