@@ -43,3 +43,25 @@ gpu_tests() {
   timeout -k 5 $limit python3 -m pytest -q -p no:cacheprovider "$@" -k "$filter" > $OUT/tests.txt 2>&1
   grep "^E \|passed\|failed\|^FAILED" $OUT/tests.txt | head -20 | cut -c1-250
 }
+# patched LIMIT PROGRAMS SCRIPT ARGS...: a Python SCRIPT within LIMIT s with the kernel step's prompt part at PROGRAMS
+# (blocks.PROMPT_PROGRAMS; "default": as the tree has it), printing the prompt part's key ranges each capture ran, so
+# a patch that does not take is seen (session 25's did not); PYTHONPATH as the caller sets it.
+patched() {
+  local limit=$1 t=$2 script=$3; shift 3
+  timeout -k 5 $limit python3 -c "
+import atexit, runpy, sys
+argv = sys.argv[:]
+import treerl.rollout.blocks as b, treerl.rollout.shared as sh
+if argv[1] != 'default':
+    b.PROMPT_PROGRAMS = int(argv[1])
+seen, inner = set(), sh.split_attention
+def spy(q, *a, **k):
+    out = inner(q, *a, **k)
+    if k.get('trigger'):
+        seen.add((tuple(q.shape), out[0].shape[2]))
+    return out
+sh.split_attention = spy
+atexit.register(lambda: print('prompt part (q shape, ranges):', sorted(seen)))
+sys.argv = [argv[2]] + argv[3:]
+runpy.run_path(argv[2], run_name='__main__')" $t $script "$@"
+}

@@ -8,23 +8,8 @@
 source bench/device/lib.sh
 export PYTHONPATH=src
 gpu_tests 200 "not overlapped and not merged and not graph_decode and not bf16" tests/cuda/test_rollout_cuda.py
-at() {  # at PROGRAMS SCRIPT ARGS...: a benchmark with the prompt part's programs patched
-  local t=$1 script=$2; shift 2
-  timeout -k 5 120 python3 -c "
-import atexit, runpy, sys
-argv = sys.argv[:]
-import treerl.rollout.blocks as b, treerl.rollout.shared as sh
-b.PROMPT_PROGRAMS = int(argv[1])
-seen, inner = set(), sh.split_attention
-def spy(q, *a, **k):
-    out = inner(q, *a, **k)
-    if k.get('trigger'):
-        seen.add((tuple(q.shape), out[0].shape[2]))
-    return out
-sh.split_attention = spy
-atexit.register(lambda: print('prompt part (q shape, ranges):', sorted(seen)))
-sys.argv = [argv[2]] + argv[3:]
-runpy.run_path(argv[2], run_name='__main__')" $t $script "$@" 2>&1 | grep -v "$F" | grep "^1.7b\|^0.6b\|after\|FAILED\|Error\|prompt part" | cut -c1-200
+at() {  # at PROGRAMS SCRIPT ARGS...: a benchmark with the prompt part's programs patched (lib.sh's `patched`)
+  patched 120 "$@" 2>&1 | grep -v "$F" | grep "^1.7b\|^0.6b\|after\|FAILED\|Error\|prompt part" | cut -c1-200
 }
 for t in 264 528 264 528; do
   [ $SECONDS -lt 380 ] && { echo "== 1.7b 64 rows, $t ($SECONDS s)"; at $t bench/bench_rollout.py --device cuda --cases 1.7b:8x8 --extras "" --bandwidth 4.277e12; }

@@ -11,26 +11,10 @@ echo "== attention kernels ($SECONDS s)"
 timeout -k 5 80 python3 bench/decode_kernels.py --kernels attention --attention-cases 8x8:16,8x8:256,64x16:256 \
     --prompt-targets 528,264,132 --out $OUT/attention_targets.json > $OUT/attention_targets.txt 2>&1
 grep -v "$F" $OUT/attention_targets.txt | grep "'attention'\|Error\|error" | cut -c1-250
-# rollout_at TARGET CASES [base]: bench_rollout with the prompt part's programs patched, the ranges it ran printed
+# rollout_at TARGET CASES [base]: bench_rollout with the prompt part's programs patched (lib.sh's `patched`)
 rollout_at() {
   local s=src d=.; [ "$3" = base ] && s=.v/base/src && d=.v/base
-  PYTHONPATH=$s timeout -k 5 100 python3 -c "
-import atexit, runpy, sys
-argv = sys.argv[:]
-import treerl.rollout.blocks as b, treerl.rollout.shared as sh
-if sys.argv[1] != 'default':
-    b.PROMPT_PROGRAMS = int(sys.argv[1])
-seen = set()
-inner = sh.split_attention
-def spy(q, *a, **k):
-    out = inner(q, *a, **k)
-    if k.get('trigger'):
-        seen.add((tuple(q.shape), out[0].shape[2]))
-    return out
-sh.split_attention = spy
-atexit.register(lambda: print('prompt part (q shape, ranges):', sorted(seen)))
-sys.argv = [argv[2]] + argv[3:]
-runpy.run_path(argv[2], run_name='__main__')" $1 $d/bench/bench_rollout.py --device cuda --cases $2 --extras "" \
+  PYTHONPATH=$s patched 100 $1 $d/bench/bench_rollout.py --device cuda --cases $2 --extras "" \
       --bandwidth 4.277e12 --out $OUT/rollout_${1}_${3}_$SECONDS.json 2>&1 | grep -v "$F" | grep "^0.6b\|FAILED\|Error\|prompt part" | cut -c1-200
 }
 for t in 528 264 528 264; do [ $SECONDS -lt 250 ] && { echo "== 64 rows, $t ($SECONDS s)"; rollout_at $t 0.6b:8x8; }; done
