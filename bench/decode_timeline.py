@@ -1,7 +1,7 @@
 """Where a decode step's device idles between its kernels: the torch profiler's kernel timeline.
 
-Builds the engine as ``profile_rollout.py`` does (random Qwen3 weights, bf16, every row at once, CUDA
-graphs captured in a warm-up ``generate``), profiles one ``generate`` of ``--new-tokens`` tokens a
+Builds the engine as ``profile_rollout.py`` does (``rollout_case``: random Qwen3 weights, bf16, every row at once,
+CUDA graphs captured in a warm-up ``generate``), profiles one ``generate`` of ``--new-tokens`` tokens a
 row, and reads each kernel's start and end from the trace. For every kernel name: launches a decode
 step, median duration, and the gap from the end of the kernel before it on the device to its start
 (negative: it started before that one ended, a programmatic dependent launch), summed a step where
@@ -24,12 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from treerl.models import build_model  # noqa: E402
-from treerl.rollout import RolloutEngine, SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rollout import kv_budget  # noqa: E402
-
-SHAPES = {"0.6b": "qwen3-0.6b", "1.7b": "qwen3-1.7b", "tiny": "tiny"}
+from profile_rollout import SHAPES, rollout_case  # noqa: E402
 
 
 def kernels_of(trace: dict) -> list[tuple[float, float, str]]:
@@ -72,12 +69,7 @@ def main(argv=None) -> dict:
         shape, pg = case.split(":")
         P, G = (int(x) for x in pg.split("x"))
         model = build_model("qwen3", SHAPES[shape], dtype="bfloat16", device=dev, seed=0).eval()
-        budget = kv_budget(model, dev, P * G, P, args.prompt_len, args.new_tokens, 0.97, 8192)
-        engine = RolloutEngine(model, sync_every=16, max_batch_tokens=budget, keep_stream_buffers=True,
-                               compile_decode=True, prefill_chunk_tokens=8192)
-        g = torch.Generator().manual_seed(0)
-        prompts = torch.randint(0, model.config.vocab_size, (P, args.prompt_len), generator=g).tolist()
-        params = SamplingParams(n=G, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
+        engine, prompts, params, _ = rollout_case(model, P, G, args.prompt_len, args.new_tokens)
         engine.generate(prompts, params)  # warm-up: captures, compiles
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

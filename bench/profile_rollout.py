@@ -46,6 +46,18 @@ def classify(name: str) -> str:
     return "other"
 
 
+def rollout_case(model, P: int, G: int, prompt_len: int, new_tokens: int, compile_decode: bool = True) -> tuple:
+    """An engine and workload as ``bench_rollout.py`` runs them: every row at once where the K/V fits, prefill
+    pieces of 8,192 tokens, ``P`` random prompts of ``prompt_len`` tokens, ``G`` samples each at T = 1, seed 0.
+    Returns ``(engine, prompts, params, K/V budget in tokens)``."""
+    budget = kv_budget(model, next(model.parameters()).device, P * G, P, prompt_len, new_tokens, 0.97, 8192)
+    engine = RolloutEngine(model, sync_every=16, max_batch_tokens=budget, keep_stream_buffers=True,
+                           compile_decode=compile_decode, prefill_chunk_tokens=8192)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, model.config.vocab_size, (P, prompt_len), generator=g).tolist()
+    return engine, prompts, SamplingParams(n=G, temperature=1.0, max_new_tokens=new_tokens, seed=0), budget
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="0.6b:8x8,0.6b:64x16")
@@ -64,15 +76,10 @@ def main(argv=None) -> dict:
         if shape != shape_now:
             model = build_model("qwen3", SHAPES[shape], dtype="bfloat16", device=dev, seed=0).eval()
             shape_now = shape
-        # as bench_rollout.py runs it: every row at once where the K/V fits, prefill pieces of 8,192 tokens
-        budget = kv_budget(model, dev, P * G, P, args.prompt_len, args.new_tokens, 0.97, 8192)
-        engine = RolloutEngine(model, sync_every=16, max_batch_tokens=budget, keep_stream_buffers=True,
-                               compile_decode=bool(args.compile), prefill_chunk_tokens=8192)
+        engine, prompts, params, budget = rollout_case(model, P, G, args.prompt_len, args.new_tokens,
+                                                       bool(args.compile))
         if args.hf_step:
             engine.decode_blocks = None
-        g = torch.Generator().manual_seed(0)
-        prompts = torch.randint(0, model.config.vocab_size, (P, args.prompt_len), generator=g).tolist()
-        params = SamplingParams(n=G, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
         t0 = time.perf_counter()
         engine.generate(prompts, params)  # warm-up: captures, compiles
         warm = time.perf_counter() - t0
