@@ -17,9 +17,9 @@ the sampling race (:mod:`treerl.rollout.race_kernel`) and the Q/K norm + RoPE + 
   programs at least, each timed), outputs compared bit for bit (other key ranges: to bf16's rounding);
   each replay runs ``--layers`` layers, each over its own buffers (as a step: no L2 reuse), us a layer.
 - ``products``: a layer's products as the decode step runs them (:func:`product_rows`), cuBLAS + the
-  compiled tail against :mod:`treerl.rollout.small_products` + the compiled residual norms, over every
-  layer's weights a replay (random Qwen3 weights, ``--product-shape``); ``--product-sweep`` times each
-  small product alone over its tiles.
+  compiled tail against :mod:`treerl.rollout.small_products` + the compiled residual norms, and the Q/K/V
+  product + rope kernel in turn against linked (:func:`_qkv_rope_rows`), over every layer's weights a replay
+  (random Qwen3 weights, ``--product-shape``); ``--product-sweep`` times each small product alone over its tiles.
 
 Runs the kernels of whichever treerl is first on ``PYTHONPATH`` (an A/B: once per tree):
 
@@ -212,6 +212,7 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
             row = _timed(run, tail_bytes * n, bandwidth)
             out.append(dict(kernel="products-tail", rows=rows, way=name, max_rel_diff=round(err, 5),
                             us_a_layer=round(row["us"] / n, 2), floor_us_a_layer=round(row["floor_us"] / n, 2)))
+        out += _qkv_rope_rows(blocks, layers, f, hidden, x, bandwidth, g)
         if not sweep:
             continue
         act = torch.randn(rows, weights[0][3].shape[1], device=device, dtype=torch.bfloat16, generator=g)
@@ -236,6 +237,46 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
                             continue
                         out.append(dict(kernel="product", product=product, rows=rows, way="small", splits=splits,
                                         us=round(row["us"] / n, 2), tbps=round(moved / row["us"] / 1e6, 2), **kw))
+    return out
+
+
+def _qkv_rope_rows(blocks, layers, f, hidden, x, bandwidth: float, g) -> list[dict]:
+    """The Q/K/V product and the rope kernel over every layer's weights in one replay (``blocks._qkv_rope``), us a
+    layer: in turn (cuBLAS, then the kernel) against linked (the product's partials over ``QKV_SPLITS`` ranges summed
+    in the rope kernel, both links of the chain; sm_90+), at 1, 2 and 4 ranges; outputs compared."""
+    from treerl.rollout import small_products as sp
+
+    rows, n, dt, page = hidden.shape[0], len(layers), hidden.dtype, 64
+    heads, kv_heads = blocks._heads(layers[0])
+    D = layers[0].self_attn.head_dim
+    G = 8 if rows % 8 == 0 else 1
+    angle = torch.rand(rows, 1, D, device=hidden.device, generator=g)
+    cos, sin = angle.cos().to(dt), angle.sin().to(dt)
+    stores = [SimpleNamespace(ok=torch.zeros(rows + 1, kv_heads, page, D, device=hidden.device, dtype=dt),
+                              ov=torch.zeros(rows + 1, kv_heads, page, D, device=hidden.device, dtype=dt)) for _ in layers]
+    block = torch.randperm(rows, device=hidden.device, generator=g)
+    offset = torch.randint(0, page, (rows,), device=hidden.device, generator=g)
+    x3 = x.reshape(rows, 1, -1)
+    moved = f.qkv_w[0].numel() * 2 * n
+
+    def run(linked: bool):
+        return [blocks._qkv_rope(layer, x3, f.qkv_w[i], None, cos, sin, G, stores[i], block, offset, linked)
+                for i, layer in enumerate(layers)]
+
+    want = run(False)
+    ways = [("in-turn", None)] + ([("linked", s) for s in (1, 2, 4)] if sp.chains_here(hidden.device) else [])
+    out, default = [], blocks.QKV_SPLITS
+    for name, splits in ways:
+        blocks.QKV_SPLITS = splits or default
+        try:
+            got = run(name == "linked")
+            err = max(float((a.float() - b.float()).abs().max() / a.float().abs().max()) for w, v in zip(want, got)
+                      for a, b in zip(w, v))
+            row = _timed(lambda: run(name == "linked"), moved, bandwidth)
+        finally:
+            blocks.QKV_SPLITS = default
+        out.append(dict(kernel="qkv-rope", rows=rows, way=name, splits=splits, max_rel_diff=round(err, 5),
+                        us_a_layer=round(row["us"] / n, 2), floor_us_a_layer=round(row["floor_us"] / n, 2)))
     return out
 
 

@@ -647,6 +647,61 @@ def test_cuda_small_tail_chain_matches_float64_and_its_eager_bits(rows):
             assert all(torch.equal(x, y) for x, y in zip(out, chain(h_in, a_in))), (dtype, scale)
 
 
+@pytest.mark.parametrize("rows", [64, 128])
+def test_cuda_qkv_link_matches_float64_and_its_eager_bits(rows):
+    """The Q/K/V product and the rope kernel as links of the chain (sm_90+; ``blocks._qkv_rope`` linked: the
+    product's float32 partials summed in the rope kernel) at Qwen3-0.6B's layer shape, bf16 and float32: against a
+    float64 copy's ``_pre`` within twice the modules' own error in that dtype (queries, the token's K/V, the pools);
+    captured in a CUDA graph and replayed on three other inputs, each replay the bits of the links run eagerly on that
+    input; and the engine's probe (``_qkv_link_agrees``) admits it."""
+    from types import SimpleNamespace
+
+    from treerl.rollout import small_products as sp
+    from treerl.rollout.blocks import FusedProjections, _pre, _qkv_link_agrees, _qkv_rope
+
+    if not sp.chains_here("cuda"):
+        pytest.skip("the chain of dependent launches needs sm_90+")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    for dtype in (torch.bfloat16, torch.float32):
+        model = tiny_model("qwen3", dtype=dtype, seed=4, hidden_size=1024, intermediate_size=3072, num_hidden_layers=1,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=128).cuda()
+        ref = rmsnorm_in_input_precision(copy.deepcopy(model).double())
+        layer, G = model.model.layers[0], 8
+        f, fr = FusedProjections(model.model.layers), FusedProjections(ref.model.layers)
+        hidden = torch.randn(rows, 1, 1024, device="cuda", generator=g).to(dtype)
+        cos, sin = model.model.rotary_emb(hidden, torch.randint(0, 4000, (rows, 1), device="cuda", generator=g))
+        block, offset = torch.randperm(rows, device="cuda", generator=g), torch.randint(0, 64, (rows,), device="cuda",
+                                                                                       generator=g)
+
+        def pools(dt):
+            return SimpleNamespace(ok=torch.zeros(rows, 8, 64, 128, device="cuda", dtype=dt),
+                                   ov=torch.zeros(rows, 8, 64, 128, device="cuda", dtype=dt))
+
+        x = layer.input_layernorm(hidden)
+        want_p = pools(torch.float64)
+        want = list(_pre(ref.model.layers[0], hidden.double(), cos.double(), sin.double(), G, fr.qkv_w[0], None,
+                         want_p.ok, want_p.ov, block, offset)) + [want_p.ok, want_p.ov]
+
+        def run(x_in, linked):
+            p = pools(dtype)
+            return list(_qkv_rope(layer, x_in, f.qkv_w[0], None, cos, sin, G, p, block, offset, linked)) + [p.ok, p.ov]
+
+        linked, in_turn = run(x, True), run(x, False)
+        for a, b, c in zip(want, linked, in_turn):
+            err, own = (b.double() - a).abs().max().item(), (c.double() - a).abs().max().item()
+            assert b.dtype == c.dtype and err <= 2 * own + 1e-6 * a.abs().max().item(), (dtype, err, own)
+        x_in = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(x_in, True)
+        for scale in (-1.0, 0.5, 3.0):
+            x_in.copy_(x.roll(1, 0) * scale)
+            graph.replay()
+            assert all(torch.equal(u, v) for u, v in zip(out, run(x_in, True))), (dtype, scale)
+        assert _qkv_link_agrees(layer, x, f.qkv_w[0], cos, sin, G, pools(dtype))
+
+
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
 def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
     """A float32 rollout through the kernel step at few rows takes the small-row products (every
@@ -675,6 +730,7 @@ def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
     assert_float64_logprobs(model, zip(prompts, engine.generate(prompts, sampled)), 0.8)
     assert max(calls) > 64, calls
     assert engine.decode_blocks.chain == small_products.chains_here("cuda")  # (sm_90+, 64+ rows: dependent launches)
+    assert engine.decode_blocks.qkv_link == small_products.chains_here("cuda")  # (the Q/K/V product joins the chain)
     calls.clear()
     monkeypatch.setattr(small_products, "MAX_ROWS", 0)
     RolloutEngine(copy.deepcopy(model), compile_decode=compile_decode).generate(prompts, greedy)

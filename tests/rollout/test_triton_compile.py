@@ -248,7 +248,16 @@ def test_rope_write_compiles_for_hopper(record, D, heads, kv_heads, G):
     for norm in (None, Norm()):
         rope_kernel.rope_write(qkv, cos, sin, norm, norm, heads, kv_heads, G, own_k, own_k.clone(),
                                torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32))
-    assert len(_compile(kernel)) == 2
+    # a link of the small-row chain: the product's float32 partials (2 ranges) summed, launched dependent
+    partials = torch.randn(2, B, (heads + 2 * kv_heads) * D)
+    rope_kernel.rope_write(partials, cos, sin, Norm(), Norm(), heads, kv_heads, G, own_k, own_k.clone(),
+                           torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32),
+                           dtype=torch.bfloat16, pdl=True)
+    plain, normed, link = _compile(kernel)
+    assert "griddepcontrol" not in plain.asm["ptx"] + normed.asm["ptx"] and not normed.metadata.launch_pdl
+    ptx = link.asm["ptx"]
+    assert link.metadata.launch_pdl and ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")  # (no read of the partials before the wait)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from types import SimpleNamespace
 
 import torch
 
@@ -63,6 +64,9 @@ from .types import raw, stored
 # each capture, so benchmarks may patch it). Session 30, H200, bench_rollout against 528 (the split kernel's own
 # target): 64 rows +3.2% (4 ranges of 256 keys a group and head), 1,024 rows +4.0% (one range of 1,024)
 PROMPT_PROGRAMS = 264
+# the Q/K/V product's ranges of K as a link of the small-row chain (DecodeBlocks._qkv_link; read at each capture).
+# Session 31, H200, 64 rows: see bench/RESULTS.md
+QKV_SPLITS = 2
 
 
 def qkv_rope(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor,
@@ -281,6 +285,7 @@ class DecodeBlocks:
         self.rope_kernel: bool | None = None  # rope_write serves the steps (probed at the first split-kernel step)
         self.small: bool | None = None  # small_products serve the steps of few rows (probed at the first such step)
         self.chain: bool | None = None  # ... as a chain of dependent launches (sm_90+; probed at the first such step)
+        self.qkv_link: bool | None = None  # the Q/K/V product and rope_write join that chain (probed with it)
         self.fused = FusedProjections(self.base.layers)
 
     @staticmethod
@@ -351,11 +356,11 @@ class DecodeBlocks:
         small = self._small_weights(hidden)
         chain = (small is not None and hidden.shape[0] >= small_products.CHAIN_MIN_ROWS
                  and self._chain(hidden, small))
+        linked = chain and self._qkv_link(x, cos, sin, G, cache.layers[0])
         for i, layer in enumerate(layers):
             store = cache.layers[i]
-            q_own, q_pre, k, v = rope_write(torch.nn.functional.linear(x, f.qkv_w[i], f.qkv_b[i]), cos, sin,
-                                            *_qk_norms(layer), *_heads(layer), G, store.ok, store.ov,
-                                            cache.write_block, cache.write_offset)
+            q_own, q_pre, k, v = _qkv_rope(layer, x, f.qkv_w[i], f.qkv_b[i], cos, sin, G, store, cache.write_block,
+                                           cache.write_offset, linked)
             o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask,
                                                       "split", trigger=cache.overlap)
             attn = cache.attend_own_merged(i, q_own, own_mask, layer.self_attn.scaling, o_pre, l_pre, merge_g,
@@ -394,7 +399,8 @@ class DecodeBlocks:
         :mod:`~treerl.rollout.small_products`): each of its five kernels lets the next start and then waits for
         the kernel before it, and the own part's attention lets the tail's first product start. At least
         :data:`~treerl.rollout.small_products.CHAIN_MIN_ROWS` rows (the caller's test), on sm_90+ (:func:`~treerl.rollout.small_products.chains_here`) where every
-        norm after a residual is a plain RMSNorm, after a probe (:func:`_chain_agrees`, once)."""
+        norm after a residual is a plain RMSNorm, after a probe (:func:`_chain_agrees`, once).
+        The layer's Q/K/V product joins the chain too (:meth:`_qkv_link`)."""
         if self.chain is None:
             base = self.base
             norms = [layer.post_attention_layernorm for layer in base.layers] + [_next_norm(base, i)
@@ -407,6 +413,24 @@ class DecodeBlocks:
                                             reference="the same kernels in turn", where=str(hidden.device),
                                             fallback="they run in turn (slower)"))
         return self.chain
+
+    def _qkv_link(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, G: int, store) -> bool:
+        """Whether the Q/K/V product and :func:`~treerl.rollout.rope_kernel.rope_write` run as links of the chain
+        (:func:`_qkv_rope` with ``linked``): the product as float32 partial sums over :data:`QKV_SPLITS` ranges of
+        its inner dimension (:func:`~treerl.rollout.small_products.linear_partials`), added up and rounded in the
+        rope kernel, each launch starting beside the kernel before it. Where the chain runs, every layer's Q/K/V
+        product is a plain bias-free one the small products take, after a probe (:func:`_qkv_link_agrees`, once)."""
+        if self.qkv_link is None:
+            f, layer = self.fused, self.base.layers[0]
+            x2 = x.reshape(x.shape[0], -1)
+            self.qkv_link = (all(w is not None for w in f.qkv_w) and all(b is None for b in f.qkv_b)
+                             and small_products.runs_here(x2, *f.qkv_w)
+                             and kernel_agrees(lambda: _qkv_link_agrees(layer, x, f.qkv_w[0], cos, sin, G, store),
+                                               what="the decode step's Q/K/V product and rope kernel as links of the "
+                                                    "chain of dependent launches",
+                                               reference="cuBLAS and the rope kernel in turn", where=str(x.device),
+                                               fallback="they run in turn (slower)"))
+        return self.qkv_link
 
     @staticmethod
     def _attention(i: int, layer, cache: SharedPrefixCache, q_own, q_pre, k, v, own_mask, prefix_mask, backend: str):
@@ -435,6 +459,51 @@ class DecodeBlocks:
             o_pre, l_pre = shared_part(q_own, o_pre, l_pre, G, forks, scale, backend)
             merge_g = 1
         return o_pre, l_pre, merge_g
+
+
+def _qkv_rope(layer: torch.nn.Module, x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
+              cos: torch.Tensor, sin: torch.Tensor, G: int, store, block: torch.Tensor, offset: torch.Tensor,
+              linked: bool) -> tuple:
+    """The kernel step's Q/K/V product and :func:`~treerl.rollout.rope_kernel.rope_write` into ``store``'s pools:
+    ``(q_own, q_pre, k, v)``. ``linked``: both as links of the small-row chain (:meth:`DecodeBlocks._qkv_link`);
+    else the product through cuBLAS, then the rope kernel."""
+    if linked:
+        qkv = small_products.linear_partials(x.reshape(x.shape[0], -1), w_qkv, splits=QKV_SPLITS, pdl=True)
+        link = dict(dtype=x.dtype, pdl=True)
+    else:
+        qkv, link = torch.nn.functional.linear(x, w_qkv, b_qkv), {}
+    return rope_write(qkv, cos, sin, *_qk_norms(layer), *_heads(layer), G, store.ok, store.ov, block, offset, **link)
+
+
+def _qkv_link_agrees(layer: torch.nn.Module, x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, G: int, store) -> bool:
+    """:func:`_qkv_rope` linked against in turn on the first layer's weights, into scratch pools (block 0, row
+    ``i`` at slot ``i``; :func:`_agree`): eager, then captured in a CUDA graph and replayed on three other inputs,
+    each replay against the launches in turn on that input (as :func:`_chain_agrees`)."""
+    B = x.shape[0]
+    block = torch.zeros(B, dtype=torch.int64, device=x.device)
+    offset = torch.arange(B, device=x.device)
+
+    def run(x_in: torch.Tensor, linked: bool) -> list[torch.Tensor]:
+        pools = SimpleNamespace(ok=torch.zeros(1, store.ok.shape[1], B, store.ok.shape[3], dtype=store.ok.dtype,
+                                               device=x.device),
+                                ov=torch.zeros(1, store.ov.shape[1], B, store.ov.shape[3], dtype=store.ov.dtype,
+                                               device=x.device))
+        out = _qkv_rope(layer, x_in, w_qkv, None, cos, sin, G, pools, block, offset, linked)
+        return [*out, pools.ok, pools.ov]
+
+    if not _agree(run(x, False), run(x, True), x.dtype, x.device):
+        return False
+    x_in = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = run(x_in, True)
+    for scale in (-1.0, 0.5, 2.0):
+        x_in.copy_(x.flip(0) * scale)
+        graph.replay()
+        if not _agree(run(x_in, False), got, x.dtype, x.device):
+            return False
+    return True
 
 
 def _next_norm(decoder: torch.nn.Module, i: int) -> torch.nn.Module:
