@@ -103,11 +103,18 @@ def test_split_attention_compiles_for_hopper(record, dtype, page, G, gq, D):
     # ... and, as the small tail's chain follows it, lets the tail's first product start beside it
     decode_attention.split_attention_merged(q, pk, pv, own_mask, 0.125, o_pre, l_pre, G, dtype, table=table,
                                             after=True, trigger=True)
+    # the prompt part as a link of the small-row chain after the rope kernel: it waits for it first, then lets the
+    # own part start
+    decode_attention.split_attention(q_pre, k, v, torch.zeros(B // G, N, dtype=dtype), 0.125, trigger=True,
+                                     linked=True)
     compiled = _compile(kernel)
-    assert len(compiled) == 7
+    assert len(compiled) == 8
     plain = "".join(c.asm["ptx"] for c in compiled[:4])
     assert "griddepcontrol" not in plain and not any(c.metadata.launch_pdl for c in compiled[:4])
-    trigger, after, both = compiled[4:]
+    trigger, after, both, linked = compiled[4:]
+    ptx = linked.asm["ptx"]
+    assert linked.metadata.launch_pdl and ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
     assert "griddepcontrol.launch_dependents" in trigger.asm["ptx"] and "griddepcontrol.wait" not in trigger.asm["ptx"]
     assert "griddepcontrol.wait" in after.asm["ptx"] and after.metadata.launch_pdl and not trigger.metadata.launch_pdl
     assert "griddepcontrol.launch_dependents" not in after.asm["ptx"]

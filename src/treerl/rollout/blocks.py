@@ -67,6 +67,8 @@ PROMPT_PROGRAMS = 264
 # the Q/K/V product's ranges of K as a link of the small-row chain (DecodeBlocks._qkv_link; read at each capture).
 # Session 31, H200, 64 rows: see bench/RESULTS.md
 QKV_SPLITS = 2
+# the prompt part's launch a link after the rope kernel where the Q/K/V product is linked (read at each capture)
+PROMPT_LINK = True
 
 
 def qkv_rope(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor,
@@ -362,7 +364,7 @@ class DecodeBlocks:
             q_own, q_pre, k, v = _qkv_rope(layer, x, f.qkv_w[i], f.qkv_b[i], cos, sin, G, store, cache.write_block,
                                            cache.write_offset, linked)
             o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask,
-                                                      "split", trigger=cache.overlap)
+                                                      "split", trigger=cache.overlap, linked=linked and PROMPT_LINK)
             attn = cache.attend_own_merged(i, q_own, own_mask, layer.self_attn.scaling, o_pre, l_pre, merge_g,
                                            hidden.dtype, after=cache.overlap, trigger=chain)
             following = _next_norm(base, i)
@@ -442,17 +444,20 @@ class DecodeBlocks:
 
     @staticmethod
     def _prompt_part(i: int, layer, cache: SharedPrefixCache, q_own, q_pre, k, v, prefix_mask, backend: str,
-                     trigger: bool = False):
+                     trigger: bool = False, linked: bool = False):
         """Layer ``i``'s prompt part (and fork levels) in key ranges: ``(o_pre, l_pre, G of the
         merge)``; writes the token's K/V into its fork segment first (tree rollouts). ``trigger``
-        (the split backend, ``cache.overlap``): the own part's launch after it may overlap it."""
+        (the split backend, ``cache.overlap``): the own part's launch after it may overlap it; ``linked``: the
+        launch is a link of the small-row chain after the rope kernel (:meth:`_qkv_link`; only the split backend
+        with overlap, where nothing runs between the rope kernel and this launch)."""
         G = cache.G
         if cache.prompts_in_own_blocks:  # the prompt store is unused: nothing to attend there
             return (*cache.no_prompt_part(q_pre), G)
         cache.write_forks(i, k, v)  # tree rollouts: the token's K/V into its fork segment
         pk, pv = cache.prefix(i, q_pre.shape[0])
         scale = layer.self_attn.scaling
-        o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend, trigger, PROMPT_PROGRAMS)
+        o_pre, l_pre = attend_with_lse(q_pre, pk, pv, prefix_mask, scale, backend, trigger, PROMPT_PROGRAMS,
+                                       linked=linked and not cache.forks)
         merge_g = G
         if cache.forks:  # tree rollouts: the fork segments' key ranges join the prompt part's (own layout)
             forks = cache.fork_levels(i, q_pre.shape[0])

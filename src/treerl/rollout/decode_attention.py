@@ -118,7 +118,10 @@ if triton is not None:
                       H, M, N, keys_per_split, scale, HIDDEN, Q0, QW,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                       IEEE: tl.constexpr, PAGE: tl.constexpr, MASK_CHUNK: tl.constexpr, MERGE: tl.constexpr,
-                      CAUSAL: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False):
+                      CAUSAL: tl.constexpr, TRIGGER: tl.constexpr = False, WAIT: tl.constexpr = False,
+                      LINKED: tl.constexpr = False):
+        if LINKED:  # launched dependent on the kernel that writes the queries (the chain's rope kernel): wait for it
+            tl.extra.cuda.gdc_wait()  # first, so a launch this one lets start (TRIGGER) starts after it too
         if TRIGGER:  # the next launch (the merged own part, launched dependent) may start beside this one
             tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0)
@@ -235,7 +238,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                     splits: int | None = None, *, table: torch.Tensor | None = None, block_n: int = BLOCK_N,
                     target: int = TARGET_PROGRAMS, num_warps: int | None = None,
                     num_stages: int = 2, causal: tuple[int, int] | None = None,
-                    trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    trigger: bool = False, linked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring; ``mask`` is ``[B, 1, 1, N]`` or ``[B, N]``; ``table``
     ``[B, max_blocks]`` (integer): ``k/v`` are block pools ``[blocks, H, PAGE, D]`` read
     through it, ``N`` = the mask's width. ``causal = (Q0, QW)``: query ``m`` also sees no key
@@ -243,7 +246,9 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     :func:`window_attention`); its queries run in blocks of ``CAUSAL_QUERY_BLOCK``, each
     block's programs reading keys up to its last query. ``trigger`` (CUDA, sm_90+): each
     program first lets the next launch in the stream start beside this one, where that launch
-    is dependent (:func:`split_attention_merged` with ``after``). The other keyword arguments are
+    is dependent (:func:`split_attention_merged` with ``after``). ``linked`` (CUDA, sm_90+): the launch is
+    dependent on the kernel before it (the small-row chain's rope kernel, which lets it start) and each program
+    waits for that kernel before anything else. The other keyword arguments are
     kernel settings (``bench/tune_split_attention.py`` and ``bench/decode_kernels.py --attention-sweep`` measure
     them; 2 stages: session 29 on an H200 measured 3-4 stages no faster alone at 64 rows x 256 own keys, 26.65 ->
     26.78 us a layer, and ``bench_rollout`` at 64 rows 2-7% slower)."""
@@ -265,7 +270,8 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     for m in range(0, M, step):  # (queries are independent: a group larger than one tile runs in slices)
         o = out[:, :, :, m:m + step]
         _launch(q[:, :, m:m + step], k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, o,
-                (o.stride(0), o.stride(1), o.stride(2), o.stride(3)), lse[..., m:m + step], trigger=trigger)
+                (o.stride(0), o.stride(1), o.stride(2), o.stride(3)), lse[..., m:m + step], trigger=trigger,
+                linked=linked and m == 0)
     return out, lse
 
 
@@ -322,10 +328,10 @@ def merge_ranges(o_own: torch.Tensor, l_own: torch.Tensor, o_pre: torch.Tensor, 
 
 
 def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, out, out_strides, lse,
-            merge=None, causal=None, trigger: bool = False, after: bool = False) -> None:
+            merge=None, causal=None, trigger: bool = False, after: bool = False, linked: bool = False) -> None:
     """One launch of ``_split_kernel`` over ``(B x H, S)`` programs of ``per`` keys each (``causal``:
     ``(Q0, QW)``, and the queries in blocks of ``CAUSAL_QUERY_BLOCK``: a third grid dimension;
-    ``trigger``/``after``: the overlap of :func:`split_attention_merged`)."""
+    ``trigger``/``after``: the overlap of :func:`split_attention_merged`; ``linked``: :func:`split_attention`'s)."""
     assert not after or merge is not None, "only the merged own part waits for the launch before it"
     B, H, M, D = q.shape
     DV = v.shape[3]
@@ -352,9 +358,9 @@ def _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages,
         BLOCK_M=block_m, BLOCK_N=block_n, D=D, DV=DV, IEEE=q.dtype == torch.float32, PAGE=page,
         MASK_CHUNK=CAUSAL_MASK_CHUNK if causal is not None else min(1024, max(16, triton.next_power_of_2(per))),
         MERGE=merge is not None,
-        CAUSAL=causal is not None, TRIGGER=trigger, WAIT=after,
+        CAUSAL=causal is not None, TRIGGER=trigger, WAIT=after, LINKED=linked,
         num_warps=num_warps or (4 if block_m <= 32 else 8), num_stages=num_stages,
-        **({"launch_pdl": True} if after else {}),  # (a compile option: only where it is used)
+        **({"launch_pdl": True} if after or linked else {}),  # (a compile option: only where it is used)
     )
 
 

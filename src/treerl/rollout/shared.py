@@ -410,7 +410,7 @@ def _efficient_ok(device: str, dtype: torch.dtype, head_dim: int, value_dim: int
 
 
 def attend_with_lse(q, k, v, mask, scale, backend: str = "math", trigger: bool = False,
-                    target: int = TARGET_PROGRAMS):
+                    target: int = TARGET_PROGRAMS, linked: bool = False):
     """Attention of ``q [B, H, M, D]`` to ``k/v [B, H, N, D]`` under an additive ``mask``
     (``[B, 1, 1, N]``), in key ranges: returns ``out [B, H, S, M, Dv]`` and ``lse [B, H, S, M]``
     of each range (float32, or float64 for math on float64), merged by :func:`merge_parts`.
@@ -418,10 +418,11 @@ def attend_with_lse(q, k, v, mask, scale, backend: str = "math", trigger: bool =
     fill the GPU), ``"efficient"`` (CUDA's memory-efficient kernel, see :func:`_efficient_ok`)
     or ``"math"`` (exact); the last two return one range. ``trigger`` (``"split"`` only): the
     next launch may overlap this one (:func:`~treerl.rollout.decode_attention.split_attention`); ``target``
-    (``"split"`` only): its programs at least (the key ranges are chosen to reach it)."""
-    assert not trigger or backend == "split", "only the split-key kernel lets the next launch overlap it"
+    (``"split"`` only): its programs at least (the key ranges are chosen to reach it); ``linked`` (``"split"``
+    only): a link of the small-row chain, waiting for the kernel before it (the rope kernel) at its start."""
+    assert not (trigger or linked) or backend == "split", "only the split-key kernel overlaps its neighbours"
     if backend == "split":
-        return split_attention(q, k, v, mask, scale, trigger=trigger, target=target)
+        return split_attention(q, k, v, mask, scale, trigger=trigger, target=target, linked=linked)
     out, lse = _attend_efficient(q, k, v, mask, scale) if backend == "efficient" else _attend_math(q, k, v, mask, scale)
     return out.unsqueeze(2), lse.unsqueeze(2)
 
