@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 31, call 2 (~9 min, H200; carry [".v"]; .v/base = main before the change: git archive 7ace5b9 src bench).
+# Session 31, call 2 (~9 min, H200; carry [".v"]; .v/base = main before the change: git archive 4434c8c src bench).
 # The Q/K/V product, the rope kernel and the prompt part's launch as links of the small-row chain (64-128 rows,
 # sm_90+): the product's float32 partials over QKV_SPLITS ranges summed in the rope kernel, each launched dependent
 # on the kernel before it. Session 30's timeline: these were the only launches a layer that waited for the kernel
