@@ -158,22 +158,22 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
     """A layer's products as the decode step runs them, over every layer's own weights in one replay
     (a step's layers read different weights; one layer's would stay in the L2), us a layer:
 
-    - ``tail``: after the attention, cuBLAS + the compiled tail (``blocks._tail_norm``: output product,
+    - ``tail``: after the attention, cuBLAS + the compiled tail (``layer_math._tail_norm``: output product,
       residual + norm, gate/up, SiLU gate, down product, residual + the next norm) against the small-row
-      kernels + the compiled residual norms (``blocks._small_tail``) and, on sm_90+, the same kernels with
+      kernels + the compiled residual norms (``layer_math._small_tail``) and, on sm_90+, the same kernels with
       their own residual norms as a chain of dependent launches (``chain``; ``chain-pointers``: with the
       products' tiles through per-thread addresses instead of TMA), outputs compared;
     - with ``sweep``: each small product alone over column tiles, K ranges, warps and stages,
       against ``F.linear`` on the same weights (the Q/K/V product too: as one K range)."""
     from treerl.models import build_model
-    from treerl.rollout import blocks, small_products as sp
+    from treerl.rollout import blocks, layer_math, small_products as sp
 
     model = build_model("qwen3", shape, dtype=torch.bfloat16, device=device)
     layers = model.model.layers
     f = blocks.FusedProjections(layers)
-    weights = [blocks._small_layer(layer, f, i) for i, layer in enumerate(layers)]
-    assert all(w is not None for w in weights), f"{shape}: a layer the small-row kernels do not take (blocks._small_layer)"
-    following = [blocks._next_norm(model.model, i) for i in range(len(layers))]
+    weights = [layer_math._small_layer(layer, f, i) for i, layer in enumerate(layers)]
+    assert all(w is not None for w in weights), f"{shape}: a layer the small-row kernels do not take (layer_math._small_layer)"
+    following = [layer_math._next_norm(model.model, i) for i in range(len(layers))]
     tail_norm, residual_norm = blocks._TAIL_NORM, blocks._RESIDUAL_NORM
     H, A = model.config.hidden_size, layers[0].self_attn.o_proj.in_features
     tail_bytes = sum(w.numel() * 2 for w in (weights[0][0], weights[0][2], weights[0][3]))  # a layer's weights after attention
@@ -189,7 +189,7 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
                     for i, layer in enumerate(layers)]
 
         def new_tail(chain=False):
-            return [blocks._small_tail(residual_norm, layer, hidden, attn, weights[i], following[i], chain)
+            return [layer_math._small_tail(residual_norm, layer, hidden, attn, weights[i], following[i], chain)
                     for i, layer in enumerate(layers)]
 
         want = old_tail()
@@ -212,7 +212,7 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
             row = _timed(run, tail_bytes * n, bandwidth)
             out.append(dict(kernel="products-tail", rows=rows, way=name, max_rel_diff=round(err, 5),
                             us_a_layer=round(row["us"] / n, 2), floor_us_a_layer=round(row["floor_us"] / n, 2)))
-        out += _qkv_rope_rows(blocks, layers, f, hidden, x, bandwidth, g)
+        out += _qkv_rope_rows(layers, f, hidden, x, bandwidth, g)
         if not sweep:
             continue
         act = torch.randn(rows, weights[0][3].shape[1], device=device, dtype=torch.bfloat16, generator=g)
@@ -240,14 +240,14 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
     return out
 
 
-def _qkv_rope_rows(blocks, layers, f, hidden, x, bandwidth: float, g) -> list[dict]:
-    """The Q/K/V product and the rope kernel over every layer's weights in one replay (``blocks._qkv_rope``), us a
-    layer: in turn (cuBLAS, then the kernel) against linked (the product's partials over ``QKV_SPLITS`` ranges summed
-    in the rope kernel, both links of the chain; sm_90+), at 1, 2 and 4 ranges; outputs compared."""
-    from treerl.rollout import small_products as sp
+def _qkv_rope_rows(layers, f, hidden, x, bandwidth: float, g) -> list[dict]:
+    """The Q/K/V product and the rope kernel over every layer's weights in one replay (``layer_math._qkv_rope``), us a
+    layer: in turn (cuBLAS, then the kernel) against linked (the product's partials over 1, 2 or 4 ranges summed
+    in the rope kernel, both links of the chain; sm_90+); outputs compared."""
+    from treerl.rollout import layer_math, small_products as sp
 
     rows, n, dt, page = hidden.shape[0], len(layers), hidden.dtype, 64
-    heads, kv_heads = blocks._heads(layers[0])
+    heads, kv_heads = layer_math._heads(layers[0])
     D = layers[0].self_attn.head_dim
     G = 8 if rows % 8 == 0 else 1
     angle = torch.rand(rows, 1, D, device=hidden.device, generator=g)
@@ -259,22 +259,18 @@ def _qkv_rope_rows(blocks, layers, f, hidden, x, bandwidth: float, g) -> list[di
     x3 = x.reshape(rows, 1, -1)
     moved = f.qkv_w[0].numel() * 2 * n
 
-    def run(linked: bool):
-        return [blocks._qkv_rope(layer, x3, f.qkv_w[i], None, cos, sin, G, stores[i], block, offset, linked)
+    def run(linked: bool, splits: int = 1):
+        return [layer_math._qkv_rope(layer, x3, f.qkv_w[i], None, cos, sin, G, stores[i], block, offset, linked, splits)
                 for i, layer in enumerate(layers)]
 
     want = run(False)
     ways = [("in-turn", None)] + ([("linked", s) for s in (1, 2, 4)] if sp.chains_here(hidden.device) else [])
-    out, default = [], blocks.QKV_SPLITS
+    out = []
     for name, splits in ways:
-        blocks.QKV_SPLITS = splits or default
-        try:
-            got = run(name == "linked")
-            err = max(float((a.float() - b.float()).abs().max() / a.float().abs().max()) for w, v in zip(want, got)
-                      for a, b in zip(w, v))
-            row = _timed(lambda: run(name == "linked"), moved, bandwidth)
-        finally:
-            blocks.QKV_SPLITS = default
+        got = run(name == "linked", splits or 1)
+        err = max(float((a.float() - b.float()).abs().max() / a.float().abs().max()) for w, v in zip(want, got)
+                  for a, b in zip(w, v))
+        row = _timed(lambda: run(name == "linked", splits or 1), moved, bandwidth)
         out.append(dict(kernel="qkv-rope", rows=rows, way=name, splits=splits, max_rel_diff=round(err, 5),
                         us_a_layer=round(row["us"] / n, 2), floor_us_a_layer=round(row["floor_us"] / n, 2)))
     return out

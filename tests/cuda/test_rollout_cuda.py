@@ -553,7 +553,9 @@ def test_cuda_overlapped_decode_attention_in_the_engine(temperature, monkeypatch
 def test_cuda_rope_write_matches_the_modules(family, dtype):
     """The decode step's fused Q/K norm + RoPE + K/V write kernel against the modules' math
     (``_pre``) in float64: queries in both layouts, the token's K/V and the pools' slots."""
-    from treerl.rollout.blocks import FusedProjections, _heads, _pre, _qk_norms, _qkv, _rope_kernel_agrees
+    from treerl.rollout.block_probes import _rope_kernel_agrees
+    from treerl.rollout.blocks import FusedProjections
+    from treerl.rollout.layer_math import _heads, _pre, _qk_norms, _qkv
     from treerl.rollout.rope_kernel import rope_write
 
     model = tiny_model(family, dtype=dtype, seed=3, head_dim=128, num_attention_heads=4, num_key_value_heads=2).cuda()
@@ -611,7 +613,8 @@ def test_cuda_small_tail_chain_matches_float64_and_its_eager_bits(rows):
     chain run eagerly on that input (a link that read its input before the kernel before it had written
     it would give the previous replay's values)."""
     from treerl.rollout import small_products as sp
-    from treerl.rollout.blocks import FusedProjections, _residual_norm, _small_layer, _small_tail, _tail_norm
+    from treerl.rollout.blocks import FusedProjections
+    from treerl.rollout.layer_math import _residual_norm, _small_layer, _small_tail, _tail_norm
 
     if not sp.chains_here("cuda"):
         pytest.skip("the chain of dependent launches needs sm_90+")
@@ -649,7 +652,7 @@ def test_cuda_small_tail_chain_matches_float64_and_its_eager_bits(rows):
 
 @pytest.mark.parametrize("rows", [64, 128])
 def test_cuda_qkv_link_matches_float64_and_its_eager_bits(rows):
-    """The Q/K/V product and the rope kernel as links of the chain (sm_90+; ``blocks._qkv_rope`` linked: the
+    """The Q/K/V product and the rope kernel as links of the chain (sm_90+; ``layer_math._qkv_rope`` linked: the
     product's float32 partials summed in the rope kernel) at Qwen3-0.6B's layer shape, bf16 and float32: against a
     float64 copy's ``_pre`` within twice the modules' own error in that dtype (queries, the token's K/V, the pools);
     captured in a CUDA graph and replayed on three other inputs, each replay the bits of the links run eagerly on that
@@ -657,7 +660,9 @@ def test_cuda_qkv_link_matches_float64_and_its_eager_bits(rows):
     from types import SimpleNamespace
 
     from treerl.rollout import small_products as sp
-    from treerl.rollout.blocks import FusedProjections, _pre, _qkv_link_agrees, _qkv_rope
+    from treerl.rollout.block_probes import _qkv_link_agrees
+    from treerl.rollout.blocks import QKV_SPLITS, FusedProjections
+    from treerl.rollout.layer_math import _pre, _qkv_rope
 
     if not sp.chains_here("cuda"):
         pytest.skip("the chain of dependent launches needs sm_90+")
@@ -685,7 +690,8 @@ def test_cuda_qkv_link_matches_float64_and_its_eager_bits(rows):
 
         def run(x_in, linked):
             p = pools(dtype)
-            return list(_qkv_rope(layer, x_in, f.qkv_w[0], None, cos, sin, G, p, block, offset, linked)) + [p.ok, p.ov]
+            return list(_qkv_rope(layer, x_in, f.qkv_w[0], None, cos, sin, G, p, block, offset, linked,
+                                   QKV_SPLITS)) + [p.ok, p.ov]
 
         linked, in_turn = run(x, True), run(x, False)
         for a, b, c in zip(want, linked, in_turn):
@@ -699,7 +705,7 @@ def test_cuda_qkv_link_matches_float64_and_its_eager_bits(rows):
             x_in.copy_(x.roll(1, 0) * scale)
             graph.replay()
             assert all(torch.equal(u, v) for u, v in zip(out, run(x_in, True))), (dtype, scale)
-        assert _qkv_link_agrees(layer, x, f.qkv_w[0], cos, sin, G, pools(dtype))
+        assert _qkv_link_agrees(layer, x, f.qkv_w[0], cos, sin, G, pools(dtype), QKV_SPLITS)
 
 
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])

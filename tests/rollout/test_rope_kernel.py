@@ -1,5 +1,5 @@
 """The decode step's Q/K norm + RoPE + K/V write kernel (:mod:`treerl.rollout.rope_kernel`) against
-the modules' math (``blocks._pre``) in float64: queries in both layouts, the token's K/V and the
+the modules' math (``layer_math._pre``) in float64: queries in both layouts, the token's K/V and the
 pools' slots; query heads per KV head a power of two or not (a masked tile). On a GPU, or on the
 CPU with ``TRITON_INTERPRET=1`` (every CI run takes it that way through
 ``tests/rollout/test_kernels_interpreted.py``); ``tests/cuda/test_rollout_cuda.py`` has the bf16 case."""
@@ -15,7 +15,8 @@ import torch
 from helpers.models import tiny_model
 from treerl.models import rmsnorm_in_input_precision
 from treerl.rollout import rope_kernel, small_products
-from treerl.rollout.blocks import FusedProjections, _heads, _pre, _qk_norms, _qkv
+from treerl.rollout.blocks import FusedProjections
+from treerl.rollout.layer_math import _heads, _pre, _qk_norms, _qkv
 
 pytestmark = pytest.mark.skipif(
     rope_kernel.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),

@@ -1,5 +1,5 @@
 """The decode step's small-row product kernels (:mod:`treerl.rollout.small_products`) against float64
-products, and the block's tail through them (``blocks._small_tail``) against the modules' tail in
+products, and the block's tail through them (``layer_math._small_tail``) against the modules' tail in
 float64. On a GPU, or on the CPU with ``TRITON_INTERPRET=1`` (every CI run takes it that way through
 ``tests/rollout/test_kernels_interpreted.py``); ``tests/cuda/test_rollout_cuda.py`` has the bf16 cases
 and the engine's step through them."""
@@ -15,7 +15,8 @@ import torch
 from helpers.models import tiny_model
 from treerl.models import rmsnorm_in_input_precision
 from treerl.rollout import small_products
-from treerl.rollout.blocks import FusedProjections, _residual_norm, _small_layer, _small_tail, _tail_norm
+from treerl.rollout.blocks import FusedProjections
+from treerl.rollout.layer_math import _residual_norm, _small_layer, _small_tail, _tail_norm
 
 pytestmark = pytest.mark.skipif(
     small_products.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -151,7 +152,7 @@ def test_small_layer_refuses_what_runs_as_a_module():
 @pytest.mark.parametrize("splits, bias", [(1, False), (4, True)])
 def test_residual_norm_equals_the_residual_and_the_modules_norm(dtype, splits, bias):
     """``residual_norm`` (the partials' sum, the bias, the residual and an RMSNorm in one kernel) against
-    ``blocks._residual_norm`` of a float64 copy (the modules' norm) and of the same dtype, on a hidden size that
+    ``layer_math._residual_norm`` of a float64 copy (the modules' norm) and of the same dtype, on a hidden size that
     leaves a partial tile; the norm's weight random."""
     model = tiny_model("qwen3", dtype=torch.float32, seed=5, hidden_size=96, num_attention_heads=4, head_dim=24)
     norm = model.model.layers[0].post_attention_layernorm.to(DEVICE)

@@ -30,7 +30,8 @@ norms, RoPE and K/V write in one Triton kernel, the merge in another, the residu
 with the next norm) ~13; at few rows (:mod:`~treerl.rollout.small_products`: the output, gate/up
 and down products as Triton kernels split over every SM) ~10. The modules and weights are the model's own (HF checkpoints, in-place
 weight updates and a model shared with the trainer all keep working); the math is the
-modules' own forward, reordered. Any other causal LM decodes through its HF forward.
+modules' own forward, reordered (the parts' math: :mod:`~treerl.rollout.layer_math`; the probes that admit each
+kernel path: :mod:`~treerl.rollout.block_probes`). Any other causal LM decodes through its HF forward.
 
 LoRA (a PEFT model): the fused copies hold the *merged* weights ``W + scaling x B @ A``
 (:func:`treerl.lora.effective_weight`, one ``addmm`` into the copy per projection), and so
@@ -44,9 +45,7 @@ model's prefill runs its Hugging Face forward). Mixture of experts (Qwen3-MoE): 
 
 from __future__ import annotations
 
-import sys
 import warnings
-from types import SimpleNamespace
 
 import torch
 
@@ -55,10 +54,11 @@ from ..compiled import DECODE_OFF, LazyCompiled
 from ..lora import effective_weight
 from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
+from .block_probes import _chain_agrees, _qkv_link_agrees, _rope_kernel_agrees, _small_agrees
 from .kernel_probe import kernel_agrees
-from .rope_kernel import rope_write
-from .shared import SharedPrefixCache, attend_with_lse, merge_parts, merged_attention_ok, shared_part, split_queries
-from .types import raw, stored
+from .layer_math import (_base, _bias, _hooked, _next_norm, _norm, _post, _pre, _qkv_rope, _residual_norm, _small_layer,
+                         _small_tail, _tail_norm)
+from .shared import SharedPrefixCache, attend_with_lse, merged_attention_ok, shared_part
 
 # the kernel step's prompt part: its programs at least (key ranges per (group, KV head) chosen to reach it; read at
 # each capture, so benchmarks may patch it). Session 30, H200, bench_rollout against 528 (the split kernel's own
@@ -69,126 +69,6 @@ PROMPT_PROGRAMS = 264
 QKV_SPLITS = 2
 # the prompt part's launch a link after the rope kernel where the Q/K/V product is linked (read at each capture)
 PROMPT_LINK = True
-
-
-def qkv_rope(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_qkv: torch.Tensor,
-             b_qkv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A block's input norm, Q/K/V projections as one product (``w_qkv``/``b_qkv``), Q/K
-    norms (Qwen3) and RoPE: ``hidden [B, T, H]`` -> ``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]``
-    (post-RoPE) and ``v [B, T, Hkv, Dv]``. The decode step's and the prefill's."""
-    attn = layer.self_attn
-    x = layer.input_layernorm(hidden)
-    D = attn.head_dim
-    kv = attn.config.num_key_value_heads * D
-    q, k, v = torch.nn.functional.linear(x, w_qkv, b_qkv).split([w_qkv.shape[0] - 2 * kv, kv, kv], dim=-1)
-    shape = (*hidden.shape[:-1], -1, D)
-    q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
-    if hasattr(attn, "q_norm"):  # Qwen3
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
-    return q, k, v
-
-
-def _pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, G: int,
-         w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, own_k: torch.Tensor, own_v: torch.Tensor,
-         block: torch.Tensor, offset: torch.Tensor):
-    """``hidden [B, 1, H]`` -> ``q_own [B, Hkv, gq, D]``, ``q_pre [B/G, Hkv, G gq, D]`` and the
-    token's keys/values ``[B, Hkv, D]`` (post-RoPE, :func:`qkv_rope`), which are also written
-    into the row store's block pools ``own_k/own_v [blocks, Hkv, Bk, D]``, row ``i`` at slot
-    ``offset[i]`` of block ``block[i]``. ``w_qkv``/``b_qkv``: the Q, K, V projections as one."""
-    q, k, v = qkv_rope(layer, hidden, cos, sin, w_qkv, b_qkv)
-    k, v = stored(k[:, :, 0], own_k.dtype), stored(v[:, 0], own_v.dtype)
-    raw(own_k)[block, :, offset] = raw(k)
-    raw(own_v)[block, :, offset] = raw(v)
-    q_own, q_pre = split_queries(q, own_k.shape[1], G)
-    return q_own.contiguous(), q_pre.contiguous(), k, v
-
-
-def _qkv(layer: torch.nn.Module, hidden: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None) -> torch.Tensor:
-    """The input norm and the Q/K/V product: ``hidden [B, 1, H]`` -> ``[B, 1, (Hq + Hkv) D + Hkv Dv]``
-    (:func:`_pre` up to :func:`~treerl.rollout.rope_kernel.rope_write`; its probe's)."""
-    return torch.nn.functional.linear(layer.input_layernorm(hidden), w_qkv, b_qkv)
-
-
-def _norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    return norm(hidden)
-
-
-def _tail_norm(layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, w_gate_up: torch.Tensor | None,
-               b_gate_up: torch.Tensor | None, w_o: torch.Tensor | None, w_down: torch.Tensor | None,
-               following: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_tail`, and ``following`` (the next layer's input norm, or the final norm) of its
-    output: ``(hidden, following(hidden))``, the residual and the norm one kernel."""
-    hidden = _tail(layer, hidden, attn, w_gate_up, b_gate_up, w_o, w_down)
-    return hidden, following(hidden)
-
-
-def _post(layer: torch.nn.Module, hidden: torch.Tensor, o_own: torch.Tensor, l_own: torch.Tensor,
-          o_pre: torch.Tensor, l_pre: torch.Tensor, G: int, w_gate_up: torch.Tensor | None,
-          b_gate_up: torch.Tensor | None, w_o: torch.Tensor | None, w_down: torch.Tensor | None) -> torch.Tensor:
-    """The merged attention output through the rest of the block: ``hidden [B, 1, H]`` out.
-    ``w_gate_up``/``b_gate_up``: the MLP's gate and up projections as one (None: a sparse MoE
-    block, run as :func:`treerl.moe.moe_forward`). ``w_o``/``w_down``: merged LoRA weights
-    of the output/down projections (None: the modules themselves)."""
-    attn = merge_parts(o_own, l_own, o_pre, l_pre, G, hidden.dtype)
-    return _tail(layer, hidden, attn.reshape(*hidden.shape[:-1], -1), w_gate_up, b_gate_up, w_o, w_down)
-
-
-def _tail(layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, w_gate_up: torch.Tensor | None,
-          b_gate_up: torch.Tensor | None, w_o: torch.Tensor | None, w_down: torch.Tensor | None) -> torch.Tensor:
-    """The rest of a block after attention: ``hidden [B, T, H]`` and the attention output
-    ``attn [B, T, Hq x Dv]`` -> ``hidden [B, T, H]`` (output projection, residual, norm, MLP,
-    residual; the weights as in :func:`_post`)."""
-    o_proj = layer.self_attn.o_proj
-    hidden = hidden + (o_proj(attn) if w_o is None else torch.nn.functional.linear(attn, w_o, _bias(o_proj)))
-    mlp = layer.mlp
-    x = layer.post_attention_layernorm(hidden)
-    if w_gate_up is None:
-        return hidden + mlp(x)
-    gate, up = torch.nn.functional.linear(x, w_gate_up, b_gate_up).chunk(2, dim=-1)
-    act = mlp.act_fn(gate) * up
-    return hidden + (mlp.down_proj(act) if w_down is None else torch.nn.functional.linear(act, w_down, _bias(mlp.down_proj)))
-
-
-def _residual_norm(hidden: torch.Tensor, norm: torch.nn.Module, bias: torch.Tensor | None,
-                   *partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hidden [B, 1, H]`` plus a product given as float32 partial sums ``[B, H]`` each
-    (:func:`~treerl.rollout.small_products.linear_partials`; their sum and ``bias`` rounded once to
-    ``hidden``'s dtype, as ``F.linear``'s output), and ``norm`` of the result: ``(hidden, norm(hidden))``
-    (compiled: the sum, residual and norm one kernel)."""
-    total = partials[0]
-    for part in partials[1:]:
-        total = total + part
-    if bias is not None:
-        total = total + bias.float()
-    hidden = hidden + total.to(hidden.dtype).view_as(hidden)
-    return hidden, norm(hidden)
-
-
-def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
-    return getattr(_base(linear), "bias", None)
-
-
-def _hooked(module: torch.nn.Module) -> bool:
-    """Whether a call of ``module`` would run hooks (its own or global ones)."""
-    m = torch.nn.modules.module
-    return bool(module._forward_hooks or module._forward_pre_hooks or m._global_forward_hooks
-                or m._global_forward_pre_hooks)
-
-
-def _weight(linear: torch.nn.Module, merged: torch.Tensor | None) -> torch.Tensor | None:
-    """The weight a product of ``linear`` multiplies by: its merged LoRA copy, or a plain hook-free
-    ``Linear``'s own (None: it runs as its module)."""
-    if merged is not None:
-        return merged
-    return linear.weight if type(linear) is torch.nn.Linear and not _hooked(linear) else None
-
-
-def _silu(mlp: torch.nn.Module) -> bool:
-    """Whether ``mlp``'s activation is a plain, hook-free SiLU (torch's or transformers')."""
-    act = getattr(mlp, "act_fn", None)
-    return (type(act) is torch.nn.SiLU or type(act).__name__ == "SiLUActivation") and not _hooked(act)
 
 
 class FusedProjections:
@@ -262,11 +142,6 @@ class FusedProjections:
                 for dst, linear in ((self.o_w[i], layer.self_attn.o_proj), (self.down_w[i], getattr(layer.mlp, "down_proj", None))):
                     if dst is not None:
                         effective_weight(linear, out=dst)
-
-
-def _base(linear: torch.nn.Module) -> torch.nn.Module:
-    """A PEFT LoRA layer's base layer, or the layer itself."""
-    return getattr(linear, "base_layer", linear)
 
 
 _PRE, _POST = LazyCompiled(_pre, "decode blocks", DECODE_OFF), LazyCompiled(_post, "decode blocks", DECODE_OFF)
@@ -362,7 +237,7 @@ class DecodeBlocks:
         for i, layer in enumerate(layers):
             store = cache.layers[i]
             q_own, q_pre, k, v = _qkv_rope(layer, x, f.qkv_w[i], f.qkv_b[i], cos, sin, G, store, cache.write_block,
-                                           cache.write_offset, linked)
+                                           cache.write_offset, linked, QKV_SPLITS)
             o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask,
                                                       "split", trigger=cache.overlap, linked=linked and PROMPT_LINK)
             attn = cache.attend_own_merged(i, q_own, own_mask, layer.self_attn.scaling, o_pre, l_pre, merge_g,
@@ -427,7 +302,7 @@ class DecodeBlocks:
             x2 = x.reshape(x.shape[0], -1)
             self.qkv_link = (all(w is not None for w in f.qkv_w) and all(b is None for b in f.qkv_b)
                              and small_products.runs_here(x2, *f.qkv_w)
-                             and kernel_agrees(lambda: _qkv_link_agrees(layer, x, f.qkv_w[0], cos, sin, G, store),
+                             and kernel_agrees(lambda: _qkv_link_agrees(layer, x, f.qkv_w[0], cos, sin, G, store, QKV_SPLITS),
                                                what="the decode step's Q/K/V product and rope kernel as links of the "
                                                     "chain of dependent launches",
                                                reference="cuBLAS and the rope kernel in turn", where=str(x.device),
@@ -466,149 +341,6 @@ class DecodeBlocks:
         return o_pre, l_pre, merge_g
 
 
-def _qkv_rope(layer: torch.nn.Module, x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
-              cos: torch.Tensor, sin: torch.Tensor, G: int, store, block: torch.Tensor, offset: torch.Tensor,
-              linked: bool) -> tuple:
-    """The kernel step's Q/K/V product and :func:`~treerl.rollout.rope_kernel.rope_write` into ``store``'s pools:
-    ``(q_own, q_pre, k, v)``. ``linked``: both as links of the small-row chain (:meth:`DecodeBlocks._qkv_link`);
-    else the product through cuBLAS, then the rope kernel."""
-    if linked:
-        qkv = small_products.linear_partials(x.reshape(x.shape[0], -1), w_qkv, splits=QKV_SPLITS, pdl=True)
-        link = dict(dtype=x.dtype, pdl=True)
-    else:
-        qkv, link = torch.nn.functional.linear(x, w_qkv, b_qkv), {}
-    return rope_write(qkv, cos, sin, *_qk_norms(layer), *_heads(layer), G, store.ok, store.ov, block, offset, **link)
-
-
-def _qkv_link_agrees(layer: torch.nn.Module, x: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, G: int, store) -> bool:
-    """:func:`_qkv_rope` linked against in turn on the first layer's weights, into scratch pools (block 0, row
-    ``i`` at slot ``i``; :func:`_agree`): eager, then captured in a CUDA graph and replayed on three other inputs,
-    each replay against the launches in turn on that input (as :func:`_chain_agrees`)."""
-    B = x.shape[0]
-    block = torch.zeros(B, dtype=torch.int64, device=x.device)
-    offset = torch.arange(B, device=x.device)
-
-    def run(x_in: torch.Tensor, linked: bool) -> list[torch.Tensor]:
-        pools = SimpleNamespace(ok=torch.zeros(1, store.ok.shape[1], B, store.ok.shape[3], dtype=store.ok.dtype,
-                                               device=x.device),
-                                ov=torch.zeros(1, store.ov.shape[1], B, store.ov.shape[3], dtype=store.ov.dtype,
-                                               device=x.device))
-        out = _qkv_rope(layer, x_in, w_qkv, None, cos, sin, G, pools, block, offset, linked)
-        return [*out, pools.ok, pools.ov]
-
-    if not _agree(run(x, False), run(x, True), x.dtype, x.device):
-        return False
-    x_in = x.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = run(x_in, True)
-    for scale in (-1.0, 0.5, 2.0):
-        x_in.copy_(x.flip(0) * scale)
-        graph.replay()
-        if not _agree(run(x_in, False), got, x.dtype, x.device):
-            return False
-    return True
-
-
-def _next_norm(decoder: torch.nn.Module, i: int) -> torch.nn.Module:
-    """The norm after layer ``i``'s residual: the next layer's input norm, or the final norm."""
-    layers = decoder.layers
-    return layers[i + 1].input_layernorm if i + 1 < len(layers) else decoder.norm
-
-
-def _small_layer(layer: torch.nn.Module, fused: FusedProjections, i: int) -> tuple | None:
-    """Layer ``i``'s ``(w_o, b_o, w_gate_up, w_down, b_down)`` for :func:`_small_tail`, or None where
-    it cannot run there: a sparse MLP, a gate/up bias, an activation other than SiLU, an output or
-    down projection that runs as its module (hooks, not a plain ``Linear``)."""
-    mlp, o_proj = layer.mlp, layer.self_attn.o_proj
-    if fused.gate_up_w[i] is None or fused.gate_up_b[i] is not None or not _silu(mlp):
-        return None
-    w_o, w_down = _weight(o_proj, fused.o_w[i]), _weight(mlp.down_proj, fused.down_w[i])
-    if w_o is None or w_down is None:
-        return None
-    return w_o, _bias(o_proj), fused.gate_up_w[i], w_down, _bias(mlp.down_proj)
-
-
-def _small_tail(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, weights: tuple,
-                following: torch.nn.Module, chain: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_tail_norm` through :mod:`~treerl.rollout.small_products`: the output product as
-    float32 partial sums added up in ``residual_norm`` (:func:`_residual_norm`, with the post-attention
-    norm), the gate/up product and SiLU gate in one kernel, the down product's partials in the second
-    ``residual_norm`` (with ``following``). ``chain``: every kernel a link of a chain of dependent launches,
-    the sums and norms through :func:`~treerl.rollout.small_products.residual_norm` (see
-    :meth:`DecodeBlocks._chain`). ``hidden [B, 1, H]``, ``attn [B, ..]`` -> ``(hidden, following(hidden))``."""
-    w_o, b_o, w_gate_up, w_down, b_down = weights
-    B = hidden.shape[0]
-
-    def add_norm(hidden, norm, bias, partials):
-        if chain:
-            return small_products.residual_norm(hidden, partials, bias, norm, pdl=True)
-        return residual_norm(hidden, norm, bias, *partials.unbind(0))
-
-    hidden, x = add_norm(hidden, layer.post_attention_layernorm, b_o,
-                         small_products.linear_partials(attn.reshape(B, -1), w_o, pdl=chain))
-    act = small_products.gated(x.reshape(B, -1), w_gate_up, pdl=chain)
-    return add_norm(hidden, following, b_down, small_products.linear_partials(act, w_down, pdl=chain))
-
-
-def _agree(want: tuple, got: tuple, dtype: torch.dtype, device: torch.device) -> bool:
-    """Two tails' outputs within their dtype's rounding, relative to their largest value (float32: 1e-5, or
-    TF32's where cuBLAS runs float32 products in TF32; 16-bit: 4 units of its last place)."""
-    if dtype == torch.float32:
-        tol = 4 * 2.0 ** -11 if torch.backends.cuda.matmul.allow_tf32 and device.type == "cuda" else 1e-5
-    else:
-        tol = 4 * torch.finfo(dtype).eps
-    return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=tol,
-                                                     atol=tol * a.float().abs().max().item()) for a, b in zip(want, got))
-
-
-def _probe_attention(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """A random attention output ``[B, 1, heads x head size]`` for the tail probes (seeded)."""
-    gen = torch.Generator(device=hidden.device).manual_seed(0)
-    return torch.randn(hidden.shape[0], 1, layer.self_attn.o_proj.in_features, device=hidden.device,
-                       dtype=hidden.dtype, generator=gen)
-
-
-def _small_agrees(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, fused: FusedProjections,
-                  weights: tuple, following: torch.nn.Module) -> bool:
-    """:func:`_small_tail` (with the step's ``residual_norm``: compiled where the step's is) against
-    :func:`_tail_norm` (eager) on the first layer, this step's hidden states and a random attention
-    output (:func:`_agree`)."""
-    attn = _probe_attention(layer, hidden)
-    want = _tail_norm(layer, hidden, attn, fused.gate_up_w[0], fused.gate_up_b[0], fused.o_w[0], fused.down_w[0],
-                      following)
-    return _agree(want, _small_tail(residual_norm, layer, hidden, attn, weights, following), hidden.dtype,
-                  hidden.device)
-
-
-def _chain_agrees(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, weights: tuple,
-                  following: torch.nn.Module) -> bool:
-    """:func:`_small_tail` as a chain against its launches in turn (``residual_norm``'s sums and norms) on
-    the first layer (:func:`_agree`): eager, then captured in a CUDA graph (as the step runs it) and
-    replayed on three other inputs, each replay against the launches in turn on that input (a link
-    that read its input before the kernel before it had written it would give the previous replay's
-    values)."""
-    attn = _probe_attention(layer, hidden)
-
-    def tail(h, a, chain):
-        return _small_tail(residual_norm, layer, h, a, weights, following, chain)
-
-    if not _agree(tail(hidden, attn, False), tail(hidden, attn, True), hidden.dtype, hidden.device):
-        return False
-    h_in, a_in = hidden.clone(), attn.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = tail(h_in, a_in, True)
-    for scale in (-1.0, 0.5, 2.0):
-        h_in.copy_(hidden * scale)
-        a_in.copy_(attn.flip(0) * scale)
-        graph.replay()
-        if not _agree(tail(h_in, a_in, False), got, hidden.dtype, hidden.device):
-            return False
-    return True
-
-
 def head_into(head: torch.nn.Module, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``head(x)`` (``x [B, hidden]`` -> ``[B, V]``), into ``out`` when given: a plain bias-free
     ``Linear`` of ``out``'s dtype writes it in its product (no ``[B, V]`` temporary and copy, ~0.2 ms
@@ -621,41 +353,3 @@ def head_into(head: torch.nn.Module, x: torch.Tensor, out: torch.Tensor | None) 
         return torch.mm(x, head.weight.t(), out=out)
     return out.copy_(head(x))
 
-
-def _qk_norms(layer: torch.nn.Module) -> tuple:
-    attn = layer.self_attn
-    return (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else (None, None)
-
-
-def _heads(layer: torch.nn.Module) -> tuple[int, int]:
-    config = layer.self_attn.config
-    return config.num_attention_heads, config.num_key_value_heads
-
-
-def _rope_kernel_agrees(layer, hidden, cos, sin, G, w_qkv, b_qkv, store) -> bool:
-    """:func:`~treerl.rollout.rope_kernel.rope_write` against :func:`_pre` (eager) on one
-    layer's inputs, each writing a scratch pool (block 0, row ``i`` at slot ``i``): every
-    output within its dtype's rounding (float32: 1e-5; half precision and a float8 store's: 2
-    units of its last place, relative to the output's largest value)."""
-    D = cos.shape[-1]
-    Dv = store.ov.shape[-1]
-    B = hidden.shape[0]
-    if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16) or D & (D - 1) or Dv & (Dv - 1) or B % G:
-        return False  # (float64: the kernel computes in float32)
-    try:
-        pools = [[torch.zeros(1, p.shape[1], B, p.shape[3], dtype=p.dtype, device=p.device) for p in (store.ok, store.ov)]
-                 for _ in range(2)]
-        block = torch.zeros(B, dtype=torch.int64, device=hidden.device)
-        offset = torch.arange(B, device=hidden.device)
-        want = _pre(layer, hidden, cos, sin, G, w_qkv, b_qkv, *pools[0], block, offset)
-        got = rope_write(_qkv(layer, hidden, w_qkv, b_qkv), cos, sin, *_qk_norms(layer), *_heads(layer), G,
-                         *pools[1], block, offset)
-        def tol(dtype: torch.dtype) -> float:  # (a float8 store's values: 2 units of float8's last place)
-            return 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
-
-        pairs = list(zip(want, got)) + list(zip(pools[0], pools[1]))
-        return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=tol(b.dtype),
-                                                         atol=tol(b.dtype) * b.float().abs().max().item())
-                   for a, b in pairs)
-    except Exception:  # noqa: BLE001 - any failure: the compiled torch path
-        return False

@@ -13,7 +13,7 @@ not its FLOPs, stalls the decode steps around it. Here each layer runs as
    attention through :func:`~treerl.rollout.window_attention.window_attention` on a GPU where
    its kernel agrees with float64 (:func:`window_kernel_ok`), else
    :func:`~treerl.rollout.kv.rollout_attention` (SDPA under the engine's mask);
-3. the block's rest (:func:`~treerl.rollout.blocks._tail`: output projection, residual,
+3. the block's rest (:func:`~treerl.rollout.layer_math._tail`: output projection, residual,
    norm, MLP, residual);
 
 with ``pre`` and the rest compiled on CUDA (regional ``torch.compile``, dynamic shapes), the
@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from ..compiled import DECODE_OFF, LazyCompiled
-from .blocks import DecodeBlocks, _tail, qkv_rope
+from .blocks import DecodeBlocks
+from .layer_math import _tail, qkv_rope
 from .kv import SlotCache, rollout_attention
 from .window_attention import window_attention, window_attention_ok
 
@@ -33,7 +34,7 @@ from .window_attention import window_attention, window_attention_ok
 def _prefill_pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  w_qkv: torch.Tensor, b_qkv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``hidden [B, T, H]`` -> ``q [B, Hq, T, D]``, ``k [B, Hkv, T, D]`` (post-RoPE) and
-    ``v [B, Hkv, T, Dv]`` (:func:`~treerl.rollout.blocks.qkv_rope`)."""
+    ``v [B, Hkv, T, Dv]`` (:func:`~treerl.rollout.layer_math.qkv_rope`)."""
     q, k, v = qkv_rope(layer, hidden, cos, sin, w_qkv, b_qkv)
     return q, k, v.transpose(1, 2)
 

@@ -9,7 +9,7 @@ microseconds of launch and tail at 64 rows; here one program per (row, KV head) 
 for the head's keys, values and its ``Hq/Hkv`` query heads (session 24: one program per head
 before, ~16 us a layer at 1,024 rows, 1.5 TB/s).
 
-The math is :func:`treerl.rollout.blocks.qkv_rope`'s after the product: the norm in float32,
+The math is :func:`treerl.rollout.layer_math.qkv_rope`'s after the product: the norm in float32,
 rounded to the input dtype before its weight (as the modules do), RoPE
 ``x cos + rotate_half(x) sin`` on the whole head (``cos/sin [B, D]``: the model's rotary
 embedding, any scaling), in float32, each output rounded once. Checked against that

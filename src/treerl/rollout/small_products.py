@@ -156,7 +156,7 @@ if triton is not None:
                               S: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr,
                               PDL: tl.constexpr = False):
         """Program (row): ``h = Hidden + round(P[0] + .. + P[S-1] (+ Bias))`` and ``OutX = Wn * round(h /
-        rms(h))``, as :func:`~treerl.rollout.blocks._residual_norm` with an RMSNorm rounds them (the partials
+        rms(h))``, as :func:`~treerl.rollout.layer_math._residual_norm` with an RMSNorm rounds them (the partials
         added in order, in float32; the norm's statistics in float32)."""
         r = tl.program_id(0)
         offs = tl.arange(0, BLOCK_H)
