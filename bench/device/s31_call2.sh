@@ -7,7 +7,7 @@
 # Predicted: qkv-rope 7.6 -> 5.5-6.5 us a layer at 64 rows; bench_rollout at 64 rows +2..4%.
 source bench/device/lib.sh
 export PYTHONPATH=src
-gpu_tests 150 "qkv_link or rope or small or chain" tests/cuda/test_rollout_cuda.py
+gpu_tests 130 "qkv_link or rope or small_products_in or chain" tests/cuda/test_rollout_cuda.py
 echo "== products ($SECONDS s)"
 timeout -k 5 90 python3 bench/decode_kernels.py --kernels products --product-rows 64,128 \
     --out $OUT/products_s31_call2.json > $OUT/products.txt 2>&1
@@ -18,9 +18,7 @@ ab() {  # ab NAME "SETTINGS": bench_rollout's 64 rows with blocks' settings patc
   with_blocks 90 "$2" bench/bench_rollout.py --device cuda --cases 0.6b:8x8 --extras "" --bandwidth 4.277e12 \
       --out $OUT/rollout_$1_$SECONDS.json 2>&1 | grep -v "$F" | grep "^0.6b\|FAILED\|Error\|settings" | cut -c1-200
 }
-for round in 1 2; do
-  [ $SECONDS -lt 420 ] && ab new ""
-  [ $SECONDS -lt 450 ] && ab base
-  [ $SECONDS -lt 480 ] && ab noprompt "PROMPT_LINK=False"
-done
+ab new ""; ab base; ab noprompt "PROMPT_LINK=False"
+[ $SECONDS -lt 400 ] && ab new ""
+[ $SECONDS -lt 440 ] && ab base
 echo "== done ($SECONDS s)"
