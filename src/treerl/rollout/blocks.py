@@ -65,8 +65,8 @@ from .shared import SharedPrefixCache, attend_with_lse, merged_attention_ok, sha
 # target): 64 rows +3.2% (4 ranges of 256 keys a group and head), 1,024 rows +4.0% (one range of 1,024)
 PROMPT_PROGRAMS = 264
 # the Q/K/V product's ranges of K as a link of the small-row chain (DecodeBlocks._qkv_link; read at each capture).
-# Session 31, H200, 64 rows: see bench/RESULTS.md
-QKV_SPLITS = 2
+# Session 31, H200, 64 rows, the pair alone: 1 range 7.08 us a layer, 2 ranges 8.49, 4 ranges 11.69, in turn 8.35
+QKV_SPLITS = 1
 # the prompt part's launch a link after the rope kernel where the Q/K/V product is linked (read at each capture)
 PROMPT_LINK = True
 
