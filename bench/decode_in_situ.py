@@ -46,6 +46,9 @@ def probe(step: DecodeStep, bandwidth: float, weight_bytes: int, reps: int) -> d
     import triton
 
     cache, dec = step.cache, step.engine.decode_blocks
+    if dec is None or cache.forks:
+        raise ValueError("decode_in_situ: needs the engine's decode blocks (a Qwen-family model) and a flat "
+                         "batch (no fork levels: tree rollouts' fork segments are not replayed here)")
     layers = dec.base.layers
     hi, hg = step.own_mask.shape[0], step.prefix_mask.shape[0]
     H, D, Dv = cache.layers[0].ok.shape[1], cache.layers[0].ok.shape[-1], cache.layers[0].ov.shape[-1]
@@ -107,6 +110,9 @@ def main(argv=None) -> dict:
         P, G = (int(x) for x in pg.split("x"))
         model = build_model("qwen3", SHAPES[shape], dtype="bfloat16", device=dev, seed=0).eval()
         weights = sum(t.numel() * t.element_size() for t in model.parameters())
+        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        if embed.data_ptr() != head.data_ptr():  # untied: a step reads one embedding row a token, not the table
+            weights -= embed.numel() * embed.element_size()
         engine, prompts, params, _ = rollout_case(model, P, G, args.prompt_len, args.new_tokens)
         engine.generate(prompts, params)  # warm-up: captures, compiles
         torch.cuda.synchronize()

@@ -691,7 +691,7 @@ def test_cuda_qkv_link_matches_float64_and_its_eager_bits(rows):
         def run(x_in, linked):
             p = pools(dtype)
             return list(_qkv_rope(layer, x_in, f.qkv_w[0], None, cos, sin, G, p, block, offset, linked,
-                                   QKV_SPLITS)) + [p.ok, p.ov]
+                                   splits=QKV_SPLITS)) + [p.ok, p.ov]
 
         linked, in_turn = run(x, True), run(x, False)
         for a, b, c in zip(want, linked, in_turn):
@@ -706,6 +706,36 @@ def test_cuda_qkv_link_matches_float64_and_its_eager_bits(rows):
             graph.replay()
             assert all(torch.equal(u, v) for u, v in zip(out, run(x_in, True))), (dtype, scale)
         assert _qkv_link_agrees(layer, x, f.qkv_w[0], cos, sin, G, pools(dtype), QKV_SPLITS)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_cuda_rope_write_rounds_the_partials_sum_as_the_product(splits):
+    """``rope_write`` on the Q/K/V product's float32 partials in bf16: the bits of ``rope_write`` on their sum (in
+    order, float32) rounded to bf16 first, as a bf16 product's output is (the rounding a float64 comparison cannot
+    see, since skipping it is more accurate; the interpreter rounds float32 to bf16 unlike torch, so CUDA only)."""
+    from treerl.rollout.layer_math import _heads, _qk_norms
+    from treerl.rollout.rope_kernel import rope_write
+
+    model = tiny_model("qwen3", dtype=torch.bfloat16, seed=6, hidden_size=512, num_hidden_layers=1,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=128).cuda()
+    layer, B, G = model.model.layers[0], 64, 8
+    g = torch.Generator(device="cuda").manual_seed(splits)
+    N = (8 + 2 * 4) * 128
+    partials = torch.randn(splits, B, N, device="cuda", generator=g) * 3
+    hidden = torch.randn(B, 1, 512, device="cuda", generator=g).to(torch.bfloat16)
+    cos, sin = model.model.rotary_emb(hidden, torch.randint(0, 4000, (B, 1), device="cuda", generator=g))
+    block, offset = torch.randperm(B, device="cuda", generator=g), torch.randint(0, 16, (B,), device="cuda",
+                                                                                generator=g)
+    total = partials[0].clone()
+    for part in partials[1:]:
+        total += part
+    runs = []
+    for qkv, kw in ((partials, dict(dtype=torch.bfloat16)), (total.to(torch.bfloat16), {})):
+        pools = [torch.zeros(B, 4, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        runs.append(list(rope_write(qkv, cos, sin, *_qk_norms(layer), *_heads(layer), G, *pools, block, offset, **kw))
+                    + pools)
+    for name, a, b in zip(("q_own", "q_pre", "k", "v", "k pool", "v pool"), *runs):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
 
 
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])

@@ -101,8 +101,9 @@ def _qkv_link_agrees(layer: torch.nn.Module, x: torch.Tensor, w_qkv: torch.Tenso
                      sin: torch.Tensor, G: int, store, splits: int) -> bool:
     """:func:`_qkv_rope` linked (the product's partials over ``splits`` ranges) against in turn on the first layer's
     weights, into scratch pools (block 0, row
-    ``i`` at slot ``i``; :func:`_agree`): eager, then captured in a CUDA graph and replayed on three other inputs,
-    each replay against the launches in turn on that input (as :func:`_chain_agrees`)."""
+    ``i`` at slot ``i``; :func:`_agree`, within its tolerance: the reference is cuBLAS's product, then the rope
+    kernel): eager, then captured in a CUDA graph and replayed on three other inputs, each replay against that
+    reference on that input."""
     B = x.shape[0]
     block = torch.zeros(B, dtype=torch.int64, device=x.device)
     offset = torch.arange(B, device=x.device)
@@ -112,7 +113,7 @@ def _qkv_link_agrees(layer: torch.nn.Module, x: torch.Tensor, w_qkv: torch.Tenso
                                                device=x.device),
                                 ov=torch.zeros(1, store.ov.shape[1], B, store.ov.shape[3], dtype=store.ov.dtype,
                                                device=x.device))
-        out = _qkv_rope(layer, x_in, w_qkv, None, cos, sin, G, pools, block, offset, linked, splits)
+        out = _qkv_rope(layer, x_in, w_qkv, None, cos, sin, G, pools, block, offset, linked, splits=splits)
         return [*out, pools.ok, pools.ov]
 
     if not _agree(run(x, False), run(x, True), x.dtype, x.device):

@@ -28,7 +28,8 @@ each serves every layer and every batch bucket; parameters are graph inputs), so
 is ~18 kernels; with the split kernels on CUDA (:meth:`DecodeBlocks._kernel_step`: the Q/K
 norms, RoPE and K/V write in one Triton kernel, the merge in another, the residual fused
 with the next norm) ~13; at few rows (:mod:`~treerl.rollout.small_products`: the output, gate/up
-and down products as Triton kernels split over every SM) ~10. The modules and weights are the model's own (HF checkpoints, in-place
+and down products as Triton kernels split over every SM) ~10; from 64 rows on sm_90+ those kernels, the Q/K/V
+product (float32 partials summed in the rope kernel) and the attention parts a chain of dependent launches. The modules and weights are the model's own (HF checkpoints, in-place
 weight updates and a model shared with the trainer all keep working); the math is the
 modules' own forward, reordered (the parts' math: :mod:`~treerl.rollout.layer_math`; the probes that admit each
 kernel path: :mod:`~treerl.rollout.block_probes`). Any other causal LM decodes through its HF forward.
@@ -223,9 +224,11 @@ class DecodeBlocks:
         (:func:`~treerl.rollout.decode_attention.split_attention_merged`), and the block's compiled
         tail with the next norm (the next layer's input norm, or the final norm) fused after its
         residual: ~12 kernels a layer; at most :data:`~treerl.rollout.small_products.MAX_ROWS` rows the
-        tail through the small-row product kernels (:func:`_small_tail`, :meth:`_small_weights`): ~10; on
-        sm_90+ and at least :data:`~treerl.rollout.small_products.CHAIN_MIN_ROWS` rows (:meth:`_chain`) the own part and the tail's five kernels a chain of
-        dependent launches.
+        tail through the small-row product kernels (:func:`~treerl.rollout.layer_math._small_tail`,
+        :meth:`_small_weights`): ~10; on sm_90+ and at least :data:`~treerl.rollout.small_products.CHAIN_MIN_ROWS`
+        rows (:meth:`_chain`) the own part and the tail's five kernels a chain of dependent launches, and where
+        :meth:`_qkv_link` admits it the Q/K/V product, the rope kernel and (with ``cache.overlap``) the prompt
+        part links of it too.
         Where ``cache.overlap``, the own part's launch overlaps the prompt part's (programmatic dependent launch). Returns the final norm's output ``[B, hidden]`` (the head's input)."""
         base, f, G = self.base, self.fused, cache.G
         layers = base.layers
@@ -237,9 +240,9 @@ class DecodeBlocks:
         for i, layer in enumerate(layers):
             store = cache.layers[i]
             q_own, q_pre, k, v = _qkv_rope(layer, x, f.qkv_w[i], f.qkv_b[i], cos, sin, G, store, cache.write_block,
-                                           cache.write_offset, linked, QKV_SPLITS)
+                                           cache.write_offset, linked, splits=QKV_SPLITS)
             o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask,
-                                                      "split", trigger=cache.overlap, linked=linked and PROMPT_LINK)
+                                                      "split", trigger=cache.overlap, linked=linked and PROMPT_LINK and cache.overlap)
             attn = cache.attend_own_merged(i, q_own, own_mask, layer.self_attn.scaling, o_pre, l_pre, merge_g,
                                            hidden.dtype, after=cache.overlap, trigger=chain)
             following = _next_norm(base, i)
@@ -251,10 +254,10 @@ class DecodeBlocks:
         return x[:, -1]
 
     def _small_weights(self, hidden: torch.Tensor) -> list[tuple] | None:
-        """Per layer the weights :func:`_small_tail` multiplies by, where
+        """Per layer the weights :func:`~treerl.rollout.layer_math._small_tail` multiplies by, where
         :mod:`~treerl.rollout.small_products` serve this step (at most
         :data:`~treerl.rollout.small_products.MAX_ROWS` rows, every layer's products plain, the kernels
-        agreeing with the modules' math: probed once, at the first such step, :func:`_small_agrees`);
+        agreeing with the modules' math: probed once, at the first such step, :func:`~treerl.rollout.block_probes._small_agrees`);
         else None (cuBLAS and the compiled tail)."""
         if self.small is False or hidden.shape[0] > small_products.MAX_ROWS:
             return None
@@ -272,11 +275,11 @@ class DecodeBlocks:
         return weights if self.small else None
 
     def _chain(self, hidden: torch.Tensor, small: list[tuple]) -> bool:
-        """Whether the small tail runs as a chain of dependent launches (:func:`_small_tail` with ``chain``,
+        """Whether the small tail runs as a chain of dependent launches (:func:`~treerl.rollout.layer_math._small_tail` with ``chain``,
         :mod:`~treerl.rollout.small_products`): each of its five kernels lets the next start and then waits for
         the kernel before it, and the own part's attention lets the tail's first product start. At least
         :data:`~treerl.rollout.small_products.CHAIN_MIN_ROWS` rows (the caller's test), on sm_90+ (:func:`~treerl.rollout.small_products.chains_here`) where every
-        norm after a residual is a plain RMSNorm, after a probe (:func:`_chain_agrees`, once).
+        norm after a residual is a plain RMSNorm, after a probe (:func:`~treerl.rollout.block_probes._chain_agrees`, once).
         The layer's Q/K/V product joins the chain too (:meth:`_qkv_link`)."""
         if self.chain is None:
             base = self.base
@@ -293,14 +296,14 @@ class DecodeBlocks:
 
     def _qkv_link(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, G: int, store) -> bool:
         """Whether the Q/K/V product and :func:`~treerl.rollout.rope_kernel.rope_write` run as links of the chain
-        (:func:`_qkv_rope` with ``linked``): the product as float32 partial sums over :data:`QKV_SPLITS` ranges of
+        (:func:`~treerl.rollout.layer_math._qkv_rope` with ``linked``): the product as float32 partial sums over :data:`QKV_SPLITS` ranges of
         its inner dimension (:func:`~treerl.rollout.small_products.linear_partials`), added up and rounded in the
         rope kernel, each launch starting beside the kernel before it. Where the chain runs, every layer's Q/K/V
-        product is a plain bias-free one the small products take, after a probe (:func:`_qkv_link_agrees`, once)."""
+        product is a plain bias-free one the small products take, after a probe (:func:`~treerl.rollout.block_probes._qkv_link_agrees`, once)."""
         if self.qkv_link is None:
             f, layer = self.fused, self.base.layers[0]
             x2 = x.reshape(x.shape[0], -1)
-            self.qkv_link = (all(w is not None for w in f.qkv_w) and all(b is None for b in f.qkv_b)
+            self.qkv_link = (all(b is None for b in f.qkv_b)
                              and small_products.runs_here(x2, *f.qkv_w)
                              and kernel_agrees(lambda: _qkv_link_agrees(layer, x, f.qkv_w[0], cos, sin, G, store, QKV_SPLITS),
                                                what="the decode step's Q/K/V product and rope kernel as links of the "

@@ -263,6 +263,7 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     out = torch.empty(B, H, S, M, v.shape[3], device=q.device, dtype=torch.float32)
     lse = torch.empty(B, H, S, M, device=q.device, dtype=torch.float32)
     if causal is not None:  # one launch: its query blocks are a grid dimension
+        assert not (trigger or linked), "split_attention: a causal window launches on its own (no trigger, no link)"
         _launch(q, k, v, mask, scale, table, S, per, block_n, num_warps, num_stages, out,
                 (out.stride(0), out.stride(1), out.stride(2), out.stride(3)), lse, causal=causal)
         return out, lse

@@ -171,7 +171,7 @@ def _small_tail(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, att
     norm), the gate/up product and SiLU gate in one kernel, the down product's partials in the second
     ``residual_norm`` (with ``following``). ``chain``: every kernel a link of a chain of dependent launches,
     the sums and norms through :func:`~treerl.rollout.small_products.residual_norm` (see
-    :meth:`DecodeBlocks._chain`). ``hidden [B, 1, H]``, ``attn [B, ..]`` -> ``(hidden, following(hidden))``."""
+    :meth:`~treerl.rollout.blocks.DecodeBlocks._chain`). ``hidden [B, 1, H]``, ``attn [B, ..]`` -> ``(hidden, following(hidden))``."""
     w_o, b_o, w_gate_up, w_down, b_down = weights
     B = hidden.shape[0]
 
@@ -188,12 +188,13 @@ def _small_tail(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, att
 
 def _qkv_rope(layer: torch.nn.Module, x: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
               cos: torch.Tensor, sin: torch.Tensor, G: int, store, block: torch.Tensor, offset: torch.Tensor,
-              linked: bool, splits: int = 1) -> tuple:
+              linked: bool, *, splits: int) -> tuple:
     """The kernel step's Q/K/V product and :func:`~treerl.rollout.rope_kernel.rope_write` into ``store``'s pools:
     ``(q_own, q_pre, k, v)``. ``linked``: both as links of the small-row chain
     (:meth:`~treerl.rollout.blocks.DecodeBlocks._qkv_link`), the product's partials over ``splits`` ranges of its
-    inner dimension; else the product through cuBLAS, then the rope kernel."""
+    inner dimension (a bias-free product only); else the product through cuBLAS, then the rope kernel."""
     if linked:
+        assert b_qkv is None, "the linked Q/K/V product takes no bias (DecodeBlocks._qkv_link admits bias-free ones)"
         qkv = small_products.linear_partials(x.reshape(x.shape[0], -1), w_qkv, splits=splits, pdl=True)
         link = dict(dtype=x.dtype, pdl=True)
     else:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from .small_products import link_options
+
 try:
     import triton
     import triton.language as tl
@@ -141,7 +143,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: 
     k = own_k.new_empty(B, kv_heads, D)
     v = own_v.new_empty(B, kv_heads, Dv)
     norm = q_norm is not None
-    link = dict(PDL=True, launch_pdl=True) if pdl else {}
+    link = link_options(pdl)
     _rope_write_kernel[(B, kv_heads)](
         rows, cos, sin, q_norm.weight if norm else rows, k_norm.weight if norm else rows, own_k, own_v, block, offset,
         q_own, q_pre, k, v, rows.stride(0), sps, cos.stride(0),

@@ -8,11 +8,13 @@ profile: 0.70 ms of a 2.35 ms step). Here each product is split over enough prog
 reach every SM (:data:`PROGRAMS`), in column tiles of a few dozen columns and, where columns
 are few, in ranges of the inner dimension (session 26, H200, 64 rows, 28 layers' weights a
 replay: the block's tail after attention 27.3 -> 21.6 us a layer; the Q/K/V product, 4,096
-columns, stays with cuBLAS, which ran it faster than this kernel: 5.5 against 6.3 us):
+columns, stays with cuBLAS outside the chain, which ran it faster than this kernel alone: 5.5 against 6.3 us; as
+a link of the chain, summed in the rope kernel, the pair is faster: session 31, 7.08 against 8.35 us):
 
 - :func:`linear_partials` — ``x [M, K] @ w[N, K]^T`` as ``S`` float32 partial sums over ranges of ``K``,
   ``[S, M, N]``: the caller adds them up where it reads the product anyway (the decode
-  step's residual + norm, compiled: no kernel of its own);
+  step's residual + norm: :func:`residual_norm`; the Q/K/V product's in
+  :func:`~treerl.rollout.rope_kernel.rope_write`): no kernel of its own;
 - :func:`gated` — the MLP's gate and up products and ``silu(gate) * up`` in one kernel
   (``w [2 I, K]``, gate rows first, as :class:`~treerl.rollout.blocks.FusedProjections`
   holds them) -> ``[M, I]``.
@@ -277,8 +279,9 @@ def _stages(x: torch.Tensor, tma: bool) -> int:
     return 5 if tma and x.element_size() == 2 and 32 < x.shape[0] <= 64 else 4
 
 
-def _link(pdl: bool) -> dict:
-    """A kernel's launch options as a link of the chain (``pdl``) or not."""
+def link_options(pdl: bool) -> dict:
+    """A kernel's launch options as a link of the chain (``pdl``) or not (its ``PDL`` constexpr and
+    Triton's ``launch_pdl``)."""
     return dict(PDL=True, launch_pdl=True) if pdl else {}
 
 
@@ -302,7 +305,7 @@ def linear_partials(x: torch.Tensor, w: torch.Tensor, *, splits: int | None = No
     grid = (triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))
     tma = _tma(x, w)
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-                 num_warps=num_warps, num_stages=num_stages or _stages(x, tma), **_link(pdl))
+                 num_warps=num_warps, num_stages=num_stages or _stages(x, tma), **link_options(pdl))
     _partials_kernel[grid](*_tiles_of(x, w, block_m, block_n, block_k, tma), out, M, N, K // splits, x.stride(0),
                            w.stride(0), out.stride(1), out.stride(0), TMA=tma, **tiles)
     return out
@@ -323,7 +326,7 @@ def gated(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 32, block_k: int |
     grid = (triton.cdiv(inner, block_n), triton.cdiv(M, block_m))
     tma = _tma(x, w)
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-                 num_warps=num_warps, num_stages=num_stages or _stages(x, tma), **_link(pdl))
+                 num_warps=num_warps, num_stages=num_stages or _stages(x, tma), **link_options(pdl))
     _gated_kernel[grid](*_tiles_of(x, w, block_m, block_n, block_k, tma), out, M, inner, K, x.stride(0), w.stride(0),
                         out.stride(0), TMA=tma, **tiles)
     return out
@@ -347,5 +350,5 @@ def residual_norm(hidden: torch.Tensor, partials: torch.Tensor, bias: torch.Tens
         flat, partials, bias if bias is not None else flat, norm.weight, out_h, out_x, H, float(norm.variance_epsilon),
         flat.stride(0), partials.stride(1), partials.stride(0), out_h.stride(0), out_x.stride(0),
         S=partials.shape[0], HAS_BIAS=bias is not None, BLOCK_H=block_h, num_warps=4 if block_h <= 2048 else 8,
-        **({"PDL": True, "launch_pdl": True} if pdl else {}))
+        **link_options(pdl))
     return out_h.view_as(hidden), out_x.view_as(hidden)
