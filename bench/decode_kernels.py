@@ -260,7 +260,8 @@ def _qkv_rope_rows(layers, f, hidden, x, bandwidth: float, g) -> list[dict]:
     moved = f.qkv_w[0].numel() * 2 * n
 
     def run(linked: bool, splits: int = 1):
-        return [layer_math._qkv_rope(layer, x3, f.qkv_w[i], None, cos, sin, G, stores[i], block, offset, linked, splits=splits)
+        return [layer_math._qkv_rope(layer, x3, f.qkv_w[i], None, cos, sin, G, stores[i], block, offset, linked,
+                                     splits=splits)
                 for i, layer in enumerate(layers)]
 
     want = run(False)

@@ -237,12 +237,13 @@ class DecodeBlocks:
         chain = (small is not None and hidden.shape[0] >= small_products.CHAIN_MIN_ROWS
                  and self._chain(hidden, small))
         linked = chain and self._qkv_link(x, cos, sin, G, cache.layers[0])
+        prompt_linked = linked and PROMPT_LINK and cache.overlap  # (nothing launches between rope and the prompt)
         for i, layer in enumerate(layers):
             store = cache.layers[i]
             q_own, q_pre, k, v = _qkv_rope(layer, x, f.qkv_w[i], f.qkv_b[i], cos, sin, G, store, cache.write_block,
                                            cache.write_offset, linked, splits=QKV_SPLITS)
             o_pre, l_pre, merge_g = self._prompt_part(i, layer, cache, q_own, q_pre, k, v, prefix_mask,
-                                                      "split", trigger=cache.overlap, linked=linked and PROMPT_LINK and cache.overlap)
+                                                      "split", trigger=cache.overlap, linked=prompt_linked)
             attn = cache.attend_own_merged(i, q_own, own_mask, layer.self_attn.scaling, o_pre, l_pre, merge_g,
                                            hidden.dtype, after=cache.overlap, trigger=chain)
             following = _next_norm(base, i)
