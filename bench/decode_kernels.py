@@ -17,7 +17,9 @@ the sampling race (:mod:`treerl.rollout.race_kernel`) and the Q/K norm + RoPE + 
   programs at least, each timed), outputs compared bit for bit (other key ranges: to bf16's rounding);
   each replay runs ``--layers`` layers, each over its own buffers (as a step: no L2 reuse), us a layer.
 - ``products``: a layer's products as the decode step runs them (:func:`product_rows`), cuBLAS + the
-  compiled tail against :mod:`treerl.rollout.small_products` + the compiled residual norms, and the Q/K/V
+  compiled tail against cuBLAS + :mod:`treerl.rollout.silu_gate` between the tail's compiled halves, against
+  :mod:`treerl.rollout.small_products` + the compiled residual norms (at most their ``MAX_ROWS`` rows), the SiLU
+  gate alone (:func:`_silu_gate_rows`: inductor's kernel against ``silu_gate``), and the Q/K/V
   product + rope kernel in turn against linked (:func:`_qkv_rope_rows`), over every layer's weights a replay
   (random Qwen3 weights, ``--product-shape``); ``--product-sweep`` times each small product alone over its tiles.
 
@@ -159,7 +161,8 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
     (a step's layers read different weights; one layer's would stay in the L2), us a layer:
 
     - ``tail``: after the attention, cuBLAS + the compiled tail (``layer_math._tail_norm``: output product,
-      residual + norm, gate/up, SiLU gate, down product, residual + the next norm) against the small-row
+      residual + norm, gate/up, SiLU gate, down product, residual + the next norm) against the same with the SiLU
+      gate through its kernel (``layer_math._gated_tail``, ``cublas+silu_gate``), against the small-row
       kernels + the compiled residual norms (``layer_math._small_tail``) and, on sm_90+, the same kernels with
       their own residual norms as a chain of dependent launches (``chain``; ``chain-pointers``: with the
       products' tiles through per-thread addresses instead of TMA), outputs compared;
@@ -192,10 +195,17 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
             return [layer_math._small_tail(residual_norm, layer, hidden, attn, weights[i], following[i], chain)
                     for i, layer in enumerate(layers)]
 
+        def gated_tail():
+            return [layer_math._gated_tail(blocks._TAIL_FRONT, blocks._TAIL_BACK, layer, hidden, attn, f.gate_up_w[i],
+                                           f.o_w[i], f.down_w[i], following[i]) for i, layer in enumerate(layers)]
+
         want = old_tail()
         n = len(layers)
-        ways = [("cublas+compiled", old_tail), ("small", new_tail)]
-        if sp.chains_here(device):  # (the tail's kernels as a chain of dependent launches: sm_90+)
+        ways = [("cublas+compiled", old_tail), ("cublas+silu_gate", gated_tail)]
+        small = rows <= sp.MAX_ROWS  # (above it the step runs cuBLAS: the small-row ways are not timed)
+        if small:
+            ways.append(("small", new_tail))
+        if small and sp.chains_here(device):  # (the tail's kernels as a chain of dependent launches: sm_90+)
             ways.append(("small-chain", lambda: new_tail(True)))
 
             def pointers():  # (the chain with the products' tiles through per-thread addresses, not TMA)
@@ -212,8 +222,10 @@ def product_rows(rows_list: list[int], bandwidth: float, shape: str, sweep: bool
             row = _timed(run, tail_bytes * n, bandwidth)
             out.append(dict(kernel="products-tail", rows=rows, way=name, max_rel_diff=round(err, 5),
                             us_a_layer=round(row["us"] / n, 2), floor_us_a_layer=round(row["floor_us"] / n, 2)))
-        out += _qkv_rope_rows(layers, f, hidden, x, bandwidth, g)
-        if not sweep:
+        out += _silu_gate_rows(f, rows, bandwidth, g)
+        if small:
+            out += _qkv_rope_rows(layers, f, hidden, x, bandwidth, g)
+        if not sweep or not small:
             continue
         act = torch.randn(rows, weights[0][3].shape[1], device=device, dtype=torch.bfloat16, generator=g)
         inputs = dict(qkv=(x, f.qkv_w), o=(attn.reshape(rows, A), [w[0] for w in weights]),
@@ -274,6 +286,32 @@ def _qkv_rope_rows(layers, f, hidden, x, bandwidth: float, g) -> list[dict]:
         row = _timed(lambda: run(name == "linked", splits or 1), moved, bandwidth)
         out.append(dict(kernel="qkv-rope", rows=rows, way=name, splits=splits, max_rel_diff=round(err, 5),
                         us_a_layer=round(row["us"] / n, 2), floor_us_a_layer=round(row["floor_us"] / n, 2)))
+    return out
+
+
+def _silu_gate_rows(f, rows: int, bandwidth: float, g) -> list[dict]:
+    """The SiLU gate alone over every layer's own ``[rows, 2 I]`` gate/up output (as the step reads it: a fresh
+    buffer a layer), us a layer: inductor's kernel (``torch.compile``, dynamic shapes as the decode parts compile,
+    and static), torch eager, and :func:`treerl.rollout.silu_gate.silu_gate`; outputs against eager's."""
+    from treerl.rollout.silu_gate import silu_gate
+
+    def gate(gu):
+        gate, up = gu.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    bufs = [torch.randn(rows, w.shape[0], device=w.device, generator=g).bfloat16() for w in f.gate_up_w]
+    moved = sum(b.numel() * 2 * 3 // 2 for b in bufs)  # (2 I columns read, I written, a row)
+    want = [gate(b) for b in bufs]
+    ways = dict(eager=gate, inductor_dynamic=torch.compile(gate, dynamic=True),
+                inductor_static=torch.compile(gate, dynamic=False), silu_gate=silu_gate)
+    out = []
+    for name, fn in ways.items():
+        run = lambda: [fn(b) for b in bufs]  # noqa: E731
+        err = max(float((a.float() - b.float()).abs().max() / a.float().abs().max()) for a, b in zip(want, run()))
+        row = _timed(run, moved, bandwidth)
+        out.append(dict(kernel="silu-gate", rows=rows, way=name, max_rel_diff=round(err, 5),
+                        us_a_layer=round(row["us"] / len(bufs), 2), floor_us_a_layer=round(row["floor_us"] / len(bufs), 2),
+                        tbps=round(moved / row["us"] / 1e6, 2)))
     return out
 
 

@@ -738,13 +738,32 @@ def test_cuda_rope_write_rounds_the_partials_sum_as_the_product(splits):
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
 
 
+def test_cuda_silu_gate_matches_float64_and_the_modules_bf16():
+    """The SiLU gate kernel at the 1,024-row step's shape (Qwen3-0.6B's 3,072 intermediate columns) in bf16 against
+    float64 (2 units of bf16's last place of the largest value: its two roundings) and against torch's eager
+    ``F.silu(gate) * up`` in bf16 (the modules' math: the same roundings, up to the exponential's last bit)."""
+    from treerl.rollout.silu_gate import silu_gate
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = (torch.randn(1024, 6144, device="cuda", generator=g) * 3).bfloat16()
+    got = silu_gate(gate_up)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    eps = torch.finfo(torch.bfloat16).eps
+    assert (got.double() - want).abs().max() <= 2 * eps * want.abs().max()
+    gate, up = gate_up.chunk(2, dim=-1)
+    eager = (torch.nn.functional.silu(gate) * up).double()
+    assert (got.double() - eager).abs().max() <= eps * eager.abs().max()
+
+
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
 def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
     """A float32 rollout through the kernel step at few rows takes the small-row products (every
     decode step's layers: the spy counts them; on sm_90+ from 64 rows as a chain of dependent launches) and gives the greedy tokens of the eager engine (16
     rows) and logprobs equal to a float64 full forward (96 rows: two row tiles); above ``MAX_ROWS``
-    rows the step keeps cuBLAS."""
+    rows the step keeps cuBLAS, with the SiLU gate kernel between the tail's halves (the same greedy tokens)."""
     import treerl.rollout.blocks as blocks
+    import treerl.rollout.layer_math as layer_math
     from treerl.rollout import small_products
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -769,5 +788,11 @@ def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
     assert engine.decode_blocks.qkv_link == small_products.chains_here("cuda")  # (the Q/K/V product joins the chain)
     calls.clear()
     monkeypatch.setattr(small_products, "MAX_ROWS", 0)
-    RolloutEngine(copy.deepcopy(model), compile_decode=compile_decode).generate(prompts, greedy)
-    assert not calls
+    gates = []  # (above MAX_ROWS: the tail's SiLU gate through silu_gate, between the compiled halves)
+    silu_gate = layer_math.silu_gate
+    monkeypatch.setattr(layer_math, "silu_gate", lambda gu: gates.append(gu.shape[0]) or silu_gate(gu))
+    large = RolloutEngine(copy.deepcopy(model), compile_decode=compile_decode)
+    for ga, gb in zip(large.generate(prompts, greedy), eager):
+        for a, b in zip(ga, gb):
+            assert a.completion_ids.tolist() == b.completion_ids.tolist()
+    assert not calls and gates and large.decode_blocks.gated

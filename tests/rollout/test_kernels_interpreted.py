@@ -1,7 +1,7 @@
 """The Triton kernels' CPU checks under Triton's interpreter, in every CI run.
 
 The split-key decode attention, its merges, the prefill window kernel, the K/V copy kernel and
-the sampling race, the rope kernel, the small-row products and the loss head's chunk kernels are checked against float64 / indexing references by tests that run on a GPU, or on
+the sampling race, the rope kernel, the small-row products, the SiLU gate and the loss head's chunk kernels are checked against float64 / indexing references by tests that run on a GPU, or on
 the CPU with ``TRITON_INTERPRET=1`` (set before Triton is imported: hence a process of its
 own). This runs a quick selection of them that way (~30 s on 2 cores), so a change to a
 kernel, or an environment whose interpreter breaks (numpy 2.4 with Triton 3.6: session 21),
@@ -37,6 +37,7 @@ SELECTION = [
     "tests/rollout/test_race_kernel.py",  # (the decode step's sampling race)
     "tests/rollout/test_rope_kernel.py",  # (the decode step's Q/K norm + RoPE + K/V write)
     "tests/rollout/test_small_products.py",  # (the decode step's small-row products and the tail through them)
+    "tests/rollout/test_silu_gate.py",  # (the larger batches' SiLU gate and the tail through it)
 ]
 
 

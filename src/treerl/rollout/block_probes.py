@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .layer_math import _heads, _pre, _qk_norms, _qkv, _qkv_rope, _small_tail, _tail_norm
+from .layer_math import _gated_tail, _heads, _pre, _qk_norms, _qkv, _qkv_rope, _small_tail, _tail_norm
 from .rope_kernel import rope_write
 
 
@@ -39,6 +39,18 @@ def _small_agrees(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, f
                       following)
     return _agree(want, _small_tail(residual_norm, layer, hidden, attn, weights, following), hidden.dtype,
                   hidden.device)
+
+
+def _gated_agrees(front, back, layer: torch.nn.Module, hidden: torch.Tensor, fused,
+                  following: torch.nn.Module) -> bool:
+    """:func:`_gated_tail` (with the step's ``front``/``back``: compiled where the step's parts are) against
+    :func:`_tail_norm` (eager) on the first layer, this step's hidden states and a random attention output
+    (:func:`_agree`)."""
+    attn = _probe_attention(layer, hidden)
+    want = _tail_norm(layer, hidden, attn, fused.gate_up_w[0], fused.gate_up_b[0], fused.o_w[0], fused.down_w[0],
+                      following)
+    got = _gated_tail(front, back, layer, hidden, attn, fused.gate_up_w[0], fused.o_w[0], fused.down_w[0], following)
+    return _agree(want, got, hidden.dtype, hidden.device)
 
 
 def _chain_agrees(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, weights: tuple,

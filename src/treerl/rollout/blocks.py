@@ -29,7 +29,10 @@ is ~18 kernels; with the split kernels on CUDA (:meth:`DecodeBlocks._kernel_step
 norms, RoPE and K/V write in one Triton kernel, the merge in another, the residual fused
 with the next norm) ~13; at few rows (:mod:`~treerl.rollout.small_products`: the output, gate/up
 and down products as Triton kernels split over every SM) ~10; from 64 rows on sm_90+ those kernels, the Q/K/V
-product (float32 partials summed in the rope kernel) and the attention parts a chain of dependent launches. The modules and weights are the model's own (HF checkpoints, in-place
+product (float32 partials summed in the rope kernel) and the attention parts a chain of dependent launches; above
+those rows the tail's SiLU gate through its own kernel between the tail's compiled halves
+(:mod:`~treerl.rollout.silu_gate`: inductor's kernel compiled for dynamic shapes ran at a third of the HBM's rate;
+session 32, H200, 1,024 rows: the tail 59.1 -> 53.1 us a layer). The modules and weights are the model's own (HF checkpoints, in-place
 weight updates and a model shared with the trainer all keep working); the math is the
 modules' own forward, reordered (the parts' math: :mod:`~treerl.rollout.layer_math`; the probes that admit each
 kernel path: :mod:`~treerl.rollout.block_probes`). Any other causal LM decodes through its HF forward.
@@ -55,10 +58,11 @@ from ..compiled import DECODE_OFF, LazyCompiled
 from ..lora import effective_weight
 from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
-from .block_probes import _chain_agrees, _qkv_link_agrees, _rope_kernel_agrees, _small_agrees
+from .block_probes import _chain_agrees, _gated_agrees, _qkv_link_agrees, _rope_kernel_agrees, _small_agrees
 from .kernel_probe import kernel_agrees
-from .layer_math import (_base, _bias, _hooked, _next_norm, _norm, _post, _pre, _qkv_rope, _residual_norm, _small_layer,
-                         _small_tail, _tail_norm)
+from .layer_math import (_base, _bias, _gated_layer, _gated_tail, _hooked, _next_norm, _norm, _post, _pre, _qkv_rope,
+                         _residual_norm, _small_layer, _small_tail, _tail_back, _tail_front, _tail_norm)
+from .silu_gate import runs_here as silu_gate_runs_here
 from .shared import SharedPrefixCache, attend_with_lse, merged_attention_ok, shared_part
 
 # the kernel step's prompt part: its programs at least (key ranges per (group, KV head) chosen to reach it; read at
@@ -148,6 +152,8 @@ class FusedProjections:
 _PRE, _POST = LazyCompiled(_pre, "decode blocks", DECODE_OFF), LazyCompiled(_post, "decode blocks", DECODE_OFF)
 _TAIL_NORM, _NORM = LazyCompiled(_tail_norm, "decode blocks", DECODE_OFF), LazyCompiled(_norm, "decode blocks", DECODE_OFF)
 _RESIDUAL_NORM = LazyCompiled(_residual_norm, "decode blocks", DECODE_OFF)
+_TAIL_FRONT, _TAIL_BACK = (LazyCompiled(_tail_front, "decode blocks", DECODE_OFF),
+                           LazyCompiled(_tail_back, "decode blocks", DECODE_OFF))
 
 
 class DecodeBlocks:
@@ -160,10 +166,12 @@ class DecodeBlocks:
         self.pre, self.post = (_PRE, _POST) if compile else (_pre, _post)
         self.tail_norm, self.norm = (_TAIL_NORM, _NORM) if compile else (_tail_norm, _norm)
         self.residual_norm = _RESIDUAL_NORM if compile else _residual_norm
+        self.tail_front, self.tail_back = (_TAIL_FRONT, _TAIL_BACK) if compile else (_tail_front, _tail_back)
         self.rope_kernel: bool | None = None  # rope_write serves the steps (probed at the first split-kernel step)
         self.small: bool | None = None  # small_products serve the steps of few rows (probed at the first such step)
         self.chain: bool | None = None  # ... as a chain of dependent launches (sm_90+; probed at the first such step)
         self.qkv_link: bool | None = None  # the Q/K/V product and rope_write join that chain (probed with it)
+        self.gated: bool | None = None  # above MAX_ROWS, the tail's SiLU gate through silu_gate (probed at its first step)
         self.fused = FusedProjections(self.base.layers)
 
     @staticmethod
@@ -178,8 +186,8 @@ class DecodeBlocks:
     def compiled(self) -> bool:
         """The parts run compiled (False before the first step, or without ``compile``)."""
         done = lambda f: getattr(f, "compiled", False)  # noqa: E731
-        return ((done(self.pre) and done(self.post))  # or the kernel step's (its tail: the modules', or the small-row one)
-                or ((done(self.tail_norm) or done(self.residual_norm)) and done(self.norm)))
+        return ((done(self.pre) and done(self.post))  # or the kernel step's (its tail: the modules', the small-row or the gated one)
+                or ((done(self.tail_norm) or done(self.residual_norm) or done(self.tail_front)) and done(self.norm)))
 
     def _rope_kernel(self, layer, hidden, cos, sin, G, w_qkv, b_qkv, store) -> bool:
         """Whether :func:`~treerl.rollout.rope_kernel.rope_write` serves this model's steps:
@@ -228,7 +236,8 @@ class DecodeBlocks:
         :meth:`_small_weights`): ~10; on sm_90+ and at least :data:`~treerl.rollout.small_products.CHAIN_MIN_ROWS`
         rows (:meth:`_chain`) the own part and the tail's five kernels a chain of dependent launches, and where
         :meth:`_qkv_link` admits it the Q/K/V product, the rope kernel and (with ``cache.overlap``) the prompt
-        part links of it too.
+        part links of it too; above those rows, where :meth:`_gated` admits it, the tail's SiLU gate runs through
+        its own kernel (:func:`~treerl.rollout.layer_math._gated_tail`).
         Where ``cache.overlap``, the own part's launch overlaps the prompt part's (programmatic dependent launch). Returns the final norm's output ``[B, hidden]`` (the head's input)."""
         base, f, G = self.base, self.fused, cache.G
         layers = base.layers
@@ -236,6 +245,7 @@ class DecodeBlocks:
         small = self._small_weights(hidden)
         chain = (small is not None and hidden.shape[0] >= small_products.CHAIN_MIN_ROWS
                  and self._chain(hidden, small))
+        gated = small is None and self._gated(hidden)
         linked = chain and self._qkv_link(x, cos, sin, G, cache.layers[0])
         prompt_linked = linked and PROMPT_LINK and cache.overlap  # (nothing launches between rope and the prompt)
         for i, layer in enumerate(layers):
@@ -249,6 +259,10 @@ class DecodeBlocks:
             following = _next_norm(base, i)
             if small:
                 hidden, x = _small_tail(self.residual_norm, layer, hidden, attn, small[i], following, chain)
+            elif gated:
+                hidden, x = _gated_tail(self.tail_front, self.tail_back, layer, hidden,
+                                        attn.reshape(*hidden.shape[:-1], -1), f.gate_up_w[i], f.o_w[i], f.down_w[i],
+                                        following)
             else:
                 hidden, x = self.tail_norm(layer, hidden, attn.reshape(*hidden.shape[:-1], -1), f.gate_up_w[i],
                                            f.gate_up_b[i], f.o_w[i], f.down_w[i], following)
@@ -274,6 +288,24 @@ class DecodeBlocks:
                                        reference="cuBLAS and the modules' math", where=str(hidden.device),
                                        fallback="their products run through cuBLAS (slower at few rows)")
         return weights if self.small else None
+
+    def _gated(self, hidden: torch.Tensor) -> bool:
+        """Whether the tail's SiLU gate runs through :func:`~treerl.rollout.silu_gate.silu_gate` between the compiled
+        halves of the tail (:func:`~treerl.rollout.layer_math._gated_tail`; the steps the small-row kernels do not
+        serve): every layer a dense, bias-free SiLU MLP (:func:`~treerl.rollout.layer_math._gated_layer`), the kernel
+        running here, after a probe against :func:`~treerl.rollout.layer_math._tail_norm` (eager) on the first layer
+        (:func:`~treerl.rollout.block_probes._gated_agrees`, once)."""
+        if self.gated is None:
+            base, f = self.base, self.fused
+            x = hidden.new_empty(1, 2)
+            self.gated = (all(_gated_layer(layer, f, i) for i, layer in enumerate(base.layers))
+                          and silu_gate_runs_here(x)
+                          and kernel_agrees(lambda: _gated_agrees(self.tail_front, self.tail_back, base.layers[0], hidden,
+                                                                  f, _next_norm(base, 0)),
+                                            what="the decode step's SiLU gate kernel",
+                                            reference="the modules' math", where=str(hidden.device),
+                                            fallback="the tail runs compiled in one piece (slower)"))
+        return self.gated
 
     def _chain(self, hidden: torch.Tensor, small: list[tuple]) -> bool:
         """Whether the small tail runs as a chain of dependent launches (:func:`~treerl.rollout.layer_math._small_tail` with ``chain``,

@@ -1,7 +1,8 @@
 """A decoder layer's parts as the decode step computes them (:mod:`~treerl.rollout.blocks`): the modules' own
 math in torch (the input norm and Q/K/V with RoPE, the attention merge and the block's tail, the residual norms), and
 the kernel step's pieces (the Q/K/V product with the rope kernel, the small-row tail through
-:mod:`~treerl.rollout.small_products`), each a function of the layer's modules and weights."""
+:mod:`~treerl.rollout.small_products`, the larger batches' tail with its SiLU gate through
+:mod:`~treerl.rollout.silu_gate`), each a function of the layer's modules and weights."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 import treerl.rollout.small_products as small_products  # (the module: tests and benchmarks patch its settings)
 from .rope_kernel import rope_write
+from .silu_gate import silu_gate
 from .shared import merge_parts, split_queries
 from .types import raw, stored
 
@@ -95,6 +97,42 @@ def _tail(layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, w_ga
     return hidden + (mlp.down_proj(act) if w_down is None else torch.nn.functional.linear(act, w_down, _bias(mlp.down_proj)))
 
 
+def _tail_front(layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, w_gate_up: torch.Tensor,
+                w_o: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_tail` up to the gate/up product (a dense, bias-free gate/up: :func:`_gated_layer`): ``(hidden after
+    the output projection's residual, gate_up [B x T, 2 I])``."""
+    o_proj = layer.self_attn.o_proj
+    hidden = hidden + (o_proj(attn) if w_o is None else torch.nn.functional.linear(attn, w_o, _bias(o_proj)))
+    x = layer.post_attention_layernorm(hidden)
+    return hidden, torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w_gate_up)
+
+
+def _tail_back(layer: torch.nn.Module, hidden: torch.Tensor, act: torch.Tensor, w_down: torch.Tensor | None,
+               following: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_tail_norm` after the SiLU gate ``act [B x T, I]``: the down product, its residual and
+    ``following``: ``(hidden, following(hidden))``."""
+    down = layer.mlp.down_proj
+    out = down(act) if w_down is None else torch.nn.functional.linear(act, w_down, _bias(down))
+    hidden = hidden + out.view_as(hidden)
+    return hidden, following(hidden)
+
+
+def _gated_tail(front, back, layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, w_gate_up: torch.Tensor,
+                w_o: torch.Tensor | None, w_down: torch.Tensor | None,
+                following: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_tail_norm` with the SiLU gate through :func:`~treerl.rollout.silu_gate.silu_gate` between
+    ``front`` (:func:`_tail_front`) and ``back`` (:func:`_tail_back`), each compiled where the step's parts are:
+    the decode step above :data:`~treerl.rollout.small_products.MAX_ROWS` rows. ``hidden [B, 1, H]``."""
+    hidden, gate_up = front(layer, hidden, attn, w_gate_up, w_o)
+    return back(layer, hidden, silu_gate(gate_up), w_down, following)
+
+
+def _gated_layer(layer: torch.nn.Module, fused, i: int) -> bool:
+    """Whether layer ``i``'s tail runs as :func:`_gated_tail`: a dense MLP whose gate/up product has no bias and
+    whose activation is a plain SiLU."""
+    return fused.gate_up_w[i] is not None and fused.gate_up_b[i] is None and _silu(layer.mlp)
+
+
 def _residual_norm(hidden: torch.Tensor, norm: torch.nn.Module, bias: torch.Tensor | None,
                    *partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [B, 1, H]`` plus a product given as float32 partial sums ``[B, H]`` each
@@ -156,7 +194,7 @@ def _small_layer(layer: torch.nn.Module, fused, i: int) -> tuple | None:
     it cannot run there: a sparse MLP, a gate/up bias, an activation other than SiLU, an output or
     down projection that runs as its module (hooks, not a plain ``Linear``)."""
     mlp, o_proj = layer.mlp, layer.self_attn.o_proj
-    if fused.gate_up_w[i] is None or fused.gate_up_b[i] is not None or not _silu(mlp):
+    if not _gated_layer(layer, fused, i):
         return None
     w_o, w_down = _weight(o_proj, fused.o_w[i]), _weight(mlp.down_proj, fused.down_w[i])
     if w_o is None or w_down is None:

@@ -1,0 +1,102 @@
+"""The decode step's SiLU gate kernel (:mod:`treerl.rollout.silu_gate`) against float64 and the modules' rounding,
+and the block's tail through it (``layer_math._gated_tail``) against the modules' tail in float64. On a GPU, or on
+the CPU with ``TRITON_INTERPRET=1`` (every CI run takes it that way through
+``tests/rollout/test_kernels_interpreted.py``); ``tests/cuda/test_rollout_cuda.py`` has the bf16 cases and the
+engine's steps through it."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from helpers.models import tiny_model
+from treerl.models import rmsnorm_in_input_precision
+from treerl.rollout import silu_gate as sg
+from treerl.rollout.blocks import DecodeBlocks, FusedProjections
+from treerl.rollout.layer_math import _gated_layer, _gated_tail, _tail_back, _tail_front, _tail_norm
+
+pytestmark = pytest.mark.skipif(
+    sg.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows, inner", [(1, 8), (5, 1000), (3, 2500)])  # (a partial block; several blocks a row)
+def test_silu_gate_equals_float64_and_the_modules_rounding(dtype, rows, inner):
+    """``silu(gate) * up`` against float64 (to the two roundings: 2 units of the dtype's last place of the largest
+    value; float32: 1e-6) and against torch's ``F.silu(gate) * up`` in the dtype (the modules' eager math: the same
+    roundings, up to the exponential's last bit: 1 unit)."""
+    g = torch.Generator(device=DEVICE).manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * inner, device=DEVICE, generator=g) * 3).to(dtype)
+    got = sg.silu_gate(gate_up)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    eps = 1e-6 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    assert got.shape == (rows, inner) and got.dtype == dtype
+    assert (got.double() - want).abs().max() <= eps * want.abs().max()
+    gate, up = gate_up.chunk(2, dim=-1)
+    eager = torch.nn.functional.silu(gate) * up
+    assert (got.double() - eager.double()).abs().max() <= torch.finfo(dtype).eps * eager.double().abs().max()
+
+
+def test_silu_gate_reads_rows_through_their_stride():
+    """A view of wider rows (the gate/up output inside a larger buffer) reads each row from its own start."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    buf = torch.randn(4, 40, device=DEVICE, generator=g)
+    view = buf[:, :32]
+    assert not view.is_contiguous()
+    assert torch.allclose(sg.silu_gate(view), sg.silu_gate(view.contiguous()), rtol=0, atol=0)
+
+
+def test_silu_gate_refuses_what_it_would_misread():
+    """An odd width, a float64 or a 3-d input, or columns apart: a ValueError naming the input (``runs_here``
+    False for each)."""
+    for bad in (torch.zeros(2, 7, device=DEVICE), torch.zeros(2, 8, device=DEVICE, dtype=torch.float64),
+                torch.zeros(2, 1, 8, device=DEVICE), torch.zeros(8, 2, device=DEVICE).T):
+        assert not sg.runs_here(bad)
+        with pytest.raises(ValueError, match="silu_gate"):
+            sg.silu_gate(bad)
+    assert sg.silu_gate(torch.zeros(0, 8, device=DEVICE)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("family, extra", [("qwen3", {}), ("llama", dict(attention_bias=True, mlp_bias=False))],
+                         ids=["qwen3", "llama-output-bias"])
+def test_gated_tail_equals_the_modules_tail_in_float64(family, extra):
+    """The block tail with the SiLU gate kernel between its two halves against ``_tail_norm`` of a float64 copy of
+    the model (float32: 2e-5 of the largest value), with an output projection's bias."""
+    model = tiny_model(family, dtype=torch.float32, seed=5, hidden_size=128, intermediate_size=256, **extra).to(DEVICE)
+    if extra:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.bias.normal_()
+    ref = rmsnorm_in_input_precision(copy.deepcopy(model).double())
+    layer, ref_layer = model.model.layers[0], ref.model.layers[0]
+    f, fr = FusedProjections(model.model.layers), FusedProjections(ref.model.layers)
+    assert _gated_layer(layer, f, 0)
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    hidden = torch.randn(6, 1, 128, device=DEVICE, generator=g)
+    attn = torch.randn(6, 1, layer.self_attn.o_proj.in_features, device=DEVICE, generator=g)
+    following, ref_following = model.model.layers[1].input_layernorm, ref.model.layers[1].input_layernorm
+    want = _tail_norm(ref_layer, hidden.double(), attn.double(), fr.gate_up_w[0], fr.gate_up_b[0], fr.o_w[0],
+                      fr.down_w[0], ref_following)
+    got = _gated_tail(_tail_front, _tail_back, layer, hidden, attn, f.gate_up_w[0], f.o_w[0], f.down_w[0], following)
+    for a, b in zip(want, got):
+        assert a.shape == b.shape and (b.double() - a).abs().max() <= 2e-5 * a.abs().max(), (a - b.double()).abs().max()
+
+
+def test_the_step_takes_it_for_dense_silu_layers_only():
+    """``DecodeBlocks._gated``: admitted (after its probe) for a Qwen3's dense SiLU MLPs; refused where a layer's
+    activation is not SiLU, or in float64 (the kernel takes 16-bit and float32)."""
+    model = tiny_model("qwen3", dtype=torch.float32, seed=5, hidden_size=64, intermediate_size=192).to(DEVICE)
+    hidden = torch.randn(3, 1, 64, device=DEVICE)
+    blocks = DecodeBlocks(model, compile=False)
+    assert blocks._gated(hidden) and blocks.gated
+    assert not DecodeBlocks(copy.deepcopy(model).double(), compile=False)._gated(hidden.double())
+    gelu = copy.deepcopy(model)
+    gelu.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    assert not DecodeBlocks(gelu, compile=False)._gated(hidden)
