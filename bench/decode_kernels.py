@@ -5,7 +5,7 @@ the sampling race (:mod:`treerl.rollout.race_kernel`) and the Q/K norm + RoPE + 
 
 - ``race``: rows x a Qwen vocabulary (151,936), float32 logits (the running batch's before session
   24) and bf16 (its pending logits since), every row sampled at T = 1 or all greedy (no noise);
-  each call's tokens checked against the torch reference.
+  each call's tokens checked against the torch reference; ``--race-sweep``: bf16 over its launch settings.
 - ``rope``: Qwen3-0.6B / 1.7B heads (16 query, 8 KV heads of 128), bf16, groups of 8, the token
   written into a paged pool.
 - ``attention``: one layer's decode attention as the kernel step runs it, the prompt part's key
@@ -39,7 +39,11 @@ from types import SimpleNamespace
 import torch
 
 
-def race_rows(rows_list: list[int], vocab: int, bandwidth: float) -> list[dict]:
+def race_rows(rows_list: list[int], vocab: int, bandwidth: float, sweep: bool = False) -> list[dict]:
+    """The sampling race alone (float32 and bf16 logits; every row at T = 1, or greedy), tokens against the torch
+    reference; with ``sweep``, bf16 at T = 1 over its launch settings (``race_kernel``'s ``TARGET_PROGRAMS``,
+    ``BLOCK``, ``NUM_WARPS``: the tokens are the same bits at every setting)."""
+    import treerl.rollout.race_kernel as rk
     from treerl.rollout.race_kernel import race_kernel
     from treerl.rollout.sampling import draw_seeds, race_reference
 
@@ -59,6 +63,24 @@ def race_rows(rows_list: list[int], vocab: int, bandwidth: float) -> list[dict]:
                 out.append(dict(kernel="race", rows=rows, dtype=str(dtype).removeprefix("torch."), rows_sampled=name,
                                 tokens_equal_reference=same, **_timed(run, logits.numel() * logits.element_size(),
                                                                       bandwidth)))
+        if not sweep:
+            continue
+        logits, t = base.bfloat16(), torch.ones(1, device="cuda")
+        want = race_reference(logits, t, seeds)[0]
+        default = {name: getattr(rk, name) for name in ("TARGET_PROGRAMS", "BLOCK", "NUM_WARPS")}
+        try:
+            for programs in (264, 528, 1056, 2112, 4224):
+                for block in (1024, 2048, 4096):
+                    for warps in (4, 8, 16):
+                        rk.TARGET_PROGRAMS, rk.BLOCK, rk.NUM_WARPS = programs, block, warps
+                        tok, _ = race_kernel(logits, t, seeds, tokens, logp)
+                        run = lambda: race_kernel(logits, t, seeds, tokens, logp)  # noqa: E731
+                        out.append(dict(kernel="race-sweep", rows=rows, TARGET_PROGRAMS=programs, BLOCK=block,
+                                        NUM_WARPS=warps, tokens_equal_reference=bool(torch.equal(tok, want)),
+                                        **_timed(run, logits.numel() * 2, bandwidth)))
+        finally:
+            for name, value in default.items():
+                setattr(rk, name, value)
     return out
 
 
@@ -337,6 +359,7 @@ def main(argv=None) -> None:
                    "(part own or prompt), each timed alone and in the overlapped pair")
     p.add_argument("--layers", type=int, default=28, help="layers a replay (attention: each its own buffers)")
     p.add_argument("--race-rows", default="64,1024")
+    p.add_argument("--race-sweep", action="store_true", help="the race over its launch settings (bf16, T = 1)")
     p.add_argument("--rope-rows", default="64,256,1024")
     p.add_argument("--vocab", type=int, default=151_936)
     p.add_argument("--bandwidth", type=float, default=4.277e12, help="HBM bytes/s (H200 4.28e12, H100 3.0e12)")
@@ -350,7 +373,7 @@ def main(argv=None) -> None:
     rows = lambda text: [int(r) for r in text.split(",") if r]  # noqa: E731
     results = []
     if "race" in kernels:
-        results += race_rows(rows(args.race_rows), args.vocab, args.bandwidth)
+        results += race_rows(rows(args.race_rows), args.vocab, args.bandwidth, args.race_sweep)
     if "rope" in kernels:
         results += rope_rows(rows(args.rope_rows), args.bandwidth)
     if "attention" in kernels:

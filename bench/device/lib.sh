@@ -65,20 +65,22 @@ atexit.register(lambda: print('prompt part (q shape, ranges):', sorted(seen)))
 sys.argv = [argv[2]] + argv[3:]
 runpy.run_path(argv[2], run_name='__main__')" $t $script "$@"
 }
-# with_blocks LIMIT "NAME=VALUE ..." SCRIPT ARGS...: a Python SCRIPT within LIMIT s with treerl.rollout.blocks'
-# module settings patched (each NAME one of its constants read at call time, VALUE a Python literal; "" patches
-# nothing), printing the settings as run; PYTHONPATH as the caller sets it.
-with_blocks() {
-  local limit=$1 sets=$2 script=$3; shift 3
+# with_module LIMIT MODULE "NAME=VALUE ..." SCRIPT ARGS...: a Python SCRIPT within LIMIT s with MODULE's settings
+# patched (each NAME one of its constants read at call time, VALUE a Python literal; "" patches nothing), printing the
+# settings as run; PYTHONPATH as the caller sets it.
+with_module() {
+  local limit=$1 module=$2 sets=$3 script=$4; shift 4
   timeout -k 5 $limit python3 -c "
-import ast, runpy, sys
+import ast, importlib, runpy, sys
 argv = sys.argv[:]
-import treerl.rollout.blocks as b
-for kv in argv[1].split():
+m = importlib.import_module(argv[1])
+for kv in argv[2].split():
     name, value = kv.split('=')
-    assert hasattr(b, name), name
-    setattr(b, name, ast.literal_eval(value))
-print('blocks settings:', {k: getattr(b, k) for k in ('QKV_SPLITS', 'PROMPT_LINK', 'PROMPT_PROGRAMS') if hasattr(b, k)})
-sys.argv = [argv[2]] + argv[3:]
-runpy.run_path(argv[2], run_name='__main__')" "$sets" $script "$@"
+    assert hasattr(m, name), name
+    setattr(m, name, ast.literal_eval(value))
+print(argv[1], 'settings:', {kv.split('=')[0]: getattr(m, kv.split('=')[0]) for kv in argv[2].split()})
+sys.argv = [argv[3]] + argv[4:]
+runpy.run_path(argv[3], run_name='__main__')" $module "$sets" $script "$@"
 }
+# with_blocks LIMIT "NAME=VALUE ..." SCRIPT ARGS...: with_module on treerl.rollout.blocks.
+with_blocks() { local limit=$1; shift; with_module $limit treerl.rollout.blocks "$@"; }

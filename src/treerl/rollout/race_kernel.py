@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - CPU-only torch has no triton
 BLOCK = 2048  # columns per loop step of a program
 TARGET_PROGRAMS = 528  # ~4 per SM of an H100: splits of V per row are chosen to reach it
 MAX_SPLITS = 64
+NUM_WARPS = 8  # warps a ``_partial`` program (read at each call: benchmarks patch it)
 
 if triton is not None:
 
@@ -143,7 +144,7 @@ def race_kernel(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: torc
     tokens = torch.empty(B, device=dev, dtype=torch.int64) if tokens is None else tokens
     logp = torch.empty(B, device=dev, dtype=torch.float32) if logp is None else logp
     _partial[(B, NS)](logits, temperature, row_seeds, part[0], part[1], part[2], pidx, V, logits.stride(0), st, per, NS,
-                      BLOCK=BLOCK, num_warps=8)
+                      BLOCK=BLOCK, num_warps=NUM_WARPS)
     _combine[(B,)](logits, temperature, part[0], part[1], part[2], pidx, tokens, logp, logits.stride(0), st, NS,
                    BLOCK_S=max(2, triton.next_power_of_2(NS)), num_warps=1)
     return tokens, logp
