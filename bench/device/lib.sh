@@ -66,8 +66,8 @@ sys.argv = [argv[2]] + argv[3:]
 runpy.run_path(argv[2], run_name='__main__')" $t $script "$@"
 }
 # with_module LIMIT MODULE "NAME=VALUE ..." SCRIPT ARGS...: a Python SCRIPT within LIMIT s with MODULE's settings
-# patched (each NAME one of its constants read at call time, VALUE a Python literal; "" patches nothing), printing the
-# settings as run; PYTHONPATH as the caller sets it.
+# patched (each NAME one of its constants read at call time, VALUE a Python literal; "" patches nothing), printing its
+# constants as run (every upper-case int, float, bool or str); PYTHONPATH as the caller sets it.
 with_module() {
   local limit=$1 module=$2 sets=$3 script=$4; shift 4
   timeout -k 5 $limit python3 -c "
@@ -78,7 +78,7 @@ for kv in argv[2].split():
     name, value = kv.split('=')
     assert hasattr(m, name), name
     setattr(m, name, ast.literal_eval(value))
-print(argv[1], 'settings:', {kv.split('=')[0]: getattr(m, kv.split('=')[0]) for kv in argv[2].split()})
+print(argv[1], 'settings:', {k: v for k, v in vars(m).items() if k.isupper() and type(v) in (int, float, bool, str)})
 sys.argv = [argv[3]] + argv[4:]
 runpy.run_path(argv[3], run_name='__main__')" $module "$sets" $script "$@"
 }

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 32, call 3 (~6 min, H200; no carry). The sampling race's launch settings (race_kernel: TARGET_PROGRAMS 528,
+# Session 32, call 3 (<= 7 min, H200; no carry). The sampling race's launch settings (race_kernel: TARGET_PROGRAMS 528,
 # BLOCK 2048, NUM_WARPS 8 since session 24) swept alone at 64 and 1,024 rows (bf16, T = 1; the tokens are the same
 # bits at every setting); the best by the sum of both rows' times, if >= 3% faster at each, then in bench_rollout
 # against the defaults (1,024 rows twice each, alternating; 64 rows once each). Predicted: at 64 rows 576 programs
@@ -8,7 +8,7 @@
 source bench/device/lib.sh
 export PYTHONPATH=src
 echo "== race sweep ($SECONDS s)"
-timeout -k 5 150 python3 bench/decode_kernels.py --kernels race --race-rows 64,1024 --race-sweep \
+timeout -k 5 140 python3 bench/decode_kernels.py --kernels race --race-rows 64,1024 --race-sweep \
     --out $OUT/race_sweep_s32_call3.json > $OUT/race_sweep.txt 2>&1
 BEST=$(python3 - $OUT/race_sweep_s32_call3.json <<'PY'
 import json, sys
@@ -33,14 +33,14 @@ if [ -n "$BEST" ]; then
   for s in default best default best; do
     echo "== rollout 1,024 rows $s ($SECONDS s)"
     sets=""; [ $s = best ] && sets="$BEST"
-    [ $SECONDS -lt 400 ] && with_module 100 treerl.rollout.race_kernel "$sets" bench/bench_rollout.py --device cuda \
+    [ $SECONDS -lt 290 ] && with_module 75 treerl.rollout.race_kernel "$sets" bench/bench_rollout.py --device cuda \
         --cases 0.6b:64x16 --extras "" --bandwidth 4.277e12 --out $OUT/rollout1024_race_${s}_$SECONDS.json 2>&1 \
         | grep -v "$F" | grep "^0.6b\|settings\|FAILED\|Error" | cut -c1-200
   done
   for s in default best; do
     echo "== rollout 64 rows $s ($SECONDS s)"
     sets=""; [ $s = best ] && sets="$BEST"
-    [ $SECONDS -lt 480 ] && with_module 80 treerl.rollout.race_kernel "$sets" bench/bench_rollout.py --device cuda \
+    [ $SECONDS -lt 370 ] && with_module 60 treerl.rollout.race_kernel "$sets" bench/bench_rollout.py --device cuda \
         --cases 0.6b:8x8 --extras "" --bandwidth 4.277e12 --out $OUT/rollout64_race_${s}_$SECONDS.json 2>&1 \
         | grep -v "$F" | grep "^0.6b\|settings\|FAILED\|Error" | cut -c1-200
   done

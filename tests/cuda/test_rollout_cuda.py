@@ -741,7 +741,8 @@ def test_cuda_rope_write_rounds_the_partials_sum_as_the_product(splits):
 def test_cuda_silu_gate_matches_float64_and_the_modules_bf16():
     """The SiLU gate kernel at the 1,024-row step's shape (Qwen3-0.6B's 3,072 intermediate columns) in bf16 against
     float64 (2 units of bf16's last place of the largest value: its two roundings) and against torch's eager
-    ``F.silu(gate) * up`` in bf16 (the modules' math: the same roundings, up to the exponential's last bit)."""
+    ``F.silu(gate) * up`` in bf16 (the modules' math: the same roundings, up to the float32 exponential's and
+    division's last bits: equal but for at most one element in a thousand)."""
     from treerl.rollout.silu_gate import silu_gate
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -752,8 +753,9 @@ def test_cuda_silu_gate_matches_float64_and_the_modules_bf16():
     eps = torch.finfo(torch.bfloat16).eps
     assert (got.double() - want).abs().max() <= 2 * eps * want.abs().max()
     gate, up = gate_up.chunk(2, dim=-1)
-    eager = (torch.nn.functional.silu(gate) * up).double()
-    assert (got.double() - eager).abs().max() <= eps * eager.abs().max()
+    eager = torch.nn.functional.silu(gate) * up
+    assert (got.double() - eager.double()).abs().max() <= eps * eager.double().abs().max()
+    assert int((got != eager).sum()) <= got.numel() // 1000  # (without silu's bf16 rounding: ~a quarter differ)
 
 
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled+graphs"])
@@ -795,4 +797,4 @@ def test_cuda_small_products_in_the_engine(compile_decode, monkeypatch):
     for ga, gb in zip(large.generate(prompts, greedy), eager):
         for a, b in zip(ga, gb):
             assert a.completion_ids.tolist() == b.completion_ids.tolist()
-    assert not calls and gates and large.decode_blocks.gated
+    assert not calls and len(gates) > len(model.model.layers) and large.decode_blocks.gated  # (steps, not the probe)

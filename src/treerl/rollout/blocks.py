@@ -29,8 +29,8 @@ is ~18 kernels; with the split kernels on CUDA (:meth:`DecodeBlocks._kernel_step
 norms, RoPE and K/V write in one Triton kernel, the merge in another, the residual fused
 with the next norm) ~13; at few rows (:mod:`~treerl.rollout.small_products`: the output, gate/up
 and down products as Triton kernels split over every SM) ~10; from 64 rows on sm_90+ those kernels, the Q/K/V
-product (float32 partials summed in the rope kernel) and the attention parts a chain of dependent launches; above
-those rows the tail's SiLU gate through its own kernel between the tail's compiled halves
+product (float32 partials summed in the rope kernel) and the attention parts a chain of dependent launches; in the
+steps those kernels do not serve (above their rows) the tail's SiLU gate through its own kernel between the tail's halves
 (:mod:`~treerl.rollout.silu_gate`: inductor's kernel compiled for dynamic shapes ran at a third of the HBM's rate;
 session 32, H200, 1,024 rows: the tail 59.1 -> 53.1 us a layer). The modules and weights are the model's own (HF checkpoints, in-place
 weight updates and a model shared with the trainer all keep working); the math is the
@@ -60,7 +60,7 @@ from ..models import causal_lm, decoder_of, runs_own_loop
 from ..moe import install as install_moe, is_moe_block
 from .block_probes import _chain_agrees, _gated_agrees, _qkv_link_agrees, _rope_kernel_agrees, _small_agrees
 from .kernel_probe import kernel_agrees
-from .layer_math import (_base, _bias, _gated_layer, _gated_tail, _hooked, _next_norm, _norm, _post, _pre, _qkv_rope,
+from .layer_math import (_base, _bias, _dense_silu, _gated_tail, _hooked, _next_norm, _norm, _post, _pre, _qkv_rope,
                          _residual_norm, _small_layer, _small_tail, _tail_back, _tail_front, _tail_norm)
 from .silu_gate import runs_here as silu_gate_runs_here
 from .shared import SharedPrefixCache, attend_with_lse, merged_attention_ok, shared_part
@@ -171,7 +171,7 @@ class DecodeBlocks:
         self.small: bool | None = None  # small_products serve the steps of few rows (probed at the first such step)
         self.chain: bool | None = None  # ... as a chain of dependent launches (sm_90+; probed at the first such step)
         self.qkv_link: bool | None = None  # the Q/K/V product and rope_write join that chain (probed with it)
-        self.gated: bool | None = None  # above MAX_ROWS, the tail's SiLU gate through silu_gate (probed at its first step)
+        self.gated: bool | None = None  # steps the small-row kernels do not serve: the SiLU gate through silu_gate (probed once)
         self.fused = FusedProjections(self.base.layers)
 
     @staticmethod
@@ -236,8 +236,8 @@ class DecodeBlocks:
         :meth:`_small_weights`): ~10; on sm_90+ and at least :data:`~treerl.rollout.small_products.CHAIN_MIN_ROWS`
         rows (:meth:`_chain`) the own part and the tail's five kernels a chain of dependent launches, and where
         :meth:`_qkv_link` admits it the Q/K/V product, the rope kernel and (with ``cache.overlap``) the prompt
-        part links of it too; above those rows, where :meth:`_gated` admits it, the tail's SiLU gate runs through
-        its own kernel (:func:`~treerl.rollout.layer_math._gated_tail`).
+        part links of it too; in the steps the small-row kernels do not serve, where :meth:`_gated` admits it, the
+        tail's SiLU gate runs through its own kernel (:func:`~treerl.rollout.layer_math._gated_tail`).
         Where ``cache.overlap``, the own part's launch overlaps the prompt part's (programmatic dependent launch). Returns the final norm's output ``[B, hidden]`` (the head's input)."""
         base, f, G = self.base, self.fused, cache.G
         layers = base.layers
@@ -290,21 +290,21 @@ class DecodeBlocks:
         return weights if self.small else None
 
     def _gated(self, hidden: torch.Tensor) -> bool:
-        """Whether the tail's SiLU gate runs through :func:`~treerl.rollout.silu_gate.silu_gate` between the compiled
-        halves of the tail (:func:`~treerl.rollout.layer_math._gated_tail`; the steps the small-row kernels do not
-        serve): every layer a dense, bias-free SiLU MLP (:func:`~treerl.rollout.layer_math._gated_layer`), the kernel
-        running here, after a probe against :func:`~treerl.rollout.layer_math._tail_norm` (eager) on the first layer
-        (:func:`~treerl.rollout.block_probes._gated_agrees`, once)."""
+        """Whether the tail's SiLU gate runs through :func:`~treerl.rollout.silu_gate.silu_gate` between the tail's
+        two halves (compiled with ``compile``; :func:`~treerl.rollout.layer_math._gated_tail`; the steps the small-row
+        kernels do not serve): every layer a dense, bias-free SiLU MLP (:func:`~treerl.rollout.layer_math._dense_silu`),
+        the kernel running here, after a probe against :func:`~treerl.rollout.layer_math._tail_norm` (eager) on the
+        first layer (:func:`~treerl.rollout.block_probes._gated_agrees`, once)."""
         if self.gated is None:
             base, f = self.base, self.fused
             x = hidden.new_empty(1, 2)
-            self.gated = (all(_gated_layer(layer, f, i) for i, layer in enumerate(base.layers))
+            self.gated = (all(_dense_silu(layer, f, i) for i, layer in enumerate(base.layers))
                           and silu_gate_runs_here(x)
                           and kernel_agrees(lambda: _gated_agrees(self.tail_front, self.tail_back, base.layers[0], hidden,
                                                                   f, _next_norm(base, 0)),
                                             what="the decode step's SiLU gate kernel",
                                             reference="the modules' math", where=str(hidden.device),
-                                            fallback="the tail runs compiled in one piece (slower)"))
+                                            fallback="the tail runs in one piece, its SiLU gate as torch's (slower)"))
         return self.gated
 
     def _chain(self, hidden: torch.Tensor, small: list[tuple]) -> bool:

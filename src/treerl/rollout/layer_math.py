@@ -86,23 +86,32 @@ def _tail(layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, w_ga
     """The rest of a block after attention: ``hidden [B, T, H]`` and the attention output
     ``attn [B, T, Hq x Dv]`` -> ``hidden [B, T, H]`` (output projection, residual, norm, MLP,
     residual; the weights as in :func:`_post`)."""
-    o_proj = layer.self_attn.o_proj
-    hidden = hidden + (o_proj(attn) if w_o is None else torch.nn.functional.linear(attn, w_o, _bias(o_proj)))
+    hidden = _output_residual(layer, hidden, attn, w_o)
     mlp = layer.mlp
     x = layer.post_attention_layernorm(hidden)
     if w_gate_up is None:
         return hidden + mlp(x)
     gate, up = torch.nn.functional.linear(x, w_gate_up, b_gate_up).chunk(2, dim=-1)
-    act = mlp.act_fn(gate) * up
-    return hidden + (mlp.down_proj(act) if w_down is None else torch.nn.functional.linear(act, w_down, _bias(mlp.down_proj)))
+    return hidden + _down(mlp, mlp.act_fn(gate) * up, w_down)
+
+
+def _output_residual(layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor,
+                     w_o: torch.Tensor | None) -> torch.Tensor:
+    """``hidden`` plus the output projection of ``attn`` (``w_o``: its merged LoRA weight, None: the module)."""
+    o_proj = layer.self_attn.o_proj
+    return hidden + (o_proj(attn) if w_o is None else torch.nn.functional.linear(attn, w_o, _bias(o_proj)))
+
+
+def _down(mlp: torch.nn.Module, act: torch.Tensor, w_down: torch.Tensor | None) -> torch.Tensor:
+    """The down projection of the gated activation ``act`` (``w_down``: its merged LoRA weight, None: the module)."""
+    return mlp.down_proj(act) if w_down is None else torch.nn.functional.linear(act, w_down, _bias(mlp.down_proj))
 
 
 def _tail_front(layer: torch.nn.Module, hidden: torch.Tensor, attn: torch.Tensor, w_gate_up: torch.Tensor,
                 w_o: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_tail` up to the gate/up product (a dense, bias-free gate/up: :func:`_gated_layer`): ``(hidden after
+    """:func:`_tail` up to the gate/up product (a dense, bias-free gate/up: :func:`_dense_silu`): ``(hidden after
     the output projection's residual, gate_up [B x T, 2 I])``."""
-    o_proj = layer.self_attn.o_proj
-    hidden = hidden + (o_proj(attn) if w_o is None else torch.nn.functional.linear(attn, w_o, _bias(o_proj)))
+    hidden = _output_residual(layer, hidden, attn, w_o)
     x = layer.post_attention_layernorm(hidden)
     return hidden, torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), w_gate_up)
 
@@ -111,9 +120,7 @@ def _tail_back(layer: torch.nn.Module, hidden: torch.Tensor, act: torch.Tensor, 
                following: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_tail_norm` after the SiLU gate ``act [B x T, I]``: the down product, its residual and
     ``following``: ``(hidden, following(hidden))``."""
-    down = layer.mlp.down_proj
-    out = down(act) if w_down is None else torch.nn.functional.linear(act, w_down, _bias(down))
-    hidden = hidden + out.view_as(hidden)
+    hidden = hidden + _down(layer.mlp, act, w_down).view_as(hidden)
     return hidden, following(hidden)
 
 
@@ -122,14 +129,16 @@ def _gated_tail(front, back, layer: torch.nn.Module, hidden: torch.Tensor, attn:
                 following: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_tail_norm` with the SiLU gate through :func:`~treerl.rollout.silu_gate.silu_gate` between
     ``front`` (:func:`_tail_front`) and ``back`` (:func:`_tail_back`), each compiled where the step's parts are:
-    the decode step above :data:`~treerl.rollout.small_products.MAX_ROWS` rows. ``hidden [B, 1, H]``."""
+    the decode steps the small-row kernels do not serve (above :data:`~treerl.rollout.small_products.MAX_ROWS`
+    rows, or where they were refused). A dense layer whose gate/up product has no bias (:func:`_dense_silu`).
+    ``hidden [B, 1, H]``."""
     hidden, gate_up = front(layer, hidden, attn, w_gate_up, w_o)
     return back(layer, hidden, silu_gate(gate_up), w_down, following)
 
 
-def _gated_layer(layer: torch.nn.Module, fused, i: int) -> bool:
-    """Whether layer ``i``'s tail runs as :func:`_gated_tail`: a dense MLP whose gate/up product has no bias and
-    whose activation is a plain SiLU."""
+def _dense_silu(layer: torch.nn.Module, fused, i: int) -> bool:
+    """Whether layer ``i`` has a dense MLP whose fused gate/up product has no bias and whose activation is a plain
+    SiLU (:func:`_silu`): what :func:`_gated_tail` and :func:`_small_tail` take."""
     return fused.gate_up_w[i] is not None and fused.gate_up_b[i] is None and _silu(layer.mlp)
 
 
@@ -194,7 +203,7 @@ def _small_layer(layer: torch.nn.Module, fused, i: int) -> tuple | None:
     it cannot run there: a sparse MLP, a gate/up bias, an activation other than SiLU, an output or
     down projection that runs as its module (hooks, not a plain ``Linear``)."""
     mlp, o_proj = layer.mlp, layer.self_attn.o_proj
-    if not _gated_layer(layer, fused, i):
+    if not _dense_silu(layer, fused, i):
         return None
     w_o, w_down = _weight(o_proj, fused.o_w[i]), _weight(mlp.down_proj, fused.down_w[i])
     if w_o is None or w_down is None:

@@ -10,7 +10,10 @@ are (one graph for every bucket), 13.09 us a layer for 18.9 MB (1.44 TB/s; stati
 
 Rounding as the modules round (:func:`~treerl.rollout.layer_math._tail` in eager mode): ``silu(gate)`` computed in
 float32 from the 16-bit gate and rounded to the output's dtype, then the product with ``up`` in float32, rounded
-once more — the same two roundings as :func:`~treerl.rollout.small_products.gated`.
+once more — the same two roundings as :func:`~treerl.rollout.small_products.gated`. The float32 exponential and
+division are Triton's approximate ones on CUDA (a few units of float32's last place, as in ``gated``), so a 16-bit
+result may differ from eager's by one unit where silu's float32 value lies that close to a rounding boundary
+(session 32's tests: at most one element in a thousand).
 """
 
 from __future__ import annotations
