@@ -261,3 +261,26 @@ def test_disk_full_is_named_whatever_the_writers_message(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 4096))
     assert "the disk is full" in ckpt._write_failure(RuntimeError("unexpected pos 64 vs 0"), tmp_path)
+
+
+def test_a_checkpoint_write_shows_no_progress_bar_and_leaves_the_setting(tmp_path, capfd):
+    """Transformers' per-shard "Writing model shards" bar is off while a checkpoint is written (every save of a run
+    printed one; an interrupt mid-bar left a line without its end, which the interrupt's message then joined:
+    tests/integration/test_signals.py), and the bars' setting is as before afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    from treerl.trainer import Trainer
+
+    trainer = Trainer(run_config(tmp_path, *RUN))
+    capfd.readouterr()
+    hf_logging.enable_progress_bar()
+    trainer.save()
+    assert "Writing model shards" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        trainer.step_count = 1
+        trainer.save()
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()

@@ -18,6 +18,7 @@ unpickles it in full: only for files one trusts.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -61,6 +62,22 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """Transformers' progress bars off while a checkpoint is written (its per-shard "Writing model shards" bar on
+    every save of a run is noise in the run's output, and a bar cut by an interrupt leaves a line without its end,
+    which the interrupt's message would then follow on the same line); restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
 def save_checkpoint(
     root: str | Path, step: int, model: torch.nn.Module, tokenizer: Any, state: dict, keep_last: int = 2
 ) -> Path:
@@ -82,9 +99,10 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        model.save_pretrained(tmp / "model", safe_serialization=True)
-        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(tmp / "tokenizer")
+        with _no_progress_bars():
+            model.save_pretrained(tmp / "model", safe_serialization=True)
+            if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(tmp / "tokenizer")
         torch.save(state, tmp / STATE)
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(tmp / STATE)
         if unsafe:  # would be refused on resume: a value that is not a tensor or plain data
