@@ -19,7 +19,9 @@ with different settings share one running batch, and each mode does the same wor
 ``--probe``: while the agents run, one more client sends short requests one after the other
 (``--probe-tokens`` greedy tokens after a ``--probe-prompt-len``-token prompt, a new prompt
 each time); their latency behind the agents' long requests is reported next to their latency
-alone (``--probe-alone`` probes on an idle engine before the agents start), p50 and p99.
+alone (``--probe-alone`` probes on an idle engine before the agents start), p50 and p99; in process also split
+at the probe's first token (when it reached the host: admission, prefill and the log's read) and the rest (its
+decode steps), p50 alone and behind, to say which part of the latency the agents lengthen.
 
 Both use the same engine settings (``RolloutEngine`` defaults plus ``--prefix-cache-tokens``
 and ``--prefill-chunk-tokens``; the loop's ``--max-rows`` and ``--idle-timeout-s``), the same
@@ -172,13 +174,16 @@ def probe_prompt(args, vocab: int, k: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(args.probe_prompt_len)]
 
 
-async def probe_alone(args, vocab: int, call) -> list[float]:
-    """``--probe-alone`` short requests one after the other on an idle engine: latencies (s)."""
-    out = []
+async def probe_alone(args, vocab: int, call) -> dict:
+    """``--probe-alone`` short requests one after the other on an idle engine: their latencies (s) and, where the
+    mode times it (in process), each one's first token (s after its start; else None)."""
+    out = {"latencies": [], "ttfts": []}
     for k in range(args.probe_alone):
+        first: list[float] = []
         t = time.perf_counter()
-        await call(probe_prompt(args, vocab, k), args.probe_tokens, 0.0)
-        out.append(time.perf_counter() - t)
+        await call(probe_prompt(args, vocab, k), args.probe_tokens, 0.0, first)
+        out["latencies"].append(time.perf_counter() - t)
+        out["ttfts"].append(first[0] - t if first else None)
     return out
 
 
@@ -193,6 +198,7 @@ async def run_agents(args, vocab: int, call, agents: range, probe: bool = False,
     seconds."""
     latencies: list[float] = []
     probes: list[float] = []
+    probe_ttfts: list[float | None] = []  # each probe's first token, s after its start (None: the mode does not time it)
     probe_starts: list[float] = []  # seconds after the run's start
     probe_ends: list[float] = []  # time.monotonic() (one clock for every process: combine() drops those after the agents)
     tokens = 0
@@ -218,10 +224,12 @@ async def run_agents(args, vocab: int, call, agents: range, probe: bool = False,
     async def prober() -> None:
         k = 0
         while not finished():
+            first: list[float] = []
             t = time.perf_counter()
-            await call(probe_prompt(args, vocab, 10**5 + k), args.probe_tokens, 0.0)
+            await call(probe_prompt(args, vocab, 10**5 + k), args.probe_tokens, 0.0, first)
             if not finished():  # only probes that ran entirely behind the agents
                 probes.append(time.perf_counter() - t)
+                probe_ttfts.append(first[0] - t if first else None)
                 probe_starts.append(t - t0)
                 probe_ends.append(time.monotonic())
             k += 1
@@ -235,7 +243,7 @@ async def run_agents(args, vocab: int, call, agents: range, probe: bool = False,
     start, cpu = time.monotonic(), time.process_time()
     await asyncio.gather(agents_then_done(), *([prober()] if probe else []))
     return {"tokens": tokens, "latencies": latencies, "probe_latencies": probes, "probe_starts": probe_starts,
-            "probe_ends": probe_ends,
+            "probe_ends": probe_ends, "probe_ttfts": probe_ttfts,
             "start": start,
             "end": time.monotonic(), "cpu_s": time.process_time() - cpu}
 
@@ -253,16 +261,28 @@ def combine(parts: list[dict], prober: dict | None = None) -> dict:
     agents_end = max(p["end"] for p in parts)
     parts = parts + ([prober] if prober is not None else [])
     # only probes that ran entirely behind the agents (a prober of its own hears they finished a little late)
-    behind = [(x, s) for p in parts for x, s, e in zip(p.get("probe_latencies", []), p.get("probe_starts", []),
-                                                       p.get("probe_ends", [])) if e <= agents_end]
-    probes = [x for x, _ in behind]
+    behind = [(x, s, f) for p in parts for x, s, e, f in zip(p.get("probe_latencies", []), p.get("probe_starts", []),
+                                                             p.get("probe_ends", []), p.get("probe_ttfts", []))
+              if e <= agents_end]
+    probes = [x for x, _, _ in behind]
     if probes:
         pq = np.percentile(probes, [50, 99])
         out |= {"probes": len(probes), "probe_p50_s": float(pq[0]), "probe_p99_s": float(pq[1])}
-        starts = [s for _, s in behind]
+        out |= _ttft_split([(x, f) for x, _, f in behind], "probe")
+        starts = [s for _, s, _ in behind]
         out["probe_slowest"] = [dict(start_s=round(s, 4), latency_s=round(x, 4))  # where the tail comes from
                                 for x, s in sorted(zip(probes, starts), reverse=True)[:6]]
     return out
+
+
+def _ttft_split(probes: list[tuple[float, float | None]], name: str) -> dict:
+    """The probes' ``(latency, first token)`` pairs as the p50 of the first token and of the rest (the decode steps
+    after it), where the mode timed the first token (in process); else nothing."""
+    timed = [(x, f) for x, f in probes if f is not None]
+    if not timed:
+        return {}
+    return {f"{name}_first_token_p50_s": float(np.percentile([f for _, f in timed], 50)),
+            f"{name}_rest_p50_s": float(np.percentile([x - f for x, f in timed], 50))}
 
 
 def measure(args, run, counters, alone=None) -> dict:
@@ -273,9 +293,10 @@ def measure(args, run, counters, alone=None) -> dict:
     print(f"  untimed run done ({time.perf_counter() - t0:.1f} s)", flush=True)
     alone_q = None
     if alone is not None:
-        lat = alone()
-        q = np.percentile(lat, [50, 99])
-        alone_q = {"probe_alone_p50_s": float(q[0]), "probe_alone_p99_s": float(q[1])}
+        a = alone()
+        q = np.percentile(a["latencies"], [50, 99])
+        alone_q = ({"probe_alone_p50_s": float(q[0]), "probe_alone_p99_s": float(q[1])}
+                   | _ttft_split(list(zip(a["latencies"], a["ttfts"])), "probe_alone"))
     best = None
     for _ in range(args.repeats):
         before = counters()
@@ -301,9 +322,11 @@ def in_process(args, model, vocab: int) -> dict:
                            kv_cache_dtype=args.kv_cache_dtype)
     loop = EngineLoop(engine, max_rows=args.max_rows, idle_timeout_s=args.idle_timeout_s)
 
-    async def call(prompt, max_tokens, temperature):
+    async def call(prompt, max_tokens, temperature, first=None):
+        """``first``: a list the time (``perf_counter``) its first token reached the host is appended to."""
         params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_tokens)
-        [c] = await asyncio.wrap_future(loop.submit(prompt, params))
+        listener = None if first is None else (lambda d: first.append(time.perf_counter()) if not first else None)
+        [c] = await asyncio.wrap_future(loop.submit(prompt, params, listener=listener))
         return c.completion_ids.tolist()
 
     def run():
@@ -434,7 +457,7 @@ def client_agents(args, url: str, vocab: int, agents: range, start_at: float | N
         client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=3600,
                                     http_client=http.AsyncClient(limits=limits, timeout=3600))
 
-        async def call(prompt, max_tokens, temperature):
+        async def call(prompt, max_tokens, temperature, first=None):  # (first token: not timed served)
             r = await client.completions.create(model="treerl", prompt=prompt, max_tokens=max_tokens,
                                                 temperature=temperature)
             return r.choices[0].model_extra["token_ids"]
@@ -580,6 +603,10 @@ def main(argv=None) -> dict:
             print(f"{name:12} alone p50 {r['probe_alone_p50_s']:.3f} s p99 {r['probe_alone_p99_s']:.3f} s; behind "
                   f"p50 {r['probe_p50_s']:.3f} s p99 {r['probe_p99_s']:.3f} s ({r['probes']} probes): "
                   f"x{r['probe_behind_over_alone_p50']:.2f} p50, x{r['probe_behind_over_alone_p99']:.2f} p99")
+            if "probe_first_token_p50_s" in r and "probe_alone_first_token_p50_s" in r:
+                print(f"{name:12} p50 first token alone {r['probe_alone_first_token_p50_s']:.4f} s, behind "
+                      f"{r['probe_first_token_p50_s']:.4f} s; the rest alone {r['probe_alone_rest_p50_s']:.4f} s, "
+                      f"behind {r['probe_rest_p50_s']:.4f} s")
             print(f"{name:12} slowest probes (start s after the run's start: latency s): "
                   + ", ".join(f"{p['start_s']:.2f}: {p['latency_s']:.3f}" for p in r["probe_slowest"]))
     for name in modes:
