@@ -62,7 +62,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-
 @contextlib.contextmanager
 def _no_progress_bars():
     """Transformers' progress bars off while a checkpoint is written (its per-shard "Writing model shards" bar on
@@ -77,6 +76,7 @@ def _no_progress_bars():
     finally:
         if was:
             hf_logging.enable_progress_bar()
+
 
 def save_checkpoint(
     root: str | Path, step: int, model: torch.nn.Module, tokenizer: Any, state: dict, keep_last: int = 2

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from helpers.models import tiny_model
-from treerl.models import rmsnorm_in_input_precision
+from helpers.tails import float64_tail_case
 from treerl.rollout import silu_gate as sg
-from treerl.rollout.blocks import DecodeBlocks, FusedProjections
-import treerl.rollout.layer_math as layer_math
-from treerl.rollout.layer_math import _dense_silu, _gated_tail, _tail_back, _tail_front, _tail_norm
+from treerl.rollout import layer_math
+from treerl.rollout.blocks import DecodeBlocks
+from treerl.rollout.layer_math import _dense_silu, _gated_tail, _tail_back, _tail_front
 
 pytestmark = pytest.mark.skipif(
     sg.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -75,23 +75,12 @@ def test_silu_gate_refuses_what_it_would_misread():
 def test_gated_tail_equals_the_modules_tail_in_float64(family, extra):
     """The block tail with the SiLU gate kernel between its two halves against ``_tail_norm`` of a float64 copy of
     the model (float32: 2e-5 of the largest value), with an output projection's bias."""
-    model = tiny_model(family, dtype=torch.float32, seed=5, hidden_size=128, intermediate_size=256, **extra).to(DEVICE)
-    if extra:
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.o_proj.bias.normal_()
-    ref = rmsnorm_in_input_precision(copy.deepcopy(model).double())
-    layer, ref_layer = model.model.layers[0], ref.model.layers[0]
-    f, fr = FusedProjections(model.model.layers), FusedProjections(ref.model.layers)
-    assert _dense_silu(layer, f, 0)
-    g = torch.Generator(device=DEVICE).manual_seed(1)
-    hidden = torch.randn(6, 1, 128, device=DEVICE, generator=g)
-    attn = torch.randn(6, 1, layer.self_attn.o_proj.in_features, device=DEVICE, generator=g)
-    following, ref_following = model.model.layers[1].input_layernorm, ref.model.layers[1].input_layernorm
-    want = _tail_norm(ref_layer, hidden.double(), attn.double(), fr.gate_up_w[0], fr.gate_up_b[0], fr.o_w[0],
-                      fr.down_w[0], ref_following)
-    got = _gated_tail(_tail_front, _tail_back, layer, hidden, attn, f.gate_up_w[0], f.o_w[0], f.down_w[0], following)
-    for a, b in zip(want, got):
+    case = float64_tail_case(family, extra, 6, DEVICE)
+    f = case.fused
+    assert _dense_silu(case.layer, f, 0)
+    got = _gated_tail(_tail_front, _tail_back, case.layer, case.hidden, case.attn, f.gate_up_w[0], f.o_w[0],
+                      f.down_w[0], case.following)
+    for a, b in zip(case.want, got):
         assert a.shape == b.shape and (b.double() - a).abs().max() <= 2e-5 * a.abs().max(), (a - b.double()).abs().max()
 
 

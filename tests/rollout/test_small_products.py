@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from helpers.models import tiny_model
+from helpers.tails import float64_tail_case
 from treerl.models import rmsnorm_in_input_precision
 from treerl.rollout import small_products
 from treerl.rollout.blocks import FusedProjections
-from treerl.rollout.layer_math import _residual_norm, _small_layer, _small_tail, _tail_norm
+from treerl.rollout.layer_math import _residual_norm, _small_layer, _small_tail
 
 pytestmark = pytest.mark.skipif(
     small_products.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -106,24 +107,11 @@ def test_small_tail_equals_the_modules_tail_in_float64(family, extra, tma):
     and SiLU in one kernel, down partials in the next residual + norm) against ``_tail_norm`` of a
     float64 copy of the model; with an output projection's bias (added to the partials' sum before its
     rounding, as ``F.linear`` adds it)."""
-    model = tiny_model(family, dtype=torch.float32, seed=5, hidden_size=128, intermediate_size=256, **extra).to(DEVICE)
-    if extra:  # (random biases: the initialisation's are zero)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.o_proj.bias.normal_()
-    ref = rmsnorm_in_input_precision(copy.deepcopy(model).double())
-    layer, ref_layer = model.model.layers[0], ref.model.layers[0]
-    f, fr = FusedProjections(model.model.layers), FusedProjections(ref.model.layers)
-    weights = _small_layer(layer, f, 0)
+    case = float64_tail_case(family, extra, 5, DEVICE)
+    weights = _small_layer(case.layer, case.fused, 0)
     assert weights is not None
-    g = torch.Generator(device=DEVICE).manual_seed(1)
-    hidden = torch.randn(5, 1, 128, device=DEVICE, generator=g)
-    attn = torch.randn(5, 1, layer.self_attn.o_proj.in_features, device=DEVICE, generator=g)
-    following, ref_following = model.model.layers[1].input_layernorm, ref.model.layers[1].input_layernorm
-    want = _tail_norm(ref_layer, hidden.double(), attn.double(), fr.gate_up_w[0], fr.gate_up_b[0], fr.o_w[0],
-                      fr.down_w[0], ref_following)
-    got = _small_tail(_residual_norm, layer, hidden, attn, weights, following)
-    for a, b in zip(want, got):
+    got = _small_tail(_residual_norm, case.layer, case.hidden, case.attn, weights, case.following)
+    for a, b in zip(case.want, got):
         assert a.shape == b.shape and _close(b, a, torch.float32), (a - b.double()).abs().max()
 
 

@@ -26,7 +26,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 
-from treerl.rollout import decode_attention, race_kernel, rope_kernel, small_products  # noqa: E402
+from treerl.rollout import decode_attention, race_kernel, rope_kernel, silu_gate, small_products  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY = 232_448  # bytes of shared memory one program may take on sm_90 (227 KB)
@@ -307,6 +307,16 @@ def test_the_small_tail_chain_compiles_for_hopper(record, monkeypatch, dtype):
         assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
         if name != "_residual_norm_kernel":  # (the products' TMA copies: none issued before the wait, even pipelined)
             assert "cp.async.bulk.tensor" in ptx and ptx.index("griddepcontrol.wait") < ptx.index("cp.async.bulk.tensor")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_gate_compiles_for_hopper(record, monkeypatch, dtype):
+    """The SiLU gate above the small-row kernels' rows (Qwen3-0.6B's 3,072 intermediate columns: three column
+    blocks a row), bf16 and float32."""
+    kernel = record(silu_gate, "_silu_gate_kernel")
+    monkeypatch.setattr(silu_gate, "runs_here", lambda gate_up: True)  # (no CUDA here: compiled, not run)
+    silu_gate.silu_gate(torch.zeros(1024, 6144, dtype=dtype))
+    assert kernel.grids == [(1024, 3)] and len(_compile(kernel)) == 1
 
 
 def test_race_kernel_compiles_for_hopper(record):

@@ -29,28 +29,29 @@ def _probe_attention(layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tens
                        dtype=hidden.dtype, generator=gen)
 
 
-def _small_agrees(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, fused,
-                  weights: tuple, following: torch.nn.Module) -> bool:
-    """:func:`_small_tail` (with the step's ``residual_norm``: compiled where the step's is) against
-    :func:`_tail_norm` (eager) on the first layer, this step's hidden states and a random attention
-    output (:func:`_agree`)."""
+def _tail_agrees(tail, layer: torch.nn.Module, hidden: torch.Tensor, fused, following: torch.nn.Module) -> bool:
+    """``tail(attn)`` (a kernel path's block tail on the first layer) against :func:`_tail_norm` (eager) on this
+    step's hidden states and a random attention output (:func:`_agree`)."""
     attn = _probe_attention(layer, hidden)
     want = _tail_norm(layer, hidden, attn, fused.gate_up_w[0], fused.gate_up_b[0], fused.o_w[0], fused.down_w[0],
                       following)
-    return _agree(want, _small_tail(residual_norm, layer, hidden, attn, weights, following), hidden.dtype,
-                  hidden.device)
+    return _agree(want, tail(attn), hidden.dtype, hidden.device)
+
+
+def _small_agrees(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, fused,
+                  weights: tuple, following: torch.nn.Module) -> bool:
+    """:func:`_small_tail` (with the step's ``residual_norm``: compiled where the step's is) against
+    :func:`_tail_norm` (:func:`_tail_agrees`)."""
+    return _tail_agrees(lambda attn: _small_tail(residual_norm, layer, hidden, attn, weights, following), layer,
+                        hidden, fused, following)
 
 
 def _gated_agrees(front, back, layer: torch.nn.Module, hidden: torch.Tensor, fused,
                   following: torch.nn.Module) -> bool:
     """:func:`_gated_tail` (with the step's ``front``/``back``: compiled where the step's parts are) against
-    :func:`_tail_norm` (eager) on the first layer, this step's hidden states and a random attention output
-    (:func:`_agree`)."""
-    attn = _probe_attention(layer, hidden)
-    want = _tail_norm(layer, hidden, attn, fused.gate_up_w[0], fused.gate_up_b[0], fused.o_w[0], fused.down_w[0],
-                      following)
-    got = _gated_tail(front, back, layer, hidden, attn, fused.gate_up_w[0], fused.o_w[0], fused.down_w[0], following)
-    return _agree(want, got, hidden.dtype, hidden.device)
+    :func:`_tail_norm` (:func:`_tail_agrees`)."""
+    return _tail_agrees(lambda attn: _gated_tail(front, back, layer, hidden, attn, fused.gate_up_w[0], fused.o_w[0],
+                                                 fused.down_w[0], following), layer, hidden, fused, following)
 
 
 def _chain_agrees(residual_norm, layer: torch.nn.Module, hidden: torch.Tensor, weights: tuple,

@@ -297,9 +297,8 @@ class DecodeBlocks:
         first layer (:func:`~treerl.rollout.block_probes._gated_agrees`, once)."""
         if self.gated is None:
             base, f = self.base, self.fused
-            x = hidden.new_empty(1, 2)
             self.gated = (all(_dense_silu(layer, f, i) for i, layer in enumerate(base.layers))
-                          and silu_gate_runs_here(x)
+                          and silu_gate_runs_here(hidden.reshape(hidden.shape[0], -1))  # (its device and dtype)
                           and kernel_agrees(lambda: _gated_agrees(self.tail_front, self.tail_back, base.layers[0], hidden,
                                                                   f, _next_norm(base, 0)),
                                             what="the decode step's SiLU gate kernel",

@@ -33,6 +33,13 @@ BLOCK = 1024  # columns of one row a program writes (8 elements a thread at 4 wa
 if triton is not None:
 
     @triton.jit
+    def silu_times(g, u, dt: tl.constexpr):
+        """``round(round(silu(g)) * u)`` in ``dt`` from float32 ``g``/``u`` (the modules' two roundings; also the
+        epilogue of :func:`~treerl.rollout.small_products.gated`)."""
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        return (act * u).to(dt)
+
+    @triton.jit
     def _silu_gate_kernel(GU, Out, I, sgm, som, BLOCK: tl.constexpr):
         """Program (row, column block): ``Out[r, c] = round(round(silu(GU[r, c])) * GU[r, I + c])``."""
         r, b = tl.program_id(0), tl.program_id(1)
@@ -41,9 +48,7 @@ if triton is not None:
         row = GU + r.to(tl.int64) * sgm
         g = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(row + I + cols, mask=ok, other=0.0).to(tl.float32)
-        dt = Out.dtype.element_ty
-        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(Out + r.to(tl.int64) * som + cols, (act * u).to(dt), mask=ok)
+        tl.store(Out + r.to(tl.int64) * som + cols, silu_times(g, u, Out.dtype.element_ty), mask=ok)
 
 
 def runs_here(gate_up: torch.Tensor) -> bool:

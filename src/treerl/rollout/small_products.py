@@ -80,6 +80,7 @@ CHAIN_MIN_ROWS = 64
 
 
 if triton is not None:
+    from .silu_gate import silu_times  # (the SiLU gate's roundings: one home)
 
     @triton.jit
     def _link_start(PDL: tl.constexpr):
@@ -150,8 +151,7 @@ if triton is not None:
         dt = Out.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(Out + rm[:, None] * som + rn[None, :], (act * u).to(dt), mask=(rm[:, None] < M) & (rn[None, :] < I))
+        tl.store(Out + rm[:, None] * som + rn[None, :], silu_times(g, u, dt), mask=(rm[:, None] < M) & (rn[None, :] < I))
 
     @triton.jit
     def _residual_norm_kernel(Hidden, P, Bias, Wn, OutH, OutX, H, eps, shm, spm, sps, som, sxm,
