@@ -5,7 +5,7 @@ F="Warning\|warn\|USDT\|Inductor\|important use\|deprecated\|forward_call\|^\s*$
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ -d .whl ]; then  # fastapi, uvicorn, openai and their needs: not on the GPU machine (bench/device/wheels.sh)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -2
 fi
 show() { grep -v "$F" "$1" | grep "in-process\|served\|ratio\|Error\|error\|treerl from" | cut -c1-250; }
 # grpo_steps STOP END REPEATS VERSION...: bench_grpo_step.py (0.6B, bf16, defaults) once per VERSION ("base": .v/base's

@@ -9,5 +9,5 @@ rm -rf .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     fastapi==0.115.12 starlette==0.46.2 uvicorn==0.34.3 openai==1.82.1 pydantic==2.11.7 pydantic-core==2.33.2 \
-    annotated-types==0.7.0 typing-inspection==0.4.1 typing-extensions==4.14.1 distro==1.9.0 jiter==0.10.0 sniffio==1.3.1
+    annotated-types==0.7.0 typing-inspection==0.4.1 distro==1.9.0 jiter==0.10.0 sniffio==1.3.1
 ls .whl | wc -l; du -sh .whl
