@@ -13,6 +13,7 @@ from helpers.reference import completion_logprobs
 from helpers.rollout import VOCAB, long_target_length, random_prompts, sampling
 from treerl.models import build_model, rmsnorm_in_input_precision
 from treerl.rollout import ForkLayout, PromptQueue, RolloutEngine, SamplingParams
+from treerl.rollout import race_kernel as rk
 from treerl.rollout.race_kernel import race_kernel
 from treerl.rollout.sampling import _kernel_ok, draw_seeds, race_reference, race_sample
 
@@ -416,6 +417,55 @@ def test_cuda_race_kernel_matches_the_reference(rows, vocab, dtype):
     freq = torch.bincount(draws, minlength=5).double().cpu() / n
     expected = torch.softmax(small[0].double().cpu() / 0.8, -1)
     assert torch.all((freq - expected).abs() <= 5 * (expected * (1 - expected) / n).sqrt()), (freq, expected)
+
+
+if rk.triton is not None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _noise_bits(Out, Ref, N, BLOCK: tl.constexpr):
+        """The race's noise for hashes whose top 23 bits are ``b`` (one a lane), beside ``tl.log``'s."""
+        b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = b < N
+        tl.store(Out + b, rk._gumbel_of_hash(b.to(tl.uint64) << 41), mask=ok)
+        u = (b.to(tl.float32) * 2.0 + 1.0) * 5.9604644775390625e-08
+        tl.store(Ref + b, -tl.log(-tl.log(u)), mask=ok)
+
+    @triton.jit
+    def _lse_bits(X, OutM, OutS, FTZ: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+        """The race's running max and sum of exponentials over ``X [STEPS, BLOCK]``, one lane a column."""
+        lanes = tl.arange(0, BLOCK)
+        m = tl.full([BLOCK], -float("inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        for k in tl.static_range(STEPS):
+            m, s = rk._lse_step(tl.load(X + k * BLOCK + lanes), m, s, FTZ)
+        tl.store(OutM + lanes, m)
+        tl.store(OutS + lanes, s)
+
+
+def test_cuda_race_noise_has_the_references_bits_for_every_hash():
+    """The race's noise from a hash's top 23 bits (``race_kernel._gumbel_of_hash``: libdevice's log without its
+    special cases) for every one of the 2^23 values equals ``tl.log``'s and torch's ``-log(-log u)`` bit for bit; and
+    the running log-sum-exp through the flushing exp (``_lse_step`` with ``FTZ``) has the bits of ``tl.exp``'s
+    over logits with -inf, ties and differences far below float32's smallest normal exponent."""
+    n = 1 << 23
+    out, ref = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    _noise_bits[(n // 1024,)](out, ref, n, BLOCK=1024)
+    u = (torch.arange(n, device="cuda", dtype=torch.float32) * 2 + 1) * 2.0**-24
+    assert torch.equal(out, ref) and torch.equal(out, -torch.log(-torch.log(u)))
+    steps, block = 64, 1024
+    x = torch.randn(steps, block, device="cuda") * 60  # differences of hundreds: exp's subnormal results
+    x[0, :8] = float("-inf")
+    x[:5, 8:16] = float("-inf")  # lanes whose first columns are masked
+    x[:, 16:24] = x[0, 16:24]  # ties
+    x[3, 24:32] = -120.0
+    x[4, 24:32] = 0.0
+    x[5, 24:32] = -100.0  # below the running max by more than 87 (e^-100 is subnormal in float32)
+    got = [(torch.empty(block, device="cuda"), torch.empty(block, device="cuda")) for _ in range(2)]
+    for ftz, (m, s) in zip((True, False), got):
+        _lse_bits[(1,)](x, m, s, FTZ=ftz, BLOCK=block, STEPS=steps)
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -24,6 +24,8 @@ one value (stride 0), ``row_seeds [B]`` int64 -> ``tokens [B]`` int64, ``logp [B
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -38,30 +40,76 @@ MAX_SPLITS = 64
 NUM_WARPS = 8  # warps a ``_partial`` program (read at each call: benchmarks patch it)
 
 if triton is not None:
+    GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)  # splitmix64's increment
 
     @triton.jit
     def _splitmix(seed, i):
         """splitmix64 of (``seed``, index ``i``): 64 bits (uint64)."""
-        h = seed + (i + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+        return _splitmix_rounds(seed + (i + 1).to(tl.uint64) * GOLDEN)
+
+    @triton.jit
+    def _splitmix_rounds(h):
+        """splitmix64's mixing rounds of its state ``h`` (uint64: the seed plus ``GOLDEN`` times the index + 1)."""
         h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
         h = (h ^ (h >> 27)) * 0x94D049BB133111EB
         return h ^ (h >> 31)
+
+    @triton.jit
+    def _log_normal(a):
+        """``log a`` (float32) for normal, positive, finite ``a``: libdevice's ``__nv_logf`` (what ``tl.log`` calls;
+        the same operations and float32 constants in the same order, so the same bits) without its selects and
+        branch for zero, subnormal, negative, infinite and NaN inputs: 5 instructions of its ~20 (session 33, sm_90
+        SASS). No intermediate is subnormal for such ``a`` (``f = m - 1`` is 0 or at least 2^-24 in magnitude), so
+        its fused products' flush-to-zero does not matter."""
+        ai = a.to(tl.int32, bitcast=True)
+        e = (ai - 0x3F2AAAAB) & -8388608  # the exponent that puts the mantissa m in [2/3, 4/3)
+        f = (ai - e).to(tl.float32, bitcast=True) - 1.0
+        i = e.to(tl.float32) * 1.1920928955078125e-07  # 2^-23: e's exponent, exact
+        r = tl.fma(f, -0.13018856942653656, 0.14084610342979431)  # 0xBE055027, 0x3E1039F6
+        r = tl.fma(r, f, -0.12148627638816833)  # 0xBDF8CDCC
+        r = tl.fma(r, f, 0.13980610668659210)  # 0x3E0F2955
+        r = tl.fma(r, f, -0.16684235632419586)  # 0xBE2AD8B9
+        r = tl.fma(r, f, 0.20012299716472626)  # 0x3E4CED0B
+        r = tl.fma(r, f, -0.24999669194221497)  # 0xBE7FFF22
+        r = tl.fma(r, f, 0.33333182334899902)  # 0x3EAAAA78
+        r = tl.fma(r, f, -0.5)
+        r = tl.fma(f * r, f, f)
+        return tl.fma(i, 0.69314718246459961, r)  # ln 2 (0x3F317218)
+
+    @triton.jit
+    def _gumbel_of_hash(h):
+        """The race's noise ``-log E`` from a column's splitmix64 hash ``h``: its top 23 bits ``b`` -> ``u = (2b +
+        1) / 2^24`` (exact in float32, in [2^-24, 1)), ``E = -log u`` (in [6e-8, 16.7]); both logs of normal
+        positive values (:func:`_log_normal`)."""
+        u = ((h >> 40) | 1).to(tl.uint32).to(tl.float32) * 5.9604644775390625e-08  # (2b + 1) 2^-24
+        return -_log_normal(-_log_normal(u))
+
+    @triton.jit
+    def _exp(x, FTZ: tl.constexpr):
+        """``exp x`` as ``tl.exp`` computes it (``ex2.approx`` of ``x log2 e``), with ``FTZ`` through the flushing
+        instruction (subnormal results 0; ``tl.exp``'s non-flushing ``ex2.approx.f32`` costs 3 instructions more
+        on sm_90); without ``FTZ`` (Triton's interpreter, which runs no PTX) ``tl.exp`` itself."""
+        if FTZ:
+            return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * 1.4426950408889634],
+                                             dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            return tl.exp(x)
 
     @triton.jit
     def _noise_gumbel(seed, cols):
         """``-log E`` for columns ``cols`` of a row with seed ``seed`` (uint64): splitmix64 of
         (seed, column), its top 23 bits ``b`` -> ``u = (2b + 1) / 2^24`` (exact in float32),
         ``E = -log u`` (see :func:`treerl.rollout.sampling.race_noise`)."""
-        u = ((_splitmix(seed, cols) >> 41).to(tl.float32) * 2.0 + 1.0) * 5.9604644775390625e-08  # 2^-24
-        return -tl.log(-tl.log(u))
+        return _gumbel_of_hash(_splitmix(seed, cols))
 
     @triton.jit
-    def _lse_step(x, m, s):
+    def _lse_step(x, m, s, FTZ: tl.constexpr = False):
         """One block of a lane's columns: the running max ``m`` and sum of exponentials ``s`` of the scaled
-        logits ``x``. Returns ``(m, s)``."""
+        logits ``x``. Returns ``(m, s)``. ``FTZ`` (:func:`_exp`) gives the same bits: once a lane has seen a
+        column, ``s >= 1``, so a subnormal term (0 when flushed) changes neither ``s + e`` nor ``s e + 1``."""
         m_new = tl.maximum(m, x)
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a lane of -inf logits so far adds nothing
-        return m_new, s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+        return m_new, s * _exp(m - m_safe, FTZ) + _exp(x - m_safe, FTZ)
 
     @triton.jit
     def _race_pick(x, g, cols, valid, greedy, best, bidx):
@@ -73,7 +121,7 @@ if triton is not None:
 
     @triton.jit
     def _partial(L, T, Seeds, PM, PS, PB, PI, V, sl, st, per_split, NS,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, FTZ: tl.constexpr):
         row = tl.program_id(0)
         sp = tl.program_id(1)
         t = tl.load(T + row * st).to(tl.float32)
@@ -89,12 +137,14 @@ if triton is not None:
         s = tl.zeros([BLOCK], tl.float32)
         best = tl.full([BLOCK], -float("inf"), tl.float32)
         bidx = tl.zeros([BLOCK], tl.int32) + start
+        lanes = tl.arange(0, BLOCK).to(tl.uint64) * GOLDEN  # splitmix's state at column j + off: the block's + j's
         for off in range(start, end, BLOCK):
             cols = off + tl.arange(0, BLOCK)
             valid = cols < end
             x = tl.load(L + row.to(tl.int64) * sl + cols, mask=valid, other=-float("inf")).to(tl.float32) * inv
-            m, s = _lse_step(x, m, s)
-            best, bidx = _race_pick(x, _noise_gumbel(seed, cols), cols, valid, greedy, best, bidx)
+            m, s = _lse_step(x, m, s, FTZ)
+            g = _gumbel_of_hash(_splitmix_rounds(seed + tl.cast(off + 1, tl.uint64) * GOLDEN + lanes))  # (_noise_gumbel)
+            best, bidx = _race_pick(x, g, cols, valid, greedy, best, bidx)
         m_all = tl.max(m, 0)
         m_all_safe = tl.where(m_all == -float("inf"), 0.0, m_all)
         s_all = tl.sum(s * tl.exp(m - m_all_safe), 0)
@@ -144,7 +194,7 @@ def race_kernel(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: torc
     tokens = torch.empty(B, device=dev, dtype=torch.int64) if tokens is None else tokens
     logp = torch.empty(B, device=dev, dtype=torch.float32) if logp is None else logp
     _partial[(B, NS)](logits, temperature, row_seeds, part[0], part[1], part[2], pidx, V, logits.stride(0), st, per, NS,
-                      BLOCK=BLOCK, num_warps=NUM_WARPS)
+                      BLOCK=BLOCK, FTZ=os.environ.get("TRITON_INTERPRET") != "1", num_warps=NUM_WARPS)
     _combine[(B,)](logits, temperature, part[0], part[1], part[2], pidx, tokens, logp, logits.stride(0), st, NS,
                    BLOCK_S=max(2, triton.next_power_of_2(NS)), num_warps=1)
     return tokens, logp
