@@ -20,46 +20,12 @@ import torch
 if os.environ.get("TRITON_INTERPRET") == "1":  # (the interpreter's kernels are Python functions: nothing to compile)
     pytest.skip("compiles kernels; TRITON_INTERPRET=1 interprets them", allow_module_level=True)
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
+from helpers.hopper import HOPPER, Recorder as _Recorder, compile_launches as _compile  # noqa: E402
+from triton.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
-
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 
 from treerl.rollout import decode_attention, race_kernel, rope_kernel, silu_gate, small_products  # noqa: E402
-
-HOPPER = GPUTarget("cuda", 90, 32)
-SHARED_MEMORY = 232_448  # bytes of shared memory one program may take on sm_90 (227 KB)
-
-
-class _Recorder:
-    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.calls: list[tuple[tuple, dict]] = []
-        self.grids: list[tuple] = []
-
-    def __getitem__(self, grid):
-        self.grids.append(tuple(grid))
-        return lambda *args, **kwargs: self.calls.append((args, kwargs))
-
-
-def _compile(recorder: _Recorder) -> list:
-    """Compiles each recorded launch for sm_90 as the runtime would; returns the compiled kernels."""
-    kernel, backend = recorder.kernel, make_backend(HOPPER)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    compiled = []
-    for args, kwargs in recorder.calls:
-        bound, specialization, options = binder(*args, **dict(kwargs))
-        options, signature, constexprs, attrs = kernel._pack_args(backend, dict(kwargs), bound, specialization,
-                                                                  options)
-        c = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                           target=HOPPER, options=options.__dict__)
-        assert c.asm["cubin"] and c.metadata.shared <= SHARED_MEMORY, (kernel.__name__, c.metadata.shared)
-        compiled.append(c)
-    recorder.calls.clear()
-    return compiled
 
 
 @pytest.fixture
