@@ -12,7 +12,9 @@ host after every decode step. Here:
    the row's seed (:func:`~treerl.rollout.sampling.race_noise`: splitmix64 of (seed, column),
    the same bits as the torch reference); greedy rows (temperature 0) race without noise.
    Each lane of the block keeps its own running values, reduced across lanes once at the
-   end (no reduction, and no barrier, per block);
+   end (no reduction, and no barrier, per block). The loop is bound by its instructions
+   (81 an element on sm_90, ``bench/kernel_sass.py``): its logs and exps skip the special
+   cases that the noise and the running sums never meet, with the same bits (session 33);
 2. ``_combine`` — one program per row: merges the splits (first column wins ties, as
    ``argmax``), and writes the token and its logprob ``x_tok - lse``.
 
@@ -106,7 +108,7 @@ if triton is not None:
     def _lse_step(x, m, s, FTZ: tl.constexpr = False):
         """One block of a lane's columns: the running max ``m`` and sum of exponentials ``s`` of the scaled
         logits ``x``. Returns ``(m, s)``. ``FTZ`` (:func:`_exp`) gives the same bits: once a lane has seen a
-        column, ``s >= 1``, so a subnormal term (0 when flushed) changes neither ``s + e`` nor ``s e + 1``."""
+        finite logit, ``s >= 1``, so a subnormal term (0 when flushed) changes neither ``s + e`` nor ``s e + 1``."""
         m_new = tl.maximum(m, x)
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a lane of -inf logits so far adds nothing
         return m_new, s * _exp(m - m_safe, FTZ) + _exp(x - m_safe, FTZ)
