@@ -4,7 +4,7 @@ element, by opcode. The race is bound by its instructions (session 30), so their
 Compiles ``race_kernel._partial`` as ``race_kernel.race_kernel`` launches it (``tests/helpers/hopper.py``), disassembles
 the cubin with Triton's ``nvdisasm`` and counts the instructions between the loop's label and its backward branch.
 
-    PYTHONPATH=src python bench/kernel_sass.py [--rows 1024] [--dtype bfloat16] [--sass partial.sass]
+    python bench/kernel_sass.py [--rows 1024] [--dtype bfloat16] [--sass partial.sass]
 """
 from __future__ import annotations
 

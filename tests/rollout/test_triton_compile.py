@@ -20,9 +20,10 @@ import torch
 if os.environ.get("TRITON_INTERPRET") == "1":  # (the interpreter's kernels are Python functions: nothing to compile)
     pytest.skip("compiles kernels; TRITON_INTERPRET=1 interprets them", allow_module_level=True)
 triton = pytest.importorskip("triton")
-from helpers.hopper import HOPPER, Recorder as _Recorder, compile_launches as _compile  # noqa: E402
 from triton.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+from helpers.hopper import HOPPER, Recorder as _Recorder, compile_launches as _compile  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 
 from treerl.rollout import decode_attention, race_kernel, rope_kernel, silu_gate, small_products  # noqa: E402

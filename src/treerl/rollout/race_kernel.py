@@ -26,8 +26,6 @@ one value (stride 0), ``row_seeds [B]`` int64 -> ``tokens [B]`` int64, ``logp [B
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:
@@ -60,8 +58,8 @@ if triton is not None:
     def _log_normal(a):
         """``log a`` (float32) for normal, positive, finite ``a``: libdevice's ``__nv_logf`` (what ``tl.log`` calls;
         the same operations and float32 constants in the same order, so the same bits) without its selects and
-        branch for zero, subnormal, negative, infinite and NaN inputs: 5 instructions of its ~20 (session 33, sm_90
-        SASS). No intermediate is subnormal for such ``a`` (``f = m - 1`` is 0 or at least 2^-24 in magnitude), so
+        branch for zero, subnormal, negative, infinite and NaN inputs (saves ~5 of its ~20 sm_90 instructions, session
+        33). No intermediate is subnormal for such ``a`` (``f = m - 1`` is 0 or at least 2^-24 in magnitude), so
         its fused products' flush-to-zero does not matter."""
         ai = a.to(tl.int32, bitcast=True)
         e = (ai - 0x3F2AAAAB) & -8388608  # the exponent that puts the mantissa m in [2/3, 4/3)
@@ -101,14 +99,18 @@ if triton is not None:
     def _noise_gumbel(seed, cols):
         """``-log E`` for columns ``cols`` of a row with seed ``seed`` (uint64): splitmix64 of
         (seed, column), its top 23 bits ``b`` -> ``u = (2b + 1) / 2^24`` (exact in float32),
-        ``E = -log u`` (see :func:`treerl.rollout.sampling.race_noise`)."""
+        ``E = -log u`` (see :func:`treerl.rollout.sampling.race_noise`). The race's noise for any columns, in one
+        call (``_partial``'s loop computes the same with the column's product hoisted; kernels that fuse the race,
+        e.g. ``bench/device/head_race_probe.py``, call this)."""
         return _gumbel_of_hash(_splitmix(seed, cols))
 
     @triton.jit
     def _lse_step(x, m, s, FTZ: tl.constexpr = False):
         """One block of a lane's columns: the running max ``m`` and sum of exponentials ``s`` of the scaled
         logits ``x``. Returns ``(m, s)``. ``FTZ`` (:func:`_exp`) gives the same bits: once a lane has seen a
-        finite logit, ``s >= 1``, so a subnormal term (0 when flushed) changes neither ``s + e`` nor ``s e + 1``."""
+        finite logit, ``s >= e^-0.5`` (its maximum's own term is ``exp`` of at most the rounding error of ``x - m``,
+        which ``_partial`` fuses with the temperature's product: <= 0.5 while ``|x| < 2^23``), so a subnormal term (0
+        when flushed) changes neither ``s + e`` nor ``s e + e_max``."""
         m_new = tl.maximum(m, x)
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a lane of -inf logits so far adds nothing
         return m_new, s * _exp(m - m_safe, FTZ) + _exp(x - m_safe, FTZ)
@@ -196,7 +198,7 @@ def race_kernel(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: torc
     tokens = torch.empty(B, device=dev, dtype=torch.int64) if tokens is None else tokens
     logp = torch.empty(B, device=dev, dtype=torch.float32) if logp is None else logp
     _partial[(B, NS)](logits, temperature, row_seeds, part[0], part[1], part[2], pidx, V, logits.stride(0), st, per, NS,
-                      BLOCK=BLOCK, FTZ=os.environ.get("TRITON_INTERPRET") != "1", num_warps=NUM_WARPS)
+                      BLOCK=BLOCK, FTZ=not triton.knobs.runtime.interpret, num_warps=NUM_WARPS)
     _combine[(B,)](logits, temperature, part[0], part[1], part[2], pidx, tokens, logp, logits.stride(0), st, NS,
                    BLOCK_S=max(2, triton.next_power_of_2(NS)), num_warps=1)
     return tokens, logp
