@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
 import subprocess
 import sys
@@ -65,8 +64,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--sass", help="write the whole SASS here")
     args = p.parse_args()
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("kernel_sass.py compiles kernels: run it without TRITON_INTERPRET=1")
+    if triton.knobs.runtime.interpret:
+        raise SystemExit("kernel_sass.py compiles kernels: run it without TRITON_INTERPRET")
     recorder = Recorder(rk._partial)
     real = rk._partial, rk._combine
     rk._partial, rk._combine = recorder, Recorder(rk._combine)  # (the combine's launch recorded, not compiled)

@@ -57,7 +57,7 @@ def _head_race_kernel(X, W, L, T, Seeds, PM, PS, PB, PI, M, V, K, sxm, swn, slm,
     m_safe = tl.where(m == -float("inf"), 0.0, m)
     s = tl.sum(tl.exp(xs - m_safe[:, None]), 1)
     seed = tl.load(Seeds + rm, mask=row_ok, other=0).to(tl.uint64, bitcast=True)
-    g = rk._noise_gumbel(seed[:, None], rn[None, :])
+    g = rk._noise_at(seed[:, None] + (rn[None, :] + 1).to(tl.uint64) * rk.GOLDEN)
     r = tl.where(col_ok[None, :], xs + tl.where(greedy[:, None], 0.0, g), -float("inf"))
     best = tl.max(r, 1)
     idx = tl.min(tl.where(r == best[:, None], rn[None, :], V), 1)  # (the first column of the best value)

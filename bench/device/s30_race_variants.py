@@ -20,6 +20,11 @@ from treerl.rollout.sampling import draw_seeds
 
 
 @triton.jit
+def _splitmix(seed, i):  # splitmix64 of (seed, index i), as race_kernel's loop hashes column i
+    return rk._splitmix_rounds(seed + (i + 1).to(tl.uint64) * rk.GOLDEN)
+
+
+@triton.jit
 def _log(x, FAST: tl.constexpr):
     if FAST:
         return libdevice.fast_logf(x)
@@ -64,12 +69,12 @@ def _partial2(L, T, Seeds, PM, PS, PB, PI, V, sl, st, per_split, NS, BLOCK: tl.c
         xa = tl.load(L + row.to(tl.int64) * sl + ca, mask=va, other=-float("inf")).to(tl.float32) * inv
         xb = tl.load(L + row.to(tl.int64) * sl + cb, mask=vb, other=-float("inf")).to(tl.float32) * inv
         if PAIR:
-            h = rk._splitmix(seed, off // 2 + tl.arange(0, HALF))
+            h = _splitmix(seed, off // 2 + tl.arange(0, HALF))
             ga = _g(h >> 41, IN, OUT)
             gb = _g((h >> 18) & 0x7FFFFF, IN, OUT)
         else:
-            ga = _g(rk._splitmix(seed, ca) >> 41, IN, OUT)
-            gb = _g(rk._splitmix(seed, cb) >> 41, IN, OUT)
+            ga = _g(_splitmix(seed, ca) >> 41, IN, OUT)
+            gb = _g(_splitmix(seed, cb) >> 41, IN, OUT)
         m, s, best, bidx = _upd(xa, ga, ca, va, greedy, m, s, best, bidx)
         m, s, best, bidx = _upd(xb, gb, cb, vb, greedy, m, s, best, bidx)
     m_all = tl.max(m, 0)

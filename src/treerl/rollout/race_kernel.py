@@ -41,11 +41,7 @@ NUM_WARPS = 8  # warps a ``_partial`` program (read at each call: benchmarks pat
 
 if triton is not None:
     GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)  # splitmix64's increment
-
-    @triton.jit
-    def _splitmix(seed, i):
-        """splitmix64 of (``seed``, index ``i``): 64 bits (uint64)."""
-        return _splitmix_rounds(seed + (i + 1).to(tl.uint64) * GOLDEN)
+    _FTZ = not triton.knobs.runtime.interpret  # (the flushing exp's PTX: not under Triton's interpreter, read as it is)
 
     @triton.jit
     def _splitmix_rounds(h):
@@ -96,13 +92,13 @@ if triton is not None:
             return tl.exp(x)
 
     @triton.jit
-    def _noise_gumbel(seed, cols):
-        """``-log E`` for columns ``cols`` of a row with seed ``seed`` (uint64): splitmix64 of
-        (seed, column), its top 23 bits ``b`` -> ``u = (2b + 1) / 2^24`` (exact in float32),
-        ``E = -log u`` (see :func:`treerl.rollout.sampling.race_noise`). The race's noise for any columns, in one
-        call (``_partial``'s loop computes the same with the column's product hoisted; kernels that fuse the race,
-        e.g. ``bench/device/head_race_probe.py``, call this)."""
-        return _gumbel_of_hash(_splitmix(seed, cols))
+    def _noise_at(state):
+        """The race's noise ``-log E`` (float32) for a column ``j`` of a row with seed ``seed`` (uint64) from its
+        splitmix64 state ``state = seed + GOLDEN (j + 1)`` (uint64, wrapping): splitmix64's rounds, the hash's top 23
+        bits ``b`` -> ``u = (2b + 1) / 2^24``, ``E = -log u``, the bits of
+        :func:`treerl.rollout.sampling.race_noise`. ``_partial``'s loop adds a block's ``seed + GOLDEN (off + 1)`` to
+        its lanes' ``GOLDEN j`` (one 64-bit product a block, not one a column)."""
+        return _gumbel_of_hash(_splitmix_rounds(state))
 
     @triton.jit
     def _lse_step(x, m, s, FTZ: tl.constexpr = False):
@@ -141,13 +137,13 @@ if triton is not None:
         s = tl.zeros([BLOCK], tl.float32)
         best = tl.full([BLOCK], -float("inf"), tl.float32)
         bidx = tl.zeros([BLOCK], tl.int32) + start
-        lanes = tl.arange(0, BLOCK).to(tl.uint64) * GOLDEN  # splitmix's state at column j + off: the block's + j's
+        lanes = tl.arange(0, BLOCK).to(tl.uint64) * GOLDEN  # (the lanes' part of the splitmix state: _noise_at)
         for off in range(start, end, BLOCK):
             cols = off + tl.arange(0, BLOCK)
             valid = cols < end
             x = tl.load(L + row.to(tl.int64) * sl + cols, mask=valid, other=-float("inf")).to(tl.float32) * inv
             m, s = _lse_step(x, m, s, FTZ)
-            g = _gumbel_of_hash(_splitmix_rounds(seed + tl.cast(off + 1, tl.uint64) * GOLDEN + lanes))  # (_noise_gumbel)
+            g = _noise_at(seed + tl.cast(off + 1, tl.uint64) * GOLDEN + lanes)
             best, bidx = _race_pick(x, g, cols, valid, greedy, best, bidx)
         m_all = tl.max(m, 0)
         m_all_safe = tl.where(m_all == -float("inf"), 0.0, m_all)
@@ -198,7 +194,7 @@ def race_kernel(logits: torch.Tensor, temperature: torch.Tensor, row_seeds: torc
     tokens = torch.empty(B, device=dev, dtype=torch.int64) if tokens is None else tokens
     logp = torch.empty(B, device=dev, dtype=torch.float32) if logp is None else logp
     _partial[(B, NS)](logits, temperature, row_seeds, part[0], part[1], part[2], pidx, V, logits.stride(0), st, per, NS,
-                      BLOCK=BLOCK, FTZ=not triton.knobs.runtime.interpret, num_warps=NUM_WARPS)
+                      BLOCK=BLOCK, FTZ=_FTZ, num_warps=NUM_WARPS)
     _combine[(B,)](logits, temperature, part[0], part[1], part[2], pidx, tokens, logp, logits.stride(0), st, NS,
                    BLOCK_S=max(2, triton.next_power_of_2(NS)), num_warps=1)
     return tokens, logp
