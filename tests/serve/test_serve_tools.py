@@ -20,8 +20,8 @@ from treerl.rollout import RolloutEngine
 from treerl.serve import ServeOptions, ServerThread, make_state
 from treerl.serve.chat import ChatRenderer, render_chat, template_messages
 from treerl.serve.protocol import APIError, ChatRequest
-from treerl.serve.tools import (MalformedToolCall, ToolStats, check_tool_choice, get_tool_format, tool_formats,
-                                tool_reply)
+from treerl.serve.tools import (ContentStream, MalformedToolCall, ToolFormat, ToolStats, check_tool_choice,
+                                content_end, get_tool_format, tool_formats, tool_reply)
 from treerl.tasks.tokenizer import CharTokenizer
 
 CALC = [{"type": "function", "function": {"name": "calc", "parameters": {
@@ -86,6 +86,60 @@ def test_malformed_call_text_is_content_and_counted():
     message, finish = tool_reply(whole, "stop", TOOLS, "function", h, stats, "get_weather")
     assert finish == "tool_calls" and message["tool_calls"][0]["function"]["name"] == "get_weather"
     assert stats.snapshot() == {"replies": 5, "with_calls": 2, "calls": 2, "malformed": 3, "forced": 3}
+
+
+def _streamed(stream: ContentStream, pieces: list[str], message: dict) -> list[str]:
+    """The content chunks of ``pieces`` pushed in turn, then what ``finish`` adds (the last)."""
+    return [stream.push(p) for p in pieces] + [stream.finish(message)]
+
+
+@pytest.mark.parametrize("text", [
+    "Let me look it up.\n<tool_call>" + json.dumps(CALL) + "</tool_call>",  # content, then a call
+    "<tool_call>" + json.dumps(CALL) + "</tool_call>",  # a call only
+    "A < B and <tool_ is not a call <tool",  # opening-like tails, no call
+    "Sure <tool_call>{not json}</tool_call> after",  # malformed: all of it content
+    "no call at all",
+])
+def test_streamed_content_is_the_whole_replys_for_every_split_and_never_holds_call_markup(text):
+    """Every split of the text into two or three deltas: the content chunks add up to the reply's
+    content, nothing from a call's opening on streams before the end, and the text before the
+    opening streams as soon as no opening can begin in it."""
+    h = get_tool_format("hermes")
+    message, _ = tool_reply(text, "stop", TOOLS, "auto", h, ToolStats())
+    start = text.find("<tool_call>")
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1, 7):
+            out = _streamed(ContentStream(h, TOOLS, "auto"), [text[:i], text[i:j], text[j:]], message)
+            assert "".join(out) == (message["content"] or "")
+            early = "".join(out[:-1])
+            assert "<tool_call>" not in early and (start < 0 or len(early) <= start)
+            sent_by_j = "".join(out[:2])
+            if start < 0 or j <= start:  # only a tail that may begin an opening waits
+                held = text[len(sent_by_j):j]
+                assert held == "" or ("<tool_call>".startswith(held) and len(held) < len("<tool_call>"))
+
+
+def test_content_stream_choices_and_formats():
+    h, t = get_tool_format("hermes"), get_tool_format("tag")
+    assert content_end("abc <tool", ["<tool_call>"]) == (4, False)
+    assert content_end("abc <tool_call> x", ["<tool_call>"], 2) == (4, True)
+    assert content_end("x <calc>1", ["<calc>", "<c2>"]) == (2, True) and content_end("x <c", ["<calc>", "<c2>"]) == (2, False)
+    none = ContentStream(h, TOOLS, "none")  # nothing parsed: everything streams
+    assert none.push("<tool_call>") == "<tool_call>" and none.finish({"content": "<tool_call>"}) == ""
+    forced = ContentStream(h, TOOLS, "required")  # the text opens a call: held, its content comes at the end
+    assert forced.push("\n{") == "" and forced.finish({"content": None}) == ""
+    assert ContentStream(h, TOOLS, "function").finish({"content": "<tool_call>\n{bad"}) == "<tool_call>\n{bad"
+    tag = ContentStream(t, CALC, "auto")  # the tag format's openings are its tools' tags
+    assert [tag.push(p) for p in ["2 + <ca", "lc>1+1</calc>"]] == ["2 + ", ""]
+    two = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {}, "b": {}}}}}]
+    assert ContentStream(t, two, "auto").push("<f>x") == "<f>x"  # no single-parameter tool: no call to hold
+
+    class Custom(ToolFormat):  # a format that names no openings: its replies' text is held to the end
+        def parse(self, text, tools):
+            return None
+
+    custom = ContentStream(Custom(), TOOLS, "auto")
+    assert custom.push("hello") == "" and custom.finish({"content": "hello"}) == "hello"
 
 
 def test_forced_call_openings():
@@ -251,8 +305,7 @@ def test_tool_choice_none_malformed_text_and_refusals_over_http(weather):
         # cut after two tokens: an unfinished call is returned as content, counted, never a 500
         cut = await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, max_tokens=2)
         errors = []
-        for kw in [dict(tool_choice="required", stream=True), dict(tool_choice={"type": "function", "function": {"name": "x"}}),
-                   dict(parallel_tool_calls=False)]:
+        for kw in [dict(tool_choice={"type": "function", "function": {"name": "x"}}), dict(parallel_tool_calls=False)]:
             with pytest.raises(openai.BadRequestError) as e:
                 await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, **kw)
             errors.append(e.value.body["param"])
@@ -267,7 +320,7 @@ def test_tool_choice_none_malformed_text_and_refusals_over_http(weather):
     assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
     assert cut.choices[0].message.content == "<tool_call>" + CALL_HEAD
     assert health["chat"]["tool_calls"]["malformed"] == before + 1
-    assert errors == ["tool_choice", "tool_choice", "parallel_tool_calls"]
+    assert errors == ["tool_choice", "parallel_tool_calls"]
 
 
 def test_forced_tool_calls_over_http_hold_the_opening_in_the_completion(weather):
@@ -403,24 +456,58 @@ def test_openai_agents_sdk_function_tool_runs_through_treerl_serve(weather):
     assert after["turns"] - before["turns"] == 1 and after["exact"] - before["exact"] == 1
 
 
-def test_a_streamed_tool_call_comes_whole_in_the_last_chunk(weather):
+def test_streamed_tool_calls_over_http_are_the_whole_replys(weather):
+    """Streamed with tools, as answered whole: the same tokens (a forced opening first, scored the
+    same), the same calls and finish reason, no call markup as content; a cut call (malformed) comes
+    as the same content; and turn 2 after a streamed call extends its prompt + completion token for
+    token (the history recorded)."""
     exact, _, tok = weather
+    named = {"type": "function", "function": {"name": "get_weather"}}
 
     async def main():
         c = _client(exact)
         kw = dict(model="treerl", messages=[{"role": "user", "content": "Weather in Rome?"}], tools=TOOLS,
                   temperature=0)
-        whole = await c.chat.completions.create(**kw)
-        chunks = [ch async for ch in await c.chat.completions.create(stream=True, **kw)]
+        out = {}
+        for label, extra in [("auto", {}), ("required", dict(tool_choice="required")),
+                             ("named", dict(tool_choice=named, logprobs=True, top_logprobs=2)),
+                             ("cut", dict(max_tokens=2))]:
+            whole = await c.chat.completions.create(**kw, **extra)
+            chunks = [ch async for ch in await c.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kw, **extra)]
+            out[label] = whole, chunks
+        whole, chunks = out["named"]
+        call = next(x.delta.tool_calls for ch in chunks for x in ch.choices if x.delta.tool_calls)[0]
+        turn1 = kw["messages"] + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                              "arguments": call.function.arguments}}]}]
+        turn2 = await c.chat.completions.create(model="treerl", temperature=0, tools=TOOLS, messages=turn1 + [
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
         await c.close()
-        return whole, chunks
+        return out, chunks[0].model_extra["prompt_token_ids"], turn2
 
-    whole, chunks = asyncio.run(main())
-    body = [x for ch in chunks for x in ch.choices]
-    assert [t for x in body for t in x.model_extra.get("token_ids", [])] == whole.choices[0].model_extra["token_ids"]
-    assert all(not x.delta.content and not x.delta.tool_calls for x in body[:-1])  # text held: no raw markup
-    last = body[-1]
-    assert last.finish_reason == "tool_calls" and last.delta.tool_calls[0].index == 0
-    ref = whole.choices[0].message.tool_calls[0]
-    assert last.delta.tool_calls[0].function.name == ref.function.name
-    assert json.loads(last.delta.tool_calls[0].function.arguments) == json.loads(ref.function.arguments)
+    out, p1, turn2 = asyncio.run(main())
+    for label, (whole, chunks) in out.items():
+        body = [x for ch in chunks for x in ch.choices]
+        ref = whole.choices[0]
+        assert [t for x in body for t in x.model_extra.get("token_ids", [])] == ref.model_extra["token_ids"], label
+        lps = [t for x in body for t in x.model_extra.get("token_logprobs", [])]
+        assert lps == pytest.approx(ref.model_extra["token_logprobs"], rel=1e-4, abs=1e-5), label
+        assert "".join(x.delta.content or "" for x in body) == (ref.message.content or ""), label
+        assert body[-1].finish_reason == ref.finish_reason, label
+        assert chunks[0].model_extra["prompt_token_ids"] == whole.model_extra["prompt_token_ids"], label
+        assert chunks[-1].usage == whole.usage, label
+        if label == "cut":
+            assert ref.finish_reason == "length" and ref.message.content.startswith("<tool_call>")
+            continue
+        assert ref.finish_reason == "tool_calls" and all(not x.delta.content for x in body)
+        assert all(not x.delta.tool_calls for x in body[:-1])  # the calls come whole, in the last chunk
+        got, want = body[-1].delta.tool_calls[0], ref.message.tool_calls[0]
+        assert got.index == 0 and got.type == "function" and got.id.startswith("call_")
+        assert (got.function.name, json.loads(got.function.arguments)) == (want.function.name,
+                                                                           json.loads(want.function.arguments))
+    named = [x for ch in out["named"][1] for x in ch.choices]
+    assert [e.token for x in named if x.logprobs for e in x.logprobs.content][:1] == ["<tool_call>"]
+    assert all(len(e.top_logprobs) == 2 for x in named if x.logprobs for e in x.logprobs.content)
+    c1 = [t for x in named for t in x.model_extra.get("token_ids", [])]
+    assert turn2.model_extra["prompt_token_ids"][: len(p1) + len(c1)] == p1 + c1

@@ -32,7 +32,6 @@ hooks :func:`~treerl.serve.choices.chat_choice` and
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -200,9 +199,6 @@ def create_app(state: ServeState) -> FastAPI:
         turn = await run_in_threadpool(chat_prompt, state, req)
         ids = check_ids(state, turn.ids + turn.forced, "messages")
         if req.stream:
-            if turn.forced:
-                raise APIError(f"tool_choice={json.dumps(req.tool_choice)} is not served with stream=true (a forced "
-                               "call is answered whole): send stream=false", "tool_choice")
             return stream_response(state, req, [ids], chat=True, turn=turn)
         params = sampling_params(state, req, len(ids))
         [samples] = await run_prompts(state, [ids], [params], request)

@@ -91,14 +91,22 @@ def choice_text(state: ServeState, req: SamplingRequest, c: Completion) -> str:
                            skip_special_tokens=req.skip_special_tokens, include_stop_str=req.include_stop_str_in_output)
 
 
-def with_forced(state: ServeState, turn: ChatTurn, samples: list[Completion], params: SamplingParams) -> list[Completion]:
+def forced_scores(state: ServeState, turn: ChatTurn, params: SamplingParams) -> tuple[PromptScores, int]:
+    """The behaviour logprobs of a forced tool call's opening (``turn.forced``) at the
+    request's temperature, and the weight version that scored them
+    (:func:`~treerl.serve.scoring.score_forced`: one more forward of the prompt)."""
+    return score_forced(state.engine, turn.ids, turn.forced, params.temperature, params.top_logprobs)
+
+
+def with_forced(state: ServeState, turn: ChatTurn, samples: list[Completion], params: SamplingParams,
+                scored: tuple[PromptScores, int] | None = None) -> list[Completion]:
     """The samples of a forced tool call (``turn.forced``) with the forced opening as the
     first tokens of their completions, as the model was conditioned on them (the prompt is
     the conversation's; the next turn's prompt extends prompt + completion). Their logprobs
-    are the model's at the request's temperature (:func:`~treerl.serve.scoring.score_forced`:
-    one more forward of the prompt), their version the weights that scored them."""
+    are the model's at the request's temperature (``scored``, or :func:`forced_scores`), their
+    version the weights that scored them."""
     k = len(turn.forced)
-    scores, version = score_forced(state.engine, turn.ids, turn.forced, params.temperature, params.top_logprobs)
+    scores, version = scored if scored is not None else forced_scores(state, turn, params)
     ids = torch.as_tensor(turn.forced, dtype=torch.int64)
     out = []
     for c in samples:

@@ -5,8 +5,9 @@ several servers in one process keep apart). At each scrape it reads the loop's c
 (``treerl_loop_*``: :class:`~treerl.serve.loop.LoopStats`) and the engine's
 (``treerl_engine_*``: :class:`~treerl.rollout.RolloutStats`, summed over the loop's
 streams), plus the weight version and the requests waiting or running. Other modules
-register their own counters with :meth:`ServeMetrics.counter` (e.g. the tool-call parser's
-``treerl_tool_call_parse_failures_total``); HTTP responses are counted by route and status.
+register their own counters with :meth:`ServeMetrics.counter`; the chat front end's tool-call counts
+are ``treerl_chat_tool_calls_*_total`` (e.g. ``treerl_chat_tool_calls_malformed_total``); HTTP responses
+are counted by route and status.
 """
 
 from __future__ import annotations

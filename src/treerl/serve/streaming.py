@@ -15,18 +15,20 @@ from typing import AsyncIterator, Callable
 from fastapi.responses import StreamingResponse
 
 from .chat import ChatTurn
-from .choices import (chat_logprobs, choice_text, completion_logprobs, prompt_ids_field, token_fields, tolist,
-                      top_lists, usage)
+from .choices import (chat_logprobs, choice_text, completion_logprobs, forced_scores, prompt_ids_field, token_fields,
+                      tolist, top_lists, usage, with_forced)
 from .detok import TextStream
 from .handoff import handoff
 from .protocol import SamplingRequest
 from .requests import cancel, generation_error, off_loop, sampling_params, submit
 from .state import ServeState
+from .tools import ContentStream
 
 
 @dataclass
 class _StreamChoice:
     text: TextStream
+    content: ContentStream | None = None  # (a chat request with tools: the content that is not a call)
     sent_tokens: int = 0
 
 
@@ -64,28 +66,34 @@ def stream_response(state: ServeState, req: SamplingRequest, prompts: list[list[
     for i, (ids, p) in enumerate(zip(prompts, params)):
         submit(state, futures, ids, p, lambda delta, i=i: post((i, delta)))
         futures[-1].add_done_callback(lambda f, i=i: post((i, None)))
-    return _Stream(_chunks(state, req, prompts, futures, queue, chat, turn), lambda: cancel(state, futures))
+    return _Stream(_chunks(state, req, prompts, params, futures, queue, chat, turn), lambda: cancel(state, futures))
 
 
-async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[int]], futures: list[Future],
+async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[int]], params: list, futures: list[Future],
                   queue: asyncio.Queue, chat: bool, turn: ChatTurn | None) -> AsyncIterator[str]:
-    """The chunks. A chat request with tools streams its tokens but holds its text: the whole
-    reply (content and parsed ``tool_calls``) comes in the last chunk of each choice."""
+    """The chunks. A chat request with tools streams its tokens, and its text up to where a call
+    may open (:class:`~treerl.serve.tools.ContentStream`); the parsed ``tool_calls`` (or the held
+    text, when it holds no call that parses) come in the last chunk of each choice. A forced call's
+    opening (``tool_choice`` required or a named function) is the first chunk's tokens, scored as
+    the reply answered whole scores them."""
     n, k = req.n, req.top_logprobs_k
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
+    tools = chat and turn is not None and bool(turn.tools)
     choices = [_StreamChoice(TextStream(state.tokenizer, req.stop_strings, skip_special_tokens=req.skip_special_tokens,
-                                        include_stop_str=req.include_stop_str_in_output))
+                                        include_stop_str=req.include_stop_str_in_output),
+                             ContentStream(state.chat.tool_format, turn.tools, turn.tool_choice) if tools else None)
                for _ in range(len(prompts) * n)]
     first = [True]
-    hold = chat and turn is not None and bool(turn.tools)
+    forced = turn.forced if chat and turn is not None else []
+    shown = [turn.ids] if forced else prompts  # (the prompt as reported: the conversation's, without the opening)
 
     def chunk(choice_list: list[dict], **extra) -> str:
         body = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choice_list}
         if req.include_usage:
             body["usage"] = None
         if first[0]:
-            body["prompt_token_ids"] = prompt_ids_field(prompts)
+            body["prompt_token_ids"] = prompt_ids_field(shown)
             first[0] = False
         return _sse(body | extra)
 
@@ -109,6 +117,13 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
     if chat:  # the role first, as OpenAI does
         yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for j in range(len(choices))])
+    scored = None
+    if forced:  # (one forward of the prompt, while the rows decode)
+        scored = await off_loop(None, forced_scores, state, turn, params[0])
+        scores, version = scored
+        top = (scores.top_ids, scores.top_logprobs) if params[0].top_logprobs else None
+        yield chunk([choice(j, "", list(forced), list(scores.logprobs), [version] * len(forced), top)
+                     for j in range(len(choices))])
     pending, generated = len(futures), 0
     while pending:
         i, delta = await queue.get()
@@ -116,7 +131,9 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
             index = i * n + delta.branch[0]
             sc = choices[index]
             ids = tolist(delta.token_ids)
-            text = "" if hold else sc.text.push(ids)
+            text = sc.text.push(ids)
+            if sc.content is not None:
+                text = sc.content.push(text)
             sc.sent_tokens += len(ids)
             yield chunk([choice(index, text, ids, tolist(delta.logprobs), tolist(delta.versions),
                                 top_lists(delta.top_logprobs))])
@@ -133,18 +150,22 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
             top = top_lists(getattr(c, "top_logprobs", None))
             top = (top[0][rest], top[1][rest]) if top else None
             final = await off_loop(len(c), choice_text, state, req, c)
-            finish, calls = c.finish_reason, None
-            if chat:  # tool calls parsed, the tokens recorded for the next turn
-                message, finish = await off_loop(len(c), state.chat.reply, turn, final, c.finish_reason,
-                                                 c.completion_ids.tolist())
+            finish, calls, text = c.finish_reason, None, sc.text.finish(final)
+            whole = c
+            if chat:  # tool calls parsed, the tokens recorded for the next turn (a forced opening: with it)
+                if forced:
+                    [whole] = with_forced(state, turn, [c], params[i], scored)
+                    final = await off_loop(len(whole), choice_text, state, req, whole)
+                message, finish = await off_loop(len(whole), state.chat.reply, turn, final, whole.finish_reason,
+                                                 whole.completion_ids.tolist())
                 calls = message.get("tool_calls")
-                text = (message.get("content") or "") if hold else sc.text.finish(final)
-            else:
-                text = sc.text.finish(final)
+                if sc.content is not None:
+                    sc.content.push(text)
+                    text = sc.content.finish(message)
             yield chunk([choice(index, text, c.completion_ids.tolist()[rest], c.logprobs.tolist()[rest],
                                 c.versions.tolist()[rest], top, finish, c.stop, calls)])  # (lists: no torch op)
-            generated += len(c)
+            generated += len(whole)
     else:
         if req.include_usage:
-            yield chunk([], usage=usage(prompts, generated))
+            yield chunk([], usage=usage(shown, generated))
     yield "data: [DONE]\n\n"

@@ -17,6 +17,12 @@ for tokenizers without a chat template, ``render``).
 Malformed call text (a start tag whose call does not parse) is returned as plain content,
 ``finish_reason`` unchanged, and counted in :class:`ToolStats` (never an error).
 
+Streamed (:class:`ContentStream`): the text before the first call's opening
+(:meth:`ToolFormat.openings`) is content whatever the model writes after it, so it streams as it
+comes, holding only a tail that may begin an opening; from the opening on the text is held, and
+the parsed calls (or, when they do not parse, the held text as content) come in the choice's last
+chunk: the streamed content and calls are those of the same reply answered whole.
+
 ``tool_choice`` (vLLM's semantics where treerl can honour them): ``auto`` (the default with
 tools): calls are parsed; ``none``: the tools are still rendered into the prompt, calls are not
 parsed (the text is the content); ``required`` and a named function *force the opening of a
@@ -106,6 +112,12 @@ class ToolFormat:
         raise APIError(f"the {self.name!r} tool-call format cannot force a call: send tool_choice='auto'",
                        "tool_choice")
 
+    def openings(self, tools: Sequence[dict]) -> list[str] | None:
+        """The strings one of which begins every call (:meth:`parse` finds no call in a text
+        without one): the text before the first is content whatever follows, so it streams as it
+        comes. None (a format that does not say): a streamed reply's text is held to its end."""
+        return None
+
 
 _FORMATS: dict[str, Callable[[], ToolFormat]] = {}
 
@@ -169,6 +181,9 @@ class HermesFormat(ToolFormat):
                   + f"\n{self.END}" for c in calls]
         return content + "\n".join(blocks)  # parse(render(c, calls)) gives c and calls back
 
+    def openings(self, tools: Sequence[dict]) -> list[str]:
+        return [self.START]
+
     def opening(self, name: str | None, tools: Sequence[dict]) -> str:
         """``<tool_call>``, and with a name ``\n{"name": "NAME", `` after it (as the Qwen templates
         write a call: the model goes on with ``"arguments": ...``)."""
@@ -208,6 +223,9 @@ class TagFormat(ToolFormat):
                 raise MalformedToolCall(f"<{m[1]}> without </{m[1]}>")
             calls.append(ToolCall(m[1], json.dumps({tags[m[1]]: m[2]}, ensure_ascii=False)))
         return ParsedReply(text[: first.start()] or None, calls)
+
+    def openings(self, tools: Sequence[dict]) -> list[str]:
+        return [f"<{name}>" for name in self._tags(tools)]
 
     def opening(self, name: str | None, tools: Sequence[dict]) -> str:
         """``<NAME>`` (required: the only tool this format can call, else refused)."""
@@ -300,6 +318,47 @@ def tool_reply(text: str, finish_reason: str | None, tools: list[dict] | None, c
             "tool_calls")
 
 
+def content_end(text: str, openings: Sequence[str], start: int = 0) -> tuple[int, bool]:
+    """``(end, opened)``: ``text[:end]`` is content whatever follows it (``opened``: a call's
+    opening begins at ``end``; otherwise ``text[end:]`` is a proper prefix of an opening, or
+    empty). No opening begins before ``start``."""
+    hits = [i for o in openings if (i := text.find(o, start)) >= 0]
+    if hits:
+        return min(hits), True
+    longest = max(map(len, openings), default=0)
+    for i in range(max(start, len(text) - longest + 1), len(text)):
+        if any(o.startswith(text[i:]) for o in openings):
+            return i, False
+    return len(text), False
+
+
+class ContentStream:
+    """The content of one streamed chat choice (see the module docstring): ``push`` the text
+    deltas (a :class:`~treerl.serve.detok.TextStream`'s) and get the part to send now;
+    ``finish`` with the parsed reply's message gives the rest of its content. ``choice``:
+    the request's effective ``tool_choice`` (forced ones hold everything: the text opens a call;
+    ``none``: nothing is parsed, everything streams)."""
+
+    def __init__(self, parser: ToolFormat | None, tools: Sequence[dict] | None, choice: str):
+        streams_all = choice == "none" or parser is None or not tools
+        self.openings = [] if streams_all else parser.openings(tools) if choice == "auto" else None
+        self.text, self.sent, self.opened = "", 0, self.openings is None
+
+    def push(self, delta: str) -> str:
+        self.text += delta
+        if self.opened:
+            return ""
+        end, self.opened = content_end(self.text, self.openings, self.sent)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self, message: dict) -> str:
+        """What the reply's content adds to the content sent (its calls come whole beside it)."""
+        content = message.get("content") or ""
+        assert content.startswith(self.text[:self.sent]), "the streamed content is not the reply's"
+        return content[self.sent:]
+
+
 __all__ = ["ToolCall", "ParsedReply", "MalformedToolCall", "ToolStats", "ToolFormat", "register_tool_format",
            "tool_formats", "get_tool_format", "HermesFormat", "TagFormat", "check_tool_choice", "tool_names",
-           "tool_reply"]
+           "tool_reply", "content_end", "ContentStream"]
