@@ -142,7 +142,7 @@ class DTARunner:
 def make_runner(name: str, model, seqs, args, dta):
     if name == "dta":
         return DTARunner(model, seqs, args.dta_block_size, dta)
-    return TreerlRunner(model, name)
+    return TreerlRunner(model, name, **({} if args.memory_budget is None else dict(memory_budget=args.memory_budget)))
 
 
 def inputs_for(name: str, seqs):
@@ -419,6 +419,9 @@ def parser() -> argparse.ArgumentParser:
                    help="timed steps per row: at most this many seconds' worth (by the last warm-up step), at least 1")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--dta-block-size", type=int, default=2048, help="the DTA engine's block_size (its run.py default)")
+    p.add_argument("--memory-budget", type=float, default=None,
+                   help="treerl's memory budget, a fraction of the device (default: TreeEngine's); e.g. 0.141 on an "
+                        "H200 (140.4 GiB) is an H100's default budget in bytes (25%% of 79.2 GiB)")
     p.add_argument("--grad-check", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--peak-tflops", type=float, default=None, help="skip measuring the matmul peak; use this")
     p.add_argument("--max-seconds", type=float, default=400.0, help="rows not started by then are skipped")
