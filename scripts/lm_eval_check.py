@@ -6,8 +6,9 @@ and a generate_until task from a local JSONL file (``scripts/lm_eval_tasks/``), 
 The server runs in this process (a tiny random-weight Qwen3 on the CPU, float32, with a
 byte-level BPE tokenizer built locally: :func:`treerl.tasks.bpe.tiny_bpe_tokenizer`);
 ``lm_eval`` runs as a subprocess from its own virtual environment, because its
-dependencies (datasets, pandas, pyarrow, scikit-learn, nltk, sacrebleu, evaluate, ...:
-~70 packages, ~400 MB) are too heavy for treerl's CI and the shared dev environment::
+dependencies (datasets, pandas, pyarrow, scipy, scikit-learn, nltk, sacrebleu, evaluate,
+...: 72 packages, ~760 MB installed for lm-eval 0.4.13; it needs neither torch nor
+transformers) are too heavy for treerl's CI and the shared dev environment::
 
     python3 -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install "lm-eval[api]"   # once (lm-eval 0.4.13 tested)
     PYTHONPATH=src .venv/bin/python scripts/lm_eval_check.py --lm-eval /tmp/lmeval/bin/lm_eval

@@ -59,7 +59,9 @@ TEMPLATE = r"""
 {{- '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}
 {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
+{%- endif %}
 """
 
 CORPUS = ["<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n",

@@ -114,7 +114,8 @@ REFUSED = [  # (path, body, the param named)
     (H, M | {"verbosity": "low"}, "verbosity"),
     (H, M | {"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
     (H, M | {"echo": True}, "echo"),
-    (H, M | {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    (H, M | {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),  # no chat template here
+    (H, M | {"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),  # the server's own variable
 ]
 ACCEPTED = [  # neutral values and fields that cannot change the output
     (C, P | {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "u", "best_of": 1,

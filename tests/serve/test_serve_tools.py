@@ -213,6 +213,30 @@ def test_whole_messages_reach_the_template_with_arguments_as_dicts():
         assert e.value.body()["error"]["param"] == param
 
 
+def test_chat_template_kwargs_reach_the_template_and_unread_ones_are_refused(weather):
+    """vLLM's ``chat_template_kwargs`` (Qwen3's ``enable_thinking=false``: an empty think block after
+    the generation prompt) over HTTP: the prompt holds what the template made of it; a variable the
+    template never reads is a 400 naming it, not silently ignored."""
+    exact, _, tok = weather
+
+    async def main():
+        c = _client(exact)
+        kw = dict(model="treerl", messages=[{"role": "user", "content": "Weather?"}], max_tokens=1)
+        plain = await c.chat.completions.create(**kw)
+        off = await c.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        on = await c.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"thinking_budget": 3}})
+        await c.close()
+        return plain, off, on, e.value.body
+
+    plain, off, on, err = asyncio.run(main())
+    p0, p1 = plain.model_extra["prompt_token_ids"], off.model_extra["prompt_token_ids"]
+    assert p1[: len(p0)] == p0 and tok.decode(p1[len(p0):]) == "<think>\n\n</think>\n\n"
+    assert on.model_extra["prompt_token_ids"] == p0
+    assert err["param"] == "chat_template_kwargs.thinking_budget" and "never reads" in err["message"]
+
+
 def test_a_template_without_tools_refuses_them():
     tok = chat_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}"

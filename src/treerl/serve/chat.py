@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -104,21 +105,31 @@ def template_messages(messages: Sequence[Any]) -> list[dict]:
 
 # ----------------------------------------------------------------- rendering
 def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
-                tool_format: ToolFormat | None = None) -> str:
-    """The text of ``messages`` (template messages) followed by the generation prompt."""
+                tool_format: ToolFormat | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+    """The text of ``messages`` (template messages) followed by the generation prompt;
+    ``template_kwargs``: more variables for the chat template (each one it reads, e.g. Qwen3's
+    ``enable_thinking``; one it never names is refused, not ignored)."""
     if getattr(tokenizer, "chat_template", None):
-        if tools and "tools" not in str(tokenizer.chat_template):
+        template = str(tokenizer.chat_template)
+        if tools and "tools" not in template:
             raise APIError("this model's chat template does not render tools (it never reads `tools`): describe "
                            "the tools in a message instead", "tools")
+        for key in template_kwargs or {}:
+            if not re.search(rf"\b{re.escape(key)}\b", template):
+                raise APIError(f"chat_template_kwargs.{key}: this model's chat template never reads {key!r}, so it "
+                               "would change nothing: leave it out", f"chat_template_kwargs.{key}")
         try:
             return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                                 tokenize=False)
+                                                 tokenize=False, **(template_kwargs or {}))
         except Exception as err:  # noqa: BLE001 - jinja's errors (raise_exception, undefined fields)
             raise APIError(f"the chat template cannot render these messages: {type(err).__name__}: {err}",
                            "messages") from None
     markers = _markers(tokenizer)
     if markers is None:
         raise APIError("this model's tokenizer has no chat template: use /v1/completions with a prompt", "messages")
+    if template_kwargs:
+        raise APIError("this model's tokenizer has no chat template to take chat_template_kwargs: leave them out",
+                       "chat_template_kwargs")
     name = {r: tokenizer.decode([i]) for r, i in markers.items()}
     bos = getattr(tokenizer, "bos_token_id", None)
     out = [tokenizer.decode([bos])] if bos is not None else []
@@ -192,7 +203,7 @@ class ChatRenderer:
         tools = req.tools
         choice, name = check_tool_choice(tools, req.tool_choice, self.tool_format)
         messages = template_messages(req.messages)
-        text = render_chat(self.tokenizer, messages, tools, self.tool_format)
+        text = render_chat(self.tokenizer, messages, tools, self.tool_format, getattr(req, "chat_template_kwargs", None))
         keys = conversation_keys(messages)  # (hashes every message: once)
         ids = self.history.prompt_ids(messages, text, self._encode, self._decode, keys)
         forced = self._encode(self.tool_format.opening(name, tools)) if choice in ("required", "function") else []

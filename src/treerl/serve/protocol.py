@@ -59,6 +59,12 @@ NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+#: Chat template variables the server sets: ``chat_template_kwargs`` may not (name -> what sets it).
+TEMPLATE_RESERVED = {"messages": "messages", "tools": "tools", "add_generation_prompt": "the chat endpoint",
+                     "tokenize": "the chat endpoint", "conversation": "messages", "chat_template": "the model",
+                     "continue_final_message": "the chat endpoint", "return_dict": "the chat endpoint"}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -208,6 +214,7 @@ class ChatRequest(SamplingRequest):
     web_search_options: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
     metadata: dict[str, str] | None = None  # accepted: it does not change the output
     prompt_cache_key: str | None = None  # accepted: the prefix cache needs no key
     safety_identifier: str | None = None  # accepted, as user
@@ -224,6 +231,10 @@ class ChatRequest(SamplingRequest):
                                "top_logprobs")
             if self.top_logprobs and not self.logprobs:
                 raise APIError("top_logprobs needs logprobs=true", "top_logprobs")
+        for key in self.chat_template_kwargs or {}:
+            if key in TEMPLATE_RESERVED:
+                raise APIError(f"chat_template_kwargs.{key}: the server sets {key!r} itself (from "
+                               f"{TEMPLATE_RESERVED[key]}); leave it out", f"chat_template_kwargs.{key}")
         if self.parallel_tool_calls is False:
             raise APIError("parallel_tool_calls=false is not supported (a reply may hold several tool calls); "
                            "leave it unset", "parallel_tool_calls")
