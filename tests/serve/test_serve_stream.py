@@ -88,6 +88,29 @@ def test_greedy_streamed_text_equals_the_non_streamed(served):
     assert chat_chunks[-1].usage.total_tokens == chat_whole.usage.total_tokens
 
 
+def test_continuous_usage_stats_give_the_usage_so_far_in_every_chunk(served):
+    """``stream_options.continuous_usage_stats`` (with ``include_usage``, vLLM's): every chunk's
+    usage counts the tokens of the chunks so far (the prompt's every time); the last one's is the
+    whole response's."""
+    server, engine, tok = served
+    prompt = plain_prompt(server, engine, tok, 12)
+
+    async def main():
+        c = client(server)
+        kw = dict(model="treerl", prompt=prompt, max_tokens=12, temperature=0, n=2)
+        whole = await c.completions.create(**kw)
+        chunks = [ch async for ch in await c.completions.create(
+            **kw, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})]
+        return whole, chunks
+
+    whole, chunks = asyncio.run(main())
+    so_far = 0
+    for ch in chunks:
+        so_far += sum(len(x.model_extra["token_ids"]) for x in ch.choices)
+        assert ch.usage.completion_tokens == so_far and ch.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage and so_far == 24
+
+
 def test_a_seeded_sampled_stream_equals_the_seeded_whole(served):
     server, _, _ = served
 

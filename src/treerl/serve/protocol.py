@@ -122,9 +122,9 @@ class SamplingRequest(BaseModel):
         if self.stream_options is not None:
             if not self.stream:
                 raise APIError("stream_options is only allowed with stream=true", "stream_options")
-            if self.stream_options.continuous_usage_stats:
-                raise APIError("stream_options.continuous_usage_stats is not supported (usage comes in the "
-                               "last chunk with include_usage)", "stream_options.continuous_usage_stats")
+            if self.stream_options.continuous_usage_stats and not self.stream_options.include_usage:
+                raise APIError("stream_options.continuous_usage_stats needs include_usage=true (usage in every "
+                               "chunk, as vLLM)", "stream_options.continuous_usage_stats")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -135,6 +135,11 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (``stream_options.continuous_usage_stats`` with ``include_usage``)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def top_logprobs_k(self) -> int:

@@ -88,10 +88,13 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
     forced = turn.forced if chat and turn is not None else []
     shown = [turn.ids] if forced else prompts  # (the prompt as reported: the conversation's, without the opening)
 
+    sent = [0]  # tokens in the chunks so far, every choice (a forced opening included)
+
     def chunk(choice_list: list[dict], **extra) -> str:
         body = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choice_list}
-        if req.include_usage:
-            body["usage"] = None
+        if req.include_usage:  # (continuous: the usage so far in every chunk, as vLLM; else in the last only)
+            sent[0] += sum(len(c.get("token_ids", ())) for c in choice_list)
+            body["usage"] = usage(shown, sent[0]) if req.continuous_usage else None
         if first[0]:
             body["prompt_token_ids"] = prompt_ids_field(shown)
             first[0] = False
