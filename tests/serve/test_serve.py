@@ -335,6 +335,182 @@ def test_64_concurrent_agents_lose_and_duplicate_nothing(served, tmp_path):
     print("64 agents x 3 turns:", record)
 
 
+LONG = 256  # the long request's tokens (greedy, a prompt whose greedy continuation has no eos)
+
+
+class ShortsBesideLong:
+    """The gate of :func:`test_short_requests_with_mixed_settings_finish_while_a_long_one_streams`:
+    ``loop.submit`` wrapped (the long request's listener noted, the other requests' futures kept)
+    and a pre-hook on the served model's input embedding (every forward, whichever path). It
+    holds the engine thread, inside a forward, (1) from the first forward after the long
+    request's first tokens reached its listener until all ``shorts`` requests are in the engine
+    loop, and (2) at the long request's first forward after every short future resolved,
+    until ``received`` (the client has every short response). Each wait ends after 60 s
+    (``timed_out``: a failure, never a hang)."""
+
+    def __init__(self, loop, engine, shorts: int):
+        self.loop, self.shorts, self.real_submit = loop, shorts, loop.submit
+        self.long_emitted, self.shorts_in, self.received = threading.Event(), threading.Event(), threading.Event()
+        self.long_future, self.futures, self.timed_out = None, [], []
+        self.long_running_when_shorts_done = False
+        self.long_first_tokens = 0  # the long row's tokens in its first delta
+        self.steps = {}  # the engine's decode steps at (1)'s release and at (2)
+        loop.submit = self.submit
+        self.handle = engine.model.get_input_embeddings().register_forward_pre_hook(self)
+
+    def submit(self, prompt, params, *, listener=None):
+        long = params.max_new_tokens == LONG
+        if long and listener is not None:
+            inner = listener
+
+            def listener(delta):
+                inner(delta)
+                if delta.token_ids and not self.long_emitted.is_set():
+                    self.long_first_tokens = len(delta.token_ids)
+                    self.long_emitted.set()
+
+        future = self.real_submit(prompt, params, listener=listener)
+        if long:
+            self.long_future = future
+        elif self.long_emitted.is_set():
+            self.futures.append(future)
+            if len(self.futures) == self.shorts:
+                self.shorts_in.set()
+        return future
+
+    def __call__(self, module, args):
+        if self.long_emitted.is_set() and "released" not in self.steps:
+            if not self.shorts_in.wait(60):
+                self.timed_out.append("shorts_in")
+            self.steps["released"] = self.loop.engine_stats().decode_steps
+        elif (self.shorts_in.is_set() and not self.received.is_set() and all(f.done() for f in self.futures)
+              and not self.long_future.done()):
+            self.long_running_when_shorts_done = True
+            self.steps.setdefault("shorts_done", self.loop.engine_stats().decode_steps)
+            if not self.received.wait(60):
+                self.timed_out.append("received")
+
+    def release(self):
+        self.shorts_in.set()
+        self.received.set()
+        self.handle.remove()
+        self.loop.submit = self.real_submit
+
+
+def test_short_requests_with_mixed_settings_finish_while_a_long_one_streams():
+    """A real server on loopback, the ``openai`` client: a LONG streamed request (greedy, 256
+    tokens: its prompt's greedy continuation holds no eos) and, once its first content chunk
+    arrived, 7 short requests of mixed settings (max_tokens 5-12, stop token ids, a stop
+    string, temperature 0 / 0.8 / 1 / 1.3, top_p, top_k, min_p, seeds, n=2) in the same
+    running batch. Every short response arrives while the long stream has not sent its final
+    chunk, and each honours its settings: greedy = greedy alone (and its length = max_tokens:
+    no stop possible), the stop id and stop string cut where the greedy text has them, the two
+    requests of one seed (temperature 1) give the same text, as alone, and so does a seeded
+    top-k/min-p one.
+
+    The order is guaranteed by step counts, not time (:class:`ShortsBesideLong`): the engine is
+    held at its first forward after the long row's first tokens reached the host until the 7
+    short requests are in the engine loop (so the client's latency cannot let the long run
+    ahead); they are admitted before the next decode step and each is done after at most
+    max_tokens (<= 12) decode steps, when the long row has more than 200 of its 256 to go (its
+    first tokens reach the host within a few 8-step sync windows). And the long row's next
+    forward after the last short finished is held until the client has all short responses,
+    so what the client sees (shorts answered, no final chunk of the long) follows from that
+    order, not from the speed of the HTTP path."""
+    from treerl.rollout import SamplingParams
+
+    tok = CharTokenizer()
+    engine = RolloutEngine(tiny_model(**served_config(tok, context=LONG + 64)))
+    long_prompt = greedy_text_without_eos(engine, tok, LONG)
+    long_ref = engine.generate([long_prompt], SamplingParams(temperature=0, max_new_tokens=LONG))[0][0]
+    long_ref = long_ref.completion_ids.tolist()
+    plain = greedy_text_without_eos(engine, tok, 12, plain=True)  # greedy: no special token in 12
+    server = ServerThread(make_state(engine, tok, ServeOptions(default_max_tokens=8))).start()
+    gate = None
+
+    def req(prompt, max_tokens, **kw):
+        body = {k: kw.pop(k) for k in ("top_k", "min_p", "stop_token_ids") if k in kw}
+        return dict(model="treerl", prompt=prompt, max_tokens=max_tokens, extra_body=body or None, **kw)
+
+    seeded = req("7*8=", 10, temperature=1.0, top_p=0.9, seed=1234)
+    top_k_min_p = req("3+4=", 7, temperature=0.8, top_k=8, min_p=0.05, seed=7)
+
+    async def main():
+        nonlocal gate
+        c = client(server, timeout=120, max_retries=0)
+        greedy = (await c.completions.create(**req(plain, 12, temperature=0))).choices[0]  # alone
+        g = greedy.model_extra["token_ids"]
+        assert len(g) == 12 and greedy.finish_reason == "length"
+        alone = [(await c.completions.create(**r)).choices[0].model_extra["token_ids"] for r in (seeded, top_k_min_p)]
+        stop = tok.decode(g[4:6])
+        shorts = {
+            "greedy": req(plain, 5, temperature=0),
+            "stop_id": req(plain, 12, temperature=0, stop_token_ids=[g[3]]),
+            "stop_str": req(plain, 12, temperature=0, stop=[stop]),
+            "seed_a": seeded,
+            "seed_b": seeded,
+            "top_k_min_p": top_k_min_p,
+            "hot": req("9-2=", 9, temperature=1.3, top_k=-1, n=2),
+        }
+        gate = ShortsBesideLong(server.state.loop, engine, len(shorts))
+        first, final = asyncio.Event(), asyncio.Event()
+
+        async def stream_long():
+            s = await c.completions.create(model="treerl", prompt=long_prompt, max_tokens=LONG, temperature=0,
+                                           stream=True)
+            text, ids, finish = "", [], None
+            async for chunk in s:
+                for ch in chunk.choices:
+                    text += ch.text
+                    ids += ch.model_extra["token_ids"]
+                    if ch.text:
+                        first.set()
+                    if ch.finish_reason is not None:
+                        finish = ch.finish_reason
+                        final.set()
+            return text, ids, finish
+
+        long_task = asyncio.ensure_future(stream_long())
+        await asyncio.wait_for(first.wait(), 120)
+        got = await asyncio.wait_for(asyncio.gather(*(c.completions.create(**r) for r in shorts.values())), 120)
+        running = not final.is_set() and not long_task.done()  # the long stream has not ended
+        gate.received.set()
+        return g, alone, stop, shorts, dict(zip(shorts, got)), running, await asyncio.wait_for(long_task, 120)
+
+    try:
+        g, alone, stop, shorts, got, running, (long_text, long_ids, long_finish) = asyncio.run(main())
+    finally:
+        if gate is not None:
+            gate.release()
+        server.stop()
+    assert not gate.timed_out
+    assert running and gate.long_running_when_shorts_done  # every short answered while the long one runs
+    # the step counts of the docstring: the shorts took far fewer decode steps than the long row had left
+    assert gate.long_first_tokens + gate.steps["shorts_done"] - gate.steps["released"] < LONG // 2, gate.steps
+    assert long_ids == long_ref and long_finish == "length"  # greedy alone, whatever ran beside it
+    assert long_text == tok.decode(long_ref, skip_special_tokens=True)
+
+    def ids(name):
+        return got[name].choices[0].model_extra["token_ids"]
+
+    assert ids("greedy") == g[:5] and got["greedy"].choices[0].finish_reason == "length"  # greedy = greedy alone
+    assert ids("stop_id") == g[: g.index(g[3]) + 1] and got["stop_id"].choices[0].finish_reason == "stop"
+    text = tok.decode(g)
+    s = got["stop_str"].choices[0]
+    assert s.text == text[: text.find(stop)] and s.finish_reason == "stop" and s.model_extra["stop_reason"] == stop
+    assert ids("seed_a") == ids("seed_b") == alone[0]  # one seed, one text: in the same batch and alone
+    assert ids("top_k_min_p") == alone[1]
+    assert len(got["hot"].choices) == 2
+    for name, r in got.items():  # max_tokens honoured: "length" exactly at it, else a stop (eos, id or string)
+        for ch in r.choices:
+            toks, limit = ch.model_extra["token_ids"], shorts[name]["max_tokens"]
+            if ch.finish_reason == "length":
+                assert len(toks) == limit, name
+            else:
+                assert ch.finish_reason == "stop" and len(toks) <= limit, name
+                assert name in ("stop_id", "stop_str") or toks[-1] == tok.eos_token_id, name
+
+
 def test_responses_are_not_held_back_by_nagle(served):
     """Every connection the server accepts has Nagle's algorithm off (TCP_NODELAY): with it on,
     a response body written after its headers waited for the client's delayed ACK on a
