@@ -85,7 +85,6 @@ REFUSED = [  # (path, body, the param named)
     (C, P | {"suffix": "x"}, "suffix"),
     (C, P | {"best_of": 3}, "best_of"),
     (C, P | {"logprobs": 21}, "logprobs"),
-    (C, P | {"echo": True, "stream": True}, "echo"),
     (C, P | {"max_tokens": 0}, "max_tokens"),  # without echo: nothing to return
     (C, P | {"min_p": 1.5}, "min_p"),
     (C, P | {"seed": -1}, "seed"),

@@ -111,6 +111,39 @@ def test_continuous_usage_stats_give_the_usage_so_far_in_every_chunk(served):
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage and so_far == 24
 
 
+def test_a_streamed_echo_equals_the_whole(served):
+    """``echo`` with ``stream``: each choice's first chunk is its prompt (with ``logprobs``, the
+    prompt's: none for its first token), then the generated chunks; all together the whole
+    response's text and logprobs. ``max_tokens=0``: the prompt only, finish ``length``."""
+    server, engine, tok = served
+    prompt = plain_prompt(server, engine, tok, 6)
+
+    async def main():
+        c = client(server)
+        out = []
+        for kw in [dict(max_tokens=6, logprobs=2, n=2), dict(max_tokens=0, logprobs=1), dict(max_tokens=3)]:
+            kw |= dict(model="treerl", prompt=prompt, temperature=0, echo=True)
+            whole = await c.completions.create(**kw)
+            out.append((whole, [ch async for ch in await c.completions.create(**kw, stream=True)]))
+        return out
+
+    for whole, chunks in asyncio.run(main()):
+        for ref in whole.choices:
+            mine = [x for ch in chunks for x in ch.choices if x.index == ref.index]
+            assert mine[0].text == prompt and "".join(x.text for x in mine) == ref.text
+            assert [x.finish_reason for x in mine if x.finish_reason] == [ref.finish_reason]
+            if ref.logprobs is None:
+                assert all(x.logprobs is None for x in mine)
+                continue
+            got = [t for x in mine if x.logprobs for t in x.logprobs.token_logprobs]
+            assert got[0] is None and got[1:] == pytest.approx(ref.logprobs.token_logprobs[1:], abs=1e-6)
+            assert [t for x in mine if x.logprobs for t in x.logprobs.tokens] == ref.logprobs.tokens
+            tops = [d for x in mine if x.logprobs for d in x.logprobs.top_logprobs]
+            assert tops[0] is None and len(tops) == len(ref.logprobs.top_logprobs)
+            for d, want in zip(tops[1:], ref.logprobs.top_logprobs[1:]):
+                assert d == pytest.approx(want, abs=1e-6)
+
+
 def test_a_seeded_sampled_stream_equals_the_seeded_whole(served):
     server, _, _ = served
 

@@ -133,6 +133,22 @@ def chat_choice(state: ServeState, req: ChatRequest, turn: ChatTurn, index: int,
             "logprobs": logprobs} | _completion_token_fields(c)
 
 
+def _echo_text(state: ServeState, prompt: str | list[int], prompt_ids: list[int]) -> str:
+    return prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids)
+
+
+def echo_head(state: ServeState, req: CompletionRequest, prompt: str | list[int],
+              prompt_ids: list[int]) -> tuple[str, dict | None]:
+    """A streamed choice's echo: the prompt's text and, with ``logprobs``, its logprobs object
+    (its first token has none; :func:`~treerl.serve.scoring.score_prompt`)."""
+    text = _echo_text(state, prompt, prompt_ids)
+    if req.logprobs is None:
+        return text, None
+    scores = score_prompt(state.engine, prompt_ids, req.logprobs)
+    top = (scores.top_ids, scores.top_logprobs) if req.logprobs else None
+    return text, completion_logprobs(state, prompt_ids, [None, *scores.logprobs], top, req.logprobs)
+
+
 def completion_choice(state: ServeState, req: CompletionRequest, index: int, prompt: str | list[int],
                       prompt_ids: list[int], c: Completion | None, scores: PromptScores | None) -> dict:
     """The hook where a completion (None: ``max_tokens=0``) becomes a completions choice;
@@ -141,9 +157,7 @@ def completion_choice(state: ServeState, req: CompletionRequest, index: int, pro
     lps = c.logprobs.tolist() if c is not None else []
     top = top_lists(getattr(c, "top_logprobs", None)) if c is not None else None
     text = choice_text(state, req, c) if c is not None else ""
-    head = ""
-    if req.echo:
-        head = prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt_ids)
+    head = _echo_text(state, prompt, prompt_ids) if req.echo else ""
     logprobs = None
     if req.logprobs is not None:
         k = req.logprobs

@@ -172,8 +172,6 @@ class CompletionRequest(SamplingRequest):
             raise APIError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", "logprobs")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError("best_of other than n is not supported by treerl serve (leave it unset)", "best_of")
-        if self.echo and self.stream:
-            raise APIError("echo is not supported with stream=true (send stream=false)", "echo")
 
     @property
     def prompts(self) -> list[str | list[int]]:

@@ -15,8 +15,8 @@ from typing import AsyncIterator, Callable
 from fastapi.responses import StreamingResponse
 
 from .chat import ChatTurn
-from .choices import (chat_logprobs, choice_text, completion_logprobs, forced_scores, prompt_ids_field, token_fields,
-                      tolist, top_lists, usage, with_forced)
+from .choices import (chat_logprobs, choice_text, completion_logprobs, echo_head, forced_scores, prompt_ids_field,
+                      token_fields, tolist, top_lists, usage, with_forced)
 from .detok import TextStream
 from .handoff import handoff
 from .protocol import SamplingRequest
@@ -55,7 +55,8 @@ def stream_response(state: ServeState, req: SamplingRequest, prompts: list[list[
             turn: ChatTurn | None = None) -> StreamingResponse:
     """An SSE response: chunks as tokens reach the host, ``data: [DONE]`` last. The prompts
     are submitted before the response starts (a refused setting is still a 400)."""
-    params = [sampling_params(state, req, len(ids)) for ids in prompts]
+    # (echo with max_tokens=0: the prompts scored and echoed, nothing generated)
+    params = [sampling_params(state, req, len(ids)) for ids in prompts] if req.max_tokens != 0 else []
     to_loop = handoff()  # (the deltas of one engine sync share one wake-up of the event loop)
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -127,6 +128,14 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
         top = (scores.top_ids, scores.top_logprobs) if params[0].top_logprobs else None
         yield chunk([choice(j, "", list(forced), list(scores.logprobs), [version] * len(forced), top)
                      for j in range(len(choices))])
+    if not chat and req.echo:  # each choice's prompt first (with logprobs: the prompt's, one forward a prompt)
+        for i, ids in enumerate(prompts):
+            text, logprobs = await off_loop(None, echo_head, state, req, req.prompts[i], ids)
+            yield chunk([{"index": i * n + j, "text": text, "logprobs": logprobs, "finish_reason": None}
+                         | token_fields([], [], []) for j in range(n)])
+        if not futures:  # max_tokens=0: the prompts only
+            yield chunk([{"index": j, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}
+                         | token_fields([], [], []) for j in range(len(choices))])
     pending, generated = len(futures), 0
     while pending:
         i, delta = await queue.get()
