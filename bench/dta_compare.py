@@ -336,8 +336,12 @@ def run(args) -> dict:
                         torch.cuda.reset_peak_memory_stats(device)
                     runner = make_runner(name, model, seqs, args, dta)
                     row["settings"] = runner.settings
+                    before = _compile_counts()
                     row.update(timed(runner, inputs_for(name, seqs), loss_fn, model, device, args))
                     row.update(runner.describe())
+                    # (torch.compile's graphs and recompiles in this row: session 34 measured episodes 17% slower
+                    # after five other shapes in one process than alone, with the same plan; not explained)
+                    row["compile"] = {k: v - before.get(k, 0) for k, v in _compile_counts().items()}
                     row["tflops"] = flops / row["seconds"] / 1e12
                     if row["peak_bytes"] is not None:
                         row["peak_gib"] = row["peak_bytes"] / 2**30
@@ -360,6 +364,16 @@ def run(args) -> dict:
     results["wall_s"] = time.perf_counter() - t0
     save()
     return results
+
+
+def _compile_counts() -> dict[str, int]:
+    """torch.compile's process-wide counters (dynamo's ``stats`` and ``recompiles``), flattened."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover
+        return {}
+    return {f"{group}.{k}": int(v) for group in ("stats", "recompiles", "graph_break")
+            for k, v in counters.get(group, {}).items() if isinstance(v, (int, float))}
 
 
 def finish(rows: list[dict], peak: float | None) -> None:
