@@ -329,7 +329,7 @@ def test_tool_choice_none_malformed_text_and_refusals_over_http(weather):
         # cut after two tokens: an unfinished call is returned as content, counted, never a 500
         cut = await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, max_tokens=2)
         errors = []
-        for kw in [dict(tool_choice={"type": "function", "function": {"name": "x"}}), dict(parallel_tool_calls=False)]:
+        for kw in [dict(tool_choice={"type": "function", "function": {"name": "x"}})]:
             with pytest.raises(openai.BadRequestError) as e:
                 await c.chat.completions.create(model="treerl", messages=messages, tools=TOOLS, **kw)
             errors.append(e.value.body["param"])
@@ -344,7 +344,7 @@ def test_tool_choice_none_malformed_text_and_refusals_over_http(weather):
     assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
     assert cut.choices[0].message.content == "<tool_call>" + CALL_HEAD
     assert health["chat"]["tool_calls"]["malformed"] == before + 1
-    assert errors == ["tool_choice", "parallel_tool_calls"]
+    assert errors == ["tool_choice"]
 
 
 def test_forced_tool_calls_over_http_hold_the_opening_in_the_completion(weather):
@@ -535,3 +535,63 @@ def test_streamed_tool_calls_over_http_are_the_whole_replys(weather):
     assert all(len(e.top_logprobs) == 2 for x in named if x.logprobs for e in x.logprobs.content)
     c1 = [t for x in named for t in x.model_extra.get("token_ids", [])]
     assert turn2.model_extra["prompt_token_ids"][: len(p1) + len(c1)] == p1 + c1
+
+
+def test_parallel_tool_calls_false_stops_after_the_first_call(weather):
+    """``parallel_tool_calls=false`` (the openai-agents SDK's ``ModelSettings(parallel_tool_calls=False)``):
+    the generation stops at the first call's end tag (its stop string), so a reply holds one call;
+    the tag is parsed with the call and its tokens are the completion's, so the next turn extends
+    prompt + completion token for token; streamed the same."""
+    exact, _, tok = weather
+    ids = tok.convert_tokens_to_ids
+
+    async def main():
+        c = _client(exact)
+        kw = dict(model="treerl", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
+                  temperature=0, parallel_tool_calls=False)
+        r1 = await c.chat.completions.create(**kw)
+        chunks = [ch async for ch in await c.chat.completions.create(**kw, stream=True)]
+        call = r1.choices[0].message.tool_calls[0]
+        r2 = await c.chat.completions.create(**kw | dict(messages=kw["messages"] + [
+            r1.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "cold"}]))
+        await c.close()
+        return r1, chunks, r2
+
+    r1, chunks, r2 = asyncio.run(main())
+    choice = r1.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.model_extra["stop_reason"] == "</tool_call>"
+    assert len(choice.message.tool_calls) == 1 and json.loads(choice.message.tool_calls[0].function.arguments) == \
+        CALL["arguments"]
+    assert choice.model_extra["token_ids"] == [ids("<tool_call>"), ids(CALL_HEAD), ids(CALL_TAIL), ids("</tool_call>")]
+    body = [x for ch in chunks for x in ch.choices]
+    assert [t for x in body for t in x.model_extra.get("token_ids", [])] == choice.model_extra["token_ids"]
+    assert body[-1].finish_reason == "tool_calls" and body[-1].delta.tool_calls[0].function.name == "get_weather"
+    p1, c1 = r1.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+    assert r2.model_extra["prompt_token_ids"][: len(p1) + len(c1)] == p1 + c1
+
+
+def test_a_reply_stopped_at_a_calls_end_is_parsed_with_it():
+    """The end tag a ``parallel_tool_calls=false`` stop trims is put back before parsing: the tag
+    format needs its closing tag (``<calc>1+1`` alone is malformed)."""
+    renderer = ChatRenderer(CharTokenizer(), "tag", history_tokens=0)
+    req = ChatRequest(model="m", messages=[{"role": "user", "content": "1+1?"}], tools=CALC, parallel_tool_calls=False)
+    turn = renderer.prompt(req)
+    assert turn.call_ends == ("</calc>",)
+    message, finish = renderer.reply(turn, "<calc>1+1", "stop", [], "</calc>")
+    assert finish == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {
+        "expression": "1+1"}
+    assert renderer.reply(turn, "<calc>1+1", "length", [], None)[0]["content"] == "<calc>1+1"  # cut: content
+    two = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {}, "b": {}}}}}]
+    no_call = ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=two, parallel_tool_calls=False)
+    assert renderer.prompt(no_call).call_ends == ()  # the tag format can call no such tool: at most one call holds
+
+    class Unbounded(ToolFormat):  # a format that cannot say where a call ends
+        name = "unbounded"
+
+        def parse(self, text, tools):
+            return None
+
+    renderer.tool_format = Unbounded()
+    with pytest.raises(APIError, match="parallel_tool_calls"):
+        renderer.prompt(req)

@@ -198,6 +198,8 @@ def create_app(state: ServeState) -> FastAPI:
         check_model(state, req.model)
         turn = await run_in_threadpool(chat_prompt, state, req)
         ids = check_ids(state, turn.ids + turn.forced, "messages")
+        if turn.call_ends:  # parallel_tool_calls=false: the generation stops at the end of the first call
+            req.stop = [*req.stop_strings, *(e for e in turn.call_ends if e not in req.stop_strings)]
         if req.stream:
             return stream_response(state, req, [ids], chat=True, turn=turn)
         params = sampling_params(state, req, len(ids))

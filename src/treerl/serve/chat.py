@@ -173,6 +173,7 @@ class ChatTurn:
     key: bytes  # of the request's conversation
     forced: list[int] = field(default_factory=list)
     tool_name: str | None = None
+    call_ends: tuple[str, ...] = ()  # stop strings ending the first call (parallel_tool_calls=false)
 
 
 class ChatRenderer:
@@ -207,12 +208,23 @@ class ChatRenderer:
         keys = conversation_keys(messages)  # (hashes every message: once)
         ids = self.history.prompt_ids(messages, text, self._encode, self._decode, keys)
         forced = self._encode(self.tool_format.opening(name, tools)) if choice in ("required", "function") else []
-        return ChatTurn(ids, messages, tools, choice, keys[-1], forced, name)
+        ends = ()
+        if getattr(req, "parallel_tool_calls", None) is False and choice != "none" and tools:
+            closings = self.tool_format.closings(tools)  # ([]: no call possible, so at most one)
+            ends = tuple(closings or ())
+            if closings is None:
+                raise APIError(f"parallel_tool_calls=false: the {self.tool_format.name!r} tool-call format cannot end a "
+                               "reply after one call; leave it unset", "parallel_tool_calls")
+        return ChatTurn(ids, messages, tools, choice, keys[-1], forced, name, ends)
 
     def reply(self, turn: ChatTurn, text: str, finish_reason: str | None,
-              completion_ids: Sequence[int]) -> tuple[dict, str | None]:
+              completion_ids: Sequence[int], stop: Any = None) -> tuple[dict, str | None]:
         """The assistant message and finish reason of one choice (``text`` and
-        ``completion_ids``: a forced opening included); records its tokens for the next turn."""
+        ``completion_ids``: a forced opening included; ``stop``: what stopped it); records its
+        tokens for the next turn. A reply stopped at the end of its first call
+        (``turn.call_ends``) is parsed with that end (the stop string trimmed from ``text``)."""
+        if stop in turn.call_ends and not text.endswith(stop):
+            text += stop
         message, finish = tool_reply(text, finish_reason, turn.tools, turn.tool_choice, self.tool_format,
                                      self.tool_stats, turn.tool_name)
         self.history.record(message_key(turn.key, template_message(message)), turn.ids, completion_ids)

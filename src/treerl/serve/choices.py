@@ -128,7 +128,8 @@ def chat_choice(state: ServeState, req: ChatRequest, turn: ChatTurn, index: int,
     if req.logprobs:
         logprobs = chat_logprobs(state, c.completion_ids.tolist(), c.logprobs.tolist(),
                                  top_lists(getattr(c, "top_logprobs", None)))
-    message, finish = state.chat.reply(turn, choice_text(state, req, c), c.finish_reason, c.completion_ids.tolist())
+    message, finish = state.chat.reply(turn, choice_text(state, req, c), c.finish_reason, c.completion_ids.tolist(),
+                                       c.stop)
     return {"index": index, "message": message, "finish_reason": finish, "stop_reason": c.stop,
             "logprobs": logprobs} | _completion_token_fields(c)
 

@@ -205,7 +205,7 @@ class ChatRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # accepted: without tools it changes nothing
+    parallel_tool_calls: bool | None = None  # false: at most one call (treerl.serve.tools)
     response_format: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -238,9 +238,6 @@ class ChatRequest(SamplingRequest):
             if key in TEMPLATE_RESERVED:
                 raise APIError(f"chat_template_kwargs.{key}: the server sets {key!r} itself (from "
                                f"{TEMPLATE_RESERVED[key]}); leave it out", f"chat_template_kwargs.{key}")
-        if self.parallel_tool_calls is False:
-            raise APIError("parallel_tool_calls=false is not supported (a reply may hold several tool calls); "
-                           "leave it unset", "parallel_tool_calls")
 
     @property
     def top_logprobs_k(self) -> int:

@@ -169,7 +169,7 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
                     [whole] = with_forced(state, turn, [c], params[i], scored)
                     final = await off_loop(len(whole), choice_text, state, req, whole)
                 message, finish = await off_loop(len(whole), state.chat.reply, turn, final, whole.finish_reason,
-                                                 whole.completion_ids.tolist())
+                                                 whole.completion_ids.tolist(), whole.stop)
                 calls = message.get("tool_calls")
                 if sc.content is not None:
                     sc.content.push(text)

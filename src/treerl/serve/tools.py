@@ -23,6 +23,10 @@ comes, holding only a tail that may begin an opening; from the opening on the te
 the parsed calls (or, when they do not parse, the held text as content) come in the choice's last
 chunk: the streamed content and calls are those of the same reply answered whole.
 
+``parallel_tool_calls=false``: at most one call, by stopping the generation at the end of the first
+(the format's :meth:`ToolFormat.closings` as stop strings; the end is put back into the text that is
+parsed, and the completion's tokens hold it, so the next turn extends them token for token).
+
 ``tool_choice`` (vLLM's semantics where treerl can honour them): ``auto`` (the default with
 tools): calls are parsed; ``none``: the tools are still rendered into the prompt, calls are not
 parsed (the text is the content); ``required`` and a named function *force the opening of a
@@ -112,6 +116,11 @@ class ToolFormat:
         raise APIError(f"the {self.name!r} tool-call format cannot force a call: send tool_choice='auto'",
                        "tool_choice")
 
+    def closings(self, tools: Sequence[dict]) -> list[str] | None:
+        """The strings that end a call: ``parallel_tool_calls=false`` stops the generation at the
+        first (its stop strings). None: this format cannot end a reply after one call."""
+        return None
+
     def openings(self, tools: Sequence[dict]) -> list[str] | None:
         """The strings one of which begins every call (:meth:`parse` finds no call in a text
         without one): the text before the first is content whatever follows, so it streams as it
@@ -184,6 +193,9 @@ class HermesFormat(ToolFormat):
     def openings(self, tools: Sequence[dict]) -> list[str]:
         return [self.START]
 
+    def closings(self, tools: Sequence[dict]) -> list[str]:
+        return [self.END]
+
     def opening(self, name: str | None, tools: Sequence[dict]) -> str:
         """``<tool_call>``, and with a name ``\n{"name": "NAME", `` after it (as the Qwen templates
         write a call: the model goes on with ``"arguments": ...``)."""
@@ -226,6 +238,9 @@ class TagFormat(ToolFormat):
 
     def openings(self, tools: Sequence[dict]) -> list[str]:
         return [f"<{name}>" for name in self._tags(tools)]
+
+    def closings(self, tools: Sequence[dict]) -> list[str]:
+        return [f"</{name}>" for name in self._tags(tools)]
 
     def opening(self, name: str | None, tools: Sequence[dict]) -> str:
         """``<NAME>`` (required: the only tool this format can call, else refused)."""
