@@ -68,6 +68,36 @@ def test_tag_format_reads_single_parameter_tools_and_renders_them_back():
         get_tool_format("nope")
 
 
+def test_llama3_json_parses_calls_only_replies_and_streams_other_text_as_content():
+    """vLLM's ``llama3_json``: a reply starting (after whitespace, or the ``<|python_tag|>`` token) with
+    a JSON call is calls only, ``;`` between them, ``parameters`` or ``arguments``; other replies are
+    content; a reply that starts as a call and does not parse is malformed (content, counted)."""
+    f = get_tool_format("llama3_json")
+    r = f.parse(' {"name": "f", "parameters": {"x": 1}}; {"name": "g", "arguments": "{\\"y\\": [2]}"}', [])
+    assert r.content is None and [(c.name, json.loads(c.arguments)) for c in r.calls] == [("f", {"x": 1}),
+                                                                                         ("g", {"y": [2]})]
+    assert f.parse('<|python_tag|>{"name": "f", "parameters": {}}', []).calls[0].arguments == "{}"
+    assert f.parse("It is sunny. {not a call}", []) is None
+    for bad in ['{"name": "f"}', '{"answer": 3}', '{"name": "f", "parameters": {}} and more', "<|python_tag|>",
+                '{"name": "f", "parameters": [1]}']:
+        with pytest.raises(MalformedToolCall):
+            f.parse(bad, [])
+    assert f.opening("get_weather", TOOLS) == '{"name": "get_weather", "parameters": '
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert f.parse(f.opening("get_weather", TOOLS) + '{"city": "Paris"}}', TOOLS).calls[0].name == "get_weather"
+    assert f.render("", [CALL], TOOLS) == call and f.closings(TOOLS) is None
+    for text, pieces in [(call, ["", call[:1], call[1:]]), ("  " + call, [" ", " ", call]), ("<|python_tag|>" + call, ["<|py", "thon_tag|>", call]),
+                         ("Sure, it is sunny.", ["Sure,", " it is", " sunny."]), ("<|py", ["<|py"])]:
+        message, _ = tool_reply(text, "stop", TOOLS, "auto", f, ToolStats())
+        assert "".join(pieces) == text
+        out = _streamed(ContentStream(f, TOOLS, "auto"), pieces, message)
+        assert "".join(out) == (message["content"] or "")
+        if message.get("tool_calls"):
+            assert not "".join(out[:-1])  # nothing of a call streams as content
+    content = ContentStream(f, TOOLS, "auto")
+    assert content.push("Sure") == "Sure" and content.push(', {"x": 1}') == ', {"x": 1}'  # content: all of it
+
+
 def test_malformed_call_text_is_content_and_counted():
     stats = ToolStats()
     h = get_tool_format("hermes")

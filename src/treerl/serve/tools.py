@@ -7,6 +7,8 @@ A *tool-call format* knows how one model family writes calls; the server picks o
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (both keys required;
   whitespace inside the tags allowed; the last call may lack its end tag); text before the
   first call is the content, text after the last is dropped (as vLLM's ``hermes`` does);
+- ``llama3_json``: Llama 3.1 / 3.2's ``{"name": ..., "parameters": {...}}`` (a reply of calls only,
+  ``;`` between them; any other reply is content);
 - ``tag``: ``<NAME>VALUE</NAME>`` for a tool ``NAME`` whose parameters have exactly one
   property (the value, a string). Made for models without a chat template (treerl's
   character tokenizer, e.g. the calculator agent's ``<calc>37*48</calc>``).
@@ -126,6 +128,12 @@ class ToolFormat:
         without one): the text before the first is content whatever follows, so it streams as it
         comes. None (a format that does not say): a streamed reply's text is held to its end."""
         return None
+
+    def stream_end(self, text: str, tools: Sequence[dict], start: int = 0) -> tuple[int, bool] | None:
+        """``(end, opened)`` of :func:`content_end` for a reply's text so far (``start``: what was
+        sent, all content); None: hold all of it (by default, from :meth:`openings`)."""
+        openings = self.openings(tools)
+        return None if openings is None else content_end(text, openings, start)
 
 
 _FORMATS: dict[str, Callable[[], ToolFormat]] = {}
@@ -267,6 +275,62 @@ class TagFormat(ToolFormat):
         return "".join(out)
 
 
+@register_tool_format("llama3_json")
+class Llama3JsonFormat(ToolFormat):
+    """Llama 3.1 / 3.2's JSON calls (vLLM's ``llama3_json``): a reply that starts (after
+    whitespace, and the ``<|python_tag|>`` token when special tokens are kept) with
+    ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``) is calls only, several separated
+    by ``;``; any other reply is content. Text after the calls that is not a call: malformed."""
+
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str, tools: Sequence[dict]) -> ParsedReply | None:
+        body = text.lstrip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG):]
+        elif not body.startswith("{"):
+            return None
+        calls, decoder, i = [], json.JSONDecoder(), 0
+        while True:
+            while i < len(body) and (body[i].isspace() or body[i] == ";"):
+                i += 1
+            if i == len(body):
+                break
+            try:
+                obj, i = decoder.raw_decode(body, i)
+            except json.JSONDecodeError as err:
+                raise MalformedToolCall(f"tool call {len(calls)} is not JSON ({err})") from None
+            args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
+            if args is None or not isinstance(obj.get("name"), str):
+                raise MalformedToolCall(f"tool call {len(calls)} has no name or no parameters")
+            calls.append(ToolCall(obj["name"], _arguments_json(args, f"tool call {len(calls)}")))
+        if not calls:
+            raise MalformedToolCall("<|python_tag|> without a call")
+        return ParsedReply(None, calls)
+
+    def stream_end(self, text: str, tools: Sequence[dict], start: int = 0) -> tuple[int, bool] | None:
+        if start > 0:  # (the reply began as content: all of it is)
+            return len(text), False
+        body = text.lstrip()
+        if body.startswith(("{", self.TAG)):
+            return 0, True
+        if not body or self.TAG.startswith(body):
+            return 0, False  # (whitespace, or the tag's start: a call may follow)
+        return len(text), False
+
+    def opening(self, name: str | None, tools: Sequence[dict]) -> str:
+        """``{"name": "`` (any tool), ``{"name": "NAME", "parameters": `` (a named one)."""
+        if name is None:
+            return '{"name": "'
+        return '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "parameters": '
+
+    def render(self, content: str, calls: Sequence[dict], tools: Sequence[dict]) -> str:
+        if content and calls:
+            raise APIError("the llama3_json tool-call format writes a reply of calls only, without content", "messages")
+        return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}, ensure_ascii=False)
+                         for c in calls) or content
+
+
 # ----------------------------------------------------------------- tool_choice
 def check_tool_choice(tools: list[dict] | None, tool_choice: Any, parser: ToolFormat | None) -> tuple[str, str | None]:
     """The effective choice of a request, ``(mode, name)``: mode ``"auto"``, ``"none"``,
@@ -355,15 +419,19 @@ class ContentStream:
     ``none``: nothing is parsed, everything streams)."""
 
     def __init__(self, parser: ToolFormat | None, tools: Sequence[dict] | None, choice: str):
-        streams_all = choice == "none" or parser is None or not tools
-        self.openings = [] if streams_all else parser.openings(tools) if choice == "auto" else None
-        self.text, self.sent, self.opened = "", 0, self.openings is None
+        self.parser, self.tools = parser, tools
+        self.streams_all = choice == "none" or parser is None or not tools
+        self.text, self.sent, self.opened = "", 0, not self.streams_all and choice != "auto"
 
     def push(self, delta: str) -> str:
         self.text += delta
         if self.opened:
             return ""
-        end, self.opened = content_end(self.text, self.openings, self.sent)
+        found = (len(self.text), False) if self.streams_all else self.parser.stream_end(self.text, self.tools, self.sent)
+        if found is None:  # (a format that cannot tell: held to the end)
+            self.opened = True
+            return ""
+        end, self.opened = found
         out, self.sent = self.text[self.sent:end], end
         return out
 
@@ -375,5 +443,5 @@ class ContentStream:
 
 
 __all__ = ["ToolCall", "ParsedReply", "MalformedToolCall", "ToolStats", "ToolFormat", "register_tool_format",
-           "tool_formats", "get_tool_format", "HermesFormat", "TagFormat", "check_tool_choice", "tool_names",
-           "tool_reply", "content_end", "ContentStream"]
+           "tool_formats", "get_tool_format", "HermesFormat", "Llama3JsonFormat", "TagFormat", "check_tool_choice",
+           "tool_names", "tool_reply", "content_end", "ContentStream"]
