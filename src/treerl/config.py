@@ -163,7 +163,8 @@ class RolloutConfig:
                        "on loopback) or remote (rollout.server_url)")
     server_url: str | None = key(None, help="remote: an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     server_model: str = key("treerl", help="the served model's name (requests' model field)")
-    tool_call_parser: str | None = key(None, help="embedded/serve: the served policy's tool-call format (hermes, llama3_json, tag)")
+    tool_call_parser: str | None = key(None, help="embedded/serve: the served policy's tool-call format "
+                                                  "(hermes, llama3_json, tag)")
     keep_stream_buffers: bool = key(True, help="rollout engine: keep the running batch's K/V arena and its CUDA "
                                     "graphs between steps (no re-capture per step; false frees them for training)")
     overlap_forwards: str = key("after", choices=OVERLAP, help="the step's no-grad forwards (proximal, reference, "

@@ -204,7 +204,8 @@ class ChatRenderer:
         tools = req.tools
         choice, name = check_tool_choice(tools, req.tool_choice, self.tool_format)
         messages = template_messages(req.messages)
-        text = render_chat(self.tokenizer, messages, tools, self.tool_format, getattr(req, "chat_template_kwargs", None))
+        kwargs = getattr(req, "chat_template_kwargs", None)
+        text = render_chat(self.tokenizer, messages, tools, self.tool_format, kwargs)
         keys = conversation_keys(messages)  # (hashes every message: once)
         ids = self.history.prompt_ids(messages, text, self._encode, self._decode, keys)
         forced = self._encode(self.tool_format.opening(name, tools)) if choice in ("required", "function") else []
@@ -213,8 +214,8 @@ class ChatRenderer:
             closings = self.tool_format.closings(tools)  # ([]: no call possible, so at most one)
             ends = tuple(closings or ())
             if closings is None:
-                raise APIError(f"parallel_tool_calls=false: the {self.tool_format.name!r} tool-call format cannot end a "
-                               "reply after one call; leave it unset", "parallel_tool_calls")
+                raise APIError(f"parallel_tool_calls=false: the {self.tool_format.name!r} tool-call format cannot "
+                               "end a reply after one call; leave it unset", "parallel_tool_calls")
         return ChatTurn(ids, messages, tools, choice, keys[-1], forced, name, ends)
 
     def reply(self, turn: ChatTurn, text: str, finish_reason: str | None,

@@ -70,8 +70,8 @@ def stream_response(state: ServeState, req: SamplingRequest, prompts: list[list[
     return _Stream(_chunks(state, req, prompts, params, futures, queue, chat, turn), lambda: cancel(state, futures))
 
 
-async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[int]], params: list, futures: list[Future],
-                  queue: asyncio.Queue, chat: bool, turn: ChatTurn | None) -> AsyncIterator[str]:
+async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[int]], params: list,
+                  futures: list[Future], queue: asyncio.Queue, chat: bool, turn: ChatTurn | None) -> AsyncIterator[str]:
     """The chunks. A chat request with tools streams its tokens, and its text up to where a call
     may open (:class:`~treerl.serve.tools.ContentStream`); the parsed ``tool_calls`` (or the held
     text, when it holds no call that parses) come in the last chunk of each choice. A forced call's

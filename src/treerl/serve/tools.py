@@ -427,7 +427,10 @@ class ContentStream:
         self.text += delta
         if self.opened:
             return ""
-        found = (len(self.text), False) if self.streams_all else self.parser.stream_end(self.text, self.tools, self.sent)
+        if self.streams_all:
+            found = len(self.text), False
+        else:
+            found = self.parser.stream_end(self.text, self.tools, self.sent)
         if found is None:  # (a format that cannot tell: held to the end)
             self.opened = True
             return ""
