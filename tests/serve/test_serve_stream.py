@@ -121,8 +121,9 @@ def test_a_streamed_echo_equals_the_whole(served):
     async def main():
         c = client(server)
         out = []
-        for kw in [dict(max_tokens=6, logprobs=2, n=2), dict(max_tokens=0, logprobs=1), dict(max_tokens=3)]:
-            kw |= dict(model="treerl", prompt=prompt, temperature=0, echo=True)
+        for kw in [dict(max_tokens=6, logprobs=2, n=2), dict(max_tokens=0, logprobs=1), dict(max_tokens=3),
+                   dict(max_tokens=10, logprobs=1, n=2, prompt=[prompt, prompt])]:  # (several prompts)
+            kw = dict(model="treerl", prompt=prompt, temperature=0, echo=True) | kw
             whole = await c.completions.create(**kw)
             out.append((whole, [ch async for ch in await c.completions.create(**kw, stream=True)]))
         return out
@@ -138,6 +139,8 @@ def test_a_streamed_echo_equals_the_whole(served):
             got = [t for x in mine if x.logprobs for t in x.logprobs.token_logprobs]
             assert got[0] is None and got[1:] == pytest.approx(ref.logprobs.token_logprobs[1:], abs=1e-6)
             assert [t for x in mine if x.logprobs for t in x.logprobs.tokens] == ref.logprobs.tokens
+            # text_offset counts from the choice's start (the echoed prompt's), in every chunk, as whole
+            assert [o for x in mine if x.logprobs for o in x.logprobs.text_offset] == ref.logprobs.text_offset
             tops = [d for x in mine if x.logprobs for d in x.logprobs.top_logprobs]
             assert tops[0] is None and len(tops) == len(ref.logprobs.top_logprobs)
             for d, want in zip(tops[1:], ref.logprobs.top_logprobs[1:]):

@@ -86,7 +86,8 @@ def test_llama3_json_parses_calls_only_replies_and_streams_other_text_as_content
     call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
     assert f.parse(f.opening("get_weather", TOOLS) + '{"city": "Paris"}}', TOOLS).calls[0].name == "get_weather"
     assert f.render("", [CALL], TOOLS) == call and f.closings(TOOLS) is None
-    for text, pieces in [(call, ["", call[:1], call[1:]]), ("  " + call, [" ", " ", call]), ("<|python_tag|>" + call, ["<|py", "thon_tag|>", call]),
+    for text, pieces in [(call, ["", call[:1], call[1:]]), ("  " + call, [" ", " ", call]),
+                         ("<|python_tag|>" + call, ["<|py", "thon_tag|>", call]),
                          ("Sure, it is sunny.", ["Sure,", " it is", " sunny."]), ("<|py", ["<|py"])]:
         message, _ = tool_reply(text, "stop", TOOLS, "auto", f, ToolStats())
         assert "".join(pieces) == text
@@ -153,7 +154,8 @@ def test_content_stream_choices_and_formats():
     h, t = get_tool_format("hermes"), get_tool_format("tag")
     assert content_end("abc <tool", ["<tool_call>"]) == (4, False)
     assert content_end("abc <tool_call> x", ["<tool_call>"], 2) == (4, True)
-    assert content_end("x <calc>1", ["<calc>", "<c2>"]) == (2, True) and content_end("x <c", ["<calc>", "<c2>"]) == (2, False)
+    assert content_end("x <calc>1", ["<calc>", "<c2>"]) == (2, True)
+    assert content_end("x <c", ["<calc>", "<c2>"]) == (2, False)
     none = ContentStream(h, TOOLS, "none")  # nothing parsed: everything streams
     assert none.push("<tool_call>") == "<tool_call>" and none.finish({"content": "<tool_call>"}) == ""
     forced = ContentStream(h, TOOLS, "required")  # the text opens a call: held, its content comes at the end
@@ -257,7 +259,13 @@ def test_chat_template_kwargs_reach_the_template_and_unread_ones_are_refused(wea
         on = await c.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
         with pytest.raises(openai.BadRequestError) as e:
             await c.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"thinking_budget": 3}})
+        tooled = await c.chat.completions.create(**kw, tools=TOOLS, extra_body={
+            "chat_template_kwargs": {"enable_thinking": False}})
+        root = exact.url.removesuffix("/v1")
+        tokenized = (await c._client.post(root + "/tokenize", json={  # the chat endpoint's prompt, tools and all
+            "messages": kw["messages"], "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}})).json()
         await c.close()
+        assert tokenized["tokens"] == tooled.model_extra["prompt_token_ids"]
         return plain, off, on, e.value.body
 
     plain, off, on, err = asyncio.run(main())
@@ -565,6 +573,41 @@ def test_streamed_tool_calls_over_http_are_the_whole_replys(weather):
     assert all(len(e.top_logprobs) == 2 for x in named if x.logprobs for e in x.logprobs.content)
     c1 = [t for x in named for t in x.model_extra.get("token_ids", [])]
     assert turn2.model_extra["prompt_token_ids"][: len(p1) + len(c1)] == p1 + c1
+
+
+def test_streamed_content_without_a_call_keeps_what_the_text_stream_held_back():
+    """A streamed reply with tools that holds no call: its content is the whole reply's, the tail
+    the text stream held back for a stop string included (``parallel_tool_calls=false``'s end tag,
+    the request's own stop string, ``tool_choice="none"``): the last chunk sends that tail."""
+    from treerl.models import build_model
+
+    tok = CharTokenizer()
+    model = build_model("qwen3", "tiny", seed=0, max_position_embeddings=96, **tok.hf_config_kwargs())
+    server = ServerThread(make_state(RolloutEngine(model), tok, ServeOptions(
+        default_max_tokens=8, tool_call_parser="tag"))).start()
+
+    async def main():
+        c = _client(server)
+        out = []
+        for i in range(4):
+            kw = dict(model="treerl", messages=[{"role": "user", "content": f"q{i}?"}], tools=CALC, temperature=0,
+                      max_tokens=12)
+            for extra in [dict(parallel_tool_calls=False), dict(stop=["qqqqqq"]),
+                          dict(tool_choice="none", stop=["qqq"])]:
+                whole = await c.chat.completions.create(**kw, **extra)
+                chunks = [ch async for ch in await c.chat.completions.create(stream=True, **kw, **extra)]
+                out.append((extra, whole.choices[0], [x for ch in chunks for x in ch.choices]))
+        await c.close()
+        return out
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        server.stop()
+    for extra, ref, body in out:
+        assert "".join(x.delta.content or "" for x in body) == (ref.message.content or ""), extra
+        assert bool(body[-1].delta.tool_calls) == bool(ref.message.tool_calls), extra
+    assert sum(len(ref.message.content or "") >= 7 and not ref.message.tool_calls for _, ref, _ in out) >= 6
 
 
 def test_parallel_tool_calls_false_stops_after_the_first_call(weather):

@@ -154,7 +154,10 @@ def create_app(state: ServeState) -> FastAPI:
 
         def work() -> dict:
             if req.messages is not None:
-                ids = chat_prompt(state, ChatRequest.model_construct(messages=req.messages)).ids
+                chat = ChatRequest.model_construct(  # (tool_choice none: the same prompt as auto, no parser needed)
+                    messages=req.messages, tools=req.tools, tool_choice="none" if req.tools else None,
+                    chat_template_kwargs=req.chat_template_kwargs)
+                ids = chat_prompt(state, chat).ids
             else:
                 ids = encode(state, req.prompt, "prompt", req.add_special_tokens)
             strs = [state.tokenizer.decode([t]) for t in ids] if req.return_token_strs else None

@@ -115,7 +115,8 @@ def with_forced(state: ServeState, turn: ChatTurn, samples: list[Completion], pa
             top = (torch.cat([torch.as_tensor(scores.top_ids, dtype=top[0].dtype).reshape(k, -1), top[0]]),
                    torch.cat([torch.as_tensor(scores.top_logprobs, dtype=top[1].dtype).reshape(k, -1), top[1]]))
         out.append(dataclasses.replace(
-            c, prompt_ids=torch.as_tensor(turn.ids, dtype=torch.int64), completion_ids=torch.cat([ids, c.completion_ids]),
+            c, prompt_ids=torch.as_tensor(turn.ids, dtype=torch.int64),
+            completion_ids=torch.cat([ids, c.completion_ids]),
             logprobs=torch.cat([torch.as_tensor(scores.logprobs, dtype=c.logprobs.dtype), c.logprobs]),
             versions=torch.cat([torch.full((k,), version, dtype=c.versions.dtype), c.versions]), top_logprobs=top))
     return out

@@ -65,6 +65,14 @@ TEMPLATE_RESERVED = {"messages": "messages", "tools": "tools", "add_generation_p
                      "continue_final_message": "the chat endpoint", "return_dict": "the chat endpoint"}
 
 
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """400 naming ``chat_template_kwargs.KEY`` for a variable the server sets itself."""
+    for key in kwargs or {}:
+        if key in TEMPLATE_RESERVED:
+            raise APIError(f"chat_template_kwargs.{key}: the server sets {key!r} itself (from "
+                           f"{TEMPLATE_RESERVED[key]}); leave it out", f"chat_template_kwargs.{key}")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -234,10 +242,7 @@ class ChatRequest(SamplingRequest):
                                "top_logprobs")
             if self.top_logprobs and not self.logprobs:
                 raise APIError("top_logprobs needs logprobs=true", "top_logprobs")
-        for key in self.chat_template_kwargs or {}:
-            if key in TEMPLATE_RESERVED:
-                raise APIError(f"chat_template_kwargs.{key}: the server sets {key!r} itself (from "
-                               f"{TEMPLATE_RESERVED[key]}); leave it out", f"chat_template_kwargs.{key}")
+        check_template_kwargs(self.chat_template_kwargs)
 
     @property
     def top_logprobs_k(self) -> int:
@@ -262,6 +267,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None  # with messages: rendered as the chat endpoint renders them
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as the chat endpoint's
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -269,6 +276,10 @@ class TokenizeRequest(BaseModel):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError("send either prompt or messages", "prompt")
+        if self.messages is None and (self.tools is not None or self.chat_template_kwargs is not None):
+            raise APIError("tools and chat_template_kwargs go with messages", "tools" if self.tools is not None
+                           else "chat_template_kwargs")
+        check_template_kwargs(self.chat_template_kwargs)
         if self.messages is not None and not self.add_generation_prompt:
             raise APIError("add_generation_prompt=false is not supported (the chat prompt ends with the "
                            "generation prompt)", "add_generation_prompt")

@@ -30,6 +30,7 @@ class _StreamChoice:
     text: TextStream
     content: ContentStream | None = None  # (a chat request with tools: the content that is not a call)
     sent_tokens: int = 0
+    text_offset: int = 0  # (completions' logprobs: the pieces' length so far, an echoed prompt's included)
 
 
 def _sse(obj: dict) -> str:
@@ -110,9 +111,11 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
             out = {"index": index, "delta": delta,
                    "logprobs": chat_logprobs(state, ids, lps, top) if req.logprobs and ids else None}
         else:
-            out = {"index": index, "text": text,
-                   "logprobs": completion_logprobs(state, ids, lps, top, k) if req.logprobs is not None and ids
-                   else None}
+            logprobs = None
+            if req.logprobs is not None and ids:  # (text_offset: from the start of the choice's text, as whole)
+                logprobs = completion_logprobs(state, ids, lps, top, k, choices[index].text_offset)
+                choices[index].text_offset += sum(map(len, logprobs["tokens"]))
+            out = {"index": index, "text": text, "logprobs": logprobs}
         out |= {"finish_reason": finish}
         if finish is not None:
             out["stop_reason"] = stop
@@ -131,6 +134,8 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
     if not chat and req.echo:  # each choice's prompt first (with logprobs: the prompt's, one forward a prompt)
         for i, ids in enumerate(prompts):
             text, logprobs = await off_loop(None, echo_head, state, req, req.prompts[i], ids)
+            for j in range(n):
+                choices[i * n + j].text_offset = sum(map(len, logprobs["tokens"])) if logprobs else 0
             yield chunk([{"index": i * n + j, "text": text, "logprobs": logprobs, "finish_reason": None}
                          | token_fields([], [], []) for j in range(n)])
         if not futures:  # max_tokens=0: the prompts only
@@ -166,13 +171,12 @@ async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[in
             whole = c
             if chat:  # tool calls parsed, the tokens recorded for the next turn (a forced opening: with it)
                 if forced:
-                    [whole] = with_forced(state, turn, [c], params[i], scored)
+                    [whole] = await off_loop(None, with_forced, state, turn, [c], params[i], scored)
                     final = await off_loop(len(whole), choice_text, state, req, whole)
                 message, finish = await off_loop(len(whole), state.chat.reply, turn, final, whole.finish_reason,
                                                  whole.completion_ids.tolist(), whole.stop)
                 calls = message.get("tool_calls")
-                if sc.content is not None:
-                    sc.content.push(text)
+                if sc.content is not None:  # (the content not sent yet: what the text stream held back included)
                     text = sc.content.finish(message)
             yield chunk([choice(index, text, c.completion_ids.tolist()[rest], c.logprobs.tolist()[rest],
                                 c.versions.tolist()[rest], top, finish, c.stop, calls)])  # (lists: no torch op)
