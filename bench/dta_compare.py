@@ -60,6 +60,7 @@ from profile_engine import matmul_peak  # noqa: E402
 
 from treerl import PrefixTree, TreeEngine  # noqa: E402
 from treerl.devtools.benchmark import useful_flops, weighted_logprob_loss  # noqa: E402
+from treerl.engine import chain_attention  # noqa: E402
 from treerl.devtools.workloads import SCALES, make_workload, prefix_fan  # noqa: E402
 from treerl.models import SHAPES, build_model  # noqa: E402
 
@@ -342,6 +343,8 @@ def run(args) -> dict:
                     # (torch.compile's graphs and recompiles in this row: session 34 measured episodes 17% slower
                     # after five other shapes in one process than alone, with the same plan; not explained)
                     row["compile"] = {k: v - before.get(k, 0) for k, v in _compile_counts().items()}
+                    # (the process's cuDNN plans by then: past chain_attention.CUDNN_MAX_SHAPES new shapes take flash)
+                    row["attention_shapes"] = {k: len(v) for k, v in chain_attention.SHAPES.items()}
                     row["tflops"] = flops / row["seconds"] / 1e12
                     if row["peak_bytes"] is not None:
                         row["peak_gib"] = row["peak_bytes"] / 2**30
