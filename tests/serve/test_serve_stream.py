@@ -222,11 +222,12 @@ def test_a_client_that_disconnects_mid_stream_frees_its_rows(served):
     server, engine, tok = served
     loop = server.state.loop
     http = http_module()
+    prompt = plain_prompt(server, engine, tok, 24)  # greedy: no eos in its first 24 tokens, whatever ran before
     # the engine thread blocks in the stream's first token delivery until the server has cancelled
     with held_at_first_tokens(loop, forward=True) as (cancelled, futures, delivered, gate):
         with http.Client(base_url=server.url, timeout=60) as c:
-            with c.stream("POST", "/completions", json={"model": "treerl", "prompt": "1+", "stream": True,
-                                                        "max_tokens": CONTEXT - 8, "temperature": 1.0}) as r:
+            with c.stream("POST", "/completions", json={"model": "treerl", "prompt": prompt, "stream": True,
+                                                        "max_tokens": CONTEXT - 8, "temperature": 0}) as r:
                 assert r.status_code == 200
                 first = next(r.iter_lines())
                 assert first.startswith("data: ") and json.loads(first[6:])["object"] == "text_completion"
@@ -240,19 +241,44 @@ def test_a_client_that_disconnects_mid_stream_frees_its_rows(served):
             assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"]
 
 
+def test_an_error_after_the_stream_began_ends_it_with_an_error_event(served, monkeypatch):
+    """An exception in the server after a stream's first chunk (here: decoding its final text) is an
+    error event in OpenAI's shape and ``data: [DONE]``, not a connection cut short; the server goes on."""
+    import treerl.serve.streaming as streaming
+
+    server, _, _ = served
+
+    def broken(*args):
+        raise RuntimeError("decoder gone")
+
+    monkeypatch.setattr(streaming, "choice_text", broken)
+    with http_module().Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/completions", json={"model": "treerl", "prompt": "1+", "stream": True,
+                                                    "max_tokens": 3}) as r:
+            assert r.status_code == 200
+            lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        monkeypatch.undo()
+        assert lines[-1] == "[DONE]"
+        error = json.loads(lines[-2])["error"]
+        assert error["type"] == "server_error" and "decoder gone" in error["message"]
+        ok = c.post("/completions", json={"model": "treerl", "prompt": "1+1=", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"]
+
+
 def test_a_non_streaming_client_that_disconnects_frees_its_rows(served):
     """A client of a non-streamed completion that goes away mid-generation (the ``openai``
     client's call cancelled: its connection closed) gets its rows cancelled as a streaming
     client does; the server keeps serving."""
     server, engine, tok = served
     loop = server.state.loop
+    prompt = plain_prompt(server, engine, tok, 24)  # greedy: no eos in its first 24 tokens, whatever ran before
 
     # the engine thread blocks at the request's first tokens until the server has cancelled it
     with held_at_first_tokens(loop, forward=False) as (cancelled, futures, delivered, gate):
         async def main():
             async with client(server) as c:
-                call = asyncio.ensure_future(c.completions.create(model="treerl", prompt="1+",
-                                                                  max_tokens=CONTEXT - 8, temperature=1.0))
+                call = asyncio.ensure_future(c.completions.create(model="treerl", prompt=prompt,
+                                                                  max_tokens=CONTEXT - 8, temperature=0))
                 assert await asyncio.to_thread(delivered.wait, 60)  # generating: its first tokens reached the host
                 call.cancel()  # the client goes away (its connection closed)
                 with pytest.raises(asyncio.CancelledError):

@@ -44,8 +44,8 @@ from .choices import chat_choice, completion_body, response_body, with_forced
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        WeightsRequest, validation_error)
-from .requests import (INLINE_PROMPT_IDS, chat_prompt, check_ids, check_model, completion_prompts, encode, off_loop,
-                       parse_request, run_prompts, sampling_params)
+from .requests import (INLINE_PROMPT_IDS, chat_prompt, check_ids, check_model, completion_prompts, encode,
+                       internal_error, off_loop, parse_request, run_prompts, sampling_params)
 from .state import ServeState
 from .streaming import stream_response
 
@@ -75,10 +75,6 @@ class _CountResponses:
             await send(message)
 
         await self.app(scope, receive, counting_send)
-
-
-def internal_error(exc: BaseException) -> APIError:
-    return APIError(f"internal server error: {type(exc).__name__}: {exc}", None, status=500, type="server_error")
 
 
 class _InternalErrors:

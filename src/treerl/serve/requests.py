@@ -130,6 +130,10 @@ async def off_loop(tokens: int | None, fn, *args):
 
 
 # ---------------------------------------------------------------------- generation
+def internal_error(exc: BaseException) -> APIError:
+    return APIError(f"internal server error: {type(exc).__name__}: {exc}", None, status=500, type="server_error")
+
+
 def generation_error(err: BaseException) -> APIError:
     status = 503 if "shutting down" in str(err) or "stopped" in str(err) else 500
     return APIError(f"generation failed: {type(err).__name__}: {err}", None, status=status, type="server_error")

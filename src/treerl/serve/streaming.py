@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from concurrent.futures import Future
@@ -20,7 +21,7 @@ from .choices import (chat_logprobs, choice_text, completion_logprobs, echo_head
 from .detok import TextStream
 from .handoff import handoff
 from .protocol import SamplingRequest
-from .requests import cancel, generation_error, off_loop, sampling_params, submit
+from .requests import cancel, generation_error, internal_error, off_loop, sampling_params, submit
 from .state import ServeState
 from .tools import ContentStream
 
@@ -71,8 +72,21 @@ def stream_response(state: ServeState, req: SamplingRequest, prompts: list[list[
     return _Stream(_chunks(state, req, prompts, params, futures, queue, chat, turn), lambda: cancel(state, futures))
 
 
-async def _chunks(state: ServeState, req: SamplingRequest, prompts: list[list[int]], params: list,
-                  futures: list[Future], queue: asyncio.Queue, chat: bool, turn: ChatTurn | None) -> AsyncIterator[str]:
+async def _chunks(*args) -> AsyncIterator[str]:
+    """:func:`_chunk_body`'s chunks; an exception after the stream began ends it with an error event (OpenAI's
+    error shape; the traceback logged) and ``data: [DONE]``, not with a connection cut short."""
+    try:
+        async for piece in _chunk_body(*args):
+            yield piece
+    except Exception as exc:  # noqa: BLE001 - the client gets the error, the server goes on
+        logging.getLogger("uvicorn.error").error("treerl serve: internal error in a stream", exc_info=exc)
+        yield _sse(internal_error(exc).body())
+        yield "data: [DONE]\n\n"
+
+
+async def _chunk_body(state: ServeState, req: SamplingRequest, prompts: list[list[int]], params: list,
+                      futures: list[Future], queue: asyncio.Queue, chat: bool,
+                      turn: ChatTurn | None) -> AsyncIterator[str]:
     """The chunks. A chat request with tools streams its tokens, and its text up to where a call
     may open (:class:`~treerl.serve.tools.ContentStream`); the parsed ``tool_calls`` (or the held
     text, when it holds no call that parses) come in the last chunk of each choice. A forced call's
