@@ -341,7 +341,7 @@ def run(args) -> dict:
                     row.update(timed(runner, inputs_for(name, seqs), loss_fn, model, device, args))
                     row.update(runner.describe())
                     # (torch.compile's graphs and recompiles in this row: session 34 measured episodes 17% slower
-                    # after five other shapes in one process than alone, with the same plan; not explained)
+                    # after five other shapes in one process than alone, with the same plan; bench/RESULTS.md)
                     row["compile"] = {k: v - before.get(k, 0) for k, v in _compile_counts().items()}
                     # (the process's cuDNN plans by then: past chain_attention.CUDNN_MAX_SHAPES new shapes take flash)
                     row["attention_shapes"] = {k: len(v) for k, v in chain_attention.SHAPES.items()}
@@ -457,6 +457,8 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"unknown {what} {', '.join(bad) or '(none given)'}: choose from {', '.join(known)}")
     if args.repeats < 1 or args.warmup < 0 or args.dta_block_size < 1:
         p.error("--repeats and --dta-block-size must be at least 1, --warmup at least 0")
+    if args.memory_budget is not None and not 0 < args.memory_budget <= 1:
+        p.error(f"--memory-budget is a fraction of the device in (0, 1], got {args.memory_budget:g}")
     try:
         results = run(args)
     except DTAMissing as exc:

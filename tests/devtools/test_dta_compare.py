@@ -28,12 +28,14 @@ def _load():
 def test_treerl_rows_on_cpu(tmp_path, capsys):
     dc = _load()
     out = tmp_path / "dta.json"
-    dc.main(TINY + ["--shapes", "grpo", "--engines", "auto,dfs", "--no-grad-check", "--out", str(out)])
+    dc.main(TINY + ["--shapes", "grpo", "--engines", "auto,dfs", "--no-grad-check", "--memory-budget", "0.5",
+                    "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["shape"], r["engine"]) for r in rows] == [("grpo", "auto"), ("grpo", "dfs")]
     for r in rows:
         assert "error" not in r and r["seconds"] > 0 and len(r["times"]) == 1 and r["tflops"] > 0
         assert r["peak_bytes"] is None  # CPU: no allocator statistics
+        assert r["settings"]["memory_budget"] == 0.5 and "compile" in r and "attention_shapes" in r
     same = {(r["shape"], r["engine"]): r["loss"] for r in rows}
     assert same[("grpo", "auto")] == pytest.approx(same[("grpo", "dfs")], rel=1e-5)
     table = capsys.readouterr().out
@@ -45,6 +47,9 @@ def test_unknown_shape_and_missing_dta_are_one_line_errors(tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         dc.main(TINY + ["--shapes", "grpo,wide"])
     assert "unknown shape wide" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        dc.main(TINY + ["--shapes", "grpo", "--memory-budget", "1.5"])
+    assert "--memory-budget is a fraction of the device in (0, 1], got 1.5" in capsys.readouterr().err
     monkeypatch.setattr(dc, "DTA_DIR", tmp_path / "absent")
     with pytest.raises(SystemExit):
         dc.main(TINY + ["--shapes", "grpo", "--engines", "auto,dta"])

@@ -153,7 +153,7 @@ def test_streamed_content_is_the_whole_replys_for_every_split_and_never_holds_ca
 def test_content_stream_choices_and_formats():
     h, t = get_tool_format("hermes"), get_tool_format("tag")
     assert content_end("abc <tool", ["<tool_call>"]) == (4, False)
-    assert content_end("abc <tool_call> x", ["<tool_call>"], 2) == (4, True)
+    assert content_end("abc <tool_call> x", ["<tool_call>"]) == (4, True)
     assert content_end("x <calc>1", ["<calc>", "<c2>"]) == (2, True)
     assert content_end("x <c", ["<calc>", "<c2>"]) == (2, False)
     none = ContentStream(h, TOOLS, "none")  # nothing parsed: everything streams

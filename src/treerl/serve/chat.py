@@ -204,13 +204,12 @@ class ChatRenderer:
         tools = req.tools
         choice, name = check_tool_choice(tools, req.tool_choice, self.tool_format)
         messages = template_messages(req.messages)
-        kwargs = getattr(req, "chat_template_kwargs", None)
-        text = render_chat(self.tokenizer, messages, tools, self.tool_format, kwargs)
+        text = render_chat(self.tokenizer, messages, tools, self.tool_format, req.chat_template_kwargs)
         keys = conversation_keys(messages)  # (hashes every message: once)
         ids = self.history.prompt_ids(messages, text, self._encode, self._decode, keys)
         forced = self._encode(self.tool_format.opening(name, tools)) if choice in ("required", "function") else []
         ends = ()
-        if getattr(req, "parallel_tool_calls", None) is False and choice != "none" and tools:
+        if req.parallel_tool_calls is False and choice != "none" and tools:
             closings = self.tool_format.closings(tools)  # ([]: no call possible, so at most one)
             ends = tuple(closings or ())
             if closings is None:

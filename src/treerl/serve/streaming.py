@@ -180,18 +180,17 @@ async def _chunk_body(state: ServeState, req: SamplingRequest, prompts: list[lis
             rest = slice(sc.sent_tokens, None)
             top = top_lists(getattr(c, "top_logprobs", None))
             top = (top[0][rest], top[1][rest]) if top else None
-            final = await off_loop(len(c), choice_text, state, req, c)
-            finish, calls, text = c.finish_reason, None, sc.text.finish(final)
-            whole = c
-            if chat:  # tool calls parsed, the tokens recorded for the next turn (a forced opening: with it)
-                if forced:
-                    [whole] = await off_loop(None, with_forced, state, turn, [c], params[i], scored)
-                    final = await off_loop(len(whole), choice_text, state, req, whole)
+            whole = c  # (a forced call's: with its opening, as the model was conditioned on it)
+            if forced:
+                [whole] = await off_loop(None, with_forced, state, turn, [c], params[i], scored)
+            final = await off_loop(len(whole), choice_text, state, req, whole)
+            finish, calls = c.finish_reason, None
+            if chat:  # tool calls parsed, the tokens recorded for the next turn
                 message, finish = await off_loop(len(whole), state.chat.reply, turn, final, whole.finish_reason,
                                                  whole.completion_ids.tolist(), whole.stop)
                 calls = message.get("tool_calls")
-                if sc.content is not None:  # (the content not sent yet: what the text stream held back included)
-                    text = sc.content.finish(message)
+            # (with tools: the content not sent yet, what the text stream held back included)
+            text = sc.content.finish(message) if sc.content is not None else sc.text.finish(final)
             yield chunk([choice(index, text, c.completion_ids.tolist()[rest], c.logprobs.tolist()[rest],
                                 c.versions.tolist()[rest], top, finish, c.stop, calls)])  # (lists: no torch op)
             generated += len(whole)

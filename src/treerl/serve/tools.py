@@ -129,11 +129,12 @@ class ToolFormat:
         comes. None (a format that does not say): a streamed reply's text is held to its end."""
         return None
 
-    def stream_end(self, text: str, tools: Sequence[dict], start: int = 0) -> tuple[int, bool] | None:
-        """``(end, opened)`` of :func:`content_end` for a reply's text so far (``start``: what was
-        sent, all content); None: hold all of it (by default, from :meth:`openings`)."""
+    def stream_end(self, held: str, tools: Sequence[dict], sent: int) -> tuple[int, bool] | None:
+        """``(end, opened)`` of :func:`content_end` for the text of a streamed reply not sent yet
+        (``held``; ``sent``: the characters before it, all content, so no opening begins there); None:
+        hold all of it (by default, from :meth:`openings`)."""
         openings = self.openings(tools)
-        return None if openings is None else content_end(text, openings, start)
+        return None if openings is None else content_end(held, openings)
 
 
 _FORMATS: dict[str, Callable[[], ToolFormat]] = {}
@@ -308,15 +309,15 @@ class Llama3JsonFormat(ToolFormat):
             raise MalformedToolCall("<|python_tag|> without a call")
         return ParsedReply(None, calls)
 
-    def stream_end(self, text: str, tools: Sequence[dict], start: int = 0) -> tuple[int, bool] | None:
-        if start > 0:  # (the reply began as content: all of it is)
-            return len(text), False
-        body = text.lstrip()
+    def stream_end(self, held: str, tools: Sequence[dict], sent: int) -> tuple[int, bool] | None:
+        if sent > 0:  # (the reply began as content: all of it is)
+            return len(held), False
+        body = held.lstrip()
         if body.startswith(("{", self.TAG)):
             return 0, True
         if not body or self.TAG.startswith(body):
             return 0, False  # (whitespace, or the tag's start: a call may follow)
-        return len(text), False
+        return len(held), False
 
     def opening(self, name: str | None, tools: Sequence[dict]) -> str:
         """``{"name": "`` (any tool), ``{"name": "NAME", "parameters": `` (a named one)."""
@@ -397,15 +398,15 @@ def tool_reply(text: str, finish_reason: str | None, tools: list[dict] | None, c
             "tool_calls")
 
 
-def content_end(text: str, openings: Sequence[str], start: int = 0) -> tuple[int, bool]:
+def content_end(text: str, openings: Sequence[str]) -> tuple[int, bool]:
     """``(end, opened)``: ``text[:end]`` is content whatever follows it (``opened``: a call's
     opening begins at ``end``; otherwise ``text[end:]`` is a proper prefix of an opening, or
-    empty). No opening begins before ``start``."""
-    hits = [i for o in openings if (i := text.find(o, start)) >= 0]
+    empty)."""
+    hits = [i for o in openings if (i := text.find(o)) >= 0]
     if hits:
         return min(hits), True
     longest = max(map(len, openings), default=0)
-    for i in range(max(start, len(text) - longest + 1), len(text)):
+    for i in range(max(0, len(text) - longest + 1), len(text)):
         if any(o.startswith(text[i:]) for o in openings):
             return i, False
     return len(text), False
@@ -416,33 +417,39 @@ class ContentStream:
     deltas (a :class:`~treerl.serve.detok.TextStream`'s) and get the part to send now;
     ``finish`` with the parsed reply's message gives the rest of its content. ``choice``:
     the request's effective ``tool_choice`` (forced ones hold everything: the text opens a call;
-    ``none``: nothing is parsed, everything streams)."""
+    ``none``: nothing is parsed, everything streams). Keeps only the text not sent yet, and none
+    once a call opened (what follows comes from the parsed reply): linear in the reply's length."""
 
     def __init__(self, parser: ToolFormat | None, tools: Sequence[dict] | None, choice: str):
         self.parser, self.tools = parser, tools
         self.streams_all = choice == "none" or parser is None or not tools
-        self.text, self.sent, self.opened = "", 0, not self.streams_all and choice != "auto"
+        self.opened = not self.streams_all and choice != "auto"
+        self.held, self.sent = "", []  # (the text not sent yet; the pieces sent)
+        self.sent_chars = 0
 
     def push(self, delta: str) -> str:
-        self.text += delta
         if self.opened:
             return ""
+        self.held += delta
         if self.streams_all:
-            found = len(self.text), False
+            found = len(self.held), False
         else:
-            found = self.parser.stream_end(self.text, self.tools, self.sent)
+            found = self.parser.stream_end(self.held, self.tools, self.sent_chars)
         if found is None:  # (a format that cannot tell: held to the end)
             self.opened = True
             return ""
         end, self.opened = found
-        out, self.sent = self.text[self.sent:end], end
+        out, self.held = self.held[:end], self.held[end:]
+        if out:
+            self.sent.append(out)
+            self.sent_chars += len(out)
         return out
 
     def finish(self, message: dict) -> str:
         """What the reply's content adds to the content sent (its calls come whole beside it)."""
-        content = message.get("content") or ""
-        assert content.startswith(self.text[:self.sent]), "the streamed content is not the reply's"
-        return content[self.sent:]
+        content, sent = message.get("content") or "", "".join(self.sent)
+        assert content.startswith(sent), "the streamed content is not the reply's"
+        return content[len(sent):]
 
 
 __all__ = ["ToolCall", "ParsedReply", "MalformedToolCall", "ToolStats", "ToolFormat", "register_tool_format",
