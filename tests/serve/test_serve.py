@@ -344,8 +344,8 @@ class ShortsBesideLong:
     and a pre-hook on the served model's input embedding (every forward, whichever path). It
     holds the engine thread, inside a forward, (1) from the first forward after the long
     request's first tokens reached its listener until all ``shorts`` requests are in the engine
-    loop, and (2) at the long request's first forward after every short future resolved,
-    until ``received`` (the client has every short response). Each wait ends after 60 s
+    loop, and (2) at the first forward after every short future resolved, until ``received``
+    (the client has every short response; at once when it has them already). Each wait ends after 60 s
     (``timed_out``: a failure, never a hang)."""
 
     def __init__(self, loop, engine, shorts: int):
@@ -383,10 +383,11 @@ class ShortsBesideLong:
             if not self.shorts_in.wait(60):
                 self.timed_out.append("shorts_in")
             self.steps["released"] = self.loop.engine_stats().decode_steps
-        elif (self.shorts_in.is_set() and not self.received.is_set() and all(f.done() for f in self.futures)
-              and not self.long_future.done()):
-            self.long_running_when_shorts_done = True
-            self.steps.setdefault("shorts_done", self.loop.engine_stats().decode_steps)
+        elif self.shorts_in.is_set() and "shorts_done" not in self.steps and all(f.done() for f in self.futures):
+            # the first forward after every short finished (the client may have its answers already: the
+            # futures resolve between two forwards, and the answers go out from the event loop meanwhile)
+            self.long_running_when_shorts_done = not self.long_future.done()
+            self.steps["shorts_done"] = self.loop.engine_stats().decode_steps
             if not self.received.wait(60):
                 self.timed_out.append("received")
 
