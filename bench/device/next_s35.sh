@@ -7,12 +7,13 @@
 # ran through flash, and calls that would take the root split kept the tree mask. A training run whose trees change
 # every step would fill the 64 the same way within a few steps. Test: the six shapes, auto and dfs, in one process
 # at the default cap and with no cap; dta_compare records per row the cuDNN/flash shapes seen so far
-# (`attention_shapes`) and torch.compile's counters (`compile`).
+# (`attention_shapes`) and torch.compile's counters (`compile`). Both runs without the per-call allowance of
+# session 35 (CUDNN_NEW_SHAPES_PER_CALL=None): the process cap alone, as session 34 ran.
 source bench/device/lib.sh
 export PYTHONPATH=src
 ls .dta/tree_training_engine.py || { echo ".dta/ did not travel"; exit 2; }
 for cap in 64 None; do
-  with_module 250 treerl.engine.chain_attention "CUDNN_MAX_SHAPES=$cap" bench/dta_compare.py --engines auto,dfs \
+  with_module 250 treerl.engine.chain_attention "CUDNN_MAX_SHAPES=$cap CUDNN_NEW_SHAPES_PER_CALL=None" bench/dta_compare.py --engines auto,dfs \
       --no-grad-check --repeats 2 --memory-budget 0.141 --max-seconds 220 --out $OUT/six_cap${cap}_s35.json \
       > $OUT/six_cap${cap}_s35.log 2>&1
   echo "== cap $cap ($SECONDS s)"; grep "settings\|^| " $OUT/six_cap${cap}_s35.log | cut -c1-200

@@ -46,9 +46,10 @@ rowsum(dO O)) = 0``), and their dQ and the dummy keys' dK/dV are dropped. Costs:
 ``2 align`` dummy rows per call, and copies of the queries and the causal part's K/V (none when
 the prefix and the queries are already multiples of ``align``, as the 2,048-token pieces of a
 long prompt are). Distinct kernel shapes are then (rows, prefix keys) pairs on the grid;
-:data:`SHAPES` counts them per kernel, and :data:`CUDNN_MAX_SHAPES` bounds the plans cuDNN
-builds (~270 ms each on an H100): a call of a new shape beyond it runs through the next kernel
-that passed the probe (flash), exactly the same math.
+:data:`SHAPES` counts them per kernel, and :data:`CUDNN_NEW_SHAPES_PER_CALL` bounds the plans cuDNN
+builds in one engine call (~270 ms each on an H100; :data:`CUDNN_MAX_SHAPES` in a process): a call
+of a new shape beyond it runs through the next kernel that passed the probe (flash), exactly the
+same math, and a later call plans it.
 
 Costs beside the two kernels: the merge (elementwise over [N, H, D] in float32), dQ summed
 and the prefix's and own dK/dV concatenated (a copy of the keys' gradients, ~126 MB for 30k
@@ -78,9 +79,13 @@ ALIGN: dict[str, int] = {"cudnn": 128}
 # Largest head dim each fused kernel takes here (torch's sdp_utils.cpp; cuDNN's 256 needs recent
 # cuDNN on sm90/sm100 only: 128, the families treerl supports use 64 or 128), all multiples of 8.
 HEAD_DIM_LIMIT: dict[str, int] = {"cudnn": 128, "flash": 256, "efficient": 256}
-# Distinct (rows, prefix keys) shapes that cuDNN may build plans for in this process; calls of
-# other shapes beyond it take the next kernel that passed the probe (None: no bound).
-CUDNN_MAX_SHAPES: int | None = 64
+# New (rows, prefix keys) shapes that cuDNN may build plans for in one engine call (a forward or a
+# forward_backward, opened by begin_call; each shape ~0.1-0.3 s of forward and backward plans): the call's
+# other new shapes take the next kernel that passed the probe, and a later call plans them, so the shapes
+# a run meets again all reach cuDNN while no call pays for more than this many plans (None: no bound).
+CUDNN_NEW_SHAPES_PER_CALL: int | None = 8
+# Distinct shapes that cuDNN may plan in this process (torch keeps every plan; None: no bound).
+CUDNN_MAX_SHAPES: int | None = 1024
 
 # part forward: (q [B,H,N,D], k [B,Hk,M,D], v, causal, scale) -> (out [B,H,N,D], raw lse, extra)
 # part backward: (dout, q, k, v, out, raw lse, extra, causal, scale) -> (dq, dk, dv)
@@ -398,6 +403,24 @@ PROBED: dict[str, dict] = {}
 # Per kernel label: the distinct (device, dtype, heads, KV heads, head dim, rows, prefix keys)
 # of the calls it ran (cuDNN builds a plan for each new one).
 SHAPES: dict[str, set] = {}
+# new cuDNN shapes planned since the running engine call began (begin_call)
+_call_new_shapes = 0
+
+
+def begin_call() -> None:
+    """Opens an engine call's allowance of new cuDNN shapes (:data:`CUDNN_NEW_SHAPES_PER_CALL`). The engine
+    calls it once per forward or forward_backward, before any attention; within the call the count only
+    grows, so a shape refused in a block's forward is refused in its recompute too (the backward's recompute
+    runs on autograd's thread: the count is the process's, not a thread's; engine calls run one at a time)."""
+    global _call_new_shapes
+    _call_new_shapes = 0
+
+
+def _cudnn_room(planned_shapes: int, new: int) -> bool:
+    """Whether cuDNN may plan ``new`` more shapes after ``planned_shapes`` in this process."""
+    if CUDNN_MAX_SHAPES is not None and planned_shapes + new > CUDNN_MAX_SHAPES:
+        return False
+    return CUDNN_NEW_SHAPES_PER_CALL is None or _call_new_shapes + new <= CUDNN_NEW_SHAPES_PER_CALL
 
 
 def kernel_for(q: torch.Tensor, k: torch.Tensor, causal: bool = True) -> Kernel | None:
@@ -420,8 +443,9 @@ def kernel_for(q: torch.Tensor, k: torch.Tensor, causal: bool = True) -> Kernel 
 def planned(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, fallback: Callable[[], Kernel | None],
             causal: bool = True) -> Kernel:
     """``kernel`` for this call's shape (recorded in :data:`SHAPES`), unless it is cuDNN, the
-    shape is new and cuDNN has planned :data:`CUDNN_MAX_SHAPES` others already: then
-    ``fallback()`` (the next kernel that passed the probe), if there is one. Deterministic per
+    shape is new and cuDNN may plan no more (:data:`CUDNN_NEW_SHAPES_PER_CALL` planned in this
+    engine call already, or :data:`CUDNN_MAX_SHAPES` in the process): then ``fallback()`` (the
+    next kernel that passed the probe), if there is one. Within an engine call deterministic per
     shape, so a block's recompute takes the kernel its forward took. ``causal``: a chain's
     (a full and a causal part) or a group's (a full part only; none without full keys)."""
     n = q.shape[2]
@@ -432,13 +456,18 @@ def planned(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, fallback: Callable
     key = shape(kernel)
     if not causal and key[-2] == 0:
         return kernel  # a group without full keys runs no kernel (the tree mask instead)
+    global _call_new_shapes
     seen = SHAPES.setdefault(kernel.label, set())
-    if key not in seen and kernel.name == "cudnn" and CUDNN_MAX_SHAPES is not None and len(seen) >= CUDNN_MAX_SHAPES:
+    if key in seen or kernel.name != "cudnn":
+        seen.add(key)
+        return kernel
+    if not _cudnn_room(len(seen), 1):
         other = fallback()
         if other is not None:
             SHAPES.setdefault(other.label, set()).add(shape(other))
             return other
     seen.add(key)
+    _call_new_shapes += 1
     return kernel
 
 
@@ -452,13 +481,13 @@ def _shape(kernel: Kernel, device, dtype, heads: int, kv_heads: int, dim: int, n
 def plans_room(kernel: Kernel, device, dtype, heads: int, kv_heads: int, dim: int,
                parts: list[tuple[int, int, bool]]) -> bool:
     """Whether :func:`planned` would keep ``kernel`` for every one of ``parts`` ((queries, prefix keys,
-    causal) each, one call's kernel calls): cuDNN has planned their shapes already or has room under
-    :data:`CUDNN_MAX_SHAPES` for the new ones (records nothing)."""
-    if kernel.name != "cudnn" or CUDNN_MAX_SHAPES is None:
+    causal) each, one model call's kernel calls): cuDNN has planned their shapes already or may plan the
+    new ones (:data:`CUDNN_NEW_SHAPES_PER_CALL`, :data:`CUDNN_MAX_SHAPES`; records nothing)."""
+    if kernel.name != "cudnn":
         return True
     seen = SHAPES.get(kernel.label, set())
     new = {_shape(kernel, device, dtype, heads, kv_heads, dim, *part) for part in parts} - seen
-    return len(seen) + len(new) <= CUDNN_MAX_SHAPES
+    return not new or _cudnn_room(len(seen), len(new))
 
 
 def select(device, dtype, heads: int, kv_heads: int, dim: int, names: tuple[str, ...] | None = None,

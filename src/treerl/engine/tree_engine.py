@@ -40,7 +40,7 @@ import torch
 from .attention import (BACKENDS, FLEX_BLOCK, KV, ROOT_SPLIT_KERNELS, TreeAttention, root_split_on,
                         tree_attention_enabled)
 from .batch import Batch, outputs_and_grads, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
-from .chain_attention import FUSED_DTYPES, Kernel, plans_room
+from .chain_attention import FUSED_DTYPES, Kernel, begin_call, plans_room
 from .chain_attention import select as select_kernel
 from .checks import check_inputs, check_loss, check_supported
 from ..compiled import claim_compiled_code
@@ -295,6 +295,7 @@ class TreeEngine:
         check_inputs(layout, self.vocab_size, self.max_positions)
         plan = self._plan(layout)
         self.stats = StepStats(mode=self.mode, plan=plan.describe())
+        begin_call()  # this call's allowance of new cuDNN shapes
         return prepare_batch(layout, plan, self.device)
 
     # ------------------------------------------------------------ one model call
@@ -304,8 +305,9 @@ class TreeEngine:
         :class:`TreeAttention` checks their lengths), or none. On a GPU only with flex attention in half
         precision (float32 there takes the tree mask), one of
         :data:`~treerl.engine.attention.ROOT_SPLIT_KERNELS` chosen by the probe for the model's heads,
-        and every part's shape planned by cuDNN or within ``CUDNN_MAX_SHAPES`` (else a part would take
-        the next kernel, slower than the padded tree mask: bench/RESULTS.md, session 10). Where none, a
+        and every part's shape planned by cuDNN or within its allowance (``CUDNN_NEW_SHAPES_PER_CALL``,
+        ``CUDNN_MAX_SHAPES``; else a part would take the next kernel, slower than the padded tree mask:
+        bench/RESULTS.md, session 10). Where none, a
         GPU call keeps its whole-tile padding."""
         if not root_split_on(self.device):
             return ()
