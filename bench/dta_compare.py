@@ -165,9 +165,13 @@ def free(device) -> None:
 
 def timed(runner, seqs, loss_fn, model, device, args) -> dict:
     """Warm-up step(s), then up to ``repeats`` timed steps (fewer when a warm-up step took
-    long), peak memory over the timed steps only."""
+    long), peak memory over the timed steps only. A warm-up step that planned a whole call's allowance
+    of new cuDNN shapes (``chain_attention.CUDNN_NEW_SHAPES_PER_CALL``: others may have waited) is
+    followed by another, up to ``--warmup-max`` in all, so timed steps run every shape the way a long
+    run does once it has met this tree's shapes."""
     warm = []
-    for _ in range(args.warmup):
+    while len(warm) < args.warmup or (warm and len(warm) < args.warmup_max and chain_attention.allowance_used()):
+        chain_attention.begin_call()  # (treerl's engines open their own calls; the DTA engine plans nothing here)
         t = time.perf_counter()
         runner.step(seqs, loss_fn)
         sync(device)
@@ -343,7 +347,7 @@ def run(args) -> dict:
                     # (torch.compile's graphs and recompiles in this row: session 34 measured episodes 17% slower
                     # after five other shapes in one process than alone, with the same plan; bench/RESULTS.md)
                     row["compile"] = {k: v - before.get(k, 0) for k, v in _compile_counts().items()}
-                    # (the process's cuDNN plans by then: past chain_attention.CUDNN_MAX_SHAPES new shapes take flash)
+                    # (the process's cuDNN plans by then: a call's new shapes past its allowance take flash)
                     row["attention_shapes"] = {k: len(v) for k, v in chain_attention.SHAPES.items()}
                     row["tflops"] = flops / row["seconds"] / 1e12
                     if row["peak_bytes"] is not None:
@@ -435,6 +439,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--row-seconds", type=float, default=10.0,
                    help="timed steps per row: at most this many seconds' worth (by the last warm-up step), at least 1")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup-max", type=int, default=6,
+                   help="warm-up steps at most while each plans a whole call's allowance of new cuDNN shapes")
     p.add_argument("--dta-block-size", type=int, default=2048, help="the DTA engine's block_size (its run.py default)")
     p.add_argument("--memory-budget", type=float, default=None,
                    help="treerl's memory budget, a fraction of the device (default: TreeEngine's); e.g. 0.141 on an "
@@ -455,8 +461,8 @@ def main(argv: list[str] | None = None) -> dict:
         bad = [x for x in items if x not in known]
         if bad or not items:
             p.error(f"unknown {what} {', '.join(bad) or '(none given)'}: choose from {', '.join(known)}")
-    if args.repeats < 1 or args.warmup < 0 or args.dta_block_size < 1:
-        p.error("--repeats and --dta-block-size must be at least 1, --warmup at least 0")
+    if args.repeats < 1 or args.warmup < 0 or args.warmup_max < args.warmup or args.dta_block_size < 1:
+        p.error("--repeats and --dta-block-size must be at least 1, --warmup at least 0, --warmup-max at least --warmup")
     if args.memory_budget is not None and not 0 < args.memory_budget <= 1:
         p.error(f"--memory-budget is a fraction of the device in (0, 1], got {args.memory_budget:g}")
     try:

@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 
+import treerl
 import treerl.engine.attention as attention
 import treerl.engine.chain_attention as chain
 from helpers.attention import assert_rel, recording
@@ -142,6 +143,7 @@ def test_cudnn_shapes_bounded(gen, monkeypatch):
     recompute matches its forward)."""
     monkeypatch.setattr(chain, "SHAPES", {})
     monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", 2)
+    monkeypatch.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", None)
     cudnn = chain.Kernel("cudnn", chain._math_forward, chain._math_backward, align=4)
     flash = chain.Kernel("flash", chain._math_forward, chain._math_backward)
 
@@ -157,12 +159,59 @@ def test_cudnn_shapes_bounded(gen, monkeypatch):
     assert pick(5, 8) == "cudnn"
 
 
+def test_cudnn_new_shapes_bounded_per_engine_call(gen, monkeypatch):
+    """At most CUDNN_NEW_SHAPES_PER_CALL new shapes a call (begin_call opens one): the call's other new
+    shapes take the fallback, and keep it for the rest of the call (a recompute matches its forward);
+    the next call plans them. plans_room counts the call's allowance left."""
+    monkeypatch.setattr(chain, "SHAPES", {})
+    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", None)
+    monkeypatch.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", 2)
+    cudnn = chain.Kernel("cudnn", chain._math_forward, chain._math_backward, align=4)
+    flash = chain.Kernel("flash", chain._math_forward, chain._math_backward)
+    heads = (torch.device("cpu"), torch.float64, 2, 1, 4)
+
+    def pick(n, prefix):
+        q, k, _ = inputs(gen, 2, 1, n, prefix, 4)
+        return chain.planned(cudnn, q, k, lambda: flash).name
+
+    chain.begin_call()
+    assert [pick(3, 0), pick(3, 4), pick(3, 8), pick(3, 12)] == ["cudnn", "cudnn", "flash", "flash"]
+    assert chain.plans_room(cudnn, *heads, [(3, 0, True), (3, 4, True)])  # planned already
+    assert not chain.plans_room(cudnn, *heads, [(3, 0, True), (3, 8, True)])  # one new: none left
+    assert [pick(3, 8), pick(3, 0), pick(3, 4)] == ["flash", "cudnn", "cudnn"]  # the same call: its choices
+    chain.begin_call()  # the next call
+    assert chain.plans_room(cudnn, *heads, [(3, 8, True), (3, 12, True)])
+    assert not chain.plans_room(cudnn, *heads, [(3, 8, True), (3, 12, True), (3, 16, True)])
+    assert [pick(3, 12), pick(3, 8), pick(3, 16), pick(3, 0)] == ["cudnn", "cudnn", "flash", "cudnn"]
+    chain.begin_call()
+    assert pick(3, 16) == "cudnn" and len(chain.SHAPES["cudnn"]) == 5
+    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", 5)  # the process's bound holds across calls
+    chain.begin_call()
+    assert pick(3, 20) == "flash" and not chain.plans_room(cudnn, *heads, [(3, 20, True)])
+
+
+def test_engine_calls_open_their_own_cudnn_allowance(monkeypatch):
+    """Every engine forward and forward_backward begins a call (begin_call), so one call's plans never
+    use up the next one's allowance."""
+    import treerl.engine.tree_engine as tree_engine
+
+    calls = []
+    monkeypatch.setattr(tree_engine, "begin_call", lambda: calls.append(1))
+    model = get_model(dtype=torch.float64)
+    engine = treerl.TreeEngine(model, "auto", compile=False)
+    seqs = [random_seq(torch.Generator().manual_seed(1), 12, model.config.vocab_size) for _ in range(2)]
+    engine.logprobs(seqs)
+    engine.forward_backward(seqs, lambda lps: sum(lp.sum() for lp in lps))
+    assert len(calls) == 2
+
+
 def test_plans_room_says_what_planned_would_do(gen, monkeypatch):
     """plans_room (the engine's check before a root split) is True exactly where planned would keep
     cuDNN for every part of a call: shapes it has planned, or room under CUDNN_MAX_SHAPES for all the
     new ones together; it records nothing; any other kernel has no bound."""
     monkeypatch.setattr(chain, "SHAPES", {})
     monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", 2)
+    monkeypatch.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", None)
     cudnn = chain.Kernel("cudnn", chain._math_forward, chain._math_backward, align=4)
     flash = chain.Kernel("flash", chain._math_forward, chain._math_backward)
     q, k, _ = inputs(gen, 2, 1, 3, 5, 4)

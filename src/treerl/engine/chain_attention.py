@@ -416,6 +416,12 @@ def begin_call() -> None:
     _call_new_shapes = 0
 
 
+def allowance_used() -> bool:
+    """Whether the last (or running) engine call planned its whole allowance of new cuDNN shapes (others it
+    met may have taken the fallback)."""
+    return CUDNN_NEW_SHAPES_PER_CALL is not None and _call_new_shapes >= CUDNN_NEW_SHAPES_PER_CALL
+
+
 def _cudnn_room(planned_shapes: int, new: int) -> bool:
     """Whether cuDNN may plan ``new`` more shapes after ``planned_shapes`` in this process."""
     if CUDNN_MAX_SHAPES is not None and planned_shapes + new > CUDNN_MAX_SHAPES:
