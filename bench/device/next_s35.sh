@@ -6,21 +6,22 @@
 # process; the grad check and the earlier shapes' auto and dfs calls took them), so episodes' chain and group parts
 # ran through flash, and calls that would take the root split kept the tree mask. A training run whose trees change
 # every step would fill the 64 the same way within a few steps. Test: the six shapes, auto and dfs, in one process
-# at the default cap and with no cap; dta_compare records per row the cuDNN/flash shapes seen so far
-# (`attention_shapes`) and torch.compile's counters (`compile`). Both runs without the per-call allowance of
-# session 35 (CUDNN_NEW_SHAPES_PER_CALL=None): the process cap alone, as session 34 ran.
+# with session 34's policy (64 shapes a process, no per-call bound) and with session 35's default (8 new shapes
+# an engine call, 1,024 a process); dta_compare records per row the cuDNN/flash shapes seen so far
+# (`attention_shapes`) and torch.compile's counters (`compile`).
 source bench/device/lib.sh
 export PYTHONPATH=src
 ls .dta/tree_training_engine.py || { echo ".dta/ did not travel"; exit 2; }
-for cap in 64 None; do
-  with_module 250 treerl.engine.chain_attention "CUDNN_MAX_SHAPES=$cap CUDNN_NEW_SHAPES_PER_CALL=None" bench/dta_compare.py --engines auto,dfs \
+for cap in 64 default; do
+  sets="CUDNN_MAX_SHAPES=64 CUDNN_NEW_SHAPES_PER_CALL=None"; [ $cap = default ] && sets=""
+  with_module 250 treerl.engine.chain_attention "$sets" bench/dta_compare.py --engines auto,dfs \
       --no-grad-check --repeats 2 --memory-budget 0.141 --max-seconds 220 --out $OUT/six_cap${cap}_s35.json \
       > $OUT/six_cap${cap}_s35.log 2>&1
   echo "== cap $cap ($SECONDS s)"; grep "settings\|^| " $OUT/six_cap${cap}_s35.log | cut -c1-200
 done
 python3 - <<'PY'
 import json, os
-for cap in ("64", "None"):
+for cap in ("64", "default"):
     p = os.path.join(os.environ["OUT"], f"six_cap{cap}_s35.json")
     if os.path.exists(p):
         for r in json.load(open(p))["rows"]:
