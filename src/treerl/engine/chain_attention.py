@@ -84,8 +84,10 @@ HEAD_DIM_LIMIT: dict[str, int] = {"cudnn": 128, "flash": 256, "efficient": 256}
 # other new shapes take the next kernel that passed the probe, and a later call plans them, so the shapes
 # a run meets again all reach cuDNN while no call pays for more than this many plans (None: no bound).
 CUDNN_NEW_SHAPES_PER_CALL: int | None = 8
-# Distinct shapes that cuDNN may plan in this process (torch keeps every plan; None: no bound).
-CUDNN_MAX_SHAPES: int | None = 1024
+# Distinct shapes that cuDNN may plan in this process (None: no bound): torch keeps every plan, ~6.8 MiB of host
+# memory each (H200, session 35: bench/cudnn_plans.py), so 512 hold ~3.4 GiB; a run whose trees change every step
+# met 384 distinct shapes in 300 steps of 32k-token prompts, 43 on 12-turn episodes (bench/cudnn_shapes_sim.py).
+CUDNN_MAX_SHAPES: int | None = 512
 
 # part forward: (q [B,H,N,D], k [B,Hk,M,D], v, causal, scale) -> (out [B,H,N,D], raw lse, extra)
 # part backward: (dout, q, k, v, out, raw lse, extra, causal, scale) -> (dq, dk, dv)
