@@ -7,7 +7,7 @@ What is real here (the repository's code, unmodified): the workloads and per-ste
 bench/long_trees.py::vary (seed = 1 + step, the long_prefix prompt jitter from rng 1000 + step),
 the Qwen3-1.7B model shape (built on the meta device: no weights), TreeEngine's planner at an
 H100's default budget (25% of 85,029,158,912 bytes = 19.80 GiB) with the attention backend
-"flex", and chain_attention.planned / plans_room / begin_call / SHAPES with a fake "cudnn" Kernel
+"flex", and chain_attention.planned / plans_room / engine_call / SHAPES with a fake "cudnn" Kernel
 (align 128) and a fake "flash" fallback (align 1), called with meta tensors of the shapes that
 the engine's attention would pass.
 
@@ -155,8 +155,11 @@ class Step:
         return "root:" + "+".join(dict.fromkeys(labels))
 
     def run(self) -> "Step":
-        """TreeEngine.forward_backward(separable=True): its model calls in order."""
-        chain.begin_call()
+        """TreeEngine.forward_backward(separable=True): its model calls in order, as one engine call."""
+        with chain.engine_call():
+            return self._calls()
+
+    def _calls(self) -> "Step":
         plan = self.plan
         n = len(plan.segments)
         if plan.single_level:

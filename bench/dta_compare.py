@@ -170,8 +170,8 @@ def timed(runner, seqs, loss_fn, model, device, args) -> dict:
     followed by another, up to ``--warmup-max`` in all, so timed steps run every shape the way a long
     run does once it has met this tree's shapes."""
     warm = []
-    while len(warm) < args.warmup or (warm and len(warm) < args.warmup_max and chain_attention.allowance_used()):
-        chain_attention.begin_call()  # (treerl's engines open their own calls; the DTA engine plans nothing here)
+    more = isinstance(runner, TreerlRunner)  # (the DTA engine plans nothing through treerl's kernels)
+    while len(warm) < args.warmup or (more and warm and len(warm) < args.warmup_max and chain_attention.allowance_used()):
         t = time.perf_counter()
         runner.step(seqs, loss_fn)
         sync(device)

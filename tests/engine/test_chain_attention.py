@@ -166,6 +166,8 @@ def test_cudnn_new_shapes_bounded_per_engine_call(gen, monkeypatch):
     monkeypatch.setattr(chain, "SHAPES", {})
     monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", None)
     monkeypatch.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", 2)
+    monkeypatch.setattr(chain, "_call_open", False)  # (restored after the test, as the counts below)
+    monkeypatch.setattr(chain, "_call_new_shapes", 0)
     cudnn = chain.Kernel("cudnn", chain._math_forward, chain._math_backward, align=4)
     flash = chain.Kernel("flash", chain._math_forward, chain._math_backward)
     heads = (torch.device("cpu"), torch.float64, 2, 1, 4)
@@ -191,18 +193,34 @@ def test_cudnn_new_shapes_bounded_per_engine_call(gen, monkeypatch):
 
 
 def test_engine_calls_open_their_own_cudnn_allowance(monkeypatch):
-    """Every engine forward and forward_backward begins a call (begin_call), so one call's plans never
-    use up the next one's allowance."""
-    import treerl.engine.tree_engine as tree_engine
-
+    """Every engine forward and forward_backward runs as one call (engine_call), so one call's plans never use
+    up the next one's allowance; outside a call (tree attention without an engine) only the process's bound
+    holds, and a call that raises is closed."""
     calls = []
-    monkeypatch.setattr(tree_engine, "begin_call", lambda: calls.append(1))
+    begin = chain.begin_call
+    monkeypatch.setattr(chain, "begin_call", lambda: (calls.append(1), begin()))
     model = get_model(dtype=torch.float64)
     engine = treerl.TreeEngine(model, "auto", compile=False)
     seqs = [random_seq(torch.Generator().manual_seed(1), 12, model.config.vocab_size) for _ in range(2)]
     engine.logprobs(seqs)
     engine.forward_backward(seqs, lambda lps: sum(lp.sum() for lp in lps))
-    assert len(calls) == 2
+    model.zero_grad(set_to_none=True)
+    assert len(calls) == 2 and not chain._call_open
+    with pytest.raises(ValueError):
+        engine.forward_backward(seqs, lambda lps: (_ for _ in ()).throw(ValueError("a loss that fails")))
+    assert len(calls) == 3 and not chain._call_open
+    model.zero_grad(set_to_none=True)
+
+    monkeypatch.setattr(chain, "SHAPES", {})
+    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", 3)
+    monkeypatch.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", 1)
+    cudnn = chain.Kernel("cudnn", chain._math_forward, chain._math_backward, align=4)
+    flash = chain.Kernel("flash", chain._math_forward, chain._math_backward)
+    gen = torch.Generator().manual_seed(0)
+    picks = [chain.planned(cudnn, *inputs(gen, 2, 1, 3, prefix, 4)[:2], lambda: flash).name for prefix in (0, 4, 8, 12)]
+    assert picks == ["cudnn", "cudnn", "cudnn", "flash"]  # no call open: the process's 3
+    with chain.engine_call():
+        assert chain.planned(cudnn, *inputs(gen, 2, 1, 3, 16, 4)[:2], lambda: flash).name == "flash"
 
 
 def test_plans_room_says_what_planned_would_do(gen, monkeypatch):

@@ -62,10 +62,11 @@ length pays it (bench/chain_attention.py's ``first_ms``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -80,7 +81,7 @@ ALIGN: dict[str, int] = {"cudnn": 128}
 # cuDNN on sm90/sm100 only: 128, the families treerl supports use 64 or 128), all multiples of 8.
 HEAD_DIM_LIMIT: dict[str, int] = {"cudnn": 128, "flash": 256, "efficient": 256}
 # New (rows, prefix keys) shapes that cuDNN may build plans for in one engine call (a forward or a
-# forward_backward, opened by begin_call; each shape ~0.1-0.3 s of forward and backward plans): the call's
+# forward_backward: engine_call; each shape ~0.1-0.3 s of forward and backward plans): the call's
 # other new shapes take the next kernel that passed the probe, and a later call plans them, so the shapes
 # a run meets again all reach cuDNN while no call pays for more than this many plans (None: no bound).
 CUDNN_NEW_SHAPES_PER_CALL: int | None = 8
@@ -405,17 +406,35 @@ PROBED: dict[str, dict] = {}
 # Per kernel label: the distinct (device, dtype, heads, KV heads, head dim, rows, prefix keys)
 # of the calls it ran (cuDNN builds a plan for each new one).
 SHAPES: dict[str, set] = {}
-# new cuDNN shapes planned since the running engine call began (begin_call)
+# whether an engine call is running (engine_call), and the new cuDNN shapes planned since it (or the last one) began
+_call_open = False
 _call_new_shapes = 0
 
 
 def begin_call() -> None:
-    """Opens an engine call's allowance of new cuDNN shapes (:data:`CUDNN_NEW_SHAPES_PER_CALL`). The engine
-    calls it once per forward or forward_backward, before any attention; within the call the count only
-    grows, so a shape refused in a block's forward is refused in its recompute too (the backward's recompute
-    runs on autograd's thread: the count is the process's, not a thread's; engine calls run one at a time)."""
-    global _call_new_shapes
-    _call_new_shapes = 0
+    """Opens an engine call's allowance of new cuDNN shapes (:data:`CUDNN_NEW_SHAPES_PER_CALL`): within the
+    call the count only grows, so a shape refused in a block's forward is refused in its recompute too (the
+    backward's recompute runs on autograd's thread: the count is the process's, not a thread's; engine calls
+    run one at a time). Outside an engine call (a model's forward through tree attention without an engine)
+    only :data:`CUDNN_MAX_SHAPES` bounds new shapes."""
+    global _call_open, _call_new_shapes
+    _call_open, _call_new_shapes = True, 0
+
+
+def end_call() -> None:
+    """Closes the running engine call (its count stays readable: :func:`allowance_used`)."""
+    global _call_open
+    _call_open = False
+
+
+@contextlib.contextmanager
+def engine_call() -> Iterator[None]:
+    """One engine call's allowance of new cuDNN shapes: :func:`begin_call` on entry, :func:`end_call` on exit."""
+    begin_call()
+    try:
+        yield
+    finally:
+        end_call()
 
 
 def allowance_used() -> bool:
@@ -428,7 +447,7 @@ def _cudnn_room(planned_shapes: int, new: int) -> bool:
     """Whether cuDNN may plan ``new`` more shapes after ``planned_shapes`` in this process."""
     if CUDNN_MAX_SHAPES is not None and planned_shapes + new > CUDNN_MAX_SHAPES:
         return False
-    return CUDNN_NEW_SHAPES_PER_CALL is None or _call_new_shapes + new <= CUDNN_NEW_SHAPES_PER_CALL
+    return not _call_open or CUDNN_NEW_SHAPES_PER_CALL is None or _call_new_shapes + new <= CUDNN_NEW_SHAPES_PER_CALL
 
 
 def kernel_for(q: torch.Tensor, k: torch.Tensor, causal: bool = True) -> Kernel | None:

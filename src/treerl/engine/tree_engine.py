@@ -40,7 +40,7 @@ import torch
 from .attention import (BACKENDS, FLEX_BLOCK, KV, ROOT_SPLIT_KERNELS, TreeAttention, root_split_on,
                         tree_attention_enabled)
 from .batch import Batch, outputs_and_grads, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
-from .chain_attention import FUSED_DTYPES, Kernel, begin_call, plans_room
+from .chain_attention import FUSED_DTYPES, Kernel, engine_call, plans_room
 from .chain_attention import select as select_kernel
 from .checks import check_inputs, check_loss, check_supported
 from ..compiled import claim_compiled_code
@@ -220,9 +220,10 @@ class TreeEngine:
     @torch.no_grad()
     def forward(self, tree: PrefixTree | Sequence[TokenSequence], entropy: bool = False) -> TreeOutputs:
         """No-grad forward: logprob (and entropy) of every tree token."""
-        batch = self._prepare(tree)
-        t0 = time.perf_counter()
-        lp, ent = self._forward_all(batch, entropy)
+        with engine_call():  # this call's allowance of new cuDNN shapes
+            batch = self._prepare(tree)
+            t0 = time.perf_counter()
+            lp, ent = self._forward_all(batch, entropy)
         self.stats.seconds = time.perf_counter() - t0
         return TreeOutputs(batch.tree, lp, ent)
 
@@ -263,18 +264,19 @@ class TreeEngine:
         loss refused from) a later call's ``loss_fn`` leaves the earlier calls' gradients in
         ``.grad``: zero them before trying again (the two phases take the whole loss first).
         """
-        batch = self._prepare(tree)
-        t0 = time.perf_counter()
-        plan = batch.plan
-        if plan.single_level and (separable or len(plan.segments) == 1):
-            loss = self._forward_backward_segments(batch, loss_fn, entropy, separable)
-        elif separable:
-            # Trees that run as one call go through once; the chained ones in one depth-first pass.
-            chained = plan.chained_segments()
-            loss = self._forward_backward_segments(batch, loss_fn, entropy, separable, skip=chained)
-            loss += one_pass(self, batch, loss_fn, entropy, only=chained)
-        else:  # the general path (two_phase: graphs held where the budget has room)
-            loss = two_phase(self, batch, loss_fn, entropy, separable)
+        with engine_call():  # this call's allowance of new cuDNN shapes (its backward's recomputes included)
+            batch = self._prepare(tree)
+            t0 = time.perf_counter()
+            plan = batch.plan
+            if plan.single_level and (separable or len(plan.segments) == 1):
+                loss = self._forward_backward_segments(batch, loss_fn, entropy, separable)
+            elif separable:
+                # Trees that run as one call go through once; the chained ones in one depth-first pass.
+                chained = plan.chained_segments()
+                loss = self._forward_backward_segments(batch, loss_fn, entropy, separable, skip=chained)
+                loss += one_pass(self, batch, loss_fn, entropy, only=chained)
+            else:  # the general path (two_phase: graphs held where the budget has room)
+                loss = two_phase(self, batch, loss_fn, entropy, separable)
         self.stats.seconds = time.perf_counter() - t0
         if self.runner.stack.compile:
             save_compile_cache()  # (only when this step compiled something new)
@@ -295,7 +297,6 @@ class TreeEngine:
         check_inputs(layout, self.vocab_size, self.max_positions)
         plan = self._plan(layout)
         self.stats = StepStats(mode=self.mode, plan=plan.describe())
-        begin_call()  # this call's allowance of new cuDNN shapes
         return prepare_batch(layout, plan, self.device)
 
     # ------------------------------------------------------------ one model call
