@@ -50,7 +50,8 @@ POLICIES = {  # name -> (CUDNN_NEW_SHAPES_PER_CALL, CUDNN_MAX_SHAPES)
     "unbounded": (None, None),  # every shape planned: the novelty of the shapes themselves
     "cap64": (None, 64),  # the old policy: 64 a process, then flash (chains/groups) or the mask (root split)
     "call8": (8, None),  # the per-call allowance alone
-    "defaults": (chain.CUDNN_NEW_SHAPES_PER_CALL, chain.CUDNN_MAX_SHAPES),  # the code's (session 35's run: 8, 1,024)
+    # the code's; session 35's stored run (results/cudnn_shapes_sim_s35.json) named it "call8+cap1024" (8, 1,024 then)
+    "defaults": (chain.CUDNN_NEW_SHAPES_PER_CALL, chain.CUDNN_MAX_SHAPES),
 }
 
 
@@ -192,8 +193,18 @@ class Step:
 
 
 def simulate(engine: TreeEngine, trees: list[PrefixTree], policy: str) -> dict:
+    """``trees`` one step each under ``policy``, from no planned shape; chain_attention's bounds and shape
+    records are the caller's again afterwards."""
+    kept = chain.CUDNN_NEW_SHAPES_PER_CALL, chain.CUDNN_MAX_SHAPES, chain.SHAPES
     chain.CUDNN_NEW_SHAPES_PER_CALL, chain.CUDNN_MAX_SHAPES = POLICIES[policy]
-    chain.SHAPES.clear()
+    chain.SHAPES = {}
+    try:
+        return _simulate(engine, trees, policy)
+    finally:
+        chain.CUDNN_NEW_SHAPES_PER_CALL, chain.CUDNN_MAX_SHAPES, chain.SHAPES = kept
+
+
+def _simulate(engine: TreeEngine, trees: list[PrefixTree], policy: str) -> dict:
     earlier: set = set()  # shapes met (by any kernel) in earlier steps
     rows = []
     for tree in trees:

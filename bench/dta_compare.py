@@ -165,13 +165,13 @@ def free(device) -> None:
 
 def timed(runner, seqs, loss_fn, model, device, args) -> dict:
     """Warm-up step(s), then up to ``repeats`` timed steps (fewer when a warm-up step took
-    long), peak memory over the timed steps only. A warm-up step that planned a whole call's allowance
-    of new cuDNN shapes (``chain_attention.CUDNN_NEW_SHAPES_PER_CALL``: others may have waited) is
-    followed by another, up to ``--warmup-max`` in all, so timed steps run every shape the way a long
-    run does once it has met this tree's shapes."""
+    long), peak memory over the timed steps only. A warm-up step that deferred a new cuDNN shape for want
+    of its call's allowance (``chain_attention.CUDNN_NEW_SHAPES_PER_CALL``, ``call_deferred``) is followed
+    by another, up to ``--warmup-max`` in all, so timed steps run every shape the way a long run does once
+    it has met this tree's shapes."""
     warm = []
     more = isinstance(runner, TreerlRunner)  # (the DTA engine plans nothing through treerl's kernels)
-    while len(warm) < args.warmup or (more and warm and len(warm) < args.warmup_max and chain_attention.allowance_used()):
+    while len(warm) < args.warmup or (more and warm and len(warm) < args.warmup_max and chain_attention.call_deferred()):
         t = time.perf_counter()
         runner.step(seqs, loss_fn)
         sync(device)
@@ -440,7 +440,7 @@ def parser() -> argparse.ArgumentParser:
                    help="timed steps per row: at most this many seconds' worth (by the last warm-up step), at least 1")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--warmup-max", type=int, default=6,
-                   help="warm-up steps at most while each plans a whole call's allowance of new cuDNN shapes")
+                   help="warm-up steps at most while each defers new cuDNN shapes for want of its call's allowance")
     p.add_argument("--dta-block-size", type=int, default=2048, help="the DTA engine's block_size (its run.py default)")
     p.add_argument("--memory-budget", type=float, default=None,
                    help="treerl's memory budget, a fraction of the device (default: TreeEngine's); e.g. 0.141 on an "

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from .engine.attention import active_tree_attention
+from .engine.chain_attention import engine_call
 from .engine.memory import sparse_layers
 from .moe import router_hook
 
@@ -107,8 +108,9 @@ def forward_backward_with_router_aux(engine, tree, loss_fn, coef: float, **kwarg
         tree = PrefixTree.from_sequences(tree)
     engine.memory.max_tokens  # noqa: B018 - the memory model's probe forwards (CUDA) run before any router is recorded
     aux = RouterAux(engine, tree, coef)
-    with router_hook(aux.count):
-        engine.forward(tree)
-    with router_hook(aux.inject):
-        loss = engine.forward_backward(tree, loss_fn, **kwargs)
+    with engine_call():  # both passes one allowance of new cuDNN shapes: the same attention kernels, the same routes
+        with router_hook(aux.count):
+            engine.forward(tree)
+        with router_hook(aux.inject):
+            loss = engine.forward_backward(tree, loss_fn, **kwargs)
     return loss + coef * aux.value, aux.value

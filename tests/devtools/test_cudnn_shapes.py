@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from treerl.engine import chain_attention as chain
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,6 +26,8 @@ def _load(name: str):
 def test_shapes_sim_episodes_meets_the_h100s_new_shapes_and_each_policy_holds_its_bound(tmp_path):
     sim = _load("cudnn_shapes_sim")
     out = tmp_path / "sim.json"
+    shapes_before = {k: set(v) for k, v in chain.SHAPES.items()}
+    bounds_before = chain.CUDNN_NEW_SHAPES_PER_CALL, chain.CUDNN_MAX_SHAPES
     results = sim.main(["--workloads", "episodes", "--steps", "3", "--out", str(out)])
     runs = results["workloads"]["episodes"]
     # session 10's H100 vary run of episodes met 9, 5, 2 new kernel shapes in its first three steps
@@ -32,6 +36,7 @@ def test_shapes_sim_episodes_meets_the_h100s_new_shapes_and_each_policy_holds_it
     assert sum(s["plans"] for s in runs["call8"]["steps"]) <= runs["unbounded"]["distinct_shapes"]
     assert runs["cap64"]["cudnn_shapes"] <= 64
     assert json.loads(out.read_text())["workloads"]["episodes"]["defaults"]["summary"]
+    assert chain.SHAPES == shapes_before and (chain.CUDNN_NEW_SHAPES_PER_CALL, chain.CUDNN_MAX_SHAPES) == bounds_before
 
 
 def test_cudnn_plans_smoke(tmp_path, monkeypatch, capsys):

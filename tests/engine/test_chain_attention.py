@@ -137,15 +137,27 @@ def test_fused_kernels_head_limits():
     assert chain.fused_kernel("cudnn").align == 128 and chain.fused_kernel("flash").align == 1
 
 
-def test_cudnn_shapes_bounded(gen, monkeypatch):
+@pytest.fixture
+def cudnn_state(monkeypatch):
+    """The module's shape records and engine-call counts, fresh for the test and restored after it."""
+    for name, value in (("SHAPES", {}), ("_call_depth", 0), ("_call_new_shapes", 0), ("_call_deferred", False)):
+        monkeypatch.setattr(chain, name, value)
+    return monkeypatch
+
+
+def fake_kernels():
+    """A "cudnn" kernel on a grid of 4 and a "flash" fallback, both the plain-torch math."""
+    return (chain.Kernel("cudnn", chain._math_forward, chain._math_backward, align=4),
+            chain.Kernel("flash", chain._math_forward, chain._math_backward))
+
+
+def test_cudnn_shapes_bounded(gen, cudnn_state):
     """Past CUDNN_MAX_SHAPES distinct (rows, prefix keys) shapes, a new shape takes the
     fallback kernel; a shape cuDNN has planned keeps cuDNN (the same kernel every time, so a
     recompute matches its forward)."""
-    monkeypatch.setattr(chain, "SHAPES", {})
-    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", 2)
-    monkeypatch.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", None)
-    cudnn = chain.Kernel("cudnn", chain._math_forward, chain._math_backward, align=4)
-    flash = chain.Kernel("flash", chain._math_forward, chain._math_backward)
+    cudnn_state.setattr(chain, "CUDNN_MAX_SHAPES", 2)
+    cudnn_state.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", None)
+    cudnn, flash = fake_kernels()
 
     def pick(n, prefix):
         q, k, _ = inputs(gen, 2, 1, n, prefix, 4)
@@ -155,83 +167,86 @@ def test_cudnn_shapes_bounded(gen, monkeypatch):
     assert pick(1, 8) == "cudnn"  # a second shape: 4 rows after 8 keys
     assert [pick(5, 8), pick(3, 5), pick(1, 9)] == ["flash", "cudnn", "cudnn"]
     assert {k: len(v) for k, v in chain.SHAPES.items()} == {"cudnn": 2, "flash": 1}
-    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", None)
+    cudnn_state.setattr(chain, "CUDNN_MAX_SHAPES", None)
     assert pick(5, 8) == "cudnn"
 
 
-def test_cudnn_new_shapes_bounded_per_engine_call(gen, monkeypatch):
-    """At most CUDNN_NEW_SHAPES_PER_CALL new shapes a call (begin_call opens one): the call's other new
-    shapes take the fallback, and keep it for the rest of the call (a recompute matches its forward);
-    the next call plans them. plans_room counts the call's allowance left."""
-    monkeypatch.setattr(chain, "SHAPES", {})
-    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", None)
-    monkeypatch.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", 2)
-    monkeypatch.setattr(chain, "_call_open", False)  # (restored after the test, as the counts below)
-    monkeypatch.setattr(chain, "_call_new_shapes", 0)
-    cudnn = chain.Kernel("cudnn", chain._math_forward, chain._math_backward, align=4)
-    flash = chain.Kernel("flash", chain._math_forward, chain._math_backward)
+def test_cudnn_new_shapes_bounded_per_engine_call(gen, cudnn_state):
+    """At most CUDNN_NEW_SHAPES_PER_CALL new shapes an engine call: the call's other new shapes take the
+    fallback, and keep it for the rest of the call (a recompute matches its forward), recorded as deferred;
+    the next call plans them. plans_room counts the call's allowance left. A call inside another shares
+    the outermost's allowance and does not end it; outside any call only the process's bound holds."""
+    cudnn_state.setattr(chain, "CUDNN_MAX_SHAPES", None)
+    cudnn_state.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", 2)
+    cudnn, flash = fake_kernels()
     heads = (torch.device("cpu"), torch.float64, 2, 1, 4)
 
     def pick(n, prefix):
         q, k, _ = inputs(gen, 2, 1, n, prefix, 4)
         return chain.planned(cudnn, q, k, lambda: flash).name
 
-    chain.begin_call()
-    assert [pick(3, 0), pick(3, 4), pick(3, 8), pick(3, 12)] == ["cudnn", "cudnn", "flash", "flash"]
-    assert chain.plans_room(cudnn, *heads, [(3, 0, True), (3, 4, True)])  # planned already
-    assert not chain.plans_room(cudnn, *heads, [(3, 0, True), (3, 8, True)])  # one new: none left
-    assert [pick(3, 8), pick(3, 0), pick(3, 4)] == ["flash", "cudnn", "cudnn"]  # the same call: its choices
-    chain.begin_call()  # the next call
-    assert chain.plans_room(cudnn, *heads, [(3, 8, True), (3, 12, True)])
-    assert not chain.plans_room(cudnn, *heads, [(3, 8, True), (3, 12, True), (3, 16, True)])
-    assert [pick(3, 12), pick(3, 8), pick(3, 16), pick(3, 0)] == ["cudnn", "cudnn", "flash", "cudnn"]
-    chain.begin_call()
-    assert pick(3, 16) == "cudnn" and len(chain.SHAPES["cudnn"]) == 5
-    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", 5)  # the process's bound holds across calls
-    chain.begin_call()
-    assert pick(3, 20) == "flash" and not chain.plans_room(cudnn, *heads, [(3, 20, True)])
+    with chain.engine_call():
+        assert [pick(3, 0), pick(3, 4)] == ["cudnn", "cudnn"] and not chain.call_deferred()
+        assert chain.plans_room(cudnn, *heads, [(3, 0, True), (3, 4, True)])  # planned already
+        assert not chain.call_deferred()
+        assert not chain.plans_room(cudnn, *heads, [(3, 0, True), (3, 8, True)])  # one new: none left
+        assert chain.call_deferred()
+        with chain.engine_call():  # nested (a loss running an engine call): the same allowance
+            assert [pick(3, 8), pick(3, 12)] == ["flash", "flash"]
+        assert [pick(3, 8), pick(3, 0), pick(3, 4)] == ["flash", "cudnn", "cudnn"]  # still the same call
+    assert chain.call_deferred()  # (readable after the call)
+    with chain.engine_call():  # the next call
+        assert not chain.call_deferred()
+        assert chain.plans_room(cudnn, *heads, [(3, 8, True), (3, 12, True)])
+        assert not chain.plans_room(cudnn, *heads, [(3, 8, True), (3, 12, True), (3, 16, True)])
+        assert [pick(3, 12), pick(3, 8), pick(3, 16), pick(3, 0)] == ["cudnn", "cudnn", "flash", "cudnn"]
+    with chain.engine_call():
+        assert pick(3, 16) == "cudnn" and len(chain.SHAPES["cudnn"]) == 5 and not chain.call_deferred()
+    cudnn_state.setattr(chain, "CUDNN_MAX_SHAPES", 7)  # the process's bound holds across calls, and outside them
+    assert [pick(3, 20), pick(3, 24), pick(3, 28)] == ["cudnn", "cudnn", "flash"]
+    with chain.engine_call():
+        assert pick(3, 32) == "flash" and not chain.plans_room(cudnn, *heads, [(3, 32, True)])
+        assert not chain.call_deferred()  # (the process's bound, not the call's)
 
 
-def test_engine_calls_open_their_own_cudnn_allowance(monkeypatch):
-    """Every engine forward and forward_backward runs as one call (engine_call), so one call's plans never use
-    up the next one's allowance; outside a call (tree attention without an engine) only the process's bound
-    holds, and a call that raises is closed."""
-    calls = []
-    begin = chain.begin_call
-    monkeypatch.setattr(chain, "begin_call", lambda: (calls.append(1), begin()))
+def test_engine_calls_are_one_cudnn_allowance_each(cudnn_state):
+    """Every engine forward and forward_backward runs inside one engine call (its loss and backward included),
+    closed also when the loss raises."""
+    depths = []
+
+    def loss(lps):
+        depths.append(chain._call_depth)
+        return sum(lp.sum() for lp in lps)
+
     model = get_model(dtype=torch.float64)
     engine = treerl.TreeEngine(model, "auto", compile=False)
     seqs = [random_seq(torch.Generator().manual_seed(1), 12, model.config.vocab_size) for _ in range(2)]
+    import treerl.engine.tree_engine as tree_engine
+
+    counted = []
+
+    def counting():
+        counted.append(1)
+        return chain.engine_call()
+
+    cudnn_state.setattr(tree_engine, "engine_call", counting)
     engine.logprobs(seqs)
-    engine.forward_backward(seqs, lambda lps: sum(lp.sum() for lp in lps))
-    model.zero_grad(set_to_none=True)
-    assert len(calls) == 2 and not chain._call_open
+    engine.forward_backward(seqs, loss)
+    assert len(counted) == 2
+    assert depths == [1] and chain._call_depth == 0
     with pytest.raises(ValueError):
         engine.forward_backward(seqs, lambda lps: (_ for _ in ()).throw(ValueError("a loss that fails")))
-    assert len(calls) == 3 and not chain._call_open
+    assert chain._call_depth == 0
     model.zero_grad(set_to_none=True)
 
-    monkeypatch.setattr(chain, "SHAPES", {})
-    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", 3)
-    monkeypatch.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", 1)
-    cudnn = chain.Kernel("cudnn", chain._math_forward, chain._math_backward, align=4)
-    flash = chain.Kernel("flash", chain._math_forward, chain._math_backward)
-    gen = torch.Generator().manual_seed(0)
-    picks = [chain.planned(cudnn, *inputs(gen, 2, 1, 3, prefix, 4)[:2], lambda: flash).name for prefix in (0, 4, 8, 12)]
-    assert picks == ["cudnn", "cudnn", "cudnn", "flash"]  # no call open: the process's 3
-    with chain.engine_call():
-        assert chain.planned(cudnn, *inputs(gen, 2, 1, 3, 16, 4)[:2], lambda: flash).name == "flash"
 
-
-def test_plans_room_says_what_planned_would_do(gen, monkeypatch):
+def test_plans_room_says_what_planned_would_do(gen, cudnn_state):
     """plans_room (the engine's check before a root split) is True exactly where planned would keep
     cuDNN for every part of a call: shapes it has planned, or room under CUDNN_MAX_SHAPES for all the
-    new ones together; it records nothing; any other kernel has no bound."""
-    monkeypatch.setattr(chain, "SHAPES", {})
-    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", 2)
-    monkeypatch.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", None)
-    cudnn = chain.Kernel("cudnn", chain._math_forward, chain._math_backward, align=4)
-    flash = chain.Kernel("flash", chain._math_forward, chain._math_backward)
+    new ones together; it records no shape; any other kernel has no bound."""
+    cudnn_state.setattr(chain, "CUDNN_MAX_SHAPES", 2)
+    cudnn_state.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", None)
+    cudnn, flash = fake_kernels()
     q, k, _ = inputs(gen, 2, 1, 3, 5, 4)
     heads = (q.device, q.dtype, 2, 1, 4)
     parts = [(3, 5, True), (6, 8, False)]  # 4 rows after 4 keys (causal); 8 rows after 8 keys (full)
@@ -241,7 +256,7 @@ def test_plans_room_says_what_planned_would_do(gen, monkeypatch):
     assert chain.plans_room(cudnn, *heads, parts) and chain.plans_room(cudnn, *heads, [(9, 0, True)])
     assert not chain.plans_room(cudnn, *heads, [(9, 0, True), (13, 0, True)])
     assert chain.plans_room(flash, *heads, [(9, 0, True), (13, 0, True)])
-    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", None)
+    cudnn_state.setattr(chain, "CUDNN_MAX_SHAPES", None)
     assert chain.plans_room(cudnn, *heads, [(9, 0, True), (13, 0, True)])
 
 

@@ -85,9 +85,10 @@ HEAD_DIM_LIMIT: dict[str, int] = {"cudnn": 128, "flash": 256, "efficient": 256}
 # other new shapes take the next kernel that passed the probe, and a later call plans them, so the shapes
 # a run meets again all reach cuDNN while no call pays for more than this many plans (None: no bound).
 CUDNN_NEW_SHAPES_PER_CALL: int | None = 8
-# Distinct shapes that cuDNN may plan in this process (None: no bound): torch keeps every plan, ~6.8 MiB of host
-# memory each (H200, session 35: bench/cudnn_plans.py), so 512 hold ~3.4 GiB; a run whose trees change every step
-# met 384 distinct shapes in 300 steps of 32k-token prompts, 43 on 12-turn episodes (bench/cudnn_shapes_sim.py).
+# Distinct shapes that cuDNN may plan in this process, per kernel label (None: no bound): torch keeps every
+# plan, ~6.8 MiB of host memory each (H200, session 35: bench/cudnn_plans.py), so 512 hold ~3.4 GiB; a run
+# whose trees change every step met 384 distinct shapes in 300 steps of 32k-token prompts, 43 on 12-turn
+# episodes (bench/cudnn_shapes_sim.py).
 CUDNN_MAX_SHAPES: int | None = 512
 
 # part forward: (q [B,H,N,D], k [B,Hk,M,D], v, causal, scale) -> (out [B,H,N,D], raw lse, extra)
@@ -406,48 +407,50 @@ PROBED: dict[str, dict] = {}
 # Per kernel label: the distinct (device, dtype, heads, KV heads, head dim, rows, prefix keys)
 # of the calls it ran (cuDNN builds a plan for each new one).
 SHAPES: dict[str, set] = {}
-# whether an engine call is running (engine_call), and the new cuDNN shapes planned since it (or the last one) began
-_call_open = False
+# engine calls running (engine_call: nested ones share the outermost's allowance), the new cuDNN shapes planned since
+# the outermost began, and whether it deferred one for want of its allowance (the counts stay after it ends)
+_call_depth = 0
 _call_new_shapes = 0
-
-
-def begin_call() -> None:
-    """Opens an engine call's allowance of new cuDNN shapes (:data:`CUDNN_NEW_SHAPES_PER_CALL`): within the
-    call the count only grows, so a shape refused in a block's forward is refused in its recompute too (the
-    backward's recompute runs on autograd's thread: the count is the process's, not a thread's; engine calls
-    run one at a time). Outside an engine call (a model's forward through tree attention without an engine)
-    only :data:`CUDNN_MAX_SHAPES` bounds new shapes."""
-    global _call_open, _call_new_shapes
-    _call_open, _call_new_shapes = True, 0
-
-
-def end_call() -> None:
-    """Closes the running engine call (its count stays readable: :func:`allowance_used`)."""
-    global _call_open
-    _call_open = False
+_call_deferred = False
 
 
 @contextlib.contextmanager
 def engine_call() -> Iterator[None]:
-    """One engine call's allowance of new cuDNN shapes: :func:`begin_call` on entry, :func:`end_call` on exit."""
-    begin_call()
+    """One engine call's allowance of new cuDNN shapes (:data:`CUDNN_NEW_SHAPES_PER_CALL`), around a
+    ``TreeEngine.forward`` or ``forward_backward``. Within it the count only grows, so a shape refused in a
+    block's forward is refused in its recompute too (the backward's recompute runs on autograd's thread: the
+    count is the process's, not a thread's). A call inside another (a loss that runs an engine call; the router
+    loss's forward and forward_backward on one tree) shares the outermost's allowance, so the two see the same
+    kernels. Engine calls of two threads at once are not supported. Outside any (tree attention without an
+    engine) only :data:`CUDNN_MAX_SHAPES` bounds new shapes."""
+    global _call_depth, _call_new_shapes, _call_deferred
+    if _call_depth == 0:
+        _call_new_shapes, _call_deferred = 0, False
+    _call_depth += 1
     try:
         yield
     finally:
-        end_call()
+        _call_depth -= 1
 
 
-def allowance_used() -> bool:
-    """Whether the last (or running) engine call planned its whole allowance of new cuDNN shapes (others it
-    met may have taken the fallback)."""
-    return CUDNN_NEW_SHAPES_PER_CALL is not None and _call_new_shapes >= CUDNN_NEW_SHAPES_PER_CALL
+def call_deferred() -> bool:
+    """Whether the last (or running) engine call sent a new shape to the fallback, or kept a root split's tree
+    mask, for want of its allowance (a later call plans it)."""
+    return _call_deferred
 
 
-def _cudnn_room(planned_shapes: int, new: int) -> bool:
-    """Whether cuDNN may plan ``new`` more shapes after ``planned_shapes`` in this process."""
-    if CUDNN_MAX_SHAPES is not None and planned_shapes + new > CUDNN_MAX_SHAPES:
-        return False
-    return not _call_open or CUDNN_NEW_SHAPES_PER_CALL is None or _call_new_shapes + new <= CUDNN_NEW_SHAPES_PER_CALL
+def _process_room(planned_shapes: int, new: int) -> bool:
+    """Whether cuDNN may plan ``new`` more shapes of a kernel after ``planned_shapes`` in this process."""
+    return CUDNN_MAX_SHAPES is None or planned_shapes + new <= CUDNN_MAX_SHAPES
+
+
+def _call_room(new: int) -> bool:
+    """Whether the running engine call's allowance has room for ``new`` more shapes; records a deferral if not."""
+    global _call_deferred
+    if _call_depth == 0 or CUDNN_NEW_SHAPES_PER_CALL is None or _call_new_shapes + new <= CUDNN_NEW_SHAPES_PER_CALL:
+        return True
+    _call_deferred = True
+    return False
 
 
 def kernel_for(q: torch.Tensor, k: torch.Tensor, causal: bool = True) -> Kernel | None:
@@ -488,7 +491,7 @@ def planned(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, fallback: Callable
     if key in seen or kernel.name != "cudnn":
         seen.add(key)
         return kernel
-    if not _cudnn_room(len(seen), 1):
+    if not (_process_room(len(seen), 1) and _call_room(1)):
         other = fallback()
         if other is not None:
             SHAPES.setdefault(other.label, set()).add(shape(other))
@@ -509,12 +512,13 @@ def plans_room(kernel: Kernel, device, dtype, heads: int, kv_heads: int, dim: in
                parts: list[tuple[int, int, bool]]) -> bool:
     """Whether :func:`planned` would keep ``kernel`` for every one of ``parts`` ((queries, prefix keys,
     causal) each, one model call's kernel calls): cuDNN has planned their shapes already or may plan the
-    new ones (:data:`CUDNN_NEW_SHAPES_PER_CALL`, :data:`CUDNN_MAX_SHAPES`; records nothing)."""
+    new ones (:data:`CUDNN_NEW_SHAPES_PER_CALL`, :data:`CUDNN_MAX_SHAPES`; records no shape, only a deferral:
+    :func:`call_deferred`)."""
     if kernel.name != "cudnn":
         return True
     seen = SHAPES.get(kernel.label, set())
     new = {_shape(kernel, device, dtype, heads, kv_heads, dim, *part) for part in parts} - seen
-    return not new or _cudnn_room(len(seen), len(new))
+    return not new or (_process_room(len(seen), len(new)) and _call_room(len(new)))
 
 
 def select(device, dtype, heads: int, kv_heads: int, dim: int, names: tuple[str, ...] | None = None,
