@@ -1,4 +1,4 @@
-"""What a new cuDNN shape costs (issue 24: `chain_attention.CUDNN_NEW_SHAPES_PER_CALL`, `CUDNN_MAX_SHAPES`).
+"""What a new cuDNN shape costs (issue 24: `kernel_plans.CUDNN_NEW_SHAPES_PER_CALL`, `CUDNN_MAX_SHAPES`).
 
     PYTHONPATH=src python bench/cudnn_plans.py --out bench/results/cudnn_plans.json    # GPU, ~1 min
     PYTHONPATH=src python bench/cudnn_plans.py --smoke                                 # CPU: the script end to end

@@ -7,7 +7,7 @@ What is real here (the repository's code, unmodified): the workloads and per-ste
 bench/long_trees.py::vary (seed = 1 + step, the long_prefix prompt jitter from rng 1000 + step),
 the Qwen3-1.7B model shape (built on the meta device: no weights), TreeEngine's planner at an
 H100's default budget (25% of 85,029,158,912 bytes = 19.80 GiB) with the attention backend
-"flex", and chain_attention.planned / plans_room / engine_call / SHAPES with a fake "cudnn" Kernel
+"flex", and kernel_plans.planned / plans_room / engine_call / SHAPES with a fake "cudnn" Kernel
 (align 128) and a fake "flash" fallback (align 1), called with meta tensors of the shapes that
 the engine's attention would pass.
 
@@ -36,6 +36,7 @@ from treerl import PrefixTree, TreeEngine
 from treerl.devtools.workloads import SCALES, make_workload
 from treerl.engine import attention as attn
 from treerl.engine import chain_attention as chain
+from treerl.engine import kernel_plans as plans
 from treerl.engine.memory import MemoryModel, attention_heads, attention_held, keys_values, weight_gradient_transients
 from treerl.engine.rooted_trees import rooted_trees
 from treerl.models import build_model
@@ -51,7 +52,7 @@ POLICIES = {  # name -> (CUDNN_NEW_SHAPES_PER_CALL, CUDNN_MAX_SHAPES)
     "cap64": (None, 64),  # the old policy: 64 a process, then flash (chains/groups) or the mask (root split)
     "call8": (8, None),  # the per-call allowance alone
     # the code's; session 35's stored run (results/cudnn_shapes_sim_s35.json) named it "call8+cap1024" (8, 1,024 then)
-    "defaults": (chain.CUDNN_NEW_SHAPES_PER_CALL, chain.CUDNN_MAX_SHAPES),
+    "defaults": (plans.CUDNN_NEW_SHAPES_PER_CALL, plans.CUDNN_MAX_SHAPES),
 }
 
 
@@ -83,7 +84,7 @@ def tree_for(wl: str, step: int, vocab: int) -> PrefixTree:
 
 
 class Step:
-    """One engine forward_backward: its model calls' fused-kernel parts, through chain.planned."""
+    """One engine forward_backward: its model calls' fused-kernel parts, through plans.planned."""
 
     def __init__(self, engine: TreeEngine, tree: PrefixTree):
         self.engine, self.tree = engine, tree
@@ -100,12 +101,12 @@ class Step:
     def fused(self, n: int, prefix: int, causal: bool, what: str) -> str:
         """chain.kernel_for's planned() for q [n] after k [prefix + n]; returns the kernel's name."""
         q, k = self.q_k(n, prefix)
-        key = chain._shape(CUDNN, META, DTYPE, *self.heads, n, prefix, causal)
+        key = plans._shape(CUDNN, META, DTYPE, *self.heads, n, prefix, causal)
         if not causal and key[-3 + 1] == 0:  # (rows, full_keys, causal): full_keys 0
             return "mask:short-prefix"
-        seen_before = key in chain.SHAPES.get(CUDNN.label, set())
-        kernel = chain.planned(CUDNN, q, k, lambda: FLASH, causal)
-        layout = chain.Layout.of(n, prefix, CUDNN.align, causal)
+        seen_before = key in plans.SHAPES.get(CUDNN.label, set())
+        kernel = plans.planned(CUDNN, q, k, lambda: FLASH, causal)
+        layout = plans.Layout.of(n, prefix, CUDNN.align, causal)
         # attention work of the part(s) on the grid: full part rows x full keys, causal part rows^2/2
         work = layout.rows * layout.full_keys + (layout.rows * layout.rows / 2 if causal else 0)
         self.parts.append(dict(key=key[5:], kernel=kernel.name, what=what, seen=seen_before, work=work))
@@ -138,15 +139,15 @@ class Step:
             return "mask"
         # TreeEngine._split_trees: every part planned or within the allowance, else the tree mask
         parts = [(t.root, 0, True) for t in roots] + [(t.rest, t.root, False) for t in roots if t.rest]
-        if not chain.plans_room(CUDNN, META, DTYPE, *self.heads, parts):
+        if not plans.plans_room(CUDNN, META, DTYPE, *self.heads, parts):
             for t in roots:  # recorded as parts that took the mask (for the share of calls on cuDNN)
                 for n, p, c in ((t.root, 0, True), (t.rest, t.root, False)):
                     if n:
-                        key = chain._shape(CUDNN, META, DTYPE, *self.heads, n, p, c)
-                        layout = chain.Layout.of(n, p, CUDNN.align, c)
+                        key = plans._shape(CUDNN, META, DTYPE, *self.heads, n, p, c)
+                        layout = plans.Layout.of(n, p, CUDNN.align, c)
                         self.parts.append(dict(key=key[5:], kernel="mask", what="root", work=layout.rows * layout.full_keys
                                                + (layout.rows ** 2 / 2 if c else 0),
-                                               seen=key in chain.SHAPES.get(CUDNN.label, set())))
+                                               seen=key in plans.SHAPES.get(CUDNN.label, set())))
             return "mask:root-no-room"
         labels = []
         for t in roots:
@@ -157,7 +158,7 @@ class Step:
 
     def run(self) -> "Step":
         """TreeEngine.forward_backward(separable=True): its model calls in order, as one engine call."""
-        with chain.engine_call():
+        with plans.engine_call():
             return self._calls()
 
     def _calls(self) -> "Step":
@@ -195,20 +196,20 @@ class Step:
 def simulate(engine: TreeEngine, trees: list[PrefixTree], policy: str) -> dict:
     """``trees`` one step each under ``policy``, from no planned shape; chain_attention's bounds and shape
     records are the caller's again afterwards."""
-    kept = chain.CUDNN_NEW_SHAPES_PER_CALL, chain.CUDNN_MAX_SHAPES, chain.SHAPES
-    chain.CUDNN_NEW_SHAPES_PER_CALL, chain.CUDNN_MAX_SHAPES = POLICIES[policy]
-    chain.SHAPES = {}
+    kept = plans.CUDNN_NEW_SHAPES_PER_CALL, plans.CUDNN_MAX_SHAPES, plans.SHAPES
+    plans.CUDNN_NEW_SHAPES_PER_CALL, plans.CUDNN_MAX_SHAPES = POLICIES[policy]
+    plans.SHAPES = {}
     try:
         return _simulate(engine, trees, policy)
     finally:
-        chain.CUDNN_NEW_SHAPES_PER_CALL, chain.CUDNN_MAX_SHAPES, chain.SHAPES = kept
+        plans.CUDNN_NEW_SHAPES_PER_CALL, plans.CUDNN_MAX_SHAPES, plans.SHAPES = kept
 
 
 def _simulate(engine: TreeEngine, trees: list[PrefixTree], policy: str) -> dict:
     earlier: set = set()  # shapes met (by any kernel) in earlier steps
     rows = []
     for tree in trees:
-        before = len(chain.SHAPES.get("cudnn", set()))
+        before = len(plans.SHAPES.get("cudnn", set()))
         step = Step(engine, tree).run()
         parts = step.parts
         met = {p["key"] for p in parts}
@@ -217,7 +218,7 @@ def _simulate(engine: TreeEngine, trees: list[PrefixTree], policy: str) -> dict:
             tree_tokens=tree.num_tree_tokens, calls=len(parts), plan=step.plan.describe(),
             routes=dict(step.routes),
             new_shapes=len(met - earlier),  # distinct shapes of this step not met in any earlier step
-            plans=len(chain.SHAPES.get("cudnn", set())) - before,  # cuDNN plans built this step
+            plans=len(plans.SHAPES.get("cudnn", set())) - before,  # cuDNN plans built this step
             cudnn_calls=sum(p["kernel"] == "cudnn" for p in parts),
             flash_calls=sum(p["kernel"] == "flash" for p in parts),
             mask_calls=sum(p["kernel"] == "mask" for p in parts),
@@ -227,7 +228,7 @@ def _simulate(engine: TreeEngine, trees: list[PrefixTree], policy: str) -> dict:
         ))
         earlier |= met
     return dict(policy=policy, steps=rows, distinct_shapes=len(earlier),
-                cudnn_shapes=len(chain.SHAPES.get("cudnn", set())))
+                cudnn_shapes=len(plans.SHAPES.get("cudnn", set())))
 
 
 def summary(res: dict, windows=((0, 1), (1, 5), (5, 20), (20, 100), (100, 300))) -> dict:

@@ -60,7 +60,7 @@ from profile_engine import matmul_peak  # noqa: E402
 
 from treerl import PrefixTree, TreeEngine  # noqa: E402
 from treerl.devtools.benchmark import useful_flops, weighted_logprob_loss  # noqa: E402
-from treerl.engine import chain_attention  # noqa: E402
+from treerl.engine import kernel_plans as plans  # noqa: E402
 from treerl.devtools.workloads import SCALES, make_workload, prefix_fan  # noqa: E402
 from treerl.models import SHAPES, build_model  # noqa: E402
 
@@ -166,12 +166,12 @@ def free(device) -> None:
 def timed(runner, seqs, loss_fn, model, device, args) -> dict:
     """Warm-up step(s), then up to ``repeats`` timed steps (fewer when a warm-up step took
     long), peak memory over the timed steps only. A warm-up step that deferred a new cuDNN shape for want
-    of its call's allowance (``chain_attention.CUDNN_NEW_SHAPES_PER_CALL``, ``call_deferred``) is followed
+    of its call's allowance (``plans.CUDNN_NEW_SHAPES_PER_CALL``, ``call_deferred``) is followed
     by another, up to ``--warmup-max`` in all, so timed steps run every shape the way a long run does once
     it has met this tree's shapes."""
     warm = []
     more = isinstance(runner, TreerlRunner)  # (the DTA engine plans nothing through treerl's kernels)
-    while len(warm) < args.warmup or (more and warm and len(warm) < args.warmup_max and chain_attention.call_deferred()):
+    while len(warm) < args.warmup or (more and warm and len(warm) < args.warmup_max and plans.call_deferred()):
         t = time.perf_counter()
         runner.step(seqs, loss_fn)
         sync(device)
@@ -348,7 +348,7 @@ def run(args) -> dict:
                     # after five other shapes in one process than alone, with the same plan; bench/RESULTS.md)
                     row["compile"] = {k: v - before.get(k, 0) for k, v in _compile_counts().items()}
                     # (the process's cuDNN plans by then: a call's new shapes past its allowance take flash)
-                    row["attention_shapes"] = {k: len(v) for k, v in chain_attention.SHAPES.items()}
+                    row["attention_shapes"] = {k: len(v) for k, v in plans.SHAPES.items()}
                     row["tflops"] = flops / row["seconds"] / 1e12
                     if row["peak_bytes"] is not None:
                         row["peak_gib"] = row["peak_bytes"] / 2**30

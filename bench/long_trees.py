@@ -243,10 +243,10 @@ def workloads(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                     seconds, times, peak_bytes = time_forward_backward(engine, tree, loss, run.args.repeats, 1,
                                                                        separable=name not in GENERAL)
                     plan = engine.plan(tree)
-                from treerl.engine import chain_attention as chain
+                from treerl.engine import kernel_plans as plans
 
                 row.update(attention=dict(sorted(engine.stats.attention.items())),
-                           chain_shapes={k: len(v) for k, v in chain.SHAPES.items()})
+                           chain_shapes={k: len(v) for k, v in plans.SHAPES.items()})
                 row.update(seconds=seconds, times=times, tflops=flops / seconds / 1e12, calls=engine.stats.model_calls,
                            recomputed_calls=engine.stats.recomputed_calls, kept_graphs=engine.stats.kept_graphs,
                            tokens_run=engine.stats.tokens_run,
@@ -282,7 +282,7 @@ def vary(run: Run, model, device, peak, smoke_budget) -> list[dict]:
 
     import numpy as np
 
-    from treerl.engine import chain_attention as chain
+    from treerl.engine import kernel_plans as plans
 
     rows = []
     spec = SCALES["small" if run.args.smoke else "paper"]
@@ -301,7 +301,7 @@ def vary(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                         shaped = dataclasses.replace(spec, long_prefix_len_one=spec.long_prefix_len_one + jitter)
                         tree = PrefixTree.from_sequences(make_workload(wl, shaped, model.config.vocab_size, seed=1 + step))
                         loss = weighted_logprob_loss(tree)
-                        shapes = sum(map(len, chain.SHAPES.values()))
+                        shapes = sum(map(len, plans.SHAPES.values()))
                         sync(device)
                         t0 = time.perf_counter()
                         engine.forward_backward(tree, loss, separable=name not in GENERAL)
@@ -312,7 +312,7 @@ def vary(run: Run, model, device, peak, smoke_budget) -> list[dict]:
                         row["steps"].append(dict(
                             tree_tokens=tree.num_tree_tokens, seconds=seconds,
                             pct_peak=100 * flops / seconds / 1e12 / peak if peak else None,
-                            new_kernel_shapes=sum(map(len, chain.SHAPES.values())) - shapes,
+                            new_kernel_shapes=sum(map(len, plans.SHAPES.values())) - shapes,
                             routes=dict(sorted(engine.stats.attention.items()))))
                         print(f"vary {wl} {name} step {step}: {json.dumps(row['steps'][-1])}", flush=True)
                 timed = [s["seconds"] for s in row["steps"][1:]]

@@ -8,7 +8,7 @@ source bench/device/lib.sh
 export PYTHONPATH=src
 for policy in default cap64; do
   sets=""; [ $policy = cap64 ] && sets="CUDNN_MAX_SHAPES=64 CUDNN_NEW_SHAPES_PER_CALL=None"
-  with_module 260 treerl.engine.chain_attention "$sets" bench/long_trees.py --sections vary --workloads long_prefix \
+  with_module 260 treerl.engine.kernel_plans "$sets" bench/long_trees.py --sections vary --workloads long_prefix \
       --configs auto --repeats 30 --max-seconds 240 --out $OUT/vary_${policy}_s36.json > $OUT/vary_${policy}_s36.log 2>&1
   echo "== $policy ($SECONDS s)"; grep "^vary long_prefix auto:" $OUT/vary_${policy}_s36.log | cut -c1-250
 done

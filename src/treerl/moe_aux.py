@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .engine.attention import active_tree_attention
-from .engine.chain_attention import engine_call
+from .engine.kernel_plans import engine_call
 from .engine.memory import sparse_layers
 from .moe import router_hook
 

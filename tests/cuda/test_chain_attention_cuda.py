@@ -3,7 +3,7 @@ kernel's merged output and gradients against float64, and the engine with the pa
 against the tree mask (off), both against a float32 per-sequence reference.
 
 The kernels run as the engine runs them (``chain.fused_kernel``): cuDNN's calls on lengths
-padded to multiples of 128 (``chain.Layout``: never a key length of 1, never a length off
+padded to multiples of 128 (``plans.Layout``: never a key length of 1, never a length off
 its grid, the shapes that once crashed this file's process), which the tests check call by
 call; heads a kernel does not take (``chain.refuses``) are never handed to it.
 
@@ -23,6 +23,7 @@ import torch
 import treerl
 import treerl.engine.attention as attention
 import treerl.engine.chain_attention as chain
+import treerl.engine.kernel_plans as plans
 import treerl.engine.group_attention as group
 from treerl import PrefixTree
 from treerl.devtools.workloads import SCALES, make_workload
@@ -351,8 +352,8 @@ def test_engine_keeps_the_padded_mask_past_cudnns_shape_bound(monkeypatch):
     seqs, weights, model, _, _ = _long_prefix_and_float32_reference()
     monkeypatch.setattr(attention, "ROOT_SPLIT", True)
     monkeypatch.setattr(attention, "ROOT_SPLIT_MIN_TOKENS", 256)
-    monkeypatch.setattr(chain, "SHAPES", {})
-    monkeypatch.setattr(chain, "CUDNN_MAX_SHAPES", 0)
+    monkeypatch.setattr(plans, "SHAPES", {})
+    monkeypatch.setattr(plans, "CUDNN_MAX_SHAPES", 0)
     engine = treerl.TreeEngine(model, "auto", attention="flex", compile=False, max_tokens=4096)  # one call
     _logprobs_and_grads(model, engine, seqs, weights)
     routes = dict(engine.stats.attention)

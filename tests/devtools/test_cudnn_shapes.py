@@ -1,5 +1,5 @@
 """bench/cudnn_shapes_sim.py (the cuDNN shapes the engine meets when every step's trees are new: its planner,
-``chain_attention.planned`` and the allowance, on the meta device) and bench/cudnn_plans.py's CPU smoke run.
+``kernel_plans.planned`` and the allowance, on the meta device) and bench/cudnn_plans.py's CPU smoke run.
 No timing is asserted."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from treerl.engine import chain_attention as chain
+from treerl.engine import kernel_plans as plans
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,8 +26,8 @@ def _load(name: str):
 def test_shapes_sim_episodes_meets_the_h100s_new_shapes_and_each_policy_holds_its_bound(tmp_path):
     sim = _load("cudnn_shapes_sim")
     out = tmp_path / "sim.json"
-    shapes_before = {k: set(v) for k, v in chain.SHAPES.items()}
-    bounds_before = chain.CUDNN_NEW_SHAPES_PER_CALL, chain.CUDNN_MAX_SHAPES
+    shapes_before = {k: set(v) for k, v in plans.SHAPES.items()}
+    bounds_before = plans.CUDNN_NEW_SHAPES_PER_CALL, plans.CUDNN_MAX_SHAPES
     results = sim.main(["--workloads", "episodes", "--steps", "3", "--out", str(out)])
     runs = results["workloads"]["episodes"]
     # session 10's H100 vary run of episodes met 9, 5, 2 new kernel shapes in its first three steps
@@ -36,7 +36,7 @@ def test_shapes_sim_episodes_meets_the_h100s_new_shapes_and_each_policy_holds_it
     assert sum(s["plans"] for s in runs["call8"]["steps"]) <= runs["unbounded"]["distinct_shapes"]
     assert runs["cap64"]["cudnn_shapes"] <= 64
     assert json.loads(out.read_text())["workloads"]["episodes"]["defaults"]["summary"]
-    assert chain.SHAPES == shapes_before and (chain.CUDNN_NEW_SHAPES_PER_CALL, chain.CUDNN_MAX_SHAPES) == bounds_before
+    assert plans.SHAPES == shapes_before and (plans.CUDNN_NEW_SHAPES_PER_CALL, plans.CUDNN_MAX_SHAPES) == bounds_before
 
 
 def test_cudnn_plans_smoke(tmp_path, monkeypatch, capsys):

@@ -18,6 +18,7 @@ import torch
 import treerl
 import treerl.engine.attention as attention
 import treerl.engine.chain_attention as chain
+import treerl.engine.kernel_plans as plans
 from helpers.attention import assert_rel, recording
 from helpers.attention import dense_reference as dense_masked, inputs as random_inputs
 from helpers.engine import check_engine
@@ -108,7 +109,7 @@ def test_lengths_on_a_grid_are_exact(align, prefix, n, gen):
             assert got.shape == want.shape
             assert_rel(got, want)
     assert calls and all(nq % align == 0 and nk % align == 0 and nk >= align for nq, nk, _ in calls), calls
-    layout = chain.Layout.of(n, prefix, align)
+    layout = plans.Layout.of(n, prefix, align)
     assert layout.padded == (n % align != 0 or prefix % align != 0)
     assert layout.rows - n < 2 * align and layout.full_keys + layout.front == prefix
 
@@ -141,7 +142,7 @@ def test_fused_kernels_head_limits():
 def cudnn_state(monkeypatch):
     """The module's shape records and engine-call counts, fresh for the test and restored after it."""
     for name, value in (("SHAPES", {}), ("_call_depth", 0), ("_call_new_shapes", 0), ("_call_deferred", False)):
-        monkeypatch.setattr(chain, name, value)
+        monkeypatch.setattr(plans, name, value)
     return monkeypatch
 
 
@@ -155,19 +156,19 @@ def test_cudnn_shapes_bounded(gen, cudnn_state):
     """Past CUDNN_MAX_SHAPES distinct (rows, prefix keys) shapes, a new shape takes the
     fallback kernel; a shape cuDNN has planned keeps cuDNN (the same kernel every time, so a
     recompute matches its forward)."""
-    cudnn_state.setattr(chain, "CUDNN_MAX_SHAPES", 2)
-    cudnn_state.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", None)
+    cudnn_state.setattr(plans, "CUDNN_MAX_SHAPES", 2)
+    cudnn_state.setattr(plans, "CUDNN_NEW_SHAPES_PER_CALL", None)
     cudnn, flash = fake_kernels()
 
     def pick(n, prefix):
         q, k, _ = inputs(gen, 2, 1, n, prefix, 4)
-        return chain.planned(cudnn, q, k, lambda: flash).name
+        return plans.planned(cudnn, q, k, lambda: flash).name
 
     assert [pick(3, 5), pick(4, 4), pick(2, 6)] == ["cudnn", "cudnn", "cudnn"]  # one shape: 4 rows after 4 keys
     assert pick(1, 8) == "cudnn"  # a second shape: 4 rows after 8 keys
     assert [pick(5, 8), pick(3, 5), pick(1, 9)] == ["flash", "cudnn", "cudnn"]
-    assert {k: len(v) for k, v in chain.SHAPES.items()} == {"cudnn": 2, "flash": 1}
-    cudnn_state.setattr(chain, "CUDNN_MAX_SHAPES", None)
+    assert {k: len(v) for k, v in plans.SHAPES.items()} == {"cudnn": 2, "flash": 1}
+    cudnn_state.setattr(plans, "CUDNN_MAX_SHAPES", None)
     assert pick(5, 8) == "cudnn"
 
 
@@ -176,37 +177,37 @@ def test_cudnn_new_shapes_bounded_per_engine_call(gen, cudnn_state):
     fallback, and keep it for the rest of the call (a recompute matches its forward), recorded as deferred;
     the next call plans them. plans_room counts the call's allowance left. A call inside another shares
     the outermost's allowance and does not end it; outside any call only the process's bound holds."""
-    cudnn_state.setattr(chain, "CUDNN_MAX_SHAPES", None)
-    cudnn_state.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", 2)
+    cudnn_state.setattr(plans, "CUDNN_MAX_SHAPES", None)
+    cudnn_state.setattr(plans, "CUDNN_NEW_SHAPES_PER_CALL", 2)
     cudnn, flash = fake_kernels()
     heads = (torch.device("cpu"), torch.float64, 2, 1, 4)
 
     def pick(n, prefix):
         q, k, _ = inputs(gen, 2, 1, n, prefix, 4)
-        return chain.planned(cudnn, q, k, lambda: flash).name
+        return plans.planned(cudnn, q, k, lambda: flash).name
 
-    with chain.engine_call():
-        assert [pick(3, 0), pick(3, 4)] == ["cudnn", "cudnn"] and not chain.call_deferred()
-        assert chain.plans_room(cudnn, *heads, [(3, 0, True), (3, 4, True)])  # planned already
-        assert not chain.call_deferred()
-        assert not chain.plans_room(cudnn, *heads, [(3, 0, True), (3, 8, True)])  # one new: none left
-        assert chain.call_deferred()
-        with chain.engine_call():  # nested (a loss running an engine call): the same allowance
+    with plans.engine_call():
+        assert [pick(3, 0), pick(3, 4)] == ["cudnn", "cudnn"] and not plans.call_deferred()
+        assert plans.plans_room(cudnn, *heads, [(3, 0, True), (3, 4, True)])  # planned already
+        assert not plans.call_deferred()
+        assert not plans.plans_room(cudnn, *heads, [(3, 0, True), (3, 8, True)])  # one new: none left
+        assert plans.call_deferred()
+        with plans.engine_call():  # nested (a loss running an engine call): the same allowance
             assert [pick(3, 8), pick(3, 12)] == ["flash", "flash"]
         assert [pick(3, 8), pick(3, 0), pick(3, 4)] == ["flash", "cudnn", "cudnn"]  # still the same call
-    assert chain.call_deferred()  # (readable after the call)
-    with chain.engine_call():  # the next call
-        assert not chain.call_deferred()
-        assert chain.plans_room(cudnn, *heads, [(3, 8, True), (3, 12, True)])
-        assert not chain.plans_room(cudnn, *heads, [(3, 8, True), (3, 12, True), (3, 16, True)])
+    assert plans.call_deferred()  # (readable after the call)
+    with plans.engine_call():  # the next call
+        assert not plans.call_deferred()
+        assert plans.plans_room(cudnn, *heads, [(3, 8, True), (3, 12, True)])
+        assert not plans.plans_room(cudnn, *heads, [(3, 8, True), (3, 12, True), (3, 16, True)])
         assert [pick(3, 12), pick(3, 8), pick(3, 16), pick(3, 0)] == ["cudnn", "cudnn", "flash", "cudnn"]
-    with chain.engine_call():
-        assert pick(3, 16) == "cudnn" and len(chain.SHAPES["cudnn"]) == 5 and not chain.call_deferred()
-    cudnn_state.setattr(chain, "CUDNN_MAX_SHAPES", 7)  # the process's bound holds across calls, and outside them
+    with plans.engine_call():
+        assert pick(3, 16) == "cudnn" and len(plans.SHAPES["cudnn"]) == 5 and not plans.call_deferred()
+    cudnn_state.setattr(plans, "CUDNN_MAX_SHAPES", 7)  # the process's bound holds across calls, and outside them
     assert [pick(3, 20), pick(3, 24), pick(3, 28)] == ["cudnn", "cudnn", "flash"]
-    with chain.engine_call():
-        assert pick(3, 32) == "flash" and not chain.plans_room(cudnn, *heads, [(3, 32, True)])
-        assert not chain.call_deferred()  # (the process's bound, not the call's)
+    with plans.engine_call():
+        assert pick(3, 32) == "flash" and not plans.plans_room(cudnn, *heads, [(3, 32, True)])
+        assert not plans.call_deferred()  # (the process's bound, not the call's)
 
 
 def test_engine_calls_are_one_cudnn_allowance_each(cudnn_state):
@@ -215,7 +216,7 @@ def test_engine_calls_are_one_cudnn_allowance_each(cudnn_state):
     depths = []
 
     def loss(lps):
-        depths.append(chain._call_depth)
+        depths.append(plans._call_depth)
         return sum(lp.sum() for lp in lps)
 
     model = get_model(dtype=torch.float64)
@@ -227,16 +228,16 @@ def test_engine_calls_are_one_cudnn_allowance_each(cudnn_state):
 
     def counting():
         counted.append(1)
-        return chain.engine_call()
+        return plans.engine_call()
 
     cudnn_state.setattr(tree_engine, "engine_call", counting)
     engine.logprobs(seqs)
     engine.forward_backward(seqs, loss)
     assert len(counted) == 2
-    assert depths == [1] and chain._call_depth == 0
+    assert depths == [1] and plans._call_depth == 0
     with pytest.raises(ValueError):
         engine.forward_backward(seqs, lambda lps: (_ for _ in ()).throw(ValueError("a loss that fails")))
-    assert chain._call_depth == 0
+    assert plans._call_depth == 0
     model.zero_grad(set_to_none=True)
 
 
@@ -244,20 +245,20 @@ def test_plans_room_says_what_planned_would_do(gen, cudnn_state):
     """plans_room (the engine's check before a root split) is True exactly where planned would keep
     cuDNN for every part of a call: shapes it has planned, or room under CUDNN_MAX_SHAPES for all the
     new ones together; it records no shape; any other kernel has no bound."""
-    cudnn_state.setattr(chain, "CUDNN_MAX_SHAPES", 2)
-    cudnn_state.setattr(chain, "CUDNN_NEW_SHAPES_PER_CALL", None)
+    cudnn_state.setattr(plans, "CUDNN_MAX_SHAPES", 2)
+    cudnn_state.setattr(plans, "CUDNN_NEW_SHAPES_PER_CALL", None)
     cudnn, flash = fake_kernels()
     q, k, _ = inputs(gen, 2, 1, 3, 5, 4)
     heads = (q.device, q.dtype, 2, 1, 4)
     parts = [(3, 5, True), (6, 8, False)]  # 4 rows after 4 keys (causal); 8 rows after 8 keys (full)
-    assert chain.plans_room(cudnn, *heads, parts) and chain.SHAPES == {}
-    assert not chain.plans_room(cudnn, *heads, parts + [(9, 0, True)])  # three new shapes, room for two
-    chain.planned(cudnn, q, k, lambda: flash)  # the first part's shape planned
-    assert chain.plans_room(cudnn, *heads, parts) and chain.plans_room(cudnn, *heads, [(9, 0, True)])
-    assert not chain.plans_room(cudnn, *heads, [(9, 0, True), (13, 0, True)])
-    assert chain.plans_room(flash, *heads, [(9, 0, True), (13, 0, True)])
-    cudnn_state.setattr(chain, "CUDNN_MAX_SHAPES", None)
-    assert chain.plans_room(cudnn, *heads, [(9, 0, True), (13, 0, True)])
+    assert plans.plans_room(cudnn, *heads, parts) and plans.SHAPES == {}
+    assert not plans.plans_room(cudnn, *heads, parts + [(9, 0, True)])  # three new shapes, room for two
+    plans.planned(cudnn, q, k, lambda: flash)  # the first part's shape planned
+    assert plans.plans_room(cudnn, *heads, parts) and plans.plans_room(cudnn, *heads, [(9, 0, True)])
+    assert not plans.plans_room(cudnn, *heads, [(9, 0, True), (13, 0, True)])
+    assert plans.plans_room(flash, *heads, [(9, 0, True), (13, 0, True)])
+    cudnn_state.setattr(plans, "CUDNN_MAX_SHAPES", None)
+    assert plans.plans_room(cudnn, *heads, [(9, 0, True), (13, 0, True)])
 
 
 # ------------------------------------------------------------------------ the probe

@@ -7,7 +7,7 @@ checks it), and its own keys under the tree mask. Its attention is the merge of
 
 - ``A_prefix``: full attention of the queries to the prefix keys: one dense rectangle through
   the fused SDPA kernel of :mod:`treerl.engine.chain_attention` (``Kernel.run_forward(...,
-  causal=False)``; cuDNN's on its grid of 128: :class:`~treerl.engine.chain_attention.Layout`
+  causal=False)``; cuDNN's on its grid of 128: :class:`~treerl.engine.kernel_plans.Layout`
   with ``causal=False``: ``front = P % align`` prefix keys move to the own part, and the
   queries run with dummy zero rows after them up to a multiple of ``align``), and
 - ``A_own``: the queries against the moved prefix keys and their own keys under the tree mask,
@@ -43,7 +43,8 @@ from typing import Callable
 
 import torch
 
-from .chain_attention import Kernel, Layout, lse_rows, merge_into
+from .chain_attention import Kernel, lse_rows, merge_into
+from .kernel_plans import Layout
 
 # own(q [B, H, N, D], k [B, Hk, M, D], v, first key, scale) -> (out [B, H, N, D], lse [B, H, N]), both
 # differentiable: the queries' attention to the keys from ``first`` on under the tree mask

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attention import TreeAttention, groups_after_prefix, prefix_as_tiles, tree_attention_enabled
-from .chain_attention import ALIGN, Layout
+from .chain_attention import ALIGN
+from .kernel_plans import Layout
 from .rooted_trees import RootedTree
 
 if TYPE_CHECKING:
@@ -294,7 +295,7 @@ def root_split_layer_bytes(model: MemoryModel, queries: int, roots: tuple[Rooted
     """Bytes one kept root-split attention holds (a call of ``queries`` tokens, its trees ``roots``):
     :func:`root_split_outputs` outputs per query, and the input copies of its own parts' flex only (per
     tree with a group, its ``n_i`` queries after the root chain over the root keys the fused part leaves
-    (:class:`~treerl.engine.chain_attention.Layout`'s ``front``) and their own; the fused kernels' padded
+    (:class:`~treerl.engine.kernel_plans.Layout`'s ``front``) and their own; the fused kernels' padded
     copies are rebuilt in the backward, the chain parts save views)."""
     copies = sum(tree.rest * model.attention_copies_per_query
                  + (tree.rest + Layout.of(tree.rest, tree.root, align, causal=False).front)

@@ -40,7 +40,8 @@ import torch
 from .attention import (BACKENDS, FLEX_BLOCK, KV, ROOT_SPLIT_KERNELS, TreeAttention, root_split_on,
                         tree_attention_enabled)
 from .batch import Batch, outputs_and_grads, prepare_batch, scatter_gather, seq_targets, sequences_by_segment
-from .chain_attention import FUSED_DTYPES, Kernel, engine_call, plans_room
+from .chain_attention import FUSED_DTYPES, Kernel
+from .kernel_plans import engine_call, plans_room
 from .chain_attention import select as select_kernel
 from .checks import check_inputs, check_loss, check_supported
 from ..compiled import claim_compiled_code
@@ -256,14 +257,12 @@ class TreeEngine:
 
         ``loss_fn(logprobs)`` (or ``loss_fn(logprobs, entropies)`` with ``entropy=True``)
         gets the per-sequence tensors of :meth:`logprobs`, with grad, and returns a scalar.
-        ``separable=True`` promises the loss is a sum of per-sequence terms (global
-        normalisers fixed in advance); it is then called once per micro-batch with the
-        sequences of that micro-batch and ``index=`` their input indices, which saves the
-        no-grad forward (single-level plans: per call; chained trees: per segment holding
-        sequence ends, in one pass). So under ``separable=True`` an error raised by (or a
-        loss refused from) a later call's ``loss_fn`` leaves the earlier calls' gradients in
-        ``.grad``: zero them before trying again (the two phases take the whole loss first).
-        """
+        ``separable=True`` promises the loss is a sum of per-sequence terms (global normalisers fixed in
+        advance); it is then called once per micro-batch with the sequences of that micro-batch and
+        ``index=`` their input indices, which saves the no-grad forward (single-level plans: per call;
+        chained trees: per segment holding sequence ends, in one pass). So under ``separable=True`` an
+        error raised by (or a loss refused from) a later call's ``loss_fn`` leaves the earlier calls'
+        gradients in ``.grad``: zero them before trying again (the two phases take the whole loss first)."""
         with engine_call():  # this call's allowance of new cuDNN shapes (its backward's recomputes included)
             batch = self._prepare(tree)
             t0 = time.perf_counter()
@@ -304,12 +303,10 @@ class TreeEngine:
         """The trees a call without prefix (subtree ends ``ends`` [N] of its tokens from tree index
         ``start``, on the CPU) runs the root split on (:data:`~treerl.engine.attention.ROOT_SPLIT`;
         :class:`TreeAttention` checks their lengths), or none. On a GPU only with flex attention in half
-        precision (float32 there takes the tree mask), one of
-        :data:`~treerl.engine.attention.ROOT_SPLIT_KERNELS` chosen by the probe for the model's heads,
-        and every part's shape planned by cuDNN or within its allowance (``CUDNN_NEW_SHAPES_PER_CALL``,
-        ``CUDNN_MAX_SHAPES``; else a part would take the next kernel, slower than the padded tree mask:
-        bench/RESULTS.md, session 10). Where none, a
-        GPU call keeps its whole-tile padding."""
+        precision (float32 there takes the tree mask), one of :data:`~treerl.engine.attention.ROOT_SPLIT_KERNELS`
+        chosen by the probe for the model's heads, every part's shape planned by cuDNN or within its allowance
+        (:func:`~treerl.engine.kernel_plans.plans_room`; else a part would take the next kernel, slower than the
+        padded tree mask: bench/RESULTS.md, session 10). Where none, a GPU call keeps its whole-tile padding."""
         if not root_split_on(self.device):
             return ()
         if self.device.type == "cpu":
