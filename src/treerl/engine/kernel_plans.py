@@ -128,14 +128,13 @@ def call_deferred() -> bool:
     return _call_deferred
 
 
-def _process_room(planned_shapes: int, new: int) -> bool:
-    """Whether cuDNN may plan ``new`` more shapes of a kernel after ``planned_shapes`` in this process."""
-    return CUDNN_MAX_SHAPES is None or planned_shapes + new <= CUDNN_MAX_SHAPES
-
-
-def _call_room(new: int) -> bool:
-    """Whether the running engine call's allowance has room for ``new`` more shapes; records a deferral if not."""
+def _may_plan(planned_shapes: int, new: int) -> bool:
+    """Whether cuDNN may plan ``new`` more shapes of a kernel after ``planned_shapes``: room in the process
+    (:data:`CUDNN_MAX_SHAPES`), then in the running engine call's allowance, whose want is recorded
+    (:func:`call_deferred`)."""
     global _call_deferred
+    if CUDNN_MAX_SHAPES is not None and planned_shapes + new > CUDNN_MAX_SHAPES:
+        return False
     if _call_depth == 0 or CUDNN_NEW_SHAPES_PER_CALL is None or _call_new_shapes + new <= CUDNN_NEW_SHAPES_PER_CALL:
         return True
     _call_deferred = True
@@ -163,7 +162,7 @@ def planned(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, fallback: Callable
     if key in seen or kernel.name != "cudnn":
         seen.add(key)
         return kernel
-    if not (_process_room(len(seen), 1) and _call_room(1)):
+    if not _may_plan(len(seen), 1):
         other = fallback()
         if other is not None:
             SHAPES.setdefault(other.label, set()).add(shape(other))
@@ -190,4 +189,4 @@ def plans_room(kernel: Kernel, device, dtype, heads: int, kv_heads: int, dim: in
         return True
     seen = SHAPES.get(kernel.label, set())
     new = {_shape(kernel, device, dtype, heads, kv_heads, dim, *part) for part in parts} - seen
-    return not new or (_process_room(len(seen), len(new)) and _call_room(len(new)))
+    return not new or _may_plan(len(seen), len(new))
