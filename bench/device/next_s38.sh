@@ -9,6 +9,6 @@ echo "== rollout 1,024 rows ($SECONDS s)"
 timeout -k 5 120 python3 bench/bench_rollout.py --device cuda --cases 0.6b:64x16 --extras "" --bandwidth 4.277e12 \
     --out $OUT/rollout1024_s38.json 2>&1 | grep -v "$F" | grep "^0.6b\|FAILED\|Error" | cut -c1-200
 grpo_steps 250 360 2 new
-[ $SECONDS -lt 380 ] && serve new in-process 140
-[ $SECONDS -lt 470 ] && serve new served $((585 - SECONDS))
+[ $SECONDS -lt 330 ] && serve new in-process 180
+[ $SECONDS -lt 440 ] && serve new served $((588 - SECONDS))
 echo "== done ($SECONDS s)"
