@@ -209,6 +209,18 @@ class RolloutEngine:
             if self.prefill_graphs is not None:
                 self.prefill_graphs.release()
 
+    def warm_prefill(self) -> int:
+        """Compile treerl's prefill forward for every class of shapes a prefill can take
+        (:meth:`PrefillForward.warm <treerl.rollout.prefill_blocks.PrefillForward.warm>`), so that none
+        compiles while rows decode: a server calls it before its first request. Returns the warm-up
+        forwards run (0: the prefill is not compiled, or not treerl's)."""
+        forward = self.prefiller.forward
+        if forward is None or not forward.compiled:
+            return 0
+        with self._lock, self._device_lock, torch.no_grad(), rollout_attention_enabled(self.model):
+            self.decode_blocks.refresh()
+            return forward.warm()
+
     @property
     def device_lock(self) -> "_PriorityLock":
         """Held while the engine changes its weights or captures a CUDA graph. Another

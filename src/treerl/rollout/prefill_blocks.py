@@ -28,6 +28,7 @@ from ..compiled import DECODE_OFF, LazyCompiled
 from .blocks import DecodeBlocks
 from .layer_math import _tail, qkv_rope
 from .kv import SlotCache, rollout_attention
+from .prefill import prefill_mask
 from .window_attention import window_attention, window_attention_ok
 
 
@@ -40,6 +41,12 @@ def _prefill_pre(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor
 
 
 _PRE, _TAIL = LazyCompiled(_prefill_pre, "prefill blocks", DECODE_OFF), LazyCompiled(_tail, "prefill blocks", DECODE_OFF)
+
+# (rows, queries) of PrefillForward.warm's prefills: dynamo compiles a size of 1 apart from larger ones (its 0/1
+# specialisation), so each of rows and queries is met at 1 and above; 3 and 5 equal no size of a model (duck sizing
+# would tie a larger one to it, and a later prefill of other sizes would compile again). Larger first: the general
+# graphs compiled first carry no guard from a size the others happen to share.
+WARM_SHAPES = ((3, 5), (1, 5), (3, 1), (1, 1))
 
 
 def window_kernel_ok(decode: DecodeBlocks) -> bool:
@@ -65,6 +72,36 @@ class PrefillForward:
     def applies(decode: DecodeBlocks | None) -> bool:
         """Dense blocks only (a mixture-of-experts layer prefills through its HF forward)."""
         return decode is not None and all(w is not None for w in decode.fused.gate_up_w)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether ``pre`` and the block's rest run through ``torch.compile``."""
+        return self.pre is not _prefill_pre
+
+    def warm(self) -> int:
+        """Compile ``pre`` and the block's rest for every class of prefill shapes dynamo tells apart
+        (:data:`WARM_SHAPES`: 1 and more rows, 1 and more queries), on token 0 into a scratch cache, so that no
+        prefill of a running server waits for a compile: a class first met mid-run compiles for seconds while
+        every running row waits (session 38, H200: a prefill of 14 rows of one new token each, the first of its
+        class, stalled the serving benchmark 4.9-8.8 s). Run under ``no_grad`` as the engine's prefills are (the
+        grad mode is one of dynamo's guards). Returns the forwards run (0 when not compiled)."""
+        if not self.compiled:
+            return 0
+        p = next(self.decode.model.parameters())
+        for rows, queries in WARM_SHAPES:
+            slots = 1 + queries  # slot 0 as a prefill's (padding queries' only key), then the queries' own
+            first = torch.ones(rows, 1, dtype=torch.int64, device=p.device)
+            pad = torch.zeros(rows, queries, dtype=torch.bool, device=p.device)
+            mask, index = prefill_mask(first, pad, 1, slots, p.dtype)
+            cache = SlotCache(len(self.decode.base.layers), slots)
+            cache.length, cache.write_index = 1, index
+            ids = torch.zeros(rows, queries, dtype=torch.int64, device=p.device)
+            pos = torch.arange(queries, device=p.device).repeat(rows, 1)
+            try:
+                self(ids, pos, mask, cache)
+            finally:
+                cache.write_index = None
+        return len(WARM_SHAPES)
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: SlotCache) -> torch.Tensor:
         """``ids/pos [B, T]`` (the queries of one forward), additive ``mask [B, 1, T, L]``

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -54,6 +55,8 @@ from ..rollout import Completion, PromptQueue, RolloutEngine, RolloutStats, Samp
 from ..rollout.sampling import row_seed
 from ..rollout.types import TokenDelta
 from .hoststats import gc_timer, host_stats
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -223,6 +226,10 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
+        try:  # before the first stream: no prefill of a running batch waits for a compile (RolloutEngine.warm_prefill)
+            self.engine.warm_prefill()
+        except Exception as exc:  # noqa: BLE001 - the first stream meets it again and fails its requests with it
+            _log.warning("the prefill's warm-up failed (%s: %s); the first prefill will raise it", type(exc).__name__, exc)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stopped or self._pending)
