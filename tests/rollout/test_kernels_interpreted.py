@@ -33,6 +33,10 @@ SELECTION = [
     PAGING + "test_prompt_part_programs_set_its_key_ranges",
     "tests/rollout/test_rollout_window_attention.py::test_window_attention_equals_float64_under_the_prefill_mask"
     "[16-90-4-2-528]",
+    "tests/rollout/test_rollout_window_attention.py::test_window_attention_equals_float64_under_the_prefill_mask"
+    "[1-300-4-2-8]",  # (one query a row: its own tensor from either branch)
+    "tests/rollout/test_rollout_window_attention.py::test_window_attention_equals_float64_under_the_prefill_mask"
+    "[1-300-4-2-528]",
     "tests/engine/test_head_kernel.py",  # (the training loss head's chunk kernels, and both heads through them)
     "tests/rollout/test_race_kernel.py",  # (the decode step's sampling race)
     "tests/rollout/test_rope_kernel.py",  # (the decode step's Q/K norm + RoPE + K/V write)

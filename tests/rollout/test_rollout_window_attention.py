@@ -35,6 +35,8 @@ def _prefill_mask(first: list[int], new: list[int], T: int, L: int, dtype: torch
     (24, 24, 2, 2, 528),  # no cached prefix: the window is the whole cache
     (16, 700, 4, 2, None),  # the default target: ranges past rows' first slots' reach empty (LSE -inf, none read)
     (128, 600, 2, 2, None),  # query blocks of 64 of one head's 128: the first's causal bound leaves the last range empty
+    (1, 300, 4, 2, 8),  # one query a row, one key range (no merge)
+    (1, 300, 4, 2, 528),  # one query a row, several key ranges (merged)
 ])
 def test_window_attention_equals_float64_under_the_prefill_mask(T, L, Hq, H, target):
     """Every real query's output equals float64 attention under the dense mask; padding
@@ -53,6 +55,7 @@ def test_window_attention_equals_float64_under_the_prefill_mask(T, L, Hq, H, tar
     mask = _prefill_mask(first, new, T, L, torch.float32)
     got = window_attention(q, k, v, mask, D ** -0.5, **({} if target is None else {"target": target}))
     assert got.shape == (B, T, Hq, D) and torch.isfinite(got).all()
+    assert got._base is None and got.is_contiguous()  # its own tensor whatever the branch (the compiled tail's guards)
     s = q.double() @ k.double().repeat_interleave(Hq // H, 1).transpose(-1, -2) * D ** -0.5 + mask.double()
     ref = (torch.softmax(s, -1) @ v.double().repeat_interleave(Hq // H, 1)).transpose(1, 2)  # [B, T, Hq, D]
     for i in range(B):

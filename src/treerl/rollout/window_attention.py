@@ -52,7 +52,11 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     else:  # (B x H x query blocks < target here, so Hq x T stays far below the merge grid's 65,535 limit)
         none_o = o.new_empty(B, H, 0, M, Dv)  # (no second part to merge with)
         out = merge_ranges(o, lse, none_o, lse.new_empty(B, H, 0, M), 1, q.dtype, window=True)  # [B, 1, Hq x T, Dv]
-    return out.view(B, Hq, T, Dv).transpose(1, 2).contiguous()
+    # a tensor of its own, [B, T, Hq, Dv] contiguous (the copy contiguous() makes for T > 1): at T = 1 the transpose
+    # moves no element and contiguous() would return a view of either branch's output, whose bases differ ([B, H, M,
+    # Dv] / [B, 1, Hq T, Dv]); the compiled block after it guards on its input's base, so the branch a prefill of one
+    # query took would pick its graph, and the other branch compiled again while rows decode (session 38, H200)
+    return out.view(B, Hq, T, Dv).transpose(1, 2).clone(memory_format=torch.contiguous_format)
 
 
 @functools.lru_cache(maxsize=None)
