@@ -5,13 +5,11 @@ block recompute."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import treerl.compiled as compiled
+from helpers.dynamo import aot_eager, fresh
 from helpers.forests import SMALL_SPEC, RandomLoss, shaped_forest
 from helpers.models import get_model
 from helpers.reference import FLOOR, assert_grads_close, assert_seq_close, grads_of, reference_step, zero_grads
@@ -23,20 +21,13 @@ from treerl.engine.memory import MemoryModel
 SPEC = SMALL_SPEC
 
 
-def _fresh(fn: compiled.LazyCompiled) -> compiled.LazyCompiled:
-    out = copy.copy(fn)
-    out._fn = None
-    return out
-
-
 @pytest.fixture
 def eager_backend(monkeypatch):
     """Fresh compiled blocks and loss head through dynamo's aot_eager backend (the same graphs, no
     code generation)."""
-    real = torch.compile
-    monkeypatch.setattr(compiled.torch, "compile", lambda fn, dynamic: real(fn, dynamic=dynamic, backend="aot_eager"))
-    monkeypatch.setattr(decoder, "_BLOCK", _fresh(decoder._BLOCK))
-    monkeypatch.setattr(loss_head, "_COMPILED", tuple(_fresh(f) for f in loss_head._COMPILED))
+    aot_eager(monkeypatch)
+    monkeypatch.setattr(decoder, "_BLOCK", fresh(decoder._BLOCK))
+    monkeypatch.setattr(loss_head, "_COMPILED", tuple(fresh(f) for f in loss_head._COMPILED))
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

@@ -5,14 +5,13 @@ guards and graphs as on a GPU, no code generation), and without it a new class o
 
 from __future__ import annotations
 
-import copy
 import threading
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import treerl.compiled as compiled
+from helpers.dynamo import aot_eager, fresh
 from helpers.models import tiny_model
 from treerl.rollout import RolloutEngine, prefill_blocks
 from treerl.rollout.kv import rollout_attention_enabled
@@ -24,22 +23,15 @@ def model():
     return tiny_model(dtype=torch.float32)
 
 
-def _fresh(fn: compiled.LazyCompiled) -> compiled.LazyCompiled:
-    out = copy.copy(fn)
-    out._fn = None
-    return out
-
-
 @pytest.fixture
 def compiled_prefill(monkeypatch, model):
     """An engine whose prefill forward runs ``pre`` and the block's rest through fresh ``torch.compile``
     wrappers (aot_eager backend), dynamo's caches reset around the test."""
-    real = torch.compile
-    monkeypatch.setattr(compiled.torch, "compile", lambda fn, dynamic: real(fn, dynamic=dynamic, backend="aot_eager"))
+    aot_eager(monkeypatch)
     engine = RolloutEngine(model, compile_decode=False)
     forward = engine.prefiller.forward
     assert forward is not None and not forward.compiled
-    forward.pre, forward.tail = _fresh(prefill_blocks._PRE), _fresh(prefill_blocks._TAIL)
+    forward.pre, forward.tail = fresh(prefill_blocks._PRE), fresh(prefill_blocks._TAIL)
     assert forward.compiled
     torch._dynamo.reset()
     yield engine

@@ -218,8 +218,7 @@ class RolloutEngine:
         if forward is None or not forward.compiled:
             return 0
         with self._lock, self._device_lock, torch.no_grad(), rollout_attention_enabled(self.model):
-            self.decode_blocks.refresh()
-            return forward.warm()
+            return forward.warm()  # (on the fused copies as they are: only the shapes matter)
 
     @property
     def device_lock(self) -> "_PriorityLock":
